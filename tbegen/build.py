@@ -1,0 +1,154 @@
+"""Builds rendered sources into a torch extension and loads it.
+
+Builds are cached by content: the cache key hashes every source file, the torch version and the
+build flavour (CPU only, or CPU + CUDA), so an unchanged spec is never rebuilt and a changed one
+never loads stale code. The cache lives in $TBEGEN_BUILD_DIR (default ~/.cache/tbegen). Two
+processes building the same key at once are serialised by torch's build lock in that directory.
+
+A cache hit loads the shared library directly (torch.ops.load_library: milliseconds); only a miss
+runs torch.utils.cpp_extension (about a minute for CPU + CUDA, mostly torch's headers).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Dict, Optional, Union
+
+import torch
+
+from .model import OptimizerSpec
+
+_LOADED: Dict[str, str] = {}  # op namespace -> cache key of the library loaded in this process
+
+CXX_FLAGS = ["-O3"]
+CUDA_FLAGS = ["-O3", "--expt-relaxed-constexpr", "-lineinfo"]
+
+
+def build_root() -> Path:
+    return Path(os.environ.get("TBEGEN_BUILD_DIR", Path.home() / ".cache" / "tbegen"))
+
+
+def cuda_wanted(with_cuda: Optional[bool]) -> bool:
+    return torch.cuda.is_available() if with_cuda is None else with_cuda
+
+
+def _sources_for(name: str, src_dir: Path, include_dir: Path, with_cuda: bool) -> Dict[str, str]:
+    files = {f"{name}/ops.cpp": (src_dir / "ops.cpp").read_text()}
+    files[f"{name}/optimizer.h"] = (src_dir / "optimizer.h").read_text()
+    files[f"{name}/params.h"] = (src_dir / "params.h").read_text()
+    if with_cuda:
+        files[f"{name}/ops_cuda.cu"] = (src_dir / "ops_cuda.cu").read_text()
+    for p in sorted(include_dir.rglob("*")):
+        if p.is_file():
+            files[f"include/{p.relative_to(include_dir).as_posix()}"] = p.read_text()
+    return files
+
+
+def cache_key(name: str, files: Dict[str, str], with_cuda: bool) -> str:
+    h = hashlib.sha256()
+    h.update(f"{name}\0{torch.__version__}\0{with_cuda}\0{CXX_FLAGS}\0{CUDA_FLAGS}\0".encode())
+    h.update(os.environ.get("TORCH_CUDA_ARCH_LIST", "").encode())
+    for rel in sorted(files):
+        h.update(rel.encode() + b"\0" + files[rel].encode() + b"\0")
+    return h.hexdigest()[:16]
+
+
+def _library_name(name: str, key: str, with_cuda: bool) -> str:
+    return f"tbegen_{name}_{'cuda' if with_cuda else 'cpu'}_{key}"
+
+
+def build_files(name: str, files: Dict[str, str], with_cuda: bool, verbose: bool = False,
+                load: bool = True) -> Path:
+    """Builds {relative path: text} sources (one optimizer) and returns the library's path.
+
+    With `load`, also loads it into this process, registering torch.ops.tbegen_NAME.
+    """
+    key = cache_key(name, files, with_cuda)
+    namespace = f"tbegen_{name}"
+    if load and namespace in _LOADED:
+        if _LOADED[namespace] != key:
+            raise RuntimeError(
+                f"tbegen: a different build of optimizer '{name}' is already loaded in this process "
+                f"(changed spec, or CPU-only vs CUDA build); start a new process to load this one"
+            )
+        return build_root() / key
+    libname = _library_name(name, key, with_cuda)
+    out_dir = build_root() / f"{name}-{'cuda' if with_cuda else 'cpu'}-{key}"
+    lib_path = out_dir / f"{libname}.so"
+    if not lib_path.exists():
+        _compile(name, files, with_cuda, out_dir, libname, verbose)
+    if load:
+        torch.ops.load_library(str(lib_path))
+        _LOADED[namespace] = key
+    return lib_path
+
+
+def _compile(name: str, files: Dict[str, str], with_cuda: bool, out_dir: Path, libname: str,
+             verbose: bool) -> None:
+    from torch.utils import cpp_extension
+
+    src = out_dir / "src"
+    for rel, text in files.items():
+        path = src / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if not path.exists() or path.read_text() != text:
+            path.write_text(text)
+    sources = [str(src / name / "ops.cpp")]
+    if with_cuda:
+        sources.append(str(src / name / "ops_cuda.cu"))
+    flavour = "CPU + CUDA" if with_cuda else "CPU"
+    if with_cuda and not os.environ.get("TORCH_CUDA_ARCH_LIST") and not torch.cuda.is_available():
+        # compile-only machine (CI): build for the GPU the project targets, Hopper
+        os.environ["TORCH_CUDA_ARCH_LIST"] = "9.0"
+    print(
+        f"tbegen: building the {name} extension ({flavour}) in {out_dir}; "
+        f"this takes {'a minute or two' if with_cuda else 'about half a minute'} the first time",
+        file=sys.stderr,
+        flush=True,
+    )
+    t0 = time.perf_counter()
+    cpp_extension.load(
+        name=libname,
+        sources=sources,
+        extra_include_paths=[str(src / "include"), str(src / name)],
+        extra_cflags=CXX_FLAGS,
+        extra_cuda_cflags=CUDA_FLAGS,
+        build_directory=str(out_dir),
+        with_cuda=with_cuda,
+        is_python_module=False,
+        is_standalone=False,
+        verbose=verbose,
+    )
+    print(f"tbegen: built {name} ({flavour}) in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
+
+
+def load_sources(name: str, src_dir: Union[str, Path], with_cuda: Optional[bool] = None,
+                 verbose: bool = False):
+    """Builds/loads the committed sources of one optimizer (e.g. generated/adagrad)."""
+    src_dir = Path(src_dir)
+    use_cuda = cuda_wanted(with_cuda)
+    files = _sources_for(name, src_dir, src_dir.parent / "include", use_cuda)
+    build_files(name, files, use_cuda, verbose)
+    return getattr(torch.ops, f"tbegen_{name}")
+
+
+def spec_files(spec: OptimizerSpec, with_cuda: bool) -> Dict[str, str]:
+    """The sources of one spec, rendered in memory."""
+    from .render import render_spec, render_static
+
+    files = {k: v for k, v in render_spec(spec).items() if not k.endswith(".py")}
+    if not with_cuda:
+        files.pop(f"{spec.name}/ops_cuda.cu")
+    files.update(render_static())
+    return files
+
+
+def load_spec(spec: OptimizerSpec, with_cuda: Optional[bool] = None, verbose: bool = False):
+    """Renders a spec in memory, builds it (cached) and returns torch.ops.tbegen_NAME."""
+    use_cuda = cuda_wanted(with_cuda)
+    build_files(spec.name, spec_files(spec, use_cuda), use_cuda, verbose)
+    return getattr(torch.ops, f"tbegen_{spec.name}")

@@ -1,0 +1,296 @@
+"""Turns a spec's update stages into the body of its C++ `update_row` function.
+
+The same body serves the CPU and the CUDA kernels: it is a template over a *row view*
+(`tbegen::cpu::CpuRow` or `tbegen::cuda::WarpRow`) that supplies the values of the row this
+thread owns, and the reductions across the threads that share the row. Element stages become
+`TBEGEN_FOR_ELEMENTS` loops (a plain loop over D on the CPU; on the GPU an unrolled loop over the
+lane's 4-wide register slices); row reductions become a loop that accumulates a partial value
+followed by `row.all_sum` / `all_max` / `all_min` (the identity on the CPU, warp shuffles on the
+GPU).
+
+Every snippet line is preceded by a `#line` directive naming the YAML file, so that a compiler
+error in a snippet is reported at the spec's line. `LINE_RESTORE` marks where the generated file's
+own numbering resumes; `tbegen.render` replaces it once the output's line numbers are known.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import List, Sequence, Tuple
+
+from .model import OptimizerSpec, Stage
+
+LINE_RESTORE = "#line TBEGEN_RESTORE"
+
+_REDUCTION_RE = re.compile(r"\brow_(sum|mean|max|min)\s*\(")
+_IDENT_RE = re.compile(r"\b[A-Za-z_][A-Za-z0-9_]*\b")
+
+# identity value and the row view's combine method for each reduction
+_REDUCTIONS = {
+    "sum": ("0.0f", "{acc} += ({expr});", "all_sum"),
+    "mean": ("0.0f", "{acc} += ({expr});", "all_sum"),
+    "max": ("-INFINITY", "{acc} = fmaxf({acc}, ({expr}));", "all_max"),
+    "min": ("INFINITY", "{acc} = fminf({acc}, ({expr}));", "all_min"),
+}
+
+CPP_TYPES = {"float": "float", "int": "int64_t", "bool": "bool"}
+
+
+@dataclass(frozen=True)
+class Reduction:
+    kind: str  # sum | mean | max | min
+    expr: str
+    line: int  # spec line of the reduction's call
+    var: str  # C++ accumulator name
+
+
+def _strip_comments(code: str) -> str:
+    code = re.sub(r"//[^\n]*", "", code)
+    return re.sub(r"/\*.*?\*/", lambda m: "\n" * m.group(0).count("\n"), code, flags=re.S)
+
+
+def used_names(code: str) -> set:
+    """Identifiers that occur in `code` (comments excluded)."""
+    return set(_IDENT_RE.findall(_strip_comments(code)))
+
+
+def extract_reductions(code: str, first_line: int, counter: List[int]) -> Tuple[str, List[Reduction]]:
+    """Replaces each `row_X(expr)` in a row stage by an accumulator variable.
+
+    Returns the rewritten code and the reductions, in order. `counter` numbers accumulators
+    across the whole update so that their names are unique.
+    """
+    out: List[str] = []
+    reductions: List[Reduction] = []
+    pos = 0
+    while True:
+        m = _REDUCTION_RE.search(code, pos)
+        if m is None:
+            out.append(code[pos:])
+            break
+        depth, i = 1, m.end()
+        while depth and i < len(code):
+            depth += {"(": 1, ")": -1}.get(code[i], 0)
+            i += 1
+        if depth:
+            raise ValueError(f"unbalanced parentheses in {m.group(0)}...)")
+        expr = code[m.end() : i - 1].strip()
+        if _REDUCTION_RE.search(expr):
+            raise ValueError("row reductions cannot be nested")
+        var = f"tbegen_red_{counter[0]}"
+        counter[0] += 1
+        line = first_line + code.count("\n", 0, m.start())
+        reductions.append(Reduction(m.group(1), expr, line, var))
+        out.append(code[pos : m.start()])
+        out.append(var)
+        pos = i
+    return "".join(out), reductions
+
+
+class UpdateEmitter:
+    """Emits the C++ body of `update_row` for one spec (see the module docstring)."""
+
+    def __init__(self, spec: OptimizerSpec, spec_path: str):
+        self.spec = spec
+        self.path = spec_path
+        self.element_slots = [s.name for s in spec.element_states] + [t.name for t in spec.temporaries]
+        self.lines: List[str] = []
+
+    # -- helpers -------------------------------------------------------------------------------
+    def _emit(self, text: str, indent: int) -> None:
+        for line in text.splitlines():
+            self.lines.append((" " * indent + line) if line.strip() else "")
+
+    def _snippet(self, code: str, line: int, indent: int) -> None:
+        self.lines.append(f'#line {line} "{self.path}"')
+        self._emit(code.rstrip("\n"), indent)
+        self.lines.append(LINE_RESTORE)
+
+    def _element_bindings(self, names: set, writable: bool, indent: int) -> None:
+        """Binds g, w, element states and temporaries used by an element expression or stage."""
+        ref = "float&" if writable else "const float"
+        pad = " " * indent
+        if "g" in names:
+            self.lines.append(f"{pad}const float g = row.g(i);")
+        if "w" in names:
+            self.lines.append(f"{pad}{ref} w = row.w(i);")
+        for k, name in enumerate(self.element_slots):
+            if name in names:
+                self.lines.append(f"{pad}{ref} {name} = row.element({k}, i);")
+
+    # -- stages --------------------------------------------------------------------------------
+    def _row_stage(self, stage: Stage, number: int, counter: List[int]) -> None:
+        code, reductions = extract_reductions(stage.code, stage.loc.line, counter)
+        self.lines.append(f"  // stage {number}: row ({self.path}:{stage.loc.line})")
+        for red in reductions:
+            identity, _, _ = _REDUCTIONS[red.kind]
+            self.lines.append(f"  float {red.var} = {identity};  // row_{red.kind}({red.expr})")
+        if reductions:
+            self.lines.append("  TBEGEN_FOR_ELEMENTS(row, i) {")
+            names = set().union(*(used_names(r.expr) for r in reductions))
+            self._element_bindings(names, writable=False, indent=4)
+            for red in reductions:
+                _, update, _ = _REDUCTIONS[red.kind]
+                self.lines.append(f'#line {red.line} "{self.path}"')
+                self.lines.append("    " + update.format(acc=red.var, expr=red.expr))
+                self.lines.append(LINE_RESTORE)
+            self.lines.append("  }")
+            for red in reductions:
+                _, _, combine = _REDUCTIONS[red.kind]
+                scale = " / static_cast<float>(D)" if red.kind == "mean" else ""
+                self.lines.append(f"  {red.var} = row.{combine}({red.var}){scale};")
+        self._snippet(code, stage.loc.line, indent=2)
+
+    def _element_stage(self, stage: Stage, number: int) -> None:
+        self.lines.append(f"  // stage {number}: element ({self.path}:{stage.loc.line})")
+        self.lines.append("  TBEGEN_FOR_ELEMENTS(row, i) {")
+        self._element_bindings(used_names(stage.code), writable=True, indent=4)
+        self.lines.append("    {")
+        self._snippet(stage.code, stage.loc.line, indent=6)
+        self.lines.append("    }")
+        self.lines.append("  }")
+
+    def emit(self) -> str:
+        spec = self.spec
+        all_code = "\n".join(s.code for s in spec.stages)
+        names = used_names(all_code)
+        for h in spec.hyperparameters:
+            if h.name in names:
+                self.lines.append(f"  const {CPP_TYPES[h.type]} {h.name} = p.{h.name};")
+        if "step" in names:
+            self.lines.append("  const int64_t step = ctx_step;")
+        if "D" in names or "row_mean" in names:
+            self.lines.append("  const int D = row.dim();")
+        for k, s in enumerate(spec.row_states):
+            self.lines.append(f"  float& {s.name} = row.row_state({k});")
+        counter = [0]
+        for number, stage in enumerate(spec.stages, start=1):
+            if stage.kind == "row":
+                self._row_stage(stage, number, counter)
+            else:
+                self._element_stage(stage, number)
+        if "step" not in names:
+            self.lines.append("  (void)ctx_step;")
+        # the body sits inside a member function: indent everything but preprocessor lines
+        return "\n".join("  " + l if l and not l.startswith("#") else l for l in self.lines)
+
+
+def emit_update_body(spec: OptimizerSpec, spec_path: str) -> str:
+    return UpdateEmitter(spec, spec_path).emit()
+
+
+# ---------------------------------------------------------------------------------------------
+# Operator signatures: one description, rendered as the TORCH_LIBRARY schema, the C++ parameter
+# list and the Python call.
+
+
+@dataclass(frozen=True)
+class Arg:
+    name: str
+    # schema type: Tensor, Tensor?, int, float, bool; `mutable` adds an alias annotation
+    type: str
+    doc: str
+    mutable: bool = False
+
+    def schema(self, alias: str) -> str:
+        t = f"Tensor({alias}!)" if self.mutable else self.type
+        return f"{t} {self.name}"
+
+    @property
+    def cpp(self) -> str:
+        cpp = {
+            "Tensor": "const at::Tensor&",
+            "Tensor?": "const c10::optional<at::Tensor>&",
+            "int": "int64_t",
+            "float": "double",
+            "bool": "bool",
+        }[self.type]
+        return f"{cpp} {self.name}"
+
+
+@dataclass(frozen=True)
+class OpSignature:
+    name: str
+    args: Tuple[Arg, ...]
+    returns: str  # schema return type: "Tensor" or "()"
+
+    @property
+    def schema(self) -> str:
+        aliases = iter("abcdefghijklmnopqrstuvwxyz")
+        args = ", ".join(a.schema(next(aliases) if a.mutable else "") for a in self.args)
+        return f"{self.name}({args}) -> {self.returns}"
+
+    @property
+    def cpp_params(self) -> str:
+        return ", ".join(a.cpp for a in self.args)
+
+    @property
+    def arg_names(self) -> Sequence[str]:
+        return [a.name for a in self.args]
+
+
+LAYOUT_ARGS = (
+    Arg("features", "Tensor", "int64 [F, 5]: weights offset, rows, D, output offset, key base per feature"),
+    Arg("total_D", "int", "width of the pooled output"),
+    Arg("max_D", "int", "widest row (the output width for pooling none)"),
+)
+BATCH_ARGS = (
+    Arg("indices", "Tensor", "int32 or int64 row indices, all features concatenated"),
+    Arg("offsets", "Tensor", "F * B + 1 bag boundaries, feature-major, same dtype as indices"),
+)
+
+
+def forward_signature() -> OpSignature:
+    return OpSignature(
+        "forward",
+        (Arg("weights", "Tensor", "flat weights buffer"),)
+        + LAYOUT_ARGS
+        + BATCH_ARGS
+        + (
+            Arg("per_sample_weights", "Tensor?", "float32, one per index, or None"),
+            Arg("pooling", "int", "0 sum, 1 mean, 2 none"),
+        ),
+        "Tensor",
+    )
+
+
+def grad_psw_signature() -> OpSignature:
+    return OpSignature(
+        "grad_per_sample_weights",
+        (
+            Arg("grad_output", "Tensor", "gradient of the forward's output, float32"),
+            Arg("weights", "Tensor", "flat weights buffer (before the update)"),
+        )
+        + LAYOUT_ARGS
+        + BATCH_ARGS
+        + (Arg("pooling", "int", "0 sum, 1 mean, 2 none"),),
+        "Tensor",
+    )
+
+
+def backward_signature(spec: OptimizerSpec) -> OpSignature:
+    args = (
+        (
+            Arg("grad_output", "Tensor", "gradient of the forward's output, float32"),
+            Arg("weights", "Tensor", "flat weights buffer, updated in place", mutable=True),
+        )
+        + LAYOUT_ARGS
+        + (Arg("total_hash_size", "int", "number of linear keys (rows of all tables)"),)
+        + BATCH_ARGS
+        + (
+            Arg("per_sample_weights", "Tensor?", "float32, one per index, or None"),
+            Arg("pooling", "int", "0 sum, 1 mean, 2 none"),
+            Arg("max_segment_length_per_warp", "int", "rows with at least this many occurrences "
+                "are updated by a whole thread block (CUDA)"),
+            Arg("stochastic_rounding", "bool", "round fp16/bf16 weights stochastically"),
+            Arg("seed", "int", "seed of the stochastic rounding"),
+        )
+    )
+    for s in spec.states:
+        layout = "like the weights" if s.per == "element" else "one per linear key"
+        args += (Arg(s.name, "Tensor", f"state, float32, {layout}", mutable=True),)
+    for h in spec.hyperparameters:
+        args += (Arg(h.name, h.type, h.doc),)
+    args += (Arg("step", "int", "1-based step counter"),)
+    return OpSignature("backward", args, "()")

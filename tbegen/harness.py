@@ -1,0 +1,384 @@
+"""Numerical checks of generated kernels against the spec's own float64 reference.
+
+A `Case` describes a random problem (tables, features, batch shape, pooling, dtypes, duplicates,
+empty bags, a hot row); `run_case` builds fresh random data for it and runs several training
+steps through the generated operators. Before each step it computes, independently of the
+kernels and in float64, the pooled forward output, the per-sample-weight gradient and the
+updated weights and states (the spec's `reference` applied to every touched row). It compares
+all of them with the kernels' results and returns the worst errors.
+
+Errors are measured relative to the size of what changed: for float32 tensors
+max|kernel - reference| / max|reference - before| (so a wrong update cannot hide behind large
+weights); for fp16/bf16 weights max|kernel - reference| / max|reference|, whose rounding alone is
+half an ulp (one with stochastic rounding). Rows the batch does not touch must not change at all.
+
+Used by `tbegen test` and by the test suite (tests/test_numerics.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from .layout import POOLING, Layout, make_layout
+from .model import OptimizerSpec
+
+# Allowed error per dtype of the tensor compared (see the module docstring for the measure).
+TOLERANCE = {
+    torch.float32: 1e-4,
+    torch.float16: 2.0**-9,  # two ulps
+    torch.bfloat16: 2.0**-6,  # two ulps
+}
+FORWARD_TOLERANCE = 1e-5
+
+
+@dataclass(frozen=True)
+class Case:
+    tables: Tuple[Tuple[int, int], ...] = ((60, 8), (200, 36), (30, 128))
+    feature_table_map: Optional[Tuple[int, ...]] = None
+    B: int = 16
+    max_L: int = 6
+    pooling: str = "sum"
+    weighted: bool = False
+    weights_dtype: torch.dtype = torch.float32
+    index_dtype: torch.dtype = torch.int64
+    steps: int = 3
+    empty_bags: bool = True
+    # extra occurrences of row 0 of feature 0 per step, spread over its bags (a hot row)
+    hot: int = 40
+    stochastic_rounding: bool = False
+    max_segment_length_per_warp: int = 32
+    hyper: Tuple[Tuple[str, object], ...] = ()
+    seed: int = 0
+
+    @property
+    def id(self) -> str:
+        dt = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}[self.weights_dtype]
+        it = "i32" if self.index_dtype == torch.int32 else "i64"
+        dims = "D" + "-".join(str(D) for _, D in self.tables)
+        parts = [self.pooling, "weighted" if self.weighted else "unweighted", dt, it, dims]
+        if self.feature_table_map is not None:
+            parts.append("ftm" + "".join(map(str, self.feature_table_map)))
+        if self.stochastic_rounding:
+            parts.append("sr")
+        parts += [f"{k}={v}" for k, v in self.hyper]
+        return "-".join(parts)
+
+
+@dataclass
+class Result:
+    case: Case
+    # worst error per compared quantity ("forward", "grad_psw", "weights", state names)
+    errors: Dict[str, float] = field(default_factory=dict)
+    failures: List[str] = field(default_factory=list)
+
+    @property
+    def worst(self) -> float:
+        return max(self.errors.values(), default=0.0)
+
+    def note(self, what: str, err: float, tol: float, step: int) -> None:
+        self.errors[what] = max(self.errors.get(what, 0.0), err)
+        if not err <= tol:  # NaN fails too
+            self.failures.append(f"step {step}: {what}: error {err:.3g} > tolerance {tol:.3g}")
+
+
+def default_hyperparameters(spec: OptimizerSpec, overrides: Dict[str, object]) -> Dict[str, object]:
+    hyper = {h.name: h.default for h in spec.hyperparameters}
+    hyper.update(overrides)
+    missing = [k for k, v in hyper.items() if v is None]
+    if missing:
+        raise ValueError(f"tbegen: no value for required hyperparameter(s) {missing} of {spec.name}")
+    return hyper
+
+
+# ---- random problems ---------------------------------------------------------------------------
+
+
+@dataclass
+class Batch:
+    indices: torch.Tensor
+    offsets: torch.Tensor
+    per_sample_weights: Optional[torch.Tensor]
+
+
+def random_batch(case: Case, layout: Layout, gen: torch.Generator) -> Batch:
+    """Bags of 0..max_L indices (some forced empty), duplicates within and across bags (indices
+    drawn from a few rows), and `case.hot` extra occurrences of row 0 of feature 0."""
+    F, B = layout.num_features, case.B
+    bags: List[List[int]] = []
+    for f in range(F):
+        E = layout.tables[layout.feature_table_map[f]][0]
+        pool = max(1, min(E, case.B * case.max_L // 3))  # few distinct rows: many duplicates
+        rows = torch.randperm(E, generator=gen)[:pool]
+        for b in range(B):
+            L = int(torch.randint(0, case.max_L + 1, (1,), generator=gen))
+            if case.empty_bags and b % 5 == 1:
+                L = 0
+            picks = rows[torch.randint(0, pool, (L,), generator=gen)].tolist()
+            if f == 0 and case.hot and b % 5 != 1:
+                picks += [0] * (case.hot // max(1, B - (B + 3) // 5) + 1)
+            bags.append(picks)
+    lengths = torch.tensor([len(x) for x in bags], dtype=torch.int64)
+    offsets = torch.zeros(F * B + 1, dtype=torch.int64)
+    offsets[1:] = torch.cumsum(lengths, 0)
+    flat = [i for bag in bags for i in bag]
+    indices = torch.tensor(flat, dtype=torch.int64)
+    psw = None
+    if case.weighted:
+        psw = torch.rand(len(flat), generator=gen, dtype=torch.float32) * 2 - 0.5
+    return Batch(indices.to(case.index_dtype), offsets.to(case.index_dtype), psw)
+
+
+def initial_state(spec: OptimizerSpec, layout: Layout, case: Case, gen: torch.Generator):
+    weights = (torch.rand(layout.weights_numel, generator=gen, dtype=torch.float32) - 0.5).to(case.weights_dtype)
+    states = {}
+    for s in spec.states:
+        n = layout.weights_numel if s.per == "element" else layout.total_hash_size
+        # start from non-trivial, valid (non-negative) state values so that every term matters
+        states[s.name] = torch.rand(n, generator=gen, dtype=torch.float32) * 0.1 + float(s.init)
+    return weights, states
+
+
+# ---- the float64 reference -----------------------------------------------------------------------
+
+
+def _bag_lists(layout: Layout, B: int, batch: Batch):
+    offsets = batch.offsets.to(torch.int64)
+    F = layout.num_features
+    bag_of = torch.repeat_interleave(torch.arange(F * B), offsets[1:] - offsets[:-1])
+    lengths = (offsets[1:] - offsets[:-1])[bag_of]
+    return bag_of, lengths
+
+
+def reference_forward(layout: Layout, B: int, pooling: str, weights: torch.Tensor, batch: Batch) -> torch.Tensor:
+    w = weights.to(torch.float64)
+    idx = batch.indices.to(torch.int64)
+    bag_of, lengths = _bag_lists(layout, B, batch)
+    psw = batch.per_sample_weights.to(torch.float64) if batch.per_sample_weights is not None else torch.ones(len(idx), dtype=torch.float64)
+    if pooling == "none":
+        out = torch.zeros(len(idx), layout.max_D, dtype=torch.float64)
+    else:
+        out = torch.zeros(B, layout.total_D, dtype=torch.float64)
+    outs = layout.feature_out_offsets()
+    for f, t in enumerate(layout.feature_table_map):
+        E, D = layout.tables[t]
+        table = w[layout.table_offsets[t] : layout.table_offsets[t] + E * D].view(E, D)
+        sel = (bag_of // B) == f
+        pos = sel.nonzero().flatten()
+        rows = table[idx[pos]] * psw[pos, None]
+        if pooling == "none":
+            out[pos, :D] = rows
+            continue
+        if pooling == "mean":
+            rows = rows / lengths[pos, None].to(torch.float64)
+        out[:, outs[f] : outs[f] + D].index_add_(0, bag_of[pos] % B, rows)
+    return out
+
+
+def reference_grad_psw(layout, B, pooling, weights, batch, grad_output) -> torch.Tensor:
+    w = weights.to(torch.float64)
+    go = grad_output.to(torch.float64)
+    idx = batch.indices.to(torch.int64)
+    bag_of, lengths = _bag_lists(layout, B, batch)
+    grad = torch.zeros(len(idx), dtype=torch.float64)
+    outs = layout.feature_out_offsets()
+    for f, t in enumerate(layout.feature_table_map):
+        E, D = layout.tables[t]
+        table = w[layout.table_offsets[t] : layout.table_offsets[t] + E * D].view(E, D)
+        pos = ((bag_of // B) == f).nonzero().flatten()
+        g = go[pos, :D] if pooling == "none" else go[bag_of[pos] % B, outs[f] : outs[f] + D]
+        dot = (table[idx[pos]] * g).sum(1)
+        if pooling == "mean":
+            dot = dot / lengths[pos].to(torch.float64)
+        grad[pos] = dot
+    return grad
+
+
+def reference_step(spec, layout, B, pooling, weights, states, batch, grad_output, hyper, step):
+    """One fused backward step in float64. Returns (weights, states, touched mask over weights)."""
+    w = weights.to(torch.float64).clone()
+    st = {k: v.to(torch.float64).clone() for k, v in states.items()}
+    touched_w = torch.zeros(w.numel(), dtype=torch.bool)
+    go = grad_output.to(torch.float64)
+    idx = batch.indices.to(torch.int64)
+    bag_of, lengths = _bag_lists(layout, B, batch)
+    psw = batch.per_sample_weights.to(torch.float64) if batch.per_sample_weights is not None else torch.ones(len(idx), dtype=torch.float64)
+    scale = psw / lengths.to(torch.float64) if pooling == "mean" else psw
+    outs = layout.feature_out_offsets()
+    for t, (E, D) in enumerate(layout.tables):
+        grad = torch.zeros(E, D, dtype=torch.float64)
+        seen = torch.zeros(E, dtype=torch.bool)
+        for f, tf in enumerate(layout.feature_table_map):
+            if tf != t:
+                continue
+            pos = ((bag_of // B) == f).nonzero().flatten()
+            g = go[pos, :D] if pooling == "none" else go[bag_of[pos] % B, outs[f] : outs[f] + D]
+            grad.index_add_(0, idx[pos], g * scale[pos, None])
+            seen[idx[pos]] = True
+        rows = seen.nonzero().flatten()
+        if len(rows) == 0:
+            continue
+        base = layout.table_offsets[t]
+        wt = w[base : base + E * D].view(E, D)
+        ns = dict(hyper)
+        ns.update(torch=torch, math=math, step=step, D=D, g=grad[rows].clone(), w=wt[rows].clone())
+        for s in spec.states:
+            if s.per == "element":
+                ns[s.name] = st[s.name][base : base + E * D].view(E, D)[rows].clone()
+            else:
+                kb = layout.table_key_base[t]
+                ns[s.name] = st[s.name][kb + rows].clone()
+        exec(compile(spec.reference.code, f"{spec.path}:reference", "exec"), ns)
+        wt[rows] = ns["w"].to(torch.float64)
+        touched_w.view(-1)[base : base + E * D].view(E, D)[rows] = True
+        for s in spec.states:
+            if s.per == "element":
+                st[s.name][base : base + E * D].view(E, D)[rows] = ns[s.name].to(torch.float64)
+            else:
+                st[s.name][layout.table_key_base[t] + rows] = ns[s.name].to(torch.float64)
+    return w, st, touched_w
+
+
+# ---- comparison --------------------------------------------------------------------------------
+
+
+def _err(actual: torch.Tensor, ref: torch.Tensor, before: Optional[torch.Tensor]) -> float:
+    a = actual.to(torch.float64).cpu()
+    if ref.numel() == 0:
+        return 0.0
+    diff = (a - ref).abs().max().item()
+    if before is not None:
+        scale = (ref - before.to(torch.float64)).abs().max().item()
+    else:
+        scale = ref.abs().max().item()
+    if diff == 0.0:
+        return 0.0
+    return diff / scale if scale > 0 else math.inf
+
+
+def layout_args(layout: Layout, device) -> tuple:
+    return (layout.features_tensor(device), layout.total_D, layout.max_D)
+
+
+def run_case(spec: OptimizerSpec, ops, case: Case, device: str = "cpu") -> Result:
+    """Runs `case.steps` steps of forward + grad_psw + fused backward and checks each one."""
+    gen = torch.Generator().manual_seed(case.seed)
+    layout = make_layout(case.tables, case.feature_table_map)
+    if case.pooling == "none" and len({D for _, D in layout.tables}) != 1:
+        raise ValueError("pooling none needs tables of one dim")
+    hyper = default_hyperparameters(spec, dict(case.hyper))
+    weights, states = initial_state(spec, layout, case, gen)
+    weights, states = weights.to(device), {k: v.to(device) for k, v in states.items()}
+    feats, total_D, max_D = layout_args(layout, device)
+    pooling = POOLING[case.pooling]
+    result = Result(case)
+    tol_w = TOLERANCE[case.weights_dtype]
+    for step in range(1, case.steps + 1):
+        batch = random_batch(case, layout, gen)
+        dev_psw = batch.per_sample_weights.to(device) if batch.per_sample_weights is not None else None
+        ind, off = batch.indices.to(device), batch.offsets.to(device)
+        B = case.B
+
+        out = ops.forward(weights, feats, total_D, max_D, ind, off, dev_psw, pooling)
+        ref_out = reference_forward(layout, B, case.pooling, weights.cpu(), batch)
+        result.note("forward", _err(out, ref_out, None), FORWARD_TOLERANCE, step)
+
+        grad_output = torch.randn(out.shape, generator=gen, dtype=torch.float32)
+        grad_output_dev = grad_output.to(device)
+        if case.weighted:
+            gpsw = ops.grad_per_sample_weights(grad_output_dev, weights, feats, total_D, max_D, ind, off, pooling)
+            ref_gpsw = reference_grad_psw(layout, B, case.pooling, weights.cpu(), batch, grad_output)
+            result.note("grad_psw", _err(gpsw, ref_gpsw, None), FORWARD_TOLERANCE, step)
+
+        before_w = weights.cpu().clone()
+        before_states = {k: v.cpu().clone() for k, v in states.items()}
+        ref_w, ref_states, touched = reference_step(
+            spec, layout, B, case.pooling, before_w, before_states, batch, grad_output, hyper, step
+        )
+        ops.backward(
+            grad_output_dev, weights, feats, total_D, max_D, layout.total_hash_size, ind, off, dev_psw,
+            pooling, case.max_segment_length_per_warp, case.stochastic_rounding, case.seed,
+            *[states[s.name] for s in spec.states],
+            *[hyper[h.name] for h in spec.hyperparameters],
+            step,
+        )
+        w_now = weights.cpu()
+        if not torch.equal(w_now[~touched], before_w[~touched]):
+            result.failures.append(f"step {step}: rows outside the batch changed")
+        if case.weights_dtype == torch.float32:
+            result.note("weights", _err(w_now, ref_w, before_w), tol_w, step)
+        else:
+            result.note("weights", _err(w_now, ref_w, None), tol_w, step)
+        for name, ref in ref_states.items():
+            result.note(name, _err(states[name], ref, before_states[name]), TOLERANCE[torch.float32], step)
+    return result
+
+
+# ---- the standard grid ---------------------------------------------------------------------------
+
+MIXED_TABLES = ((60, 8), (200, 36), (30, 128), (8, 4))
+WIDE_TABLES = ((40, 1024), (25, 516))
+NONE_TABLES = ((80, 32), (40, 32))
+
+
+def standard_cases(spec: OptimizerSpec, dtypes: Sequence[torch.dtype] = (torch.float32, torch.float16)) -> List[Case]:
+    """pooling x weighted x weight dtype x index dtype, on mixed dims, with duplicates, empty bags
+    and a hot row; plus wide rows and shared tables. Hyperparameter variants come from
+    `test_hyperparameters` below."""
+    cases = []
+    seed = 0
+    for pooling in ("sum", "mean", "none"):
+        for weighted in (False, True):
+            for dt in dtypes:
+                for it in (torch.int32, torch.int64):
+                    seed += 1
+                    tables = NONE_TABLES if pooling == "none" else MIXED_TABLES
+                    cases.append(Case(tables=tables, pooling=pooling, weighted=weighted, weights_dtype=dt,
+                                      index_dtype=it, seed=seed))
+    seed += 1
+    cases.append(Case(tables=WIDE_TABLES, B=8, max_L=4, pooling="sum", seed=seed))
+    seed += 1
+    cases.append(Case(tables=MIXED_TABLES, feature_table_map=(0, 1, 1, 2, 0, 3), pooling="mean", weighted=True, seed=seed))
+    for hyper in test_hyperparameters(spec):
+        seed += 1
+        cases.append(Case(tables=MIXED_TABLES, pooling="sum", weighted=True, hyper=hyper, seed=seed))
+    return cases
+
+
+def test_hyperparameters(spec: OptimizerSpec) -> List[Tuple[Tuple[str, object], ...]]:
+    """Hyperparameter settings worth a case of their own: every choice of a hyperparameter with
+    choices, with any decay and max-norm switched on."""
+    names = {h.name for h in spec.hyperparameters}
+    base = []
+    if "weight_decay" in names:
+        base.append(("weight_decay", 0.05))
+    variants = []
+    for h in spec.hyperparameters:
+        if h.choices:
+            variants += [tuple(base) + ((h.name, c),) for c in h.choices]
+    if "max_norm" in names:
+        variants.append(tuple(base) + (("max_norm", 0.3),))
+    if not variants and base:
+        variants.append(tuple(base))
+    return variants
+
+
+def summarize(results: Sequence[Result]) -> str:
+    by_dtype: Dict[str, float] = {}
+    for r in results:
+        dt = str(r.case.weights_dtype).replace("torch.", "")
+        by_dtype[dt] = max(by_dtype.get(dt, 0.0), r.worst)
+    failed = [r for r in results if r.failures]
+    lines = [f"{len(results)} cases, {len(results) - len(failed)} passed, {len(failed)} failed"]
+    lines += [f"  worst error ({dt} weights): {e:.3g}" for dt, e in sorted(by_dtype.items())]
+    for r in failed:
+        lines.append(f"  FAILED {r.case.id}: " + "; ".join(r.failures[:3]))
+    return "\n".join(lines)
+
+
+def with_(case: Case, **changes) -> Case:
+    return dataclasses.replace(case, **changes)

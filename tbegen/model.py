@@ -1,0 +1,122 @@
+"""The typed model of an optimizer spec.
+
+`tbegen.spec.load_spec` parses one YAML file into an `OptimizerSpec`; everything
+downstream (rendering, building, the runtime module, the harness) reads only
+these frozen dataclasses, never raw YAML. The spec language itself is described
+in docs/spec-language.md.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional, Tuple, Union
+
+# Names the generator binds in every snippet; a spec may not declare them.
+RESERVED_NAMES = frozenset(
+    {"g", "w", "step", "D", "row_sum", "row_mean", "row_max", "row_min"}
+)
+
+# Row reductions usable inside `row` stages, with their identity and combine op.
+ROW_REDUCTIONS = ("row_sum", "row_mean", "row_max", "row_min")
+
+HyperValue = Union[float, int, bool]
+
+
+@dataclass(frozen=True)
+class Loc:
+    """A place in a spec file (1-based line)."""
+
+    file: str
+    line: int
+
+    def __str__(self) -> str:
+        return f"{self.file}:{self.line}"
+
+
+@dataclass(frozen=True)
+class Hyperparameter:
+    # identifier, used verbatim in snippets, the op schema and the Python API
+    name: str
+    # "float" (C++ float), "int" (C++ int64_t) or "bool" (C++ bool)
+    type: str
+    # None means the hyperparameter is required (no default)
+    default: Optional[HyperValue]
+    # one-line description shown by the CLI and in docstrings
+    doc: str
+    # optional whitelist of allowed values (e.g. weight_decay_mode: [0, 1, 2])
+    choices: Optional[Tuple[HyperValue, ...]]
+    loc: Loc
+
+    @property
+    def required(self) -> bool:
+        return self.default is None
+
+
+@dataclass(frozen=True)
+class State:
+    # identifier; also the key in split_optimizer_states() and state_dict()
+    name: str
+    # "element": one value per weight element (laid out like the weights);
+    # "row": one value per table row
+    per: str
+    # initial value of every entry
+    init: float
+    # storage dtype; only "float32" for now
+    dtype: str
+    doc: str
+    loc: Loc
+
+
+@dataclass(frozen=True)
+class Temporary:
+    # per-element scratch value carried from one stage to the next, never saved
+    name: str
+    per: str  # "element" only, for now
+    loc: Loc
+
+
+@dataclass(frozen=True)
+class Stage:
+    # "row": runs once per unique row (scalar code; may call row_* reductions);
+    # "element": runs once per element of the row
+    kind: str
+    # the C-like snippet, verbatim
+    code: str
+    # line in the spec file of the snippet's first line (for #line directives)
+    loc: Loc
+
+
+@dataclass(frozen=True)
+class Reference:
+    # float64 torch code updating g/w/states over the touched rows (see docs)
+    code: str
+    # line of the first code line
+    loc: Loc
+
+
+@dataclass(frozen=True)
+class OptimizerSpec:
+    name: str
+    summary: str
+    # path of the YAML file the spec came from, as given to load_spec
+    path: str
+    hyperparameters: Tuple[Hyperparameter, ...]
+    states: Tuple[State, ...]
+    temporaries: Tuple[Temporary, ...]
+    stages: Tuple[Stage, ...]
+    reference: Reference
+    loc: Loc = field(compare=False)
+
+    @property
+    def element_states(self) -> Tuple[State, ...]:
+        return tuple(s for s in self.states if s.per == "element")
+
+    @property
+    def row_states(self) -> Tuple[State, ...]:
+        return tuple(s for s in self.states if s.per == "row")
+
+    def hyperparameter(self, name: str) -> Hyperparameter:
+        for h in self.hyperparameters:
+            if h.name == name:
+                return h
+        raise KeyError(name)

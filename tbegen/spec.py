@@ -1,0 +1,912 @@
+"""Load optimizer specs (YAML) into the typed model of `tbegen.model`.
+
+The spec language is described in docs/spec-language.md. Typical use:
+
+    path = find_spec("rowwise_adagrad")   # a bare name or a path -> Path
+    spec = load_spec(path)                # -> model.OptimizerSpec
+
+Loading never stops at the first mistake: every problem found in a file is
+collected as a `SpecProblem` (file, line, field, message) and all of them are
+raised together as one `SpecError`, one `FILE:LINE: FIELD: MESSAGE` per line.
+
+The approach follows torchgen: a YAML loader stamps every mapping with the lines
+of its keys and values and records duplicate keys; each section parser pops the
+keys it knows (`_Fields`) and reports whatever is left over as unknown.
+Nothing downstream of this module reads raw YAML.
+"""
+
+from __future__ import annotations
+
+import difflib
+import keyword
+import os
+import re
+from collections.abc import Hashable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable, List, Optional, Sequence, Tuple, Union
+
+import yaml
+
+from tbegen.model import (
+    RESERVED_NAMES,
+    ROW_REDUCTIONS,
+    Hyperparameter,
+    HyperValue,
+    Loc,
+    OptimizerSpec,
+    Reference,
+    Stage,
+    State,
+    Temporary,
+)
+
+__all__ = [
+    "SpecProblem",
+    "SpecError",
+    "SpecNotFoundError",
+    "load_spec",
+    "load_spec_text",
+    "find_spec",
+    "list_specs",
+    "DEFAULT_SPEC_DIR",
+]
+
+StrPath = Union[str, "os.PathLike[str]"]
+
+# The repository's optimizers/ directory, next to the tbegen package.
+DEFAULT_SPEC_DIR = Path(__file__).resolve().parent.parent / "optimizers"
+
+# File suffixes accepted for spec files.
+SPEC_SUFFIXES = (".yaml", ".yml")
+
+HYPERPARAMETER_TYPES = ("float", "int", "bool")
+STATE_PERS = ("element", "row")
+STATE_DTYPES = ("float32",)
+TEMPORARY_PERS = ("element",)
+STAGE_KINDS = ("row", "element")
+
+TOP_KEYS = (
+    "name",
+    "summary",
+    "hyperparameters",
+    "states",
+    "temporaries",
+    "update",
+    "row",
+    "element",
+    "reference",
+)
+HYPERPARAMETER_KEYS = ("type", "default", "doc", "choices")
+STATE_KEYS = ("per", "init", "dtype", "doc")
+TEMPORARY_KEYS = ("per",)
+
+IDENTIFIER_RE = re.compile(r"[A-Za-z][A-Za-z0-9_]*")
+OPTIMIZER_NAME_RE = re.compile(r"[a-z][a-z0-9_]*")
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+# Marks a key or document that is absent (None is a legitimate YAML value).
+_MISSING: Any = object()
+
+# C++ keywords and alternative operator spellings (C++20), plus a few names every
+# C++/CUDA translation unit has in scope; a snippet name may not shadow them.
+CPP_KEYWORDS = frozenset(
+    """
+    alignas alignof and and_eq asm auto bitand bitor bool break case catch char
+    char8_t char16_t char32_t class compl concept const consteval constexpr
+    constinit const_cast continue co_await co_return co_yield decltype default
+    delete do double dynamic_cast else enum explicit export extern false float for
+    friend goto if inline int long mutable namespace new noexcept not not_eq
+    nullptr operator or or_eq private protected public register reinterpret_cast
+    requires return short signed sizeof static static_assert static_cast struct
+    switch template this thread_local throw true try typedef typeid typename union
+    unsigned using virtual void volatile wchar_t while xor xor_eq
+    NULL
+    """.split()
+)
+CUDA_BUILTINS = frozenset({"threadIdx", "blockIdx", "blockDim", "gridDim", "warpSize"})
+# Bound in the reference besides the snippet names (see docs, "The reference").
+REFERENCE_NAMES = frozenset({"torch"})
+
+
+# --------------------------------------------------------------------------
+# Problems
+# --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SpecProblem:
+    """One mistake in a spec file."""
+
+    file: str
+    line: int
+    # dotted path of the offending key, e.g. "hyperparameters.eps.default"
+    field: str
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.file}:{self.line}: {self.field}: {self.message}"
+
+
+class SpecError(Exception):
+    """Every problem found in a spec, reported together."""
+
+    def __init__(self, problems: Iterable[SpecProblem]):
+        self.problems: Tuple[SpecProblem, ...] = tuple(problems)
+        super().__init__(self.problems)
+
+    def __str__(self) -> str:
+        return "\n".join(str(p) for p in self.problems)
+
+
+class SpecNotFoundError(ValueError):
+    """`find_spec` could not resolve a name or path to a spec file."""
+
+
+class _Problems:
+    """Collects the problems of one spec file, in the order they are found."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self.items: List[SpecProblem] = []
+
+    def add(self, line: int, field: str, message: str) -> None:
+        self.items.append(SpecProblem(self.path, line, field, message))
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def loc(self, line: int) -> Loc:
+        return Loc(self.path, line)
+
+    def raise_if_any(self) -> None:
+        if self.items:
+            # Stable sort: problems on one line keep the order they were found in.
+            raise SpecError(sorted(self.items, key=lambda p: p.line))
+
+
+# --------------------------------------------------------------------------
+# YAML loading with line numbers
+# --------------------------------------------------------------------------
+
+
+class _Mapping(dict):
+    """A YAML mapping that remembers where each of its keys and values is.
+
+    Lines are 1-based. `code_lines[key]` is the line of the first line of the
+    value's text: the line after `key: |` for a block scalar, else the value's
+    own line.
+    """
+
+    def __init__(self, line: int):
+        super().__init__()
+        self.line = line
+        self.key_lines: dict = {}
+        self.value_lines: dict = {}
+        self.code_lines: dict = {}
+        # (key, line of the repeat, line of the first occurrence)
+        self.duplicates: List[Tuple[Any, int, int]] = []
+
+
+class _Sequence(list):
+    """A YAML sequence that remembers its line and the line of each item."""
+
+    def __init__(self, line: int):
+        super().__init__()
+        self.line = line
+        self.item_lines: List[int] = []
+
+
+def _start_line(node: yaml.Node) -> int:
+    return node.start_mark.line + 1
+
+
+def _code_line(node: yaml.Node) -> int:
+    """Line of the first line of text of a scalar node (see `_Mapping`)."""
+    if isinstance(node, yaml.ScalarNode) and node.style in ("|", ">"):
+        return _start_line(node) + 1
+    return _start_line(node)
+
+
+class _SpecLoader(yaml.SafeLoader):
+    """SafeLoader that builds `_Mapping`/`_Sequence` and records duplicate keys.
+
+    Also reads `1e-8` as a float (PyYAML's YAML 1.1 resolver wants `1.0e-8`).
+    """
+
+    def construct_spec_mapping(self, node: yaml.MappingNode):
+        data = _Mapping(_start_line(node))
+        yield data
+        # Keys written in this mapping, as opposed to ones merged in with `<<`
+        # (which they may override); a repeated own key is a duplicate.
+        own_key_nodes = {id(k) for k, _ in node.value if k.tag != "tag:yaml.org,2002:merge"}
+        own_keys: set = set()
+        self.flatten_mapping(node)  # expands `<<` merge keys, merged pairs first
+        for key_node, value_node in node.value:
+            key = self.construct_object(key_node, deep=False)
+            if not isinstance(key, Hashable):
+                raise yaml.constructor.ConstructorError(
+                    "while constructing a mapping",
+                    node.start_mark,
+                    "found unhashable key",
+                    key_node.start_mark,
+                )
+            if id(key_node) in own_key_nodes:
+                if key in own_keys:  # the first occurrence wins
+                    data.duplicates.append((key, _start_line(key_node), data.key_lines[key]))
+                    continue
+                own_keys.add(key)
+            data[key] = self.construct_object(value_node, deep=False)
+            data.key_lines[key] = _start_line(key_node)
+            data.value_lines[key] = _start_line(value_node)
+            data.code_lines[key] = _code_line(value_node)
+
+    def construct_spec_sequence(self, node: yaml.SequenceNode):
+        data = _Sequence(_start_line(node))
+        yield data
+        data.extend(self.construct_object(child, deep=False) for child in node.value)
+        data.item_lines = [_start_line(child) for child in node.value]
+
+
+_SpecLoader.add_constructor("tag:yaml.org,2002:map", _SpecLoader.construct_spec_mapping)
+_SpecLoader.add_constructor("tag:yaml.org,2002:seq", _SpecLoader.construct_spec_sequence)
+_SpecLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+    list("-+0123456789"),
+)
+
+
+def _load_yaml(text: str, problems: _Problems) -> Any:
+    """Parse YAML text; on a syntax error, record it and return _MISSING."""
+    loader = _SpecLoader(text)
+    try:
+        return loader.get_single_data()
+    except yaml.MarkedYAMLError as e:
+        mark = e.problem_mark or e.context_mark
+        message = e.problem or "invalid YAML"
+        if e.context:
+            message = f"{message} ({e.context})"
+        # An error at the end of the stream is reported on the last line.
+        last_line = max(1, len(text.splitlines()))
+        problems.add(min(mark.line + 1, last_line) if mark else 1, "yaml", message)
+    except yaml.YAMLError as e:
+        problems.add(1, "yaml", str(e))
+    finally:
+        loader.dispose()
+    return _MISSING
+
+
+def _join(prefix: str, key: Any) -> str:
+    return f"{prefix}.{key}" if prefix else str(key)
+
+
+def _report_duplicate_keys(problems: _Problems, value: Any, field: str = "") -> None:
+    """Report every duplicate key anywhere in the document."""
+    seen: set = set()
+
+    def walk(value: Any, field: str) -> None:
+        if id(value) in seen:  # aliases may share (or cycle through) a node
+            return
+        seen.add(id(value))
+        if isinstance(value, _Mapping):
+            for key, line, first in value.duplicates:
+                problems.add(line, _join(field, key), f"duplicate key (first given at line {first})")
+            for key, item in value.items():
+                walk(item, _join(field, key))
+        elif isinstance(value, _Sequence):
+            for i, item in enumerate(value):
+                walk(item, f"{field}[{i}]")
+
+    walk(value, field)
+
+
+# --------------------------------------------------------------------------
+# Helpers shared by the section parsers
+# --------------------------------------------------------------------------
+
+def _describe(value: Any) -> str:
+    """A value as the YAML author wrote it, for messages."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return f"boolean {str(value).lower()}"
+    if isinstance(value, int):
+        return f"integer {value}"
+    if isinstance(value, float):
+        return f"float {value!r}"
+    if isinstance(value, str):
+        return f"string {value!r}"
+    if isinstance(value, list):
+        return "a list"
+    if isinstance(value, dict):
+        return "a mapping"
+    return type(value).__name__
+
+
+class _Fields:
+    """The keys of one YAML mapping, popped one by one as they are parsed.
+
+    `finish()` reports every key that nobody popped as unknown, so a misspelt
+    key never passes silently.
+    """
+
+    def __init__(
+        self,
+        problems: _Problems,
+        mapping: _Mapping,
+        field: str,
+        line: int,
+        known: Sequence[str],
+    ):
+        self.problems = problems
+        self.mapping = mapping
+        self.field = field  # dotted path of the mapping ("" at the top level)
+        self.line = line  # where to report a missing key
+        self.known = tuple(known)
+        self._remaining = dict(mapping)
+
+    def path(self, key: str) -> str:
+        return _join(self.field, key)
+
+    def has(self, key: str) -> bool:
+        return key in self.mapping
+
+    def key_line(self, key: Any) -> int:
+        return self.mapping.key_lines.get(key, self.line)
+
+    def value_line(self, key: str) -> int:
+        return self.mapping.value_lines.get(key, self.line)
+
+    def code_line(self, key: str) -> int:
+        return self.mapping.code_lines.get(key, self.line)
+
+    def pop(self, key: str, default: Any = _MISSING) -> Any:
+        """The value of `key`; a missing required key is reported and gives _MISSING."""
+        if key in self._remaining:
+            return self._remaining.pop(key)
+        if default is _MISSING:
+            self.problems.add(self.line, self.path(key), "missing required key")
+        return default
+
+    def finish(self) -> None:
+        """Report every key that was not popped."""
+        for key in self._remaining:
+            message = f"unknown key; expected one of: {', '.join(self.known)}"
+            close = difflib.get_close_matches(str(key), self.known, n=1)
+            if close:
+                message += f" (did you mean {close[0]!r}?)"
+            elif self.mapping[key] is None and " " in str(key):
+                message += " (a comma inside {...} starts a new key; quote text that contains commas)"
+            self.problems.add(self.key_line(key), self.path(key), message)
+
+
+def _as_mapping(
+    problems: _Problems, value: Any, field: str, line: int, shape: str, *, allow_null: bool = False
+) -> Optional[_Mapping]:
+    """`value` if it is a mapping (null -> empty when allowed), else report it."""
+    if value is None and allow_null:
+        return _Mapping(line)
+    if isinstance(value, _Mapping):
+        return value
+    problems.add(line, field, f"must be a mapping {shape}, got {_describe(value)}")
+    return None
+
+
+def _pop_string(fields: _Fields, key: str, default: Any = _MISSING) -> Optional[str]:
+    """A string value, stripped; reports a missing or non-string value (-> None)."""
+    value = fields.pop(key, default)
+    if value is _MISSING:
+        return None
+    if not isinstance(value, str):
+        fields.problems.add(fields.value_line(key), fields.path(key), f"must be a string, got {_describe(value)}")
+        return None
+    return value.strip()
+
+
+def _pop_choice(fields: _Fields, key: str, allowed: Sequence[str], hint: str = "") -> Optional[str]:
+    """A required string value that must be one of `allowed`."""
+    value = fields.pop(key)
+    if value is _MISSING:
+        return None
+    if not isinstance(value, str) or value not in allowed:
+        message = f"must be {' or '.join(allowed)}, got {_describe(value)}"
+        fields.problems.add(fields.value_line(key), fields.path(key), message + (f" ({hint})" if hint else ""))
+        return None
+    return value
+
+
+# --------------------------------------------------------------------------
+# Names
+# --------------------------------------------------------------------------
+
+
+def _keyword_reason(name: str) -> Optional[str]:
+    """Why `name` cannot be used in generated C++/CUDA/Python, or None."""
+    if name.startswith("tbegen"):
+        return "names starting with 'tbegen' are reserved for the generator"
+    if name in CPP_KEYWORDS:
+        return f"{name!r} is a C++ keyword"
+    if name in CUDA_BUILTINS:
+        return f"{name!r} is a CUDA built-in"
+    if keyword.iskeyword(name):
+        return f"{name!r} is a Python keyword"
+    return None
+
+
+def _reserved_reason(name: str) -> Optional[str]:
+    """Why `name` cannot name a hyperparameter, state or temporary, or None."""
+    if name.startswith("_"):
+        return "names starting with '_' are reserved"
+    if name in RESERVED_NAMES:
+        return f"{name!r} is reserved: the generator binds it in every snippet"
+    if name in REFERENCE_NAMES:
+        return f"{name!r} is reserved: the reference binds it"
+    return _keyword_reason(name)
+
+
+def _check_identifier(problems: _Problems, name: Any, field: str, line: int) -> bool:
+    """Report a bad hyperparameter/state/temporary name; True when it is fine."""
+    if not isinstance(name, str):
+        message = f"name must be a string, got {_describe(name)}"
+        if isinstance(name, bool):
+            message += " (YAML reads yes/no/on/off/true/false as booleans; quote the name)"
+        problems.add(line, field, message)
+        return False
+    reason = _reserved_reason(name)
+    if reason is None and not IDENTIFIER_RE.fullmatch(name):
+        reason = f"{name!r} is not a valid identifier ([A-Za-z][A-Za-z0-9_]*)"
+    if reason is not None:
+        problems.add(line, field, reason)
+        return False
+    return True
+
+
+def _check_unique_names(problems: _Problems, doc: _Mapping) -> None:
+    """One name may be declared once across hyperparameters, states and temporaries."""
+    first: dict = {}
+    for section in ("hyperparameters", "states", "temporaries"):
+        entries = doc.get(section)
+        if not isinstance(entries, _Mapping):
+            continue
+        for name in entries:
+            line = entries.key_lines[name]
+            if name in first:
+                other_section, other_line = first[name]
+                problems.add(
+                    line,
+                    _join(section, name),
+                    f"name {name!r} is already declared in {other_section} at line {other_line}",
+                )
+            else:
+                first[name] = (section, line)
+
+
+# --------------------------------------------------------------------------
+# Sections
+# --------------------------------------------------------------------------
+
+
+def _parse_name(fields: _Fields, stem: Optional[str]) -> Optional[str]:
+    """`name`: a lower-case identifier equal to the file's stem."""
+    name = _pop_string(fields, "name")
+    if name is None:
+        return None
+    line, field = fields.value_line("name"), fields.path("name")
+    if not OPTIMIZER_NAME_RE.fullmatch(name):
+        fields.problems.add(line, field, f"{name!r} must match [a-z][a-z0-9_]*")
+        return None
+    reason = _keyword_reason(name)
+    if reason is not None:
+        fields.problems.add(line, field, reason)
+        return None
+    if stem is not None and name != stem:
+        fields.problems.add(
+            line, field, f"{name!r} must equal the file's stem {stem!r}; rename the file or the optimizer"
+        )
+        return None
+    return name
+
+
+def _parse_summary(fields: _Fields) -> Optional[str]:
+    """`summary`: one non-empty line of text."""
+    summary = _pop_string(fields, "summary")
+    if summary is None:
+        return None
+    if not summary:
+        fields.problems.add(fields.value_line("summary"), fields.path("summary"), "must not be empty")
+        return None
+    if "\n" in summary:
+        fields.problems.add(fields.value_line("summary"), fields.path("summary"), "must be one line")
+        return None
+    return summary
+
+
+def _hyper_value(type_: str, value: Any) -> Any:
+    """`value` converted to a hyperparameter of `type_`, or _MISSING if it is not one."""
+    if type_ == "bool":
+        return value if isinstance(value, bool) else _MISSING
+    if isinstance(value, bool):
+        return _MISSING
+    if type_ == "int":
+        return value if isinstance(value, int) and INT64_MIN <= value <= INT64_MAX else _MISSING
+    if type_ == "float":
+        return float(value) if isinstance(value, (int, float)) else _MISSING
+    return _MISSING
+
+
+_ARTICLE = {"float": "a float", "int": "an int", "bool": "a bool"}
+
+
+def _parse_choices(fields: _Fields, type_: Optional[str]) -> Optional[Tuple[HyperValue, ...]]:
+    """`choices`: a non-empty list of values of the hyperparameter's type."""
+    value = fields.pop("choices")
+    line, field = fields.value_line("choices"), fields.path("choices")
+    if not isinstance(value, list) or not value:
+        fields.problems.add(line, field, f"must be a non-empty list, got {_describe(value)}")
+        return None
+    if type_ is None:
+        return None  # the type's own problem is already reported
+    choices = []
+    item_lines = getattr(value, "item_lines", [])
+    for i, item in enumerate(value):
+        converted = _hyper_value(type_, item)
+        if converted is _MISSING:
+            item_line = item_lines[i] if i < len(item_lines) else line
+            fields.problems.add(item_line, f"{field}[{i}]", f"must be {_ARTICLE[type_]}, got {_describe(item)}")
+        else:
+            choices.append(converted)
+    return tuple(choices) if len(choices) == len(value) else None
+
+
+def _parse_hyperparameter(problems: _Problems, name: Any, value: Any, field: str, line: int) -> Optional[Hyperparameter]:
+    """One `hyperparameters` entry: {type, default, doc, choices}."""
+    start = len(problems)
+    _check_identifier(problems, name, field, line)
+    mapping = _as_mapping(problems, value, field, line, "{type, default, doc, choices}")
+    if mapping is None:
+        return None
+    fields = _Fields(problems, mapping, field, line, HYPERPARAMETER_KEYS)
+    type_ = _pop_choice(fields, "type", HYPERPARAMETER_TYPES)
+
+    default = None
+    if fields.has("default"):
+        raw = fields.pop("default")
+        if type_ is not None:
+            default = _hyper_value(type_, raw)
+            if default is _MISSING:
+                message = f"must be {_ARTICLE[type_]}, got {_describe(raw)}"
+                if raw is None:
+                    message += " (leave `default` out to make the hyperparameter required)"
+                problems.add(fields.value_line("default"), fields.path("default"), message)
+                default = None
+
+    choices = _parse_choices(fields, type_) if fields.has("choices") else None
+    if choices is not None and default is not None and default not in choices:
+        problems.add(
+            fields.value_line("default"),
+            fields.path("default"),
+            f"{default!r} is not one of the choices {list(choices)!r}",
+        )
+
+    doc = _pop_string(fields, "doc", "")
+    fields.finish()
+    if len(problems) > start:
+        return None
+    return Hyperparameter(name, type_, default, doc, choices, problems.loc(line))
+
+
+def _parse_state(problems: _Problems, name: Any, value: Any, field: str, line: int) -> Optional[State]:
+    """One `states` entry: {per, init, dtype, doc}."""
+    start = len(problems)
+    _check_identifier(problems, name, field, line)
+    mapping = _as_mapping(problems, value, field, line, "{per, init, dtype, doc}")
+    if mapping is None:
+        return None
+    fields = _Fields(problems, mapping, field, line, STATE_KEYS)
+    per = _pop_choice(fields, "per", STATE_PERS)
+
+    init = fields.pop("init", 0.0)
+    if isinstance(init, bool) or not isinstance(init, (int, float)):
+        problems.add(fields.value_line("init"), fields.path("init"), f"must be a number, got {_describe(init)}")
+    else:
+        init = float(init)
+
+    dtype = fields.pop("dtype", "float32")
+    if dtype not in STATE_DTYPES:
+        problems.add(
+            fields.value_line("dtype"),
+            fields.path("dtype"),
+            f"only float32 states are supported for now, got {_describe(dtype)}",
+        )
+
+    doc = _pop_string(fields, "doc", "")
+    fields.finish()
+    if len(problems) > start:
+        return None
+    return State(name, per, init, dtype, doc, problems.loc(line))
+
+
+def _parse_temporary(problems: _Problems, name: Any, value: Any, field: str, line: int) -> Optional[Temporary]:
+    """One `temporaries` entry: {per: element}."""
+    start = len(problems)
+    _check_identifier(problems, name, field, line)
+    mapping = _as_mapping(problems, value, field, line, "{per: element}")
+    if mapping is None:
+        return None
+    fields = _Fields(problems, mapping, field, line, TEMPORARY_KEYS)
+    per = _pop_choice(
+        fields,
+        "per",
+        TEMPORARY_PERS,
+        "only per-element temporaries are supported for now",
+    )
+    fields.finish()
+    if len(problems) > start:
+        return None
+    return Temporary(name, per, problems.loc(line))
+
+
+def _parse_section(fields: _Fields, key: str, shape: str, parse_entry) -> Tuple[Any, ...]:
+    """An optional `name -> {...}` section (hyperparameters, states, temporaries)."""
+    value = fields.pop(key, None)
+    problems = fields.problems
+    mapping = _as_mapping(
+        problems, value, fields.path(key), fields.value_line(key), f"of name -> {shape}", allow_null=True
+    )
+    if mapping is None:
+        return ()
+    entries = []
+    for name, entry in mapping.items():
+        parsed = parse_entry(problems, name, entry, _join(key, name), mapping.key_lines[name])
+        if parsed is not None:
+            entries.append(parsed)
+    return tuple(entries)
+
+
+# --------------------------------------------------------------------------
+# Stages
+# --------------------------------------------------------------------------
+
+_REDUCTION_CALL_RE = re.compile(r"\b(" + "|".join(ROW_REDUCTIONS) + r")\s*\(")
+_COMMENT_RE = re.compile(r"//[^\n]*|/\*.*?\*/", re.DOTALL)
+
+
+def _blank_comments(code: str) -> str:
+    """`code` with C/C++ comments replaced by spaces (line breaks kept)."""
+    return _COMMENT_RE.sub(lambda m: re.sub(r"[^\n]", " ", m.group(0)), code)
+
+
+def _matching_paren(code: str, open_index: int) -> Optional[int]:
+    """Index of the `)` closing the `(` at `open_index`, or None."""
+    depth = 0
+    for i in range(open_index, len(code)):
+        if code[i] == "(":
+            depth += 1
+        elif code[i] == ")":
+            depth -= 1
+            if depth == 0:
+                return i
+    return None
+
+
+def _check_reductions(problems: _Problems, kind: str, code: str, field: str, first_line: int) -> None:
+    """Row reductions: none in element stages; balanced and not nested in row stages."""
+    text = _blank_comments(code)
+    inner_end = -1  # end of the reduction argument being scanned, to skip nested ones
+    for match in _REDUCTION_CALL_RE.finditer(text):
+        line = first_line + text.count("\n", 0, match.start())
+        reduction = match.group(1)
+        if kind == "element":
+            problems.add(line, field, f"{reduction}(...) is a row reduction; use it in a row stage only")
+            continue
+        if match.start() < inner_end:
+            problems.add(line, field, f"{reduction}(...) is nested in another row reduction")
+            continue
+        close = _matching_paren(text, match.end() - 1)
+        if close is None:
+            problems.add(line, field, f"unbalanced parentheses in {reduction}(...): missing ')'")
+            return
+        inner_end = close
+
+
+def _parse_snippet(fields: _Fields, key: str, what: str) -> Optional[Tuple[str, Loc]]:
+    """A non-empty string of code and the Loc of its first line."""
+    code = fields.pop(key)
+    if code is _MISSING:
+        return None
+    if not isinstance(code, str) or not code.strip():
+        fields.problems.add(
+            fields.value_line(key), fields.path(key), f"must be a non-empty string of {what}, got {_describe(code)}"
+        )
+        return None
+    return code, fields.problems.loc(fields.code_line(key))
+
+
+def _parse_stage(fields: _Fields, kind: str) -> Optional[Stage]:
+    """One `row:`/`element:` snippet, with its row-reduction checks."""
+    parsed = _parse_snippet(fields, kind, "code")
+    if parsed is None:
+        return None
+    code, loc = parsed
+    _check_reductions(fields.problems, kind, code, fields.path(kind), loc.line)
+    return Stage(kind, code, loc)
+
+
+def _parse_update_item(problems: _Problems, item: Any, field: str, line: int) -> Optional[Stage]:
+    """One `update` list item: a one-key mapping {row: CODE} or {element: CODE}."""
+    mapping = _as_mapping(problems, item, field, line, "{row: CODE} or {element: CODE}")
+    if mapping is None:
+        return None
+    fields = _Fields(problems, mapping, field, line, STAGE_KINDS)
+    kinds = [k for k in mapping if k in STAGE_KINDS]
+    stage = None
+    if len(kinds) == 1:
+        stage = _parse_stage(fields, kinds[0])
+    elif len(kinds) > 1:
+        problems.add(line, field, "a stage has exactly one key, row or element; split it into two stages")
+        for kind in kinds:
+            fields.pop(kind)
+    elif not mapping:
+        problems.add(line, field, "a stage needs one key, row or element")
+    fields.finish()  # any other key is reported as unknown
+    return stage
+
+
+def _parse_update(fields: _Fields) -> Tuple[Stage, ...]:
+    """`update`: a non-empty list of stages, run in order."""
+    problems = fields.problems
+    value = fields.pop("update")
+    line, field = fields.value_line("update"), fields.path("update")
+    if not isinstance(value, list) or not value:
+        problems.add(line, field, f"must be a non-empty list of {{row: CODE}} / {{element: CODE}}, got {_describe(value)}")
+        return ()
+    item_lines = getattr(value, "item_lines", [])
+    stages = []
+    for i, item in enumerate(value):
+        item_line = item_lines[i] if i < len(item_lines) else line
+        stage = _parse_update_item(problems, item, f"{field}[{i}]", item_line)
+        if stage is not None:
+            stages.append(stage)
+    return tuple(stages)
+
+
+def _parse_stages(fields: _Fields) -> Tuple[Stage, ...]:
+    """`update`, or the top-level `row:`/`element:` shorthand (row first)."""
+    shorthand = [kind for kind in STAGE_KINDS if fields.has(kind)]
+    if fields.has("update"):
+        for kind in shorthand:
+            fields.pop(kind)
+            fields.problems.add(
+                fields.key_line(kind),
+                fields.path(kind),
+                "cannot be combined with `update`; move it into the `update` list",
+            )
+        return _parse_update(fields)
+    if not shorthand:
+        fields.problems.add(fields.line, "update", "missing required key (or the `row`/`element` shorthand)")
+        return ()
+    stages = (_parse_stage(fields, kind) for kind in shorthand)
+    return tuple(s for s in stages if s is not None)
+
+
+# --------------------------------------------------------------------------
+# Reference
+# --------------------------------------------------------------------------
+
+
+def _parse_reference(fields: _Fields) -> Optional[Reference]:
+    """`reference`: Python code that must at least compile."""
+    parsed = _parse_snippet(fields, "reference", "Python code")
+    if parsed is None:
+        return None
+    code, loc = parsed
+    try:
+        compile(code, loc.file, "exec", dont_inherit=True)
+    except SyntaxError as e:
+        line = loc.line + (e.lineno or 1) - 1
+        fields.problems.add(line, fields.path("reference"), f"not valid Python: {e.msg}")
+        return None
+    except ValueError as e:  # e.g. a NUL character
+        fields.problems.add(loc.line, fields.path("reference"), f"not valid Python: {e}")
+        return None
+    return Reference(code, loc)
+
+
+# --------------------------------------------------------------------------
+# Whole document
+# --------------------------------------------------------------------------
+
+
+def _parse_document(doc: Any, problems: _Problems, stem: Optional[str]) -> Optional[OptimizerSpec]:
+    """The top-level mapping -> OptimizerSpec (None when anything is wrong)."""
+    if doc is None:
+        problems.add(1, "spec", "empty spec; expected a mapping with name, summary, update and reference")
+        return None
+    if not isinstance(doc, _Mapping):
+        problems.add(1, "spec", f"must be a mapping, got {_describe(doc)}")
+        return None
+    fields = _Fields(problems, doc, "", doc.line, TOP_KEYS)
+    name = _parse_name(fields, stem)
+    summary = _parse_summary(fields)
+    hyperparameters = _parse_section(fields, "hyperparameters", "{type, default, doc, choices}", _parse_hyperparameter)
+    states = _parse_section(fields, "states", "{per, init, dtype, doc}", _parse_state)
+    temporaries = _parse_section(fields, "temporaries", "{per: element}", _parse_temporary)
+    stages = _parse_stages(fields)
+    reference = _parse_reference(fields)
+    fields.finish()
+    _check_unique_names(problems, doc)
+    if problems.items:
+        return None
+    return OptimizerSpec(
+        name=name,
+        summary=summary,
+        path=problems.path,
+        hyperparameters=hyperparameters,
+        states=states,
+        temporaries=temporaries,
+        stages=stages,
+        reference=reference,
+        loc=problems.loc(fields.key_line("name")),
+    )
+
+
+def load_spec_text(text: str, path: str = "<string>") -> OptimizerSpec:
+    """Parse a spec from a string; `path` is only used in Locs and messages.
+
+    When `path` ends in .yaml/.yml, `name` must equal its stem, as for files.
+    Raises SpecError listing every problem found.
+    """
+    path = str(path)
+    problems = _Problems(path)
+    doc = _load_yaml(text, problems)
+    if doc is _MISSING:
+        problems.raise_if_any()
+    _report_duplicate_keys(problems, doc)
+    stem = Path(path).stem if Path(path).suffix in SPEC_SUFFIXES else None
+    spec = _parse_document(doc, problems, stem)
+    problems.raise_if_any()
+    return spec
+
+
+def load_spec(path: StrPath) -> OptimizerSpec:
+    """Load and check one spec file. Raises SpecError (and OSError if unreadable)."""
+    text = Path(path).read_text(encoding="utf-8")
+    return load_spec_text(text, str(path))
+
+
+# --------------------------------------------------------------------------
+# Finding specs
+# --------------------------------------------------------------------------
+
+
+def list_specs(search_dir: Optional[StrPath] = None) -> List[Path]:
+    """The spec files in `search_dir` (default: the repository's optimizers/), sorted."""
+    directory = Path(search_dir) if search_dir is not None else DEFAULT_SPEC_DIR
+    if not directory.is_dir():
+        return []
+    return sorted(p for p in directory.iterdir() if p.suffix in SPEC_SUFFIXES and p.is_file())
+
+
+def find_spec(name_or_path: StrPath, search_dir: Optional[StrPath] = None) -> Path:
+    """Resolve an optimizer name (optimizers/NAME.yaml) or a path to a spec file.
+
+    Raises SpecNotFoundError (a ValueError) naming the available optimizers.
+    """
+    text = os.fspath(name_or_path)
+    candidate = Path(text)
+    if candidate.suffix in SPEC_SUFFIXES:
+        if candidate.is_file():
+            return candidate
+        raise SpecNotFoundError(f"no such spec file: {text}")
+    directory = Path(search_dir) if search_dir is not None else DEFAULT_SPEC_DIR
+    if OPTIMIZER_NAME_RE.fullmatch(text):
+        for suffix in SPEC_SUFFIXES:
+            path = directory / f"{text}{suffix}"
+            if path.is_file():
+                return path
+    available = ", ".join(p.stem for p in list_specs(directory)) or "(none)"
+    raise SpecNotFoundError(
+        f"unknown optimizer {text!r}: expected a name from {directory} or a path to a "
+        f".yaml file; available: {available}"
+    )
