@@ -57,6 +57,49 @@ def cache_key(name: str, files: Dict[str, str], with_cuda: bool) -> str:
     return h.hexdigest()[:16]
 
 
+def _cuda_library_includes() -> list:
+    """Header folders of the CUDA libraries torch's CUDA headers include (cusparse.h, cublas...).
+
+    A pip-installed torch ships them inside its nvidia packages rather than in CUDA_HOME."""
+    from torch.utils.cpp_extension import CUDA_HOME
+
+    if CUDA_HOME and (Path(CUDA_HOME) / "include" / "cusparse.h").exists():
+        return []
+    import site
+
+    found = []
+    for root in site.getsitepackages() + [site.getusersitepackages()]:
+        nvidia = Path(root) / "nvidia"
+        if nvidia.is_dir():
+            found += sorted(str(p.parent) for p in nvidia.glob("*/include/cusparse.h"))
+    return found
+
+
+def _cuda_link_flags() -> list:
+    """-L for libcudart where torch's default (CUDA_HOME/lib64) lacks it, e.g. a toolkit whose
+    libraries sit in lib/ next to a CUDA_HOME inferred from nvcc's symlink."""
+    import shutil
+
+    from torch.utils.cpp_extension import CUDA_HOME
+
+    if CUDA_HOME and (Path(CUDA_HOME) / "lib64" / "libcudart.so").exists():
+        return []
+    candidates = []
+    if CUDA_HOME:
+        candidates.append(Path(CUDA_HOME) / "lib")
+    nvcc = shutil.which("nvcc")
+    if nvcc:
+        real = Path(os.path.realpath(nvcc)).parent.parent
+        candidates += [real / "lib64", real / "lib"]
+    # nvcc may be a wrapper script; look where toolkits are usually installed
+    for root in sorted(Path("/usr/local").glob("cuda*"), reverse=True):
+        candidates += [root / "lib64", root / "lib"]
+    for c in candidates:
+        if (c / "libcudart.so").exists():
+            return [f"-L{c}"]
+    return []
+
+
 def _library_name(name: str, key: str, with_cuda: bool) -> str:
     return f"tbegen_{name}_{'cuda' if with_cuda else 'cpu'}_{key}"
 
@@ -114,9 +157,11 @@ def _compile(name: str, files: Dict[str, str], with_cuda: bool, out_dir: Path, l
     cpp_extension.load(
         name=libname,
         sources=sources,
-        extra_include_paths=[str(src / "include"), str(src / name)],
+        extra_include_paths=[str(src / "include"), str(src / name)]
+        + (_cuda_library_includes() if with_cuda else []),
         extra_cflags=CXX_FLAGS,
         extra_cuda_cflags=CUDA_FLAGS,
+        extra_ldflags=_cuda_link_flags() if with_cuda else [],
         build_directory=str(out_dir),
         with_cuda=with_cuda,
         is_python_module=False,
@@ -152,3 +197,29 @@ def load_spec(spec: OptimizerSpec, with_cuda: Optional[bool] = None, verbose: bo
     use_cuda = cuda_wanted(with_cuda)
     build_files(spec.name, spec_files(spec, use_cuda), use_cuda, verbose)
     return getattr(torch.ops, f"tbegen_{spec.name}")
+
+
+def _prebuild_one(args) -> str:
+    spec_path, with_cuda = args
+    from .spec import load_spec as parse
+
+    spec = parse(spec_path)
+    return str(build_files(spec.name, spec_files(spec, with_cuda), with_cuda, load=False))
+
+
+def prebuild(spec_paths, with_cuda: bool, jobs: Optional[int] = None) -> None:
+    """Builds several specs' extensions in parallel processes (into the cache, without loading
+    them), so that a test session pays for the slowest build rather than the sum."""
+    from concurrent.futures import ProcessPoolExecutor
+    import multiprocessing
+
+    todo = [(str(p), with_cuda) for p in spec_paths]
+    jobs = jobs or min(len(todo), os.cpu_count() or 1)
+    if jobs <= 1:
+        for item in todo:
+            _prebuild_one(item)
+        return
+    # each build compiles its files in parallel too; keep the total near the core count
+    os.environ.setdefault("MAX_JOBS", "1")
+    with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+        list(pool.map(_prebuild_one, todo))

@@ -47,16 +47,6 @@ inline at::Tensor forward_cpu(const at::Tensor& weights, const at::Tensor& featu
   return out;
 }
 
-inline void check_grad_output(const Batch& b, const at::Tensor& grad_output, const at::Tensor& weights) {
-  check_tensor(grad_output, "grad_output", weights);
-  TORCH_CHECK(grad_output.scalar_type() == at::kFloat, "tbegen: grad_output must be float32, got ",
-              dtype_name(grad_output.scalar_type()));
-  const int64_t rows = b.pooling == kPoolNone ? b.N : b.B;
-  const int64_t cols = b.pooling == kPoolNone ? b.max_D : b.total_D;
-  TORCH_CHECK(grad_output.dim() == 2 && grad_output.size(0) == rows && grad_output.size(1) == cols,
-              "tbegen: grad_output must have shape [", rows, ", ", cols, "], got ", grad_output.sizes());
-}
-
 inline at::Tensor grad_per_sample_weights_cpu(const at::Tensor& grad_output, const at::Tensor& weights,
                                               const at::Tensor& features, int64_t total_D, int64_t max_D,
                                               const at::Tensor& indices, const at::Tensor& offsets,

@@ -176,7 +176,7 @@ __global__ void __launch_bounds__(256) forward_kernel(ForwardArgs a, const W* __
         my_off = row_offset(ft, int64_t(indices[my_i]), my_i, a.weights_numel, a.error);
         my_scale = a.psw ? a.psw[my_i] : 1.0f;
       }
-      const int n = int(min<int64_t>(kWarpSize, end - base));
+      const int n = end - base < kWarpSize ? int(end - base) : kWarpSize;
       for (int j = 0; j < n; ++j) {
         const int64_t off = __shfl_sync(kFullMask, my_off, j);
         const float s = __shfl_sync(kFullMask, my_scale, j);
@@ -240,7 +240,7 @@ __global__ void __launch_bounds__(256) grad_psw_kernel(ForwardArgs a, const floa
     const int64_t f = bag / a.B, b = bag % a.B;
     const int64_t* ft = a.feat + f * kFeatColumns;
     const int D = int(ft[kFeatDim]);
-    const float scale = a.pooling == kPoolMean ? 1.0f / float(max<int64_t>(end - start, 1)) : 1.0f;
+    const float scale = a.pooling == kPoolMean ? 1.0f / float(end > start ? end - start : 1) : 1.0f;
     for (int64_t i = start; i < end; ++i) {
       const int64_t off = row_offset(ft, int64_t(indices[i]), i, a.weights_numel, a.error);
       if (off < 0) continue;

@@ -108,6 +108,16 @@ inline Batch check_batch(const at::Tensor& weights, const at::Tensor& features, 
   return b;
 }
 
+inline void check_grad_output(const Batch& b, const at::Tensor& grad_output, const at::Tensor& weights) {
+  check_tensor(grad_output, "grad_output", weights);
+  TORCH_CHECK(grad_output.scalar_type() == at::kFloat, "tbegen: grad_output must be float32, got ",
+              dtype_name(grad_output.scalar_type()));
+  const int64_t rows = b.pooling == kPoolNone ? b.N : b.B;
+  const int64_t cols = b.pooling == kPoolNone ? b.max_D : b.total_D;
+  TORCH_CHECK(grad_output.dim() == 2 && grad_output.size(0) == rows && grad_output.size(1) == cols,
+              "tbegen: grad_output must have shape [", rows, ", ", cols, "], got ", grad_output.sizes());
+}
+
 // Checks index ranges and offsets on the host (CPU tensors only).
 template <typename I>
 void check_indices_host(const Batch& b, const int64_t* feat, const I* indices, const I* offsets) {

@@ -1,0 +1,131 @@
+// tbegen runtime: definitions shared by the CPU and CUDA kernels of every optimizer.
+//
+// Layout (docs/layout.md): F features read T tables. `features` is an int64 [F, 5] tensor whose
+// columns are kFeatWeightsOffset (where the feature's table starts in the flat weights buffer),
+// kFeatRows (rows of that table), kFeatDim (its width D), kFeatOutOffset (first column of the
+// feature's block in the pooled output) and kFeatKeyBase (first linear key of the table; the
+// linear key key_base + row numbers every (table, row) pair and indexes per-row states).
+// Bag (f, b) is indices[offsets[f * B + b] : offsets[f * B + b + 1]].
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#if defined(__CUDACC__)
+#define TBEGEN_HD __host__ __device__
+#define TBEGEN_INLINE __forceinline__
+#define TBEGEN_UNROLL _Pragma("unroll")
+#else
+#define TBEGEN_HD
+#define TBEGEN_INLINE inline
+#define TBEGEN_UNROLL
+#endif
+
+// Loop over the elements of a row view that this thread owns (all D on the CPU; this lane's
+// 4-wide slices in CUDA, fully unrolled so that the per-element values stay in registers).
+#define TBEGEN_FOR_ELEMENTS(row, i) \
+  TBEGEN_UNROLL for (int i = 0; i < (row).extent(); ++i) if ((row).valid(i))
+
+namespace tbegen {
+
+enum Pooling : int64_t { kPoolSum = 0, kPoolMean = 1, kPoolNone = 2 };
+
+enum FeatureColumn : int64_t {
+  kFeatWeightsOffset = 0,
+  kFeatRows = 1,
+  kFeatDim = 2,
+  kFeatOutOffset = 3,
+  kFeatKeyBase = 4,
+  kFeatColumns = 5,
+};
+
+// Error codes raised by kernels through a flag the host reads after the launch.
+enum KernelError : int32_t {
+  kErrNone = 0,
+  kErrIndexOutOfRange = 1,
+  kErrRowOutsideWeights = 2,
+  kErrBadOffsets = 3,
+};
+
+// Number of bits needed to represent keys in [0, n).
+inline int bits_for(int64_t n) {
+  int bits = 1;
+  while (bits < 63 && (int64_t(1) << bits) < n) ++bits;
+  return bits;
+}
+
+// ---- weight element conversion ---------------------------------------------------------------
+
+template <typename T>
+struct WeightTraits;
+
+template <>
+struct WeightTraits<float> {
+  static TBEGEN_HD TBEGEN_INLINE float load(float x) { return x; }
+  static TBEGEN_HD TBEGEN_INLINE float round(float x, uint32_t /*random_bits*/, bool /*sr*/) { return x; }
+};
+
+// fp16 and bf16 are both sign-magnitude 16-bit formats, so one stochastic rounding works for both:
+// take the nearest value, find its neighbour on the other side of x, and move to the neighbour
+// with probability proportional to x's distance from the nearest. The expected value of the
+// result is x exactly (for x within the finite range).
+template <typename H>
+struct Half16Traits {
+  static TBEGEN_HD TBEGEN_INLINE float load(H x) { return static_cast<float>(x); }
+
+  static TBEGEN_HD TBEGEN_INLINE H from_bits(uint16_t bits) { return H(bits, typename H::from_bits_t{}); }
+
+  // The neighbouring representable value of h, one step up (towards +inf) or down.
+  static TBEGEN_HD TBEGEN_INLINE H step(H h, bool up) {
+    const uint16_t bits = h.x;
+    const bool negative = (bits & 0x8000u) != 0;
+    if ((bits & 0x7fffu) == 0) return from_bits(up ? 0x0001u : 0x8001u);  // +-0
+    const bool grow = (up != negative);                                    // magnitude grows
+    return from_bits(static_cast<uint16_t>(grow ? bits + 1 : bits - 1));
+  }
+
+  static TBEGEN_HD TBEGEN_INLINE H round(float x, uint32_t random_bits, bool stochastic) {
+    const H nearest = H(x);
+    if (!stochastic) return nearest;
+    const float n = static_cast<float>(nearest);
+    if (n == x || !(fabsf(n) <= 3.0e38f)) return nearest;  // exact, NaN or overflow
+    const H other = step(nearest, n < x);
+    const float o = static_cast<float>(other);
+    if (!(fabsf(o) <= 3.0e38f)) return nearest;
+    // probability of taking `other` = |x - n| / |o - n|  (< 1/2: nearest is the closer one)
+    const float p = fabsf(x - n) / fabsf(o - n);
+    const float u = static_cast<float>(random_bits >> 8) * (1.0f / 16777216.0f);
+    return u < p ? other : nearest;
+  }
+};
+
+template <>
+struct WeightTraits<c10::Half> : Half16Traits<c10::Half> {};
+template <>
+struct WeightTraits<c10::BFloat16> : Half16Traits<c10::BFloat16> {};
+
+// Counter-based random bits for stochastic rounding: a pure function of (seed, step, key,
+// element), so a step is reproducible bit for bit and different steps draw different bits.
+TBEGEN_HD TBEGEN_INLINE uint32_t random_bits(int64_t seed, int64_t step, int64_t key, int32_t d) {
+  uint64_t z = static_cast<uint64_t>(seed) * 0x9E3779B97F4A7C15ull;
+  z ^= static_cast<uint64_t>(step) + 0x632BE59BD9B4E019ull + (z << 6) + (z >> 2);
+  z ^= static_cast<uint64_t>(key) * 0xBF58476D1CE4E5B9ull + (z << 6) + (z >> 2);
+  z ^= static_cast<uint64_t>(d) * 0x94D049BB133111EBull + (z << 6) + (z >> 2);
+  // splitmix64 finaliser
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  z ^= z >> 31;
+  return static_cast<uint32_t>(z >> 32);
+}
+
+// What every backward kernel needs besides the optimizer's own parameters.
+struct RowUpdateContext {
+  bool stochastic_rounding;
+  int64_t seed;
+  int64_t step;
+};
+
+}  // namespace tbegen

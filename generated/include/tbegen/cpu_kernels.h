@@ -1,0 +1,213 @@
+// tbegen runtime: CPU kernels (forward pooled lookup, per-sample-weight gradient, and the backward
+// pass with a fused optimizer). The optimizer is a template parameter generated from its spec;
+// see the header of any generated optimizer.h for the interface it provides.
+//
+// The backward follows the CUDA algorithm (docs/algorithm.md): linearise (table, row) pairs into
+// keys, sort them stably, and for every unique key sum the gradient of its occurrences in index
+// order, then update the row once. Rows are independent, so they are processed in parallel and
+// the result does not depend on the number of threads.
+#pragma once
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+#include "tbegen/common.h"
+#include "tbegen/host.h"
+
+namespace tbegen {
+namespace cpu {
+
+// A row seen by the optimizer on the CPU: the whole row, with each per-element value in a
+// contiguous float array and each per-row state referenced in place.
+template <int kElementSlots, int kRowSlots>
+struct CpuRow {
+  int D;
+  float* g_;
+  float* w_;
+  float* element_[kElementSlots > 0 ? kElementSlots : 1];
+  float* row_[kRowSlots > 0 ? kRowSlots : 1];
+
+  int extent() const { return D; }
+  bool valid(int) const { return true; }
+  int dim() const { return D; }
+  float g(int i) const { return g_[i]; }
+  float& w(int i) { return w_[i]; }
+  float& element(int k, int i) { return element_[k][i]; }
+  float& row_state(int k) { return *row_[k]; }
+  // The loop already covered the whole row, so a reduction across "lanes" is the identity.
+  static float all_sum(float x) { return x; }
+  static float all_max(float x) { return x; }
+  static float all_min(float x) { return x; }
+};
+
+template <typename W, typename I>
+void forward(const Batch& b, const int64_t* feat, const W* weights, const I* indices,
+             const I* offsets, const float* psw, float* out) {
+  if (b.pooling == kPoolNone) {
+    at::parallel_for(0, b.F * b.B, 64, [&](int64_t begin, int64_t end) {
+      for (int64_t bag = begin; bag < end; ++bag) {
+        const int64_t* ft = feat + (bag / b.B) * kFeatColumns;
+        const int64_t D = ft[kFeatDim];
+        for (int64_t i = offsets[bag]; i < offsets[bag + 1]; ++i) {
+          const W* row = weights + ft[kFeatWeightsOffset] + int64_t(indices[i]) * D;
+          const float s = psw ? psw[i] : 1.0f;
+          float* o = out + i * b.max_D;
+          for (int64_t d = 0; d < D; ++d) o[d] = s * WeightTraits<W>::load(row[d]);
+        }
+      }
+    });
+    return;
+  }
+  at::parallel_for(0, b.B, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> acc(b.max_D);
+    for (int64_t bi = begin; bi < end; ++bi) {
+      for (int64_t f = 0; f < b.F; ++f) {
+        const int64_t* ft = feat + f * kFeatColumns;
+        const int64_t D = ft[kFeatDim];
+        const int64_t bag = f * b.B + bi;
+        const int64_t start = offsets[bag], stop = offsets[bag + 1];
+        std::fill(acc.begin(), acc.begin() + D, 0.0f);
+        for (int64_t i = start; i < stop; ++i) {
+          const W* row = weights + ft[kFeatWeightsOffset] + int64_t(indices[i]) * D;
+          const float s = psw ? psw[i] : 1.0f;
+          for (int64_t d = 0; d < D; ++d) acc[d] += s * WeightTraits<W>::load(row[d]);
+        }
+        const float scale = (b.pooling == kPoolMean && stop > start) ? 1.0f / float(stop - start) : 1.0f;
+        float* o = out + bi * b.total_D + ft[kFeatOutOffset];
+        for (int64_t d = 0; d < D; ++d) o[d] = acc[d] * scale;
+      }
+    }
+  });
+}
+
+// d loss / d per_sample_weights[i] = <grad of i's output, weight row of i> (/ L for mean).
+template <typename W, typename I>
+void grad_per_sample_weights(const Batch& b, const int64_t* feat, const float* grad_output,
+                             const W* weights, const I* indices, const I* offsets, float* grad) {
+  at::parallel_for(0, b.F * b.B, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t bag = begin; bag < end; ++bag) {
+      const int64_t f = bag / b.B, bi = bag % b.B;
+      const int64_t* ft = feat + f * kFeatColumns;
+      const int64_t D = ft[kFeatDim];
+      const int64_t start = offsets[bag], stop = offsets[bag + 1];
+      const float scale = b.pooling == kPoolMean ? 1.0f / float(std::max<int64_t>(stop - start, 1)) : 1.0f;
+      for (int64_t i = start; i < stop; ++i) {
+        const W* row = weights + ft[kFeatWeightsOffset] + int64_t(indices[i]) * D;
+        const float* go = b.pooling == kPoolNone ? grad_output + i * b.max_D
+                                                 : grad_output + bi * b.total_D + ft[kFeatOutOffset];
+        float dot = 0.0f;
+        for (int64_t d = 0; d < D; ++d) dot += go[d] * WeightTraits<W>::load(row[d]);
+        grad[i] = dot * scale;
+      }
+    }
+  });
+}
+
+// Stable LSD radix sort of (key, position) pairs on the low `bits` bits of the key, 11 bits a
+// pass. Stability keeps the occurrences of a key in index order, which fixes the summation order.
+inline void radix_sort_pairs(std::vector<int64_t>& keys, std::vector<int32_t>& pos, int bits) {
+  const size_t n = keys.size();
+  std::vector<int64_t> keys_tmp(n);
+  std::vector<int32_t> pos_tmp(n);
+  constexpr int kDigitBits = 11;
+  constexpr size_t kBuckets = size_t(1) << kDigitBits;
+  std::vector<size_t> count(kBuckets);
+  for (int shift = 0; shift < bits; shift += kDigitBits) {
+    std::fill(count.begin(), count.end(), 0);
+    for (size_t i = 0; i < n; ++i) ++count[(keys[i] >> shift) & (kBuckets - 1)];
+    size_t sum = 0;
+    for (size_t k = 0; k < kBuckets; ++k) {
+      const size_t c = count[k];
+      count[k] = sum;
+      sum += c;
+    }
+    for (size_t i = 0; i < n; ++i) {
+      const size_t dst = count[(keys[i] >> shift) & (kBuckets - 1)]++;
+      keys_tmp[dst] = keys[i];
+      pos_tmp[dst] = pos[i];
+    }
+    keys.swap(keys_tmp);
+    pos.swap(pos_tmp);
+  }
+}
+
+// The backward pass with the optimizer `Opt` fused in: updates weights and states in place.
+// grad_output is [B, total_D] (pooling sum/mean) or [N, max_D] (pooling none), float32.
+template <class Opt, typename W, typename I>
+void backward(const Batch& b, const int64_t* feat, int64_t total_hash_size, const float* grad_output,
+              W* weights, const I* indices, const I* offsets, const float* psw,
+              const typename Opt::Params& params, const RowUpdateContext& ctx) {
+  const int64_t nbags = b.F * b.B;
+  // 1. Linearise: key = the table's first key + row; remember each index's bag.
+  std::vector<int64_t> keys(b.N);
+  std::vector<int32_t> pos(b.N);
+  std::vector<int32_t> bag_of(b.N);
+  for (int64_t bag = 0; bag < nbags; ++bag) {
+    const int64_t key_base = feat[(bag / b.B) * kFeatColumns + kFeatKeyBase];
+    for (int64_t i = offsets[bag]; i < offsets[bag + 1]; ++i) {
+      keys[i] = key_base + int64_t(indices[i]);
+      pos[i] = int32_t(i);
+      bag_of[i] = int32_t(bag);
+    }
+  }
+  // 2. Sort by key, keeping index order within a key.
+  radix_sort_pairs(keys, pos, bits_for(total_hash_size));
+  // 3. Run-length encode: run r covers sorted positions [run_start[r], run_start[r + 1]).
+  std::vector<int64_t> run_start;
+  for (int64_t i = 0; i < b.N; ++i) {
+    if (i == 0 || keys[i] != keys[i - 1]) run_start.push_back(i);
+  }
+  run_start.push_back(b.N);
+  const int64_t num_runs = int64_t(run_start.size()) - 1;
+
+  // 4. Sum each unique row's gradient and apply the optimizer to it.
+  constexpr int kElementSlots = Opt::kElementStates + Opt::kTemporaries;
+  using Row = CpuRow<kElementSlots, Opt::kRowStates>;
+  at::parallel_for(0, num_runs, 32, [&](int64_t begin, int64_t end) {
+    std::vector<float> buf((2 + Opt::kTemporaries) * b.max_D);
+    for (int64_t r = begin; r < end; ++r) {
+      const int64_t first = run_start[r], last = run_start[r + 1];
+      const int64_t key = keys[first];
+      const int64_t f = bag_of[pos[first]] / b.B;
+      const int64_t* ft = feat + f * kFeatColumns;
+      const int D = int(ft[kFeatDim]);
+      const int64_t woff = ft[kFeatWeightsOffset] + (key - ft[kFeatKeyBase]) * D;
+
+      Row row;
+      row.D = D;
+      row.g_ = buf.data();
+      row.w_ = buf.data() + b.max_D;
+      std::fill(row.g_, row.g_ + D, 0.0f);
+      for (int64_t j = first; j < last; ++j) {
+        const int64_t i = pos[j];
+        const int64_t bag = bag_of[i];
+        float scale = psw ? psw[i] : 1.0f;
+        if (b.pooling == kPoolMean) scale /= float(offsets[bag + 1] - offsets[bag]);
+        // Features that share a table share its keys, but each has its own output columns.
+        const float* go = b.pooling == kPoolNone
+                              ? grad_output + i * b.max_D
+                              : grad_output + (bag % b.B) * b.total_D +
+                                    feat[(bag / b.B) * kFeatColumns + kFeatOutOffset];
+        for (int d = 0; d < D; ++d) row.g_[d] += scale * go[d];
+      }
+      W* wrow = weights + woff;
+      for (int d = 0; d < D; ++d) row.w_[d] = WeightTraits<W>::load(wrow[d]);
+      for (int k = 0; k < Opt::kElementStates; ++k) row.element_[k] = params.element_states[k] + woff;
+      for (int k = 0; k < Opt::kTemporaries; ++k) row.element_[Opt::kElementStates + k] = buf.data() + (2 + k) * b.max_D;
+      for (int k = 0; k < Opt::kRowStates; ++k) row.row_[k] = params.row_states[k] + key;
+
+      Opt::update_row(row, params, ctx.step);
+
+      for (int d = 0; d < D; ++d) {
+        const uint32_t bits = ctx.stochastic_rounding ? random_bits(ctx.seed, ctx.step, key, d) : 0u;
+        wrow[d] = WeightTraits<W>::round(row.w_[d], bits, ctx.stochastic_rounding);
+      }
+    }
+  });
+}
+
+}  // namespace cpu
+}  // namespace tbegen

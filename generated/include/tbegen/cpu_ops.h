@@ -1,0 +1,94 @@
+// tbegen runtime: CPU implementations of the operators, shared by every optimizer. They check the
+// arguments (host.h), dispatch on weight and index dtypes, and call the kernels (cpu_kernels.h).
+#pragma once
+
+#include "tbegen/cpu_kernels.h"
+#include "tbegen/host.h"
+
+namespace tbegen {
+namespace cpu {
+
+// Runs `body.template operator()<W, I>()` for the weight dtype and index dtype of a call.
+template <typename Body>
+void dispatch_types(const at::Tensor& weights, const at::Tensor& indices, Body&& body) {
+  auto with_index = [&](auto w_tag) {
+    using W = decltype(w_tag);
+    if (indices.scalar_type() == at::kInt) {
+      body(W{}, int32_t{});
+    } else {
+      body(W{}, int64_t{});
+    }
+  };
+  switch (weights.scalar_type()) {
+    case at::kFloat: with_index(float{}); break;
+    case at::kHalf: with_index(c10::Half{}); break;
+    case at::kBFloat16: with_index(c10::BFloat16{}); break;
+    default: TORCH_CHECK(false, "tbegen: unsupported weights dtype ", weights.scalar_type());
+  }
+}
+
+inline const float* optional_data(const c10::optional<at::Tensor>& t) {
+  return t.has_value() ? t->data_ptr<float>() : nullptr;
+}
+
+inline at::Tensor forward_cpu(const at::Tensor& weights, const at::Tensor& features, int64_t total_D,
+                              int64_t max_D, const at::Tensor& indices, const at::Tensor& offsets,
+                              const c10::optional<at::Tensor>& per_sample_weights, int64_t pooling) {
+  const Batch b = check_batch(weights, features, total_D, max_D, indices, offsets, per_sample_weights, pooling);
+  at::Tensor out = pooling == kPoolNone ? at::empty({b.N, b.max_D}, weights.options().dtype(at::kFloat))
+                                        : at::empty({b.B, b.total_D}, weights.options().dtype(at::kFloat));
+  dispatch_types(weights, indices, [&](auto w, auto i) {
+    using W = decltype(w);
+    using I = decltype(i);
+    check_indices_host<I>(b, features.data_ptr<int64_t>(), indices.data_ptr<I>(), offsets.data_ptr<I>());
+    forward<W, I>(b, features.data_ptr<int64_t>(), weights.data_ptr<W>(), indices.data_ptr<I>(),
+                  offsets.data_ptr<I>(), optional_data(per_sample_weights), out.data_ptr<float>());
+  });
+  return out;
+}
+
+inline at::Tensor grad_per_sample_weights_cpu(const at::Tensor& grad_output, const at::Tensor& weights,
+                                              const at::Tensor& features, int64_t total_D, int64_t max_D,
+                                              const at::Tensor& indices, const at::Tensor& offsets,
+                                              int64_t pooling) {
+  const Batch b = check_batch(weights, features, total_D, max_D, indices, offsets, c10::nullopt, pooling);
+  check_grad_output(b, grad_output, weights);
+  at::Tensor grad = at::empty({b.N}, weights.options().dtype(at::kFloat));
+  dispatch_types(weights, indices, [&](auto w, auto i) {
+    using W = decltype(w);
+    using I = decltype(i);
+    check_indices_host<I>(b, features.data_ptr<int64_t>(), indices.data_ptr<I>(), offsets.data_ptr<I>());
+    grad_per_sample_weights<W, I>(b, features.data_ptr<int64_t>(), grad_output.data_ptr<float>(),
+                                  weights.data_ptr<W>(), indices.data_ptr<I>(), offsets.data_ptr<I>(),
+                                  grad.data_ptr<float>());
+  });
+  return grad;
+}
+
+template <class Opt>
+void backward_cpu(const at::Tensor& grad_output, const at::Tensor& weights, const at::Tensor& features,
+                  int64_t total_D, int64_t max_D, int64_t total_hash_size, const at::Tensor& indices,
+                  const at::Tensor& offsets, const c10::optional<at::Tensor>& per_sample_weights,
+                  int64_t pooling, const typename Opt::Params& params, const RowUpdateContext& ctx) {
+  const Batch b = check_batch(weights, features, total_D, max_D, indices, offsets, per_sample_weights, pooling);
+  check_grad_output(b, grad_output, weights);
+  const int64_t* feat = features.data_ptr<int64_t>();
+  for (int64_t f = 0; f < b.F; ++f) {
+    const int64_t* ft = feat + f * kFeatColumns;
+    TORCH_CHECK(ft[kFeatKeyBase] >= 0 && ft[kFeatKeyBase] + ft[kFeatRows] <= total_hash_size,
+                "tbegen: feature ", f, "'s keys exceed total_hash_size = ", total_hash_size);
+  }
+  dispatch_types(weights, indices, [&](auto w, auto i) {
+    using W = decltype(w);
+    using I = decltype(i);
+    // All checks happen before the first write: bad input leaves weights and states untouched.
+    check_indices_host<I>(b, feat, indices.data_ptr<I>(), offsets.data_ptr<I>());
+    backward<Opt, W, I>(b, feat, total_hash_size, grad_output.data_ptr<float>(), weights.data_ptr<W>(),
+                        indices.data_ptr<I>(), offsets.data_ptr<I>(), optional_data(per_sample_weights),
+                        params, ctx);
+  });
+}
+
+}  // namespace cpu
+
+}  // namespace tbegen

@@ -1,0 +1,158 @@
+"""The `tbegen` command line (also `python -m tbegen`).
+
+    tbegen list                              the available optimizers and their summaries
+    tbegen validate FILE...                  check specs; every problem as file:line: field: message
+    tbegen render --optimizer NAME|PATH      write the sources of one optimizer (repeatable)
+    tbegen render --all                      write every optimizer's sources (and prune stale files)
+    tbegen check                             re-render in memory and diff against generated/
+    tbegen test --optimizer NAME [--device]  build one optimizer and check it numerically
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import click
+
+from . import render as rnd
+from .spec import SpecError, find_spec, list_specs, load_spec
+
+
+def _load(name_or_path: str):
+    try:
+        return load_spec(str(find_spec(name_or_path)))
+    except SpecError as e:
+        raise click.ClickException(f"invalid spec:\n{e}")
+    except ValueError as e:  # unknown name (lists the available ones)
+        raise click.ClickException(str(e))
+
+
+def _all_specs():
+    specs = []
+    problems = []
+    for path in list_specs():
+        try:
+            specs.append(load_spec(str(path)))
+        except SpecError as e:
+            problems.append(str(e))
+    if problems:
+        raise click.ClickException("invalid spec(s):\n" + "\n".join(problems))
+    return specs
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="tbegen", message="tbegen %(version)s")
+def main():
+    """Generate fused embedding-table training kernels (CUDA and CPU) from optimizer specs."""
+
+
+@main.command("list")
+def list_cmd():
+    """List the available optimizers with their one-line summaries."""
+    specs = _all_specs()
+    width = max((len(s.name) for s in specs), default=0)
+    for s in specs:
+        click.echo(f"{s.name:<{width}}  {s.summary}")
+
+
+@main.command()
+@click.argument("files", nargs=-1, required=True, type=click.Path(dir_okay=False))
+def validate(files):
+    """Check spec files; report every problem as FILE:LINE: FIELD: MESSAGE."""
+    failed = False
+    for f in files:
+        try:
+            load_spec(f)
+        except SpecError as e:
+            failed = True
+            for p in e.problems:
+                click.echo(str(p), err=True)
+        except OSError as e:
+            failed = True
+            click.echo(f"{f}:0: file: {e.strerror or e}", err=True)
+        else:
+            click.echo(f"{f}: ok")
+    sys.exit(1 if failed else 0)
+
+
+@main.command()
+@click.option("--optimizer", "-o", "optimizers", multiple=True, help="Spec name in optimizers/ or a path to a YAML file.")
+@click.option("--all", "all_", is_flag=True, help="Render every spec in optimizers/.")
+@click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Output directory (default: generated/ of the project).")
+def render(optimizers, all_, out):
+    """Write the kernel sources, host wrappers and Python module of optimizers."""
+    if not optimizers and not all_:
+        raise click.UsageError("give --optimizer NAME (repeatable) or --all")
+    out = out or rnd.DEFAULT_OUT
+    if all_:
+        files = rnd.render_tree(_all_specs())
+        result = rnd.write_files(files, out, prune=True)
+    else:
+        files = rnd.render_static()
+        for name in optimizers:
+            files.update(rnd.render_spec(_load(name)))
+        if out.resolve() == rnd.DEFAULT_OUT.resolve():
+            files["MANIFEST"] = rnd.render_tree(_all_specs())["MANIFEST"]
+        result = rnd.write_files(files, out)
+    for rel in result.written:
+        click.echo(f"wrote {out / rel}")
+    for rel in result.removed:
+        click.echo(f"removed {out / rel}")
+    click.echo(f"{len(result.written)} written, {len(result.unchanged)} unchanged, {len(result.removed)} removed")
+
+
+@main.command()
+@click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Directory to compare (default: generated/ of the project).")
+def check(out):
+    """Re-render everything in memory and compare with generated/ (never writes)."""
+    out = out or rnd.DEFAULT_OUT
+    files = rnd.render_tree(_all_specs())
+    diffs = rnd.diff_tree(files, out)
+    if not diffs:
+        click.echo(f"generated/ is up to date ({len(files)} files)")
+        return
+    for d in diffs:
+        click.echo(d, nl=False)
+    click.echo(f"\n{len(diffs)} file(s) differ from a fresh render. Fix: tbegen render --all", err=True)
+    sys.exit(1)
+
+
+@main.command()
+@click.option("--optimizer", "-o", required=True, help="Spec name in optimizers/ or a path to a YAML file.")
+@click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
+@click.option("--quick", is_flag=True, help="Only fp32 cases.")
+@click.option("--verbose", "-v", is_flag=True, help="Print every case and the compiler's output.")
+def test(optimizer, device, quick, verbose):
+    """Build one optimizer and check it against its spec's float64 reference."""
+    spec = _load(optimizer)
+    import torch
+
+    from . import build, harness
+
+    if device == "cuda" and not torch.cuda.is_available():
+        raise click.ClickException("--device cuda: no CUDA device is available here")
+    t0 = time.perf_counter()
+    ops = build.load_spec(spec, with_cuda=(device == "cuda"), verbose=verbose)
+    click.echo(f"{spec.name}: extension ready in {time.perf_counter() - t0:.1f} s")
+    dtypes = (torch.float32,) if quick else (torch.float32, torch.float16, torch.bfloat16)
+    cases = harness.standard_cases(spec, dtypes=dtypes)
+    results = []
+    t0 = time.perf_counter()
+    with click.progressbar(cases, label=f"checking {spec.name} on {device}", show_pos=True,
+                           file=sys.stderr) as bar:
+        for case in bar:
+            r = harness.run_case(spec, ops, case, device=device)
+            results.append(r)
+            if verbose:
+                click.echo(f"  {case.id}: worst {r.worst:.3g}" + (" FAILED" if r.failures else ""), err=True)
+    click.echo(harness.summarize(results))
+    click.echo(f"checked in {time.perf_counter() - t0:.1f} s")
+    sys.exit(1 if any(r.failures for r in results) else 0)
+
+
+if __name__ == "__main__":
+    main()
