@@ -53,6 +53,8 @@ class Case:
     stochastic_rounding: bool = False
     max_segment_length_per_warp: int = 32
     hyper: Tuple[Tuple[str, object], ...] = ()
+    # every index of the batch is row 0 of its feature's table
+    all_same: bool = False
     seed: int = 0
 
     @property
@@ -65,6 +67,14 @@ class Case:
             parts.append("ftm" + "".join(map(str, self.feature_table_map)))
         if self.stochastic_rounding:
             parts.append("sr")
+        if self.all_same:
+            parts.append("allsame")
+        if self.B != 16:
+            parts.append(f"B{self.B}")
+        if self.hot != 40:
+            parts.append(f"hot{self.hot}")
+        if self.max_segment_length_per_warp != 32:
+            parts.append(f"seg{self.max_segment_length_per_warp}")
         parts += [f"{k}={v}" for k, v in self.hyper]
         return "-".join(parts)
 
@@ -119,6 +129,8 @@ def random_batch(case: Case, layout: Layout, gen: torch.Generator) -> Batch:
             if case.empty_bags and b % 5 == 1:
                 L = 0
             picks = rows[torch.randint(0, pool, (L,), generator=gen)].tolist()
+            if case.all_same:
+                picks = [0] * L
             if f == 0 and case.hot and b % 5 != 1:
                 picks += [0] * (case.hot // max(1, B - (B + 3) // 5) + 1)
             bags.append(picks)

@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# Everything the GPU machine checks, in one command (the device tool runs it from the repo root):
+#   benchmarks/run_gpu.sh [build] [tests] [sanitize] [bench] [fbgemm]   (default: all)
+# Logs and results go to $OUT (default /tmp/tbegen-gpu-out). See docs/gpu-results.md.
+set -u
+OUT=${OUT:-/tmp/tbegen-gpu-out}
+mkdir -p "$OUT"
+export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}
+export TBEGEN_BUILD_DIR=${TBEGEN_BUILD_DIR:-/tmp/tbegen-build}
+export PYTHONPATH=$PWD:${PYTHONPATH:-}
+export PYTHONUNBUFFERED=1
+steps=${*:-build tests sanitize bench fbgemm}
+has() { [[ " $steps " == *" $1 "* ]]; }
+status=0
+
+{
+  date -u +"date: %Y-%m-%d %H:%M UTC"
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | sed 's/^/gpu: /'
+  python3 -c "import torch, sys; print('python:', sys.version.split()[0]); print('torch:', torch.__version__, 'cuda', torch.version.cuda)"
+  nvcc --version | tail -n 2 | head -n 1 | sed 's/^/nvcc: /'
+} | tee "$OUT/env.txt"
+
+if has build; then
+  start=$(date +%s)
+  python3 -c "
+from tbegen import build; from tbegen.spec import list_specs
+build.prebuild(list_specs(), with_cuda=True)" > "$OUT/build.log" 2>&1 || { status=1; tail -n 60 "$OUT/build.log"; }
+  echo "build of all extensions (parallel): $(( $(date +%s) - start )) s" | tee -a "$OUT/env.txt"
+fi
+if has tests; then
+  python3 -m pytest -m cuda tests/test_cuda.py -q -p no:cacheprovider --junitxml="$OUT/junit_cuda.xml" \
+    > "$OUT/pytest_cuda.log" 2>&1 || status=1
+  tail -n 25 "$OUT/pytest_cuda.log"
+fi
+if has sanitize; then
+  for tool in memcheck racecheck; do
+    PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout 400 compute-sanitizer --tool $tool --print-limit 20 \
+      python3 benchmarks/sanitize_cases.py rowwise_adagrad adam > "$OUT/sanitize_$tool.log" 2>&1 || status=1
+    echo "== $tool"; grep -E "ERROR SUMMARY|RACECHECK SUMMARY|FAILED|Error" "$OUT/sanitize_$tool.log" | head -n 8
+  done
+fi
+if has bench; then
+  python3 benchmarks/bench.py --out "$OUT" 2>&1 | tee "$OUT/bench.log" | grep -v Warning || status=1
+fi
+if has fbgemm; then
+  if [ -d .anchor/bundle ]; then
+    python3 .anchor/unpack_bundle.py .anchor/bundle /tmp/fbg_site > /dev/null 2>&1 &&
+    PYTHONPATH=/tmp/fbg_site:$PYTHONPATH CUDA_MODULE_LOADING=LAZY python3 .anchor/bench_tbe.py --check --out "$OUT/fbgemm" \
+      > "$OUT/fbgemm.log" 2>&1 || status=1
+    grep -vi "compat table" "$OUT/fbgemm.log" | tail -n 30
+  else
+    echo "fbgemm: .anchor/bundle not carried; skipped"
+  fi
+fi
+exit $status

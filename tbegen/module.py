@@ -1,0 +1,582 @@
+"""`TableBatchedEmbeddingBags`: the runtime face of tbegen, one `torch.nn.Module` for many tables.
+
+    emb = tbegen.TableBatchedEmbeddingBags(
+        tables=[(1_000_000, 128), (50_000, 64)], optimizer="rowwise_adagrad", pooling="sum",
+        weights_dtype=torch.float32, device="cuda", learning_rate=0.05, eps=1e-8)
+    out = emb(indices, offsets)          # [B, 192]; offsets has F*B+1 entries, feature-major
+    loss_fn(mlp(out)).backward()         # the fused optimizer update happens here
+
+The optimizer update is fused into the backward pass (see docs/module.md): no weight gradient is
+ever materialised, and every backward through an output of this module updates the touched rows
+once (also a second backward of a retained graph). With optimizer="none" the module instead
+behaves like an ordinary layer: its flat weights are an nn.Parameter that receives a dense
+gradient, for any torch optimizer.
+
+Layout (shared with the operators, tbegen/layout.py): all tables live in one flat `weights`
+buffer, table t at `layout.table_offsets[t]`, row-major [rows, dim]; per-element optimizer states
+have the weights' layout, per-row states one float per row of every table (table t's rows start
+at `layout.table_key_base[t]`).
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+import numbers
+import os
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+
+import torch
+from torch import nn
+from torch.autograd.graph import increment_version
+
+from . import build
+from .layout import POOLING, Layout, make_layout
+from .model import OptimizerSpec
+from .spec import find_spec, load_spec
+
+__all__ = ["TableBatchedEmbeddingBags", "DTYPES", "INDEX_DTYPES"]
+
+# Weight dtypes the operators support, with the names accepted for them.
+DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float": torch.float32,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+}
+INDEX_DTYPES = (torch.int32, torch.int64)
+
+# Keyword arguments of the constructor other than hyperparameters (for error messages).
+_MODULE_ARGS = (
+    "tables",
+    "optimizer",
+    "pooling",
+    "weights_dtype",
+    "stochastic_rounding",
+    "device",
+    "feature_table_map",
+    "seed",
+    "max_segment_length_per_warp",
+)
+
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+
+# OptimizerSpec -> torch.ops.tbegen_NAME (build.load_spec caches too, but re-renders to hash).
+_OPS: Dict[OptimizerSpec, Any] = {}
+
+
+def _ops_for(spec: OptimizerSpec):
+    ops = _OPS.get(spec)
+    if ops is None:
+        ops = build.load_spec(spec, with_cuda=None)
+        _OPS[spec] = ops
+    return ops
+
+
+# ---- argument checking -----------------------------------------------------------------------
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def _resolve_spec(optimizer) -> OptimizerSpec:
+    if isinstance(optimizer, OptimizerSpec):
+        return optimizer
+    if not isinstance(optimizer, (str, os.PathLike)):
+        raise TypeError(
+            f"tbegen: optimizer must be a spec name (e.g. 'rowwise_adagrad'), a path to a YAML spec or "
+            f"an OptimizerSpec, got {type(optimizer).__name__}"
+        )
+    return load_spec(find_spec(optimizer))
+
+
+def _check_tables(tables) -> Tuple[Tuple[int, int], ...]:
+    if isinstance(tables, (str, bytes)) or not isinstance(tables, Sequence):
+        raise TypeError(f"tbegen: tables must be a list of (rows, dim) pairs, got {type(tables).__name__}")
+    out = []
+    for t, entry in enumerate(tables):
+        ok = isinstance(entry, Sequence) and len(entry) == 2 and all(_is_int(x) for x in entry)
+        if not ok:
+            raise TypeError(f"tbegen: tables[{t}] must be a (rows, dim) pair of ints, got {entry!r}")
+        out.append((int(entry[0]), int(entry[1])))
+    return tuple(out)
+
+
+def _check_dtype(weights_dtype) -> torch.dtype:
+    if isinstance(weights_dtype, str) and weights_dtype in DTYPES:
+        return DTYPES[weights_dtype]
+    if isinstance(weights_dtype, torch.dtype) and weights_dtype in DTYPES.values():
+        return weights_dtype
+    raise ValueError(
+        f"tbegen: weights_dtype must be torch.float32, torch.float16 or torch.bfloat16 "
+        f"(or one of the names {sorted(DTYPES)}), got {weights_dtype!r}"
+    )
+
+
+def _check_device(device) -> torch.device:
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"tbegen: device must be 'cpu' or 'cuda' (or 'cuda:N'), got {device!r}") from e
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"tbegen: device must be 'cpu' or 'cuda' (or 'cuda:N'), got {device!r}")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError(f"tbegen: device {device!r} was asked for, but CUDA is not available to torch here")
+    return dev
+
+
+def _describe_hyperparameters(spec: OptimizerSpec) -> str:
+    if not spec.hyperparameters:
+        return f"optimizer {spec.name!r} has no hyperparameters"
+    parts = []
+    for h in spec.hyperparameters:
+        text = f"{h.name} ({h.type}, " + ("required" if h.required else f"default {h.default!r}")
+        if h.choices:
+            text += f", one of {list(h.choices)!r}"
+        parts.append(text + ")")
+    return f"the hyperparameters of optimizer {spec.name!r} are: " + ", ".join(parts)
+
+
+def _convert_hyperparameter(spec: OptimizerSpec, name: str, value):
+    """One hyperparameter value, checked against its declared type and choices."""
+    h = spec.hyperparameter(name)
+    if h.type == "float":
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            raise TypeError(
+                f"tbegen: hyperparameter {name!r} of optimizer {spec.name!r} must be a float, "
+                f"got {type(value).__name__} {value!r}"
+            )
+        converted = float(value)
+        if not math.isfinite(converted):
+            raise ValueError(f"tbegen: hyperparameter {name!r} of optimizer {spec.name!r} must be finite, got {value!r}")
+    elif h.type == "int":
+        if not _is_int(value):
+            raise TypeError(
+                f"tbegen: hyperparameter {name!r} of optimizer {spec.name!r} must be an int, "
+                f"got {type(value).__name__} {value!r}"
+            )
+        converted = int(value)
+        if not _INT64_MIN <= converted <= _INT64_MAX:
+            raise ValueError(f"tbegen: hyperparameter {name!r} of optimizer {spec.name!r} does not fit in int64: {value!r}")
+    else:  # bool
+        if not isinstance(value, bool):
+            raise TypeError(
+                f"tbegen: hyperparameter {name!r} of optimizer {spec.name!r} must be a bool, "
+                f"got {type(value).__name__} {value!r}"
+            )
+        converted = value
+    if h.choices is not None and converted not in h.choices:
+        raise ValueError(
+            f"tbegen: hyperparameter {name!r} of optimizer {spec.name!r} must be one of "
+            f"{list(h.choices)!r}, got {value!r}" + (f" ({h.doc})" if h.doc else "")
+        )
+    return converted
+
+
+def _unknown_names_error(spec: OptimizerSpec, unknown: Sequence[str], also: Sequence[str] = ()) -> TypeError:
+    valid = [h.name for h in spec.hyperparameters]
+    hints = []
+    for name in unknown:
+        close = difflib.get_close_matches(name, list(valid) + list(also), n=1)
+        if close:
+            hints.append(f"{name!r} (did you mean {close[0]!r}?)")
+        else:
+            hints.append(repr(name))
+    message = f"tbegen: unknown hyperparameter(s) {', '.join(hints)} for optimizer {spec.name!r}; "
+    message += _describe_hyperparameters(spec)
+    if also:
+        message += f"; the module's other arguments are: {', '.join(also)}"
+    return TypeError(message)
+
+
+def check_hyperparameters(spec: OptimizerSpec, given: Dict[str, Any], *, complete: bool = True,
+                          also: Sequence[str] = ()) -> Dict[str, Any]:
+    """Checks `given` against the spec's hyperparameters and returns them converted.
+
+    With `complete`, fills in the defaults and requires every hyperparameter without one; the
+    result then has one entry per hyperparameter, in the spec's order (the operators' order).
+    """
+    unknown = [k for k in given if k not in {h.name for h in spec.hyperparameters}]
+    if unknown:
+        raise _unknown_names_error(spec, unknown, also)
+    values = {k: _convert_hyperparameter(spec, k, v) for k, v in given.items()}
+    if not complete:
+        return values
+    missing = [h.name for h in spec.hyperparameters if h.required and h.name not in values]
+    if missing:
+        raise TypeError(
+            f"tbegen: optimizer {spec.name!r} needs a value for the required hyperparameter(s) "
+            f"{', '.join(missing)}; {_describe_hyperparameters(spec)}"
+        )
+    return {h.name: values[h.name] if h.name in values else h.default for h in spec.hyperparameters}
+
+
+# ---- the autograd function -------------------------------------------------------------------
+
+
+class _Lookup(torch.autograd.Function):
+    """Forward: the pooled lookup. Backward: the per-sample-weight gradient (from the weights as
+    they are before the update), then the fused update (or, for optimizer "none", the dense
+    weight gradient).
+
+    Its first input is what ties it into the autograd graph: for the fused optimizers a fresh
+    zero-size tensor that requires grad (the "anchor": it makes the output require grad, so that
+    the engine calls this backward even when nothing else needs a gradient; it gets no gradient);
+    for optimizer "none" the flat weights parameter itself, which receives the dense gradient.
+    """
+
+    @staticmethod
+    def forward(ctx, module: "TableBatchedEmbeddingBags", anchor_or_weights, indices, offsets, per_sample_weights):
+        ctx.module = module
+        ctx.save_for_backward(indices, offsets, per_sample_weights)
+        return module._ops.forward(
+            module.weights.detach(), module.features, module.layout.total_D, module.layout.max_D,
+            indices, offsets, per_sample_weights, module._pooling_id,
+        )
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_output):
+        module: TableBatchedEmbeddingBags = ctx.module
+        indices, offsets, per_sample_weights = ctx.saved_tensors
+        grad_output = grad_output.to(torch.float32).contiguous()
+        grad_psw = None
+        if per_sample_weights is not None and ctx.needs_input_grad[4]:
+            grad_psw = module._ops.grad_per_sample_weights(
+                grad_output, module.weights.detach(), module.features, module.layout.total_D,
+                module.layout.max_D, indices, offsets, module._pooling_id,
+            )
+        grad_weights = None
+        if module.dense_gradient:
+            if ctx.needs_input_grad[1]:
+                grad_weights = torch.zeros_like(module.weights, memory_format=torch.contiguous_format)
+                module._run_backward(grad_output, grad_weights, indices, offsets, per_sample_weights)
+        else:
+            module._run_backward(grad_output, module.weights, indices, offsets, per_sample_weights)
+        return None, grad_weights, None, None, grad_psw
+
+
+# ---- the module -------------------------------------------------------------------------------
+
+
+class TableBatchedEmbeddingBags(nn.Module):
+    """Many embedding tables, looked up together, trained by an optimizer fused into the backward.
+
+    Args:
+        tables: (rows, dim) per table; dims are multiples of 4 from 4 to 1024.
+        optimizer: a spec name from optimizers/ ("sgd", "adagrad", "rowwise_adagrad", "adam",
+            "none", ...), a path to a YAML spec, or a loaded `OptimizerSpec`. "none" is the
+            dense-gradient mode (no fused update; `weights` is an nn.Parameter with a dense .grad).
+        pooling: "sum", "mean" or "none" (one output row per index; every table the same dim).
+        weights_dtype: torch.float32, torch.float16 or torch.bfloat16. Optimizer states are float32.
+        stochastic_rounding: round fp16/bf16 weights stochastically after each update (the random
+            bits are a pure function of (seed, step, row, element), so runs are reproducible).
+        device: "cpu" or "cuda" ("cuda:N").
+        feature_table_map: the table each feature reads (default: feature t reads table t); several
+            features may share a table. The input then has one block of bags per feature.
+        seed: seeds the default weight initialisation and the stochastic rounding.
+        max_segment_length_per_warp: rows looked up at least this many times in a batch are
+            reduced by a whole thread block instead of one warp (CUDA; a tuning knob).
+        **hyperparameters: the optimizer's hyperparameters by name (e.g. learning_rate=0.05);
+            the spec's defaults for those not given. Unknown names, wrong types, values outside a
+            hyperparameter's `choices`, and missing required ones are errors.
+
+    Weights start as uniform(-sqrt(1/dim), sqrt(1/dim)) per table, drawn in float32 on the CPU
+    from a torch.Generator seeded with `seed`, table by table, then rounded to `weights_dtype` and
+    copied to `device` (so CPU and CUDA modules start identical). Overwrite them through
+    `split_embedding_weights()` for another initialisation.
+    """
+
+    def __init__(
+        self,
+        tables: Sequence[Tuple[int, int]],
+        optimizer: Union[str, os.PathLike, OptimizerSpec] = "rowwise_adagrad",
+        pooling: str = "sum",
+        weights_dtype: Union[torch.dtype, str] = torch.float32,
+        stochastic_rounding: bool = True,
+        device: Union[str, torch.device] = "cpu",
+        feature_table_map: Optional[Sequence[int]] = None,
+        seed: int = 0,
+        max_segment_length_per_warp: int = 32,
+        **hyperparameters,
+    ):
+        super().__init__()
+        # Check everything before building anything.
+        spec = _resolve_spec(optimizer)
+        hyper = check_hyperparameters(spec, hyperparameters, also=_MODULE_ARGS)
+        tables = _check_tables(tables)
+        if feature_table_map is not None:
+            if isinstance(feature_table_map, (str, bytes)) or not isinstance(feature_table_map, Sequence) or not all(
+                _is_int(t) for t in feature_table_map
+            ):
+                raise TypeError(f"tbegen: feature_table_map must be a list of table numbers, got {feature_table_map!r}")
+        layout = make_layout(tables, feature_table_map)
+        if pooling not in POOLING:
+            raise ValueError(f"tbegen: pooling must be one of {sorted(POOLING)}, got {pooling!r}")
+        if pooling == "none" and len({D for _, D in layout.tables}) != 1:
+            raise ValueError(
+                f"tbegen: pooling 'none' returns one [N, dim] block, so every table needs the same dim; "
+                f"got dims {[D for _, D in layout.tables]}"
+            )
+        dtype = _check_dtype(weights_dtype)
+        dev = _check_device(device)
+        if not isinstance(stochastic_rounding, bool):
+            raise TypeError(f"tbegen: stochastic_rounding must be a bool, got {stochastic_rounding!r}")
+        if not _is_int(seed) or not _INT64_MIN <= seed <= _INT64_MAX:
+            raise TypeError(f"tbegen: seed must be an int (int64), got {seed!r}")
+        if not _is_int(max_segment_length_per_warp) or max_segment_length_per_warp < 1:
+            raise ValueError(
+                f"tbegen: max_segment_length_per_warp must be a positive int, got {max_segment_length_per_warp!r}"
+            )
+
+        self.spec: OptimizerSpec = spec
+        self.layout: Layout = layout
+        self.pooling: str = pooling
+        self.weights_dtype: torch.dtype = dtype
+        self.stochastic_rounding: bool = stochastic_rounding
+        self.seed: int = int(seed)
+        self.max_segment_length_per_warp: int = int(max_segment_length_per_warp)
+        self._hyperparameters: Dict[str, Any] = hyper
+        self._step: int = 0
+        self._pooling_id = POOLING[pooling]
+
+        # Builds the extension on first use of this optimizer (cached on disk by content hash).
+        self._ops = _ops_for(spec)
+
+        weights = self._initial_weights(dev)
+        if self.dense_gradient:
+            self.weights = nn.Parameter(weights)
+        else:
+            self.register_buffer("weights", weights)
+        self.states = nn.Module()
+        for s in spec.states:
+            n = layout.weights_numel if s.per == "element" else layout.total_hash_size
+            self.states.register_buffer(s.name, torch.full((n,), float(s.init), dtype=torch.float32, device=dev))
+        self.register_buffer("features", layout.features_tensor(dev), persistent=False)
+
+    # ---- construction helpers ----
+
+    def _initial_weights(self, device: torch.device) -> torch.Tensor:
+        gen = torch.Generator().manual_seed(self.seed)
+        weights = torch.empty(self.layout.weights_numel, dtype=self.weights_dtype, device=device)
+        for t, (E, D) in enumerate(self.layout.tables):
+            bound = math.sqrt(1.0 / D)
+            table = torch.empty(E * D, dtype=torch.float32).uniform_(-bound, bound, generator=gen)
+            start = self.layout.table_offsets[t]
+            weights[start : start + E * D].copy_(table.to(self.weights_dtype))
+        return weights
+
+    # ---- properties ----
+
+    @property
+    def optimizer(self) -> str:
+        """The optimizer's name."""
+        return self.spec.name
+
+    @property
+    def dense_gradient(self) -> bool:
+        """True for optimizer "none": no fused update, `weights` gets a dense .grad."""
+        return self.spec.name == "none"
+
+    @property
+    def step(self) -> int:
+        """Number of backward passes (updates) run so far; the next update runs with step + 1."""
+        return self._step
+
+    @property
+    def hyperparameters(self) -> Dict[str, Any]:
+        """A copy of the current hyperparameters, in the spec's order."""
+        return dict(self._hyperparameters)
+
+    @property
+    def num_features(self) -> int:
+        return self.layout.num_features
+
+    @property
+    def tables(self) -> Tuple[Tuple[int, int], ...]:
+        return self.layout.tables
+
+    # ---- hyperparameters ----
+
+    def set_hyperparameters(self, **hyperparameters) -> None:
+        """Changes hyperparameters by name (checked like the constructor's); the next backward uses them."""
+        values = check_hyperparameters(self.spec, hyperparameters, complete=False)
+        self._hyperparameters.update(values)
+
+    def set_learning_rate(self, learning_rate: float) -> None:
+        """Sets the hyperparameter `learning_rate` (the optimizer must have one)."""
+        if "learning_rate" not in self._hyperparameters:
+            raise TypeError(
+                f"tbegen: optimizer {self.spec.name!r} has no learning_rate; {_describe_hyperparameters(self.spec)}"
+            )
+        self.set_hyperparameters(learning_rate=learning_rate)
+
+    def get_learning_rate(self) -> float:
+        if "learning_rate" not in self._hyperparameters:
+            raise TypeError(f"tbegen: optimizer {self.spec.name!r} has no learning_rate")
+        return self._hyperparameters["learning_rate"]
+
+    # ---- per-table views ----
+
+    def split_embedding_weights(self) -> List[torch.Tensor]:
+        """Per table, a [rows, dim] view into the flat weights (writable; detached from autograd)."""
+        w = self.weights.detach()
+        return [
+            w[off : off + E * D].view(E, D) for (E, D), off in zip(self.layout.tables, self.layout.table_offsets)
+        ]
+
+    def split_optimizer_states(self) -> List[Dict[str, torch.Tensor]]:
+        """Per table, {state name: view}: per-element states [rows, dim], per-row states [rows]."""
+        out = []
+        for t, (E, D) in enumerate(self.layout.tables):
+            views = {}
+            for s in self.spec.states:
+                buf = getattr(self.states, s.name)
+                if s.per == "element":
+                    off = self.layout.table_offsets[t]
+                    views[s.name] = buf[off : off + E * D].view(E, D)
+                else:
+                    kb = self.layout.table_key_base[t]
+                    views[s.name] = buf[kb : kb + E]
+            out.append(views)
+        return out
+
+    def optimizer_state(self, name: str) -> torch.Tensor:
+        """The flat buffer of one optimizer state."""
+        if name not in {s.name for s in self.spec.states}:
+            raise KeyError(f"tbegen: optimizer {self.spec.name!r} has no state {name!r}; "
+                           f"its states are {[s.name for s in self.spec.states]}")
+        return getattr(self.states, name)
+
+    # ---- state_dict: weights and states are buffers; the rest travels as extra state ----
+
+    def get_extra_state(self) -> Dict[str, Any]:
+        return {
+            "optimizer": self.spec.name,
+            "step": self._step,
+            "hyperparameters": dict(self._hyperparameters),
+            "seed": self.seed,
+            "tables": [list(t) for t in self.layout.tables],
+            "feature_table_map": list(self.layout.feature_table_map),
+            "pooling": self.pooling,
+            "weights_dtype": str(self.weights_dtype).replace("torch.", ""),
+        }
+
+    def set_extra_state(self, state: Dict[str, Any]) -> None:
+        if not isinstance(state, dict) or "step" not in state:
+            raise RuntimeError("tbegen: the state_dict's _extra_state is not one written by TableBatchedEmbeddingBags")
+        mine = self.get_extra_state()
+        for key in ("optimizer", "tables", "feature_table_map", "pooling", "weights_dtype"):
+            if key in state and state[key] != mine[key]:
+                raise RuntimeError(
+                    f"tbegen: cannot load a state_dict saved with {key} = {state[key]!r} into a module with "
+                    f"{key} = {mine[key]!r}"
+                )
+        hyper = check_hyperparameters(self.spec, dict(state.get("hyperparameters", {})), complete=False)
+        step = state["step"]
+        if not _is_int(step) or step < 0:
+            raise RuntimeError(f"tbegen: the state_dict's step counter must be a non-negative int, got {step!r}")
+        self._hyperparameters.update(hyper)
+        self._step = int(step)
+        if "seed" in state:
+            self.seed = int(state["seed"])
+
+    # ---- forward / backward ----
+
+    def _check_buffers(self) -> None:
+        w = self.weights
+        if w.dtype != self.weights_dtype:
+            raise RuntimeError(
+                f"tbegen: the weights are {w.dtype} but the module was built for {self.weights_dtype} "
+                f"(module.half()/.to(dtype) converts buffers; choose weights_dtype at construction instead)"
+            )
+        for s in self.spec.states:
+            if getattr(self.states, s.name).dtype != torch.float32:
+                raise RuntimeError(f"tbegen: optimizer state {s.name!r} must stay float32 (was the module converted with .half()/.to(dtype)?)")
+
+    def _check_input(self, indices, offsets, per_sample_weights):
+        device = self.weights.device
+        F = self.layout.num_features
+        for name, t in (("indices", indices), ("offsets", offsets)):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"tbegen: {name} must be a torch.Tensor, got {type(t).__name__}")
+            if t.dtype not in INDEX_DTYPES:
+                raise TypeError(f"tbegen: {name} must be int32 or int64, got {t.dtype}")
+            if t.dim() != 1:
+                raise ValueError(f"tbegen: {name} must be 1-D, got shape {tuple(t.shape)}")
+            if t.device != device:
+                raise ValueError(f"tbegen: {name} is on {t.device} but the module's weights are on {device}")
+        n_off = offsets.numel()
+        if n_off < 1 or (n_off - 1) % F:
+            raise ValueError(
+                f"tbegen: offsets must have F * B + 1 entries for F = {F} feature(s) and a batch of B "
+                f"(feature-major: bag (f, b) is indices[offsets[f*B+b] : offsets[f*B+b+1]]), got {n_off}"
+            )
+        if indices.dtype != offsets.dtype:
+            indices, offsets = indices.to(torch.int64), offsets.to(torch.int64)
+        if per_sample_weights is not None:
+            if not isinstance(per_sample_weights, torch.Tensor):
+                raise TypeError(f"tbegen: per_sample_weights must be a torch.Tensor or None, got {type(per_sample_weights).__name__}")
+            if per_sample_weights.dtype != torch.float32:
+                raise TypeError(f"tbegen: per_sample_weights must be float32, got {per_sample_weights.dtype}")
+            if per_sample_weights.dim() != 1 or per_sample_weights.numel() != indices.numel():
+                raise ValueError(
+                    f"tbegen: per_sample_weights must be 1-D with one weight per index ({indices.numel()}), "
+                    f"got shape {tuple(per_sample_weights.shape)}"
+                )
+            if per_sample_weights.device != device:
+                raise ValueError(f"tbegen: per_sample_weights is on {per_sample_weights.device} but the module's weights are on {device}")
+            per_sample_weights = per_sample_weights.contiguous()
+        return indices.contiguous(), offsets.contiguous(), per_sample_weights
+
+    def forward(self, indices: torch.Tensor, offsets: torch.Tensor,
+                per_sample_weights: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Pooled lookup of every feature: float32 [B, total_D] (pooling sum/mean; feature f's
+        columns start at layout.feature_out_offsets()[f]) or [N, dim] (pooling none).
+
+        `offsets` has F*B+1 entries, feature-major. When the output takes part in a backward pass,
+        that backward applies the optimizer update (see docs/module.md).
+        """
+        self._check_buffers()
+        indices, offsets, per_sample_weights = self._check_input(indices, offsets, per_sample_weights)
+        if self.dense_gradient:
+            first = self.weights
+        else:
+            # The anchor: see _Lookup. Created per call so that it lives with this graph only.
+            first = torch.empty(0, device=self.weights.device, requires_grad=torch.is_grad_enabled())
+        return _Lookup.apply(self, first, indices, offsets, per_sample_weights)
+
+    def _run_backward(self, grad_output, weights, indices, offsets, per_sample_weights) -> None:
+        step = self._step + 1
+        states = [getattr(self.states, s.name) for s in self.spec.states]
+        hyper = [self._hyperparameters[h.name] for h in self.spec.hyperparameters]
+        self._ops.backward(
+            grad_output, weights, self.features, self.layout.total_D, self.layout.max_D,
+            self.layout.total_hash_size, indices, offsets, per_sample_weights, self._pooling_id,
+            self.max_segment_length_per_warp,
+            # the dense gradient of mode "none" is rounded to nearest
+            self.stochastic_rounding and not self.dense_gradient,
+            self.seed, *states, *hyper, step,
+        )
+        # The operators write in place without telling autograd; record it, so that a graph that
+        # saved these tensors (e.g. a custom regulariser) notices they changed.
+        increment_version([weights, *states])
+        self._step = step
+
+    def extra_repr(self) -> str:
+        hyper = ", ".join(f"{k}={v!r}" for k, v in self._hyperparameters.items())
+        ftm = "" if self.layout.feature_table_map == tuple(range(len(self.layout.tables))) else (
+            f", feature_table_map={list(self.layout.feature_table_map)}"
+        )
+        return (
+            f"tables={[tuple(t) for t in self.layout.tables]}{ftm}, optimizer={self.spec.name!r}, "
+            f"pooling={self.pooling!r}, weights_dtype={self.weights_dtype}, device={self.weights.device}"
+            + (f", {hyper}" if hyper else "")
+            + f", step={self._step}"
+        )

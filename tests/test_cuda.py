@@ -1,0 +1,201 @@
+"""The CUDA kernels on a GPU (`pytest -m cuda`; skipped where no GPU exists).
+
+The same numerical grid as the CPU suite, against the same float64 references, plus what only
+the GPU path has: hot rows far beyond max_segment_length_per_warp (the block-per-row kernel and
+its shared-memory reduction), D up to 1024, batches of 65536, a weights buffer of more than 2^31
+elements, a batch where every index is the same row, CPU/CUDA agreement, bitwise determinism,
+stochastic rounding statistics and bad input. Results of the last GPU run: docs/gpu-results.md.
+"""
+
+import dataclasses
+
+import pytest
+import torch
+
+from tbegen import harness
+from tbegen.layout import POOLING, make_layout
+from tbegen.spec import load_spec
+
+from conftest import SPECS
+
+pytestmark = pytest.mark.cuda
+
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+NAMES = sorted(SPECS)
+
+
+def gpu_cases(spec):
+    cases = harness.standard_cases(spec, dtypes=DTYPES)
+    base = harness.Case(tables=((50, 64), (20, 1024), (300, 128)), pooling="sum", weighted=True, hot=3000, seed=900)
+    for seg in (1, 4, 32, 1000):  # 1: every row through the block kernel; 1000: none
+        cases.append(dataclasses.replace(base, max_segment_length_per_warp=seg, seed=900 + seg))
+    cases.append(dataclasses.replace(base, pooling="mean", weights_dtype=torch.float16, stochastic_rounding=True, seed=950))
+    cases.append(harness.Case(tables=((1000, 256), (3000, 1024)), B=64, max_L=8, all_same=True, seed=960))
+    cases.append(harness.Case(tables=((5000, 32), (20000, 8), (100, 516)), B=65536, max_L=3, steps=2, hot=0, seed=970))
+    return cases
+
+
+CASES = [
+    pytest.param(name, case, id=f"{name}-{case.id}")
+    for name in NAMES
+    for case in gpu_cases(load_spec(str(SPECS[name])))
+]
+
+
+@pytest.mark.parametrize("name,case", CASES)
+def test_cuda_matches_reference(load_ops, name, case):
+    spec, ops = load_ops(name)
+    result = harness.run_case(spec, ops, case, device="cuda")
+    assert not result.failures, "\n".join(result.failures)
+
+
+def _one_step(spec, ops, case, device, weights, states, batch, grad_output, step=1):
+    layout = make_layout(case.tables, case.feature_table_map)
+    hyper = harness.default_hyperparameters(spec, dict(case.hyper))
+    w = weights.clone().to(device)
+    st = {k: v.clone().to(device) for k, v in states.items()}
+    psw = batch.per_sample_weights.to(device) if batch.per_sample_weights is not None else None
+    ops.backward(
+        grad_output.to(device), w, layout.features_tensor(device), layout.total_D, layout.max_D,
+        layout.total_hash_size, batch.indices.to(device), batch.offsets.to(device), psw,
+        POOLING[case.pooling], case.max_segment_length_per_warp, case.stochastic_rounding, case.seed,
+        *[st[s.name] for s in spec.states], *[hyper[h.name] for h in spec.hyperparameters], step,
+    )
+    return w.cpu(), {k: v.cpu() for k, v in st.items()}
+
+
+def _problem(spec, case):
+    gen = torch.Generator().manual_seed(case.seed)
+    layout = make_layout(case.tables, case.feature_table_map)
+    weights, states = harness.initial_state(spec, layout, case, gen)
+    batch = harness.random_batch(case, layout, gen)
+    rows = case.B if case.pooling != "none" else batch.indices.numel()
+    cols = layout.total_D if case.pooling != "none" else layout.max_D
+    grad_output = torch.randn(rows, cols, generator=gen)
+    return weights, states, batch, grad_output
+
+
+AGREE_CASES = [
+    harness.Case(pooling="sum", weighted=True, hot=200, seed=11),
+    harness.Case(pooling="mean", seed=12, index_dtype=torch.int32),
+    harness.Case(tables=((64, 48), (80, 48)), pooling="none", weighted=True, seed=13),
+]
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("case", AGREE_CASES, ids=lambda c: c.id)
+def test_cpu_and_cuda_agree(load_ops, name, case):
+    spec, ops = load_ops(name)
+    weights, states, batch, go = _problem(spec, case)
+    w_cpu, st_cpu = _one_step(spec, ops, case, "cpu", weights, states, batch, go)
+    w_gpu, st_gpu = _one_step(spec, ops, case, "cuda", weights, states, batch, go)
+    torch.testing.assert_close(w_gpu, w_cpu, rtol=1e-5, atol=1e-6)
+    for k in st_cpu:
+        torch.testing.assert_close(st_gpu[k], st_cpu[k], rtol=1e-5, atol=1e-6)
+
+
+DETERMINISM_CASES = [
+    harness.Case(pooling="sum", weighted=True, hot=5000, max_segment_length_per_warp=32, seed=21),
+    harness.Case(pooling="mean", weights_dtype=torch.float16, stochastic_rounding=True, hot=500, seed=22),
+    harness.Case(tables=((64, 1024),), B=128, all_same=True, seed=23),
+]
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("case", DETERMINISM_CASES, ids=lambda c: c.id)
+def test_cuda_is_deterministic(load_ops, name, case):
+    spec, ops = load_ops(name)
+    weights, states, batch, go = _problem(spec, case)
+    first = _one_step(spec, ops, case, "cuda", weights, states, batch, go)
+    for _ in range(2):
+        again = _one_step(spec, ops, case, "cuda", weights, states, batch, go)
+        assert torch.equal(again[0], first[0])
+        for k in first[1]:
+            assert torch.equal(again[1][k], first[1][k])
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_stochastic_rounding_is_unbiased_and_varies_by_step(load_ops, dtype):
+    """sgd moves each weight by an amount far below its ulp: nearest rounding would leave it
+    unchanged, stochastic rounding moves it up or down so that the mean over many steps (each
+    step draws new bits) converges to the exact fp32 result."""
+    spec, ops = load_ops("sgd")
+    E, D = 64, 128
+    layout = make_layout([(E, D)])
+    feats = layout.features_tensor("cuda")
+    gen = torch.Generator().manual_seed(5)
+    w0 = (torch.rand(E * D, generator=gen) + 0.5).to(dtype)  # in [0.5, 1.5)
+    indices = torch.arange(E, dtype=torch.int64, device="cuda")
+    offsets = torch.arange(E + 1, dtype=torch.int64, device="cuda")  # B = E bags of one row
+    go = torch.randn(E, D, generator=gen).cuda()
+    lr = 1e-4
+    exact = w0.float().cuda().view(E, D) - lr * go
+    reps = 2000
+    total = torch.zeros(E, D, dtype=torch.float64, device="cuda")
+    results = []
+    for step in range(1, reps + 1):
+        w = w0.clone().cuda()
+        ops.backward(go, w, feats, D, D, E, indices, offsets, None, 0, 32, True, 1234, lr, step)
+        total += w.view(E, D).double()
+        if step <= 2:
+            results.append(w.clone())
+    mean = total / reps
+    ulp = (exact.abs() * (2.0**-10 if dtype == torch.float16 else 2.0**-7)).double()
+    # standard error of a two-point distribution one ulp wide is <= ulp / (2 sqrt(reps))
+    z = ((mean - exact.double()).abs() / (ulp / (2 * reps**0.5))).max().item()
+    assert z < 6.0, f"mean of stochastically rounded results is off by {z:.1f} standard errors"
+    assert not torch.equal(results[0], results[1]), "steps 1 and 2 drew the same rounding"
+    # nearest rounding would not have moved most weights at all
+    w = w0.clone().cuda()
+    ops.backward(go, w, feats, D, D, E, indices, offsets, None, 0, 32, False, 1234, lr, 1)
+    assert (w != w0.cuda()).float().mean().item() < 0.5
+
+
+def test_weights_beyond_2_31_elements(load_ops):
+    """A table that ends past element 2^31 of the flat buffer: offsets must be 64-bit."""
+    spec, ops = load_ops("sgd")
+    small = (1000, 64)
+    big_rows = (2**31) // 128 + 4096
+    layout = make_layout([small, (big_rows, 128)])
+    assert layout.weights_numel > 2**31
+    weights = torch.empty(layout.weights_numel, dtype=torch.float16, device="cuda")
+    weights.uniform_(-1, 1)
+    B = 8
+    rows = torch.tensor([big_rows - 1, big_rows - 2, big_rows - 4095, 3, big_rows - 1], device="cuda")
+    ind = torch.cat([torch.arange(B, device="cuda"), rows.repeat(B)]).to(torch.int64)
+    offsets = torch.tensor([0] + list(range(1, B + 1)) + [B + 5 * (b + 1) for b in range(B)], device="cuda")
+    feats = layout.features_tensor("cuda")
+    out = ops.forward(weights, feats, layout.total_D, layout.max_D, ind, offsets, None, 0)
+    big = weights[layout.table_offsets[1]:].view(big_rows, 128)
+    expect = big[rows].float().sum(0)
+    torch.testing.assert_close(out[:, 64:], expect.expand(B, 128), rtol=1e-5, atol=1e-5)
+    before = big[rows].float().clone()
+    go = torch.randn(B, layout.total_D, device="cuda")
+    ops.backward(go, weights, feats, layout.total_D, layout.max_D, layout.total_hash_size, ind, offsets, None, 0, 32,
+                 False, 0, 0.5, 1)
+    g_sum = go[:, 64:].sum(0)
+    counts = torch.tensor([2, 1, 1, 1, 2], device="cuda")  # row big_rows-1 appears twice per bag
+    expected = (before - 0.5 * counts[:, None] * B * g_sum / B).half().float()
+    torch.testing.assert_close(big[rows].float(), expected, rtol=2e-3, atol=2e-3)
+
+
+def test_bad_indices_raise_and_change_nothing(load_ops):
+    spec, ops = load_ops("adagrad")
+    layout = make_layout([(10, 16)])
+    w = torch.randn(layout.weights_numel, device="cuda")
+    acc = torch.zeros_like(w)
+    w0, acc0 = w.clone(), acc.clone()
+    feats = layout.features_tensor("cuda")
+    ind = torch.tensor([1, 2, 10], device="cuda")
+    off = torch.tensor([0, 2, 3], device="cuda")
+    with pytest.raises(RuntimeError, match="out of range"):
+        ops.forward(w, feats, 16, 16, ind, off, None, 0)
+    go = torch.randn(2, 16, device="cuda")
+    with pytest.raises(RuntimeError, match="out of range"):
+        ops.backward(go, w, feats, 16, 16, 10, ind, off, None, 0, 32, False, 0, acc, 0.1, 1e-8, 1)
+    assert torch.equal(w, w0) and torch.equal(acc, acc0)
+    bad_off = torch.tensor([0, 3, 2], device="cuda")
+    with pytest.raises(RuntimeError, match="offsets"):
+        ops.backward(go, w, feats, 16, 16, 10, torch.tensor([1, 2, 3], device="cuda"), bad_off, None, 0, 32, False, 0,
+                     acc, 0.1, 1e-8, 1)
+    assert torch.equal(w, w0) and torch.equal(acc, acc0)
