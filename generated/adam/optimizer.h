@@ -42,21 +42,22 @@ struct Optimizer {
     const int64_t step = ctx_step;
     // stage 1: row (optimizers/adam.yaml:14)
 #line 14 "optimizers/adam.yaml"
-    float bias1 = 1.0f - powf(beta1, static_cast<float>(step));
-    float bias2 = 1.0f - powf(beta2, static_cast<float>(step));
-#line 48 "adam/optimizer.h"
-    // stage 2: element (optimizers/adam.yaml:17)
+    // 1 - beta^step in double: in float it cancels badly for small steps (beta2 = 0.999).
+    float bias1 = static_cast<float>(1.0 - pow(static_cast<double>(beta1), static_cast<double>(step)));
+    float bias2 = static_cast<float>(1.0 - pow(static_cast<double>(beta2), static_cast<double>(step)));
+#line 49 "adam/optimizer.h"
+    // stage 2: element (optimizers/adam.yaml:18)
     TBEGEN_FOR_ELEMENTS(row, i) {
       const float g = row.g(i);
       float& w = row.w(i);
       float& exp_avg = row.element(0, i);
       float& exp_avg_sq = row.element(1, i);
       {
-#line 17 "optimizers/adam.yaml"
+#line 18 "optimizers/adam.yaml"
         exp_avg = beta1 * exp_avg + (1.0f - beta1) * g;
         exp_avg_sq = beta2 * exp_avg_sq + (1.0f - beta2) * g * g;
         w -= learning_rate * ((exp_avg / bias1) / (sqrtf(exp_avg_sq / bias2) + eps) + weight_decay * w);
-#line 60 "adam/optimizer.h"
+#line 61 "adam/optimizer.h"
       }
     }
   }

@@ -177,6 +177,8 @@ __global__ void __launch_bounds__(256) forward_kernel(ForwardArgs a, const W* __
         my_scale = a.psw ? a.psw[my_i] : 1.0f;
       }
       const int n = end - base < kWarpSize ? int(end - base) : kWarpSize;
+      // unrolled so that several rows' loads are in flight at once
+#pragma unroll 4
       for (int j = 0; j < n; ++j) {
         const int64_t off = __shfl_sync(kFullMask, my_off, j);
         const float s = __shfl_sync(kFullMask, my_scale, j);
@@ -322,6 +324,20 @@ struct BackwardArgs {
   const int64_t* error;
 };
 
+// Where a run's row lives: its width and offset in the weights buffer, from the bag of any of its
+// occurrences (features sharing a table share the table's width and offset).
+__device__ __forceinline__ void locate_row(const BackwardArgs& a, int32_t bag, int64_t key, int* D, int64_t* woff) {
+  const int64_t* ft = a.feat + (bag / a.B) * kFeatColumns;
+  *D = int(ft[kFeatDim]);
+  *woff = ft[kFeatWeightsOffset] + (key - ft[kFeatKeyBase]) * *D;
+}
+
+__device__ __forceinline__ const float* grad_row(const BackwardArgs& a, int32_t position, int32_t bag) {
+  return a.pooling == kPoolNone ? a.grad_output + int64_t(position) * a.max_D
+                                : a.grad_output + (bag % a.B) * a.total_D +
+                                      a.feat[(bag / a.B) * kFeatColumns + kFeatOutOffset];
+}
+
 // Adds the scaled output gradient of occurrences first, first + stride, ... (< last) into this
 // lane's slices of g, in that order.
 template <int kVecs>
@@ -331,10 +347,7 @@ __device__ __forceinline__ void accumulate_gradient(const BackwardArgs& a, const
     const int32_t i = r.positions[j];
     const int32_t bag = a.bag_of[i];
     const float s = a.scale_of ? a.scale_of[i] : 1.0f;
-    const float* go = a.pooling == kPoolNone
-                          ? a.grad_output + int64_t(i) * a.max_D
-                          : a.grad_output + (bag % a.B) * a.total_D +
-                                a.feat[(bag / a.B) * kFeatColumns + kFeatOutOffset];
+    const float* go = grad_row(a, i, bag);
 #pragma unroll
     for (int v = 0; v < kVecs; ++v) {
       const int d = v * 128 + 4 * lane;
@@ -348,12 +361,11 @@ __device__ __forceinline__ void accumulate_gradient(const BackwardArgs& a, const
   }
 }
 
-// Loads the row's weights and states into `row`, applies the optimizer and writes everything back.
-// `row.g_` must already hold the summed gradient.
+// Loads the row's weights and states into `row` (issued before the gradient is summed, so that
+// both streams of loads are in flight together).
 template <class Opt, typename W, class Row>
-__device__ __forceinline__ void update_and_store(Row& row, const BackwardArgs& a, const typename Opt::Params& p,
-                                                 const RowUpdateContext& ctx, W* weights, int64_t key,
-                                                 int64_t woff) {
+__device__ __forceinline__ void load_row(Row& row, const typename Opt::Params& p, const W* weights, int64_t key,
+                                         int64_t woff) {
   constexpr int kVecs = Row::kN / 4;
 #pragma unroll
   for (int v = 0; v < kVecs; ++v) {
@@ -370,9 +382,15 @@ __device__ __forceinline__ void update_and_store(Row& row, const BackwardArgs& a
   }
 #pragma unroll
   for (int k = 0; k < Opt::kRowStates; ++k) row.row_[k] = p.row_states[k][key];
+}
 
+// Applies the optimizer to a loaded row whose `g_` holds the summed gradient, and writes the
+// weights and states back.
+template <class Opt, typename W, class Row>
+__device__ __forceinline__ void update_and_store(Row& row, const typename Opt::Params& p, const RowUpdateContext& ctx,
+                                                 W* weights, int64_t key, int64_t woff) {
+  constexpr int kVecs = Row::kN / 4;
   Opt::update_row(row, p, ctx.step);
-
 #pragma unroll
   for (int v = 0; v < kVecs; ++v) {
     const int d = v * 128 + 4 * row.lane;
@@ -391,15 +409,9 @@ __device__ __forceinline__ void update_and_store(Row& row, const BackwardArgs& a
 template <class Opt, int kVecs>
 using OptRow = WarpRow<kVecs, Opt::kElementStates + Opt::kTemporaries, Opt::kRowStates>;
 
-// Where a run's row lives: its width and offset in the weights buffer.
-__device__ __forceinline__ void locate_row(const BackwardArgs& a, const Runs& r, int64_t run, int* D, int64_t* woff) {
-  const int32_t bag = a.bag_of[r.positions[r.starts[run]]];
-  const int64_t* ft = a.feat + (bag / a.B) * kFeatColumns;
-  *D = int(ft[kFeatDim]);
-  *woff = ft[kFeatWeightsOffset] + (r.keys[run] - ft[kFeatKeyBase]) * *D;
-}
-
-// Short runs: one warp per unique row, summing its occurrences in sorted (= index) order.
+// Short runs: one warp per unique row. The lanes first fetch the metadata of up to 32 occurrences
+// at once (position, bag, scale), the weight row and states are requested, and then the
+// occurrences' gradient rows are summed in sorted (= index) order.
 template <class Opt, typename W, int kVecs>
 __global__ void __launch_bounds__(256) backward_warp_kernel(BackwardArgs a, Runs r, typename Opt::Params p,
                                                             RowUpdateContext ctx, W* weights) {
@@ -410,14 +422,45 @@ __global__ void __launch_bounds__(256) backward_warp_kernel(BackwardArgs a, Runs
   for (int64_t run = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / kWarpSize; run < num_runs; run += warps) {
     const int32_t len = r.lengths[run];
     if (len >= r.max_segment_length_per_warp) continue;  // backward_block_kernel's
+    const int32_t start = r.starts[run];
+    const int64_t key = r.keys[run];
     OptRow<Opt, kVecs> row;
     row.lane = lane;
-    int64_t woff;
-    locate_row(a, r, run, &row.D, &woff);
 #pragma unroll
     for (int i = 0; i < row.kN; ++i) row.g_[i] = 0.0f;
-    accumulate_gradient<kVecs>(a, r, row.D, lane, r.starts[run], int64_t(r.starts[run]) + len, 1, row.g_);
-    update_and_store<Opt, W>(row, a, p, ctx, weights, r.keys[run], woff);
+    int64_t woff = 0;
+    for (int32_t base = 0; base < len; base += kWarpSize) {
+      int32_t my_pos = 0, my_bag = 0;
+      float my_scale = 0.0f;
+      if (base + lane < len) {
+        my_pos = r.positions[start + base + lane];
+        my_bag = a.bag_of[my_pos];
+        my_scale = a.scale_of ? a.scale_of[my_pos] : 1.0f;
+      }
+      if (base == 0) {
+        locate_row(a, __shfl_sync(kFullMask, my_bag, 0), key, &row.D, &woff);
+        load_row<Opt, W>(row, p, weights, key, woff);
+      }
+      const int n = len - base < kWarpSize ? len - base : kWarpSize;
+#pragma unroll 4
+      for (int j = 0; j < n; ++j) {
+        const int32_t pos = __shfl_sync(kFullMask, my_pos, j);
+        const int32_t bag = __shfl_sync(kFullMask, my_bag, j);
+        const float s = __shfl_sync(kFullMask, my_scale, j);
+        const float* go = grad_row(a, pos, bag);
+#pragma unroll
+        for (int v = 0; v < kVecs; ++v) {
+          const int d = v * 128 + 4 * lane;
+          if (d < row.D) {
+            float x[4];
+            load4(go + d, x);
+#pragma unroll
+            for (int c = 0; c < 4; ++c) row.g_[v * 4 + c] += s * x[c];
+          }
+        }
+      }
+    }
+    update_and_store<Opt, W>(row, p, ctx, weights, key, woff);
   }
 }
 
@@ -436,13 +479,14 @@ __global__ void __launch_bounds__(1024) backward_block_kernel(BackwardArgs a, Ru
   const int32_t num_long = *r.num_long;
   for (int32_t k = blockIdx.x; k < num_long; k += gridDim.x) {
     const int64_t run = r.long_ids[k];
+    const int64_t key = r.keys[run];
     OptRow<Opt, kVecs> row;
     row.lane = lane;
     int64_t woff;
-    locate_row(a, r, run, &row.D, &woff);
+    const int64_t first = r.starts[run], last = first + r.lengths[run];
+    locate_row(a, a.bag_of[r.positions[first]], key, &row.D, &woff);
 #pragma unroll
     for (int i = 0; i < row.kN; ++i) row.g_[i] = 0.0f;
-    const int64_t first = r.starts[run], last = first + r.lengths[run];
     accumulate_gradient<kVecs>(a, r, row.D, lane, first + warp, last, warps, row.g_);
 #pragma unroll
     for (int v = 0; v < kVecs; ++v)
@@ -456,7 +500,8 @@ __global__ void __launch_bounds__(1024) backward_block_kernel(BackwardArgs a, Ru
 #pragma unroll
           for (int c = 0; c < 4; ++c) row.g_[v * 4 + c] += partial[other * kWidth + v * 128 + 4 * lane + c];
       }
-      update_and_store<Opt, W>(row, a, p, ctx, weights, r.keys[run], woff);
+      load_row<Opt, W>(row, p, weights, key, woff);
+      update_and_store<Opt, W>(row, p, ctx, weights, key, woff);
     }
     __syncthreads();  // partial[] is reused by the next run
   }
