@@ -19,8 +19,8 @@ by side. They must agree to fp32 summation-order noise; the script exits with st
 
 PyTorch counterparts: sgd -> torch.optim.SGD, adagrad -> torch.optim.Adagrad (eps added after the
 square root, like tbegen), adam -> torch.optim.SparseAdam (lazy, like tbegen; it adds eps before
-the bias correction of the second moment, a difference far below the tolerance at the default
-eps), rowwise_adagrad -> a few lines of torch ops below (torch has no rowwise Adagrad), none ->
+the bias correction of the second moment, so it is given a per-step rescaled eps that makes the two
+identical, see SparseAdamAfterCorrection), rowwise_adagrad -> a few lines of torch ops below (torch has no rowwise Adagrad), none ->
 tbegen's dense gradient and nn.EmbeddingBag's, both stepped by torch.optim.SGD.
 """
 
@@ -32,6 +32,7 @@ import json
 import math
 import sys
 import time
+import warnings
 from pathlib import Path
 from typing import Dict, List
 
@@ -41,6 +42,9 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout
 
 import tbegen  # noqa: E402
+
+# torch.optim's sparse code paths warn about sparse invariant checks on every step
+warnings.filterwarnings("ignore", message="Sparse invariant checks")
 
 # (rows, dim, max bag length) per feature; bag lengths are uniform in [1, max] (0 allowed for the
 # history feature).
@@ -55,10 +59,17 @@ PREDICTIVE = 0.3  # fraction of rows with a nonzero hidden score
 SIGNAL = 1.5  # standard deviation of the hidden scores
 BIAS = -1.0  # click logit with no signal (base rate about 27%)
 
-DEFAULT_LR = {"sgd": 2.0, "adagrad": 0.05, "rowwise_adagrad": 0.1, "adam": 0.005, "none": 2.0}
+DEFAULT_LR = {"sgd": 5.0, "adagrad": 0.1, "rowwise_adagrad": 0.1, "adam": 0.01, "none": 5.0}
 MLP_LR = 0.02
-WINDOW = 50  # steps per window of the printed trajectories
-TOLERANCE = 2e-3  # max |loss difference| per step between tbegen and PyTorch
+# Agreement with PyTorch. After the first step the embedding tables must agree to fp32 rounding.
+# Over a whole run, the difference of the two runs grows: fp32 summation-order noise is amplified
+# by training (as between two PyTorch runs that differ only in summation order, e.g.
+# nn.EmbeddingBag with sparse vs dense gradients), so the loss trajectories get a looser bound.
+# (1e-4: Adagrad divides by |g| + eps, so an element whose summed gradient is near eps amplifies
+# its fp32 rounding; a wrong update would be off by about the learning rate, 0.01 to 5.)
+FIRST_STEP_TOLERANCE = 1e-4  # max |weight difference| after step 1
+TOLERANCE = 5e-3  # max |loss difference| of any one step
+WINDOW_TOLERANCE = 1e-3  # max |difference| of the mean loss of any window (a tenth of the run)
 
 
 # ---- synthetic data with a planted signal -------------------------------------------------------
@@ -152,6 +163,26 @@ class RowWiseAdagrad(torch.optim.Optimizer):
                 p[rows] -= (group["lr"] / (m[rows].sqrt() + group["eps"]))[:, None] * g
 
 
+class SparseAdamAfterCorrection(torch.optim.SparseAdam):
+    """torch.optim.SparseAdam with tbegen's (and torch.optim.Adam's) placement of eps.
+
+    SparseAdam computes lr * sqrt(1 - b2^t) / (1 - b1^t) * m / (sqrt(v) + eps), i.e. it adds eps
+    before the bias correction of v; tbegen computes lr * m_hat / (sqrt(v_hat) + eps). Passing
+    SparseAdam eps * sqrt(1 - b2^t) at step t makes the two identical (here every table gets a
+    gradient every step, so SparseAdam's per-table step counter is the global step)."""
+
+    def __init__(self, params, lr: float, eps: float = 1e-8):
+        super().__init__(params, lr=lr, eps=eps)
+        self.tbegen_eps = eps
+        self.steps = 0
+
+    def step(self, closure=None):
+        self.steps += 1
+        for group in self.param_groups:
+            group["eps"] = self.tbegen_eps * math.sqrt(1.0 - group["betas"][1] ** self.steps)
+        return super().step(closure)
+
+
 def torch_embedding_optimizer(name: str, params, lr: float):
     if name == "sgd" or name == "none":
         return torch.optim.SGD(params, lr=lr)
@@ -160,7 +191,7 @@ def torch_embedding_optimizer(name: str, params, lr: float):
     if name == "rowwise_adagrad":
         return RowWiseAdagrad(params, lr=lr, eps=1e-8)
     if name == "adam":
-        return torch.optim.SparseAdam(params, lr=lr, eps=1e-8)
+        return SparseAdamAfterCorrection(params, lr=lr, eps=1e-8)
     raise ValueError(f"no PyTorch counterpart for optimizer {name!r}")
 
 
@@ -172,9 +203,11 @@ def sync(device):
         torch.cuda.synchronize(device)
 
 
-def train(label: str, embeddings: nn.Module, mlp: nn.Module, optimizers, batches, device, progress_every: int):
-    """Trains on `batches`; returns (per-step losses, seconds)."""
+def train(label: str, embeddings: nn.Module, mlp: nn.Module, optimizers, batches, device, progress_every: int,
+          tables):
+    """Trains on `batches`; returns (per-step losses, seconds, copies of `tables()` after step 1)."""
     losses: List[float] = []
+    after_first = None
     loss_fn = nn.BCEWithLogitsLoss()
     sync(device)
     start = time.perf_counter()
@@ -187,6 +220,8 @@ def train(label: str, embeddings: nn.Module, mlp: nn.Module, optimizers, batches
         for opt in optimizers:
             opt.step()
         losses.append(loss.item())
+        if step == 1:
+            after_first = [t.detach().clone() for t in tables()]
         if step % progress_every == 0 or step == len(batches):
             now = time.perf_counter()
             done = step - (step - 1) // progress_every * progress_every
@@ -196,7 +231,7 @@ def train(label: str, embeddings: nn.Module, mlp: nn.Module, optimizers, batches
                   f"{rate:9.0f} examples/s", flush=True)
             window_start = now
     sync(device)
-    return losses, time.perf_counter() - start
+    return losses, time.perf_counter() - start, after_first
 
 
 @torch.no_grad()
@@ -216,21 +251,21 @@ def auc(scores: torch.Tensor, labels: torch.Tensor) -> float:
     return ((ranks[pos].sum() - n_pos * (n_pos + 1) / 2) / (n_pos * n_neg)).item()
 
 
-def windows(losses: List[float]) -> List[float]:
-    return [sum(losses[i : i + WINDOW]) / len(losses[i : i + WINDOW]) for i in range(0, len(losses), WINDOW)]
+def windows(losses: List[float], size: int) -> List[float]:
+    return [sum(losses[i : i + size]) / len(losses[i : i + size]) for i in range(0, len(losses), size)]
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--optimizer", default="rowwise_adagrad", help="a spec name or YAML path (default rowwise_adagrad)")
-    ap.add_argument("--steps", type=int, default=600)
-    ap.add_argument("--batch-size", type=int, default=512)
+    ap.add_argument("--steps", type=int, default=2000)
+    ap.add_argument("--batch-size", type=int, default=1024)
     ap.add_argument("--lr", type=float, default=None, help="embedding learning rate (default: per optimizer)")
     ap.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     ap.add_argument("--weights-dtype", default="float32", choices=["float32", "float16", "bfloat16"])
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-compare", action="store_true", help="skip the pure-PyTorch run")
-    ap.add_argument("--progress-every", type=int, default=100)
+    ap.add_argument("--progress-every", type=int, default=250)
     ap.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     args = ap.parse_args(argv)
 
@@ -267,7 +302,8 @@ def main(argv=None) -> int:
     if emb.dense_gradient:
         optimizers.append(torch.optim.SGD(emb.parameters(), lr=lr))
     print(f"training with tbegen ({emb.optimizer}, embedding lr {lr}, {args.weights_dtype} weights, {device}):")
-    ours, ours_s = train("tbegen", emb, mlp, optimizers, batches, device, args.progress_every)
+    ours, ours_s, ours_first = train("tbegen", emb, mlp, optimizers, batches, device, args.progress_every,
+                                     emb.split_embedding_weights)
     ours_eval = evaluate(emb, mlp, held_out)
 
     result: Dict[str, object] = {
@@ -275,8 +311,9 @@ def main(argv=None) -> int:
         "embedding_lr": lr, "weights_dtype": args.weights_dtype, "true_probability_loss": bayes,
         "tbegen": {"losses": ours, "seconds": ours_s, "held_out_loss": ours_eval[0], "held_out_auc": ours_eval[1]},
     }
-    first, last = windows(ours)[0], windows(ours)[-1]
-    print(f"tbegen: loss {first:.4f} (first {WINDOW} steps) -> {last:.4f} (last {WINDOW}); "
+    window = max(1, args.steps // 10)  # steps per window of the printed trajectories
+    first, last = windows(ours, window)[0], windows(ours, window)[-1]
+    print(f"tbegen: loss {first:.4f} (first {window} steps) -> {last:.4f} (last {window}); "
           f"held-out loss {ours_eval[0]:.4f}, AUC {ours_eval[1]:.4f}; {ours_s:.1f} s "
           f"({args.steps * args.batch_size / ours_s:.0f} examples/s)")
     ok = last < first
@@ -290,26 +327,33 @@ def main(argv=None) -> int:
         ref_opts = [torch.optim.Adagrad(ref_mlp.parameters(), lr=MLP_LR),
                     torch_embedding_optimizer(name, ref_emb.parameters(), lr)]
         print(f"training the same batches with PyTorch (nn.EmbeddingBag + {type(ref_opts[1]).__name__}):")
-        theirs, theirs_s = train("torch", ref_emb, ref_mlp, ref_opts, batches, device, args.progress_every)
+        theirs, theirs_s, theirs_first = train("torch", ref_emb, ref_mlp, ref_opts, batches, device,
+                                               args.progress_every, lambda: [b.weight for b in ref_emb.bags])
+        first_diff = max((a - b).abs().max().item() for a, b in zip(ours_first, theirs_first))
         theirs_eval = evaluate(ref_emb, ref_mlp, held_out)
         diff = max(abs(a - b) for a, b in zip(ours, theirs))
+        window_diff = max(abs(a - b) for a, b in zip(windows(ours, window), windows(theirs, window)))
         weight_diff = max((w - bag.weight).abs().max().item()
                           for w, bag in zip(emb.split_embedding_weights(), ref_emb.bags))
         print(f"\n{'steps':>13}  {'tbegen':>8}  {'PyTorch':>8}  {'max |diff|':>10}")
-        for k, (a, b) in enumerate(zip(windows(ours), windows(theirs))):
-            lo, hi = k * WINDOW + 1, min((k + 1) * WINDOW, len(ours))
+        for k, (a, b) in enumerate(zip(windows(ours, window), windows(theirs, window))):
+            lo, hi = k * window + 1, min((k + 1) * window, len(ours))
             d = max(abs(x - y) for x, y in zip(ours[lo - 1 : hi], theirs[lo - 1 : hi]))
             print(f"{lo:>6}-{hi:<6}  {a:8.4f}  {b:8.4f}  {d:10.2e}")
         print(f"held-out: tbegen loss {ours_eval[0]:.4f} AUC {ours_eval[1]:.4f}; "
               f"PyTorch loss {theirs_eval[0]:.4f} AUC {theirs_eval[1]:.4f}")
         print(f"time: tbegen {ours_s:.1f} s, PyTorch {theirs_s:.1f} s")
-        print(f"max per-step loss difference {diff:.2e} (tolerance {TOLERANCE:g}); "
-              f"max embedding weight difference at the end {weight_diff:.2e}")
+        print(f"max embedding weight difference after step 1: {first_diff:.2e} (tolerance {FIRST_STEP_TOLERANCE:g}); "
+              f"at the end: {weight_diff:.2e}")
+        print(f"max loss difference: per step {diff:.2e} (tolerance {TOLERANCE:g}), "
+              f"per {window}-step window {window_diff:.2e} (tolerance {WINDOW_TOLERANCE:g})")
         result["pytorch"] = {"losses": theirs, "seconds": theirs_s, "held_out_loss": theirs_eval[0],
                              "held_out_auc": theirs_eval[1], "optimizer": type(ref_opts[1]).__name__}
         result["max_loss_difference"] = diff
+        result["max_window_loss_difference"] = window_diff
+        result["max_weight_difference_after_step_1"] = first_diff
         result["max_weight_difference"] = weight_diff
-        if not diff <= TOLERANCE:
+        if not (diff <= TOLERANCE and window_diff <= WINDOW_TOLERANCE and first_diff <= FIRST_STEP_TOLERANCE):
             print("FAILED: tbegen and PyTorch disagree beyond the tolerance")
             ok = False
     elif not args.no_compare:

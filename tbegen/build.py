@@ -25,6 +25,7 @@ from .model import OptimizerSpec
 _LOADED: Dict[str, str] = {}  # op namespace -> cache key of the library loaded in this process
 
 CXX_FLAGS = ["-O3"]
+CUDA_SOURCES = ("ops_cuda.cu", "forward_cuda.cu")
 CUDA_FLAGS = ["-O3", "--expt-relaxed-constexpr", "-lineinfo"]
 
 
@@ -41,7 +42,8 @@ def _sources_for(name: str, src_dir: Path, include_dir: Path, with_cuda: bool) -
     files[f"{name}/optimizer.h"] = (src_dir / "optimizer.h").read_text()
     files[f"{name}/params.h"] = (src_dir / "params.h").read_text()
     if with_cuda:
-        files[f"{name}/ops_cuda.cu"] = (src_dir / "ops_cuda.cu").read_text()
+        for cu in CUDA_SOURCES:
+            files[f"{name}/{cu}"] = (src_dir / cu).read_text()
     for p in sorted(include_dir.rglob("*")):
         if p.is_file():
             files[f"include/{p.relative_to(include_dir).as_posix()}"] = p.read_text()
@@ -142,7 +144,7 @@ def _compile(name: str, files: Dict[str, str], with_cuda: bool, out_dir: Path, l
             path.write_text(text)
     sources = [str(src / name / "ops.cpp")]
     if with_cuda:
-        sources.append(str(src / name / "ops_cuda.cu"))
+        sources += [str(src / name / cu) for cu in CUDA_SOURCES]
     flavour = "CPU + CUDA" if with_cuda else "CPU"
     if with_cuda and not os.environ.get("TORCH_CUDA_ARCH_LIST") and not torch.cuda.is_available():
         # compile-only machine (CI): build for the GPU the project targets, Hopper
@@ -187,7 +189,8 @@ def spec_files(spec: OptimizerSpec, with_cuda: bool) -> Dict[str, str]:
 
     files = {k: v for k, v in render_spec(spec).items() if not k.endswith(".py")}
     if not with_cuda:
-        files.pop(f"{spec.name}/ops_cuda.cu")
+        for cu in CUDA_SOURCES:
+            files.pop(f"{spec.name}/{cu}")
     files.update(render_static())
     return files
 
@@ -219,7 +222,7 @@ def prebuild(spec_paths, with_cuda: bool, jobs: Optional[int] = None) -> None:
         for item in todo:
             _prebuild_one(item)
         return
-    # each build compiles its files in parallel too; keep the total near the core count
-    os.environ.setdefault("MAX_JOBS", "1")
+    # each build compiles its files in parallel too (ninja); keep the total near the core count
+    os.environ.setdefault("MAX_JOBS", str(max(1, (os.cpu_count() or 1) // jobs)))
     with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
         list(pool.map(_prebuild_one, todo))

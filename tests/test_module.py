@@ -37,8 +37,9 @@ def test_every_shipped_optimizer_is_covered():
 
 
 @pytest.fixture(scope="session", autouse=True)
-def built_extensions():
-    """Builds (or loads from the cache) every optimizer's extension once per session."""
+def built_extensions(prebuilt):
+    """Every optimizer's extension, built once per session (in parallel, by conftest's `prebuilt`)
+    and loaded into this process."""
     for name in OPTIMIZERS:
         TableBatchedEmbeddingBags([(4, 4)], optimizer=name)
 
@@ -192,11 +193,25 @@ def test_no_grad_forward_does_not_update():
 HYPER = {
     "sgd": dict(learning_rate=0.3),
     "adagrad": dict(learning_rate=0.2, eps=1e-6),
-    # SparseAdam adds eps to sqrt(v) before the bias correction of v (an effective eps of
-    # eps / sqrt(1 - beta2^step)); ours adds it after, as the brief's formula does. A tiny eps
-    # makes the difference vanish below fp32 rounding even for near-zero gradient elements.
-    "adam": dict(learning_rate=0.05, beta1=0.8, beta2=0.95, eps=1e-12),
+    "adam": dict(learning_rate=0.05, beta1=0.8, beta2=0.95, eps=1e-6),
 }
+
+
+class SparseAdamAfterCorrection(torch.optim.SparseAdam):
+    """torch.optim.SparseAdam adds eps to sqrt(v) before the bias correction of v; tbegen's adam
+    (like torch.optim.Adam) adds it to sqrt(v_hat). Giving SparseAdam eps * sqrt(1 - beta2^t) at
+    step t makes the two the same formula. (Every table gets a gradient at every step in these
+    tests, so SparseAdam's per-parameter step is the module's step.)"""
+
+    def __init__(self, params, lr, betas, eps):
+        super().__init__(params, lr=lr, betas=betas, eps=eps)
+        self.base_eps, self.t = eps, 0
+
+    def step(self, closure=None):
+        self.t += 1
+        for group in self.param_groups:
+            group["eps"] = self.base_eps * math.sqrt(1 - group["betas"][1] ** self.t)
+        return super().step(closure)
 
 
 def torch_optimizer(name, params, h):
@@ -206,7 +221,7 @@ def torch_optimizer(name, params, h):
         # torch's Adagrad adds eps after the square root, like ours
         return torch.optim.Adagrad(params, lr=h["learning_rate"], eps=h["eps"], initial_accumulator_value=0.0)
     if name == "adam":
-        return torch.optim.SparseAdam(params, lr=h["learning_rate"], betas=(h["beta1"], h["beta2"]), eps=h["eps"])
+        return SparseAdamAfterCorrection(params, lr=h["learning_rate"], betas=(h["beta1"], h["beta2"]), eps=h["eps"])
     raise KeyError(name)
 
 

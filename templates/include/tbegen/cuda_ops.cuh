@@ -1,6 +1,7 @@
-// tbegen runtime: CUDA implementations of the operators, shared by every optimizer. They check the
-// arguments (host.h), run the kernels (cuda_kernels.cuh) on the current stream, and raise any
-// error the kernels recorded.
+// tbegen runtime: host side of the CUDA operators, shared by every optimizer: argument checks
+// (host.h), launches of the kernels (cuda_kernels.cuh) on the current stream, and the errors the
+// kernels recorded. The fused backward is here; forward and the per-sample-weight gradient are in
+// cuda_forward_ops.cuh, compiled in their own translation unit so the two build in parallel.
 #pragma once
 
 #include <ATen/cuda/CUDAContext.h>
@@ -81,63 +82,6 @@ inline ForwardArgs forward_args(const Batch& b, const at::Tensor& features, cons
 
 inline at::Tensor new_error_record(const at::Tensor& like) {
   return at::zeros({3}, like.options().dtype(at::kLong));
-}
-
-inline at::Tensor forward_cuda(const at::Tensor& weights, const at::Tensor& features, int64_t total_D,
-                               int64_t max_D, const at::Tensor& indices, const at::Tensor& offsets,
-                               const c10::optional<at::Tensor>& per_sample_weights, int64_t pooling) {
-  const Batch b = check_batch(weights, features, total_D, max_D, indices, offsets, per_sample_weights, pooling);
-  const c10::cuda::CUDAGuard guard(weights.device());
-  at::Tensor out = pooling == kPoolNone ? at::empty({b.N, b.max_D}, weights.options().dtype(at::kFloat))
-                                        : at::zeros({b.B, b.total_D}, weights.options().dtype(at::kFloat));
-  if (pooling == kPoolNone && b.N > 0) out.zero_();
-  const at::Tensor error = new_error_record(weights);
-  const ForwardArgs a = forward_args(b, features, weights, per_sample_weights, out.data_ptr<float>(), error);
-  const auto stream = at::cuda::getCurrentCUDAStream();
-  if (b.F * b.B > 0) {
-    dispatch_weights(weights, [&](auto w) {
-      using W = decltype(w);
-      dispatch_index(indices, [&](auto i) {
-        using I = decltype(i);
-        dispatch_vecs(b.max_D, [&](auto vecs) {
-          forward_kernel<W, I, decltype(vecs)::value><<<grid_for(b.F * b.B), kThreads, 0, stream>>>(
-              a, weights.data_ptr<W>(), indices.data_ptr<I>(), offsets.data_ptr<I>());
-          TBEGEN_CUDA_CHECK(cudaGetLastError());
-        });
-      });
-    });
-  }
-  raise_kernel_error(error);
-  return out;
-}
-
-inline at::Tensor grad_per_sample_weights_cuda(const at::Tensor& grad_output, const at::Tensor& weights,
-                                               const at::Tensor& features, int64_t total_D, int64_t max_D,
-                                               const at::Tensor& indices, const at::Tensor& offsets,
-                                               int64_t pooling) {
-  const Batch b = check_batch(weights, features, total_D, max_D, indices, offsets, c10::nullopt, pooling);
-  const c10::cuda::CUDAGuard guard(weights.device());
-  check_grad_output(b, grad_output, weights);
-  at::Tensor grad = at::zeros({b.N}, weights.options().dtype(at::kFloat));
-  const at::Tensor error = new_error_record(weights);
-  const ForwardArgs a = forward_args(b, features, weights, c10::nullopt, nullptr, error);
-  const auto stream = at::cuda::getCurrentCUDAStream();
-  if (b.F * b.B > 0) {
-    dispatch_weights(weights, [&](auto w) {
-      using W = decltype(w);
-      dispatch_index(indices, [&](auto i) {
-        using I = decltype(i);
-        dispatch_vecs(b.max_D, [&](auto vecs) {
-          grad_psw_kernel<W, I, decltype(vecs)::value><<<grid_for(b.F * b.B), kThreads, 0, stream>>>(
-              a, grad_output.data_ptr<float>(), weights.data_ptr<W>(), indices.data_ptr<I>(),
-              offsets.data_ptr<I>(), grad.data_ptr<float>());
-          TBEGEN_CUDA_CHECK(cudaGetLastError());
-        });
-      });
-    });
-  }
-  raise_kernel_error(error);
-  return grad;
 }
 
 // Runs a CUB algorithm twice: once to size its scratch space, once with scratch from torch's

@@ -1,0 +1,69 @@
+// tbegen runtime: the CUDA forward pooled lookup and per-sample-weight gradient operators. They do
+// not depend on the optimizer; each extension compiles them in forward_cuda.cu, apart from the
+// backward, so that the two translation units build in parallel.
+#pragma once
+
+#include "tbegen/cuda_ops.cuh"
+
+namespace tbegen {
+namespace cuda {
+
+inline at::Tensor forward_cuda(const at::Tensor& weights, const at::Tensor& features, int64_t total_D,
+                               int64_t max_D, const at::Tensor& indices, const at::Tensor& offsets,
+                               const c10::optional<at::Tensor>& per_sample_weights, int64_t pooling) {
+  const Batch b = check_batch(weights, features, total_D, max_D, indices, offsets, per_sample_weights, pooling);
+  const c10::cuda::CUDAGuard guard(weights.device());
+  at::Tensor out = pooling == kPoolNone ? at::empty({b.N, b.max_D}, weights.options().dtype(at::kFloat))
+                                        : at::zeros({b.B, b.total_D}, weights.options().dtype(at::kFloat));
+  if (pooling == kPoolNone && b.N > 0) out.zero_();
+  const at::Tensor error = new_error_record(weights);
+  const ForwardArgs a = forward_args(b, features, weights, per_sample_weights, out.data_ptr<float>(), error);
+  const auto stream = at::cuda::getCurrentCUDAStream();
+  if (b.F * b.B > 0) {
+    dispatch_weights(weights, [&](auto w) {
+      using W = decltype(w);
+      dispatch_index(indices, [&](auto i) {
+        using I = decltype(i);
+        dispatch_vecs(b.max_D, [&](auto vecs) {
+          forward_kernel<W, I, decltype(vecs)::value><<<grid_for(b.F * b.B), kThreads, 0, stream>>>(
+              a, weights.data_ptr<W>(), indices.data_ptr<I>(), offsets.data_ptr<I>());
+          TBEGEN_CUDA_CHECK(cudaGetLastError());
+        });
+      });
+    });
+  }
+  raise_kernel_error(error);
+  return out;
+}
+
+inline at::Tensor grad_per_sample_weights_cuda(const at::Tensor& grad_output, const at::Tensor& weights,
+                                               const at::Tensor& features, int64_t total_D, int64_t max_D,
+                                               const at::Tensor& indices, const at::Tensor& offsets,
+                                               int64_t pooling) {
+  const Batch b = check_batch(weights, features, total_D, max_D, indices, offsets, c10::nullopt, pooling);
+  const c10::cuda::CUDAGuard guard(weights.device());
+  check_grad_output(b, grad_output, weights);
+  at::Tensor grad = at::zeros({b.N}, weights.options().dtype(at::kFloat));
+  const at::Tensor error = new_error_record(weights);
+  const ForwardArgs a = forward_args(b, features, weights, c10::nullopt, nullptr, error);
+  const auto stream = at::cuda::getCurrentCUDAStream();
+  if (b.F * b.B > 0) {
+    dispatch_weights(weights, [&](auto w) {
+      using W = decltype(w);
+      dispatch_index(indices, [&](auto i) {
+        using I = decltype(i);
+        dispatch_vecs(b.max_D, [&](auto vecs) {
+          grad_psw_kernel<W, I, decltype(vecs)::value><<<grid_for(b.F * b.B), kThreads, 0, stream>>>(
+              a, grad_output.data_ptr<float>(), weights.data_ptr<W>(), indices.data_ptr<I>(),
+              offsets.data_ptr<I>(), grad.data_ptr<float>());
+          TBEGEN_CUDA_CHECK(cudaGetLastError());
+        });
+      });
+    });
+  }
+  raise_kernel_error(error);
+  return grad;
+}
+
+}  // namespace cuda
+}  // namespace tbegen
