@@ -9,7 +9,7 @@ export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}
 export TBEGEN_BUILD_DIR=${TBEGEN_BUILD_DIR:-/tmp/tbegen-build}
 export PYTHONPATH=$PWD:${PYTHONPATH:-}
 export PYTHONUNBUFFERED=1
-steps=${*:-build tests sanitize bench fbgemm}
+steps=${*:-build diag tests sanitize bench fbgemm}
 has() { [[ " $steps " == *" $1 "* ]]; }
 status=0
 
@@ -27,10 +27,16 @@ from tbegen import build; from tbegen.spec import list_specs
 build.prebuild(list_specs(), with_cuda=True)" > "$OUT/build.log" 2>&1 || { status=1; tail -n 60 "$OUT/build.log"; }
   echo "build of all extensions (parallel): $(( $(date +%s) - start )) s" | tee -a "$OUT/env.txt"
 fi
+if has diag; then
+  python3 benchmarks/diag_errors.py 2>&1 | tee "$OUT/diag.log" | tail -n 40
+fi
 if has tests; then
-  python3 -m pytest -m cuda tests/test_cuda.py -q -p no:cacheprovider --junitxml="$OUT/junit_cuda.xml" \
+  # xdist (in the GPU image): four processes share the GPU, and a crashing test is reported
+  # instead of ending the session
+  xdist=$(python3 -c "import xdist" 2>/dev/null && echo "-n 4")
+  python3 -m pytest -m cuda tests/test_cuda.py -q -p no:cacheprovider $xdist --junitxml="$OUT/junit_cuda.xml" \
     > "$OUT/pytest_cuda.log" 2>&1 || status=1
-  tail -n 25 "$OUT/pytest_cuda.log"
+  grep -E "^(FAILED|ERROR)|passed|failed|crashed" "$OUT/pytest_cuda.log" | tail -n 30
 fi
 if has sanitize; then
   for tool in memcheck racecheck; do

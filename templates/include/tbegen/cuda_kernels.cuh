@@ -305,13 +305,20 @@ __global__ void __launch_bounds__(256) linearize_kernel(ForwardArgs a, const I* 
 // The sorted, run-length-encoded view of a batch that the update kernels walk.
 struct Runs {
   const int64_t* keys;       // unique linear keys, one per run
-  const int32_t* starts;     // first position (in sorted order) of each run
+  const int32_t* starts;     // first sorted position of each run
   const int32_t* lengths;    // occurrences of each run
   const int32_t* num_runs;   // device scalar
-  const int32_t* positions;  // sorted positions of the indices
   const int32_t* long_ids;   // runs of at least max_segment_length_per_warp occurrences
   const int32_t* num_long;   // device scalar
   int32_t max_segment_length_per_warp;
+};
+
+// What the update kernels need of each occurrence, in sorted order, so that a run's entries are
+// contiguous (gathered once after the sort by gather_occurrences_kernel).
+struct Occurrences {
+  const int32_t* position;  // index position (for pooling none: the row of grad_output)
+  const int32_t* bag;       // bag f * B + b of the index
+  const float* scale;       // per-sample weight (/ L for mean); nullptr when every scale is 1
 };
 
 struct BackwardArgs {
@@ -319,10 +326,20 @@ struct BackwardArgs {
   int64_t B, total_D, max_D;
   int64_t pooling;
   const float* grad_output;
-  const int32_t* bag_of;
-  const float* scale_of;  // nullptr: every scale is 1
   const int64_t* error;
 };
+
+// Step 3b of the backward: lays out each occurrence's bag and scale in sorted order.
+static __global__ void __launch_bounds__(256) gather_occurrences_kernel(int64_t n, const int32_t* __restrict__ sorted_positions,
+                                                                 const int32_t* __restrict__ bag_of,
+                                                                 const float* __restrict__ scale_of,
+                                                                 int32_t* sorted_bag, float* sorted_scale) {
+  for (int64_t j = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; j < n; j += int64_t(gridDim.x) * blockDim.x) {
+    const int32_t pos = sorted_positions[j];
+    sorted_bag[j] = bag_of[pos];
+    if (scale_of) sorted_scale[j] = scale_of[pos];
+  }
+}
 
 // Where a run's row lives: its width and offset in the weights buffer, from the bag of any of its
 // occurrences (features sharing a table share the table's width and offset).
@@ -338,27 +355,50 @@ __device__ __forceinline__ const float* grad_row(const BackwardArgs& a, int32_t 
                                       a.feat[(bag / a.B) * kFeatColumns + kFeatOutOffset];
 }
 
-// Adds the scaled output gradient of occurrences first, first + stride, ... (< last) into this
-// lane's slices of g, in that order.
+// One occurrence's metadata, held by one lane and broadcast to the warp with shuffles.
+struct OccurrenceInfo {
+  int32_t position = 0;
+  int32_t bag = 0;
+  float scale = 0.0f;
+
+  __device__ __forceinline__ void fetch(const Occurrences& o, int64_t j, bool none_pooling) {
+    bag = o.bag[j];
+    scale = o.scale ? o.scale[j] : 1.0f;
+    position = none_pooling ? o.position[j] : 0;
+  }
+  __device__ __forceinline__ OccurrenceInfo from_lane(int src) const {
+    OccurrenceInfo r;
+    r.position = __shfl_sync(kFullMask, position, src);
+    r.bag = __shfl_sync(kFullMask, bag, src);
+    r.scale = __shfl_sync(kFullMask, scale, src);
+    return r;
+  }
+};
+
 template <int kVecs>
-__device__ __forceinline__ void accumulate_gradient(const BackwardArgs& a, const Runs& r, int D, int lane,
-                                                    int64_t first, int64_t last, int stride, float* g) {
-  for (int64_t j = first; j < last; j += stride) {
-    const int32_t i = r.positions[j];
-    const int32_t bag = a.bag_of[i];
-    const float s = a.scale_of ? a.scale_of[i] : 1.0f;
-    const float* go = grad_row(a, i, bag);
+__device__ __forceinline__ void add_gradient(const BackwardArgs& a, const OccurrenceInfo& occ, int D, int lane, float* g) {
+  const float* go = grad_row(a, occ.position, occ.bag);
 #pragma unroll
-    for (int v = 0; v < kVecs; ++v) {
-      const int d = v * 128 + 4 * lane;
-      if (d < D) {
-        float x[4];
-        load4(go + d, x);
+  for (int v = 0; v < kVecs; ++v) {
+    const int d = v * 128 + 4 * lane;
+    if (d < D) {
+      float x[4];
+      load4(go + d, x);
 #pragma unroll
-        for (int c = 0; c < 4; ++c) g[v * 4 + c] += s * x[c];
-      }
+      for (int c = 0; c < 4; ++c) g[v * 4 + c] += occ.scale * x[c];
     }
   }
+}
+
+// Adds the scaled output-gradient rows of occurrences [first, first + n), n <= 32, in order: the
+// lanes fetch the n occurrences' metadata at once, then the rows are loaded several at a time.
+template <int kVecs>
+__device__ __forceinline__ void add_chunk(const BackwardArgs& a, const Occurrences& o, int D, int lane, int64_t first,
+                                          int n, float* g) {
+  OccurrenceInfo mine;
+  if (lane < n) mine.fetch(o, first + lane, a.pooling == kPoolNone);
+#pragma unroll 4
+  for (int k = 0; k < n; ++k) add_gradient<kVecs>(a, mine.from_lane(k), D, lane, g);
 }
 
 // Loads the row's weights and states into `row` (issued before the gradient is summed, so that
@@ -409,66 +449,65 @@ __device__ __forceinline__ void update_and_store(Row& row, const typename Opt::P
 template <class Opt, int kVecs>
 using OptRow = WarpRow<kVecs, Opt::kElementStates + Opt::kTemporaries, Opt::kRowStates>;
 
-// Short runs: one warp per unique row. The lanes first fetch the metadata of up to 32 occurrences
-// at once (position, bag, scale), the weight row and states are requested, and then the
-// occurrences' gradient rows are summed in sorted (= index) order.
+// Short runs: one warp per unique row. A warp takes 32 consecutive runs at a time; each lane
+// first fetches one run's description (length, start, key, and its first occurrence), so that a
+// row seen once (the common case) costs one round trip to memory for its weights and gradient
+// row, issued together. Occurrences are summed in sorted (= index) order.
 template <class Opt, typename W, int kVecs>
-__global__ void __launch_bounds__(256) backward_warp_kernel(BackwardArgs a, Runs r, typename Opt::Params p,
+__global__ void __launch_bounds__(256) backward_warp_kernel(BackwardArgs a, Runs r, Occurrences o, typename Opt::Params p,
                                                             RowUpdateContext ctx, W* weights) {
   if (a.error[0] != kErrNone) return;
   const int lane = threadIdx.x % kWarpSize;
   const int64_t warps = int64_t(gridDim.x) * blockDim.x / kWarpSize;
-  const int32_t num_runs = *r.num_runs;
-  for (int64_t run = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / kWarpSize; run < num_runs; run += warps) {
-    const int32_t len = r.lengths[run];
-    if (len >= r.max_segment_length_per_warp) continue;  // backward_block_kernel's
-    const int32_t start = r.starts[run];
-    const int64_t key = r.keys[run];
-    OptRow<Opt, kVecs> row;
-    row.lane = lane;
-#pragma unroll
-    for (int i = 0; i < row.kN; ++i) row.g_[i] = 0.0f;
-    int64_t woff = 0;
-    for (int32_t base = 0; base < len; base += kWarpSize) {
-      int32_t my_pos = 0, my_bag = 0;
-      float my_scale = 0.0f;
-      if (base + lane < len) {
-        my_pos = r.positions[start + base + lane];
-        my_bag = a.bag_of[my_pos];
-        my_scale = a.scale_of ? a.scale_of[my_pos] : 1.0f;
-      }
-      if (base == 0) {
-        locate_row(a, __shfl_sync(kFullMask, my_bag, 0), key, &row.D, &woff);
-        load_row<Opt, W>(row, p, weights, key, woff);
-      }
-      const int n = len - base < kWarpSize ? len - base : kWarpSize;
-#pragma unroll 4
-      for (int j = 0; j < n; ++j) {
-        const int32_t pos = __shfl_sync(kFullMask, my_pos, j);
-        const int32_t bag = __shfl_sync(kFullMask, my_bag, j);
-        const float s = __shfl_sync(kFullMask, my_scale, j);
-        const float* go = grad_row(a, pos, bag);
-#pragma unroll
-        for (int v = 0; v < kVecs; ++v) {
-          const int d = v * 128 + 4 * lane;
-          if (d < row.D) {
-            float x[4];
-            load4(go + d, x);
-#pragma unroll
-            for (int c = 0; c < 4; ++c) row.g_[v * 4 + c] += s * x[c];
-          }
-        }
-      }
+  const int64_t num_runs = *r.num_runs;
+  const bool none_pooling = a.pooling == kPoolNone;
+  for (int64_t group = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / kWarpSize * kWarpSize; group < num_runs;
+       group += warps * kWarpSize) {
+    int32_t my_len = 0, my_start = 0;
+    int64_t my_key = 0;
+    OccurrenceInfo my_first;
+    if (group + lane < num_runs) {
+      my_len = r.lengths[group + lane];
+      my_start = r.starts[group + lane];
+      my_key = r.keys[group + lane];
+      my_first.fetch(o, my_start, none_pooling);
     }
-    update_and_store<Opt, W>(row, p, ctx, weights, key, woff);
+    const int runs_here = num_runs - group < kWarpSize ? int(num_runs - group) : kWarpSize;
+    for (int k = 0; k < runs_here; ++k) {
+      const int32_t len = __shfl_sync(kFullMask, my_len, k);
+      if (len >= r.max_segment_length_per_warp) continue;  // backward_block_kernel's
+      const int32_t start = __shfl_sync(kFullMask, my_start, k);
+      const int64_t key = __shfl_sync(kFullMask, my_key, k);
+      const OccurrenceInfo first = my_first.from_lane(k);
+      OptRow<Opt, kVecs> row;
+      row.lane = lane;
+      int64_t woff;
+      locate_row(a, first.bag, key, &row.D, &woff);
+      load_row<Opt, W>(row, p, weights, key, woff);
+#pragma unroll
+      for (int i = 0; i < row.kN; ++i) row.g_[i] = 0.0f;
+      add_gradient<kVecs>(a, first, row.D, lane, row.g_);
+      for (int32_t base = 1; base < len; base += kWarpSize) {
+        const int n = len - base < kWarpSize ? len - base : kWarpSize;
+        add_chunk<kVecs>(a, o, row.D, lane, start + base, n, row.g_);
+      }
+      update_and_store<Opt, W>(row, p, ctx, weights, key, woff);
+    }
   }
 }
 
-// Long runs (hot rows): one block per unique row. Warp k sums occurrences k, k + warps, ...; the
-// partial sums meet in shared memory and warp 0 adds them in warp order (a fixed order, so the
-// result is deterministic), then applies the optimizer.
+// Warps per block of the hot-row kernel: 32 (the most a block has), fewer for wide rows so that
+// its shared memory stays at 32 KiB.
+template <int kVecs>
+constexpr int block_kernel_warps() {
+  return kVecs <= 2 ? 32 : 64 / kVecs;
+}
+
+// Long runs (hot rows): one block per unique row. Warp w sums the chunks of 32 occurrences
+// w, w + warps, ...; the partial sums meet in shared memory and warp 0 adds them in warp order
+// (a fixed order, so the result is deterministic), then applies the optimizer.
 template <class Opt, typename W, int kVecs>
-__global__ void __launch_bounds__(1024) backward_block_kernel(BackwardArgs a, Runs r, typename Opt::Params p,
+__global__ void __launch_bounds__(block_kernel_warps<kVecs>() * kWarpSize) backward_block_kernel(BackwardArgs a, Runs r, Occurrences o, typename Opt::Params p,
                                                               RowUpdateContext ctx, W* weights) {
   if (a.error[0] != kErrNone) return;
   extern __shared__ float partial[];  // [warps][kVecs * 128]
@@ -480,27 +519,31 @@ __global__ void __launch_bounds__(1024) backward_block_kernel(BackwardArgs a, Ru
   for (int32_t k = blockIdx.x; k < num_long; k += gridDim.x) {
     const int64_t run = r.long_ids[k];
     const int64_t key = r.keys[run];
+    const int64_t first = r.starts[run];
+    const int32_t len = r.lengths[run];
     OptRow<Opt, kVecs> row;
     row.lane = lane;
     int64_t woff;
-    const int64_t first = r.starts[run], last = first + r.lengths[run];
-    locate_row(a, a.bag_of[r.positions[first]], key, &row.D, &woff);
+    locate_row(a, o.bag[first], key, &row.D, &woff);
 #pragma unroll
     for (int i = 0; i < row.kN; ++i) row.g_[i] = 0.0f;
-    accumulate_gradient<kVecs>(a, r, row.D, lane, first + warp, last, warps, row.g_);
+    for (int32_t base = warp * kWarpSize; base < len; base += warps * kWarpSize) {
+      const int n = len - base < kWarpSize ? len - base : kWarpSize;
+      add_chunk<kVecs>(a, o, row.D, lane, first + base, n, row.g_);
+    }
 #pragma unroll
     for (int v = 0; v < kVecs; ++v)
 #pragma unroll
       for (int c = 0; c < 4; ++c) partial[warp * kWidth + v * 128 + 4 * lane + c] = row.g_[v * 4 + c];
     __syncthreads();
     if (warp == 0) {
+      load_row<Opt, W>(row, p, weights, key, woff);
       for (int other = 1; other < warps; ++other) {
 #pragma unroll
         for (int v = 0; v < kVecs; ++v)
 #pragma unroll
           for (int c = 0; c < 4; ++c) row.g_[v * 4 + c] += partial[other * kWidth + v * 128 + 4 * lane + c];
       }
-      load_row<Opt, W>(row, p, weights, key, woff);
       update_and_store<Opt, W>(row, p, ctx, weights, key, woff);
     }
     __syncthreads();  // partial[] is reused by the next run

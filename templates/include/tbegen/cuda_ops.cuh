@@ -166,6 +166,15 @@ void backward_cuda(const at::Tensor& grad_output, const at::Tensor& weights, con
                                  num_long, n, is_long, stream);
   });
 
+  // 3b. each occurrence's bag and scale, in sorted order
+  at::Tensor sorted_bag = at::empty({b.N}, opts.dtype(at::kInt));
+  at::Tensor sorted_scale = scaled ? at::empty({b.N}, opts.dtype(at::kFloat)) : at::Tensor();
+  gather_occurrences_kernel<<<grid_for(b.N / kWarpSize + 1), kThreads, 0, stream>>>(
+      b.N, sorted_positions.data_ptr<int32_t>(), bag_of.data_ptr<int32_t>(),
+      scaled ? scale_of.data_ptr<float>() : nullptr, sorted_bag.data_ptr<int32_t>(),
+      scaled ? sorted_scale.data_ptr<float>() : nullptr);
+  TBEGEN_CUDA_CHECK(cudaGetLastError());
+
   // 4. sum each unique row's gradient and update it
   BackwardArgs a;
   a.feat = features.data_ptr<int64_t>();
@@ -174,18 +183,19 @@ void backward_cuda(const at::Tensor& grad_output, const at::Tensor& weights, con
   a.max_D = b.max_D;
   a.pooling = pooling;
   a.grad_output = grad_output.data_ptr<float>();
-  a.bag_of = bag_of.data_ptr<int32_t>();
-  a.scale_of = scaled ? scale_of.data_ptr<float>() : nullptr;
   a.error = error.data_ptr<int64_t>();
   Runs r;
   r.keys = unique_keys.data_ptr<int64_t>();
   r.starts = starts.data_ptr<int32_t>();
   r.lengths = lengths.data_ptr<int32_t>();
   r.num_runs = num_runs;
-  r.positions = sorted_positions.data_ptr<int32_t>();
   r.long_ids = long_ids.data_ptr<int32_t>();
   r.num_long = num_long;
   r.max_segment_length_per_warp = threshold;
+  Occurrences o;
+  o.position = sorted_positions.data_ptr<int32_t>();
+  o.bag = sorted_bag.data_ptr<int32_t>();
+  o.scale = scaled ? sorted_scale.data_ptr<float>() : nullptr;
 
   const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
   dispatch_weights(weights, [&](auto w) {
@@ -193,12 +203,12 @@ void backward_cuda(const at::Tensor& grad_output, const at::Tensor& weights, con
     W* wptr = weights.data_ptr<W>();
     dispatch_vecs(b.max_D, [&](auto vecs) {
       constexpr int kVecs = decltype(vecs)::value;
-      backward_warp_kernel<Opt, W, kVecs><<<grid_for(b.N), kThreads, 0, stream>>>(a, r, params, ctx, wptr);
+      backward_warp_kernel<Opt, W, kVecs><<<grid_for(b.N / kWarpSize + 1), kThreads, 0, stream>>>(a, r, o, params, ctx, wptr);
       TBEGEN_CUDA_CHECK(cudaGetLastError());
-      constexpr int kBlockThreads = 256;
-      const int long_blocks = int(std::min<int64_t>(b.N / threshold + 1, int64_t(sms) * 8));
+      constexpr int kBlockThreads = block_kernel_warps<kVecs>() * kWarpSize;
+      const int long_blocks = int(std::min<int64_t>(b.N / threshold + 1, int64_t(sms) * 4));
       const size_t smem = size_t(kBlockThreads / kWarpSize) * kVecs * 128 * sizeof(float);
-      backward_block_kernel<Opt, W, kVecs><<<long_blocks, kBlockThreads, smem, stream>>>(a, r, params, ctx, wptr);
+      backward_block_kernel<Opt, W, kVecs><<<long_blocks, kBlockThreads, smem, stream>>>(a, r, o, params, ctx, wptr);
       TBEGEN_CUDA_CHECK(cudaGetLastError());
     });
   });
