@@ -50,10 +50,23 @@ def _sources_for(name: str, src_dir: Path, include_dir: Path, with_cuda: bool) -
     return files
 
 
+def cuda_arch_list() -> str:
+    """The GPU architectures CUDA builds target: $TORCH_CUDA_ARCH_LIST, else this machine's GPU
+    (torch's own default), else Hopper (9.0), the project's target, on a machine without a GPU."""
+    env = os.environ.get("TORCH_CUDA_ARCH_LIST")
+    if env:
+        return env
+    if torch.cuda.is_available():
+        major, minor = torch.cuda.get_device_capability()
+        return f"{major}.{minor}"
+    return "9.0"
+
+
 def cache_key(name: str, files: Dict[str, str], with_cuda: bool) -> str:
     h = hashlib.sha256()
     h.update(f"{name}\0{torch.__version__}\0{with_cuda}\0{CXX_FLAGS}\0{CUDA_FLAGS}\0".encode())
-    h.update(os.environ.get("TORCH_CUDA_ARCH_LIST", "").encode())
+    if with_cuda:
+        h.update(cuda_arch_list().encode())
     for rel in sorted(files):
         h.update(rel.encode() + b"\0" + files[rel].encode() + b"\0")
     return h.hexdigest()[:16]
@@ -125,7 +138,13 @@ def build_files(name: str, files: Dict[str, str], with_cuda: bool, verbose: bool
     out_dir = build_root() / f"{name}-{'cuda' if with_cuda else 'cpu'}-{key}"
     lib_path = out_dir / f"{libname}.so"
     if not lib_path.exists():
-        _compile(name, files, with_cuda, out_dir, libname, verbose)
+        if load:
+            _compile(name, files, with_cuda, out_dir, libname, verbose)
+        else:
+            # cpp_extension loads what it builds; build in a child process so that this one
+            # does not end up holding a library it did not ask for (its operators could clash
+            # with another build of the same optimizer loaded later)
+            _compile_in_child(name, files, with_cuda, out_dir, libname, verbose)
     if load:
         torch.ops.load_library(str(lib_path))
         _LOADED[namespace] = key
@@ -146,9 +165,8 @@ def _compile(name: str, files: Dict[str, str], with_cuda: bool, out_dir: Path, l
     if with_cuda:
         sources += [str(src / name / cu) for cu in CUDA_SOURCES]
     flavour = "CPU + CUDA" if with_cuda else "CPU"
-    if with_cuda and not os.environ.get("TORCH_CUDA_ARCH_LIST") and not torch.cuda.is_available():
-        # compile-only machine (CI): build for the GPU the project targets, Hopper
-        os.environ["TORCH_CUDA_ARCH_LIST"] = "9.0"
+    if with_cuda:
+        os.environ["TORCH_CUDA_ARCH_LIST"] = cuda_arch_list()
     print(
         f"tbegen: building the {name} extension ({flavour}) in {out_dir}; "
         f"this takes {'a minute or two' if with_cuda else 'about half a minute'} the first time",
@@ -171,6 +189,29 @@ def _compile(name: str, files: Dict[str, str], with_cuda: bool, out_dir: Path, l
         verbose=verbose,
     )
     print(f"tbegen: built {name} ({flavour}) in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
+
+
+def _compile_in_child(name, files, with_cuda, out_dir, libname, verbose) -> None:
+    import json
+    import subprocess
+    import tempfile
+
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump(dict(name=name, files=files, with_cuda=with_cuda, out_dir=str(out_dir), libname=libname,
+                       verbose=verbose), f)
+    code = (
+        "import json, sys; from pathlib import Path; from tbegen.build import _compile\n"
+        "a = json.load(open(sys.argv[1]))\n"
+        "_compile(a['name'], a['files'], a['with_cuda'], Path(a['out_dir']), a['libname'], a['verbose'])\n"
+    )
+    root = str(Path(__file__).resolve().parent.parent)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
+    try:
+        proc = subprocess.run([sys.executable, "-c", code, f.name], env=env)
+    finally:
+        os.unlink(f.name)
+    if proc.returncode != 0:
+        raise RuntimeError(f"tbegen: building the {name} extension failed (see the compiler output above)")
 
 
 def load_sources(name: str, src_dir: Union[str, Path], with_cuda: Optional[bool] = None,
