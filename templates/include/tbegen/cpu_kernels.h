@@ -43,6 +43,13 @@ struct CpuRow {
   static float all_min(float x) { return x; }
 };
 
+// Asks the memory system for a row ahead of its use: rows are scattered over tables far larger
+// than the caches, so each one is a trip to DRAM that is best overlapped with the work before it.
+inline void prefetch_bytes(const void* p, int64_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off);
+}
+
 template <typename W, typename I>
 void forward(const Batch& b, const int64_t* feat, const W* weights, const I* indices,
              const I* offsets, const float* psw, float* out) {
@@ -70,7 +77,14 @@ void forward(const Batch& b, const int64_t* feat, const W* weights, const I* ind
         const int64_t bag = f * b.B + bi;
         const int64_t start = offsets[bag], stop = offsets[bag + 1];
         std::fill(acc.begin(), acc.begin() + D, 0.0f);
+        constexpr int64_t kAhead = 8;  // rows prefetched ahead
+        for (int64_t i = start; i < std::min(stop, start + kAhead); ++i) {
+          prefetch_bytes(weights + ft[kFeatWeightsOffset] + int64_t(indices[i]) * D, D * int64_t(sizeof(W)));
+        }
         for (int64_t i = start; i < stop; ++i) {
+          if (i + kAhead < stop) {
+            prefetch_bytes(weights + ft[kFeatWeightsOffset] + int64_t(indices[i + kAhead]) * D, D * int64_t(sizeof(W)));
+          }
           const W* row = weights + ft[kFeatWeightsOffset] + int64_t(indices[i]) * D;
           const float s = psw ? psw[i] : 1.0f;
           for (int64_t d = 0; d < D; ++d) acc[d] += s * WeightTraits<W>::load(row[d]);
@@ -166,9 +180,23 @@ void backward(const Batch& b, const int64_t* feat, int64_t total_hash_size, cons
   // 4. Sum each unique row's gradient and apply the optimizer to it.
   constexpr int kElementSlots = Opt::kElementStates + Opt::kTemporaries;
   using Row = CpuRow<kElementSlots, Opt::kRowStates>;
+  // Where run r's row lives in the weights buffer (element states share the offsets).
+  auto row_offset_of = [&](int64_t r, int* D) {
+    const int64_t key = keys[run_start[r]];
+    const int64_t* ft = feat + (bag_of[pos[run_start[r]]] / b.B) * kFeatColumns;
+    *D = int(ft[kFeatDim]);
+    return ft[kFeatWeightsOffset] + (key - ft[kFeatKeyBase]) * *D;
+  };
   at::parallel_for(0, num_runs, 32, [&](int64_t begin, int64_t end) {
     std::vector<float> buf((2 + Opt::kTemporaries) * b.max_D);
+    constexpr int64_t kAhead = 8;  // runs whose rows are prefetched ahead
     for (int64_t r = begin; r < end; ++r) {
+      if (r + kAhead < end) {
+        int Dn;
+        const int64_t off = row_offset_of(r + kAhead, &Dn);
+        prefetch_bytes(weights + off, Dn * int64_t(sizeof(W)));
+        for (int k = 0; k < Opt::kElementStates; ++k) prefetch_bytes(params.element_states[k] + off, Dn * 4);
+      }
       const int64_t first = run_start[r], last = run_start[r + 1];
       const int64_t key = keys[first];
       const int64_t f = bag_of[pos[first]] / b.B;
