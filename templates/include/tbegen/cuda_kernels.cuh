@@ -178,7 +178,7 @@ __global__ void __launch_bounds__(256) forward_kernel(ForwardArgs a, const W* __
       }
       const int n = end - base < kWarpSize ? int(end - base) : kWarpSize;
       // unrolled so that several rows' loads are in flight at once
-#pragma unroll 4
+#pragma unroll 8
       for (int j = 0; j < n; ++j) {
         const int64_t off = __shfl_sync(kFullMask, my_off, j);
         const float s = __shfl_sync(kFullMask, my_scale, j);
