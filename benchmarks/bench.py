@@ -139,6 +139,19 @@ def bench_one(name, cfg_name, cfg, E, args, bw_tbs):
         torch.cuda.synchronize()
         f_ms.append(e[0].elapsed_time(e[1]))
         b_ms.append(e[1].elapsed_time(e[2]))
+    if args.profile:
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for i in range(3):
+                fwd(i)
+                bwd(i)
+            torch.cuda.synchronize()
+        rows = sorted(((e.device_time_total / 3, e.key) for e in prof.key_averages() if e.device_time_total > 0),
+                      reverse=True)
+        print(f"  kernels of {cfg_name} {name}, us per iteration:")
+        for us, key in rows[:10]:
+            print(f"  {us:9.1f}  {key[:110]}")
     unique = [statistics.mean(s["unique"][t] for s in sets) for t in range(cfg["T"])]
     ib = ideal_bytes(cfg, spec, unique, weights.element_size())
     bwd_ms = statistics.median(b_ms)
@@ -161,6 +174,7 @@ def main():
     ap.add_argument("--nsets", type=int, default=4)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--profile", action="store_true", help="print the top CUDA kernels of each run")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

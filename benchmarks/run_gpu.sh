@@ -40,13 +40,17 @@ if has tests; then
 fi
 if has sanitize; then
   for tool in memcheck racecheck; do
-    PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout 400 compute-sanitizer --tool $tool --print-limit 20 \
+    PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout ${SANITIZE_TIMEOUT:-300} compute-sanitizer --tool $tool --print-limit 20 \
       python3 benchmarks/sanitize_cases.py rowwise_adagrad adam > "$OUT/sanitize_$tool.log" 2>&1 || status=1
     echo "== $tool"; grep -E "ERROR SUMMARY|RACECHECK SUMMARY|FAILED|Error" "$OUT/sanitize_$tool.log" | head -n 8
   done
 fi
 if has bench; then
   python3 benchmarks/bench.py --out "$OUT" 2>&1 | tee "$OUT/bench.log" | grep -v Warning || status=1
+fi
+if has profile; then
+  python3 benchmarks/bench.py --out "$OUT/profile" --configs C1,C2 --opts sgd --iters 5 --profile 2>&1 \
+    | tee "$OUT/profile.log" | grep -v Warning
 fi
 if has fbgemm; then
   if [ -d .anchor/bundle ]; then

@@ -16,7 +16,7 @@ inline Params make_params(const at::Tensor& weights, int64_t total_hash_size, co
   p.learning_rate = static_cast<float>(learning_rate);
   p.eps = static_cast<float>(eps);
   p.weight_decay = static_cast<float>(weight_decay);
-  TORCH_CHECK(weight_decay_mode == 0 || weight_decay_mode == 1 || weight_decay_mode == 2,
+  TBEGEN_CHECK(weight_decay_mode == 0 || weight_decay_mode == 1 || weight_decay_mode == 2,
               "tbegen: rowwise_adagrad: weight_decay_mode must be one of 0, 1, 2, got ", weight_decay_mode);
   p.weight_decay_mode = static_cast<int64_t>(weight_decay_mode);
   p.max_norm = static_cast<float>(max_norm);

@@ -23,7 +23,7 @@ void dispatch_types(const at::Tensor& weights, const at::Tensor& indices, Body&&
     case at::kFloat: with_index(float{}); break;
     case at::kHalf: with_index(c10::Half{}); break;
     case at::kBFloat16: with_index(c10::BFloat16{}); break;
-    default: TORCH_CHECK(false, "tbegen: unsupported weights dtype ", weights.scalar_type());
+    default: TBEGEN_CHECK(false, "tbegen: unsupported weights dtype ", weights.scalar_type());
   }
 }
 
@@ -75,7 +75,7 @@ void backward_cpu(const at::Tensor& grad_output, const at::Tensor& weights, cons
   const int64_t* feat = features.data_ptr<int64_t>();
   for (int64_t f = 0; f < b.F; ++f) {
     const int64_t* ft = feat + f * kFeatColumns;
-    TORCH_CHECK(ft[kFeatKeyBase] >= 0 && ft[kFeatKeyBase] + ft[kFeatRows] <= total_hash_size,
+    TBEGEN_CHECK(ft[kFeatKeyBase] >= 0 && ft[kFeatKeyBase] + ft[kFeatRows] <= total_hash_size,
                 "tbegen: feature ", f, "'s keys exceed total_hash_size = ", total_hash_size);
   }
   dispatch_types(weights, indices, [&](auto w, auto i) {

@@ -11,10 +11,48 @@
 #include <c10/util/Optional.h>
 
 #include <string>
+#include <type_traits>
 
 #include "tbegen/common.h"
 
 namespace tbegen {
+
+// ---- error messages ------------------------------------------------------------------------------
+//
+// TBEGEN_CHECK(cond, parts...) raises a c10::Error (a RuntimeError in Python) whose message is the
+// parts joined. Numbers are formatted with std::to_string rather than through an ostream, so the
+// message does not depend on the iostream facets of whichever C++ runtime the process loaded
+// first (on a machine whose torch was built with another toolchain, formatting an integer through
+// c10::str crashed the process instead of raising).
+namespace detail {
+inline void append(std::string& s, const char* x) { s += x; }
+inline void append(std::string& s, const std::string& x) { s += x; }
+inline void append(std::string& s, at::ScalarType t) { s += c10::toString(t); }
+inline void append(std::string& s, const c10::Device& d) { s += d.str(); }
+inline void append(std::string& s, c10::IntArrayRef sizes) {
+  s += "[";
+  for (size_t i = 0; i < sizes.size(); ++i) s += (i ? ", " : "") + std::to_string(sizes[i]);
+  s += "]";
+}
+template <typename T, std::enable_if_t<std::is_arithmetic_v<T>, int> = 0>
+inline void append(std::string& s, T x) {
+  s += std::to_string(x);
+}
+}  // namespace detail
+
+template <typename... Parts>
+std::string message(const Parts&... parts) {
+  std::string s;
+  (detail::append(s, parts), ...);
+  return s;
+}
+
+[[noreturn]] inline void fail(const std::string& what) { TORCH_CHECK(false, what); }
+
+#define TBEGEN_CHECK(cond, ...)                               \
+  do {                                                        \
+    if (C10_UNLIKELY(!(cond))) ::tbegen::fail(::tbegen::message(__VA_ARGS__)); \
+  } while (0)
 
 // Shapes of one call, derived from the arguments once they have been checked.
 struct Batch {
@@ -30,46 +68,46 @@ struct Batch {
 inline const char* dtype_name(at::ScalarType t) { return c10::toString(t); }
 
 inline void check_tensor(const at::Tensor& t, const char* name, const at::Tensor& like) {
-  TORCH_CHECK(t.device() == like.device(), "tbegen: ", name, " is on ", t.device(),
+  TBEGEN_CHECK(t.device() == like.device(), "tbegen: ", name, " is on ", t.device(),
               " but the weights are on ", like.device());
-  TORCH_CHECK(t.is_contiguous(), "tbegen: ", name, " must be contiguous");
+  TBEGEN_CHECK(t.is_contiguous(), "tbegen: ", name, " must be contiguous");
 }
 
 // Checks everything that can be checked without reading device memory, and returns the shapes.
 inline Batch check_batch(const at::Tensor& weights, const at::Tensor& features, int64_t total_D,
                          int64_t max_D, const at::Tensor& indices, const at::Tensor& offsets,
                          const c10::optional<at::Tensor>& per_sample_weights, int64_t pooling) {
-  TORCH_CHECK(weights.dim() == 1, "tbegen: weights must be a flat 1-D buffer, got ", weights.dim(),
+  TBEGEN_CHECK(weights.dim() == 1, "tbegen: weights must be a flat 1-D buffer, got ", weights.dim(),
               " dimensions");
   const auto wt = weights.scalar_type();
-  TORCH_CHECK(wt == at::kFloat || wt == at::kHalf || wt == at::kBFloat16,
+  TBEGEN_CHECK(wt == at::kFloat || wt == at::kHalf || wt == at::kBFloat16,
               "tbegen: weights must be float32, float16 or bfloat16, got ", dtype_name(wt));
-  TORCH_CHECK(weights.is_contiguous(), "tbegen: weights must be contiguous");
+  TBEGEN_CHECK(weights.is_contiguous(), "tbegen: weights must be contiguous");
   check_tensor(features, "features", weights);
-  TORCH_CHECK(features.scalar_type() == at::kLong && features.dim() == 2 &&
+  TBEGEN_CHECK(features.scalar_type() == at::kLong && features.dim() == 2 &&
                   features.size(1) == kFeatColumns,
               "tbegen: features must be an int64 tensor of shape [F, ", int64_t(kFeatColumns),
               "], got ", dtype_name(features.scalar_type()), " ", features.sizes());
   check_tensor(indices, "indices", weights);
   check_tensor(offsets, "offsets", weights);
   const auto it = indices.scalar_type();
-  TORCH_CHECK(it == at::kInt || it == at::kLong, "tbegen: indices must be int32 or int64, got ",
+  TBEGEN_CHECK(it == at::kInt || it == at::kLong, "tbegen: indices must be int32 or int64, got ",
               dtype_name(it));
-  TORCH_CHECK(offsets.scalar_type() == it, "tbegen: offsets must have the dtype of indices (",
+  TBEGEN_CHECK(offsets.scalar_type() == it, "tbegen: offsets must have the dtype of indices (",
               dtype_name(it), "), got ", dtype_name(offsets.scalar_type()));
-  TORCH_CHECK(indices.dim() == 1 && offsets.dim() == 1, "tbegen: indices and offsets must be 1-D");
-  TORCH_CHECK(pooling == kPoolSum || pooling == kPoolMean || pooling == kPoolNone,
+  TBEGEN_CHECK(indices.dim() == 1 && offsets.dim() == 1, "tbegen: indices and offsets must be 1-D");
+  TBEGEN_CHECK(pooling == kPoolSum || pooling == kPoolMean || pooling == kPoolNone,
               "tbegen: pooling must be 0 (sum), 1 (mean) or 2 (none), got ", pooling);
   Batch b;
   b.F = features.size(0);
-  TORCH_CHECK(b.F >= 1, "tbegen: at least one feature is needed");
-  TORCH_CHECK(offsets.numel() >= 1 && (offsets.numel() - 1) % b.F == 0,
+  TBEGEN_CHECK(b.F >= 1, "tbegen: at least one feature is needed");
+  TBEGEN_CHECK(offsets.numel() >= 1 && (offsets.numel() - 1) % b.F == 0,
               "tbegen: offsets must have F * B + 1 entries for F = ", b.F, " features, got ",
               offsets.numel());
   b.B = (offsets.numel() - 1) / b.F;
   b.N = indices.numel();
-  TORCH_CHECK(b.N < (int64_t(1) << 31), "tbegen: at most 2^31 - 1 indices per batch, got ", b.N);
-  TORCH_CHECK(max_D >= 4 && max_D <= 1024 && max_D % 4 == 0,
+  TBEGEN_CHECK(b.N < (int64_t(1) << 31), "tbegen: at most 2^31 - 1 indices per batch, got ", b.N);
+  TBEGEN_CHECK(max_D >= 4 && max_D <= 1024 && max_D % 4 == 0,
               "tbegen: embedding dims must be multiples of 4 from 4 to 1024, got max_D = ", max_D);
   b.total_D = total_D;
   b.max_D = max_D;
@@ -77,9 +115,9 @@ inline Batch check_batch(const at::Tensor& weights, const at::Tensor& features, 
   if (per_sample_weights.has_value()) {
     const at::Tensor& psw = *per_sample_weights;
     check_tensor(psw, "per_sample_weights", weights);
-    TORCH_CHECK(psw.scalar_type() == at::kFloat, "tbegen: per_sample_weights must be float32, got ",
+    TBEGEN_CHECK(psw.scalar_type() == at::kFloat, "tbegen: per_sample_weights must be float32, got ",
                 dtype_name(psw.scalar_type()));
-    TORCH_CHECK(psw.dim() == 1 && psw.numel() == b.N, "tbegen: per_sample_weights must have one "
+    TBEGEN_CHECK(psw.dim() == 1 && psw.numel() == b.N, "tbegen: per_sample_weights must have one "
                 "entry per index (", b.N, "), got shape ", psw.sizes());
     b.weighted = true;
   }
@@ -90,17 +128,17 @@ inline Batch check_batch(const at::Tensor& weights, const at::Tensor& features, 
     for (int64_t f = 0; f < b.F; ++f) {
       const int64_t* ft = feat + f * kFeatColumns;
       const int64_t rows = ft[kFeatRows], D = ft[kFeatDim];
-      TORCH_CHECK(D >= 4 && D <= 1024 && D % 4 == 0, "tbegen: feature ", f, " has D = ", D,
+      TBEGEN_CHECK(D >= 4 && D <= 1024 && D % 4 == 0, "tbegen: feature ", f, " has D = ", D,
                   "; embedding dims must be multiples of 4 from 4 to 1024");
-      TORCH_CHECK(D <= max_D, "tbegen: feature ", f, " has D = ", D, " > max_D = ", max_D);
-      TORCH_CHECK(pooling != kPoolNone || D == max_D, "tbegen: pooling none needs every table to "
+      TBEGEN_CHECK(D <= max_D, "tbegen: feature ", f, " has D = ", D, " > max_D = ", max_D);
+      TBEGEN_CHECK(pooling != kPoolNone || D == max_D, "tbegen: pooling none needs every table to "
                   "have the same D, but feature ", f, " has D = ", D, " and max_D = ", max_D);
-      TORCH_CHECK(rows >= 0 && ft[kFeatWeightsOffset] >= 0 &&
+      TBEGEN_CHECK(rows >= 0 && ft[kFeatWeightsOffset] >= 0 &&
                       ft[kFeatWeightsOffset] + rows * D <= weights.numel(),
                   "tbegen: feature ", f, "'s table (", rows, " x ", D, " at offset ",
                   ft[kFeatWeightsOffset], ") does not fit in the weights buffer of ",
                   weights.numel(), " elements");
-      TORCH_CHECK(pooling == kPoolNone || (ft[kFeatOutOffset] >= 0 &&
+      TBEGEN_CHECK(pooling == kPoolNone || (ft[kFeatOutOffset] >= 0 &&
                                            ft[kFeatOutOffset] + D <= total_D),
                   "tbegen: feature ", f, "'s output columns do not fit in total_D = ", total_D);
     }
@@ -110,30 +148,30 @@ inline Batch check_batch(const at::Tensor& weights, const at::Tensor& features, 
 
 inline void check_grad_output(const Batch& b, const at::Tensor& grad_output, const at::Tensor& weights) {
   check_tensor(grad_output, "grad_output", weights);
-  TORCH_CHECK(grad_output.scalar_type() == at::kFloat, "tbegen: grad_output must be float32, got ",
+  TBEGEN_CHECK(grad_output.scalar_type() == at::kFloat, "tbegen: grad_output must be float32, got ",
               dtype_name(grad_output.scalar_type()));
   const int64_t rows = b.pooling == kPoolNone ? b.N : b.B;
   const int64_t cols = b.pooling == kPoolNone ? b.max_D : b.total_D;
-  TORCH_CHECK(grad_output.dim() == 2 && grad_output.size(0) == rows && grad_output.size(1) == cols,
+  TBEGEN_CHECK(grad_output.dim() == 2 && grad_output.size(0) == rows && grad_output.size(1) == cols,
               "tbegen: grad_output must have shape [", rows, ", ", cols, "], got ", grad_output.sizes());
 }
 
 // Checks index ranges and offsets on the host (CPU tensors only).
 template <typename I>
 void check_indices_host(const Batch& b, const int64_t* feat, const I* indices, const I* offsets) {
-  TORCH_CHECK(offsets[0] == 0, "tbegen: offsets[0] must be 0, got ", int64_t(offsets[0]));
+  TBEGEN_CHECK(offsets[0] == 0, "tbegen: offsets[0] must be 0, got ", int64_t(offsets[0]));
   const int64_t nbags = b.F * b.B;
-  TORCH_CHECK(int64_t(offsets[nbags]) == b.N, "tbegen: offsets[-1] must equal the number of "
+  TBEGEN_CHECK(int64_t(offsets[nbags]) == b.N, "tbegen: offsets[-1] must equal the number of "
               "indices (", b.N, "), got ", int64_t(offsets[nbags]));
   for (int64_t bag = 0; bag < nbags; ++bag) {
     const int64_t start = offsets[bag], end = offsets[bag + 1];
-    TORCH_CHECK(start <= end, "tbegen: offsets must be non-decreasing, but offsets[", bag, "] = ",
+    TBEGEN_CHECK(start <= end, "tbegen: offsets must be non-decreasing, but offsets[", bag, "] = ",
                 start, " > offsets[", bag + 1, "] = ", end);
     const int64_t f = bag / b.B;
     const int64_t rows = feat[f * kFeatColumns + kFeatRows];
     for (int64_t i = start; i < end; ++i) {
       const int64_t idx = indices[i];
-      TORCH_CHECK(idx >= 0 && idx < rows, "tbegen: indices[", i, "] = ", idx,
+      TBEGEN_CHECK(idx >= 0 && idx < rows, "tbegen: indices[", i, "] = ", idx,
                   " is out of range for feature ", f, ", whose table has ", rows, " rows");
     }
   }
@@ -147,14 +185,14 @@ inline void raise_kernel_error(const at::Tensor& error_record) {
     case kErrNone:
       return;
     case kErrIndexOutOfRange:
-      TORCH_CHECK(false, "tbegen: indices[", r[1], "] = ", r[2],
+      TBEGEN_CHECK(false, "tbegen: indices[", r[1], "] = ", r[2],
                   " is out of range for its table (nothing was updated)");
     case kErrRowOutsideWeights:
-      TORCH_CHECK(false, "tbegen: the features table places row ", r[2],
+      TBEGEN_CHECK(false, "tbegen: the features table places row ", r[2],
                   " outside the weights buffer, or its offsets are inconsistent (bag ", r[1],
                   "; nothing was updated)");
     default:
-      TORCH_CHECK(false, "tbegen: malformed offsets (offsets must start at 0, be non-decreasing "
+      TBEGEN_CHECK(false, "tbegen: malformed offsets (offsets must start at 0, be non-decreasing "
                   "and end at the number of indices); first bad bag ", r[1]);
   }
 }
@@ -162,12 +200,12 @@ inline void raise_kernel_error(const at::Tensor& error_record) {
 // Checks a state tensor passed to a backward operator before the kernels take its pointer.
 inline float* state_data(const at::Tensor& state, const char* optimizer, const char* name,
                          const at::Tensor& weights, int64_t expected_numel, const char* layout) {
-  TORCH_CHECK(state.scalar_type() == at::kFloat, "tbegen: ", optimizer, ": state '", name,
+  TBEGEN_CHECK(state.scalar_type() == at::kFloat, "tbegen: ", optimizer, ": state '", name,
               "' must be float32, got ", dtype_name(state.scalar_type()));
-  TORCH_CHECK(state.device() == weights.device(), "tbegen: ", optimizer, ": state '", name,
+  TBEGEN_CHECK(state.device() == weights.device(), "tbegen: ", optimizer, ": state '", name,
               "' is on ", state.device(), " but the weights are on ", weights.device());
-  TORCH_CHECK(state.is_contiguous(), "tbegen: ", optimizer, ": state '", name, "' must be contiguous");
-  TORCH_CHECK(state.numel() == expected_numel, "tbegen: ", optimizer, ": state '", name, "' must have ",
+  TBEGEN_CHECK(state.is_contiguous(), "tbegen: ", optimizer, ": state '", name, "' must be contiguous");
+  TBEGEN_CHECK(state.numel() == expected_numel, "tbegen: ", optimizer, ": state '", name, "' must have ",
               expected_numel, " elements (", layout, "), got ", state.numel());
   return state.data_ptr<float>();
 }

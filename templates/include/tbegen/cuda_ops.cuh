@@ -18,7 +18,7 @@ namespace cuda {
 #define TBEGEN_CUDA_CHECK(expr)                                                             \
   do {                                                                                      \
     const cudaError_t tbegen_err = (expr);                                                  \
-    TORCH_CHECK(tbegen_err == cudaSuccess, "tbegen: CUDA error ", cudaGetErrorString(tbegen_err), \
+    TBEGEN_CHECK(tbegen_err == cudaSuccess, "tbegen: CUDA error ", cudaGetErrorString(tbegen_err), \
                 " at " __FILE__ ":", __LINE__);                                            \
   } while (0)
 
@@ -42,7 +42,7 @@ void dispatch_weights(const at::Tensor& weights, Body&& body) {
     case at::kFloat: body(float{}); break;
     case at::kHalf: body(c10::Half{}); break;
     case at::kBFloat16: body(c10::BFloat16{}); break;
-    default: TORCH_CHECK(false, "tbegen: unsupported weights dtype ", weights.scalar_type());
+    default: TBEGEN_CHECK(false, "tbegen: unsupported weights dtype ", weights.scalar_type());
   }
 }
 
@@ -106,8 +106,8 @@ void backward_cuda(const at::Tensor& grad_output, const at::Tensor& weights, con
   const Batch b = check_batch(weights, features, total_D, max_D, indices, offsets, per_sample_weights, pooling);
   const c10::cuda::CUDAGuard guard(weights.device());
   check_grad_output(b, grad_output, weights);
-  TORCH_CHECK(total_hash_size >= 1, "tbegen: total_hash_size must be positive, got ", total_hash_size);
-  TORCH_CHECK(max_segment_length_per_warp >= 1, "tbegen: max_segment_length_per_warp must be >= 1");
+  TBEGEN_CHECK(total_hash_size >= 1, "tbegen: total_hash_size must be positive, got ", total_hash_size);
+  TBEGEN_CHECK(max_segment_length_per_warp >= 1, "tbegen: max_segment_length_per_warp must be >= 1");
   if (b.N == 0) return;
   const auto stream = at::cuda::getCurrentCUDAStream();
   const auto opts = weights.options();
