@@ -41,7 +41,7 @@ fi
 if has sanitize; then
   for tool in memcheck racecheck; do
     PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout ${SANITIZE_TIMEOUT:-300} compute-sanitizer --tool $tool --print-limit 20 \
-      python3 benchmarks/sanitize_cases.py rowwise_adagrad adam > "$OUT/sanitize_$tool.log" 2>&1 || status=1
+      python3 benchmarks/sanitize_cases.py ${SANITIZE_OPTS:-rowwise_adagrad adam} > "$OUT/sanitize_$tool.log" 2>&1 || status=1
     echo "== $tool"; grep -E "ERROR SUMMARY|RACECHECK SUMMARY|FAILED|Error" "$OUT/sanitize_$tool.log" | head -n 8
   done
 fi
