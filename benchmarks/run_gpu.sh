@@ -34,7 +34,7 @@ if has tests; then
   # xdist (in the GPU image): four processes share the GPU, and a crashing test is reported
   # instead of ending the session
   xdist=$(python3 -c "import xdist" 2>/dev/null && echo "-n 4")
-  python3 -m pytest -m cuda tests/test_cuda.py -q -p no:cacheprovider $xdist --junitxml="$OUT/junit_cuda.xml" \
+  python3 -m pytest tests/test_cuda.py tests/test_module.py -q -p no:cacheprovider $xdist --junitxml="$OUT/junit_cuda.xml" \
     > "$OUT/pytest_cuda.log" 2>&1 || status=1
   grep -E "^(FAILED|ERROR)|passed|failed|crashed" "$OUT/pytest_cuda.log" | tail -n 30
 fi

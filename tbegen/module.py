@@ -24,7 +24,6 @@ import difflib
 import math
 import numbers
 import os
-from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch

@@ -12,7 +12,7 @@ from __future__ import annotations
 import copy
 import io
 import math
-from typing import Dict, List, Optional
+from typing import List
 
 import pytest
 import torch
@@ -791,7 +791,7 @@ def test_cuda_matches_cpu(optimizer, dtype):
 def test_cuda_training_matches_torch_optim(optimizer):
     h = HYPER[optimizer]
     emb = make_emb(optimizer, device="cuda", **h)
-    ref = TorchTables(emb, sparse=True)
+    ref = TorchTables(emb, sparse=True).cpu()
     opt = torch_optimizer(optimizer, ref.parameters(), h)
     gen = torch.Generator().manual_seed(91)
     for _ in range(3):
