@@ -316,9 +316,9 @@ struct Runs {
 // What the update kernels need of each occurrence, in sorted order, so that a run's entries are
 // contiguous (gathered once after the sort by gather_occurrences_kernel).
 struct Occurrences {
-  const int64_t* grad_offset;  // where the index's output-gradient row starts in grad_output
-  const int32_t* bag;          // bag f * B + b of the index
-  const float* scale;          // per-sample weight (/ L for mean); nullptr when every scale is 1
+  const int32_t* position;  // index position (for pooling none: the row of grad_output)
+  const int32_t* bag;       // bag f * B + b of the index
+  const float* scale;       // per-sample weight (/ L for mean); nullptr when every scale is 1
 };
 
 struct BackwardArgs {
@@ -329,21 +329,15 @@ struct BackwardArgs {
   const int64_t* error;
 };
 
-// Step 3b of the backward: lays out, in sorted order, each occurrence's bag, scale and the start
-// of its output-gradient row (so that summing a row's gradient is one load per occurrence, with
-// no lookup in between).
-static __global__ void __launch_bounds__(256) gather_occurrences_kernel(
-    int64_t n, const int64_t* __restrict__ feat, int64_t B, int64_t total_D, int64_t max_D, int64_t pooling,
-    const int32_t* __restrict__ sorted_positions, const int32_t* __restrict__ bag_of,
-    const float* __restrict__ scale_of, int32_t* sorted_bag, float* sorted_scale, int64_t* sorted_grad_offset) {
+// Step 3b of the backward: lays out each occurrence's bag and scale in sorted order.
+static __global__ void __launch_bounds__(256) gather_occurrences_kernel(int64_t n, const int32_t* __restrict__ sorted_positions,
+                                                                 const int32_t* __restrict__ bag_of,
+                                                                 const float* __restrict__ scale_of,
+                                                                 int32_t* sorted_bag, float* sorted_scale) {
   for (int64_t j = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; j < n; j += int64_t(gridDim.x) * blockDim.x) {
     const int32_t pos = sorted_positions[j];
-    const int32_t bag = bag_of[pos];
-    sorted_bag[j] = bag;
+    sorted_bag[j] = bag_of[pos];
     if (scale_of) sorted_scale[j] = scale_of[pos];
-    sorted_grad_offset[j] = pooling == kPoolNone
-                                ? int64_t(pos) * max_D
-                                : (bag % B) * total_D + feat[(bag / B) * kFeatColumns + kFeatOutOffset];
   }
 }
 
@@ -355,20 +349,26 @@ __device__ __forceinline__ void locate_row(const BackwardArgs& a, int32_t bag, i
   *woff = ft[kFeatWeightsOffset] + (key - ft[kFeatKeyBase]) * *D;
 }
 
+__device__ __forceinline__ const float* grad_row(const BackwardArgs& a, int32_t position, int32_t bag) {
+  return a.pooling == kPoolNone ? a.grad_output + int64_t(position) * a.max_D
+                                : a.grad_output + (bag % a.B) * a.total_D +
+                                      a.feat[(bag / a.B) * kFeatColumns + kFeatOutOffset];
+}
+
 // One occurrence's metadata, held by one lane and broadcast to the warp with shuffles.
 struct OccurrenceInfo {
-  int64_t grad_offset = 0;
+  int32_t position = 0;
   int32_t bag = 0;
   float scale = 0.0f;
 
-  __device__ __forceinline__ void fetch(const Occurrences& o, int64_t j) {
+  __device__ __forceinline__ void fetch(const Occurrences& o, int64_t j, bool none_pooling) {
     bag = o.bag[j];
     scale = o.scale ? o.scale[j] : 1.0f;
-    grad_offset = o.grad_offset[j];
+    position = none_pooling ? o.position[j] : 0;
   }
   __device__ __forceinline__ OccurrenceInfo from_lane(int src) const {
     OccurrenceInfo r;
-    r.grad_offset = __shfl_sync(kFullMask, grad_offset, src);
+    r.position = __shfl_sync(kFullMask, position, src);
     r.bag = __shfl_sync(kFullMask, bag, src);
     r.scale = __shfl_sync(kFullMask, scale, src);
     return r;
@@ -377,7 +377,7 @@ struct OccurrenceInfo {
 
 template <int kVecs>
 __device__ __forceinline__ void add_gradient(const BackwardArgs& a, const OccurrenceInfo& occ, int D, int lane, float* g) {
-  const float* go = a.grad_output + occ.grad_offset;
+  const float* go = grad_row(a, occ.position, occ.bag);
 #pragma unroll
   for (int v = 0; v < kVecs; ++v) {
     const int d = v * 128 + 4 * lane;
@@ -396,7 +396,7 @@ template <int kVecs>
 __device__ __forceinline__ void add_chunk(const BackwardArgs& a, const Occurrences& o, int D, int lane, int64_t first,
                                           int n, float* g) {
   OccurrenceInfo mine;
-  if (lane < n) mine.fetch(o, first + lane);
+  if (lane < n) mine.fetch(o, first + lane, a.pooling == kPoolNone);
 #pragma unroll 4
   for (int k = 0; k < n; ++k) add_gradient<kVecs>(a, mine.from_lane(k), D, lane, g);
 }
@@ -460,6 +460,7 @@ __global__ void __launch_bounds__(256) backward_warp_kernel(BackwardArgs a, Runs
   const int lane = threadIdx.x % kWarpSize;
   const int64_t warps = int64_t(gridDim.x) * blockDim.x / kWarpSize;
   const int64_t num_runs = *r.num_runs;
+  const bool none_pooling = a.pooling == kPoolNone;
   for (int64_t group = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / kWarpSize * kWarpSize; group < num_runs;
        group += warps * kWarpSize) {
     int32_t my_len = 0, my_start = 0;
@@ -469,7 +470,7 @@ __global__ void __launch_bounds__(256) backward_warp_kernel(BackwardArgs a, Runs
       my_len = r.lengths[group + lane];
       my_start = r.starts[group + lane];
       my_key = r.keys[group + lane];
-      my_first.fetch(o, my_start);
+      my_first.fetch(o, my_start, none_pooling);
     }
     const int runs_here = num_runs - group < kWarpSize ? int(num_runs - group) : kWarpSize;
     for (int k = 0; k < runs_here; ++k) {

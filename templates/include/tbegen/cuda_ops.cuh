@@ -169,11 +169,10 @@ void backward_cuda(const at::Tensor& grad_output, const at::Tensor& weights, con
   // 3b. each occurrence's bag and scale, in sorted order
   at::Tensor sorted_bag = at::empty({b.N}, opts.dtype(at::kInt));
   at::Tensor sorted_scale = scaled ? at::empty({b.N}, opts.dtype(at::kFloat)) : at::Tensor();
-  at::Tensor sorted_grad_offset = at::empty({b.N}, opts.dtype(at::kLong));
   gather_occurrences_kernel<<<grid_for(b.N / kWarpSize + 1), kThreads, 0, stream>>>(
-      b.N, features.data_ptr<int64_t>(), b.B, b.total_D, b.max_D, pooling, sorted_positions.data_ptr<int32_t>(),
-      bag_of.data_ptr<int32_t>(), scaled ? scale_of.data_ptr<float>() : nullptr, sorted_bag.data_ptr<int32_t>(),
-      scaled ? sorted_scale.data_ptr<float>() : nullptr, sorted_grad_offset.data_ptr<int64_t>());
+      b.N, sorted_positions.data_ptr<int32_t>(), bag_of.data_ptr<int32_t>(),
+      scaled ? scale_of.data_ptr<float>() : nullptr, sorted_bag.data_ptr<int32_t>(),
+      scaled ? sorted_scale.data_ptr<float>() : nullptr);
   TBEGEN_CUDA_CHECK(cudaGetLastError());
 
   // 4. sum each unique row's gradient and update it
@@ -194,7 +193,7 @@ void backward_cuda(const at::Tensor& grad_output, const at::Tensor& weights, con
   r.num_long = num_long;
   r.max_segment_length_per_warp = threshold;
   Occurrences o;
-  o.grad_offset = sorted_grad_offset.data_ptr<int64_t>();
+  o.position = sorted_positions.data_ptr<int32_t>();
   o.bag = sorted_bag.data_ptr<int32_t>();
   o.scale = scaled ? sorted_scale.data_ptr<float>() : nullptr;
 
