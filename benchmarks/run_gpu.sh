@@ -34,9 +34,10 @@ if has tests; then
   # xdist (in the GPU image): four processes share the GPU, and a crashing test is reported
   # instead of ending the session
   xdist=$(python3 -c "import xdist" 2>/dev/null && echo "-n 4")
-  python3 -m pytest tests/test_cuda.py tests/test_module.py -q -p no:cacheprovider $xdist --junitxml="$OUT/junit_cuda.xml" \
+  TBEGEN_RESULTS_DIR="$OUT" python3 -m pytest tests/test_cuda.py tests/test_module.py -q -p no:cacheprovider $xdist --junitxml="$OUT/junit_cuda.xml" \
     > "$OUT/pytest_cuda.log" 2>&1 || status=1
   grep -E "^(FAILED|ERROR)|passed|failed|crashed" "$OUT/pytest_cuda.log" | tail -n 30
+  python3 benchmarks/summarize_results.py "$OUT" --delete | tee "$OUT/numerics_table.md"
 fi
 if has sanitize; then
   for tool in memcheck racecheck; do

@@ -41,3 +41,35 @@ def load_ops(prebuilt):
         return _OPS[name]
 
     return load
+
+
+# ---- numerical results, for the record -------------------------------------------------------
+# Each harness run is appended here; with $TBEGEN_RESULTS_DIR set, every test process writes its
+# share as JSON lines at the end of the session (benchmarks/summarize_results.py makes the table).
+_RESULTS = []
+
+
+@pytest.fixture(scope="session")
+def record_result():
+    def record(name, device, result):
+        _RESULTS.append(
+            dict(optimizer=name, device=device, case=result.case.id,
+                 dtype=str(result.case.weights_dtype).replace("torch.", ""),
+                 errors=result.errors, failures=result.failures)
+        )
+
+    return record
+
+
+def pytest_sessionfinish(session, exitstatus):
+    out = os.environ.get("TBEGEN_RESULTS_DIR")
+    if not out or not _RESULTS:
+        return
+    import json
+    from pathlib import Path
+
+    Path(out).mkdir(parents=True, exist_ok=True)
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+    with open(Path(out) / f"harness_results_{worker}.jsonl", "w") as f:
+        for r in _RESULTS:
+            f.write(json.dumps(r) + "\n")

@@ -43,9 +43,10 @@ CASES = [
 
 
 @pytest.mark.parametrize("name,case", CASES)
-def test_cuda_matches_reference(load_ops, name, case):
+def test_cuda_matches_reference(load_ops, record_result, name, case):
     spec, ops = load_ops(name)
     result = harness.run_case(spec, ops, case, device="cuda")
+    record_result(name, "cuda", result)
     assert not result.failures, "\n".join(result.failures)
 
 

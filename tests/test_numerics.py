@@ -22,9 +22,10 @@ CASES = [
 
 
 @pytest.mark.parametrize("name,case", CASES)
-def test_cpu_matches_reference(load_ops, name, case):
+def test_cpu_matches_reference(load_ops, record_result, name, case):
     spec, ops = load_ops(name)
     result = harness.run_case(spec, ops, case, device="cpu")
+    record_result(name, "cpu", result)
     assert not result.failures, "\n".join(result.failures)
 
 
