@@ -1,5 +1,8 @@
 """Turns a spec's update stages into the body of its C++ `update_row` function.
 
+The generator's own names in that body (`tbegen_row`, `tbegen_p`, `tbegen_step`, `tbegen_i`,
+`tbegen_red_N`) start with `tbegen`, which specs may not use, so no spec name can shadow them.
+
 The same body serves the CPU and the CUDA kernels: it is a template over a *row view*
 (`tbegen::cpu::CpuRow` or `tbegen::cuda::WarpRow`) that supplies the values of the row this
 thread owns, and the reductions across the threads that share the row. Element stages become
@@ -112,12 +115,12 @@ class UpdateEmitter:
         ref = "float&" if writable else "const float"
         pad = " " * indent
         if "g" in names:
-            self.lines.append(f"{pad}const float g = row.g(i);")
+            self.lines.append(f"{pad}const float g = tbegen_row.g(tbegen_i);")
         if "w" in names:
-            self.lines.append(f"{pad}{ref} w = row.w(i);")
+            self.lines.append(f"{pad}{ref} w = tbegen_row.w(tbegen_i);")
         for k, name in enumerate(self.element_slots):
             if name in names:
-                self.lines.append(f"{pad}{ref} {name} = row.element({k}, i);")
+                self.lines.append(f"{pad}{ref} {name} = tbegen_row.element({k}, tbegen_i);")
 
     # -- stages --------------------------------------------------------------------------------
     def _row_stage(self, stage: Stage, number: int, counter: List[int]) -> None:
@@ -127,7 +130,7 @@ class UpdateEmitter:
             identity, _, _ = _REDUCTIONS[red.kind]
             self.lines.append(f"  float {red.var} = {identity};  // row_{red.kind}({red.expr})")
         if reductions:
-            self.lines.append("  TBEGEN_FOR_ELEMENTS(row, i) {")
+            self.lines.append("  TBEGEN_FOR_ELEMENTS(tbegen_row, tbegen_i) {")
             names = set().union(*(used_names(r.expr) for r in reductions))
             self._element_bindings(names, writable=False, indent=4)
             for red in reductions:
@@ -139,12 +142,12 @@ class UpdateEmitter:
             for red in reductions:
                 _, _, combine = _REDUCTIONS[red.kind]
                 scale = " / static_cast<float>(D)" if red.kind == "mean" else ""
-                self.lines.append(f"  {red.var} = row.{combine}({red.var}){scale};")
+                self.lines.append(f"  {red.var} = tbegen_row.{combine}({red.var}){scale};")
         self._snippet(code, stage.loc.line, indent=2)
 
     def _element_stage(self, stage: Stage, number: int) -> None:
         self.lines.append(f"  // stage {number}: element ({self.path}:{stage.loc.line})")
-        self.lines.append("  TBEGEN_FOR_ELEMENTS(row, i) {")
+        self.lines.append("  TBEGEN_FOR_ELEMENTS(tbegen_row, tbegen_i) {")
         self._element_bindings(used_names(stage.code), writable=True, indent=4)
         self.lines.append("    {")
         self._snippet(stage.code, stage.loc.line, indent=6)
@@ -157,13 +160,13 @@ class UpdateEmitter:
         names = used_names(all_code)
         for h in spec.hyperparameters:
             if h.name in names:
-                self.lines.append(f"  const {CPP_TYPES[h.type]} {h.name} = p.{h.name};")
+                self.lines.append(f"  const {CPP_TYPES[h.type]} {h.name} = tbegen_p.{h.name};")
         if "step" in names:
-            self.lines.append("  const int64_t step = ctx_step;")
+            self.lines.append("  const int64_t step = tbegen_step;")
         if "D" in names or "row_mean" in names:
-            self.lines.append("  const int D = row.dim();")
+            self.lines.append("  const int D = tbegen_row.dim();")
         for k, s in enumerate(spec.row_states):
-            self.lines.append(f"  float& {s.name} = row.row_state({k});")
+            self.lines.append(f"  float& {s.name} = tbegen_row.row_state({k});")
         counter = [0]
         for number, stage in enumerate(spec.stages, start=1):
             if stage.kind == "row":
@@ -171,7 +174,7 @@ class UpdateEmitter:
             else:
                 self._element_stage(stage, number)
         if "step" not in names:
-            self.lines.append("  (void)ctx_step;")
+            self.lines.append("  (void)tbegen_step;")
         # the body sits inside a member function: indent everything but preprocessor lines
         return "\n".join("  " + l if l and not l.startswith("#") else l for l in self.lines)
 

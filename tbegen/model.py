@@ -11,9 +11,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional, Tuple, Union
 
-# Names the generator binds in every snippet; a spec may not declare them.
+# Names the generator binds in every snippet, and the fixed arguments of the backward operator
+# (hyperparameters and states become its other arguments); a spec may not declare them. The
+# generator's own identifiers start with `tbegen`, which is reserved too (tbegen/spec.py).
 RESERVED_NAMES = frozenset(
     {"g", "w", "step", "D", "row_sum", "row_mean", "row_max", "row_min"}
+    | {"grad_output", "weights", "features", "total_D", "max_D", "total_hash_size", "indices", "offsets",
+       "per_sample_weights", "pooling", "max_segment_length_per_warp", "stochastic_rounding", "seed"}
 )
 
 # Row reductions usable inside `row` stages, with their identity and combine op.

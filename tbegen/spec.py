@@ -670,6 +670,9 @@ def _parse_section(fields: _Fields, key: str, shape: str, parse_entry) -> Tuple[
 
 _REDUCTION_CALL_RE = re.compile(r"\b(" + "|".join(ROW_REDUCTIONS) + r")\s*\(")
 _COMMENT_RE = re.compile(r"//[^\n]*|/\*.*?\*/", re.DOTALL)
+_IDENT_RE = re.compile(r"\b[A-Za-z_][A-Za-z0-9_]*\b")
+# a name declared or assigned: `float x =`, `x =`, `x +=`, `x++`, ... (not `==`)
+_ASSIGNED_RE = re.compile(r"\b([A-Za-z_][A-Za-z0-9_]*)\s*(?:[-+*/%&|^]|<<|>>)?=(?!=)|\b([A-Za-z_][A-Za-z0-9_]*)\s*(?:\+\+|--)")
 
 
 def _blank_comments(code: str) -> str:
@@ -708,6 +711,18 @@ def _check_reductions(problems: _Problems, kind: str, code: str, field: str, fir
             problems.add(line, field, f"unbalanced parentheses in {reduction}(...): missing ')'")
             return
         inner_end = close
+        # Reductions are computed before the stage's statements run (docs/spec-language.md), so
+        # an argument must not use a name the same stage sets before it.
+        argument_names = set(_IDENT_RE.findall(text[match.end() : close]))
+        set_before = {a or b for a, b in _ASSIGNED_RE.findall(text[: match.start()])}
+        clash = sorted(argument_names & set_before)
+        if clash:
+            problems.add(
+                line, field,
+                f"{reduction}(...) uses {', '.join(repr(n) for n in clash)}, which this stage sets before "
+                f"it; reductions see the values from before the stage, so move the reduction into a "
+                f"new row stage after this one",
+            )
 
 
 def _parse_snippet(fields: _Fields, key: str, what: str) -> Optional[Tuple[str, Loc]]:

@@ -638,3 +638,26 @@ def test_default_search_dir_is_the_repository_optimizers_directory():
     with pytest.raises(SpecNotFoundError) as info:
         find_spec("no_such_optimizer_xyz")
     assert str(repo / "optimizers") in str(info.value)
+
+
+def test_reduction_of_a_name_set_earlier_in_the_same_stage_is_rejected(tmp_path):
+    path = tmp_path / "redorder.yaml"
+    path.write_text(
+        "name: redorder\nsummary: x\nstates:\n  c: {per: row}\nupdate:\n  - row: |\n      c = 2.0f;\n"
+        "      float s = row_sum(c * g);\n  - element: |\n      w -= s * g;\nreference: |\n  w -= g\n"
+    )
+    with pytest.raises(SpecError) as err:
+        load_spec(str(path))
+    assert f"{path}:8: update[0].row: row_sum(...) uses 'c', which this stage sets before it" in str(err.value)
+
+
+@pytest.mark.parametrize("name", ["seed", "pooling", "weights", "offsets"])
+def test_operator_argument_names_are_reserved(tmp_path, name):
+    path = tmp_path / "opnames.yaml"
+    path.write_text(
+        f"name: opnames\nsummary: x\nhyperparameters:\n  {name}: {{type: float, default: 1.0}}\n"
+        "element: |\n  w -= g;\nreference: |\n  w -= g\n"
+    )
+    with pytest.raises(SpecError) as err:
+        load_spec(str(path))
+    assert f"hyperparameters.{name}" in str(err.value)

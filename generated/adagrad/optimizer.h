@@ -28,24 +28,25 @@ struct Optimizer {
   static constexpr int kTemporaries = 0;  // per-element scratch
 
   // Applies the update to the row. Weights, element states and temporaries are accessed through
-  // `row`; per-row states are references into `row` that the kernel writes back afterwards.
+  // the row view; per-row states are references into it that the kernel writes back afterwards.
+  // (The generator's own names start with `tbegen`, which specs may not use.)
   template <class Row>
-  static TBEGEN_HD TBEGEN_INLINE void update_row(Row& row, const Params& p, int64_t ctx_step) {
-    const float learning_rate = p.learning_rate;
-    const float eps = p.eps;
+  static TBEGEN_HD TBEGEN_INLINE void update_row(Row& tbegen_row, const Params& tbegen_p, int64_t tbegen_step) {
+    const float learning_rate = tbegen_p.learning_rate;
+    const float eps = tbegen_p.eps;
     // stage 1: element (optimizers/adagrad.yaml:9)
-    TBEGEN_FOR_ELEMENTS(row, i) {
-      const float g = row.g(i);
-      float& w = row.w(i);
-      float& accumulator = row.element(0, i);
+    TBEGEN_FOR_ELEMENTS(tbegen_row, tbegen_i) {
+      const float g = tbegen_row.g(tbegen_i);
+      float& w = tbegen_row.w(tbegen_i);
+      float& accumulator = tbegen_row.element(0, tbegen_i);
       {
 #line 9 "optimizers/adagrad.yaml"
         accumulator += g * g;
         w -= learning_rate * g / (sqrtf(accumulator) + eps);
-#line 46 "adagrad/optimizer.h"
+#line 47 "adagrad/optimizer.h"
       }
     }
-    (void)ctx_step;
+    (void)tbegen_step;
   }
 };
 

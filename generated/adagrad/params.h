@@ -12,11 +12,11 @@ namespace tbegen {
 namespace opt_adagrad {
 
 inline Params make_params(const at::Tensor& weights, int64_t total_hash_size, const at::Tensor& accumulator, double learning_rate, double eps) {
-  Params p{};
-  p.learning_rate = static_cast<float>(learning_rate);
-  p.eps = static_cast<float>(eps);
-  p.element_states[0] = state_data(accumulator, "adagrad", "accumulator", weights, weights.numel(), "one per weight element");
-  return p;
+  Params tbegen_params{};
+  tbegen_params.learning_rate = static_cast<float>(learning_rate);
+  tbegen_params.eps = static_cast<float>(eps);
+  tbegen_params.element_states[0] = state_data(accumulator, "adagrad", "accumulator", weights, weights.numel(), "one per weight element");
+  return tbegen_params;
 }
 
 }  // namespace opt_adagrad

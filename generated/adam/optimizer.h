@@ -31,33 +31,34 @@ struct Optimizer {
   static constexpr int kTemporaries = 0;  // per-element scratch
 
   // Applies the update to the row. Weights, element states and temporaries are accessed through
-  // `row`; per-row states are references into `row` that the kernel writes back afterwards.
+  // the row view; per-row states are references into it that the kernel writes back afterwards.
+  // (The generator's own names start with `tbegen`, which specs may not use.)
   template <class Row>
-  static TBEGEN_HD TBEGEN_INLINE void update_row(Row& row, const Params& p, int64_t ctx_step) {
-    const float learning_rate = p.learning_rate;
-    const float beta1 = p.beta1;
-    const float beta2 = p.beta2;
-    const float eps = p.eps;
-    const float weight_decay = p.weight_decay;
-    const int64_t step = ctx_step;
+  static TBEGEN_HD TBEGEN_INLINE void update_row(Row& tbegen_row, const Params& tbegen_p, int64_t tbegen_step) {
+    const float learning_rate = tbegen_p.learning_rate;
+    const float beta1 = tbegen_p.beta1;
+    const float beta2 = tbegen_p.beta2;
+    const float eps = tbegen_p.eps;
+    const float weight_decay = tbegen_p.weight_decay;
+    const int64_t step = tbegen_step;
     // stage 1: row (optimizers/adam.yaml:14)
 #line 14 "optimizers/adam.yaml"
     // 1 - beta^step in double: in float it cancels badly for small steps (beta2 = 0.999).
     float bias1 = static_cast<float>(1.0 - pow(static_cast<double>(beta1), static_cast<double>(step)));
     float bias2 = static_cast<float>(1.0 - pow(static_cast<double>(beta2), static_cast<double>(step)));
-#line 49 "adam/optimizer.h"
+#line 50 "adam/optimizer.h"
     // stage 2: element (optimizers/adam.yaml:18)
-    TBEGEN_FOR_ELEMENTS(row, i) {
-      const float g = row.g(i);
-      float& w = row.w(i);
-      float& exp_avg = row.element(0, i);
-      float& exp_avg_sq = row.element(1, i);
+    TBEGEN_FOR_ELEMENTS(tbegen_row, tbegen_i) {
+      const float g = tbegen_row.g(tbegen_i);
+      float& w = tbegen_row.w(tbegen_i);
+      float& exp_avg = tbegen_row.element(0, tbegen_i);
+      float& exp_avg_sq = tbegen_row.element(1, tbegen_i);
       {
 #line 18 "optimizers/adam.yaml"
         exp_avg = beta1 * exp_avg + (1.0f - beta1) * g;
         exp_avg_sq = beta2 * exp_avg_sq + (1.0f - beta2) * g * g;
         w -= learning_rate * ((exp_avg / bias1) / (sqrtf(exp_avg_sq / bias2) + eps) + weight_decay * w);
-#line 61 "adam/optimizer.h"
+#line 62 "adam/optimizer.h"
       }
     }
   }

@@ -12,15 +12,15 @@ namespace tbegen {
 namespace opt_adam {
 
 inline Params make_params(const at::Tensor& weights, int64_t total_hash_size, const at::Tensor& exp_avg, const at::Tensor& exp_avg_sq, double learning_rate, double beta1, double beta2, double eps, double weight_decay) {
-  Params p{};
-  p.learning_rate = static_cast<float>(learning_rate);
-  p.beta1 = static_cast<float>(beta1);
-  p.beta2 = static_cast<float>(beta2);
-  p.eps = static_cast<float>(eps);
-  p.weight_decay = static_cast<float>(weight_decay);
-  p.element_states[0] = state_data(exp_avg, "adam", "exp_avg", weights, weights.numel(), "one per weight element");
-  p.element_states[1] = state_data(exp_avg_sq, "adam", "exp_avg_sq", weights, weights.numel(), "one per weight element");
-  return p;
+  Params tbegen_params{};
+  tbegen_params.learning_rate = static_cast<float>(learning_rate);
+  tbegen_params.beta1 = static_cast<float>(beta1);
+  tbegen_params.beta2 = static_cast<float>(beta2);
+  tbegen_params.eps = static_cast<float>(eps);
+  tbegen_params.weight_decay = static_cast<float>(weight_decay);
+  tbegen_params.element_states[0] = state_data(exp_avg, "adam", "exp_avg", weights, weights.numel(), "one per weight element");
+  tbegen_params.element_states[1] = state_data(exp_avg_sq, "adam", "exp_avg_sq", weights, weights.numel(), "one per weight element");
+  return tbegen_params;
 }
 
 }  // namespace opt_adam

@@ -26,21 +26,22 @@ struct Optimizer {
   static constexpr int kTemporaries = 0;  // per-element scratch
 
   // Applies the update to the row. Weights, element states and temporaries are accessed through
-  // `row`; per-row states are references into `row` that the kernel writes back afterwards.
+  // the row view; per-row states are references into it that the kernel writes back afterwards.
+  // (The generator's own names start with `tbegen`, which specs may not use.)
   template <class Row>
-  static TBEGEN_HD TBEGEN_INLINE void update_row(Row& row, const Params& p, int64_t ctx_step) {
+  static TBEGEN_HD TBEGEN_INLINE void update_row(Row& tbegen_row, const Params& tbegen_p, int64_t tbegen_step) {
     // stage 1: element (optimizers/none.yaml:4)
-    TBEGEN_FOR_ELEMENTS(row, i) {
-      const float g = row.g(i);
-      float& w = row.w(i);
+    TBEGEN_FOR_ELEMENTS(tbegen_row, tbegen_i) {
+      const float g = tbegen_row.g(tbegen_i);
+      float& w = tbegen_row.w(tbegen_i);
       {
 #line 4 "optimizers/none.yaml"
         // The caller passes a zeroed gradient buffer as the weights, so w becomes the weight gradient.
         w = g;
-#line 41 "none/optimizer.h"
+#line 42 "none/optimizer.h"
       }
     }
-    (void)ctx_step;
+    (void)tbegen_step;
   }
 };
 

@@ -12,8 +12,8 @@ namespace tbegen {
 namespace opt_none {
 
 inline Params make_params(const at::Tensor& weights, int64_t total_hash_size) {
-  Params p{};
-  return p;
+  Params tbegen_params{};
+  return tbegen_params;
 }
 
 }  // namespace opt_none

@@ -31,72 +31,73 @@ struct Optimizer {
   static constexpr int kTemporaries = 0;  // per-element scratch
 
   // Applies the update to the row. Weights, element states and temporaries are accessed through
-  // `row`; per-row states are references into `row` that the kernel writes back afterwards.
+  // the row view; per-row states are references into it that the kernel writes back afterwards.
+  // (The generator's own names start with `tbegen`, which specs may not use.)
   template <class Row>
-  static TBEGEN_HD TBEGEN_INLINE void update_row(Row& row, const Params& p, int64_t ctx_step) {
-    const float learning_rate = p.learning_rate;
-    const float eps = p.eps;
-    const float weight_decay = p.weight_decay;
-    const int64_t weight_decay_mode = p.weight_decay_mode;
-    const float max_norm = p.max_norm;
-    const int D = row.dim();
-    float& momentum = row.row_state(0);
+  static TBEGEN_HD TBEGEN_INLINE void update_row(Row& tbegen_row, const Params& tbegen_p, int64_t tbegen_step) {
+    const float learning_rate = tbegen_p.learning_rate;
+    const float eps = tbegen_p.eps;
+    const float weight_decay = tbegen_p.weight_decay;
+    const int64_t weight_decay_mode = tbegen_p.weight_decay_mode;
+    const float max_norm = tbegen_p.max_norm;
+    const int D = tbegen_row.dim();
+    float& momentum = tbegen_row.row_state(0);
     // stage 1: row (optimizers/rowwise_adagrad.yaml:17)
 #line 17 "optimizers/rowwise_adagrad.yaml"
     // L2 decay (mode 1) adds weight_decay * w to the gradient that feeds the accumulator.
     float l2 = weight_decay_mode == 1 ? weight_decay : 0.0f;
-#line 49 "rowwise_adagrad/optimizer.h"
+#line 50 "rowwise_adagrad/optimizer.h"
     // stage 2: row (optimizers/rowwise_adagrad.yaml:20)
     float tbegen_red_0 = 0.0f;  // row_mean((g + l2 * w) * (g + l2 * w))
-    TBEGEN_FOR_ELEMENTS(row, i) {
-      const float g = row.g(i);
-      const float w = row.w(i);
+    TBEGEN_FOR_ELEMENTS(tbegen_row, tbegen_i) {
+      const float g = tbegen_row.g(tbegen_i);
+      const float w = tbegen_row.w(tbegen_i);
 #line 20 "optimizers/rowwise_adagrad.yaml"
       tbegen_red_0 += ((g + l2 * w) * (g + l2 * w));
-#line 57 "rowwise_adagrad/optimizer.h"
+#line 58 "rowwise_adagrad/optimizer.h"
     }
-    tbegen_red_0 = row.all_sum(tbegen_red_0) / static_cast<float>(D);
+    tbegen_red_0 = tbegen_row.all_sum(tbegen_red_0) / static_cast<float>(D);
 #line 20 "optimizers/rowwise_adagrad.yaml"
     momentum += tbegen_red_0;
     float multiplier = learning_rate / (sqrtf(momentum) + eps);
     float keep = 1.0f;
     if (weight_decay_mode == 1) keep = 1.0f - multiplier * weight_decay;
     if (weight_decay_mode == 2) keep = 1.0f - learning_rate * weight_decay;
-#line 66 "rowwise_adagrad/optimizer.h"
+#line 67 "rowwise_adagrad/optimizer.h"
     // stage 3: element (optimizers/rowwise_adagrad.yaml:26)
-    TBEGEN_FOR_ELEMENTS(row, i) {
-      const float g = row.g(i);
-      float& w = row.w(i);
+    TBEGEN_FOR_ELEMENTS(tbegen_row, tbegen_i) {
+      const float g = tbegen_row.g(tbegen_i);
+      float& w = tbegen_row.w(tbegen_i);
       {
 #line 26 "optimizers/rowwise_adagrad.yaml"
         w = keep * w - multiplier * g;
-#line 74 "rowwise_adagrad/optimizer.h"
+#line 75 "rowwise_adagrad/optimizer.h"
       }
     }
     // stage 4: row (optimizers/rowwise_adagrad.yaml:28)
     float tbegen_red_1 = 0.0f;  // row_sum(w * w)
-    TBEGEN_FOR_ELEMENTS(row, i) {
-      const float w = row.w(i);
+    TBEGEN_FOR_ELEMENTS(tbegen_row, tbegen_i) {
+      const float w = tbegen_row.w(tbegen_i);
 #line 29 "optimizers/rowwise_adagrad.yaml"
       tbegen_red_1 += (w * w);
-#line 83 "rowwise_adagrad/optimizer.h"
+#line 84 "rowwise_adagrad/optimizer.h"
     }
-    tbegen_red_1 = row.all_sum(tbegen_red_1);
+    tbegen_red_1 = tbegen_row.all_sum(tbegen_red_1);
 #line 28 "optimizers/rowwise_adagrad.yaml"
     // Post-update pass: clamp the row's L2 norm.
     float norm = sqrtf(tbegen_red_1);
     float clamp = (max_norm > 0.0f && norm > max_norm) ? max_norm / norm : 1.0f;
-#line 90 "rowwise_adagrad/optimizer.h"
+#line 91 "rowwise_adagrad/optimizer.h"
     // stage 5: element (optimizers/rowwise_adagrad.yaml:32)
-    TBEGEN_FOR_ELEMENTS(row, i) {
-      float& w = row.w(i);
+    TBEGEN_FOR_ELEMENTS(tbegen_row, tbegen_i) {
+      float& w = tbegen_row.w(tbegen_i);
       {
 #line 32 "optimizers/rowwise_adagrad.yaml"
         w *= clamp;
-#line 97 "rowwise_adagrad/optimizer.h"
+#line 98 "rowwise_adagrad/optimizer.h"
       }
     }
-    (void)ctx_step;
+    (void)tbegen_step;
   }
 };
 

@@ -12,16 +12,16 @@ namespace tbegen {
 namespace opt_rowwise_adagrad {
 
 inline Params make_params(const at::Tensor& weights, int64_t total_hash_size, const at::Tensor& momentum, double learning_rate, double eps, double weight_decay, int64_t weight_decay_mode, double max_norm) {
-  Params p{};
-  p.learning_rate = static_cast<float>(learning_rate);
-  p.eps = static_cast<float>(eps);
-  p.weight_decay = static_cast<float>(weight_decay);
+  Params tbegen_params{};
+  tbegen_params.learning_rate = static_cast<float>(learning_rate);
+  tbegen_params.eps = static_cast<float>(eps);
+  tbegen_params.weight_decay = static_cast<float>(weight_decay);
   TBEGEN_CHECK(weight_decay_mode == 0 || weight_decay_mode == 1 || weight_decay_mode == 2,
               "tbegen: rowwise_adagrad: weight_decay_mode must be one of 0, 1, 2, got ", weight_decay_mode);
-  p.weight_decay_mode = static_cast<int64_t>(weight_decay_mode);
-  p.max_norm = static_cast<float>(max_norm);
-  p.row_states[0] = state_data(momentum, "rowwise_adagrad", "momentum", weights, total_hash_size, "one per row of all tables");
-  return p;
+  tbegen_params.weight_decay_mode = static_cast<int64_t>(weight_decay_mode);
+  tbegen_params.max_norm = static_cast<float>(max_norm);
+  tbegen_params.row_states[0] = state_data(momentum, "rowwise_adagrad", "momentum", weights, total_hash_size, "one per row of all tables");
+  return tbegen_params;
 }
 
 }  // namespace opt_rowwise_adagrad

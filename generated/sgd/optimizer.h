@@ -27,21 +27,22 @@ struct Optimizer {
   static constexpr int kTemporaries = 0;  // per-element scratch
 
   // Applies the update to the row. Weights, element states and temporaries are accessed through
-  // `row`; per-row states are references into `row` that the kernel writes back afterwards.
+  // the row view; per-row states are references into it that the kernel writes back afterwards.
+  // (The generator's own names start with `tbegen`, which specs may not use.)
   template <class Row>
-  static TBEGEN_HD TBEGEN_INLINE void update_row(Row& row, const Params& p, int64_t ctx_step) {
-    const float learning_rate = p.learning_rate;
+  static TBEGEN_HD TBEGEN_INLINE void update_row(Row& tbegen_row, const Params& tbegen_p, int64_t tbegen_step) {
+    const float learning_rate = tbegen_p.learning_rate;
     // stage 1: element (optimizers/sgd.yaml:6)
-    TBEGEN_FOR_ELEMENTS(row, i) {
-      const float g = row.g(i);
-      float& w = row.w(i);
+    TBEGEN_FOR_ELEMENTS(tbegen_row, tbegen_i) {
+      const float g = tbegen_row.g(tbegen_i);
+      float& w = tbegen_row.w(tbegen_i);
       {
 #line 6 "optimizers/sgd.yaml"
         w -= learning_rate * g;
-#line 42 "sgd/optimizer.h"
+#line 43 "sgd/optimizer.h"
       }
     }
-    (void)ctx_step;
+    (void)tbegen_step;
   }
 };
 

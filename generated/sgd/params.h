@@ -12,9 +12,9 @@ namespace tbegen {
 namespace opt_sgd {
 
 inline Params make_params(const at::Tensor& weights, int64_t total_hash_size, double learning_rate) {
-  Params p{};
-  p.learning_rate = static_cast<float>(learning_rate);
-  return p;
+  Params tbegen_params{};
+  tbegen_params.learning_rate = static_cast<float>(learning_rate);
+  return tbegen_params;
 }
 
 }  // namespace opt_sgd
