@@ -363,7 +363,7 @@ def standard_cases(spec: OptimizerSpec, dtypes: Sequence[torch.dtype] = (torch.f
 
 def test_hyperparameters(spec: OptimizerSpec) -> List[Tuple[Tuple[str, object], ...]]:
     """Hyperparameter settings worth a case of their own: every choice of a hyperparameter with
-    choices, with any decay and max-norm switched on."""
+    choices and every value a spec lists under `test`, with any decay and max-norm switched on."""
     names = {h.name for h in spec.hyperparameters}
     base = []
     if "weight_decay" in names:
@@ -372,6 +372,9 @@ def test_hyperparameters(spec: OptimizerSpec) -> List[Tuple[Tuple[str, object], 
     for h in spec.hyperparameters:
         if h.choices:
             variants += [tuple(base) + ((h.name, c),) for c in h.choices]
+    for h in spec.hyperparameters:
+        if h.test_values:
+            variants += [tuple(b for b in base if b[0] != h.name) + ((h.name, v),) for v in h.test_values]
     if "max_norm" in names:
         variants.append(tuple(base) + (("max_norm", 0.3),))
     if not variants and base:

@@ -50,6 +50,8 @@ class Hyperparameter:
     # optional whitelist of allowed values (e.g. weight_decay_mode: [0, 1, 2])
     choices: Optional[Tuple[HyperValue, ...]]
     loc: Loc
+    # optional values worth a numerical test case each (`tbegen test`, the test suite)
+    test_values: Optional[Tuple[HyperValue, ...]] = None
 
     @property
     def required(self) -> bool:

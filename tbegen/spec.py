@@ -77,7 +77,7 @@ TOP_KEYS = (
     "element",
     "reference",
 )
-HYPERPARAMETER_KEYS = ("type", "default", "doc", "choices")
+HYPERPARAMETER_KEYS = ("type", "default", "doc", "choices", "test")
 STATE_KEYS = ("per", "init", "dtype", "doc")
 TEMPORARY_KEYS = ("per",)
 
@@ -538,10 +538,10 @@ def _hyper_value(type_: str, value: Any) -> Any:
 _ARTICLE = {"float": "a float", "int": "an int", "bool": "a bool"}
 
 
-def _parse_choices(fields: _Fields, type_: Optional[str]) -> Optional[Tuple[HyperValue, ...]]:
-    """`choices`: a non-empty list of values of the hyperparameter's type."""
-    value = fields.pop("choices")
-    line, field = fields.value_line("choices"), fields.path("choices")
+def _parse_choices(fields: _Fields, type_: Optional[str], key: str = "choices") -> Optional[Tuple[HyperValue, ...]]:
+    """`choices` (or `test`): a non-empty list of values of the hyperparameter's type."""
+    value = fields.pop(key)
+    line, field = fields.value_line(key), fields.path(key)
     if not isinstance(value, list) or not value:
         fields.problems.add(line, field, f"must be a non-empty list, got {_describe(value)}")
         return None
@@ -563,7 +563,7 @@ def _parse_hyperparameter(problems: _Problems, name: Any, value: Any, field: str
     """One `hyperparameters` entry: {type, default, doc, choices}."""
     start = len(problems)
     _check_identifier(problems, name, field, line)
-    mapping = _as_mapping(problems, value, field, line, "{type, default, doc, choices}")
+    mapping = _as_mapping(problems, value, field, line, "{type, default, doc, choices, test}")
     if mapping is None:
         return None
     fields = _Fields(problems, mapping, field, line, HYPERPARAMETER_KEYS)
@@ -589,11 +589,18 @@ def _parse_hyperparameter(problems: _Problems, name: Any, value: Any, field: str
             f"{default!r} is not one of the choices {list(choices)!r}",
         )
 
+    test_values = _parse_choices(fields, type_, "test") if fields.has("test") else None
+    if test_values is not None and choices is not None:
+        outside = [v for v in test_values if v not in choices]
+        if outside:
+            problems.add(fields.value_line("test"), fields.path("test"),
+                         f"{outside!r} not among the choices {list(choices)!r}")
+
     doc = _pop_string(fields, "doc", "")
     fields.finish()
     if len(problems) > start:
         return None
-    return Hyperparameter(name, type_, default, doc, choices, problems.loc(line))
+    return Hyperparameter(name, type_, default, doc, choices, problems.loc(line), test_values)
 
 
 def _parse_state(problems: _Problems, name: Any, value: Any, field: str, line: int) -> Optional[State]:
@@ -844,7 +851,7 @@ def _parse_document(doc: Any, problems: _Problems, stem: Optional[str]) -> Optio
     fields = _Fields(problems, doc, "", doc.line, TOP_KEYS)
     name = _parse_name(fields, stem)
     summary = _parse_summary(fields)
-    hyperparameters = _parse_section(fields, "hyperparameters", "{type, default, doc, choices}", _parse_hyperparameter)
+    hyperparameters = _parse_section(fields, "hyperparameters", "{type, default, doc, choices, test}", _parse_hyperparameter)
     states = _parse_section(fields, "states", "{per, init, dtype, doc}", _parse_state)
     temporaries = _parse_section(fields, "temporaries", "{per: element}", _parse_temporary)
     stages = _parse_stages(fields)

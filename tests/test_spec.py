@@ -357,13 +357,13 @@ def test_comma_in_flow_mapping_doc_is_explained():
 
 def test_section_must_be_a_mapping():
     assert only_problem(minimal(extra="hyperparameters: [lr]")) == (
-        "toy.yaml:5: hyperparameters: must be a mapping of name -> {type, default, doc, choices}, got a list"
+        "toy.yaml:5: hyperparameters: must be a mapping of name -> {type, default, doc, choices, test}, got a list"
     )
 
 
 def test_entry_must_be_a_mapping():
     assert only_problem(hyper("0.1")) == (
-        "toy.yaml:6: hyperparameters.lr: must be a mapping {type, default, doc, choices}, got float 0.1"
+        "toy.yaml:6: hyperparameters.lr: must be a mapping {type, default, doc, choices, test}, got float 0.1"
     )
 
 
@@ -661,3 +661,19 @@ def test_operator_argument_names_are_reserved(tmp_path, name):
     with pytest.raises(SpecError) as err:
         load_spec(str(path))
     assert f"hyperparameters.{name}" in str(err.value)
+
+
+def test_hyperparameter_test_values(tmp_path):
+    path = tmp_path / "tv.yaml"
+    path.write_text(
+        "name: tv\nsummary: x\nhyperparameters:\n  l1: {type: float, default: 0.0, test: [0.001, 1]}\n"
+        "  mode: {type: int, default: 0, choices: [0, 1], test: [2]}\n"
+        "element: |\n  w -= g;\nreference: |\n  w -= g\n"
+    )
+    with pytest.raises(SpecError) as err:
+        load_spec(str(path))
+    assert f"{path}:5: hyperparameters.mode.test: [2] not among the choices [0, 1]" in str(err.value)
+    path.write_text(path.read_text().replace("test: [2]", "test: [1]"))
+    spec = load_spec(str(path))
+    assert spec.hyperparameter("l1").test_values == (0.001, 1.0)
+    assert spec.hyperparameter("mode").test_values == (1,)
