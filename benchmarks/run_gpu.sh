@@ -2,6 +2,8 @@
 # Everything the GPU machine checks, in one command (the device tool runs it from the repo root):
 #   benchmarks/run_gpu.sh [build] [tests] [sanitize] [bench] [fbgemm]   (default: all)
 # Logs and results go to $OUT (default /tmp/tbegen-gpu-out). See docs/gpu-results.md.
+# The device tool brings back at most 8 files a call: run `build diag tests sanitize` in one call
+# and `build bench fbgemm` (or `profile`) in another.
 set -u
 OUT=${OUT:-/tmp/tbegen-gpu-out}
 mkdir -p "$OUT"
@@ -34,16 +36,19 @@ if has tests; then
   # xdist (in the GPU image): four processes share the GPU, and a crashing test is reported
   # instead of ending the session
   xdist=$(python3 -c "import xdist" 2>/dev/null && echo "-n 4")
-  TBEGEN_RESULTS_DIR="$OUT" python3 -m pytest tests/test_cuda.py tests/test_module.py -q -p no:cacheprovider $xdist --junitxml="$OUT/junit_cuda.xml" \
+  TBEGEN_RESULTS_DIR="$OUT" python3 -m pytest tests/test_cuda.py tests/test_module.py -q -p no:cacheprovider $xdist \
     > "$OUT/pytest_cuda.log" 2>&1 || status=1
   grep -E "^(FAILED|ERROR)|passed|failed|crashed" "$OUT/pytest_cuda.log" | tail -n 30
-  python3 benchmarks/summarize_results.py "$OUT" --delete | tee "$OUT/numerics_table.md"
+  python3 benchmarks/summarize_results.py "$OUT" | tee "$OUT/numerics_table.md"
+  rm -f "$OUT"/harness_results_*.jsonl
 fi
 if has sanitize; then
   for tool in memcheck racecheck; do
     PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout ${SANITIZE_TIMEOUT:-300} compute-sanitizer --tool $tool --print-limit 20 \
-      python3 benchmarks/sanitize_cases.py ${SANITIZE_OPTS:-rowwise_adagrad adam} > "$OUT/sanitize_$tool.log" 2>&1 || status=1
-    echo "== $tool"; grep -E "ERROR SUMMARY|RACECHECK SUMMARY|FAILED|Error" "$OUT/sanitize_$tool.log" | head -n 8
+      python3 benchmarks/sanitize_cases.py ${SANITIZE_OPTS:-rowwise_adagrad adam} > "$OUT/sanitize_$tool.tmp" 2>&1 || status=1
+    { echo "== compute-sanitizer --tool $tool"; cat "$OUT/sanitize_$tool.tmp"; } >> "$OUT/sanitize.log"
+    rm -f "$OUT/sanitize_$tool.tmp"
+    echo "== $tool"; grep -E "ERROR SUMMARY|RACECHECK SUMMARY|FAILED|Error" "$OUT/sanitize.log" | tail -n 8
   done
 fi
 if has bench; then
