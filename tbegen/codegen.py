@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import List, Sequence, Tuple
 
 from .model import OptimizerSpec, Stage
+from .spec import blank_comments, matching_paren
 
 LINE_RESTORE = "#line TBEGEN_RESTORE"
 
@@ -48,46 +49,37 @@ class Reduction:
     var: str  # C++ accumulator name
 
 
-def _strip_comments(code: str) -> str:
-    code = re.sub(r"//[^\n]*", "", code)
-    return re.sub(r"/\*.*?\*/", lambda m: "\n" * m.group(0).count("\n"), code, flags=re.S)
-
-
 def used_names(code: str) -> set:
     """Identifiers that occur in `code` (comments excluded)."""
-    return set(_IDENT_RE.findall(_strip_comments(code)))
+    return set(_IDENT_RE.findall(blank_comments(code)))
 
 
 def extract_reductions(code: str, first_line: int, counter: List[int]) -> Tuple[str, List[Reduction]]:
     """Replaces each `row_X(expr)` in a row stage by an accumulator variable.
 
     Returns the rewritten code and the reductions, in order. `counter` numbers accumulators
-    across the whole update so that their names are unique.
+    across the whole update so that their names are unique. Reductions are looked for outside
+    comments only (the spec loader has already checked that they are balanced and not nested).
     """
+    text = blank_comments(code)  # same length as `code`: positions carry over
     out: List[str] = []
     reductions: List[Reduction] = []
     pos = 0
-    while True:
-        m = _REDUCTION_RE.search(code, pos)
-        if m is None:
-            out.append(code[pos:])
-            break
-        depth, i = 1, m.end()
-        while depth and i < len(code):
-            depth += {"(": 1, ")": -1}.get(code[i], 0)
-            i += 1
-        if depth:
-            raise ValueError(f"unbalanced parentheses in {m.group(0)}...)")
-        expr = code[m.end() : i - 1].strip()
-        if _REDUCTION_RE.search(expr):
+    for m in _REDUCTION_RE.finditer(text):
+        if m.start() < pos:
             raise ValueError("row reductions cannot be nested")
+        close = matching_paren(text, m.end() - 1)
+        if close is None:
+            raise ValueError(f"unbalanced parentheses in {m.group(0)}...)")
+        expr = code[m.end() : close].strip()
         var = f"tbegen_red_{counter[0]}"
         counter[0] += 1
         line = first_line + code.count("\n", 0, m.start())
         reductions.append(Reduction(m.group(1), expr, line, var))
         out.append(code[pos : m.start()])
         out.append(var)
-        pos = i
+        pos = close + 1
+    out.append(code[pos:])
     return "".join(out), reductions
 
 

@@ -17,7 +17,6 @@ Used by `tbegen test` and by the test suite (tests/test_numerics.py).
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -394,6 +393,3 @@ def summarize(results: Sequence[Result]) -> str:
         lines.append(f"  FAILED {r.case.id}: " + "; ".join(r.failures[:3]))
     return "\n".join(lines)
 
-
-def with_(case: Case, **changes) -> Case:
-    return dataclasses.replace(case, **changes)

@@ -682,12 +682,12 @@ _IDENT_RE = re.compile(r"\b[A-Za-z_][A-Za-z0-9_]*\b")
 _ASSIGNED_RE = re.compile(r"\b([A-Za-z_][A-Za-z0-9_]*)\s*(?:[-+*/%&|^]|<<|>>)?=(?!=)|\b([A-Za-z_][A-Za-z0-9_]*)\s*(?:\+\+|--)")
 
 
-def _blank_comments(code: str) -> str:
+def blank_comments(code: str) -> str:
     """`code` with C/C++ comments replaced by spaces (line breaks kept)."""
     return _COMMENT_RE.sub(lambda m: re.sub(r"[^\n]", " ", m.group(0)), code)
 
 
-def _matching_paren(code: str, open_index: int) -> Optional[int]:
+def matching_paren(code: str, open_index: int) -> Optional[int]:
     """Index of the `)` closing the `(` at `open_index`, or None."""
     depth = 0
     for i in range(open_index, len(code)):
@@ -702,7 +702,7 @@ def _matching_paren(code: str, open_index: int) -> Optional[int]:
 
 def _check_reductions(problems: _Problems, kind: str, code: str, field: str, first_line: int) -> None:
     """Row reductions: none in element stages; balanced and not nested in row stages."""
-    text = _blank_comments(code)
+    text = blank_comments(code)
     inner_end = -1  # end of the reduction argument being scanned, to skip nested ones
     for match in _REDUCTION_CALL_RE.finditer(text):
         line = first_line + text.count("\n", 0, match.start())
@@ -713,7 +713,7 @@ def _check_reductions(problems: _Problems, kind: str, code: str, field: str, fir
         if match.start() < inner_end:
             problems.add(line, field, f"{reduction}(...) is nested in another row reduction")
             continue
-        close = _matching_paren(text, match.end() - 1)
+        close = matching_paren(text, match.end() - 1)
         if close is None:
             problems.add(line, field, f"unbalanced parentheses in {reduction}(...): missing ')'")
             return

@@ -130,3 +130,11 @@ def test_line_directives_point_at_the_yaml():
             assert lines[n + 1].strip() == yaml_lines[target - 1].strip()
         elif line.startswith("#line") and "adam/optimizer.h" in line:
             assert int(line.split()[1]) == n + 2  # the next line's own number
+
+
+def test_reductions_in_comments_are_left_alone():
+    from tbegen.codegen import extract_reductions
+
+    code, reductions = extract_reductions("// row_sum(x) here\nfloat a = row_mean(g * (g + 1));\n", 10, [0])
+    assert code == "// row_sum(x) here\nfloat a = tbegen_red_0;\n"
+    assert [(r.kind, r.expr, r.line) for r in reductions] == [("mean", "g * (g + 1)", 11)]
