@@ -8,7 +8,8 @@ set -u
 OUT=${OUT:-/tmp/tbegen-gpu-out}
 mkdir -p "$OUT"
 export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}
-export TBEGEN_BUILD_DIR=${TBEGEN_BUILD_DIR:-/tmp/tbegen-build}
+# inside the (ignored) build/ folder, so a second call on the same warm machine finds the cache
+export TBEGEN_BUILD_DIR=${TBEGEN_BUILD_DIR:-$PWD/build/tbegen-cache}
 export PYTHONPATH=$PWD:${PYTHONPATH:-}
 export PYTHONUNBUFFERED=1
 steps=${*:-build diag tests sanitize bench fbgemm}
@@ -35,8 +36,11 @@ fi
 if has tests; then
   # xdist (in the GPU image): four processes share the GPU, and a crashing test is reported
   # instead of ending the session
-  xdist=$(python3 -c "import xdist" 2>/dev/null && echo "-n 4")
-  TBEGEN_RESULTS_DIR="$OUT" python3 -m pytest tests/test_cuda.py tests/test_module.py -q -p no:cacheprovider $xdist \
+  # (XDIST workers, two CPU threads each; TEST_FILES narrows the run)
+  xdist=$(python3 -c "import xdist" 2>/dev/null && echo "-n ${XDIST:-12}")
+  timeout_opt=$(python3 -c "import pytest_timeout" 2>/dev/null && echo "--timeout 300")
+  OMP_NUM_THREADS=2 TBEGEN_RESULTS_DIR="$OUT" timeout ${TESTS_TIMEOUT:-480} python3 -m pytest \
+    ${TEST_FILES:-tests/test_cuda.py tests/test_module.py} -q -p no:cacheprovider $xdist $timeout_opt \
     > "$OUT/pytest_cuda.log" 2>&1 || status=1
   grep -E "^(FAILED|ERROR)|passed|failed|crashed" "$OUT/pytest_cuda.log" | tail -n 30
   python3 benchmarks/summarize_results.py "$OUT" | tee "$OUT/numerics_table.md"
