@@ -28,6 +28,8 @@ if has build; then
   python3 -c "
 from tbegen import build; from tbegen.spec import list_specs
 build.prebuild(list_specs(), with_cuda=True)" > "$OUT/build.log" 2>&1 || { status=1; tail -n 60 "$OUT/build.log"; }
+  # (kept only when the build failed: the device tool returns at most 8 files)
+  [ $status = 0 ] && rm -f "$OUT/build.log"
   echo "build of all extensions (parallel): $(( $(date +%s) - start )) s" | tee -a "$OUT/env.txt"
 fi
 if has diag; then
@@ -67,6 +69,7 @@ if has fbgemm; then
     python3 .anchor/unpack_bundle.py .anchor/bundle /tmp/fbg_site > /dev/null 2>&1 &&
     PYTHONPATH=/tmp/fbg_site:$PYTHONPATH CUDA_MODULE_LOADING=LAZY python3 .anchor/bench_tbe.py --check --out "$OUT/fbgemm" \
       > "$OUT/fbgemm.log" 2>&1 || status=1
+    { echo "== env.json"; cat "$OUT/fbgemm/env.json"; } >> "$OUT/fbgemm.log" 2>/dev/null && rm -f "$OUT/fbgemm/env.json"
     grep -vi "compat table" "$OUT/fbgemm.log" | tail -n 30
   else
     echo "fbgemm: .anchor/bundle not carried; skipped"

@@ -11,6 +11,11 @@ Errors are measured relative to the size of what changed: for float32 tensors
 max|kernel - reference| / max|reference - before| (so a wrong update cannot hide behind large
 weights); for fp16/bf16 weights max|kernel - reference| / max|reference|, whose rounding alone is
 half an ulp (one with stochastic rounding). Rows the batch does not touch must not change at all.
+Where a step is ill-conditioned (say, adagrad on a hot row whose gradient nearly cancels), an
+error over the tolerance is judged again with an elementwise allowance: how far the float64
+reference itself moves when its accumulated gradients are perturbed by float32 rounding
+(`gradient_sensitivity`). A wrong kernel still fails: the allowance is of the order of float32
+rounding wherever the step is well-conditioned.
 
 Used by `tbegen test` and by the test suite (tests/test_numerics.py).
 """
@@ -209,8 +214,14 @@ def reference_grad_psw(layout, B, pooling, weights, batch, grad_output) -> torch
     return grad
 
 
-def reference_step(spec, layout, B, pooling, weights, states, batch, grad_output, hyper, step):
-    """One fused backward step in float64. Returns (weights, states, touched mask over weights)."""
+def reference_step(spec, layout, B, pooling, weights, states, batch, grad_output, hyper, step,
+                   grad_noise: Optional[Tuple[float, int]] = None):
+    """One fused backward step in float64. Returns (weights, states, touched mask over weights).
+
+    grad_noise = (size, sign_seed) perturbs each accumulated gradient element by
+    size * sqrt(n) * sum|contributions| with a random sign, n being the row's number of
+    occurrences: what accumulating the gradient in float32 may legitimately change
+    (see `gradient_sensitivity`)."""
     w = weights.to(torch.float64).clone()
     st = {k: v.to(torch.float64).clone() for k, v in states.items()}
     touched_w = torch.zeros(w.numel(), dtype=torch.bool)
@@ -223,16 +234,26 @@ def reference_step(spec, layout, B, pooling, weights, states, batch, grad_output
     for t, (E, D) in enumerate(layout.tables):
         grad = torch.zeros(E, D, dtype=torch.float64)
         seen = torch.zeros(E, dtype=torch.bool)
+        if grad_noise is not None:
+            grad_abs = torch.zeros(E, D, dtype=torch.float64)
+            count = torch.zeros(E, dtype=torch.float64)
         for f, tf in enumerate(layout.feature_table_map):
             if tf != t:
                 continue
             pos = ((bag_of // B) == f).nonzero().flatten()
             g = go[pos, :D] if pooling == "none" else go[bag_of[pos] % B, outs[f] : outs[f] + D]
             grad.index_add_(0, idx[pos], g * scale[pos, None])
+            if grad_noise is not None:
+                grad_abs.index_add_(0, idx[pos], (g * scale[pos, None]).abs())
+                count.index_add_(0, idx[pos], torch.ones(len(pos), dtype=torch.float64))
             seen[idx[pos]] = True
         rows = seen.nonzero().flatten()
         if len(rows) == 0:
             continue
+        if grad_noise is not None:
+            size, sign_seed = grad_noise
+            signs = torch.randint(0, 2, (E, D), generator=torch.Generator().manual_seed(sign_seed + t)) * 2 - 1
+            grad += size * count.sqrt()[:, None] * grad_abs * signs
         base = layout.table_offsets[t]
         wt = w[base : base + E * D].view(E, D)
         ns = dict(hyper)
@@ -257,11 +278,44 @@ def reference_step(spec, layout, B, pooling, weights, states, batch, grad_output
 # ---- comparison --------------------------------------------------------------------------------
 
 
-def _err(actual: torch.Tensor, ref: torch.Tensor, before: Optional[torch.Tensor]) -> float:
+# Relative size of the gradient perturbation used to measure how sensitive a step is to the
+# rounding of float32 gradient accumulation: 4 units in the last place of float32, scaled by
+# sqrt(occurrences) * sum|contributions| in `reference_step` (the typical size of the rounding
+# error of a float32 sum, with a margin).
+GRADIENT_ROUNDING = 4 * 2.0**-24
+
+
+def gradient_sensitivity(spec, layout, B, pooling, weights, states, batch, grad_output, hyper, step,
+                         ref_w, ref_states, seed: int = 0) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
+    """How far the float64 reference step moves, element by element, when each accumulated
+    gradient is perturbed by float32 rounding (`GRADIENT_ROUNDING`), up and down independently.
+
+    Where an update is ill-conditioned (a gradient that nearly cancels over a hot row, divided by
+    its own root mean square in adagrad-like steps) an exact float32 kernel legitimately differs
+    from float64 by about this much; elsewhere this is of the order of float32 rounding and
+    allows nothing extra."""
+    sens_w = torch.zeros_like(ref_w)
+    sens_st = {k: torch.zeros_like(v) for k, v in ref_states.items()}
+    for sign_seed in (seed * 2 + 1, seed * 2 + 2):
+        w2, st2, _ = reference_step(spec, layout, B, pooling, weights, states, batch, grad_output, hyper,
+                                    step, grad_noise=(GRADIENT_ROUNDING, sign_seed))
+        sens_w = torch.maximum(sens_w, (w2 - ref_w).abs())
+        for k in sens_st:
+            sens_st[k] = torch.maximum(sens_st[k], (st2[k] - ref_states[k]).abs())
+    return sens_w, sens_st
+
+
+def _err(actual: torch.Tensor, ref: torch.Tensor, before: Optional[torch.Tensor],
+         allowance: Optional[torch.Tensor] = None) -> float:
+    """max|actual - ref| (less an elementwise allowance, if given) relative to the scale of the
+    change (float32) or of the values (fp16/bf16); see the module docstring."""
     a = actual.to(torch.float64).cpu()
     if ref.numel() == 0:
         return 0.0
-    diff = (a - ref).abs().max().item()
+    excess = (a - ref).abs()
+    if allowance is not None:
+        excess = (excess - allowance).clamp_min(0.0)
+    diff = excess.max().item()
     if before is not None:
         scale = (ref - before.to(torch.float64)).abs().max().item()
     else:
@@ -320,12 +374,22 @@ def run_case(spec: OptimizerSpec, ops, case: Case, device: str = "cpu") -> Resul
         w_now = weights.cpu()
         if not torch.equal(w_now[~touched], before_w[~touched]):
             result.failures.append(f"step {step}: rows outside the batch changed")
-        if case.weights_dtype == torch.float32:
-            result.note("weights", _err(w_now, ref_w, before_w), tol_w, step)
+        w_before = before_w if case.weights_dtype == torch.float32 else None
+        compared = [("weights", w_now, ref_w, w_before, tol_w)] + [
+            (name, states[name].cpu(), ref, before_states[name], TOLERANCE[torch.float32])
+            for name, ref in ref_states.items()
+        ]
+        # an error over the tolerance is judged again with the step's sensitivity to float32
+        # gradient rounding allowed for (computed only then: it costs two more reference steps)
+        if any(_err(a, r, b) > tol for _, a, r, b, tol in compared):
+            sens_w, sens_st = gradient_sensitivity(
+                spec, layout, B, case.pooling, before_w, before_states, batch, grad_output, hyper, step,
+                ref_w, ref_states, seed=case.seed * 16 + step)
+            allowance = {"weights": sens_w, **sens_st}
         else:
-            result.note("weights", _err(w_now, ref_w, None), tol_w, step)
-        for name, ref in ref_states.items():
-            result.note(name, _err(states[name], ref, before_states[name]), TOLERANCE[torch.float32], step)
+            allowance = {}
+        for name, a, r, b, tol in compared:
+            result.note(name, _err(a, r, b, allowance.get(name)), tol, step)
     return result
 
 

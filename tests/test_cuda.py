@@ -90,9 +90,23 @@ def test_cpu_and_cuda_agree(load_ops, name, case):
     weights, states, batch, go = _problem(spec, case)
     w_cpu, st_cpu = _one_step(spec, ops, case, "cpu", weights, states, batch, go)
     w_gpu, st_gpu = _one_step(spec, ops, case, "cuda", weights, states, batch, go)
-    torch.testing.assert_close(w_gpu, w_cpu, rtol=1e-5, atol=1e-6)
-    for k in st_cpu:
-        torch.testing.assert_close(st_gpu[k], st_cpu[k], rtol=1e-5, atol=1e-6)
+    # Both devices accumulate gradients in float32, in different orders; where the step is
+    # ill-conditioned each may sit up to the reference's own sensitivity to that rounding away
+    # from float64 (harness.gradient_sensitivity), so twice that is allowed between them.
+    layout = make_layout(case.tables, case.feature_table_map)
+    hyper = harness.default_hyperparameters(spec, dict(case.hyper))
+    args = (spec, layout, case.B, case.pooling, weights, states, batch, go, hyper, 1)
+    ref_w, ref_st, _ = harness.reference_step(*args)
+    sens_w, sens_st = harness.gradient_sensitivity(*args, ref_w, ref_st)
+    for what, gpu, cpu, sens in [("weights", w_gpu, w_cpu, sens_w)] + [
+        (k, st_gpu[k], st_cpu[k], sens_st[k]) for k in st_cpu
+    ]:
+        diff = (gpu.double() - cpu.double()).abs()
+        allowed = 1e-5 * cpu.double().abs() + 1e-6 + 2 * sens
+        worst = int((diff - allowed).argmax())
+        assert bool((diff <= allowed).all()), (
+            f"{what}: CPU and CUDA differ by {diff[worst].item():.3g} at {worst} "
+            f"(allowed {allowed[worst].item():.3g}; cpu {cpu[worst].item():.6g}, gpu {gpu[worst].item():.6g})")
 
 
 DETERMINISM_CASES = [
