@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Everything the GPU machine checks, in one command (the device tool runs it from the repo root):
-#   benchmarks/run_gpu.sh [build] [tests] [sanitize] [bench] [fbgemm]   (default: all)
+#   benchmarks/run_gpu.sh [build] [diag] [tests] [sanitize] [bench] [profile] [fbgemm]
+#   (default: all but profile). Narrower runs: BUILD_SPECS="sgd adam" builds only those;
+#   TEST_FILES and TBEGEN_TEST_OPTIMIZERS="sgd adam" (see tests/conftest.py) narrow the tests step.
 # Logs and results go to $OUT (default /tmp/tbegen-gpu-out). See docs/gpu-results.md.
 # The device tool brings back at most 8 files a call: run `build diag tests sanitize` in one call
 # and `build bench fbgemm` (or `profile`) in another.
@@ -26,8 +28,10 @@ status=0
 if has build; then
   start=$(date +%s)
   python3 -c "
-from tbegen import build; from tbegen.spec import list_specs
-build.prebuild(list_specs(), with_cuda=True)" > "$OUT/build.log" 2>&1 || { status=1; tail -n 60 "$OUT/build.log"; }
+from tbegen import build; from tbegen.spec import find_spec, list_specs
+import os
+names = os.environ.get('BUILD_SPECS', '').split()
+build.prebuild([find_spec(n) for n in names] if names else list_specs(), with_cuda=True)" > "$OUT/build.log" 2>&1 || { status=1; tail -n 60 "$OUT/build.log"; }
   # (kept only when the build failed: the device tool returns at most 8 files)
   [ $status = 0 ] && rm -f "$OUT/build.log"
   echo "build of all extensions (parallel): $(( $(date +%s) - start )) s" | tee -a "$OUT/env.txt"
@@ -61,7 +65,7 @@ if has bench; then
   python3 benchmarks/bench.py --out "$OUT" 2>&1 | tee "$OUT/bench.log" | grep -v Warning || status=1
 fi
 if has profile; then
-  python3 benchmarks/bench.py --out "$OUT/profile" --configs C1,C2 --opts sgd --iters 5 --profile 2>&1 \
+  python3 benchmarks/bench.py --out /tmp/tbegen-profile --configs C1,C2 --opts sgd --iters 5 --profile 2>&1 \
     | tee "$OUT/profile.log" | grep -v Warning
 fi
 if has fbgemm; then

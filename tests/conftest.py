@@ -9,7 +9,12 @@ import torch
 from tbegen import build
 from tbegen.spec import list_specs, load_spec
 
-SPECS = {p.stem: p for p in list_specs()}
+# TBEGEN_TEST_OPTIMIZERS="sgd adam" narrows the optimizer-parametrised tests to those specs (for
+# quick runs on the GPU machine); unset, every spec in optimizers/ is tested.
+_ONLY = os.environ.get("TBEGEN_TEST_OPTIMIZERS", "").split()
+SPECS = {p.stem: p for p in list_specs() if not _ONLY or p.stem in _ONLY}
+if _ONLY and sorted(SPECS) != sorted(set(_ONLY)):
+    raise pytest.UsageError(f"TBEGEN_TEST_OPTIMIZERS names unknown specs: {sorted(set(_ONLY) - set(SPECS))}")
 HAS_CUDA = torch.cuda.is_available()
 
 

@@ -20,13 +20,15 @@ from torch import nn
 
 import tbegen
 from tbegen.module import TableBatchedEmbeddingBags
-from tbegen.spec import find_spec, list_specs, load_spec
+from tbegen.spec import find_spec, load_spec
+
+from conftest import SPECS as CONFTEST_SPECS
 
 # The shipped optimizers this file compares with torch; the generic tests (forward, per-sample
 # weight gradient, state_dict, views, set_learning_rate) also run for any spec added to optimizers/
 # later, as long as all its hyperparameters have defaults.
 KNOWN = ["sgd", "adagrad", "rowwise_adagrad", "adam", "none"]
-SPECS = {p.stem: load_spec(p) for p in list_specs()}
+SPECS = {name: load_spec(path) for name, path in CONFTEST_SPECS.items()}
 OPTIMIZERS = sorted(n for n, s in SPECS.items() if not any(h.required for h in s.hyperparameters))
 WITH_LR = [n for n in OPTIMIZERS if any(h.name == "learning_rate" for h in SPECS[n].hyperparameters)]
 TABLES = [(40, 8), (25, 12), (16, 4)]
