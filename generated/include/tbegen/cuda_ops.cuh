@@ -5,6 +5,7 @@
 #pragma once
 
 #include <ATen/cuda/CUDAContext.h>
+#include <ATen/cuda/CUDAEvent.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <cub/cub.cuh>
 #include <thrust/iterator/counting_iterator.h>
@@ -197,21 +198,31 @@ void backward_cuda(const at::Tensor& grad_output, const at::Tensor& weights, con
   o.bag = sorted_bag.data_ptr<int32_t>();
   o.scale = scaled ? sorted_scale.data_ptr<float>() : nullptr;
 
+  // The two update kernels touch disjoint rows, so they run concurrently: the hot rows' block
+  // kernel on a side stream, forked after step 3b and joined back before anything else runs on
+  // the caller's stream (so neither kernel's tail waits for the other, and the scratch tensors
+  // freed at the end of this function are not reused before both are done).
   const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  const at::cuda::CUDAStream side = at::cuda::getStreamFromPool(false, weights.device().index());
+  at::cuda::CUDAEvent forked, joined;
+  forked.record(stream);
+  forked.block(side);
   dispatch_weights(weights, [&](auto w) {
     using W = decltype(w);
     W* wptr = weights.data_ptr<W>();
     dispatch_vecs(b.max_D, [&](auto vecs) {
       constexpr int kVecs = decltype(vecs)::value;
-      backward_warp_kernel<Opt, W, kVecs><<<grid_for(b.N / kWarpSize + 1), kThreads, 0, stream>>>(a, r, o, params, ctx, wptr);
-      TBEGEN_CUDA_CHECK(cudaGetLastError());
       constexpr int kBlockThreads = block_kernel_warps<kVecs>() * kWarpSize;
       const int long_blocks = int(std::min<int64_t>(b.N / threshold + 1, int64_t(sms) * 4));
       const size_t smem = size_t(kBlockThreads / kWarpSize) * kVecs * 128 * sizeof(float);
-      backward_block_kernel<Opt, W, kVecs><<<long_blocks, kBlockThreads, smem, stream>>>(a, r, o, params, ctx, wptr);
+      backward_block_kernel<Opt, W, kVecs><<<long_blocks, kBlockThreads, smem, side.stream()>>>(a, r, o, params, ctx, wptr);
+      TBEGEN_CUDA_CHECK(cudaGetLastError());
+      backward_warp_kernel<Opt, W, kVecs><<<grid_for(b.N / kWarpSize + 1), kThreads, 0, stream>>>(a, r, o, params, ctx, wptr);
       TBEGEN_CUDA_CHECK(cudaGetLastError());
     });
   });
+  joined.record(side);
+  joined.block(stream);
   raise_kernel_error(error);
 }
 
