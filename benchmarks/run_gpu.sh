@@ -2,7 +2,8 @@
 # Everything the GPU machine checks, in one command (the device tool runs it from the repo root):
 #   benchmarks/run_gpu.sh [build] [diag] [tests] [sanitize] [bench] [profile] [fbgemm]
 #   (default: all but profile). Narrower runs: BUILD_SPECS="sgd adam" builds only those;
-#   TEST_FILES and TBEGEN_TEST_OPTIMIZERS="sgd adam" (see tests/conftest.py) narrow the tests step.
+#   TEST_FILES and TBEGEN_TEST_OPTIMIZERS="sgd adam" (see tests/conftest.py) narrow the tests step;
+#   BENCH_OPTS=sgd,adam the bench step.
 # Logs and results go to $OUT (default /tmp/tbegen-gpu-out). See docs/gpu-results.md.
 # The device tool brings back at most 8 files a call: run `build diag tests sanitize` in one call
 # and `build bench fbgemm` (or `profile`) in another.
@@ -62,7 +63,7 @@ if has sanitize; then
   done
 fi
 if has bench; then
-  python3 benchmarks/bench.py --out "$OUT" 2>&1 | tee "$OUT/bench.log" | grep -v Warning || status=1
+  python3 benchmarks/bench.py --out "$OUT" ${BENCH_OPTS:+--opts $BENCH_OPTS} 2>&1 | tee "$OUT/bench.log" | grep -v Warning || status=1
 fi
 if has profile; then
   python3 benchmarks/bench.py --out /tmp/tbegen-profile --configs C1,C2 --opts sgd --iters 5 --profile 2>&1 \

@@ -56,14 +56,6 @@ __device__ __forceinline__ void store_weights4(W* p, const float* v, const RowUp
   }
 }
 
-// Rows whose loads a lane issues together before using any of them (8 x 16 bytes in flight per
-// lane whatever the width): the gathers of the forward and the gradient sums are latency-bound,
-// and a loop that loads one row and then adds it would wait for each load in turn.
-template <int kVecs>
-constexpr int rows_in_flight() {
-  return kVecs >= 8 ? 1 : 8 / kVecs;
-}
-
 __device__ __forceinline__ float warp_sum(float x) {
 #pragma unroll
   for (int o = kWarpSize / 2; o > 0; o >>= 1) x += __shfl_xor_sync(kFullMask, x, o);
@@ -185,51 +177,34 @@ __global__ void __launch_bounds__(256) forward_kernel(ForwardArgs a, const W* __
         my_scale = a.psw ? a.psw[my_i] : 1.0f;
       }
       const int n = end - base < kWarpSize ? int(end - base) : kWarpSize;
-      // kBatch rows at a time: first every load (predicated), then the sums in index order
-      constexpr int kBatch = rows_in_flight<kVecs>();
-      for (int j0 = 0; j0 < n; j0 += kBatch) {
-        float x[kBatch][kVecs * 4];
-        int64_t off[kBatch];
-        float s[kBatch];
-#pragma unroll
-        for (int u = 0; u < kBatch; ++u) {
-          off[u] = __shfl_sync(kFullMask, my_off, (j0 + u) % kWarpSize);
-          s[u] = __shfl_sync(kFullMask, my_scale, (j0 + u) % kWarpSize);
-          if (j0 + u >= n) off[u] = -1;  // past the chunk (bad indices are -1 already)
+      // unrolled so that several rows' loads are in flight at once
+#pragma unroll 8
+      for (int j = 0; j < n; ++j) {
+        const int64_t off = __shfl_sync(kFullMask, my_off, j);
+        const float s = __shfl_sync(kFullMask, my_scale, j);
+        if (off < 0) continue;
+        if (a.pooling == kPoolNone) {
+          float* o = a.out + (base + j) * a.max_D;
 #pragma unroll
           for (int v = 0; v < kVecs; ++v) {
             const int d = v * 128 + 4 * lane;
-            if (off[u] >= 0 && d < D) {
-              load_weights4(weights + off[u] + d, &x[u][v * 4]);
-            } else {
+            if (d < D) {
+              float x[4];
+              load_weights4(weights + off + d, x);
 #pragma unroll
-              for (int c = 0; c < 4; ++c) x[u][v * 4 + c] = 0.0f;
+              for (int c = 0; c < 4; ++c) x[c] *= s;
+              store4(o + d, x);
             }
           }
-        }
+        } else {
 #pragma unroll
-        for (int u = 0; u < kBatch; ++u) {
-          if (off[u] < 0) continue;
-          if (a.pooling == kPoolNone) {
-            float* o = a.out + (base + j0 + u) * a.max_D;
+          for (int v = 0; v < kVecs; ++v) {
+            const int d = v * 128 + 4 * lane;
+            if (d < D) {
+              float x[4];
+              load_weights4(weights + off + d, x);
 #pragma unroll
-            for (int v = 0; v < kVecs; ++v) {
-              const int d = v * 128 + 4 * lane;
-              if (d < D) {
-                float y[4];
-#pragma unroll
-                for (int c = 0; c < 4; ++c) y[c] = x[u][v * 4 + c] * s[u];
-                store4(o + d, y);
-              }
-            }
-          } else {
-#pragma unroll
-            for (int v = 0; v < kVecs; ++v) {
-              const int d = v * 128 + 4 * lane;
-              if (d < D) {
-#pragma unroll
-                for (int c = 0; c < 4; ++c) acc[v][c] += s[u] * x[u][v * 4 + c];
-              }
+              for (int c = 0; c < 4; ++c) acc[v][c] += s * x[c];
             }
           }
         }
@@ -416,46 +391,14 @@ __device__ __forceinline__ void add_gradient(const BackwardArgs& a, const Occurr
 }
 
 // Adds the scaled output-gradient rows of occurrences [first, first + n), n <= 32, in order: the
-// lanes fetch the n occurrences' metadata at once, then the rows are loaded rows_in_flight() at a
-// time (every load of a batch issued before any of them is added).
+// lanes fetch the n occurrences' metadata at once, then the rows are loaded several at a time.
 template <int kVecs>
 __device__ __forceinline__ void add_chunk(const BackwardArgs& a, const Occurrences& o, int D, int lane, int64_t first,
                                           int n, float* g) {
   OccurrenceInfo mine;
   if (lane < n) mine.fetch(o, first + lane, a.pooling == kPoolNone);
-  constexpr int kBatch = rows_in_flight<kVecs>();
-  for (int k0 = 0; k0 < n; k0 += kBatch) {
-    float x[kBatch][kVecs * 4];
-    float s[kBatch];
-#pragma unroll
-    for (int u = 0; u < kBatch; ++u) {
-      const OccurrenceInfo occ = mine.from_lane((k0 + u) % kWarpSize);
-      const float* go = grad_row(a, occ.position, occ.bag);
-      s[u] = occ.scale;
-#pragma unroll
-      for (int v = 0; v < kVecs; ++v) {
-        const int d = v * 128 + 4 * lane;
-        if (k0 + u < n && d < D) {
-          load4(go + d, &x[u][v * 4]);
-        } else {
-#pragma unroll
-          for (int c = 0; c < 4; ++c) x[u][v * 4 + c] = 0.0f;
-        }
-      }
-    }
-#pragma unroll
-    for (int u = 0; u < kBatch; ++u) {
-      if (k0 + u >= n) break;
-#pragma unroll
-      for (int v = 0; v < kVecs; ++v) {
-        const int d = v * 128 + 4 * lane;
-        if (d < D) {
-#pragma unroll
-          for (int c = 0; c < 4; ++c) g[v * 4 + c] += s[u] * x[u][v * 4 + c];
-        }
-      }
-    }
-  }
+#pragma unroll 4
+  for (int k = 0; k < n; ++k) add_gradient<kVecs>(a, mine.from_lane(k), D, lane, g);
 }
 
 // Loads the row's weights and states into `row` (issued before the gradient is summed, so that
