@@ -1,7 +1,8 @@
 """Builds rendered sources into a torch extension and loads it.
 
-Builds are cached by content: the cache key hashes every source file, the torch version and the
-build flavour (CPU only, or CPU + CUDA), so an unchanged spec is never rebuilt and a changed one
+Builds are cached by content: the cache key hashes every source file, the torch version, the
+build flavour (CPU only, or CPU + CUDA) and the compiler flags (with -march=native, the host
+processor's model and features too; see `cpu_arch_flags`), so an unchanged spec is never rebuilt and a changed one
 never loads stale code. The cache lives in $TBEGEN_BUILD_DIR (default ~/.cache/tbegen). Two
 processes building the same key at once are serialised by torch's build lock in that directory.
 
@@ -13,10 +14,12 @@ from __future__ import annotations
 
 import hashlib
 import os
+import platform
+import re
 import sys
 import time
 from pathlib import Path
-from typing import Dict, Optional, Union
+from typing import Dict, List, Optional, Union
 
 import torch
 
@@ -24,7 +27,7 @@ from .model import OptimizerSpec
 
 _LOADED: Dict[str, str] = {}  # op namespace -> cache key of the library loaded in this process
 
-CXX_FLAGS = ["-O3"]
+CXX_FLAGS = ["-O3"]  # plus cpu_arch_flags()
 CUDA_SOURCES = ("ops_cuda.cu", "forward_cuda.cu")
 CUDA_FLAGS = ["-O3", "--expt-relaxed-constexpr", "-lineinfo"]
 
@@ -62,9 +65,44 @@ def cuda_arch_list() -> str:
     return "9.0"
 
 
+def cpu_arch_flags() -> List[str]:
+    """Instruction-set flags for the C++ sources, from $TBEGEN_CPU_ARCH.
+
+    The default on x86-64 is `native`: the extension is built on the machine that runs it, and
+    AVX2/AVX-512 make the CPU kernels about a quarter faster than the baseline x86-64 code
+    (docs/cpu-results.md). `portable` adds no flag (the compiler's baseline, the same on every
+    x86-64 machine: use it where a build cache is shared by different machines, or where the
+    last bits of CPU results must match across them); any other value is passed as -march=VALUE
+    (x86-64-v3, znver4, ...). Elsewhere (ARM) the default is `portable`."""
+    arch = os.environ.get("TBEGEN_CPU_ARCH")
+    if arch is None:
+        arch = "native" if platform.machine().lower() in ("x86_64", "amd64") else "portable"
+    if not re.fullmatch(r"[A-Za-z0-9_.+-]+", arch):
+        raise ValueError(f"tbegen: TBEGEN_CPU_ARCH={arch!r} is not a -march value (or 'native', 'portable')")
+    return [] if arch == "portable" else [f"-march={arch}"]
+
+
+def _host_cpu() -> str:
+    """What -march=native compiles for: the processor's model and feature flags (Linux), so that
+    a build cache shared by different machines never hands one of them code it cannot run."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            lines = [ln for ln in f.read().splitlines() if ln.split(":")[0].strip() in ("model name", "flags", "Features")]
+        return "\n".join(sorted(set(lines)))
+    except OSError:
+        return f"{platform.machine()} {platform.processor()}"
+
+
+def cxx_flags() -> List[str]:
+    return CXX_FLAGS + cpu_arch_flags()
+
+
 def cache_key(name: str, files: Dict[str, str], with_cuda: bool) -> str:
     h = hashlib.sha256()
-    h.update(f"{name}\0{torch.__version__}\0{with_cuda}\0{CXX_FLAGS}\0{CUDA_FLAGS}\0".encode())
+    flags = cxx_flags()
+    h.update(f"{name}\0{torch.__version__}\0{with_cuda}\0{flags}\0{CUDA_FLAGS}\0".encode())
+    if "-march=native" in flags:
+        h.update(_host_cpu().encode())
     if with_cuda:
         h.update(cuda_arch_list().encode())
     for rel in sorted(files):
@@ -179,7 +217,7 @@ def _compile(name: str, files: Dict[str, str], with_cuda: bool, out_dir: Path, l
         sources=sources,
         extra_include_paths=[str(src / "include"), str(src / name)]
         + (_cuda_library_includes() if with_cuda else []),
-        extra_cflags=CXX_FLAGS,
+        extra_cflags=cxx_flags(),
         extra_cuda_cflags=CUDA_FLAGS,
         extra_ldflags=_cuda_link_flags() if with_cuda else [],
         build_directory=str(out_dir),

@@ -53,6 +53,25 @@ def test_builds_are_cached_by_content(tmp_path, monkeypatch):
     assert build.cache_key(spec.name, files, with_cuda=True) != key
 
 
+def test_cpu_arch_flags_and_their_cache_keys(monkeypatch):
+    spec = load_spec(str(ROOT / "optimizers" / "sgd.yaml"))
+    files = build.spec_files(spec, with_cuda=False)
+    keys = {}
+    for arch, flag in (("portable", None), ("native", "-march=native"), ("x86-64-v3", "-march=x86-64-v3")):
+        monkeypatch.setenv("TBEGEN_CPU_ARCH", arch)
+        flags = build.cxx_flags()
+        assert [f for f in flags if f.startswith("-march")] == ([flag] if flag else [])
+        keys[arch] = build.cache_key(spec.name, files, with_cuda=False)
+    assert len(set(keys.values())) == 3  # a build for one instruction set never serves another
+    # -march=native builds are keyed by the processor they were built on too
+    monkeypatch.setenv("TBEGEN_CPU_ARCH", "native")
+    monkeypatch.setattr(build, "_host_cpu", lambda: "model name : another processor")
+    assert build.cache_key(spec.name, files, with_cuda=False) != keys["native"]
+    monkeypatch.setenv("TBEGEN_CPU_ARCH", "native -fno-strict-aliasing")
+    with pytest.raises(ValueError, match="TBEGEN_CPU_ARCH"):
+        build.cxx_flags()
+
+
 def test_a_second_load_hits_the_cache(load_ops, tmp_path):
     import time
 
