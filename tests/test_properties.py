@@ -77,3 +77,34 @@ def test_forward_and_deterministic_backward(load_ops, problem):
         harness.default_hyperparameters(spec, {}), 1,
     )
     assert torch.equal(results[0][0][~touched], weights[~touched])
+
+
+def test_large_batch_backward_is_the_same_whatever_the_threads(load_ops):
+    """A batch of over 100,000 indices, with a hot row of 5000 occurrences (the hypothesis test
+    above draws small ones): 1, 3 and 2 threads give bitwise the same step, and that step matches
+    the float64 reference."""
+    spec, ops = load_ops("adagrad")
+    case = harness.Case(tables=((3000, 16), (500, 8), (40000, 4)), B=8192, max_L=12, hot=5000, steps=1, seed=77)
+    layout = make_layout(case.tables, case.feature_table_map)
+    gen = torch.Generator().manual_seed(case.seed)
+    weights, states = harness.initial_state(spec, layout, case, gen)
+    batch = harness.random_batch(case, layout, gen)
+    assert batch.indices.numel() > 3 * 32768
+    go = torch.randn(case.B, layout.total_D, generator=gen)
+    hyper = harness.default_hyperparameters(spec, {})
+    results = []
+    try:
+        for threads in (1, 3, 2):
+            torch.set_num_threads(threads)
+            w, acc = weights.clone(), states["accumulator"].clone()
+            ops.backward(go, w, layout.features_tensor(), layout.total_D, layout.max_D, layout.total_hash_size,
+                         batch.indices, batch.offsets, None, POOLING["sum"], 32, False, 0, acc,
+                         *[hyper[h.name] for h in spec.hyperparameters], 1)
+            results.append((w, acc))
+    finally:
+        torch.set_num_threads(2)
+    for w, acc in results[1:]:
+        assert torch.equal(w, results[0][0]) and torch.equal(acc, results[0][1])
+    ref_w, ref_states, _ = harness.reference_step(spec, layout, case.B, "sum", weights, states, batch, go, hyper, 1)
+    scale = (ref_w - weights.double()).abs().max()
+    assert ((results[1][0].double() - ref_w).abs().max() / scale).item() < harness.TOLERANCE[torch.float32]

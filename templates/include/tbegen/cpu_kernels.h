@@ -159,14 +159,17 @@ void backward(const Batch& b, const int64_t* feat, int64_t total_hash_size, cons
   std::vector<int64_t> keys(b.N);
   std::vector<int32_t> pos(b.N);
   std::vector<int32_t> bag_of(b.N);
-  for (int64_t bag = 0; bag < nbags; ++bag) {
-    const int64_t key_base = feat[(bag / b.B) * kFeatColumns + kFeatKeyBase];
-    for (int64_t i = offsets[bag]; i < offsets[bag + 1]; ++i) {
-      keys[i] = key_base + int64_t(indices[i]);
-      pos[i] = int32_t(i);
-      bag_of[i] = int32_t(bag);
+  // (in parallel over bags: each writes its own slice, the offsets having been checked)
+  at::parallel_for(0, nbags, 256, [&](int64_t begin, int64_t end) {
+    for (int64_t bag = begin; bag < end; ++bag) {
+      const int64_t key_base = feat[(bag / b.B) * kFeatColumns + kFeatKeyBase];
+      for (int64_t i = offsets[bag]; i < offsets[bag + 1]; ++i) {
+        keys[i] = key_base + int64_t(indices[i]);
+        pos[i] = int32_t(i);
+        bag_of[i] = int32_t(bag);
+      }
     }
-  }
+  });
   // 2. Sort by key, keeping index order within a key.
   radix_sort_pairs(keys, pos, bits_for(total_hash_size));
   // 3. Run-length encode: run r covers sorted positions [run_start[r], run_start[r + 1]).
