@@ -18,17 +18,14 @@ own numbering resumes; `tbegen.render` replaces it once the output's line number
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from typing import List, Sequence, Tuple
 
 from .model import OptimizerSpec, Stage
-from .spec import blank_comments, matching_paren
+from .spec import REDUCTION_CALL_RE, WORD_RE, blank_comments, matching_paren
 
 LINE_RESTORE = "#line TBEGEN_RESTORE"
 
-_REDUCTION_RE = re.compile(r"\brow_(sum|mean|max|min)\s*\(")
-_IDENT_RE = re.compile(r"\b[A-Za-z_][A-Za-z0-9_]*\b")
 
 # identity value and the row view's combine method for each reduction
 _REDUCTIONS = {
@@ -51,7 +48,7 @@ class Reduction:
 
 def used_names(code: str) -> set:
     """Identifiers that occur in `code` (comments excluded)."""
-    return set(_IDENT_RE.findall(blank_comments(code)))
+    return set(WORD_RE.findall(blank_comments(code)))
 
 
 def extract_reductions(code: str, first_line: int, counter: List[int]) -> Tuple[str, List[Reduction]]:
@@ -65,7 +62,7 @@ def extract_reductions(code: str, first_line: int, counter: List[int]) -> Tuple[
     out: List[str] = []
     reductions: List[Reduction] = []
     pos = 0
-    for m in _REDUCTION_RE.finditer(text):
+    for m in REDUCTION_CALL_RE.finditer(text):
         if m.start() < pos:
             raise ValueError("row reductions cannot be nested")
         close = matching_paren(text, m.end() - 1)
@@ -75,7 +72,7 @@ def extract_reductions(code: str, first_line: int, counter: List[int]) -> Tuple[
         var = f"tbegen_red_{counter[0]}"
         counter[0] += 1
         line = first_line + code.count("\n", 0, m.start())
-        reductions.append(Reduction(m.group(1), expr, line, var))
+        reductions.append(Reduction(m.group(1)[len("row_"):], expr, line, var))
         out.append(code[pos : m.start()])
         out.append(var)
         pos = close + 1

@@ -79,6 +79,9 @@ TOP_KEYS = (
 )
 HYPERPARAMETER_KEYS = ("type", "default", "doc", "choices", "test")
 STATE_KEYS = ("per", "init", "dtype", "doc")
+# how entries are described in problems, e.g. HYPERPARAMETER_SHAPE
+HYPERPARAMETER_SHAPE = "{" + ", ".join(HYPERPARAMETER_KEYS) + "}"
+STATE_SHAPE = "{" + ", ".join(STATE_KEYS) + "}"
 TEMPORARY_KEYS = ("per",)
 
 IDENTIFIER_RE = re.compile(r"[A-Za-z][A-Za-z0-9_]*")
@@ -560,10 +563,10 @@ def _parse_choices(fields: _Fields, type_: Optional[str], key: str = "choices") 
 
 
 def _parse_hyperparameter(problems: _Problems, name: Any, value: Any, field: str, line: int) -> Optional[Hyperparameter]:
-    """One `hyperparameters` entry: {type, default, doc, choices}."""
+    """One `hyperparameters` entry: {type, default, doc, choices, test}."""
     start = len(problems)
     _check_identifier(problems, name, field, line)
-    mapping = _as_mapping(problems, value, field, line, "{type, default, doc, choices, test}")
+    mapping = _as_mapping(problems, value, field, line, HYPERPARAMETER_SHAPE)
     if mapping is None:
         return None
     fields = _Fields(problems, mapping, field, line, HYPERPARAMETER_KEYS)
@@ -607,7 +610,7 @@ def _parse_state(problems: _Problems, name: Any, value: Any, field: str, line: i
     """One `states` entry: {per, init, dtype, doc}."""
     start = len(problems)
     _check_identifier(problems, name, field, line)
-    mapping = _as_mapping(problems, value, field, line, "{per, init, dtype, doc}")
+    mapping = _as_mapping(problems, value, field, line, STATE_SHAPE)
     if mapping is None:
         return None
     fields = _Fields(problems, mapping, field, line, STATE_KEYS)
@@ -675,9 +678,10 @@ def _parse_section(fields: _Fields, key: str, shape: str, parse_entry) -> Tuple[
 # Stages
 # --------------------------------------------------------------------------
 
-_REDUCTION_CALL_RE = re.compile(r"\b(" + "|".join(ROW_REDUCTIONS) + r")\s*\(")
+# (the code generator uses these two as well)
+REDUCTION_CALL_RE = re.compile(r"\b(" + "|".join(ROW_REDUCTIONS) + r")\s*\(")  # group 1: row_sum, ...
 _COMMENT_RE = re.compile(r"//[^\n]*|/\*.*?\*/", re.DOTALL)
-_IDENT_RE = re.compile(r"\b[A-Za-z_][A-Za-z0-9_]*\b")
+WORD_RE = re.compile(r"\b[A-Za-z_][A-Za-z0-9_]*\b")  # any C++ identifier in a snippet
 # a name declared or assigned: `float x =`, `x =`, `x +=`, `x++`, ... (not `==`)
 _ASSIGNED_RE = re.compile(r"\b([A-Za-z_][A-Za-z0-9_]*)\s*(?:[-+*/%&|^]|<<|>>)?=(?!=)|\b([A-Za-z_][A-Za-z0-9_]*)\s*(?:\+\+|--)")
 
@@ -704,7 +708,7 @@ def _check_reductions(problems: _Problems, kind: str, code: str, field: str, fir
     """Row reductions: none in element stages; balanced and not nested in row stages."""
     text = blank_comments(code)
     inner_end = -1  # end of the reduction argument being scanned, to skip nested ones
-    for match in _REDUCTION_CALL_RE.finditer(text):
+    for match in REDUCTION_CALL_RE.finditer(text):
         line = first_line + text.count("\n", 0, match.start())
         reduction = match.group(1)
         if kind == "element":
@@ -720,7 +724,7 @@ def _check_reductions(problems: _Problems, kind: str, code: str, field: str, fir
         inner_end = close
         # Reductions are computed before the stage's statements run (docs/spec-language.md), so
         # an argument must not use a name the same stage sets before it.
-        argument_names = set(_IDENT_RE.findall(text[match.end() : close]))
+        argument_names = set(WORD_RE.findall(text[match.end() : close]))
         set_before = {a or b for a, b in _ASSIGNED_RE.findall(text[: match.start()])}
         clash = sorted(argument_names & set_before)
         if clash:
@@ -851,8 +855,8 @@ def _parse_document(doc: Any, problems: _Problems, stem: Optional[str]) -> Optio
     fields = _Fields(problems, doc, "", doc.line, TOP_KEYS)
     name = _parse_name(fields, stem)
     summary = _parse_summary(fields)
-    hyperparameters = _parse_section(fields, "hyperparameters", "{type, default, doc, choices, test}", _parse_hyperparameter)
-    states = _parse_section(fields, "states", "{per, init, dtype, doc}", _parse_state)
+    hyperparameters = _parse_section(fields, "hyperparameters", HYPERPARAMETER_SHAPE, _parse_hyperparameter)
+    states = _parse_section(fields, "states", STATE_SHAPE, _parse_state)
     temporaries = _parse_section(fields, "temporaries", "{per: element}", _parse_temporary)
     stages = _parse_stages(fields)
     reference = _parse_reference(fields)
