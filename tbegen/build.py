@@ -12,6 +12,7 @@ runs torch.utils.cpp_extension (about a minute for CPU + CUDA, mostly torch's he
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import platform
@@ -82,6 +83,7 @@ def cpu_arch_flags() -> List[str]:
     return [] if arch == "portable" else [f"-march={arch}"]
 
 
+@functools.lru_cache(maxsize=None)
 def _host_cpu() -> str:
     """What -march=native compiles for: the processor's model and feature flags (Linux), so that
     a build cache shared by different machines never hands one of them code it cannot run."""

@@ -379,17 +379,17 @@ def run_case(spec: OptimizerSpec, ops, case: Case, device: str = "cpu") -> Resul
             (name, states[name].cpu(), ref, before_states[name], TOLERANCE[torch.float32])
             for name, ref in ref_states.items()
         ]
+        errors = [_err(a, r, b) for _, a, r, b, _ in compared]
         # an error over the tolerance is judged again with the step's sensitivity to float32
         # gradient rounding allowed for (computed only then: it costs two more reference steps)
-        if any(_err(a, r, b) > tol for _, a, r, b, tol in compared):
+        if any(err > tol for err, (*_, tol) in zip(errors, compared)):
             sens_w, sens_st = gradient_sensitivity(
                 spec, layout, B, case.pooling, before_w, before_states, batch, grad_output, hyper, step,
                 ref_w, ref_states, seed=case.seed * 16 + step)
             allowance = {"weights": sens_w, **sens_st}
-        else:
-            allowance = {}
-        for name, a, r, b, tol in compared:
-            result.note(name, _err(a, r, b, allowance.get(name)), tol, step)
+            errors = [_err(a, r, b, allowance[name]) for name, a, r, b, _ in compared]
+        for err, (name, *_, tol) in zip(errors, compared):
+            result.note(name, err, tol, step)
     return result
 
 
