@@ -72,7 +72,9 @@ fi
 if has fbgemm; then
   if [ -d .anchor/bundle ]; then
     python3 .anchor/unpack_bundle.py .anchor/bundle /tmp/fbg_site > /dev/null 2>&1 &&
-    PYTHONPATH=/tmp/fbg_site:$PYTHONPATH CUDA_MODULE_LOADING=LAZY python3 .anchor/bench_tbe.py --check --out "$OUT/fbgemm" \
+    # FBGEMM_ARGS: e.g. "--configs C2 --profile"; tbegen is timed beside FBGEMM through its module
+    PYTHONPATH=/tmp/fbg_site:$PYTHONPATH CUDA_MODULE_LOADING=LAZY python3 .anchor/bench_tbe.py --check \
+      ${FBGEMM_ARGS:---systems fbgemm,tbegen,torch --fast-init} --out "$OUT/fbgemm" \
       > "$OUT/fbgemm.log" 2>&1 || status=1
     { echo "== env.json"; cat "$OUT/fbgemm/env.json"; } >> "$OUT/fbgemm.log" 2>/dev/null && rm -f "$OUT/fbgemm/env.json"
     grep -vi "compat table" "$OUT/fbgemm.log" | tail -n 30

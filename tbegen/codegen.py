@@ -19,7 +19,7 @@ own numbering resumes; `tbegen.render` replaces it once the output's line number
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 from .model import OptimizerSpec, Stage
 from .spec import REDUCTION_CALL_RE, WORD_RE, blank_comments, matching_paren
@@ -184,10 +184,12 @@ class Arg:
     type: str
     doc: str
     mutable: bool = False
+    # schema default (e.g. "None", "False"); arguments with one come last and may be left out
+    default: Optional[str] = None
 
     def schema(self, alias: str) -> str:
         t = f"Tensor({alias}!)" if self.mutable else self.type
-        return f"{t} {self.name}"
+        return f"{t} {self.name}" + (f"={self.default}" if self.default is not None else "")
 
     @property
     def cpp(self) -> str:
@@ -231,6 +233,14 @@ BATCH_ARGS = (
     Arg("indices", "Tensor", "int32 or int64 row indices, all features concatenated"),
     Arg("offsets", "Tensor", "F * B + 1 bag boundaries, feature-major, same dtype as indices"),
 )
+# How an operator reports bad input (host.h). Without a record it raises before returning (on
+# CUDA that waits for the kernels); with one, CUDA kernels record the first bad index and the
+# first fatal error there and the caller reads it when it likes (the module: without stopping
+# the GPU). Bad indices are skipped instead of raised when asked.
+ERROR_ARGS = (
+    Arg("error_record", "Tensor?", "int64 [6] error record on the weights' device, or None", default="None"),
+    Arg("skip_bad_indices", "bool", "skip out-of-range indices instead of raising", default="False"),
+)
 
 
 def forward_signature() -> OpSignature:
@@ -242,7 +252,8 @@ def forward_signature() -> OpSignature:
         + (
             Arg("per_sample_weights", "Tensor?", "float32, one per index, or None"),
             Arg("pooling", "int", "0 sum, 1 mean, 2 none"),
-        ),
+        )
+        + ERROR_ARGS,
         "Tensor",
     )
 
@@ -256,7 +267,8 @@ def grad_psw_signature() -> OpSignature:
         )
         + LAYOUT_ARGS
         + BATCH_ARGS
-        + (Arg("pooling", "int", "0 sum, 1 mean, 2 none"),),
+        + (Arg("pooling", "int", "0 sum, 1 mean, 2 none"),)
+        + ERROR_ARGS,
         "Tensor",
     )
 
@@ -274,7 +286,7 @@ def backward_signature(spec: OptimizerSpec) -> OpSignature:
             Arg("per_sample_weights", "Tensor?", "float32, one per index, or None"),
             Arg("pooling", "int", "0 sum, 1 mean, 2 none"),
             Arg("max_segment_length_per_warp", "int", "rows with at least this many occurrences "
-                "are updated by a whole thread block (CUDA)"),
+                "are summed in segments by several warps (CUDA)"),
             Arg("stochastic_rounding", "bool", "round fp16/bf16 weights stochastically"),
             Arg("seed", "int", "seed of the stochastic rounding"),
         )
@@ -285,4 +297,7 @@ def backward_signature(spec: OptimizerSpec) -> OpSignature:
     for h in spec.hyperparameters:
         args += (Arg(h.name, h.type, h.doc),)
     args += (Arg("step", "int", "1-based step counter"),)
+    args += ERROR_ARGS + (
+        Arg("check_finite", "bool", "raise on NaN/Inf in per_sample_weights or grad_output", default="True"),
+    )
     return OpSignature("backward", args, "()")

@@ -17,7 +17,8 @@ from typing import Optional, Tuple, Union
 RESERVED_NAMES = frozenset(
     {"g", "w", "step", "D", "row_sum", "row_mean", "row_max", "row_min"}
     | {"grad_output", "weights", "features", "total_D", "max_D", "total_hash_size", "indices", "offsets",
-       "per_sample_weights", "pooling", "max_segment_length_per_warp", "stochastic_rounding", "seed"}
+       "per_sample_weights", "pooling", "max_segment_length_per_warp", "stochastic_rounding", "seed",
+       "error_record", "skip_bad_indices", "check_finite"}
 )
 
 # Row reductions usable inside `row` stages, with their identity and combine op.

@@ -31,6 +31,7 @@ from torch import nn
 from torch.autograd.graph import increment_version
 
 from . import build
+from .errors import BOUNDS_CHECK_MODES, ErrorRecord
 from .layout import POOLING, Layout, make_layout
 from .model import OptimizerSpec
 from .spec import find_spec, load_spec
@@ -61,6 +62,8 @@ _MODULE_ARGS = (
     "feature_table_map",
     "seed",
     "max_segment_length_per_warp",
+    "bounds_check_mode",
+    "check_finite",
 )
 
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
@@ -234,10 +237,13 @@ class _Lookup(torch.autograd.Function):
     def forward(ctx, module: "TableBatchedEmbeddingBags", anchor_or_weights, indices, offsets, per_sample_weights):
         ctx.module = module
         ctx.save_for_backward(indices, offsets, per_sample_weights)
-        return module._ops.forward(
+        errors = module._errors
+        out = module._ops.forward(
             module.weights.detach(), module.features, module.layout.total_D, module.layout.max_D,
-            indices, offsets, per_sample_weights, module._pooling_id,
+            indices, offsets, per_sample_weights, module._pooling_id, errors.record, errors.skip_bad_indices,
         )
+        errors.after_call()
+        return out
 
     @staticmethod
     @torch.autograd.function.once_differentiable
@@ -246,10 +252,12 @@ class _Lookup(torch.autograd.Function):
         indices, offsets, per_sample_weights = ctx.saved_tensors
         grad_output = grad_output.to(torch.float32).contiguous()
         grad_psw = None
+        errors = module._errors
+        errors.poll()
         if per_sample_weights is not None and ctx.needs_input_grad[4]:
             grad_psw = module._ops.grad_per_sample_weights(
                 grad_output, module.weights.detach(), module.features, module.layout.total_D,
-                module.layout.max_D, indices, offsets, module._pooling_id,
+                module.layout.max_D, indices, offsets, module._pooling_id, errors.record, errors.skip_bad_indices,
             )
         grad_weights = None
         if module.dense_gradient:
@@ -281,7 +289,14 @@ class TableBatchedEmbeddingBags(nn.Module):
             features may share a table. The input then has one block of bags per feature.
         seed: seeds the default weight initialisation and the stochastic rounding.
         max_segment_length_per_warp: rows looked up at least this many times in a batch are
-            reduced by a whole thread block instead of one warp (CUDA; a tuning knob).
+            summed in segments by several warps instead of one (CUDA; a tuning knob).
+        bounds_check_mode: what an out-of-range index does: "raise" (default: an error, and the
+            batch updates nothing), "warn" (the index is skipped: it contributes nothing and
+            updates nothing; a warning says which) or "off" (skipped silently). Malformed offsets
+            always raise. On CUDA the error is raised without stopping the GPU, so at the latest
+            by the module's next call (or by `check_errors()`); nothing is updated in between.
+        check_finite: raise (like a bad index in mode "raise") on NaN or Inf in the per-sample
+            weights or the output gradient, before anything is updated.
         **hyperparameters: the optimizer's hyperparameters by name (e.g. learning_rate=0.05);
             the spec's defaults for those not given. Unknown names, wrong types, values outside a
             hyperparameter's `choices`, and missing required ones are errors.
@@ -303,6 +318,8 @@ class TableBatchedEmbeddingBags(nn.Module):
         feature_table_map: Optional[Sequence[int]] = None,
         seed: int = 0,
         max_segment_length_per_warp: int = 32,
+        bounds_check_mode: str = "raise",
+        check_finite: bool = True,
         **hyperparameters,
     ):
         super().__init__()
@@ -334,6 +351,13 @@ class TableBatchedEmbeddingBags(nn.Module):
                 f"tbegen: max_segment_length_per_warp must be a positive int, got {max_segment_length_per_warp!r}"
             )
 
+        if bounds_check_mode not in BOUNDS_CHECK_MODES:
+            raise ValueError(
+                f"tbegen: bounds_check_mode must be one of {sorted(BOUNDS_CHECK_MODES)}, got {bounds_check_mode!r}"
+            )
+        if not isinstance(check_finite, bool):
+            raise TypeError(f"tbegen: check_finite must be a bool, got {check_finite!r}")
+
         self.spec: OptimizerSpec = spec
         self.layout: Layout = layout
         self.pooling: str = pooling
@@ -358,6 +382,8 @@ class TableBatchedEmbeddingBags(nn.Module):
             n = layout.weights_numel if s.per == "element" else layout.total_hash_size
             self.states.register_buffer(s.name, torch.full((n,), float(s.init), dtype=torch.float32, device=dev))
         self.register_buffer("features", layout.features_tensor(dev), persistent=False)
+        self.check_finite: bool = check_finite
+        self._errors = ErrorRecord(dev, self._ops, bounds_check_mode)
 
     # ---- construction helpers ----
 
@@ -488,7 +514,19 @@ class TableBatchedEmbeddingBags(nn.Module):
 
     # ---- forward / backward ----
 
+    @property
+    def bounds_check_mode(self) -> str:
+        return self._errors.mode
+
+    def check_errors(self) -> None:
+        """Waits for this module's work on its device and raises any error it recorded (bad
+        indices, malformed offsets, NaN/Inf input). On the CPU errors are raised by the call itself;
+        on CUDA they are raised at the latest by the module's next call, or by this."""
+        self._errors.check()
+
     def _check_buffers(self) -> None:
+        if self._errors.record.device != self.weights.device:  # (the module was moved)
+            self._errors = ErrorRecord(self.weights.device, self._ops, self._errors.mode)
         w = self.weights
         if w.dtype != self.weights_dtype:
             raise RuntimeError(
@@ -543,6 +581,7 @@ class TableBatchedEmbeddingBags(nn.Module):
         that backward applies the optimizer update (see docs/module.md).
         """
         self._check_buffers()
+        self._errors.poll()
         indices, offsets, per_sample_weights = self._check_input(indices, offsets, per_sample_weights)
         if self.dense_gradient:
             first = self.weights
@@ -562,7 +601,9 @@ class TableBatchedEmbeddingBags(nn.Module):
             # the dense gradient of mode "none" is rounded to nearest
             self.stochastic_rounding and not self.dense_gradient,
             self.seed, *states, *hyper, step,
+            self._errors.record, self._errors.skip_bad_indices, self.check_finite,
         )
+        self._errors.after_call()
         # The operators write in place without telling autograd; record it, so that a graph that
         # saved these tensors (e.g. a custom regulariser) notices they changed.
         increment_version([weights, *states])

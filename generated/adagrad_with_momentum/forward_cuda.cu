@@ -2,10 +2,12 @@
 // Do not edit: change the spec or templates/ and run `tbegen render --optimizer adagrad_with_momentum`.
 //
 // CUDA implementations of tbegen_adagrad_with_momentum.forward and .grad_per_sample_weights (schemas in
-// ops.cpp). They are the same for every optimizer; this file exists so that they compile apart
-// from the backward (ops_cuda.cu), in parallel.
+// ops.cpp), and the first half of the backward (prepare_backward: linearise, sort, segment). They
+// are the same for every optimizer; this file exists so that they compile apart from the
+// optimizer's update kernels (ops_cuda.cu), in parallel.
 #include <torch/library.h>
 
+#include "tbegen/cuda_backward_prep_impl.cuh"
 #include "tbegen/cuda_forward_ops.cuh"
 
 TORCH_LIBRARY_IMPL(tbegen_adagrad_with_momentum, CUDA, m) {

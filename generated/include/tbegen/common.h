@@ -42,13 +42,21 @@ enum FeatureColumn : int64_t {
   kFeatColumns = 5,
 };
 
-// Error codes raised by kernels through a flag the host reads after the launch.
+// Error codes the operators report. CUDA kernels record them in an int64 error record of
+// kErrRecordSize entries that the host reads without stopping the GPU (host.h): slots
+// [0, 3) hold the first bad index (code, position, value), which the caller may choose to skip;
+// slots [3, 6) the first fatal error, which blocks every write of weights and states.
 enum KernelError : int32_t {
   kErrNone = 0,
   kErrIndexOutOfRange = 1,
   kErrRowOutsideWeights = 2,
   kErrBadOffsets = 3,
+  kErrNonFinitePerSampleWeight = 4,
+  kErrNonFiniteGradient = 5,
 };
+constexpr int kErrIndexSlot = 0;
+constexpr int kErrFatalSlot = 3;
+constexpr int kErrRecordSize = 6;
 
 // Number of bits needed to represent keys in [0, n).
 inline int bits_for(int64_t n) {

@@ -50,6 +50,10 @@ inline void prefetch_bytes(const void* p, int64_t bytes) {
   for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off);
 }
 
+// Whether row `idx` exists in the table of feature row `ft` (bad indices reach the kernels only
+// when the caller asked to skip them).
+inline bool index_in_table(const int64_t* ft, int64_t idx) { return idx >= 0 && idx < ft[kFeatRows]; }
+
 template <typename W, typename I>
 void forward(const Batch& b, const int64_t* feat, const W* weights, const I* indices,
              const I* offsets, const float* psw, float* out) {
@@ -59,9 +63,14 @@ void forward(const Batch& b, const int64_t* feat, const W* weights, const I* ind
         const int64_t* ft = feat + (bag / b.B) * kFeatColumns;
         const int64_t D = ft[kFeatDim];
         for (int64_t i = offsets[bag]; i < offsets[bag + 1]; ++i) {
-          const W* row = weights + ft[kFeatWeightsOffset] + int64_t(indices[i]) * D;
-          const float s = psw ? psw[i] : 1.0f;
           float* o = out + i * b.max_D;
+          const int64_t idx = indices[i];
+          if (!index_in_table(ft, idx)) {  // a skipped bad index: a zero row
+            std::fill(o, o + D, 0.0f);
+            continue;
+          }
+          const W* row = weights + ft[kFeatWeightsOffset] + idx * D;
+          const float s = psw ? psw[i] : 1.0f;
           for (int64_t d = 0; d < D; ++d) o[d] = s * WeightTraits<W>::load(row[d]);
         }
       }
@@ -85,7 +94,9 @@ void forward(const Batch& b, const int64_t* feat, const W* weights, const I* ind
           if (i + kAhead < stop) {
             prefetch_bytes(weights + ft[kFeatWeightsOffset] + int64_t(indices[i + kAhead]) * D, D * int64_t(sizeof(W)));
           }
-          const W* row = weights + ft[kFeatWeightsOffset] + int64_t(indices[i]) * D;
+          const int64_t idx = indices[i];
+          if (!index_in_table(ft, idx)) continue;  // a skipped bad index contributes nothing
+          const W* row = weights + ft[kFeatWeightsOffset] + idx * D;
           const float s = psw ? psw[i] : 1.0f;
           for (int64_t d = 0; d < D; ++d) acc[d] += s * WeightTraits<W>::load(row[d]);
         }
@@ -109,7 +120,12 @@ void grad_per_sample_weights(const Batch& b, const int64_t* feat, const float* g
       const int64_t start = offsets[bag], stop = offsets[bag + 1];
       const float scale = b.pooling == kPoolMean ? 1.0f / float(std::max<int64_t>(stop - start, 1)) : 1.0f;
       for (int64_t i = start; i < stop; ++i) {
-        const W* row = weights + ft[kFeatWeightsOffset] + int64_t(indices[i]) * D;
+        const int64_t idx = indices[i];
+        if (!index_in_table(ft, idx)) {  // a skipped bad index
+          grad[i] = 0.0f;
+          continue;
+        }
+        const W* row = weights + ft[kFeatWeightsOffset] + idx * D;
         const float* go = b.pooling == kPoolNone ? grad_output + i * b.max_D
                                                  : grad_output + bi * b.total_D + ft[kFeatOutOffset];
         float dot = 0.0f;
@@ -163,22 +179,25 @@ void backward(const Batch& b, const int64_t* feat, int64_t total_hash_size, cons
   at::parallel_for(0, nbags, 256, [&](int64_t begin, int64_t end) {
     for (int64_t bag = begin; bag < end; ++bag) {
       const int64_t key_base = feat[(bag / b.B) * kFeatColumns + kFeatKeyBase];
+      const int64_t* ft = feat + (bag / b.B) * kFeatColumns;
       for (int64_t i = offsets[bag]; i < offsets[bag + 1]; ++i) {
-        keys[i] = key_base + int64_t(indices[i]);
+        // a skipped bad index gets the key past the last, whose run updates nothing
+        keys[i] = index_in_table(ft, indices[i]) ? key_base + int64_t(indices[i]) : total_hash_size;
         pos[i] = int32_t(i);
         bag_of[i] = int32_t(bag);
       }
     }
   });
   // 2. Sort by key, keeping index order within a key.
-  radix_sort_pairs(keys, pos, bits_for(total_hash_size));
+  radix_sort_pairs(keys, pos, bits_for(total_hash_size + 1));
   // 3. Run-length encode: run r covers sorted positions [run_start[r], run_start[r + 1]).
   std::vector<int64_t> run_start;
   for (int64_t i = 0; i < b.N; ++i) {
     if (i == 0 || keys[i] != keys[i - 1]) run_start.push_back(i);
   }
   run_start.push_back(b.N);
-  const int64_t num_runs = int64_t(run_start.size()) - 1;
+  // (the run of skipped bad indices, if any, is the last one: it is left out)
+  const int64_t num_runs = int64_t(run_start.size()) - 1 - (b.N > 0 && keys[b.N - 1] == total_hash_size ? 1 : 0);
 
   // 4. Sum each unique row's gradient and apply the optimizer to it.
   constexpr int kElementSlots = Opt::kElementStates + Opt::kTemporaries;

@@ -62,13 +62,14 @@ __device__ __forceinline__ float warp_sum(float x) {
   return x;
 }
 
-// Records the first error a kernel finds; the host raises it after the launch (host.h). Every
-// kernel that writes weights or states checks the record first, so bad input changes nothing.
+// Records the first error of its kind a kernel finds (host.h describes the record): a bad index
+// goes to the index slot, anything else to the fatal slot. The host reads the record when it
+// likes; every kernel that writes weights or states checks it first (update_blocked).
 __device__ __forceinline__ void record_error(int64_t* error, int64_t code, int64_t where, int64_t value) {
-  if (atomicCAS(reinterpret_cast<unsigned long long*>(error), 0ull,
-                static_cast<unsigned long long>(code)) == 0ull) {
-    error[1] = where;
-    error[2] = value;
+  int64_t* slot = error + (code == kErrIndexOutOfRange ? kErrIndexSlot : kErrFatalSlot);
+  if (atomicCAS(reinterpret_cast<unsigned long long*>(slot), 0ull, static_cast<unsigned long long>(code)) == 0ull) {
+    slot[1] = where;
+    slot[2] = value;
   }
 }
 
@@ -158,10 +159,12 @@ __global__ void __launch_bounds__(256) forward_kernel(ForwardArgs a, const W* __
   const int64_t warps = int64_t(gridDim.x) * blockDim.x / kWarpSize;
   for (int64_t bag = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / kWarpSize; bag < nbags; bag += warps) {
     int64_t start, end;
-    if (!bag_bounds(offsets, bag, nbags, a.N, a.error, &start, &end)) continue;
+    const bool bounds_ok = bag_bounds(offsets, bag, nbags, a.N, a.error, &start, &end);
+    if (!bounds_ok) start = end = 0;  // (sum/mean: the bag's output is written as zeros)
     const int64_t f = bag / a.B, b = bag % a.B;
     const int64_t* ft = a.feat + f * kFeatColumns;
     const int D = int(ft[kFeatDim]);
+    if (!bounds_ok && a.pooling == kPoolNone) continue;
     float acc[kVecs][4];
 #pragma unroll
     for (int v = 0; v < kVecs; ++v)
@@ -269,13 +272,15 @@ __global__ void __launch_bounds__(256) grad_psw_kernel(ForwardArgs a, const floa
 // ---- backward ----------------------------------------------------------------------------------
 
 // Step 1 of the backward: one warp per bag writes, for each of its indices, the linear key
-// (table's first key + row), the index's position, its bag and its gradient scale
-// (per-sample weight, divided by the bag length for mean pooling).
-template <typename I>
+// (table's first key + row; a bad index gets `total_hash_size`, past every row, and is skipped)
+// and the value sorted with it: the bag itself when that is all the update needs (sum/mean
+// pooling without per-sample weights), else the index's position, with its bag and gradient
+// scale (per-sample weight, divided by the bag length for mean pooling) beside.
+template <typename I, typename K>
 __global__ void __launch_bounds__(256) linearize_kernel(ForwardArgs a, const I* __restrict__ indices,
                                                         const I* __restrict__ offsets,
-                                                        int64_t total_hash_size, int64_t* keys,
-                                                        int32_t* positions, int32_t* bag_of, float* scale_of) {
+                                                        int64_t total_hash_size, bool check_finite, K* keys,
+                                                        int32_t* values, int32_t* bag_of, float* scale_of) {
   const int lane = threadIdx.x % kWarpSize;
   const int64_t nbags = a.F * a.B;
   const int64_t warps = int64_t(gridDim.x) * blockDim.x / kWarpSize;
@@ -286,31 +291,69 @@ __global__ void __launch_bounds__(256) linearize_kernel(ForwardArgs a, const I* 
     const float inv_len = (a.pooling == kPoolMean && end > start) ? 1.0f / float(end - start) : 1.0f;
     for (int64_t i = start + lane; i < end; i += kWarpSize) {
       const int64_t idx = indices[i];
-      int64_t key = 0;
+      int64_t key = total_hash_size;
       if (row_offset(ft, idx, i, a.weights_numel, a.error) >= 0) {
         key = ft[kFeatKeyBase] + idx;
         if (key >= total_hash_size) {
           record_error(a.error, kErrRowOutsideWeights, i, idx);
-          key = 0;
+          key = total_hash_size;
         }
       }
-      keys[i] = key;
-      positions[i] = int32_t(i);
-      bag_of[i] = int32_t(bag);
+      keys[i] = K(key);
+      if (bag_of == nullptr) {
+        values[i] = int32_t(bag);
+      } else {
+        values[i] = int32_t(i);
+        bag_of[i] = int32_t(bag);
+      }
+      if (a.psw && check_finite && !isfinite(a.psw[i])) record_error(a.error, kErrNonFinitePerSampleWeight, i, 0);
       if (scale_of) scale_of[i] = (a.psw ? a.psw[i] : 1.0f) * inv_len;
     }
   }
 }
 
-// The sorted, run-length-encoded view of a batch that the update kernels walk.
+// NaN/Inf anywhere in x (the output gradient) is a fatal error: nothing is updated.
+static __global__ void __launch_bounds__(256) check_finite_kernel(int64_t n, const float* __restrict__ x,
+                                                                   int64_t* error) {
+  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
+  const int64_t n4 = (reinterpret_cast<uintptr_t>(x) % 16 == 0) ? n / 4 : 0;
+  for (int64_t j = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; j < n4; j += stride) {
+    const float4 v = reinterpret_cast<const float4*>(x)[j];
+    if (!(isfinite(v.x) && isfinite(v.y) && isfinite(v.z) && isfinite(v.w))) {
+      const int c = !isfinite(v.x) ? 0 : !isfinite(v.y) ? 1 : !isfinite(v.z) ? 2 : 3;
+      record_error(error, kErrNonFiniteGradient, 4 * j + c, 0);
+    }
+  }
+  for (int64_t j = 4 * n4 + int64_t(blockIdx.x) * blockDim.x + threadIdx.x; j < n; j += stride) {
+    if (!isfinite(x[j])) record_error(error, kErrNonFiniteGradient, j, 0);
+  }
+}
+
+// Segments of long runs: a run of at least max_segment_length_per_warp occurrences is cut into
+// segments of kSegmentLength; each segment is summed by one warp, and a run of several segments
+// is finished by one more warp that adds the segments' partial sums in segment order (so the
+// result does not depend on which warp ran first) and updates the row.
+constexpr int32_t kSegmentLength = 256;
+
+// The sorted view of a batch that the update kernels walk: run r (one per unique key) covers
+// sorted positions [starts[r], starts[r + 1]) (the last one ends at n).
 struct Runs {
-  const int64_t* keys;       // unique linear keys, one per run
-  const int32_t* starts;     // first sorted position of each run
-  const int32_t* lengths;    // occurrences of each run
-  const int32_t* num_runs;   // device scalar
-  const int32_t* long_ids;   // runs of at least max_segment_length_per_warp occurrences
-  const int32_t* num_long;   // device scalar
+  const void* keys;         // sorted keys, int32 or int64 (wide_keys)
+  bool wide_keys;
+  const int32_t* starts;    // first sorted position of each run
+  const int32_t* counts;    // device: [number of runs, number of long runs]
+  const int32_t* long_ids;  // the long runs, in key order
+  const int2* segments;     // per long run: first segment, first partial-sum slot (exclusive scan)
+  int32_t n;                // occurrences
   int32_t max_segment_length_per_warp;
+  int64_t skipped_key;      // the key of skipped bad indices (total_hash_size)
+
+  __device__ __forceinline__ int64_t key_at(int64_t j) const {
+    return wide_keys ? static_cast<const int64_t*>(keys)[j] : int64_t(static_cast<const int32_t*>(keys)[j]);
+  }
+  __device__ __forceinline__ int32_t end_of(int64_t run, int32_t num_runs) const {
+    return run + 1 < num_runs ? starts[run + 1] : n;
+  }
 };
 
 // What the update kernels need of each occurrence, in sorted order, so that a run's entries are
@@ -327,18 +370,12 @@ struct BackwardArgs {
   int64_t pooling;
   const float* grad_output;
   const int64_t* error;
+  bool skip_bad_indices;  // else a bad index anywhere in the batch blocks every update
 };
 
-// Step 3b of the backward: lays out each occurrence's bag and scale in sorted order.
-static __global__ void __launch_bounds__(256) gather_occurrences_kernel(int64_t n, const int32_t* __restrict__ sorted_positions,
-                                                                 const int32_t* __restrict__ bag_of,
-                                                                 const float* __restrict__ scale_of,
-                                                                 int32_t* sorted_bag, float* sorted_scale) {
-  for (int64_t j = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; j < n; j += int64_t(gridDim.x) * blockDim.x) {
-    const int32_t pos = sorted_positions[j];
-    sorted_bag[j] = bag_of[pos];
-    if (scale_of) sorted_scale[j] = scale_of[pos];
-  }
+// Whether the error record forbids writing weights and states.
+__device__ __forceinline__ bool update_blocked(const BackwardArgs& a) {
+  return a.error[kErrFatalSlot] != kErrNone || (!a.skip_bad_indices && a.error[kErrIndexSlot] != kErrNone);
 }
 
 // Where a run's row lives: its width and offset in the weights buffer, from the bag of any of its
@@ -450,16 +487,16 @@ template <class Opt, int kVecs>
 using OptRow = WarpRow<kVecs, Opt::kElementStates + Opt::kTemporaries, Opt::kRowStates>;
 
 // Short runs: one warp per unique row. A warp takes 32 consecutive runs at a time; each lane
-// first fetches one run's description (length, start, key, and its first occurrence), so that a
+// first fetches one run's description (start, length, key, and its first occurrence), so that a
 // row seen once (the common case) costs one round trip to memory for its weights and gradient
 // row, issued together. Occurrences are summed in sorted (= index) order.
 template <class Opt, typename W, int kVecs>
 __global__ void __launch_bounds__(256) backward_warp_kernel(BackwardArgs a, Runs r, Occurrences o, typename Opt::Params p,
                                                             RowUpdateContext ctx, W* weights) {
-  if (a.error[0] != kErrNone) return;
+  if (update_blocked(a)) return;
   const int lane = threadIdx.x % kWarpSize;
   const int64_t warps = int64_t(gridDim.x) * blockDim.x / kWarpSize;
-  const int64_t num_runs = *r.num_runs;
+  const int32_t num_runs = r.counts[0];
   const bool none_pooling = a.pooling == kPoolNone;
   for (int64_t group = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / kWarpSize * kWarpSize; group < num_runs;
        group += warps * kWarpSize) {
@@ -467,17 +504,18 @@ __global__ void __launch_bounds__(256) backward_warp_kernel(BackwardArgs a, Runs
     int64_t my_key = 0;
     OccurrenceInfo my_first;
     if (group + lane < num_runs) {
-      my_len = r.lengths[group + lane];
       my_start = r.starts[group + lane];
-      my_key = r.keys[group + lane];
+      my_len = r.end_of(group + lane, num_runs) - my_start;
+      my_key = r.key_at(my_start);
       my_first.fetch(o, my_start, none_pooling);
     }
     const int runs_here = num_runs - group < kWarpSize ? int(num_runs - group) : kWarpSize;
     for (int k = 0; k < runs_here; ++k) {
       const int32_t len = __shfl_sync(kFullMask, my_len, k);
-      if (len >= r.max_segment_length_per_warp) continue;  // backward_block_kernel's
-      const int32_t start = __shfl_sync(kFullMask, my_start, k);
       const int64_t key = __shfl_sync(kFullMask, my_key, k);
+      // long runs are backward_segment_kernel's; skipped bad indices update nothing
+      if (len >= r.max_segment_length_per_warp || key >= r.skipped_key) continue;
+      const int32_t start = __shfl_sync(kFullMask, my_start, k);
       const OccurrenceInfo first = my_first.from_lane(k);
       OptRow<Opt, kVecs> row;
       row.lane = lane;
@@ -496,79 +534,108 @@ __global__ void __launch_bounds__(256) backward_warp_kernel(BackwardArgs a, Runs
   }
 }
 
-// Warps per block of the hot-row kernel: 32 (the most a block has), fewer for wide rows so that
-// its shared memory stays at 32 KiB.
-template <int kVecs>
-constexpr int block_kernel_warps() {
-  return kVecs <= 2 ? 32 : 64 / kVecs;
+// A long run as the segment kernels see it.
+struct LongRun {
+  int32_t first;     // first sorted position
+  int32_t len;       // occurrences
+  int64_t key;
+  int2 segments;     // first segment, first partial-sum slot
+  int32_t nseg;      // segments
+};
+
+__device__ __forceinline__ LongRun long_run(const Runs& r, int32_t k, int32_t num_runs) {
+  LongRun x;
+  const int32_t run = r.long_ids[k];
+  x.first = r.starts[run];
+  x.len = r.end_of(run, num_runs) - x.first;
+  x.key = r.key_at(x.first);
+  x.segments = r.segments[k];
+  x.nseg = r.segments[k + 1].x - x.segments.x;
+  return x;
 }
 
-// Long runs (hot rows): one block per unique row. The run's occurrences are cut into one
-// contiguous slice per warp, of equal length (a run of 40 keeps 20 warps busy with 2 occurrences
-// each, rather than one warp with 32), so a run takes about len / warps sequential loads. The
-// partial sums meet in shared memory and warp 0 adds them in warp order (a fixed order, so the
-// result is deterministic), then applies the optimizer. Warp 0 loads the row's weights and
-// states before summing its own slice, so that load is off the critical path.
+// Long runs, first pass: one warp per segment of kSegmentLength occurrences (so that the work is
+// cut into equal pieces however skewed the batch is). A run of one segment is summed and updated
+// here; a run of several leaves each segment's sum in `partial` for backward_finish_kernel.
 template <class Opt, typename W, int kVecs>
-__global__ void __launch_bounds__(block_kernel_warps<kVecs>() * kWarpSize) backward_block_kernel(BackwardArgs a, Runs r, Occurrences o, typename Opt::Params p,
-                                                              RowUpdateContext ctx, W* weights) {
-  if (a.error[0] != kErrNone) return;
-  extern __shared__ float partial[];  // [warps][kVecs * 128]
+__global__ void __launch_bounds__(256) backward_segment_kernel(BackwardArgs a, Runs r, Occurrences o, typename Opt::Params p,
+                                                               RowUpdateContext ctx, W* weights, float* partial) {
+  if (update_blocked(a)) return;
   constexpr int kWidth = kVecs * 128;
   const int lane = threadIdx.x % kWarpSize;
-  const int warp = threadIdx.x / kWarpSize;
-  const int warps = blockDim.x / kWarpSize;
-  const int32_t num_long = *r.num_long;
-  for (int32_t k = blockIdx.x; k < num_long; k += gridDim.x) {
-    const int64_t run = r.long_ids[k];
-    const int64_t key = r.keys[run];
-    const int64_t first = r.starts[run];
-    const int32_t len = r.lengths[run];
-    // warp w sums occurrences [w * per_warp, (w + 1) * per_warp) of the run; `used` warps have any
-    const int32_t per_warp = (len + warps - 1) / warps;
-    const int used = int((len + per_warp - 1) / per_warp);
-    const int32_t lo = warp < used ? warp * per_warp : len;
-    const int32_t hi = lo + per_warp < len ? lo + per_warp : len;
+  const int64_t warps = int64_t(gridDim.x) * blockDim.x / kWarpSize;
+  const int32_t num_runs = r.counts[0];
+  const int32_t num_long = r.counts[1];
+  if (num_long == 0) return;
+  const int32_t total = r.segments[num_long].x;
+  for (int64_t s = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / kWarpSize; s < total; s += warps) {
+    // the long run owning segment s: the last k with segments[k].x <= s
+    int32_t lo = 0, hi = num_long - 1;
+    while (lo < hi) {
+      const int32_t mid = (lo + hi + 1) >> 1;
+      if (r.segments[mid].x <= s) lo = mid; else hi = mid - 1;
+    }
+    const LongRun run = long_run(r, lo, num_runs);
+    if (run.key >= r.skipped_key) continue;
+    const int32_t seg = int32_t(s) - run.segments.x;
+    const int32_t begin = seg * kSegmentLength;
+    const int32_t end = begin + kSegmentLength < run.len ? begin + kSegmentLength : run.len;
     OptRow<Opt, kVecs> row;
     row.lane = lane;
     int64_t woff;
-    locate_row(a, o.bag[first], key, &row.D, &woff);
-    if (warp == 0) load_row<Opt, W>(row, p, weights, key, woff);
+    locate_row(a, o.bag[run.first], run.key, &row.D, &woff);
+    if (run.nseg == 1) load_row<Opt, W>(row, p, weights, run.key, woff);
 #pragma unroll
     for (int i = 0; i < row.kN; ++i) row.g_[i] = 0.0f;
-    for (int32_t base = lo; base < hi; base += kWarpSize) {
-      const int n = hi - base < kWarpSize ? int(hi - base) : kWarpSize;
-      add_chunk<kVecs>(a, o, row.D, lane, first + base, n, row.g_);
+    for (int32_t base = begin; base < end; base += kWarpSize) {
+      const int n = end - base < kWarpSize ? int(end - base) : kWarpSize;
+      add_chunk<kVecs>(a, o, row.D, lane, run.first + base, n, row.g_);
     }
-    if (used > 1) {  // (uniform across the block, like every branch around a barrier here)
-      if (warp > 0 && warp < used) {
+    if (run.nseg == 1) {
+      update_and_store<Opt, W>(row, p, ctx, weights, run.key, woff);
+    } else {
+      float* out = partial + int64_t(run.segments.y + seg) * kWidth;
 #pragma unroll
-        for (int v = 0; v < kVecs; ++v)
-#pragma unroll
-          for (int c = 0; c < 4; ++c) partial[warp * kWidth + v * 128 + 4 * lane + c] = row.g_[v * 4 + c];
-      }
-      __syncthreads();
-      if (warp == 0) {
-        for (int other = 1; other < used; ++other) {
-#pragma unroll
-          for (int v = 0; v < kVecs; ++v)
-#pragma unroll
-            for (int c = 0; c < 4; ++c) row.g_[v * 4 + c] += partial[other * kWidth + v * 128 + 4 * lane + c];
-        }
-      }
+      for (int v = 0; v < kVecs; ++v) store4(out + v * 128 + 4 * lane, &row.g_[v * 4]);
     }
-    if (warp == 0) update_and_store<Opt, W>(row, p, ctx, weights, key, woff);
-    __syncthreads();  // partial[] is reused by the next run
   }
 }
 
-// Predicate of the long-run selection: run i exists and has at least the threshold occurrences.
-struct IsLongRun {
-  const int32_t* lengths;
-  const int32_t* num_runs;
-  int32_t threshold;
-  __device__ __forceinline__ bool operator()(int32_t i) const { return i < *num_runs && lengths[i] >= threshold; }
-};
+// Long runs, second pass: one warp per run of several segments adds their partial sums in
+// segment order and updates the row.
+template <class Opt, typename W, int kVecs>
+__global__ void __launch_bounds__(256) backward_finish_kernel(BackwardArgs a, Runs r, Occurrences o, typename Opt::Params p,
+                                                              RowUpdateContext ctx, W* weights, const float* partial) {
+  if (update_blocked(a)) return;
+  constexpr int kWidth = kVecs * 128;
+  const int lane = threadIdx.x % kWarpSize;
+  const int64_t warps = int64_t(gridDim.x) * blockDim.x / kWarpSize;
+  const int32_t num_runs = r.counts[0];
+  const int32_t num_long = r.counts[1];
+  for (int64_t k = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / kWarpSize; k < num_long; k += warps) {
+    const LongRun run = long_run(r, int32_t(k), num_runs);
+    if (run.nseg <= 1 || run.key >= r.skipped_key) continue;
+    OptRow<Opt, kVecs> row;
+    row.lane = lane;
+    int64_t woff;
+    locate_row(a, o.bag[run.first], run.key, &row.D, &woff);
+    load_row<Opt, W>(row, p, weights, run.key, woff);
+#pragma unroll
+    for (int i = 0; i < row.kN; ++i) row.g_[i] = 0.0f;
+    const float* in = partial + int64_t(run.segments.y) * kWidth;
+#pragma unroll 4
+    for (int32_t j = 0; j < run.nseg; ++j) {
+#pragma unroll
+      for (int v = 0; v < kVecs; ++v) {
+        float x[4];
+        load4(in + int64_t(j) * kWidth + v * 128 + 4 * lane, x);
+#pragma unroll
+        for (int c = 0; c < 4; ++c) row.g_[v * 4 + c] += x[c];
+      }
+    }
+    update_and_store<Opt, W>(row, p, ctx, weights, run.key, woff);
+  }
+}
 
 }  // namespace cuda
 }  // namespace tbegen

@@ -31,16 +31,28 @@ inline const float* optional_data(const c10::optional<at::Tensor>& t) {
   return t.has_value() ? t->data_ptr<float>() : nullptr;
 }
 
+inline int64_t* record_data(const c10::optional<at::Tensor>& record) {
+  return record.has_value() ? record->data_ptr<int64_t>() : nullptr;
+}
+
+// The message of an error record (see host.h), for callers that keep their own record.
+inline std::string describe_error(const at::Tensor& record, bool with_index_errors) {
+  return describe_error_record(record, with_index_errors);
+}
+
 inline at::Tensor forward_cpu(const at::Tensor& weights, const at::Tensor& features, int64_t total_D,
                               int64_t max_D, const at::Tensor& indices, const at::Tensor& offsets,
-                              const c10::optional<at::Tensor>& per_sample_weights, int64_t pooling) {
+                              const c10::optional<at::Tensor>& per_sample_weights, int64_t pooling,
+                              const c10::optional<at::Tensor>& error_record, bool skip_bad_indices) {
   const Batch b = check_batch(weights, features, total_D, max_D, indices, offsets, per_sample_weights, pooling);
+  check_error_record(error_record, weights);
   at::Tensor out = pooling == kPoolNone ? at::empty({b.N, b.max_D}, weights.options().dtype(at::kFloat))
                                         : at::empty({b.B, b.total_D}, weights.options().dtype(at::kFloat));
   dispatch_types(weights, indices, [&](auto w, auto i) {
     using W = decltype(w);
     using I = decltype(i);
-    check_indices_host<I>(b, features.data_ptr<int64_t>(), indices.data_ptr<I>(), offsets.data_ptr<I>());
+    check_indices_host<I>(b, features.data_ptr<int64_t>(), indices.data_ptr<I>(), offsets.data_ptr<I>(),
+                          skip_bad_indices, record_data(error_record));
     forward<W, I>(b, features.data_ptr<int64_t>(), weights.data_ptr<W>(), indices.data_ptr<I>(),
                   offsets.data_ptr<I>(), optional_data(per_sample_weights), out.data_ptr<float>());
   });
@@ -50,14 +62,17 @@ inline at::Tensor forward_cpu(const at::Tensor& weights, const at::Tensor& featu
 inline at::Tensor grad_per_sample_weights_cpu(const at::Tensor& grad_output, const at::Tensor& weights,
                                               const at::Tensor& features, int64_t total_D, int64_t max_D,
                                               const at::Tensor& indices, const at::Tensor& offsets,
-                                              int64_t pooling) {
+                                              int64_t pooling, const c10::optional<at::Tensor>& error_record,
+                                              bool skip_bad_indices) {
   const Batch b = check_batch(weights, features, total_D, max_D, indices, offsets, c10::nullopt, pooling);
   check_grad_output(b, grad_output, weights);
+  check_error_record(error_record, weights);
   at::Tensor grad = at::empty({b.N}, weights.options().dtype(at::kFloat));
   dispatch_types(weights, indices, [&](auto w, auto i) {
     using W = decltype(w);
     using I = decltype(i);
-    check_indices_host<I>(b, features.data_ptr<int64_t>(), indices.data_ptr<I>(), offsets.data_ptr<I>());
+    check_indices_host<I>(b, features.data_ptr<int64_t>(), indices.data_ptr<I>(), offsets.data_ptr<I>(),
+                          skip_bad_indices, record_data(error_record));
     grad_per_sample_weights<W, I>(b, features.data_ptr<int64_t>(), grad_output.data_ptr<float>(),
                                   weights.data_ptr<W>(), indices.data_ptr<I>(), offsets.data_ptr<I>(),
                                   grad.data_ptr<float>());
@@ -69,9 +84,17 @@ template <class Opt>
 void backward_cpu(const at::Tensor& grad_output, const at::Tensor& weights, const at::Tensor& features,
                   int64_t total_D, int64_t max_D, int64_t total_hash_size, const at::Tensor& indices,
                   const at::Tensor& offsets, const c10::optional<at::Tensor>& per_sample_weights,
-                  int64_t pooling, const typename Opt::Params& params, const RowUpdateContext& ctx) {
+                  int64_t pooling, const typename Opt::Params& params, const RowUpdateContext& ctx,
+                  const c10::optional<at::Tensor>& error_record, bool skip_bad_indices, bool check_finite) {
   const Batch b = check_batch(weights, features, total_D, max_D, indices, offsets, per_sample_weights, pooling);
   check_grad_output(b, grad_output, weights);
+  check_error_record(error_record, weights);
+  if (check_finite) {
+    if (per_sample_weights.has_value()) {
+      check_finite_host(per_sample_weights->data_ptr<float>(), b.N, kErrNonFinitePerSampleWeight);
+    }
+    check_finite_host(grad_output.data_ptr<float>(), grad_output.numel(), kErrNonFiniteGradient);
+  }
   const int64_t* feat = features.data_ptr<int64_t>();
   for (int64_t f = 0; f < b.F; ++f) {
     const int64_t* ft = feat + f * kFeatColumns;
@@ -82,7 +105,8 @@ void backward_cpu(const at::Tensor& grad_output, const at::Tensor& weights, cons
     using W = decltype(w);
     using I = decltype(i);
     // All checks happen before the first write: bad input leaves weights and states untouched.
-    check_indices_host<I>(b, feat, indices.data_ptr<I>(), offsets.data_ptr<I>());
+    check_indices_host<I>(b, feat, indices.data_ptr<I>(), offsets.data_ptr<I>(), skip_bad_indices,
+                          record_data(error_record));
     backward<Opt, W, I>(b, feat, total_hash_size, grad_output.data_ptr<float>(), weights.data_ptr<W>(),
                         indices.data_ptr<I>(), offsets.data_ptr<I>(), optional_data(per_sample_weights),
                         params, ctx);

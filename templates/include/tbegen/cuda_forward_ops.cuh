@@ -10,13 +10,16 @@ namespace cuda {
 
 inline at::Tensor forward_cuda(const at::Tensor& weights, const at::Tensor& features, int64_t total_D,
                                int64_t max_D, const at::Tensor& indices, const at::Tensor& offsets,
-                               const c10::optional<at::Tensor>& per_sample_weights, int64_t pooling) {
+                               const c10::optional<at::Tensor>& per_sample_weights, int64_t pooling,
+                               const c10::optional<at::Tensor>& error_record, bool skip_bad_indices) {
   const Batch b = check_batch(weights, features, total_D, max_D, indices, offsets, per_sample_weights, pooling);
   const c10::cuda::CUDAGuard guard(weights.device());
-  at::Tensor out = pooling == kPoolNone ? at::empty({b.N, b.max_D}, weights.options().dtype(at::kFloat))
-                                        : at::zeros({b.B, b.total_D}, weights.options().dtype(at::kFloat));
-  if (pooling == kPoolNone && b.N > 0) out.zero_();
-  const at::Tensor error = new_error_record(weights);
+  check_error_record(error_record, weights);
+  // Sum/mean: the kernel writes every bag's columns (zeros for a bag with bad offsets); pooling
+  // none leaves the row of a bad index or bag zero.
+  at::Tensor out = pooling == kPoolNone ? at::zeros({b.N, b.max_D}, weights.options().dtype(at::kFloat))
+                                        : at::empty({b.B, b.total_D}, weights.options().dtype(at::kFloat));
+  const at::Tensor error = error_record_for(error_record, weights);
   const ForwardArgs a = forward_args(b, features, weights, per_sample_weights, out.data_ptr<float>(), error);
   const auto stream = at::cuda::getCurrentCUDAStream();
   if (b.F * b.B > 0) {
@@ -32,19 +35,21 @@ inline at::Tensor forward_cuda(const at::Tensor& weights, const at::Tensor& feat
       });
     });
   }
-  raise_kernel_error(error);
+  if (!error_record.has_value()) raise_kernel_error(error, !skip_bad_indices);
   return out;
 }
 
 inline at::Tensor grad_per_sample_weights_cuda(const at::Tensor& grad_output, const at::Tensor& weights,
                                                const at::Tensor& features, int64_t total_D, int64_t max_D,
                                                const at::Tensor& indices, const at::Tensor& offsets,
-                                               int64_t pooling) {
+                                               int64_t pooling, const c10::optional<at::Tensor>& error_record,
+                                               bool skip_bad_indices) {
   const Batch b = check_batch(weights, features, total_D, max_D, indices, offsets, c10::nullopt, pooling);
   const c10::cuda::CUDAGuard guard(weights.device());
   check_grad_output(b, grad_output, weights);
+  check_error_record(error_record, weights);
   at::Tensor grad = at::zeros({b.N}, weights.options().dtype(at::kFloat));
-  const at::Tensor error = new_error_record(weights);
+  const at::Tensor error = error_record_for(error_record, weights);
   const ForwardArgs a = forward_args(b, features, weights, c10::nullopt, nullptr, error);
   const auto stream = at::cuda::getCurrentCUDAStream();
   if (b.F * b.B > 0) {
@@ -61,7 +66,7 @@ inline at::Tensor grad_per_sample_weights_cuda(const at::Tensor& grad_output, co
       });
     });
   }
-  raise_kernel_error(error);
+  if (!error_record.has_value()) raise_kernel_error(error, !skip_bad_indices);
   return grad;
 }
 

@@ -10,6 +10,7 @@
 #include <cub/cub.cuh>
 #include <thrust/iterator/counting_iterator.h>
 
+#include "tbegen/cuda_backward_prep.cuh"
 #include "tbegen/cuda_kernels.cuh"
 #include "tbegen/host.h"
 
@@ -81,8 +82,10 @@ inline ForwardArgs forward_args(const Batch& b, const at::Tensor& features, cons
   return a;
 }
 
-inline at::Tensor new_error_record(const at::Tensor& like) {
-  return at::zeros({3}, like.options().dtype(at::kLong));
+// The error record a call writes to: the caller's, or a fresh one that the call reads back itself
+// before returning (raising what it says).
+inline at::Tensor error_record_for(const c10::optional<at::Tensor>& given, const at::Tensor& like) {
+  return given.has_value() ? *given : at::zeros({kErrRecordSize}, like.options().dtype(at::kLong));
 }
 
 // Runs a CUB algorithm twice: once to size its scratch space, once with scratch from torch's
@@ -95,88 +98,31 @@ void run_cub(const at::Tensor& like, Algorithm&& algorithm) {
   TBEGEN_CUDA_CHECK(algorithm(scratch.data_ptr(), bytes));
 }
 
-// The backward pass with the optimizer `Opt` fused in (docs/algorithm.md):
-// linearise -> radix sort on the key bits -> run-length encode -> update each unique row once,
-// by a warp (short runs) or a whole block (runs of at least max_segment_length_per_warp).
+// The backward pass with the optimizer `Opt` fused in (docs/algorithm.md): prepare_backward sorts
+// and segments the batch, then the update kernels sum each unique row's gradient and update it
+// once: one warp per short run, and for long runs (hot rows) one warp per segment followed by one
+// warp per run of several segments. Nothing here waits for the GPU when the caller passes an
+// error record.
 template <class Opt>
 void backward_cuda(const at::Tensor& grad_output, const at::Tensor& weights, const at::Tensor& features,
                    int64_t total_D, int64_t max_D, int64_t total_hash_size, const at::Tensor& indices,
                    const at::Tensor& offsets, const c10::optional<at::Tensor>& per_sample_weights,
                    int64_t pooling, int64_t max_segment_length_per_warp, const typename Opt::Params& params,
-                   const RowUpdateContext& ctx) {
+                   const RowUpdateContext& ctx, const c10::optional<at::Tensor>& error_record, bool skip_bad_indices,
+                   bool check_finite) {
   const Batch b = check_batch(weights, features, total_D, max_D, indices, offsets, per_sample_weights, pooling);
   const c10::cuda::CUDAGuard guard(weights.device());
   check_grad_output(b, grad_output, weights);
+  check_error_record(error_record, weights);
   TBEGEN_CHECK(total_hash_size >= 1, "tbegen: total_hash_size must be positive, got ", total_hash_size);
   TBEGEN_CHECK(max_segment_length_per_warp >= 1, "tbegen: max_segment_length_per_warp must be >= 1");
   if (b.N == 0) return;
   const auto stream = at::cuda::getCurrentCUDAStream();
-  const auto opts = weights.options();
-  const int n = int(b.N);
-  const at::Tensor error = new_error_record(weights);
+  const at::Tensor error = error_record_for(error_record, weights);
 
-  // 1. linearise
-  at::Tensor keys = at::empty({b.N}, opts.dtype(at::kLong));
-  at::Tensor positions = at::empty({b.N}, opts.dtype(at::kInt));
-  at::Tensor bag_of = at::empty({b.N}, opts.dtype(at::kInt));
-  const bool scaled = b.weighted || pooling == kPoolMean;
-  at::Tensor scale_of = scaled ? at::empty({b.N}, opts.dtype(at::kFloat)) : at::Tensor();
-  const ForwardArgs fa = forward_args(b, features, weights, per_sample_weights, nullptr, error);
-  dispatch_index(indices, [&](auto i) {
-    using I = decltype(i);
-    linearize_kernel<I><<<grid_for(b.F * b.B), kThreads, 0, stream>>>(
-        fa, indices.data_ptr<I>(), offsets.data_ptr<I>(), total_hash_size, keys.data_ptr<int64_t>(),
-        positions.data_ptr<int32_t>(), bag_of.data_ptr<int32_t>(),
-        scaled ? scale_of.data_ptr<float>() : nullptr);
-    TBEGEN_CUDA_CHECK(cudaGetLastError());
-  });
+  const PreparedBackward prep = prepare_backward(b, grad_output, weights, features, total_hash_size, indices, offsets,
+                                                 per_sample_weights, max_segment_length_per_warp, error, check_finite);
 
-  // 2. sort (key, position) pairs on the bits a key can use; the sort is stable, so occurrences
-  //    of a row stay in index order and the gradient sums are deterministic
-  at::Tensor sorted_keys = at::empty_like(keys);
-  at::Tensor sorted_positions = at::empty_like(positions);
-  const int end_bit = bits_for(total_hash_size);
-  run_cub(weights, [&](void* tmp, size_t& bytes) {
-    return cub::DeviceRadixSort::SortPairs(tmp, bytes, keys.data_ptr<int64_t>(), sorted_keys.data_ptr<int64_t>(),
-                                           positions.data_ptr<int32_t>(), sorted_positions.data_ptr<int32_t>(),
-                                           n, 0, end_bit, stream);
-  });
-
-  // 3. run-length encode: one run per unique row
-  at::Tensor unique_keys = at::empty_like(keys);
-  at::Tensor lengths = at::zeros({b.N}, opts.dtype(at::kInt));
-  at::Tensor starts = at::empty({b.N}, opts.dtype(at::kInt));
-  at::Tensor counters = at::zeros({2}, opts.dtype(at::kInt));  // [num_runs, num_long]
-  int32_t* num_runs = counters.data_ptr<int32_t>();
-  int32_t* num_long = num_runs + 1;
-  run_cub(weights, [&](void* tmp, size_t& bytes) {
-    return cub::DeviceRunLengthEncode::Encode(tmp, bytes, sorted_keys.data_ptr<int64_t>(),
-                                              unique_keys.data_ptr<int64_t>(), lengths.data_ptr<int32_t>(),
-                                              num_runs, n, stream);
-  });
-  run_cub(weights, [&](void* tmp, size_t& bytes) {
-    return cub::DeviceScan::ExclusiveSum(tmp, bytes, lengths.data_ptr<int32_t>(), starts.data_ptr<int32_t>(), n,
-                                         stream);
-  });
-  // hot rows go to the block kernel
-  const int32_t threshold = int32_t(std::min<int64_t>(max_segment_length_per_warp, INT32_MAX));
-  at::Tensor long_ids = at::empty({b.N}, opts.dtype(at::kInt));
-  const IsLongRun is_long{lengths.data_ptr<int32_t>(), num_runs, threshold};
-  run_cub(weights, [&](void* tmp, size_t& bytes) {
-    return cub::DeviceSelect::If(tmp, bytes, thrust::counting_iterator<int32_t>(0), long_ids.data_ptr<int32_t>(),
-                                 num_long, n, is_long, stream);
-  });
-
-  // 3b. each occurrence's bag and scale, in sorted order
-  at::Tensor sorted_bag = at::empty({b.N}, opts.dtype(at::kInt));
-  at::Tensor sorted_scale = scaled ? at::empty({b.N}, opts.dtype(at::kFloat)) : at::Tensor();
-  gather_occurrences_kernel<<<grid_for(b.N / kWarpSize + 1), kThreads, 0, stream>>>(
-      b.N, sorted_positions.data_ptr<int32_t>(), bag_of.data_ptr<int32_t>(),
-      scaled ? scale_of.data_ptr<float>() : nullptr, sorted_bag.data_ptr<int32_t>(),
-      scaled ? sorted_scale.data_ptr<float>() : nullptr);
-  TBEGEN_CUDA_CHECK(cudaGetLastError());
-
-  // 4. sum each unique row's gradient and update it
   BackwardArgs a;
   a.feat = features.data_ptr<int64_t>();
   a.B = b.B;
@@ -185,23 +131,12 @@ void backward_cuda(const at::Tensor& grad_output, const at::Tensor& weights, con
   a.pooling = pooling;
   a.grad_output = grad_output.data_ptr<float>();
   a.error = error.data_ptr<int64_t>();
-  Runs r;
-  r.keys = unique_keys.data_ptr<int64_t>();
-  r.starts = starts.data_ptr<int32_t>();
-  r.lengths = lengths.data_ptr<int32_t>();
-  r.num_runs = num_runs;
-  r.long_ids = long_ids.data_ptr<int32_t>();
-  r.num_long = num_long;
-  r.max_segment_length_per_warp = threshold;
-  Occurrences o;
-  o.position = sorted_positions.data_ptr<int32_t>();
-  o.bag = sorted_bag.data_ptr<int32_t>();
-  o.scale = scaled ? sorted_scale.data_ptr<float>() : nullptr;
+  a.skip_bad_indices = skip_bad_indices;
 
-  // The two update kernels touch disjoint rows, so they run concurrently: the hot rows' block
-  // kernel on a side stream, forked after step 3b and joined back before anything else runs on
-  // the caller's stream (so neither kernel's tail waits for the other, and the scratch tensors
-  // freed at the end of this function are not reused before both are done).
+  // The long runs' kernels run on a side stream, concurrently with the short runs' kernel (they
+  // touch disjoint rows), forked here and joined back before anything else runs on the caller's
+  // stream (so neither kernel's tail waits for the other, and the scratch tensors freed at the end
+  // of this function are not reused before both are done).
   const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
   const at::cuda::CUDAStream side = at::cuda::getStreamFromPool(false, weights.device().index());
   at::cuda::CUDAEvent forked, joined;
@@ -212,18 +147,24 @@ void backward_cuda(const at::Tensor& grad_output, const at::Tensor& weights, con
     W* wptr = weights.data_ptr<W>();
     dispatch_vecs(b.max_D, [&](auto vecs) {
       constexpr int kVecs = decltype(vecs)::value;
-      constexpr int kBlockThreads = block_kernel_warps<kVecs>() * kWarpSize;
-      const int long_blocks = int(std::min<int64_t>(b.N / threshold + 1, int64_t(sms) * 4));
-      const size_t smem = size_t(kBlockThreads / kWarpSize) * kVecs * 128 * sizeof(float);
-      backward_block_kernel<Opt, W, kVecs><<<long_blocks, kBlockThreads, smem, side.stream()>>>(a, r, o, params, ctx, wptr);
+      at::Tensor partial = at::empty({std::max<int64_t>(prep.max_partials, 1) * kVecs * 128}, weights.options().dtype(at::kFloat));
+      // (grids sized by bounds: the real counts are on the device, and idle warps exit at once)
+      const int segment_blocks = int(std::min<int64_t>(prep.max_segments / (kThreads / kWarpSize) + 1, int64_t(sms) * 8));
+      backward_segment_kernel<Opt, W, kVecs><<<segment_blocks, kThreads, 0, side.stream()>>>(
+          a, prep.runs, prep.occurrences, params, ctx, wptr, partial.data_ptr<float>());
       TBEGEN_CUDA_CHECK(cudaGetLastError());
-      backward_warp_kernel<Opt, W, kVecs><<<grid_for(b.N / kWarpSize + 1), kThreads, 0, stream>>>(a, r, o, params, ctx, wptr);
+      const int finish_blocks = int(std::min<int64_t>(prep.max_long_runs / (kThreads / kWarpSize) + 1, int64_t(sms) * 4));
+      backward_finish_kernel<Opt, W, kVecs><<<finish_blocks, kThreads, 0, side.stream()>>>(
+          a, prep.runs, prep.occurrences, params, ctx, wptr, partial.data_ptr<float>());
       TBEGEN_CUDA_CHECK(cudaGetLastError());
+      backward_warp_kernel<Opt, W, kVecs><<<grid_for(b.N / kWarpSize + 1), kThreads, 0, stream>>>(
+          a, prep.runs, prep.occurrences, params, ctx, wptr);
+      TBEGEN_CUDA_CHECK(cudaGetLastError());
+      joined.record(side);
+      joined.block(stream);
     });
   });
-  joined.record(side);
-  joined.block(stream);
-  raise_kernel_error(error);
+  if (!error_record.has_value()) raise_kernel_error(error, !skip_bad_indices);
 }
 
 }  // namespace cuda

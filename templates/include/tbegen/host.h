@@ -10,6 +10,7 @@
 #include <c10/util/Exception.h>
 #include <c10/util/Optional.h>
 
+#include <cmath>
 #include <string>
 #include <type_traits>
 
@@ -156,9 +157,12 @@ inline void check_grad_output(const Batch& b, const at::Tensor& grad_output, con
               "tbegen: grad_output must have shape [", rows, ", ", cols, "], got ", grad_output.sizes());
 }
 
-// Checks index ranges and offsets on the host (CPU tensors only).
+// Checks index ranges and offsets on the host (CPU tensors only). Malformed offsets always raise;
+// an out-of-range index raises unless `skip_bad_indices`, when the first one is written to
+// `record` (if given) and the kernels skip every bad index.
 template <typename I>
-void check_indices_host(const Batch& b, const int64_t* feat, const I* indices, const I* offsets) {
+void check_indices_host(const Batch& b, const int64_t* feat, const I* indices, const I* offsets,
+                        bool skip_bad_indices = false, int64_t* record = nullptr) {
   TBEGEN_CHECK(offsets[0] == 0, "tbegen: offsets[0] must be 0, got ", int64_t(offsets[0]));
   const int64_t nbags = b.F * b.B;
   TBEGEN_CHECK(int64_t(offsets[nbags]) == b.N, "tbegen: offsets[-1] must equal the number of "
@@ -171,29 +175,77 @@ void check_indices_host(const Batch& b, const int64_t* feat, const I* indices, c
     const int64_t rows = feat[f * kFeatColumns + kFeatRows];
     for (int64_t i = start; i < end; ++i) {
       const int64_t idx = indices[i];
-      TBEGEN_CHECK(idx >= 0 && idx < rows, "tbegen: indices[", i, "] = ", idx,
+      if (C10_LIKELY(idx >= 0 && idx < rows)) continue;
+      TBEGEN_CHECK(skip_bad_indices, "tbegen: indices[", i, "] = ", idx,
                   " is out of range for feature ", f, ", whose table has ", rows, " rows");
+      if (record != nullptr && record[kErrIndexSlot] == kErrNone) {
+        record[kErrIndexSlot] = kErrIndexOutOfRange;
+        record[kErrIndexSlot + 1] = i;
+        record[kErrIndexSlot + 2] = idx;
+      }
     }
   }
 }
 
-// Turns the error record a CUDA kernel left ([code, position, value], int64) into an exception.
-inline void raise_kernel_error(const at::Tensor& error_record) {
-  const at::Tensor rec = error_record.to(at::kCPU);  // synchronises with the kernels before it
-  const int64_t* r = rec.data_ptr<int64_t>();
+// ---- error records ------------------------------------------------------------------------------
+
+// What one slot of an error record ([code, position, value] at `r`) says, or "" when it is empty.
+inline std::string describe_error_slot(const int64_t* r) {
   switch (r[0]) {
     case kErrNone:
-      return;
+      return "";
     case kErrIndexOutOfRange:
-      TBEGEN_CHECK(false, "tbegen: indices[", r[1], "] = ", r[2],
-                  " is out of range for its table (nothing was updated)");
+      return message("tbegen: indices[", r[1], "] = ", r[2], " is out of range for its table");
     case kErrRowOutsideWeights:
-      TBEGEN_CHECK(false, "tbegen: the features table places row ", r[2],
-                  " outside the weights buffer, or its offsets are inconsistent (bag ", r[1],
-                  "; nothing was updated)");
+      return message("tbegen: the features table places row ", r[2], " (indices[", r[1],
+                     "]) outside the weights buffer, or its offsets are inconsistent");
+    case kErrBadOffsets:
+      return message("tbegen: malformed offsets (offsets must start at 0, be non-decreasing and end at "
+                     "the number of indices); first bad bag ", r[1]);
+    case kErrNonFinitePerSampleWeight:
+      return message("tbegen: per_sample_weights[", r[1], "] is not finite (NaN or Inf)");
+    case kErrNonFiniteGradient:
+      return message("tbegen: the gradient of the output is not finite (NaN or Inf) at flat position ", r[1]);
     default:
-      TBEGEN_CHECK(false, "tbegen: malformed offsets (offsets must start at 0, be non-decreasing "
-                  "and end at the number of indices); first bad bag ", r[1]);
+      return message("tbegen: unknown error code ", r[0], " in the error record");
+  }
+}
+
+// The message of an error record (a CPU int64 tensor of kErrRecordSize entries): its fatal error
+// if it has one, else its bad index (only when `with_index_errors`), else "".
+inline std::string describe_error_record(const at::Tensor& record, bool with_index_errors) {
+  TBEGEN_CHECK(record.is_cpu() && record.scalar_type() == at::kLong && record.numel() == kErrRecordSize &&
+                  record.is_contiguous(),
+              "tbegen: an error record is a contiguous int64 CPU tensor of ", int64_t(kErrRecordSize), " entries");
+  const int64_t* r = record.data_ptr<int64_t>();
+  std::string fatal = describe_error_slot(r + kErrFatalSlot);
+  if (!fatal.empty()) return fatal;
+  return with_index_errors ? describe_error_slot(r + kErrIndexSlot) : std::string();
+}
+
+// Turns the error record CUDA kernels left into an exception, waiting for them (the operators
+// do this only when the caller passed no record of its own to read later).
+inline void raise_kernel_error(const at::Tensor& error_record, bool with_index_errors) {
+  const std::string what = describe_error_record(error_record.to(at::kCPU), with_index_errors);
+  TBEGEN_CHECK(what.empty(), what, " (nothing was updated)");
+}
+
+// Checks an error record passed in by the caller (the module keeps one per device).
+inline void check_error_record(const c10::optional<at::Tensor>& record, const at::Tensor& weights) {
+  if (!record.has_value()) return;
+  TBEGEN_CHECK(record->scalar_type() == at::kLong && record->numel() == kErrRecordSize &&
+                  record->is_contiguous() && record->device() == weights.device(),
+              "tbegen: error_record must be a contiguous int64 tensor of ", int64_t(kErrRecordSize),
+              " entries on the weights' device");
+}
+
+// Non-finite values raise before anything is written (CPU tensors: checked on the host).
+inline void check_finite_host(const float* x, int64_t n, int code) {
+  for (int64_t i = 0; i < n; ++i) {
+    if (C10_UNLIKELY(!std::isfinite(x[i]))) {
+      const int64_t r[3] = {code, i, 0};
+      fail(describe_error_slot(r) + " (nothing was updated)");
+    }
   }
 }
 

@@ -1,0 +1,40 @@
+// tbegen runtime: the optimizer-independent first half of the CUDA backward (docs/algorithm.md):
+// linearise the batch into (key, value) pairs, sort them, find the runs (one per unique row) and
+// the long runs, and cut the long runs into segments. The second half, the optimizer's update
+// kernels, is launched by backward_cuda (cuda_ops.cuh) over what this returns.
+//
+// prepare_backward is compiled once per extension, in forward_cuda.cu with the forward (it does
+// not depend on the optimizer); ops_cuda.cu only calls it.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include "tbegen/cuda_kernels.cuh"
+#include "tbegen/host.h"
+
+namespace tbegen {
+namespace cuda {
+
+// Everything the update kernels read, on the device, in the caller's stream order.
+struct PreparedBackward {
+  Runs runs;
+  Occurrences occurrences;
+  int64_t max_long_runs = 0;  // bounds, for the launch sizes: long runs,
+  int64_t max_segments = 0;   // segments of long runs,
+  int64_t max_partials = 0;   // and partial sums of runs of several segments
+  // the storage behind the pointers above (freed when this goes)
+  std::vector<at::Tensor> storage;
+};
+
+// Linearises, sorts and segments the batch on the current stream; errors go to `error` (a
+// kErrRecordSize int64 device tensor). With check_finite, NaN/Inf in grad_output or the
+// per-sample weights is recorded as a fatal error (that check runs on a side stream, joined
+// before this returns).
+__attribute__((visibility("hidden"))) PreparedBackward prepare_backward(
+    const Batch& b, const at::Tensor& grad_output, const at::Tensor& weights, const at::Tensor& features,
+    int64_t total_hash_size, const at::Tensor& indices, const at::Tensor& offsets,
+    const c10::optional<at::Tensor>& per_sample_weights, int64_t max_segment_length_per_warp,
+    const at::Tensor& error, bool check_finite);
+
+}  // namespace cuda
+}  // namespace tbegen

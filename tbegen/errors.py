@@ -1,0 +1,102 @@
+"""How the module learns of bad input without stopping the GPU.
+
+Every operator call of a module writes into one small error record on the module's device
+(int64 [6]: the first out-of-range index, and the first fatal error: malformed offsets, NaN/Inf in
+the per-sample weights or the output gradient; templates/include/tbegen/host.h). The kernels read
+the record before they write anything: a fatal error, or in bounds-check mode "raise" any bad
+index, blocks every update from then on, so nothing is corrupted while the host has not looked.
+
+On the CPU the operators raise at once (checking there costs nothing extra). On CUDA, reading the
+record would wait for the GPU, which would cost every training step its host/GPU overlap; instead,
+after each call the record is copied to pinned host memory behind an event, and the module looks
+at that copy at its next call (or when `check_errors()` is called, which waits). So a bad batch on
+CUDA raises at the latest at the module's next call, and no weights or states change in between.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import torch
+
+# What the module does with an out-of-range index (fatal errors always raise).
+BOUNDS_CHECK_MODES = {
+    "raise": "raise an error; nothing is updated by the batch (on CUDA: at the latest at the next call)",
+    "warn": "skip the bad index (it contributes nothing and updates nothing) and warn",
+    "off": "skip the bad index silently",
+}
+
+RECORD_SIZE = 6  # kErrRecordSize in common.h
+
+
+class ErrorRecord:
+    """The error record of one module on one device, and its host mirror."""
+
+    def __init__(self, device: torch.device, ops: Any, mode: str):
+        if mode not in BOUNDS_CHECK_MODES:
+            raise ValueError(
+                f"tbegen: bounds_check_mode must be one of {sorted(BOUNDS_CHECK_MODES)}, got {mode!r} "
+                f"({'; '.join(f'{k}: {v}' for k, v in BOUNDS_CHECK_MODES.items())})"
+            )
+        self.mode = mode
+        self._ops = ops
+        self.device = device
+        self.record = torch.zeros(RECORD_SIZE, dtype=torch.int64, device=device)
+        self._cuda = device.type == "cuda"
+        if self._cuda:
+            self._host = torch.zeros(RECORD_SIZE, dtype=torch.int64, pin_memory=True)
+            self._copied = torch.cuda.Event()
+            self._pending = False
+
+    @property
+    def skip_bad_indices(self) -> bool:
+        return self.mode != "raise"
+
+    def __deepcopy__(self, memo) -> "ErrorRecord":
+        # (a copied module starts with a clean record of its own)
+        return ErrorRecord(self.record.device, self._ops, self.mode)
+
+    def after_call(self) -> None:
+        """Called after every operator call: on CUDA start copying the record to the host; on the
+        CPU report at once (a call there has already raised any error but a skipped index)."""
+        if self._cuda:
+            self._host.copy_(self.record, non_blocking=True)
+            self._copied.record()
+            self._pending = True
+        else:
+            self.poll()
+
+    def poll(self) -> None:
+        """Raises (or warns about) what an earlier call recorded, if the host copy is ready. Never waits."""
+        if self._cuda:
+            if not self._pending or not self._copied.query():
+                return
+            self._pending = False
+            host = self._host
+        else:
+            host = self.record
+        if host.any():
+            self._report(host.clone())
+
+    def check(self) -> None:
+        """Waits for every call so far and raises (or warns about) what they recorded."""
+        if self._cuda:
+            self.after_call()
+            self._copied.synchronize()
+        self.poll()
+
+    def _report(self, host: torch.Tensor) -> None:
+        fatal = self._ops.describe_error(host, False)
+        index = self._ops.describe_error(host, True) if not fatal else ""
+        # start afresh: the calls that follow are judged on their own
+        self.record.zero_()
+        if self._cuda:
+            self._host.zero_()
+        where = " (recorded on the GPU by an earlier call of this module; no weights or states were updated since)"
+        if fatal:
+            raise RuntimeError(fatal + (where if self._cuda else " (nothing was updated)"))
+        if self.mode == "raise":
+            raise RuntimeError(index + (where if self._cuda else " (nothing was updated)"))
+        if self.mode == "warn":
+            warnings.warn(f"{index}; it was skipped (bounds_check_mode='warn')", RuntimeWarning, stacklevel=4)
