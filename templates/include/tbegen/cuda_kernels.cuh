@@ -148,8 +148,18 @@ __device__ __forceinline__ bool bag_bounds(const I* offsets, int64_t bag, int64_
   return ok;
 }
 
-// One warp per bag. Each lane holds kVecs 4-wide slices of the accumulator; the bag's indices are
-// read 32 at a time, one per lane, and broadcast with shuffles.
+// Lanes that cover a row of D columns in 4-wide slices (a power of two, all 32 from D = 128 up).
+__device__ __forceinline__ int lanes_for_row(int D) {
+  int lanes = 1;
+  while (lanes < kWarpSize && 4 * lanes < D) lanes <<= 1;
+  return lanes;
+}
+
+// One warp per bag. The bag's indices are read 32 at a time, one per lane, and broadcast with
+// shuffles. A row of D >= 128 is spread over the whole warp (each lane holds kVecs 4-wide slices
+// of the accumulator); a narrower row needs only lanes_for_row(D) lanes, so the warp splits into
+// that many-lane groups that each add every (32 / lanes)-th row of the bag, several rows' loads
+// in flight at once, and the groups' sums are added at the end (a fixed order for a given D).
 template <typename W, typename I, int kVecs>
 __global__ void __launch_bounds__(256) forward_kernel(ForwardArgs a, const W* __restrict__ weights,
                                                       const I* __restrict__ indices,
@@ -165,6 +175,10 @@ __global__ void __launch_bounds__(256) forward_kernel(ForwardArgs a, const W* __
     const int64_t* ft = a.feat + f * kFeatColumns;
     const int D = int(ft[kFeatDim]);
     if (!bounds_ok && a.pooling == kPoolNone) continue;
+    const int group_lanes = lanes_for_row(D);
+    const int groups = kWarpSize / group_lanes;
+    const int group = lane / group_lanes;
+    const int d0 = 4 * (lane % group_lanes);  // this lane's first column (groups > 1: its only one)
     float acc[kVecs][4];
 #pragma unroll
     for (int v = 0; v < kVecs; ++v)
@@ -180,13 +194,11 @@ __global__ void __launch_bounds__(256) forward_kernel(ForwardArgs a, const W* __
         my_scale = a.psw ? a.psw[my_i] : 1.0f;
       }
       const int n = end - base < kWarpSize ? int(end - base) : kWarpSize;
-      // unrolled so that several rows' loads are in flight at once
-#pragma unroll 8
-      for (int j = 0; j < n; ++j) {
-        const int64_t off = __shfl_sync(kFullMask, my_off, j);
-        const float s = __shfl_sync(kFullMask, my_scale, j);
-        if (off < 0) continue;
-        if (a.pooling == kPoolNone) {
+      if (a.pooling == kPoolNone) {
+        for (int j = 0; j < n; ++j) {
+          const int64_t off = __shfl_sync(kFullMask, my_off, j);
+          const float s = __shfl_sync(kFullMask, my_scale, j);
+          if (off < 0) continue;
           float* o = a.out + (base + j) * a.max_D;
 #pragma unroll
           for (int v = 0; v < kVecs; ++v) {
@@ -199,7 +211,14 @@ __global__ void __launch_bounds__(256) forward_kernel(ForwardArgs a, const W* __
               store4(o + d, x);
             }
           }
-        } else {
+        }
+      } else if (groups == 1) {
+        // unrolled so that several rows' loads are in flight at once
+#pragma unroll 8
+        for (int j = 0; j < n; ++j) {
+          const int64_t off = __shfl_sync(kFullMask, my_off, j);
+          const float s = __shfl_sync(kFullMask, my_scale, j);
+          if (off < 0) continue;
 #pragma unroll
           for (int v = 0; v < kVecs; ++v) {
             const int d = v * 128 + 4 * lane;
@@ -211,20 +230,47 @@ __global__ void __launch_bounds__(256) forward_kernel(ForwardArgs a, const W* __
             }
           }
         }
+      } else {
+#pragma unroll 4
+        for (int j0 = 0; j0 < n; j0 += groups) {
+          const int j = j0 + group;
+          const int src = j < n ? j : 0;
+          const int64_t off = __shfl_sync(kFullMask, my_off, src);
+          const float s = __shfl_sync(kFullMask, my_scale, src);
+          if (j < n && off >= 0 && d0 < D) {
+            float x[4];
+            load_weights4(weights + off + d0, x);
+#pragma unroll
+            for (int c = 0; c < 4; ++c) acc[0][c] += s * x[c];
+          }
+        }
       }
     }
-    if (a.pooling != kPoolNone) {
-      const float scale = (a.pooling == kPoolMean && end > start) ? 1.0f / float(end - start) : 1.0f;
-      float* o = a.out + b * a.total_D + ft[kFeatOutOffset];
+    if (a.pooling == kPoolNone) continue;
+    // the groups' partial sums, added across the warp (every group ends with the total)
+    for (int o = group_lanes; o < kWarpSize; o <<= 1) {
 #pragma unroll
-      for (int v = 0; v < kVecs; ++v) {
-        const int d = v * 128 + 4 * lane;
-        if (d < D) {
-          float x[4];
+      for (int c = 0; c < 4; ++c) acc[0][c] += __shfl_xor_sync(kFullMask, acc[0][c], o);
+    }
+    const float scale = (a.pooling == kPoolMean && end > start) ? 1.0f / float(end - start) : 1.0f;
+    float* o = a.out + b * a.total_D + ft[kFeatOutOffset];
+    if (groups > 1) {
+      if (group == 0 && d0 < D) {
+        float x[4];
 #pragma unroll
-          for (int c = 0; c < 4; ++c) x[c] = acc[v][c] * scale;
-          store4(o + d, x);
-        }
+        for (int c = 0; c < 4; ++c) x[c] = acc[0][c] * scale;
+        store4(o + d0, x);
+      }
+      continue;
+    }
+#pragma unroll
+    for (int v = 0; v < kVecs; ++v) {
+      const int d = v * 128 + 4 * lane;
+      if (d < D) {
+        float x[4];
+#pragma unroll
+        for (int c = 0; c < 4; ++c) x[c] = acc[v][c] * scale;
+        store4(o + d, x);
       }
     }
   }
