@@ -141,18 +141,30 @@ def test_non_finite_gradient_raises_unless_unchecked(device):
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
-def test_cuda_error_surfaces_at_the_next_call_without_waiting():
+def test_cuda_error_surfaces_at_a_later_call_without_waiting():
     emb = make("cuda")
     before = snapshot(emb)
     ind, off = batch("cuda")
     bad = ind.clone()
     bad[0] = 1000
     out = emb(bad, off)  # returns at once: the GPU has not been waited for
-    out.backward(torch.ones_like(out))
     torch.cuda.synchronize()
+    # the forward's record has reached the host by now: the next call of the module raises
+    # (here the backward, before it launches anything)
     with pytest.raises(RuntimeError, match=r"indices\[0\] = 1000 is out of range.*earlier call"):
-        emb(ind, off)
+        out.backward(torch.ones_like(out))
     assert unchanged(emb, before)
+    # the same without waiting: the error surfaces at the backward or at the latest at check_errors()
+    with pytest.raises(RuntimeError, match="out of range"):
+        out = emb(bad, off)
+        out.backward(torch.ones_like(out))
+        emb.check_errors()
+    assert unchanged(emb, before)
+    # and the module trains again afterwards
+    out = emb(ind, off)
+    out.backward(torch.ones_like(out))
+    emb.check_errors()
+    assert not unchanged(emb, before)
 
 
 def test_bad_bounds_check_mode_is_named():

@@ -57,7 +57,8 @@ static __global__ void __launch_bounds__(256) gather_occurrences_kernel(int64_t 
                                                                         const float* __restrict__ scale_of,
                                                                         int32_t* sorted_bag, float* sorted_scale) {
   for (int64_t j = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; j < n; j += int64_t(gridDim.x) * blockDim.x) {
-    const int32_t pos = sorted_positions[j];
+    // (clamped: after malformed offsets some positions are never written, and nothing is updated)
+    const int32_t pos = min(max(sorted_positions[j], 0), int32_t(n - 1));
     sorted_bag[j] = bag_of[pos];
     if (scale_of) sorted_scale[j] = scale_of[pos];
   }
@@ -75,7 +76,7 @@ void linearize_and_sort(const Batch& b, const ForwardArgs& fa, const at::Tensor&
   at::Tensor scale_of = scaled ? at::empty({b.N}, opts.dtype(at::kFloat)) : at::Tensor();
   dispatch_index(indices, [&](auto i) {
     using I = decltype(i);
-    linearize_kernel<I, K><<<grid_for(b.F * b.B), kThreads, 0, stream>>>(
+    linearize_kernel<I, K><<<grid_for(b.F * b.B / kWarpSize + 1), kThreads, 0, stream>>>(
         fa, indices.data_ptr<I>(), offsets.data_ptr<I>(), total_hash_size, check_finite,
         reinterpret_cast<K*>(keys.data_ptr()), values.data_ptr<int32_t>(),
         values_are_bags ? nullptr : bag_of.data_ptr<int32_t>(), scaled ? scale_of.data_ptr<float>() : nullptr);

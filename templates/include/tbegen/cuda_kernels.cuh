@@ -217,7 +217,7 @@ __global__ void __launch_bounds__(256) forward_kernel(ForwardArgs a, const W* __
 #pragma unroll 8
         for (int j = 0; j < n; ++j) {
           const int64_t off = __shfl_sync(kFullMask, my_off, j);
-          const float s = __shfl_sync(kFullMask, my_scale, j);
+          const float s = a.psw ? __shfl_sync(kFullMask, my_scale, j) : 1.0f;
           if (off < 0) continue;
 #pragma unroll
           for (int v = 0; v < kVecs; ++v) {
@@ -236,7 +236,7 @@ __global__ void __launch_bounds__(256) forward_kernel(ForwardArgs a, const W* __
           const int j = j0 + group;
           const int src = j < n ? j : 0;
           const int64_t off = __shfl_sync(kFullMask, my_off, src);
-          const float s = __shfl_sync(kFullMask, my_scale, src);
+          const float s = a.psw ? __shfl_sync(kFullMask, my_scale, src) : 1.0f;
           if (j < n && off >= 0 && d0 < D) {
             float x[4];
             load_weights4(weights + off + d0, x);
@@ -317,11 +317,13 @@ __global__ void __launch_bounds__(256) grad_psw_kernel(ForwardArgs a, const floa
 
 // ---- backward ----------------------------------------------------------------------------------
 
-// Step 1 of the backward: one warp per bag writes, for each of its indices, the linear key
-// (table's first key + row; a bad index gets `total_hash_size`, past every row, and is skipped)
-// and the value sorted with it: the bag itself when that is all the update needs (sum/mean
-// pooling without per-sample weights), else the index's position, with its bag and gradient
-// scale (per-sample weight, divided by the bag length for mean pooling) beside.
+// Step 1 of the backward: writes, for each index, the linear key (table's first key + row; a bad
+// index gets `total_hash_size`, past every row, and is skipped) and the value sorted with it: the
+// bag itself when that is all the update needs (sum/mean pooling without per-sample weights), else
+// the index's position, with its bag and gradient scale (per-sample weight, divided by the bag
+// length for mean pooling) beside. A warp takes 32 bags at a time (one per lane, which checks its
+// offsets) and walks their indices 32 at a time, so every read and write is contiguous; each lane
+// finds its index's bag by a binary search over the lanes' bag starts.
 template <typename I, typename K>
 __global__ void __launch_bounds__(256) linearize_kernel(ForwardArgs a, const I* __restrict__ indices,
                                                         const I* __restrict__ offsets,
@@ -330,12 +332,29 @@ __global__ void __launch_bounds__(256) linearize_kernel(ForwardArgs a, const I* 
   const int lane = threadIdx.x % kWarpSize;
   const int64_t nbags = a.F * a.B;
   const int64_t warps = int64_t(gridDim.x) * blockDim.x / kWarpSize;
-  for (int64_t bag = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / kWarpSize; bag < nbags; bag += warps) {
-    int64_t start, end;
-    if (!bag_bounds(offsets, bag, nbags, a.N, a.error, &start, &end)) continue;
-    const int64_t* ft = a.feat + (bag / a.B) * kFeatColumns;
-    const float inv_len = (a.pooling == kPoolMean && end > start) ? 1.0f / float(end - start) : 1.0f;
-    for (int64_t i = start + lane; i < end; i += kWarpSize) {
+  for (int64_t bag0 = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / kWarpSize * kWarpSize; bag0 < nbags;
+       bag0 += warps * kWarpSize) {
+    const int64_t my_bag = bag0 + lane;
+    int64_t start = a.N, end = a.N;  // (lanes past the last bag: empty, after every index)
+    bool ok = true;
+    if (my_bag < nbags) ok = bag_bounds(offsets, my_bag, nbags, a.N, a.error, &start, &end);
+    // malformed offsets are a fatal error (nothing will be updated): leave these bags alone
+    if (__any_sync(kFullMask, !ok)) continue;
+    const float my_inv_len = (a.pooling == kPoolMean && end > start) ? 1.0f / float(end - start) : 1.0f;
+    const int64_t first = __shfl_sync(kFullMask, start, 0);
+    const int64_t last = __shfl_sync(kFullMask, end, kWarpSize - 1);
+    for (int64_t base = first; base < last; base += kWarpSize) {
+      const int64_t i = base + lane;
+      // the bag of index i: the last lane whose bag starts at or before i
+      int l = 0;
+#pragma unroll
+      for (int step = kWarpSize / 2; step > 0; step >>= 1) {
+        if (__shfl_sync(kFullMask, start, l + step) <= i) l += step;
+      }
+      const float inv_len = __shfl_sync(kFullMask, my_inv_len, l);
+      if (i >= last) continue;
+      const int64_t bag = bag0 + l;
+      const int64_t* ft = a.feat + (bag / a.B) * kFeatColumns;
       const int64_t idx = indices[i];
       int64_t key = total_hash_size;
       if (row_offset(ft, idx, i, a.weights_numel, a.error) >= 0) {
@@ -532,14 +551,28 @@ __device__ __forceinline__ void update_and_store(Row& row, const typename Opt::P
 template <class Opt, int kVecs>
 using OptRow = WarpRow<kVecs, Opt::kElementStates + Opt::kTemporaries, Opt::kRowStates>;
 
+// One short run's row as the warp kernel holds it: the row view, where it lives, and the run.
+template <class Opt, int kVecs>
+struct ShortRun {
+  OptRow<Opt, kVecs> row;
+  int64_t key;
+  int64_t woff;
+  int32_t start;
+  int32_t len;
+  OccurrenceInfo first;
+};
+
 // Short runs: one warp per unique row. A warp takes 32 consecutive runs at a time; each lane
 // first fetches one run's description (start, length, key, and its first occurrence), so that a
 // row seen once (the common case) costs one round trip to memory for its weights and gradient
-// row, issued together. Occurrences are summed in sorted (= index) order.
+// row, issued together. For narrow rows (kVecs <= 2) the next run's weights and states are loaded
+// while the current one is summed and updated, so each warp keeps two rows' loads in flight.
+// Occurrences are summed in sorted (= index) order.
 template <class Opt, typename W, int kVecs>
 __global__ void __launch_bounds__(256) backward_warp_kernel(BackwardArgs a, Runs r, Occurrences o, typename Opt::Params p,
                                                             RowUpdateContext ctx, W* weights) {
   if (update_blocked(a)) return;
+  constexpr bool kLoadAhead = kVecs <= 2;
   const int lane = threadIdx.x % kWarpSize;
   const int64_t warps = int64_t(gridDim.x) * blockDim.x / kWarpSize;
   const int32_t num_runs = r.counts[0];
@@ -555,27 +588,43 @@ __global__ void __launch_bounds__(256) backward_warp_kernel(BackwardArgs a, Runs
       my_key = r.key_at(my_start);
       my_first.fetch(o, my_start, none_pooling);
     }
-    const int runs_here = num_runs - group < kWarpSize ? int(num_runs - group) : kWarpSize;
-    for (int k = 0; k < runs_here; ++k) {
-      const int32_t len = __shfl_sync(kFullMask, my_len, k);
-      const int64_t key = __shfl_sync(kFullMask, my_key, k);
-      // long runs are backward_segment_kernel's; skipped bad indices update nothing
-      if (len >= r.max_segment_length_per_warp || key >= r.skipped_key) continue;
-      const int32_t start = __shfl_sync(kFullMask, my_start, k);
-      const OccurrenceInfo first = my_first.from_lane(k);
-      OptRow<Opt, kVecs> row;
-      row.lane = lane;
-      int64_t woff;
-      locate_row(a, first.bag, key, &row.D, &woff);
-      load_row<Opt, W>(row, p, weights, key, woff);
+    // the runs of this group that are this kernel's: long runs are backward_segment_kernel's, and
+    // skipped bad indices update nothing
+    unsigned todo = __ballot_sync(kFullMask, group + lane < num_runs && my_len < r.max_segment_length_per_warp &&
+                                                 my_key < r.skipped_key);
+    if (todo == 0) continue;
+    // takes the next run of `todo` into `x` and issues the loads of its row
+    auto begin_run = [&](ShortRun<Opt, kVecs>& x) {
+      const int k = __ffs(todo) - 1;
+      todo &= todo - 1;
+      x.len = __shfl_sync(kFullMask, my_len, k);
+      x.key = __shfl_sync(kFullMask, my_key, k);
+      x.start = __shfl_sync(kFullMask, my_start, k);
+      x.first = my_first.from_lane(k);
+      x.row.lane = lane;
+      locate_row(a, x.first.bag, x.key, &x.row.D, &x.woff);
+      load_row<Opt, W>(x.row, p, weights, x.key, x.woff);
+    };
+    ShortRun<Opt, kVecs> cur;
+    begin_run(cur);
+    while (true) {
+      const bool more = todo != 0;
+      ShortRun<Opt, kVecs> next;
+      if (kLoadAhead && more) begin_run(next);
 #pragma unroll
-      for (int i = 0; i < row.kN; ++i) row.g_[i] = 0.0f;
-      add_gradient<kVecs>(a, first, row.D, lane, row.g_);
-      for (int32_t base = 1; base < len; base += kWarpSize) {
-        const int n = len - base < kWarpSize ? len - base : kWarpSize;
-        add_chunk<kVecs>(a, o, row.D, lane, start + base, n, row.g_);
+      for (int i = 0; i < cur.row.kN; ++i) cur.row.g_[i] = 0.0f;
+      add_gradient<kVecs>(a, cur.first, cur.row.D, lane, cur.row.g_);
+      for (int32_t base = 1; base < cur.len; base += kWarpSize) {
+        const int n = cur.len - base < kWarpSize ? cur.len - base : kWarpSize;
+        add_chunk<kVecs>(a, o, cur.row.D, lane, cur.start + base, n, cur.row.g_);
       }
-      update_and_store<Opt, W>(row, p, ctx, weights, key, woff);
+      update_and_store<Opt, W>(cur.row, p, ctx, weights, cur.key, cur.woff);
+      if (!more) break;
+      if (kLoadAhead) {
+        cur = next;
+      } else {
+        begin_run(cur);
+      }
     }
   }
 }
