@@ -54,6 +54,12 @@ def _record(device, optimizer, variant, quantity, value):
 
 
 @pytest.fixture(scope="module", autouse=True)
+def _extensions(prebuilt):
+    """Every optimizer's extension, built once per session in parallel (conftest)."""
+    return prebuilt
+
+
+@pytest.fixture(scope="module", autouse=True)
 def _write_results():
     yield
     out = os.environ.get("TBEGEN_RESULTS_DIR")
@@ -336,9 +342,10 @@ def run_differential(fb, optimizer, dims, rows, ftm, pooling, weighted, steps, s
         worst["output"] = max(worst["output"], max_diff(out_t, out_o))
         grad = torch.randn(out_o.shape, generator=gen).to(device)
         grad_theirs = grad
-        if weighted and pooling == "MEAN":
-            # FBGEMM's weighted MEAN backward leaves out the forward's 1/L (docs/fbgemm.md); giving it
-            # grad / L makes its update the true gradient's, which tbegen computes.
+        if weighted and pooling == "MEAN" and device == "cpu":
+            # FBGEMM's CPU weighted MEAN backward leaves out the forward's 1/L (docs/fbgemm.md); giving
+            # it grad / L makes its update the true gradient's, which tbegen computes. (Its CUDA
+            # backward divides by L for weighted bags too.)
             scale = torch.cat([(1.0 / lengths[f].clamp(min=1).double()).float()[:, None].expand(-1, D)
                                for f, D in enumerate(dims_pf)], dim=1).to(device)
             grad_theirs = grad * scale
