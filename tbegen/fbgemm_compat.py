@@ -702,6 +702,7 @@ def _flat_tensor(entries: Dict[str, torch.Tensor], name: str, t_feature: List[in
         EmbeddingLocation.MANAGED_CACHING.value: f"{name}_uvm",
     }
     out = []
+    expected_numel: Dict[str, int] = {}
     for t, (f, size) in enumerate(zip(t_feature, sizes)):
         if f >= len(offsets) or f >= len(placements):
             raise ValueError(f"tbegen: the state_dict's {name}_offsets has {len(offsets)} entries, fewer than this module's features")
@@ -718,6 +719,15 @@ def _flat_tensor(entries: Dict[str, torch.Tensor], name: str, t_feature: List[in
                 f"(a state_dict of another layout?)"
             )
         out.append(buf[start : start + size])
+        expected_numel[key] = expected_numel.get(key, 0) + size
+    # Each buffer holds exactly its tables: a state of another shape (e.g. FBGEMM's per-element
+    # momentum1 of EXACT_ADAGRAD offered to the per-row state of EXACT_ROWWISE_ADAGRAD) is refused.
+    for key, numel in expected_numel.items():
+        if entries[key].numel() != numel:
+            raise ValueError(
+                f"tbegen: the state_dict's {key} has {entries[key].numel()} elements, this module's tables need {numel} "
+                f"(another optimizer or layout?)"
+            )
     return out
 
 

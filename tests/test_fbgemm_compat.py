@@ -452,10 +452,15 @@ def test_state_dict_moves_between_fbgemm_and_tbegen(fbgemm_cpu):
         assert torch.equal(a, b)
     for a, b in zip(fresh.split_optimizer_states(), ours.split_optimizer_states()):
         assert torch.equal(a[0], b[0])
-    # a state_dict of another layout is refused with a message
+    # a state_dict of another layout or optimizer is refused with a message, nothing written
+    before = ours.state_dict()
     other = make_pair(fb, "EXACT_ROWWISE_ADAGRAD", [4, 8], 7, [0, 1], "SUM", "cpu")[0]
     with pytest.raises(RuntimeError, match="rows_per_table|D_offsets"):
         ours.load_state_dict(other.state_dict())
+    other = make_pair(fb, "EXACT_ADAGRAD", [4, 8], 7, [0, 1, 1], "SUM", "cpu")[0]
+    with pytest.raises(RuntimeError, match="momentum1_host has 84 elements, this module's tables need 14"):
+        ours.load_state_dict(other.state_dict())
+    assert all(torch.equal(v, ours.state_dict()[k]) for k, v in before.items() if isinstance(v, torch.Tensor))
 
 
 def test_bounds_check_warning_matches_fbgemm(fbgemm_cpu):
