@@ -441,13 +441,18 @@ class SplitTableBatchedEmbeddingBagsCodegen(nn.Module):
         # Held outside nn.Module's registry so that state_dict() is this class's FBGEMM-shaped one
         # (see _save_to_state_dict); _apply below moves it with .to()/.cuda()/.cpu().
         object.__setattr__(self, "_tbe", inner)
-        self.fbgemm_optimizer: Optional[str] = fbgemm_name
+        # As FBGEMM, the arguments as given (fbgemm_gpu's enums stay fbgemm_gpu's enums) ...
+        self.optimizer = optimizer
+        self.pooling_mode = pooling_mode
+        self.weights_precision = weights_precision
         self.embedding_specs = [tuple(s) for s in embedding_specs]
         self.feature_table_map: List[int] = list(inner.layout.feature_table_map)
-        self.pooling_mode = pooling
-        self.bounds_check_mode = bounds
-        self.weights_precision = precision
         self.stochastic_rounding = bool(stochastic_rounding)
+        self.bounds_check_mode_int: int = BoundsCheckMode[bounds].value
+        # ... and what they were resolved to.
+        self.optimizer_name: str = spec.name  # the tbegen spec
+        self.fbgemm_optimizer: Optional[str] = fbgemm_name  # FBGEMM's EmbOptimType member name, if any
+        self._bounds_check: str = bounds
         self._warned_bounds = False
         # Rows of the table each feature reads: the bounds check's limit per feature.
         self._rows_per_feature = torch.tensor(
@@ -465,11 +470,6 @@ class SplitTableBatchedEmbeddingBagsCodegen(nn.Module):
         self._tbe._apply(fn)
         self._rows_per_feature = fn(self._rows_per_feature)
         return super()._apply(fn, recurse)
-
-    @property
-    def optimizer(self) -> str:
-        """The tbegen spec name of the optimizer (`fbgemm_optimizer` holds FBGEMM's name, if any)."""
-        return self._tbe.spec.name
 
     @property
     def current_device(self) -> torch.device:
@@ -517,7 +517,7 @@ class SplitTableBatchedEmbeddingBagsCodegen(nn.Module):
         given = [k for k, v in unsupported.items() if v is not None]
         if given:
             raise NotImplementedError(f"tbegen: forward argument(s) {', '.join(given)} are not supported")
-        if self.bounds_check_mode in ("WARNING", "IGNORE") and isinstance(indices, torch.Tensor):
+        if self._bounds_check in ("WARNING", "IGNORE") and isinstance(indices, torch.Tensor):
             indices = self._zero_out_of_range(indices, offsets)
         if per_sample_weights is not None and feature_requires_grad is not None:
             per_sample_weights = self._mask_weight_gradient(per_sample_weights, offsets, feature_requires_grad)
@@ -547,7 +547,7 @@ class SplitTableBatchedEmbeddingBagsCodegen(nn.Module):
         bad = (indices < 0) | (indices >= self._rows_per_feature[feature])
         if not bool(bad.any()):
             return indices
-        if self.bounds_check_mode == "WARNING" and not self._warned_bounds:
+        if self._bounds_check == "WARNING" and not self._warned_bounds:
             self._warned_bounds = True
             first = int(bad.nonzero()[0, 0])
             warnings.warn(

@@ -114,8 +114,9 @@ def test_imports_without_fbgemm_gpu():
 def test_enum_spellings(optimizer):
     m = Compat([(10, 4, "host", 0), (7, 8, EmbeddingLocation.HOST, "CPU")], optimizer=optimizer,
                pooling_mode=1, weights_precision="fp16", bounds_check_mode="FATAL", weight_decay_mode=2, weight_decay=0.1)
-    assert m.optimizer == "rowwise_adagrad" and m.fbgemm_optimizer == "EXACT_ROWWISE_ADAGRAD"
-    assert m.tbe.pooling == "mean" and m.tbe.weights_dtype == torch.float16 and m.bounds_check_mode == "FATAL"
+    assert m.optimizer_name == "rowwise_adagrad" and m.fbgemm_optimizer == "EXACT_ROWWISE_ADAGRAD"
+    assert m.optimizer is optimizer and m.pooling_mode == 1 and m.weights_precision == "fp16"  # as given, as FBGEMM
+    assert m.tbe.pooling == "mean" and m.tbe.weights_dtype == torch.float16 and m.bounds_check_mode_int == 0
     assert m.tbe.hyperparameters["weight_decay_mode"] == 2
     # FBGEMM's integer enums share values across classes: a PoolingMode is no EmbeddingLocation.
     with pytest.raises(TypeError, match=r"embedding_specs\[0\] location must be a EmbeddingLocation"):
@@ -164,7 +165,7 @@ def test_optimizers_fbgemm_lacks():
     assert adamw.tbe.hyperparameters == dict(learning_rate=0.01, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1)
     path = ROOT / "optimizers" / "sgd.yaml"  # a spec reached by its path
     mine = Compat(host_specs([4]), optimizer=str(path), learning_rate=0.5)
-    assert mine.optimizer == "sgd" and mine.fbgemm_optimizer is None and mine.get_learning_rate() == 0.5
+    assert mine.optimizer_name == "sgd" and mine.fbgemm_optimizer is None and mine.get_learning_rate() == 0.5
     with torch.no_grad():
         before = adamw.split_embedding_weights()[1].clone()
     adamw(torch.tensor([1, 2]), torch.tensor([0, 1, 2])).sum().backward()
