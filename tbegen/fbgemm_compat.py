@@ -248,6 +248,7 @@ _NO_EFFECT = {
     "enforce_hbm", "record_cache_metrics", "gather_uvm_cache_stats", "stats_reporter_config",
     "table_names", "uvm_host_mapped", "embedding_table_index_type", "embedding_table_offset_type",
     "embedding_shard_info", "use_experimental_tbe",
+    "max_gradient",  # read only with gradient_clipping, which is refused
 }
 
 # FBGEMM's constructor arguments that select features tbegen does not have: accepted only at their
@@ -293,6 +294,48 @@ def _check_extra_optimizer_config(config) -> None:
         raise NotImplementedError(
             f"tbegen: extra_optimizer_config enables {enabled}, which tbegen does not support"
         )
+
+
+def _spec_hyperparameters(spec: OptimizerSpec, fbgemm_values: Dict[str, Any], others: Dict[str, Any]) -> Dict[str, Any]:
+    """The spec's hyperparameters from FBGEMM's (those the spec declares) and from the spec's own
+    names among the other keyword arguments; checked (errors name the hyperparameter)."""
+    mode = _enum_member(fbgemm_values["weight_decay_mode"], WeightDecayMode, "weight_decay_mode")
+    if mode not in ("NONE", "L2", "DECOUPLE"):
+        raise NotImplementedError(f"tbegen: weight_decay_mode {mode} is not supported (NONE, L2 or DECOUPLE)")
+    fbgemm_values = dict(fbgemm_values, weight_decay_mode=WeightDecayMode[mode].value)
+    declared = {h.name for h in spec.hyperparameters}
+    hyper = {k: v for k, v in fbgemm_values.items() if k in declared}
+    ignored = sorted(
+        k for k, v in fbgemm_values.items() if k not in declared and not _is_default(v, FBGEMM_HYPERPARAMETERS[k])
+    )
+    if ignored:
+        warnings.warn(
+            f"tbegen: optimizer {spec.name!r} does not use {', '.join(ignored)} (FBGEMM ignores them too)",
+            stacklevel=3,
+        )
+    hyper.update({k: v for k, v in others.items() if k in declared})  # e.g. ftrl's l1
+    check_hyperparameters(spec, hyper)
+    return hyper
+
+
+def _check_other_arguments(spec: OptimizerSpec, others: Dict[str, Any]) -> Dict[str, Any]:
+    """Checks FBGEMM's non-hyperparameter keyword arguments; returns tbegen's own module arguments."""
+    declared = {h.name for h in spec.hyperparameters}
+    unknown = []
+    for key, value in others.items():
+        if key in _UNSUPPORTED_UNLESS_DEFAULT:
+            if value is not None and value is not False:
+                raise NotImplementedError(f"tbegen: {key}={value!r} is not supported ({_UNSUPPORTED_UNLESS_DEFAULT[key]})")
+        elif key == "extra_optimizer_config":
+            _check_extra_optimizer_config(value)
+        elif key not in _NO_EFFECT and key not in _TBEGEN_ARGS and key not in declared:
+            unknown.append(key)
+    if unknown:
+        raise TypeError(
+            f"tbegen: unknown argument(s) {', '.join(map(repr, unknown))}: neither FBGEMM's nor a hyperparameter "
+            f"of optimizer {spec.name!r} (its hyperparameters: {sorted(declared)})"
+        )
+    return {k: v for k, v in others.items() if k in _TBEGEN_ARGS}
 
 
 def _devices(embedding_specs, device) -> Tuple[List[Tuple[int, int]], torch.device]:
@@ -388,50 +431,10 @@ class SplitTableBatchedEmbeddingBagsCodegen(nn.Module):
             learning_rate=learning_rate, eps=eps, momentum=momentum, weight_decay=weight_decay,
             weight_decay_mode=weight_decay_mode, eta=eta, beta1=beta1, beta2=beta2, max_norm=max_norm,
         )
-        module_args = {}
-        for key, value in kwargs.items():
-            if key in FBGEMM_HYPERPARAMETERS:
-                fbgemm_values[key] = value
-            elif key in _UNSUPPORTED_UNLESS_DEFAULT:
-                if value is not None and value is not False:
-                    raise NotImplementedError(
-                        f"tbegen: {key}={value!r} is not supported ({_UNSUPPORTED_UNLESS_DEFAULT[key]})"
-                    )
-            elif key == "extra_optimizer_config":
-                _check_extra_optimizer_config(value)
-            elif key in _TBEGEN_ARGS:
-                module_args[key] = value
-        mode = _enum_member(fbgemm_values["weight_decay_mode"], WeightDecayMode, "weight_decay_mode")
-        if mode not in ("NONE", "L2", "DECOUPLE"):
-            raise NotImplementedError(
-                f"tbegen: weight_decay_mode {mode} is not supported (NONE, L2 or DECOUPLE)"
-            )
-        fbgemm_values["weight_decay_mode"] = WeightDecayMode[mode].value
-
-        declared = {h.name for h in spec.hyperparameters}
-        hyper = {k: v for k, v in fbgemm_values.items() if k in declared}
-        ignored = sorted(
-            k for k, v in fbgemm_values.items() if k not in declared and not _is_default(v, FBGEMM_HYPERPARAMETERS[k])
-        )
-        if ignored:
-            warnings.warn(
-                f"tbegen: optimizer {spec.name!r} does not use {', '.join(ignored)} (FBGEMM ignores them too)",
-                stacklevel=2,
-            )
-        # The spec's own hyperparameters (tbegen optimizers FBGEMM lacks, e.g. ftrl's l1).
-        own = {k: v for k, v in kwargs.items() if k in declared and k not in FBGEMM_HYPERPARAMETERS}
-        unknown = [
-            k for k in kwargs
-            if k not in FBGEMM_HYPERPARAMETERS and k not in _UNSUPPORTED_UNLESS_DEFAULT and k not in _NO_EFFECT
-            and k not in _TBEGEN_ARGS and k != "extra_optimizer_config" and k not in declared
-        ]
-        if unknown:
-            raise TypeError(
-                f"tbegen: unknown argument(s) {', '.join(map(repr, unknown))}: neither FBGEMM's nor a hyperparameter "
-                f"of optimizer {spec.name!r} (its hyperparameters: {sorted(declared)})"
-            )
-        hyper.update(own)
-        check_hyperparameters(spec, hyper)  # errors name the hyperparameter, before anything is built
+        fbgemm_values.update({k: v for k, v in kwargs.items() if k in FBGEMM_HYPERPARAMETERS})
+        others = {k: v for k, v in kwargs.items() if k not in FBGEMM_HYPERPARAMETERS}
+        hyper = _spec_hyperparameters(spec, fbgemm_values, others)
+        module_args = _check_other_arguments(spec, others)
 
         inner = TableBatchedEmbeddingBags(
             tables, optimizer=spec, pooling=pooling.lower(), weights_dtype=_PRECISIONS[precision],

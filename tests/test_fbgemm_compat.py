@@ -163,6 +163,8 @@ def test_optimizers_fbgemm_lacks():
     adamw = Compat(host_specs([4, 8]), optimizer="adamw", weight_decay=0.1)
     # FBGEMM's defaults apply to the hyperparameters it names; the spec's to the others.
     assert adamw.tbe.hyperparameters == dict(learning_rate=0.01, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1)
+    ftrl = Compat(host_specs([4]), optimizer="ftrl", l1=0.001)  # the spec's own hyperparameters by name
+    assert ftrl.tbe.hyperparameters["l1"] == 0.001 and ftrl.tbe.hyperparameters["learning_rate"] == 0.01
     path = ROOT / "optimizers" / "sgd.yaml"  # a spec reached by its path
     mine = Compat(host_specs([4]), optimizer=str(path), learning_rate=0.5)
     assert mine.optimizer_name == "sgd" and mine.fbgemm_optimizer is None and mine.get_learning_rate() == 0.5
