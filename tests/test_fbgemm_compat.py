@@ -432,6 +432,19 @@ def test_cpu_fbgemm_updates_shared_tables_per_feature(fbgemm_cpu, optimizer):
         assert acc_theirs == (g0 * g0).mean() + (g2 * g2).mean() and acc_ours == ((g0 + g2) ** 2).mean()
 
 
+@pytest.mark.parametrize("hyper", [dict(weight_decay=0.5, weight_decay_mode="DECOUPLE"), dict(max_norm=0.05)])
+def test_cpu_fbgemm_rowwise_adagrad_fp32_ignores(fbgemm_cpu, hyper):
+    """Documents a difference (docs/fbgemm.md): FBGEMM's CPU rowwise_adagrad on fp32 tables ignores
+    weight_decay and max_norm (FBGEMM with them = FBGEMM without them), tbegen applies them."""
+    plain, _ = make_pair(fbgemm_cpu, "EXACT_ROWWISE_ADAGRAD", [4], 5, [0], "SUM", "cpu", learning_rate=0.1)
+    theirs, ours = make_pair(fbgemm_cpu, "EXACT_ROWWISE_ADAGRAD", [4], 5, [0], "SUM", "cpu", learning_rate=0.1, **hyper)
+    for m in (plain, theirs, ours):
+        out = m(torch.tensor([1, 2]), torch.tensor([0, 2]))
+        out.backward(torch.ones_like(out))
+    assert torch.equal(plain.split_embedding_weights()[0], theirs.split_embedding_weights()[0])
+    assert (ours.split_embedding_weights()[0] - theirs.split_embedding_weights()[0]).abs().max() > 1e-3
+
+
 def test_state_dict_moves_between_fbgemm_and_tbegen(fbgemm_cpu):
     fb = fbgemm_cpu
     theirs, ours = make_pair(fb, "EXACT_ROWWISE_ADAGRAD", [4, 8], 7, [0, 1, 1], "SUM", "cpu", learning_rate=0.1)
