@@ -271,6 +271,9 @@ _UNSUPPORTED_UNLESS_DEFAULT = {
     "preallocated_host_buffers": "preallocated host buffers",
 }
 
+# FBGEMM's forward arguments for features tbegen does not have (accepted when None).
+_FORWARD_UNSUPPORTED = {"hash_zch_identities", "hash_zch_runtime_meta", "vbe_output", "vbe_output_offsets"}
+
 # tbegen's own module arguments, passed through.
 _TBEGEN_ARGS = {"seed", "max_segment_length_per_warp"}
 
@@ -517,6 +520,9 @@ class SplitTableBatchedEmbeddingBagsCodegen(nn.Module):
         """
         if batch_size_per_feature_per_rank is not None:
             raise NotImplementedError("tbegen: batch_size_per_feature_per_rank (variable batch size, VBE) is not supported")
+        unknown = [k for k in unsupported if k not in _FORWARD_UNSUPPORTED]
+        if unknown:
+            raise TypeError(f"tbegen: forward() got unexpected argument(s) {', '.join(unknown)}")
         given = [k for k, v in unsupported.items() if v is not None]
         if given:
             raise NotImplementedError(f"tbegen: forward argument(s) {', '.join(given)} are not supported")

@@ -157,6 +157,11 @@ def test_forward_refuses_variable_batch_size():
     m = Compat(host_specs([4]))
     with pytest.raises(NotImplementedError, match="batch_size_per_feature_per_rank"):
         m(torch.tensor([1]), torch.tensor([0, 1]), batch_size_per_feature_per_rank=[[1]])
+    with pytest.raises(NotImplementedError, match="vbe_output"):
+        m(torch.tensor([1]), torch.tensor([0, 1]), vbe_output=torch.zeros(1, 4))
+    with pytest.raises(TypeError, match="per_sample_weight"):
+        m(torch.tensor([1]), torch.tensor([0, 1]), per_sample_weight=torch.ones(1))
+    assert m(torch.tensor([1]), torch.tensor([0, 1]), vbe_output=None, total_unique_indices=1).shape == (1, 4)
 
 
 def test_optimizers_fbgemm_lacks():
