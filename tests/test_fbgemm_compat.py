@@ -394,16 +394,16 @@ shapes = st.fixed_dictionaries(dict(
 
 
 @pytest.mark.parametrize("optimizer", CPU_OPTIMIZERS)
-@settings(max_examples=12, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=10, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(shape=shapes)
 def test_cpu_matches_fbgemm(fbgemm_cpu, optimizer, shape):
-    """Weights, states and outputs after every one of 4 steps equal FBGEMM's CPU TBE within fp32
+    """Weights, states and outputs after every one of 6 steps equal FBGEMM's CPU TBE within fp32
     rounding, for random tables, shared tables, bag lengths 0-3, duplicates, SUM/MEAN, weights."""
     T = len(shape["dims"])
     ftm = list(range(T)) + [t % T for t in shape["extra_features"]]
     hyper = dict(learning_rate=shape["lr"]) if optimizer == "EXACT_SGD" else dict(learning_rate=shape["lr"], eps=1e-6)
     worst = run_differential(fbgemm_cpu, optimizer, shape["dims"], shape["rows"], ftm, shape["pooling"],
-                             shape["weighted"], steps=4, seed=shape["seed"], **hyper)
+                             shape["weighted"], steps=6, seed=shape["seed"], **hyper)
     assert worst["output"] <= 1e-5 and worst["weights"] <= 1e-5 and worst["states"] <= 1e-5, worst
 
 
