@@ -669,7 +669,7 @@ class SplitTableBatchedEmbeddingBagsCodegen(nn.Module):
         try:
             used = _load_fbgemm_tensors(self, mine)
         except _MissingKey as e:
-            missing_keys.append(prefix + str(e))
+            missing_keys.append(prefix + e.args[0])
             return
         except (ValueError, RuntimeError, TypeError) as e:
             error_msgs.append(str(e))

@@ -236,7 +236,7 @@ def test_load_state_dict_refuses_another_layout():
     with pytest.raises(RuntimeError, match="optimizer"):
         Compat(host_specs([4, 8]), optimizer="EXACT_ROWWISE_ADAGRAD").load_state_dict(sd)
     sd = {k: v for k, v in sd.items() if k != "momentum1_host"}
-    with pytest.raises(RuntimeError, match="Missing key.*momentum1_host"):
+    with pytest.raises(RuntimeError, match='Missing key.*"momentum1_host"'):
         Compat(host_specs([4, 8]), optimizer="EXACT_ADAGRAD").load_state_dict(sd)
 
 
