@@ -407,6 +407,20 @@ def test_cpu_matches_fbgemm(fbgemm_cpu, optimizer, shape):
     assert worst["output"] <= 1e-5 and worst["weights"] <= 1e-5 and worst["states"] <= 1e-5, worst
 
 
+@pytest.mark.parametrize("optimizer", CPU_OPTIMIZERS)
+def test_cpu_pooling_none_matches_fbgemm(fbgemm_cpu, optimizer):
+    """Pooling NONE (one output row per index), unweighted: equal to FBGEMM's CPU after every step.
+    Weighted, FBGEMM's CPU ignores the per-sample weights (documented below); tbegen applies them."""
+    # No shared table: FBGEMM 1.9.0's CPU forward with pooling NONE fails on one, like its fp16 forward.
+    worst = run_differential(fbgemm_cpu, optimizer, [8, 8], 6, [0, 1], "NONE", False, steps=5, seed=2, learning_rate=0.1)
+    assert worst["output"] <= 1e-5 and worst["weights"] <= 1e-5 and worst["states"] <= 1e-5, worst
+    theirs, ours = make_pair(fbgemm_cpu, optimizer, [4], 6, [0], "NONE", "cpu")
+    indices, offsets, psw = torch.tensor([1, 2]), torch.tensor([0, 1, 2]), torch.tensor([2.0, 3.0])
+    rows = ours.split_embedding_weights()[0][indices]
+    assert torch.equal(theirs(indices, offsets, psw), rows)
+    assert torch.equal(ours(indices, offsets, psw), rows * psw[:, None])
+
+
 @pytest.mark.parametrize("mode", ["NONE", "L2", "DECOUPLE"])
 def test_cpu_rowwise_adagrad_weight_decay_matches_fbgemm_fp16(fbgemm_cpu, mode):
     """FBGEMM's CPU applies rowwise_adagrad's weight decay only off its fp32 fast path, so the
