@@ -15,4 +15,8 @@ def __getattr__(name):
         from .module import TableBatchedEmbeddingBags
 
         return TableBatchedEmbeddingBags
+    if name == "SplitTableBatchedEmbeddingBagsCodegen":  # FBGEMM's interface: tbegen/fbgemm_compat.py
+        from .fbgemm_compat import SplitTableBatchedEmbeddingBagsCodegen
+
+        return SplitTableBatchedEmbeddingBagsCodegen
     raise AttributeError(f"module 'tbegen' has no attribute {name!r}")

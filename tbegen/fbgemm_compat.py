@@ -1,0 +1,807 @@
+"""An FBGEMM-compatible face for tbegen: `SplitTableBatchedEmbeddingBagsCodegen`.
+
+Switching a model from FBGEMM_GPU's training TBE to tbegen is one import line:
+
+    # from fbgemm_gpu.split_table_batched_embeddings_ops_training import SplitTableBatchedEmbeddingBagsCodegen
+    from tbegen.fbgemm_compat import SplitTableBatchedEmbeddingBagsCodegen
+
+The constructor takes FBGEMM's arguments (embedding_specs as (rows, dim, location, compute_device)
+tuples, optimizer, feature_table_map, pooling_mode, weights_precision, output_dtype,
+stochastic_rounding, bounds_check_mode and the hyperparameters under FBGEMM's names) and the
+methods are FBGEMM's (forward, split_embedding_weights, split_optimizer_states, set_learning_rate,
+get_learning_rate, flush, state_dict, ...). Underneath is one `tbegen.TableBatchedEmbeddingBags`.
+
+Enums: this module never imports fbgemm_gpu. Every enum argument is matched by its class name and
+member name, so fbgemm_gpu's own enums work when it is installed, and so do the look-alike enums
+defined here (for code that runs without fbgemm_gpu), the member names as strings ("EXACT_SGD",
+"device"), FBGEMM's string values ("exact_row_wise_adagrad", "fp16") and, for FBGEMM's integer
+enums, their integer values.
+
+Optimizers FBGEMM lacks are reached by tbegen spec name ("adamw", "ftrl"), YAML path or
+OptimizerSpec; their own hyperparameters are keyword arguments.
+
+What differs from FBGEMM, and what is refused, is listed in docs/fbgemm.md.
+"""
+
+from __future__ import annotations
+
+import enum
+import numbers
+import os
+import warnings
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+from torch import nn
+
+from .model import OptimizerSpec
+from .module import TableBatchedEmbeddingBags, check_hyperparameters
+from .spec import SpecNotFoundError, find_spec, load_spec
+
+__all__ = [
+    "SplitTableBatchedEmbeddingBagsCodegen",
+    "EmbOptimType",
+    "EmbeddingLocation",
+    "ComputeDevice",
+    "PoolingMode",
+    "SparseType",
+    "BoundsCheckMode",
+    "WeightDecayMode",
+    "FBGEMM_OPTIMIZERS",
+]
+
+
+# ---- look-alike enums (FBGEMM's member names and values; used when fbgemm_gpu is absent) -------
+
+
+class EmbOptimType(enum.Enum):
+    EXACT_SGD = "exact_sgd"
+    EXACT_ADAGRAD = "exact_adagrad"
+    EXACT_ROWWISE_ADAGRAD = "exact_row_wise_adagrad"
+    ADAM = "adam"
+    LAMB = "lamb"
+    LARS_SGD = "lars_sgd"
+    PARTIAL_ROWWISE_ADAM = "partial_row_wise_adam"
+    PARTIAL_ROWWISE_LAMB = "partial_row_wise_lamb"
+    NONE = "none"
+
+
+class EmbeddingLocation(enum.IntEnum):
+    DEVICE = 0
+    MANAGED = 1
+    MANAGED_CACHING = 2
+    HOST = 3
+    MTIA = 4
+
+
+class ComputeDevice(enum.IntEnum):
+    CPU = 0
+    CUDA = 1
+    MTIA = 2
+
+
+class PoolingMode(enum.IntEnum):
+    SUM = 0
+    MEAN = 1
+    NONE = 2
+
+
+class BoundsCheckMode(enum.IntEnum):
+    FATAL = 0
+    WARNING = 1
+    IGNORE = 2
+    NONE = 3
+    V2_IGNORE = 4
+    V2_WARNING = 5
+    V2_FATAL = 6
+
+
+class WeightDecayMode(enum.IntEnum):
+    NONE = 0
+    L2 = 1
+    DECOUPLE = 2
+    COUNTER = 3
+    COWCLIP = 4
+    DECOUPLE_GLOBAL = 5
+
+
+class SparseType(enum.Enum):
+    FP32 = "fp32"
+    FP16 = "fp16"
+    FP8 = "fp8"
+    NFP8 = "nfp8"
+    INT8 = "int8"
+    INT4 = "int4"
+    INT2 = "int2"
+    BF16 = "bf16"
+    MX4 = "mx4"
+
+
+def _enum_member(value, family, argument: str, class_names: Sequence[str] = ()) -> str:
+    """The member name of `family` that `value` denotes (see the module docstring for what is
+    accepted). `class_names`: the enum class names accepted besides `family.__name__`."""
+    names = {family.__name__, *class_names}
+    if isinstance(value, enum.Enum):
+        if type(value).__name__ in names and value.name in family.__members__:
+            return value.name
+        raise TypeError(
+            f"tbegen: {argument} must be a {family.__name__} (one of {list(family.__members__)}), "
+            f"got {type(value).__name__}.{value.name}"
+        )
+    if isinstance(value, str):
+        for member in family:
+            if value.upper() == member.name or (isinstance(member.value, str) and value.lower() == member.value):
+                return member.name
+    elif isinstance(value, numbers.Integral) and not isinstance(value, bool) and issubclass(family, enum.IntEnum):
+        for member in family:
+            if int(value) == member.value:
+                return member.name
+    raise ValueError(
+        f"tbegen: {argument} must be a {family.__name__} (one of {list(family.__members__)}), got {value!r}"
+    )
+
+
+# ---- optimizers --------------------------------------------------------------------------------
+
+# FBGEMM's optimizer (EmbOptimType member name) -> the tbegen spec with the same update. For each
+# of them the spec's states, in the spec's order, are FBGEMM's momentum1, momentum2 (the order of
+# FBGEMM's split_optimizer_states), with the same shapes (per element [rows, dim], per row [rows]).
+FBGEMM_OPTIMIZERS = {
+    "EXACT_SGD": "sgd",
+    "EXACT_ADAGRAD": "adagrad",
+    "EXACT_ROWWISE_ADAGRAD": "rowwise_adagrad",
+    "ADAM": "adam",
+    "LAMB": "lamb",
+    "LARS_SGD": "lars_sgd",
+    "PARTIAL_ROWWISE_ADAM": "partial_rowwise_adam",
+    "PARTIAL_ROWWISE_LAMB": "partial_rowwise_lamb",
+}
+
+# FBGEMM's names for each optimizer's states in get_optimizer_state() (torch.optim's names).
+_OPTIMIZER_STATE_NAMES = {
+    "adagrad": ("sum",),
+    "rowwise_adagrad": ("sum",),
+    "adam": ("exp_avg", "exp_avg_sq"),
+    "partial_rowwise_adam": ("exp_avg", "exp_avg_sq"),
+    "lamb": ("exp_avg", "exp_avg_sq"),
+    "partial_rowwise_lamb": ("exp_avg", "exp_avg_sq"),
+}
+
+
+def _resolve_optimizer(optimizer) -> Tuple[OptimizerSpec, Optional[str]]:
+    """(spec, FBGEMM optimizer name or None) for an EmbOptimType, a name or a path, or a spec."""
+    if isinstance(optimizer, OptimizerSpec):
+        return optimizer, None
+    if isinstance(optimizer, enum.Enum):
+        # fbgemm_gpu's EmbOptimType (also exported there as OptimType), or ours.
+        if type(optimizer).__name__ not in ("EmbOptimType", "OptimType"):
+            raise TypeError(f"tbegen: optimizer must be an EmbOptimType, a tbegen spec name or a path, got {optimizer!r}")
+        return _fbgemm_optimizer(optimizer.name)
+    if not isinstance(optimizer, (str, os.PathLike)):
+        raise TypeError(
+            f"tbegen: optimizer must be an EmbOptimType, its name, a tbegen spec name, a path to a YAML spec or "
+            f"an OptimizerSpec, got {type(optimizer).__name__}"
+        )
+    text = os.fspath(optimizer)
+    # A tbegen spec name or path first ("sgd", "adam", "lamb", "lars_sgd" are FBGEMM names as well,
+    # with the same update); then FBGEMM's member names and string values.
+    try:
+        return load_spec(find_spec(text)), _fbgemm_name_of_spec(text)
+    except SpecNotFoundError as not_a_spec:
+        for name in EmbOptimType.__members__:
+            if text.upper() == name or text.lower() == EmbOptimType[name].value:
+                return _fbgemm_optimizer(name)
+        raise ValueError(
+            f"tbegen: optimizer {text!r} is neither an FBGEMM optimizer ({', '.join(FBGEMM_OPTIMIZERS)}) "
+            f"nor a tbegen spec: {not_a_spec}"
+        ) from None
+
+
+def _fbgemm_name_of_spec(name: str) -> Optional[str]:
+    for fbgemm_name, spec_name in FBGEMM_OPTIMIZERS.items():
+        if spec_name == name:
+            return fbgemm_name
+    return None
+
+
+def _fbgemm_optimizer(name: str) -> Tuple[OptimizerSpec, str]:
+    if name not in FBGEMM_OPTIMIZERS:
+        hint = (
+            " (FBGEMM's NONE returns a sparse weight gradient; tbegen's dense-gradient mode is "
+            "tbegen.TableBatchedEmbeddingBags(optimizer='none'))" if name == "NONE" else
+            " (FBGEMM deprecated it; use its EXACT_ variant)" if name in ("SGD", "ROWWISE_ADAGRAD") else
+            "; write it as a tbegen spec and pass its path"
+        )
+        raise NotImplementedError(
+            f"tbegen: optimizer EmbOptimType.{name} is not supported{hint}; supported: "
+            f"{', '.join(FBGEMM_OPTIMIZERS)} or any tbegen spec name or path"
+        )
+    return load_spec(find_spec(FBGEMM_OPTIMIZERS[name])), name
+
+
+# ---- constructor arguments ---------------------------------------------------------------------
+
+# FBGEMM's optimizer hyperparameters and its defaults. Each is passed to the spec when the spec
+# declares a hyperparameter of that name (FBGEMM's default then replaces the spec's); the others
+# are ignored, as FBGEMM ignores them (with a warning when the value is not FBGEMM's default).
+FBGEMM_HYPERPARAMETERS = {
+    "learning_rate": 0.01,
+    "eps": 1.0e-8,
+    "momentum": 0.9,
+    "weight_decay": 0.0,
+    "weight_decay_mode": 0,  # WeightDecayMode.NONE
+    "eta": 0.001,
+    "beta1": 0.9,
+    "beta2": 0.999,
+    "max_norm": 0.0,
+    # FBGEMM's ROWWISE_RMSPROP_AR knobs; no supported optimizer reads them.
+    "ar_alpha": 0.0,
+    "ema_beta": 0.99,
+    "min_shrinkage": 0.1,
+}
+
+# FBGEMM's other constructor arguments that have no effect here: caching and UVM settings (only
+# MANAGED_CACHING / MANAGED tables read them, and those placements are refused), statistics and
+# logging, index dtypes (tbegen takes int32 and int64 indices either way), shard bookkeeping.
+_NO_EFFECT = {
+    "cache_algorithm", "cache_load_factor", "cache_sets", "cache_reserved_memory", "cache_precision",
+    "enforce_hbm", "record_cache_metrics", "gather_uvm_cache_stats", "stats_reporter_config",
+    "table_names", "uvm_host_mapped", "embedding_table_index_type", "embedding_table_offset_type",
+    "embedding_shard_info", "use_experimental_tbe",
+    "max_gradient",  # read only with gradient_clipping, which is refused
+}
+
+# FBGEMM's constructor arguments that select features tbegen does not have: accepted only at their
+# default (None or False), otherwise an error naming the argument.
+_UNSUPPORTED_UNLESS_DEFAULT = {
+    "gradient_clipping": "gradient clipping of the summed row gradient",
+    "ensemble_mode": "ENSEMBLE_ROWWISE_ADAGRAD",
+    "emainplace_mode": "EMAINPLACE_ROWWISE_ADAGRAD",
+    "counter_based_regularization": "counter-based weight decay (WeightDecayMode.COUNTER)",
+    "cowclip_regularization": "CowClip (WeightDecayMode.COWCLIP)",
+    "global_weight_decay": "global weight decay (WeightDecayMode.DECOUPLE_GLOBAL)",
+    "uvm_non_rowwise_momentum": "optimizer states in unified memory",
+    "prefetch_pipeline": "cache prefetching",
+    "multipass_prefetch_config": "cache prefetching",
+    "optimizer_state_dtypes": "optimizer states other than float32",
+    "tbe_input_multiplexer_config": "input multiplexing",
+    "enable_raw_embedding_streaming": "raw embedding streaming",
+    "res_params": "raw embedding streaming",
+    "is_qr_tbe": "QR embeddings",
+    "preallocated_host_buffers": "preallocated host buffers",
+}
+
+# FBGEMM's forward arguments for features tbegen does not have (accepted when None).
+_FORWARD_UNSUPPORTED = {"hash_zch_identities", "hash_zch_runtime_meta", "vbe_output", "vbe_output_offsets"}
+
+# tbegen's own module arguments, passed through.
+_TBEGEN_ARGS = {"seed", "max_segment_length_per_warp"}
+
+_PRECISIONS = {"FP32": torch.float32, "FP16": torch.float16, "BF16": torch.bfloat16}
+
+
+def _is_default(value, default) -> bool:
+    if isinstance(value, enum.Enum):
+        value = value.value
+    try:
+        return value == default
+    except Exception:  # a tensor or an object without a plain comparison
+        return False
+
+
+def _check_extra_optimizer_config(config) -> None:
+    if config is None:
+        return
+    enabled = [k for k, v in vars(config).items() if not k.startswith("_") and v]
+    if enabled:
+        raise NotImplementedError(
+            f"tbegen: extra_optimizer_config enables {enabled}, which tbegen does not support"
+        )
+
+
+def _spec_hyperparameters(spec: OptimizerSpec, fbgemm_values: Dict[str, Any], others: Dict[str, Any]) -> Dict[str, Any]:
+    """The spec's hyperparameters from FBGEMM's (those the spec declares) and from the spec's own
+    names among the other keyword arguments; checked (errors name the hyperparameter)."""
+    mode = _enum_member(fbgemm_values["weight_decay_mode"], WeightDecayMode, "weight_decay_mode")
+    if mode not in ("NONE", "L2", "DECOUPLE"):
+        raise NotImplementedError(f"tbegen: weight_decay_mode {mode} is not supported (NONE, L2 or DECOUPLE)")
+    fbgemm_values = dict(fbgemm_values, weight_decay_mode=WeightDecayMode[mode].value)
+    declared = {h.name for h in spec.hyperparameters}
+    hyper = {k: v for k, v in fbgemm_values.items() if k in declared}
+    ignored = sorted(
+        k for k, v in fbgemm_values.items() if k not in declared and not _is_default(v, FBGEMM_HYPERPARAMETERS[k])
+    )
+    if ignored:
+        warnings.warn(
+            f"tbegen: optimizer {spec.name!r} does not use {', '.join(ignored)} (FBGEMM ignores them too)",
+            stacklevel=3,
+        )
+    hyper.update({k: v for k, v in others.items() if k in declared})  # e.g. ftrl's l1
+    check_hyperparameters(spec, hyper)
+    return hyper
+
+
+def _check_other_arguments(spec: OptimizerSpec, others: Dict[str, Any]) -> Dict[str, Any]:
+    """Checks FBGEMM's non-hyperparameter keyword arguments; returns tbegen's own module arguments."""
+    declared = {h.name for h in spec.hyperparameters}
+    unknown = []
+    for key, value in others.items():
+        if key in _UNSUPPORTED_UNLESS_DEFAULT:
+            if value is not None and value is not False:
+                raise NotImplementedError(f"tbegen: {key}={value!r} is not supported ({_UNSUPPORTED_UNLESS_DEFAULT[key]})")
+        elif key == "extra_optimizer_config":
+            _check_extra_optimizer_config(value)
+        elif key not in _NO_EFFECT and key not in _TBEGEN_ARGS and key not in declared:
+            unknown.append(key)
+    if unknown:
+        raise TypeError(
+            f"tbegen: unknown argument(s) {', '.join(map(repr, unknown))}: neither FBGEMM's nor a hyperparameter "
+            f"of optimizer {spec.name!r} (its hyperparameters: {sorted(declared)})"
+        )
+    return {k: v for k, v in others.items() if k in _TBEGEN_ARGS}
+
+
+def _devices(embedding_specs, device) -> Tuple[List[Tuple[int, int]], torch.device]:
+    """Tables and the torch device from FBGEMM's (rows, dim, location, compute_device) specs."""
+    if isinstance(embedding_specs, (str, bytes)) or not isinstance(embedding_specs, Sequence) or not embedding_specs:
+        raise TypeError("tbegen: embedding_specs must be a non-empty list of (rows, dim, location, compute_device) tuples")
+    tables, computes = [], []
+    for t, entry in enumerate(embedding_specs):
+        if not isinstance(entry, Sequence) or len(entry) != 4:
+            raise TypeError(f"tbegen: embedding_specs[{t}] must be (rows, dim, location, compute_device), got {entry!r}")
+        rows, dim, location, compute = entry
+        location = _enum_member(location, EmbeddingLocation, f"embedding_specs[{t}] location")
+        compute = _enum_member(compute, ComputeDevice, f"embedding_specs[{t}] compute_device")
+        if compute == "MTIA":
+            raise NotImplementedError(f"tbegen: embedding_specs[{t}] compute_device MTIA is not supported (CPU or CUDA)")
+        wanted = "HOST" if compute == "CPU" else "DEVICE"
+        if location != wanted:
+            raise NotImplementedError(
+                f"tbegen: embedding_specs[{t}] location {location} with compute_device {compute} is not supported: "
+                f"tbegen keeps every table in the memory of its compute device (location {wanted}); "
+                f"MANAGED and MANAGED_CACHING placements do not exist yet"
+            )
+        tables.append((rows, dim))
+        computes.append(compute)
+    if len(set(computes)) != 1:
+        raise ValueError(f"tbegen: embedding_specs mixes compute devices {computes}; all tables need the same one")
+    if computes[0] == "CPU":
+        if device is not None and torch.device(device).type != "cpu":
+            raise ValueError(f"tbegen: device {device!r} does not match compute_device CPU of embedding_specs")
+        return tables, torch.device("cpu")
+    if device is None:
+        if not torch.cuda.is_available():
+            raise RuntimeError("tbegen: embedding_specs ask for compute_device CUDA, but CUDA is not available to torch here")
+        return tables, torch.device("cuda", torch.cuda.current_device())
+    dev = torch.device(device) if not isinstance(device, int) else torch.device("cuda", device)
+    if dev.type != "cuda":
+        raise ValueError(f"tbegen: device {device!r} does not match compute_device CUDA of embedding_specs")
+    return tables, dev
+
+
+# ---- the module --------------------------------------------------------------------------------
+
+
+class SplitTableBatchedEmbeddingBagsCodegen(nn.Module):
+    """FBGEMM's training TBE interface on a tbegen `TableBatchedEmbeddingBags`.
+
+    The arguments are FBGEMM's (see the module docstring and docs/fbgemm.md). Beyond them:
+    `optimizer` may be any tbegen spec name, YAML path or OptimizerSpec, whose own hyperparameters
+    are keyword arguments; `seed` (default 0) seeds the initial weights and the stochastic
+    rounding; `max_segment_length_per_warp` is tbegen's CUDA tuning knob.
+    """
+
+    def __init__(
+        self,
+        embedding_specs: Sequence[Tuple[int, int, Any, Any]],
+        feature_table_map: Optional[Sequence[int]] = None,
+        *,  # FBGEMM's other arguments by keyword (its positional order has cache arguments here)
+        weights_precision: Any = SparseType.FP32,
+        output_dtype: Any = SparseType.FP32,
+        optimizer: Any = EmbOptimType.EXACT_SGD,
+        stochastic_rounding: bool = True,
+        learning_rate: float = 0.01,
+        eps: float = 1.0e-8,
+        momentum: float = 0.9,
+        weight_decay: float = 0.0,
+        weight_decay_mode: Any = WeightDecayMode.NONE,
+        eta: float = 0.001,
+        beta1: float = 0.9,
+        beta2: float = 0.999,
+        max_norm: float = 0.0,
+        pooling_mode: Any = PoolingMode.SUM,
+        device: Any = None,
+        bounds_check_mode: Any = BoundsCheckMode.WARNING,
+        **kwargs,
+    ):
+        super().__init__()
+        spec, fbgemm_name = _resolve_optimizer(optimizer)
+        tables, dev = _devices(embedding_specs, device)
+
+        precision = _enum_member(weights_precision, SparseType, "weights_precision")
+        if precision not in _PRECISIONS:
+            raise NotImplementedError(
+                f"tbegen: weights_precision {precision} is not supported for training (FP32, FP16 or BF16); "
+                f"quantised types are FBGEMM's inference-only formats"
+            )
+        out_precision = _enum_member(output_dtype, SparseType, "output_dtype")
+        if out_precision != "FP32":
+            raise NotImplementedError(f"tbegen: output_dtype {out_precision} is not supported yet; the output is FP32")
+        pooling = _enum_member(pooling_mode, PoolingMode, "pooling_mode")
+        bounds = _enum_member(bounds_check_mode, BoundsCheckMode, "bounds_check_mode").replace("V2_", "")
+
+        fbgemm_values = dict(
+            learning_rate=learning_rate, eps=eps, momentum=momentum, weight_decay=weight_decay,
+            weight_decay_mode=weight_decay_mode, eta=eta, beta1=beta1, beta2=beta2, max_norm=max_norm,
+        )
+        fbgemm_values.update({k: v for k, v in kwargs.items() if k in FBGEMM_HYPERPARAMETERS})
+        others = {k: v for k, v in kwargs.items() if k not in FBGEMM_HYPERPARAMETERS}
+        hyper = _spec_hyperparameters(spec, fbgemm_values, others)
+        module_args = _check_other_arguments(spec, others)
+
+        inner = TableBatchedEmbeddingBags(
+            tables, optimizer=spec, pooling=pooling.lower(), weights_dtype=_PRECISIONS[precision],
+            stochastic_rounding=stochastic_rounding, device=dev, feature_table_map=feature_table_map,
+            **module_args, **hyper,
+        )
+        # Held outside nn.Module's registry so that state_dict() is this class's FBGEMM-shaped one
+        # (see _save_to_state_dict); _apply below moves it with .to()/.cuda()/.cpu().
+        object.__setattr__(self, "_tbe", inner)
+        # As FBGEMM, the arguments as given (fbgemm_gpu's enums stay fbgemm_gpu's enums) ...
+        self.optimizer = optimizer
+        self.pooling_mode = pooling_mode
+        self.weights_precision = weights_precision
+        self.embedding_specs = [tuple(s) for s in embedding_specs]
+        self.feature_table_map: List[int] = list(inner.layout.feature_table_map)
+        self.stochastic_rounding = bool(stochastic_rounding)
+        self.bounds_check_mode_int: int = BoundsCheckMode[bounds].value
+        # ... and what they were resolved to.
+        self.optimizer_name: str = spec.name  # the tbegen spec
+        self.fbgemm_optimizer: Optional[str] = fbgemm_name  # FBGEMM's EmbOptimType member name, if any
+        self._bounds_check: str = bounds
+        self._warned_bounds = False
+        # Rows of the table each feature reads: the bounds check's limit per feature.
+        self._rows_per_feature = torch.tensor(
+            [tables[t][0] for t in self.feature_table_map], dtype=torch.int64, device=dev
+        )
+
+    # ---- the tbegen module underneath ----
+
+    @property
+    def tbe(self) -> TableBatchedEmbeddingBags:
+        """The `tbegen.TableBatchedEmbeddingBags` doing the work."""
+        return self._tbe
+
+    def _apply(self, fn, recurse=True):
+        self._tbe._apply(fn)
+        self._rows_per_feature = fn(self._rows_per_feature)
+        return super()._apply(fn, recurse)
+
+    @property
+    def current_device(self) -> torch.device:
+        return self._tbe.weights.device
+
+    @property
+    def iter(self) -> torch.Tensor:
+        """The step counter as FBGEMM holds it: int64 [1] (updates done so far)."""
+        return torch.tensor([self._tbe.step], dtype=torch.int64)
+
+    @property
+    def weights_dev(self) -> torch.Tensor:
+        w = self._tbe.weights.detach()
+        return w if w.is_cuda else w.new_empty(0)
+
+    @property
+    def weights_host(self) -> torch.Tensor:
+        w = self._tbe.weights.detach()
+        return w if not w.is_cuda else w.new_empty(0)
+
+    @property
+    def weights_uvm(self) -> torch.Tensor:
+        return self._tbe.weights.detach().new_empty(0)
+
+    # ---- forward ----
+
+    def forward(
+        self,
+        indices: torch.Tensor,
+        offsets: torch.Tensor,
+        per_sample_weights: Optional[torch.Tensor] = None,
+        feature_requires_grad: Optional[torch.Tensor] = None,
+        batch_size_per_feature_per_rank: Optional[List[List[int]]] = None,
+        total_unique_indices: Optional[int] = None,
+        **unsupported,
+    ) -> torch.Tensor:
+        """Pooled lookup: float32 [B, total_D] (SUM, MEAN) or [N, dim] (NONE). The backward that
+        runs through the output applies the optimizer (FBGEMM's semantics; see docs/module.md).
+
+        `feature_requires_grad` (int or bool, one entry per feature): the per-sample weights of a
+        feature with 0 get no gradient. `total_unique_indices` is accepted and not needed.
+        """
+        if batch_size_per_feature_per_rank is not None:
+            raise NotImplementedError("tbegen: batch_size_per_feature_per_rank (variable batch size, VBE) is not supported")
+        unknown = [k for k in unsupported if k not in _FORWARD_UNSUPPORTED]
+        if unknown:
+            raise TypeError(f"tbegen: forward() got unexpected argument(s) {', '.join(unknown)}")
+        given = [k for k, v in unsupported.items() if v is not None]
+        if given:
+            raise NotImplementedError(f"tbegen: forward argument(s) {', '.join(given)} are not supported")
+        if self._bounds_check in ("WARNING", "IGNORE") and isinstance(indices, torch.Tensor):
+            indices = self._zero_out_of_range(indices, offsets)
+        if per_sample_weights is not None and feature_requires_grad is not None:
+            per_sample_weights = self._mask_weight_gradient(per_sample_weights, offsets, feature_requires_grad)
+        return self._tbe(indices, offsets, per_sample_weights)
+
+    def _feature_of_each_index(self, offsets: torch.Tensor, n: int) -> Optional[torch.Tensor]:
+        """The feature each index belongs to, or None when the offsets are malformed (the
+        operators then raise their error naming the problem)."""
+        F = self._tbe.num_features
+        if not isinstance(offsets, torch.Tensor) or offsets.dim() != 1 or offsets.numel() < 1 or (offsets.numel() - 1) % F:
+            return None
+        offsets = offsets.to(torch.int64)
+        lengths = offsets[1:] - offsets[:-1]
+        if offsets[0].item() != 0 or offsets[-1].item() != n or bool((lengths < 0).any()):
+            return None
+        B = lengths.numel() // F
+        bag_feature = torch.arange(F * B, device=offsets.device) // max(B, 1)
+        return torch.repeat_interleave(bag_feature, lengths, output_size=n)
+
+    def _zero_out_of_range(self, indices: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        """FBGEMM's WARNING / IGNORE bounds check: an index outside its table becomes 0."""
+        if indices.dim() != 1 or indices.numel() == 0 or indices.device != self._rows_per_feature.device:
+            return indices
+        feature = self._feature_of_each_index(offsets, indices.numel())
+        if feature is None:
+            return indices
+        bad = (indices < 0) | (indices >= self._rows_per_feature[feature])
+        if not bool(bad.any()):
+            return indices
+        if self._bounds_check == "WARNING" and not self._warned_bounds:
+            self._warned_bounds = True
+            first = int(bad.nonzero()[0, 0])
+            warnings.warn(
+                f"tbegen: {int(bad.sum())} index(es) out of range of their table (the first: indices[{first}] = "
+                f"{int(indices[first])} for feature {int(feature[first])}, whose table has "
+                f"{int(self._rows_per_feature[feature[first]])} rows); set to 0 (bounds_check_mode WARNING; "
+                f"warned once per module)",
+                stacklevel=3,
+            )
+        return torch.where(bad, torch.zeros_like(indices), indices)
+
+    def _mask_weight_gradient(self, per_sample_weights, offsets, feature_requires_grad):
+        F = self._tbe.num_features
+        if not isinstance(feature_requires_grad, torch.Tensor) or feature_requires_grad.numel() != F:
+            raise ValueError(f"tbegen: feature_requires_grad must be a tensor with one entry per feature ({F})")
+        if not isinstance(per_sample_weights, torch.Tensor) or not per_sample_weights.requires_grad:
+            return per_sample_weights
+        feature = self._feature_of_each_index(offsets, per_sample_weights.numel())
+        if feature is None:
+            raise ValueError("tbegen: offsets must be well formed (F * B + 1 entries from 0 to N, non-decreasing) "
+                             "to apply feature_requires_grad")
+        keep = feature_requires_grad.to(device=per_sample_weights.device, dtype=torch.bool)[feature]
+        # Same values; the gradient flows only into the weights of features that require it.
+        return torch.where(keep, per_sample_weights, per_sample_weights.detach())
+
+    # ---- weights, states, hyperparameters ----
+
+    def split_embedding_weights(self) -> List[torch.Tensor]:
+        """Per table, a [rows, dim] view of the weights (writable)."""
+        return self._tbe.split_embedding_weights()
+
+    def split_optimizer_states(self) -> List[List[torch.Tensor]]:
+        """Per table, the list of its optimizer states in FBGEMM's order (momentum1, momentum2):
+        per-element states [rows, dim], per-row states [rows]. Like FBGEMM, an empty list for an
+        optimizer without states (EXACT_SGD)."""
+        names = [s.name for s in self._tbe.spec.states]
+        if not names:
+            return []
+        return [[views[n] for n in names] for views in self._tbe.split_optimizer_states()]
+
+    def get_optimizer_state(self) -> List[Dict[str, torch.Tensor]]:
+        """Per table, {name: state}, with FBGEMM's (torch.optim's) names where FBGEMM has them
+        ('sum', 'exp_avg', 'exp_avg_sq'), else the spec's state names."""
+        spec_names = [s.name for s in self._tbe.spec.states]
+        names = _OPTIMIZER_STATE_NAMES.get(self._tbe.spec.name, tuple(spec_names))
+        return [dict(zip(names, [views[n] for n in spec_names])) for views in self._tbe.split_optimizer_states()]
+
+    def init_embedding_weights_uniform(self, min_val: float, max_val: float) -> None:
+        """Refills every table from uniform(min_val, max_val), drawn from torch's global generator."""
+        with torch.no_grad():
+            for table in self.split_embedding_weights():
+                table.uniform_(min_val, max_val)
+
+    def set_learning_rate(self, lr: float) -> None:
+        self._tbe.set_learning_rate(lr)
+
+    def get_learning_rate(self) -> float:
+        # FBGEMM keeps the learning rate in a float32 tensor and returns that value.
+        return float(torch.tensor(self._tbe.get_learning_rate(), dtype=torch.float32))
+
+    def update_hyper_parameters(self, params_dict: Dict[str, float]) -> None:
+        """FBGEMM's setter: 'lr' is the learning rate; other keys are hyperparameter names."""
+        values = {("learning_rate" if k == "lr" else k): v for k, v in params_dict.items()}
+        self._tbe.set_hyperparameters(**values)
+
+    def set_optimizer_step(self, step: int) -> None:
+        """Sets the step counter (the next update runs with step + 1)."""
+        if isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 0:
+            raise ValueError(f"tbegen: step must be a non-negative int, got {step!r}")
+        self._tbe._step = int(step)  # the module's counter; no public setter by design
+
+    def flush(self) -> None:
+        """No cache to write back: every table lives in the memory of its compute device."""
+
+    # ---- state_dict: FBGEMM's keys ----
+
+    def _state_keys(self) -> Tuple[str, str]:
+        """FBGEMM's buffer suffix and placement code for where the tensors live."""
+        return ("dev", EmbeddingLocation.DEVICE.value) if self._tbe.weights.is_cuda else ("host", EmbeddingLocation.HOST.value)
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        tbe = self._tbe
+        suffix, placement = self._state_keys()
+        layout = tbe.layout
+        F = layout.num_features
+        device = tbe.weights.device
+
+        def per_feature(values):
+            return torch.tensor([values[t] for t in layout.feature_table_map], dtype=torch.int64, device=device)
+
+        placements = torch.full((F,), placement, dtype=torch.int32, device=device)
+        destination[prefix + "weights_" + suffix] = tbe.weights if keep_vars else tbe.weights.detach()
+        destination[prefix + "weights_offsets"] = per_feature(layout.table_offsets)
+        destination[prefix + "weights_placements"] = placements
+        for k, s in enumerate(tbe.spec.states, start=1):
+            buf = tbe.optimizer_state(s.name)
+            name = f"momentum{k}"
+            destination[prefix + f"{name}_{suffix}"] = buf if keep_vars else buf.detach()
+            bases = layout.table_offsets if s.per == "element" else layout.table_key_base
+            destination[prefix + f"{name}_offsets"] = per_feature(bases)
+            destination[prefix + f"{name}_placements"] = placements.clone()
+        destination[prefix + "iter"] = torch.tensor([tbe.step], dtype=torch.int64, device=device)
+        destination[prefix + "_extra_state"] = self.get_extra_state()
+
+    def get_extra_state(self) -> Dict[str, Any]:
+        return {"tbegen": self._tbe.get_extra_state()}
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
+        mine = {k[len(prefix):]: v for k, v in state_dict.items() if k.startswith(prefix) and "." not in k[len(prefix):]}
+        try:
+            used = _load_fbgemm_tensors(self, mine)
+        except _MissingKey as e:
+            missing_keys.append(prefix + e.args[0])
+            return
+        except (ValueError, RuntimeError, TypeError) as e:
+            error_msgs.append(str(e))
+            return
+        if strict:
+            for key in mine:
+                if key not in used and not _is_fbgemm_bookkeeping(key):
+                    unexpected_keys.append(prefix + key)
+
+
+class _MissingKey(KeyError):
+    pass
+
+
+# FBGEMM's state_dict entries that describe its layout, cache and statistics: checked where they
+# can disagree with this module's layout (below), otherwise not needed.
+_FBGEMM_BOOKKEEPING = {
+    "placeholder_autograd_tensor", "D_offsets", "hash_size_cumsum", "rows_per_table", "bounds_check_warning",
+    "feature_dims", "table_wise_cache_miss", "weights_uvm", "weights_dev", "weights_host",
+}
+_FBGEMM_BOOKKEEPING_PREFIXES = ("lxu_", "cache_", "uvm_cache", "local_uvm", "timestep")
+
+
+def _is_fbgemm_bookkeeping(key: str) -> bool:
+    return key in _FBGEMM_BOOKKEEPING or key.startswith(_FBGEMM_BOOKKEEPING_PREFIXES)
+
+
+def _flat_tensor(entries: Dict[str, torch.Tensor], name: str, t_feature: List[int], sizes: List[int]) -> List[torch.Tensor]:
+    """Per table, the slice of FBGEMM's buffer `name` (dev, host or uvm by its placement)."""
+    for key in (f"{name}_offsets", f"{name}_placements"):
+        if key not in entries:
+            raise _MissingKey(key)
+    offsets = entries[f"{name}_offsets"].tolist()
+    placements = entries[f"{name}_placements"].tolist()
+    buffers = {
+        EmbeddingLocation.DEVICE.value: f"{name}_dev",
+        EmbeddingLocation.HOST.value: f"{name}_host",
+        EmbeddingLocation.MANAGED.value: f"{name}_uvm",
+        EmbeddingLocation.MANAGED_CACHING.value: f"{name}_uvm",
+    }
+    out = []
+    expected_numel: Dict[str, int] = {}
+    for t, (f, size) in enumerate(zip(t_feature, sizes)):
+        if f >= len(offsets) or f >= len(placements):
+            raise ValueError(f"tbegen: the state_dict's {name}_offsets has {len(offsets)} entries, fewer than this module's features")
+        key = buffers.get(int(placements[f]))
+        if key is None:
+            raise ValueError(f"tbegen: the state_dict's {name}_placements[{f}] = {placements[f]} is not a placement tbegen reads")
+        if key not in entries:
+            raise _MissingKey(key)
+        buf = entries[key].reshape(-1)
+        start = int(offsets[f])
+        if start < 0 or start + size > buf.numel():
+            raise ValueError(
+                f"tbegen: the state_dict's {key} has {buf.numel()} elements; table {t} needs {size} from offset {start} "
+                f"(a state_dict of another layout?)"
+            )
+        out.append(buf[start : start + size])
+        expected_numel[key] = expected_numel.get(key, 0) + size
+    # Each buffer holds exactly its tables: a state of another shape (e.g. FBGEMM's per-element
+    # momentum1 of EXACT_ADAGRAD offered to the per-row state of EXACT_ROWWISE_ADAGRAD) is refused.
+    for key, numel in expected_numel.items():
+        if entries[key].numel() != numel:
+            raise ValueError(
+                f"tbegen: the state_dict's {key} has {entries[key].numel()} elements, this module's tables need {numel} "
+                f"(another optimizer or layout?)"
+            )
+    return out
+
+
+def _load_fbgemm_tensors(module: SplitTableBatchedEmbeddingBagsCodegen, entries: Dict[str, torch.Tensor]) -> set:
+    """Copies weights, optimizer states and the step counter from FBGEMM-keyed entries (this
+    class's state_dict or FBGEMM's own, any placement) into the module. Checks everything before
+    writing anything. Returns the keys it used."""
+    tbe = module._tbe
+    layout = tbe.layout
+    used = set()
+    if "_extra_state" in entries:
+        extra = entries["_extra_state"]
+        if not isinstance(extra, dict) or "tbegen" not in extra:
+            raise RuntimeError("tbegen: the state_dict's _extra_state was not written by tbegen's SplitTableBatchedEmbeddingBagsCodegen")
+        used.add("_extra_state")
+    # FBGEMM's per-feature layout description, where present, must be this module's.
+    dims = [layout.tables[t][1] for t in layout.feature_table_map]
+    rows = [layout.tables[t][0] for t in layout.feature_table_map]
+    expect = {"rows_per_table": rows, "D_offsets": [sum(dims[:f]) for f in range(len(dims) + 1)]}
+    for key, value in expect.items():
+        if key in entries and [int(x) for x in entries[key].tolist()] != value:
+            raise ValueError(
+                f"tbegen: the state_dict's {key} is {entries[key].tolist()}, this module's is {value} "
+                f"(different embedding_specs or feature_table_map)"
+            )
+    first_feature = [layout.feature_table_map.index(t) for t in range(len(layout.tables))]
+    sizes = [E * D for E, D in layout.tables]
+    weights = _flat_tensor(entries, "weights", first_feature, sizes)
+    used |= {"weights_offsets", "weights_placements", "weights_dev", "weights_host", "weights_uvm"}
+    for t, w in enumerate(weights):
+        if w.dtype != tbe.weights_dtype:
+            raise TypeError(f"tbegen: the state_dict's weights are {w.dtype}, this module's are {tbe.weights_dtype} (table {t})")
+    states = []
+    for k, s in enumerate(tbe.spec.states, start=1):
+        name = f"momentum{k}"
+        sizes_k = sizes if s.per == "element" else [E for E, _ in layout.tables]
+        parts = _flat_tensor(entries, name, first_feature, sizes_k)
+        if any(p.dtype != torch.float32 for p in parts):
+            raise TypeError(f"tbegen: the state_dict's {name} must be float32 (optimizer state {s.name!r})")
+        states.append((s.name, parts))
+        used |= {f"{name}_offsets", f"{name}_placements", f"{name}_dev", f"{name}_host", f"{name}_uvm"}
+    for name in ("prev_iter", "row_counter"):
+        for where in ("dev", "host", "uvm"):
+            key = f"{name}_{where}"
+            if key in entries and entries[key].numel():
+                raise ValueError(
+                    f"tbegen: the state_dict holds FBGEMM's {key} (counter-based or global weight decay), which tbegen does not support"
+                )
+    step = None
+    if "iter" in entries:
+        step = int(entries["iter"].reshape(-1)[0])
+        if step < 0:
+            raise ValueError(f"tbegen: the state_dict's iter must be non-negative, got {step}")
+        used.add("iter")
+
+    # Everything checked: write.
+    if "_extra_state" in entries:
+        tbe.set_extra_state(entries["_extra_state"]["tbegen"])
+    with torch.no_grad():
+        for dst, src in zip(tbe.split_embedding_weights(), weights):
+            dst.copy_(src.view(dst.shape))
+        views = tbe.split_optimizer_states()
+        for name, parts in states:
+            for t, src in enumerate(parts):
+                views[t][name].copy_(src.view(views[t][name].shape))
+    if step is not None:
+        tbe._step = step
+    return used

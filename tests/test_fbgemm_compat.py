@@ -1,0 +1,574 @@
+"""tbegen.fbgemm_compat.SplitTableBatchedEmbeddingBagsCodegen: FBGEMM's interface on tbegen.
+
+Three parts:
+- the interface itself (no fbgemm_gpu needed): enum spellings, errors naming the argument,
+  optimizers FBGEMM lacks, state_dict round trip, feature_requires_grad, bounds checks;
+- differential tests against FBGEMM's CPU TBE (fbgemm-gpu-cpu; skipped where fbgemm_gpu is absent):
+  random shapes (hypothesis), several steps, weighted and not, SUM/MEAN, mixed dims, shared
+  tables; weights, optimizer states and outputs compared after every step; state_dicts moved
+  both ways;
+- the same against FBGEMM_GPU on a GPU (marked `cuda`; skipped without a GPU or without
+  fbgemm_gpu's CUDA operators) for every optimizer FBGEMM_GPU has.
+
+The largest differences seen are written to $TBEGEN_RESULTS_DIR/fbgemm_compat_<device>.json when
+that variable is set (docs/fbgemm.md quotes them).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tbegen.fbgemm_compat import (
+    BoundsCheckMode,
+    ComputeDevice,
+    EmbeddingLocation,
+    EmbOptimType,
+    PoolingMode,
+    SparseType,
+    SplitTableBatchedEmbeddingBagsCodegen as Compat,
+    WeightDecayMode,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+HAS_CUDA = torch.cuda.is_available()
+cuda = pytest.mark.cuda
+
+# Largest difference seen per (device, optimizer, variant, quantity), written at the end.
+MAX_DIFF: dict = {}
+
+
+def _record(device, optimizer, variant, quantity, value):
+    key = (device, optimizer, variant, quantity)
+    MAX_DIFF[key] = max(MAX_DIFF.get(key, 0.0), float(value))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _extensions(prebuilt):
+    """Every optimizer's extension, built once per session in parallel (conftest)."""
+    return prebuilt
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _write_results():
+    yield
+    out = os.environ.get("TBEGEN_RESULTS_DIR")
+    if not out or not MAX_DIFF:
+        return
+    Path(out).mkdir(parents=True, exist_ok=True)
+    for device in sorted({k[0] for k in MAX_DIFF}):
+        rows = [dict(optimizer=o, variant=v, quantity=q, max_abs_diff=d) for (dv, o, v, q), d in sorted(MAX_DIFF.items()) if dv == device]
+        meta = dict(torch=torch.__version__, fbgemm_gpu=_fbgemm_version(),
+                    gpu=torch.cuda.get_device_name() if device == "cuda" and HAS_CUDA else None)
+        with open(Path(out) / f"fbgemm_compat_{device}.json", "w") as f:
+            json.dump(dict(meta=meta, results=rows), f, indent=1)
+
+
+def host_specs(dims, rows=10):
+    return [(rows, d, EmbeddingLocation.HOST, ComputeDevice.CPU) for d in dims]
+
+
+def batch(rows_per_feature, B, gen, weighted, device="cpu", max_len=3, one_feature_per_table=None):
+    """One random batch in FBGEMM's layout (feature-major offsets), duplicates likely.
+
+    one_feature_per_table: a feature_table_map; then only one randomly chosen feature of each
+    table has non-empty bags (see test_cpu_fbgemm_updates_shared_tables_per_feature)."""
+    lengths = torch.randint(0, max_len + 1, (len(rows_per_feature), B), generator=gen)
+    if one_feature_per_table is not None:
+        ftm = list(one_feature_per_table)
+        for t in set(ftm):
+            sharing = [f for f, tf in enumerate(ftm) if tf == t]
+            active = sharing[int(torch.randint(0, len(sharing), (1,), generator=gen))]
+            for f in sharing:
+                if f != active:
+                    lengths[f] = 0
+    indices = torch.cat([torch.randint(0, E, (int(lengths[f].sum()),), generator=gen) for f, E in enumerate(rows_per_feature)])
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.reshape(-1).cumsum(0)])
+    psw = torch.rand(indices.numel(), generator=gen) + 0.5 if weighted else None
+    move = (lambda t: t.to(device)) if device != "cpu" else (lambda t: t)
+    return move(indices), move(offsets), (move(psw) if psw is not None else None), lengths
+
+
+# ---- the interface -----------------------------------------------------------------------------
+
+
+def test_imports_without_fbgemm_gpu():
+    code = ("import sys, tbegen, tbegen.fbgemm_compat as c; tbegen.SplitTableBatchedEmbeddingBagsCodegen; "
+            "assert 'fbgemm_gpu' not in sys.modules, 'fbgemm_gpu imported'")
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    subprocess.run([sys.executable, "-c", code], check=True, env=env, cwd=ROOT)
+
+
+@pytest.mark.parametrize("optimizer", [EmbOptimType.EXACT_ROWWISE_ADAGRAD, "EXACT_ROWWISE_ADAGRAD",
+                                       "exact_row_wise_adagrad", "rowwise_adagrad"])
+def test_enum_spellings(optimizer):
+    m = Compat([(10, 4, "host", 0), (7, 8, EmbeddingLocation.HOST, "CPU")], optimizer=optimizer,
+               pooling_mode=1, weights_precision="fp16", bounds_check_mode="FATAL", weight_decay_mode=2, weight_decay=0.1)
+    assert m.optimizer_name == "rowwise_adagrad" and m.fbgemm_optimizer == "EXACT_ROWWISE_ADAGRAD"
+    assert m.optimizer is optimizer and m.pooling_mode == 1 and m.weights_precision == "fp16"  # as given, as FBGEMM
+    assert m.tbe.pooling == "mean" and m.tbe.weights_dtype == torch.float16 and m.bounds_check_mode_int == 0
+    assert m.tbe.hyperparameters["weight_decay_mode"] == 2
+    # FBGEMM's integer enums share values across classes: a PoolingMode is no EmbeddingLocation.
+    with pytest.raises(TypeError, match=r"embedding_specs\[0\] location must be a EmbeddingLocation"):
+        Compat([(10, 4, PoolingMode.SUM, ComputeDevice.CPU)])
+
+
+@pytest.mark.parametrize(
+    "kwargs,error,message",
+    [
+        (dict(embedding_specs=[(10, 4, EmbeddingLocation.MANAGED, ComputeDevice.CUDA)]), NotImplementedError,
+         r"embedding_specs\[0\] location MANAGED"),
+        (dict(embedding_specs=[(10, 4, EmbeddingLocation.DEVICE, ComputeDevice.CPU)]), NotImplementedError,
+         r"embedding_specs\[0\] location DEVICE with compute_device CPU"),
+        (dict(embedding_specs=[(10, 4, EmbeddingLocation.HOST, ComputeDevice.MTIA)]), NotImplementedError,
+         r"compute_device MTIA"),
+        (dict(weights_precision=SparseType.INT8), NotImplementedError, r"weights_precision INT8"),
+        (dict(output_dtype=SparseType.FP16), NotImplementedError, r"output_dtype FP16"),
+        (dict(gradient_clipping=True), NotImplementedError, r"gradient_clipping"),
+        (dict(optimizer=EmbOptimType.EXACT_ROWWISE_ADAGRAD, weight_decay_mode=WeightDecayMode.COUNTER),
+         NotImplementedError, r"weight_decay_mode COUNTER"),
+        (dict(optimizer="ENSEMBLE_ROWWISE_ADAGRAD"), ValueError, r"optimizer 'ENSEMBLE_ROWWISE_ADAGRAD'"),
+        (dict(optimizer=EmbOptimType.NONE), NotImplementedError, r"EmbOptimType.NONE"),
+        (dict(prefetch_pipeline=True), NotImplementedError, r"prefetch_pipeline"),
+        (dict(cache_load_fator=0.2), TypeError, r"unknown argument\(s\) 'cache_load_fator'"),
+        (dict(learning_rate="0.1"), TypeError, r"'learning_rate'"),
+        (dict(pooling_mode="max"), ValueError, r"pooling_mode must be a PoolingMode"),
+        (dict(optimizer="ftrl", l3=1.0), TypeError, r"'l3'"),
+    ],
+)
+def test_errors_name_the_argument(kwargs, error, message):
+    kwargs = dict(kwargs)
+    specs = kwargs.pop("embedding_specs", host_specs([4]))
+    with pytest.raises(error, match=message):
+        Compat(specs, **kwargs)
+
+
+def test_forward_refuses_variable_batch_size():
+    m = Compat(host_specs([4]))
+    with pytest.raises(NotImplementedError, match="batch_size_per_feature_per_rank"):
+        m(torch.tensor([1]), torch.tensor([0, 1]), batch_size_per_feature_per_rank=[[1]])
+    with pytest.raises(NotImplementedError, match="vbe_output"):
+        m(torch.tensor([1]), torch.tensor([0, 1]), vbe_output=torch.zeros(1, 4))
+    with pytest.raises(TypeError, match="per_sample_weight"):
+        m(torch.tensor([1]), torch.tensor([0, 1]), per_sample_weight=torch.ones(1))
+    assert m(torch.tensor([1]), torch.tensor([0, 1]), vbe_output=None, total_unique_indices=1).shape == (1, 4)
+
+
+def test_optimizers_fbgemm_lacks():
+    adamw = Compat(host_specs([4, 8]), optimizer="adamw", weight_decay=0.1)
+    # FBGEMM's defaults apply to the hyperparameters it names; the spec's to the others.
+    assert adamw.tbe.hyperparameters == dict(learning_rate=0.01, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1)
+    ftrl = Compat(host_specs([4]), optimizer="ftrl", l1=0.001)  # the spec's own hyperparameters by name
+    assert ftrl.tbe.hyperparameters["l1"] == 0.001 and ftrl.tbe.hyperparameters["learning_rate"] == 0.01
+    path = ROOT / "optimizers" / "sgd.yaml"  # a spec reached by its path
+    mine = Compat(host_specs([4]), optimizer=str(path), learning_rate=0.5)
+    assert mine.optimizer_name == "sgd" and mine.fbgemm_optimizer is None and mine.get_learning_rate() == 0.5
+    with torch.no_grad():
+        before = adamw.split_embedding_weights()[1].clone()
+    adamw(torch.tensor([1, 2]), torch.tensor([0, 1, 2])).sum().backward()
+    after = adamw.split_embedding_weights()[1]
+    assert not torch.equal(before[2], after[2]) and torch.equal(before[3], after[3])
+    states = adamw.split_optimizer_states()
+    assert [[tuple(s.shape) for s in t] for t in states] == [[(10, 4), (10, 4)], [(10, 8), (10, 8)]]
+
+
+def test_ignored_hyperparameters_warn():
+    with pytest.warns(UserWarning, match=r"optimizer 'sgd' does not use beta1, eps"):
+        Compat(host_specs([4]), optimizer=EmbOptimType.EXACT_SGD, eps=1e-3, beta1=0.5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        Compat(host_specs([4]), optimizer=EmbOptimType.EXACT_SGD, eps=1e-8, beta1=0.9)  # FBGEMM's defaults
+
+
+def test_learning_rate_and_hyperparameters():
+    m = Compat(host_specs([4]), optimizer=EmbOptimType.EXACT_ROWWISE_ADAGRAD, learning_rate=0.1)
+    assert m.get_learning_rate() == float(torch.tensor(0.1, dtype=torch.float32))  # float32, as FBGEMM
+    m.set_learning_rate(0.25)
+    assert m.get_learning_rate() == 0.25
+    m.update_hyper_parameters({"lr": 0.5, "eps": 1e-6})
+    assert m.tbe.hyperparameters["learning_rate"] == 0.5 and m.tbe.hyperparameters["eps"] == 1e-6
+    m.set_optimizer_step(7)
+    assert int(m.iter[0]) == 7
+    m.flush()
+
+
+def train(m, steps, gen, weighted=True, F=None):
+    rows = [m.tbe.layout.tables[t][0] for t in m.feature_table_map]
+    for _ in range(steps):
+        indices, offsets, psw, _ = batch(rows, 3, gen, weighted)
+        out = m(indices, offsets, psw)
+        out.backward(torch.randn(out.shape, generator=gen))
+
+
+@pytest.mark.parametrize("optimizer,precision", [("EXACT_ROWWISE_ADAGRAD", "FP32"), ("adamw", "FP16")])
+def test_state_dict_round_trip(optimizer, precision):
+    kw = dict(optimizer=optimizer, weights_precision=precision, feature_table_map=[0, 1, 0], learning_rate=0.1)
+    whole, first = Compat(host_specs([4, 8]), **kw), Compat(host_specs([4, 8]), **kw)
+    train(whole, 4, torch.Generator().manual_seed(1))
+    gen = torch.Generator().manual_seed(1)
+    train(first, 2, gen)
+    buf = io.BytesIO()
+    torch.save(first.state_dict(), buf)
+    buf.seek(0)
+    second = Compat(host_specs([4, 8]), **dict(kw, learning_rate=0.9))
+    second.load_state_dict(torch.load(buf, weights_only=True))
+    assert second.get_learning_rate() == whole.get_learning_rate()  # hyperparameters travel
+    train(second, 2, gen)
+    assert torch.equal(second.tbe.weights, whole.tbe.weights) and int(second.iter[0]) == 4
+    for a, b in zip(second.split_optimizer_states(), whole.split_optimizer_states()):
+        assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def test_load_state_dict_refuses_another_layout():
+    sd = Compat(host_specs([4, 8]), optimizer="EXACT_ADAGRAD").state_dict()
+    with pytest.raises(RuntimeError, match="different embedding_specs|another layout|tables"):
+        Compat(host_specs([4, 4]), optimizer="EXACT_ADAGRAD").load_state_dict(sd)
+    with pytest.raises(RuntimeError, match="optimizer"):
+        Compat(host_specs([4, 8]), optimizer="EXACT_ROWWISE_ADAGRAD").load_state_dict(sd)
+    sd = {k: v for k, v in sd.items() if k != "momentum1_host"}
+    with pytest.raises(RuntimeError, match='Missing key.*"momentum1_host"'):
+        Compat(host_specs([4, 8]), optimizer="EXACT_ADAGRAD").load_state_dict(sd)
+
+
+def test_feature_requires_grad():
+    m = Compat(host_specs([4, 8]), optimizer="EXACT_SGD", learning_rate=0.0)
+    indices, offsets = torch.tensor([1, 2, 3, 4, 5]), torch.tensor([0, 2, 3, 5, 5])
+    grads = []
+    for frg in (None, torch.tensor([0, 1])):
+        psw = torch.tensor([1.0, 2.0, 3.0, 4.0, 5.0], requires_grad=True)
+        out = m(indices, offsets, psw, feature_requires_grad=frg)
+        out.backward(torch.ones_like(out))
+        grads.append(psw.grad)
+    assert torch.equal(grads[1][:3], torch.zeros(3)) and torch.equal(grads[1][3:], grads[0][3:])
+    assert grads[0][:3].abs().sum() > 0
+
+
+def test_bounds_check_modes():
+    fixed = Compat(host_specs([4, 4], rows=5), optimizer="EXACT_SGD", learning_rate=0.3)
+    ref = Compat(host_specs([4, 4], rows=5), optimizer="EXACT_SGD", learning_rate=0.3)
+    offsets = torch.tensor([0, 2, 3])
+    with pytest.warns(UserWarning, match=r"indices\[2\] = 5 for feature 1"):
+        out = fixed(torch.tensor([1, 4, 5]), offsets)
+    out_ref = ref(torch.tensor([1, 4, 0]), offsets)
+    assert torch.equal(out, out_ref)
+    out.sum().backward()
+    out_ref.sum().backward()
+    assert torch.equal(fixed.tbe.weights, ref.tbe.weights)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        Compat(host_specs([4]), bounds_check_mode=BoundsCheckMode.IGNORE)(torch.tensor([-1]), torch.tensor([0, 1]))
+    with pytest.raises(RuntimeError, match="out of range"):
+        Compat(host_specs([4]), bounds_check_mode=BoundsCheckMode.FATAL)(torch.tensor([10]), torch.tensor([0, 1]))
+
+
+# ---- differential tests against FBGEMM --------------------------------------------------------
+
+
+def _fbgemm_version():
+    mod = sys.modules.get("fbgemm_gpu")
+    return getattr(mod, "__version__", None)
+
+
+def import_fbgemm():
+    """fbgemm_gpu's classes, or a pytest skip. Libraries missing from a trimmed install (the GPU
+    machine's bundle carries only the training code) are skipped rather than fatal."""
+    original = torch.ops.load_library
+
+    def load_if_present(path):
+        if os.path.exists(path):
+            original(path)
+
+    torch.ops.load_library = load_if_present
+    try:
+        pytest.importorskip("fbgemm_gpu")
+    finally:
+        torch.ops.load_library = original
+    from fbgemm_gpu.split_embedding_configs import EmbOptimType as FbOpt, SparseType as FbSparse
+    from fbgemm_gpu.split_table_batched_embeddings_ops_common import (
+        ComputeDevice as FbCompute,
+        EmbeddingLocation as FbLocation,
+        PoolingMode as FbPooling,
+    )
+    from fbgemm_gpu.split_table_batched_embeddings_ops_training import SplitTableBatchedEmbeddingBagsCodegen as FbTBE
+
+    try:
+        from fbgemm_gpu.tbe.config.optimizer_config import WeightDecayMode as FbWD
+    except ImportError:  # older releases
+        from fbgemm_gpu.split_table_batched_embeddings_ops_training import WeightDecayMode as FbWD
+    return dict(TBE=FbTBE, Opt=FbOpt, Sparse=FbSparse, Compute=FbCompute, Location=FbLocation, Pooling=FbPooling, WD=FbWD)
+
+
+def make_pair(fb, optimizer, dims, rows, feature_table_map, pooling, device, precision="FP32", **hyper):
+    """An FBGEMM module and ours, built from the same arguments (FBGEMM's enums), same weights."""
+    on_gpu = device != "cpu"
+    specs = [(rows, d, fb["Location"].DEVICE if on_gpu else fb["Location"].HOST,
+              fb["Compute"].CUDA if on_gpu else fb["Compute"].CPU) for d in dims]
+    args = dict(feature_table_map=feature_table_map, optimizer=getattr(fb["Opt"], optimizer),
+                pooling_mode=getattr(fb["Pooling"], pooling), weights_precision=getattr(fb["Sparse"], precision),
+                stochastic_rounding=False, **hyper)
+    if "weight_decay_mode" in args:
+        args["weight_decay_mode"] = getattr(fb["WD"], args["weight_decay_mode"])
+    theirs = fb["TBE"](specs, device=torch.device(device), **args)
+    ours = Compat(specs, device=device, **args)
+    with torch.no_grad():
+        for a, b in zip(theirs.split_embedding_weights(), ours.split_embedding_weights()):
+            a.copy_(b)
+    return theirs, ours
+
+
+def max_diff(a, b):
+    return (a.double() - b.double()).abs().max().item() if a.numel() else 0.0
+
+
+def run_differential(fb, optimizer, dims, rows, ftm, pooling, weighted, steps, seed, device="cpu",
+                     precision="FP32", variant=None, **hyper):
+    """Trains both for `steps` random batches; returns the largest differences (outputs, weights,
+    each state) relative to the largest magnitude of each quantity."""
+    theirs, ours = make_pair(fb, optimizer, dims, rows, ftm, pooling, device, precision, **hyper)
+    gen = torch.Generator().manual_seed(seed)
+    rows_pf = [rows] * len(ftm)
+    dims_pf = [dims[t] for t in ftm]
+    worst = dict(output=0.0, weights=0.0, states=0.0)
+    # FBGEMM's CPU updates a shared table once per feature (see the test below); tbegen, like
+    # FBGEMM's GPU, sums the features' gradients first. Where that differs (all but SGD), each CPU
+    # batch looks up a shared table through one of its features only.
+    per_feature_quirk = device == "cpu" and optimizer != "EXACT_SGD" and len(set(ftm)) < len(ftm)
+    for _ in range(steps):
+        indices, offsets, psw, lengths = batch(rows_pf, 3, gen, weighted, device,
+                                               one_feature_per_table=ftm if per_feature_quirk else None)
+        out_t, out_o = theirs(indices, offsets, psw), ours(indices, offsets, psw)
+        worst["output"] = max(worst["output"], max_diff(out_t, out_o))
+        grad = torch.randn(out_o.shape, generator=gen).to(device)
+        grad_theirs = grad
+        if weighted and pooling == "MEAN" and device == "cpu":
+            # FBGEMM's CPU weighted MEAN backward leaves out the forward's 1/L (docs/fbgemm.md); giving
+            # it grad / L makes its update the true gradient's, which tbegen computes. (Its CUDA
+            # backward divides by L for weighted bags too.)
+            scale = torch.cat([(1.0 / lengths[f].clamp(min=1).double()).float()[:, None].expand(-1, D)
+                               for f, D in enumerate(dims_pf)], dim=1).to(device)
+            grad_theirs = grad * scale
+        out_t.backward(grad_theirs)
+        out_o.backward(grad)
+        for a, b in zip(theirs.split_embedding_weights(), ours.split_embedding_weights()):
+            worst["weights"] = max(worst["weights"], max_diff(a, b))
+        st_t, st_o = theirs.split_optimizer_states(), ours.split_optimizer_states()
+        assert len(st_t) == len(st_o)
+        for ta, tb in zip(st_t, st_o):
+            assert [tuple(x.shape) for x in ta] == [tuple(x.shape) for x in tb]
+            for a, b in zip(ta, tb):
+                # relative to the state's scale (Adam's second moments are ~1e-3 of its first)
+                worst["states"] = max(worst["states"], max_diff(a, b) / max(b.abs().max().item(), 1e-30))
+    label = variant or optimizer
+    for quantity, value in worst.items():
+        _record(device, label, f"{pooling.lower()}{'-weighted' if weighted else ''}", quantity, value)
+    return worst
+
+
+CPU_OPTIMIZERS = ["EXACT_SGD", "EXACT_ADAGRAD", "EXACT_ROWWISE_ADAGRAD"]
+
+
+@pytest.fixture(scope="module")
+def fbgemm_cpu():
+    return import_fbgemm()
+
+
+shapes = st.fixed_dictionaries(dict(
+    dims=st.lists(st.sampled_from([4, 8, 12, 16]), min_size=1, max_size=3),
+    rows=st.integers(1, 12),
+    extra_features=st.lists(st.integers(0, 2), max_size=2),
+    pooling=st.sampled_from(["SUM", "MEAN"]),
+    weighted=st.booleans(),
+    lr=st.sampled_from([0.01, 0.1, 0.5]),
+    seed=st.integers(0, 2**16),
+))
+
+
+@pytest.mark.parametrize("optimizer", CPU_OPTIMIZERS)
+@settings(max_examples=10, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(shape=shapes)
+def test_cpu_matches_fbgemm(fbgemm_cpu, optimizer, shape):
+    """Weights, states and outputs after every one of 6 steps equal FBGEMM's CPU TBE within fp32
+    rounding, for random tables, shared tables, bag lengths 0-3, duplicates, SUM/MEAN, weights."""
+    T = len(shape["dims"])
+    ftm = list(range(T)) + [t % T for t in shape["extra_features"]]
+    hyper = dict(learning_rate=shape["lr"]) if optimizer == "EXACT_SGD" else dict(learning_rate=shape["lr"], eps=1e-6)
+    worst = run_differential(fbgemm_cpu, optimizer, shape["dims"], shape["rows"], ftm, shape["pooling"],
+                             shape["weighted"], steps=6, seed=shape["seed"], **hyper)
+    assert worst["output"] <= 1e-5 and worst["weights"] <= 1e-5 and worst["states"] <= 1e-5, worst
+
+
+@pytest.mark.parametrize("optimizer", CPU_OPTIMIZERS)
+def test_cpu_pooling_none_matches_fbgemm(fbgemm_cpu, optimizer):
+    """Pooling NONE (one output row per index), unweighted: equal to FBGEMM's CPU after every step.
+    Weighted, FBGEMM's CPU ignores the per-sample weights (documented below); tbegen applies them."""
+    # No shared table: FBGEMM 1.9.0's CPU forward with pooling NONE fails on one, like its fp16 forward.
+    worst = run_differential(fbgemm_cpu, optimizer, [8, 8], 6, [0, 1], "NONE", False, steps=5, seed=2, learning_rate=0.1)
+    assert worst["output"] <= 1e-5 and worst["weights"] <= 1e-5 and worst["states"] <= 1e-5, worst
+    theirs, ours = make_pair(fbgemm_cpu, optimizer, [4], 6, [0], "NONE", "cpu")
+    indices, offsets, psw = torch.tensor([1, 2]), torch.tensor([0, 1, 2]), torch.tensor([2.0, 3.0])
+    rows = ours.split_embedding_weights()[0][indices]
+    assert torch.equal(theirs(indices, offsets, psw), rows)
+    assert torch.equal(ours(indices, offsets, psw), rows * psw[:, None])
+
+
+@pytest.mark.parametrize("mode", ["NONE", "L2", "DECOUPLE"])
+def test_cpu_rowwise_adagrad_weight_decay_matches_fbgemm_fp16(fbgemm_cpu, mode):
+    """FBGEMM's CPU applies rowwise_adagrad's weight decay only off its fp32 fast path, so the
+    modes are compared with fp16 weights (rounded to nearest on both sides). No shared table: FBGEMM
+    1.9.0's CPU forward with fp16 weights fails on a feature_table_map that repeats a table."""
+    worst = run_differential(fbgemm_cpu, "EXACT_ROWWISE_ADAGRAD", [4, 8], 6, [0, 1], "SUM", True, steps=5, seed=3,
+                             precision="FP16", variant=f"EXACT_ROWWISE_ADAGRAD-fp16-wd-{mode}",
+                             learning_rate=0.1, weight_decay=0.2, weight_decay_mode=mode)
+    # fp16 weights: the two may round a value computed in fp32 to neighbouring fp16 numbers
+    assert worst["weights"] <= 2e-3 and worst["states"] <= 1e-3, worst
+
+
+@pytest.mark.parametrize("optimizer", ["EXACT_ADAGRAD", "EXACT_ROWWISE_ADAGRAD"])
+def test_cpu_fbgemm_updates_shared_tables_per_feature(fbgemm_cpu, optimizer):
+    """Documents a difference (docs/fbgemm.md): when two features of one batch look up the same row
+    of a shared table, FBGEMM's CPU applies one update per feature, where tbegen (and FBGEMM's GPU)
+    apply one update with the summed gradient. Row 1 gets gradient g0 through feature 0 and g2
+    through feature 2; the accumulators show which happened."""
+    theirs, ours = make_pair(fbgemm_cpu, optimizer, [4, 4], 2, [0, 1, 0], "SUM", "cpu", learning_rate=0.1, eps=1e-6)
+    g = torch.arange(1.0, 13.0).view(1, 12)
+    g0, g2 = g[0, 0:4], g[0, 8:12]
+    for m in (theirs, ours):
+        m(torch.tensor([1, 1, 1]), torch.tensor([0, 1, 2, 3])).backward(g)
+    acc_theirs, acc_ours = theirs.split_optimizer_states()[0][0][1], ours.split_optimizer_states()[0][0][1]
+    if optimizer == "EXACT_ADAGRAD":
+        assert torch.equal(acc_theirs, g0 * g0 + g2 * g2) and torch.equal(acc_ours, (g0 + g2) ** 2)
+    else:
+        assert acc_theirs == (g0 * g0).mean() + (g2 * g2).mean() and acc_ours == ((g0 + g2) ** 2).mean()
+
+
+@pytest.mark.parametrize("hyper", [dict(weight_decay=0.5, weight_decay_mode="DECOUPLE"), dict(max_norm=0.05)])
+def test_cpu_fbgemm_rowwise_adagrad_fp32_ignores(fbgemm_cpu, hyper):
+    """Documents a difference (docs/fbgemm.md): FBGEMM's CPU rowwise_adagrad on fp32 tables ignores
+    weight_decay and max_norm (FBGEMM with them = FBGEMM without them), tbegen applies them."""
+    plain, _ = make_pair(fbgemm_cpu, "EXACT_ROWWISE_ADAGRAD", [4], 5, [0], "SUM", "cpu", learning_rate=0.1)
+    theirs, ours = make_pair(fbgemm_cpu, "EXACT_ROWWISE_ADAGRAD", [4], 5, [0], "SUM", "cpu", learning_rate=0.1, **hyper)
+    for m in (plain, theirs, ours):
+        out = m(torch.tensor([1, 2]), torch.tensor([0, 2]))
+        out.backward(torch.ones_like(out))
+    assert torch.equal(plain.split_embedding_weights()[0], theirs.split_embedding_weights()[0])
+    assert (ours.split_embedding_weights()[0] - theirs.split_embedding_weights()[0]).abs().max() > 1e-3
+
+
+def test_state_dict_moves_between_fbgemm_and_tbegen(fbgemm_cpu):
+    fb = fbgemm_cpu
+    theirs, ours = make_pair(fb, "EXACT_ROWWISE_ADAGRAD", [4, 8], 7, [0, 1, 1], "SUM", "cpu", learning_rate=0.1)
+    gen = torch.Generator().manual_seed(5)
+    for _ in range(2):  # different training on the two sides
+        indices, offsets, psw, _ = batch([7, 7, 7], 2, gen, True)
+        theirs(indices, offsets, psw).sum().backward()
+    # FBGEMM -> tbegen, strict: FBGEMM's own bookkeeping entries are understood
+    ours.load_state_dict(theirs.state_dict())
+    for a, b in zip(theirs.split_embedding_weights(), ours.split_embedding_weights()):
+        assert torch.equal(a, b)
+    for a, b in zip(theirs.split_optimizer_states(), ours.split_optimizer_states()):
+        assert torch.equal(a[0], b[0])
+    # tbegen -> FBGEMM (strict=False: tbegen keeps no cache bookkeeping)
+    indices, offsets, psw, _ = batch([7, 7, 7], 2, gen, True)
+    ours(indices, offsets, psw).sum().backward()
+    fresh = make_pair(fb, "EXACT_ROWWISE_ADAGRAD", [4, 8], 7, [0, 1, 1], "SUM", "cpu", learning_rate=0.1)[0]
+    result = fresh.load_state_dict(ours.state_dict(), strict=False)
+    assert not [k for k in result.missing_keys if k.startswith(("weights_host", "momentum1_host"))]
+    for a, b in zip(fresh.split_embedding_weights(), ours.split_embedding_weights()):
+        assert torch.equal(a, b)
+    for a, b in zip(fresh.split_optimizer_states(), ours.split_optimizer_states()):
+        assert torch.equal(a[0], b[0])
+    # a state_dict of another layout or optimizer is refused with a message, nothing written
+    before = ours.state_dict()
+    other = make_pair(fb, "EXACT_ROWWISE_ADAGRAD", [4, 8], 7, [0, 1], "SUM", "cpu")[0]
+    with pytest.raises(RuntimeError, match="rows_per_table|D_offsets"):
+        ours.load_state_dict(other.state_dict())
+    other = make_pair(fb, "EXACT_ADAGRAD", [4, 8], 7, [0, 1, 1], "SUM", "cpu")[0]
+    with pytest.raises(RuntimeError, match="momentum1_host has 84 elements, this module's tables need 14"):
+        ours.load_state_dict(other.state_dict())
+    assert all(torch.equal(v, ours.state_dict()[k]) for k, v in before.items() if isinstance(v, torch.Tensor))
+
+
+def test_bounds_check_warning_matches_fbgemm(fbgemm_cpu):
+    theirs, ours = make_pair(fbgemm_cpu, "EXACT_SGD", [4, 4], 5, [0, 1], "SUM", "cpu", learning_rate=0.5)
+    indices, offsets = torch.tensor([1, 9, 2, 7]), torch.tensor([0, 2, 4])
+    with pytest.warns(UserWarning, match="out of range"):
+        out_o = ours(indices, offsets)
+    out_t = theirs(indices, offsets)
+    assert torch.equal(out_t, out_o)
+    out_t.sum().backward()
+    out_o.sum().backward()
+    for a, b in zip(theirs.split_embedding_weights(), ours.split_embedding_weights()):
+        assert torch.equal(a, b)
+
+
+# ---- on the GPU, against FBGEMM_GPU --------------------------------------------------------------
+
+GPU_CASES = [
+    ("EXACT_SGD", {}),
+    ("EXACT_ADAGRAD", {}),
+    ("EXACT_ROWWISE_ADAGRAD", dict(weight_decay_mode="NONE")),
+    ("EXACT_ROWWISE_ADAGRAD", dict(weight_decay=0.1, weight_decay_mode="L2")),
+    ("EXACT_ROWWISE_ADAGRAD", dict(weight_decay=0.1, weight_decay_mode="DECOUPLE")),
+    ("EXACT_ROWWISE_ADAGRAD", dict(max_norm=0.5)),
+    ("ADAM", dict(weight_decay=0.01)),
+    ("LAMB", dict(weight_decay=0.01)),
+    ("LARS_SGD", dict(weight_decay=0.01, eta=0.01)),
+    ("PARTIAL_ROWWISE_ADAM", dict(weight_decay=0.01)),
+    ("PARTIAL_ROWWISE_LAMB", dict(weight_decay=0.01)),
+]
+
+
+@pytest.fixture(scope="module")
+def fbgemm_gpu_ops():
+    if not HAS_CUDA:
+        pytest.skip("needs a CUDA GPU")
+    fb = import_fbgemm()
+    try:  # fbgemm-gpu-cpu imports fine but has no CUDA kernels
+        probe = fb["TBE"]([(4, 4, fb["Location"].DEVICE, fb["Compute"].CUDA)], device=torch.device("cuda"))
+        probe(torch.tensor([1], device="cuda"), torch.tensor([0, 1], device="cuda")).sum().backward()
+        torch.cuda.synchronize()
+    except Exception as e:  # noqa: BLE001 - any failure here means no usable CUDA build
+        pytest.skip(f"fbgemm_gpu has no usable CUDA operators here: {type(e).__name__}: {str(e)[:200]}")
+    return fb
+
+
+_GPU_OPTIMIZER_PROBES: dict = {}
+
+
+def require_fbgemm_cuda_optimizer(fb, optimizer):
+    """Skips when this fbgemm_gpu build cannot train with `optimizer` on CUDA (a trimmed build may
+    lack its kernels); the reason names the error."""
+    if optimizer not in _GPU_OPTIMIZER_PROBES:
+        try:
+            m = fb["TBE"]([(4, 4, fb["Location"].DEVICE, fb["Compute"].CUDA)], optimizer=getattr(fb["Opt"], optimizer),
+                          device=torch.device("cuda"))
+            m(torch.tensor([1], device="cuda"), torch.tensor([0, 1], device="cuda")).sum().backward()
+            torch.cuda.synchronize()
+            _GPU_OPTIMIZER_PROBES[optimizer] = None
+        except Exception as e:  # noqa: BLE001 - reported in the skip reason
+            _GPU_OPTIMIZER_PROBES[optimizer] = f"{type(e).__name__}: {str(e)[:200]}"
+    if _GPU_OPTIMIZER_PROBES[optimizer] is not None:
+        pytest.skip(f"fbgemm_gpu here cannot train {optimizer} on CUDA: {_GPU_OPTIMIZER_PROBES[optimizer]}")
+
+
+@cuda
+@pytest.mark.parametrize("optimizer,hyper", GPU_CASES, ids=[f"{o}-{'-'.join(f'{k}={v}' for k, v in h.items())}" for o, h in GPU_CASES])
+@pytest.mark.parametrize("pooling,weighted", [("SUM", False), ("SUM", True), ("MEAN", False), ("MEAN", True)])
+def test_gpu_matches_fbgemm(fbgemm_gpu_ops, optimizer, hyper, pooling, weighted):
+    """Mixed dims (8, 16, 64), a shared table, duplicates (30 rows), 6 steps."""
+    require_fbgemm_cuda_optimizer(fbgemm_gpu_ops, optimizer)
+    lr = {"LARS_SGD": 1.0, "ADAM": 0.01, "PARTIAL_ROWWISE_ADAM": 0.01}.get(optimizer, 0.05)
+    variant = optimizer + "".join(f"-{k}={v}" for k, v in hyper.items())
+    worst = run_differential(fbgemm_gpu_ops, optimizer, [8, 16, 64], 30, [0, 1, 2, 1], pooling, weighted, steps=6,
+                             seed=11, device="cuda", variant=variant, learning_rate=lr, **hyper)
+    assert worst["output"] <= 1e-5 and worst["weights"] <= 1e-5 and worst["states"] <= 1e-4, worst
