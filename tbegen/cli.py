@@ -60,20 +60,23 @@ def list_cmd():
 @main.command()
 @click.argument("files", nargs=-1, required=True, type=click.Path(dir_okay=False))
 def validate(files):
-    """Check spec files; report every problem as FILE:LINE: FIELD: MESSAGE."""
+    """Check spec files; report every problem as FILE:LINE[:COL]: FIELD: MESSAGE."""
     failed = False
     for f in files:
+        warnings = []
         try:
-            load_spec(f)
+            load_spec(f, warnings)
         except SpecError as e:
             failed = True
-            for p in e.problems:
+            for p in sorted(e.problems + tuple(warnings), key=lambda p: (p.line, p.col or 0)):
                 click.echo(str(p), err=True)
         except OSError as e:
             failed = True
             click.echo(f"{f}:0: file: {e.strerror or e}", err=True)
         else:
-            click.echo(f"{f}: ok")
+            for p in warnings:
+                click.echo(str(p), err=True)
+            click.echo(f"{f}: ok" + (f" ({len(warnings)} warning(s))" if warnings else ""))
     sys.exit(1 if failed else 0)
 
 

@@ -286,3 +286,8 @@ def backward_signature(spec: OptimizerSpec) -> OpSignature:
         args += (Arg(h.name, h.type, h.doc),)
     args += (Arg("step", "int", "1-based step counter"),)
     return OpSignature("backward", args, "()")
+
+
+def lane_split_signature(spec: OptimizerSpec) -> OpSignature:
+    """`backward` run the way the CUDA kernel splits a row over lanes (CPU only; see the harness)."""
+    return OpSignature("backward_lane_split", backward_signature(spec).args, "()")
