@@ -153,6 +153,10 @@ def test(optimizer, device, quick, verbose):
             if verbose:
                 click.echo(f"  {case.id}: worst {r.worst:.3g}" + (" FAILED" if r.failures else ""), err=True)
     click.echo(harness.summarize(results))
+    if device == "cpu":
+        # the same cases run the way the GPU splits rows over lanes: what passes here passes there
+        results += [harness.run_lane_split_case(spec, ops, case) for case in cases]
+        click.echo(harness.summarize_lane_split(results[len(cases):]))
     click.echo(f"checked in {time.perf_counter() - t0:.1f} s")
     sys.exit(1 if any(r.failures for r in results) else 0)
 

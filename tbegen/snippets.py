@@ -178,6 +178,7 @@ def tokenize(code: str) -> Tuple[List[_Token], List[Tuple[int, int, str]]]:
     tokens: List[_Token] = []
     problems: List[Tuple[int, int, str]] = []
     line, line_start = 0, 0
+    skip_line = -1  # a preprocessor line: reported once, its tokens dropped
     for m in _TOKEN_RE.finditer(code):
         kind = m.lastgroup
         text = m.group(0)
@@ -185,6 +186,13 @@ def tokenize(code: str) -> Tuple[List[_Token], List[Tuple[int, int, str]]]:
         if kind == "open_comment":
             problems.append((line, col, "unterminated /* comment"))
             break
+        if kind == "op" and text == "#":
+            problems.append((line, col, "preprocessor directives are not part of the snippet language (a snippet "
+                                        "means the same on every device)"))
+            skip_line = line
+            continue
+        if skip_line == line and kind != "nl":
+            continue
         if kind not in ("nl", "ws", "comment"):
             end_line = line + text.count("\n")
             end_col = len(text) - text.rfind("\n") - 1 if "\n" in text else col + len(text)
@@ -196,8 +204,7 @@ def tokenize(code: str) -> Tuple[List[_Token], List[Tuple[int, int, str]]]:
 
 
 # Functions people reach for that mean different things on the host and in CUDA, or exist on one only.
-_FUNCTION_HINTS = {"max": "fmaxf", "min": "fminf", "abs": "fabsf", "rsqrtf": "sqrtf", "__expf": "expf",
-                   "sqrtl": "sqrt", "std": "fmaxf"}
+_FUNCTION_HINTS = {"max": "fmaxf", "min": "fminf", "abs": "fabsf", "rsqrtf": "sqrtf", "__expf": "expf"}
 
 
 def _suggest(name: str, candidates) -> str:
@@ -262,7 +269,15 @@ class _StageChecker:
         return any(a < i < b for a, b in self.reduction_spans)
 
     def _group_names(self, a: int, b: int) -> List[int]:
-        return [k for k in range(a + 1, b) if self._is_name(k)]
+        """Names inside the brackets a..b; of a conditional `(c ? x : y)`, those of its branches."""
+        depth, start = 0, a + 1
+        for k in range(a + 1, b):
+            x = self._text(k)
+            depth += 1 if x in _OPENERS else -1 if x in _CLOSERS else 0
+            if depth == 0 and x == "?":
+                start = k + 1
+                break
+        return [k for k in range(start, b) if self._is_name(k)]
 
     def _lvalue_names(self, j: int) -> List[int]:
         """Token indices of the names in the left operand of the assignment operator at j."""
@@ -283,6 +298,8 @@ class _StageChecker:
                 break
             if t.kind == "name":
                 names.append(k)
+                if self._ends_operand(k - 1):
+                    break  # a missing ';' before this name (reported by _statements)
             k -= 1
         return names
 
@@ -347,9 +364,6 @@ class _StageChecker:
                 self.error(t, "string and character literals are not part of the snippet language")
             elif t.kind == "other":
                 self.error(t, f"unexpected character {t.text!r}")
-            elif t.kind == "op" and t.text == "#":
-                self.error(t, "preprocessor directives are not part of the snippet language (a snippet "
-                              "means the same on every device)")
             elif t.kind == "op" and t.text in ("::", "->", "."):
                 self.error(t, f"{t.text!r}: qualified names and members are not part of the snippet language")
             elif t.kind == "op" and t.text == "[":
@@ -386,8 +400,8 @@ class _StageChecker:
                 i += 1
                 continue
             k = i
-            while k < n and self._text(k) in TYPE_WORDS:
-                k += 1
+            while k < n and (self._text(k) in TYPE_WORDS or (k > i and self._text(k) in ("*", "&"))):
+                k += 1  # (a pointer or reference is reported by _lexicon; its name is still declared)
             if not self._is_name(k) or self._text(k) in KEYWORD_REASONS or self._text(k) in CONTROL_WORDS:
                 i = k
                 continue
@@ -471,6 +485,8 @@ class _StageChecker:
                 continue
             if name in ROW_REDUCTIONS:
                 continue
+            if self._text(i - 1) in (".", "->", "::") or self._text(i + 1) == "::":
+                continue  # reported as not part of the language
             self.used.add(name)
             if any(name in s for s in scopes) or name in self.row_locals:
                 continue
