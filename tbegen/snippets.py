@@ -532,8 +532,10 @@ class _StageChecker:
             return "as a temporary"
         if name in BOUND_NAMES:
             return f"by the generator ({BOUND_NAMES[name]})"
-        if name in MATH_FUNCTIONS or name in CONSTANTS:
-            return "as a math function or constant"
+        if name in MATH_FUNCTIONS or name in CONSTANTS or name in ROW_REDUCTIONS:
+            return "as a function or constant of the language"
+        if name.startswith("tbegen") or name.startswith("_"):
+            return "by the generator (names starting with 'tbegen' or '_' are reserved)"
         for s in scopes:
             if name in s:
                 line, _ = self.src.at(*s[name])
