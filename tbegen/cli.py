@@ -1,7 +1,7 @@
 """The `tbegen` command line (also `python -m tbegen`).
 
     tbegen list                              the available optimizers and their summaries
-    tbegen validate FILE...                  check specs; every problem as file:line: field: message
+    tbegen validate FILE...                  check specs; every problem as file:line[:col]: field: message
     tbegen render --optimizer NAME|PATH      write the sources of one optimizer (repeatable)
     tbegen render --all                      write every optimizer's sources (and prune stale files)
     tbegen check                             re-render in memory and diff against generated/

@@ -7,7 +7,10 @@ The spec language is described in docs/spec-language.md. Typical use:
 
 Loading never stops at the first mistake: every problem found in a file is
 collected as a `SpecProblem` (file, line, field, message) and all of them are
-raised together as one `SpecError`, one `FILE:LINE: FIELD: MESSAGE` per line.
+raised together as one `SpecError`, one `FILE:LINE: FIELD: MESSAGE` per line
+(`FILE:LINE:COL: ...` for problems in code). The update stages and the reference are checked by
+`tbegen.snippets` (names, syntax, and the constructs whose result would depend on how the GPU
+splits a row over lanes) before anything downstream sees them.
 
 The approach follows torchgen: a YAML loader stamps every mapping with the lines
 of its keys and values and records duplicate keys; each section parser pops the
