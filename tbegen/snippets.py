@@ -190,10 +190,7 @@ def tokenize(code: str) -> Tuple[List[_Token], List[Tuple[int, int, str]]]:
             problems.append((line, col, "preprocessor directives are not part of the snippet language (a snippet "
                                         "means the same on every device)"))
             skip_line = line
-            continue
-        if skip_line == line and kind != "nl":
-            continue
-        if kind not in ("nl", "ws", "comment"):
+        elif kind not in ("nl", "ws", "comment") and skip_line != line:
             end_line = line + text.count("\n")
             end_col = len(text) - text.rfind("\n") - 1 if "\n" in text else col + len(text)
             tokens.append(_Token(kind, text, line, col, end_line, end_col))
