@@ -49,6 +49,17 @@ def test_issue_14_spec_fails_in_lane_split_mode_when_the_checker_is_bypassed():
     assert "depends on how a row is split over lanes" in split.failures[0]
 
 
+def test_lane_split_catches_a_row_local_changed_per_element():
+    """Weights only: the lanes keep equal per-row states, but each halves its own copy of a
+    row-stage local once per element it owns (the CPU halves one copy over the whole row)."""
+    path = ROOT / "tests" / "specs_bad" / "row_local_assigned_in_element.yaml"
+    spec = load_spec_text(path.read_text(), str(path), check_snippets=False)
+    ops = build.load_spec(spec, with_cuda=False)
+    split = harness.run_lane_split_case(spec, ops, harness.Case(tables=harness.MIXED_TABLES, seed=105))
+    assert any("weights" in f for f in split.failures), split.failures
+    assert split.errors["weights"] > 0.1 and split.errors["acc"] < 1e-5
+
+
 def test_every_shipped_spec_validates_without_warnings():
     for path in list_specs():
         warnings = []
