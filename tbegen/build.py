@@ -99,6 +99,31 @@ def cxx_flags() -> List[str]:
     return CXX_FLAGS + cpu_arch_flags()
 
 
+_LINE_DIRECTIVE_RE = re.compile(r'#line [0-9]+( "[^"\n]*")?$')
+_LINE_COMMENT_RE = re.compile(r"\s*//.*$")
+
+
+def compiled_text(text: str) -> str:
+    """`text` less what cannot change the compiled code: the numbers of `#line` directives (which
+    move when a spec's reference, summary or comments change length) and `//` comments (the
+    generated files' headers and docs). A line is changed only where that is certain: it has no
+    quote (a string could hold `//`), no `/*` or `*/` (a comment inside a block comment could hide
+    code after it) and no line continuation."""
+    out = []
+    for line in text.split("\n"):
+        directive = _LINE_DIRECTIVE_RE.match(line.strip())
+        if directive:
+            out.append("#line" + (directive.group(1) or ""))
+            continue
+        if '"' in line or "'" in line or "/*" in line or "*/" in line or line.endswith("\\"):
+            out.append(line)
+            continue
+        code = _LINE_COMMENT_RE.sub("", line) if "//" in line else line
+        if code.strip() or not line.strip():
+            out.append(code)
+    return "\n".join(out)
+
+
 def cache_key(name: str, files: Dict[str, str], with_cuda: bool) -> str:
     h = hashlib.sha256()
     flags = cxx_flags()
@@ -107,8 +132,8 @@ def cache_key(name: str, files: Dict[str, str], with_cuda: bool) -> str:
         h.update(_host_cpu().encode())
     if with_cuda:
         h.update(cuda_arch_list().encode())
-    for rel in sorted(files):
-        h.update(rel.encode() + b"\0" + files[rel].encode() + b"\0")
+    for rel in sorted(files):  # what the compiler sees (a reference-only change rebuilds nothing)
+        h.update(rel.encode() + b"\0" + compiled_text(files[rel]).encode() + b"\0")
     return h.hexdigest()[:16]
 
 

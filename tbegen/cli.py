@@ -1,7 +1,7 @@
 """The `tbegen` command line (also `python -m tbegen`).
 
     tbegen list                              the available optimizers and their summaries
-    tbegen validate FILE...                  check specs; every problem as file:line: field: message
+    tbegen validate FILE...                  check specs; every problem as file:line[:col]: field: message
     tbegen render --optimizer NAME|PATH      write the sources of one optimizer (repeatable)
     tbegen render --all                      write every optimizer's sources (and prune stale files)
     tbegen check                             re-render in memory and diff against generated/
@@ -60,20 +60,23 @@ def list_cmd():
 @main.command()
 @click.argument("files", nargs=-1, required=True, type=click.Path(dir_okay=False))
 def validate(files):
-    """Check spec files; report every problem as FILE:LINE: FIELD: MESSAGE."""
+    """Check spec files; report every problem as FILE:LINE[:COL]: FIELD: MESSAGE."""
     failed = False
     for f in files:
+        warnings = []
         try:
-            load_spec(f)
+            load_spec(f, warnings)
         except SpecError as e:
             failed = True
-            for p in e.problems:
+            for p in sorted(e.problems + tuple(warnings), key=lambda p: (p.line, p.col or 0)):
                 click.echo(str(p), err=True)
         except OSError as e:
             failed = True
             click.echo(f"{f}:0: file: {e.strerror or e}", err=True)
         else:
-            click.echo(f"{f}: ok")
+            for p in warnings:
+                click.echo(str(p), err=True)
+            click.echo(f"{f}: ok" + (f" ({len(warnings)} warning(s))" if warnings else ""))
     sys.exit(1 if failed else 0)
 
 
@@ -150,6 +153,10 @@ def test(optimizer, device, quick, verbose):
             if verbose:
                 click.echo(f"  {case.id}: worst {r.worst:.3g}" + (" FAILED" if r.failures else ""), err=True)
     click.echo(harness.summarize(results))
+    if device == "cpu":
+        # the same cases run the way the GPU splits rows over lanes: what passes here passes there
+        results += [harness.run_lane_split_case(spec, ops, case) for case in cases]
+        click.echo(harness.summarize_lane_split(results[len(cases):]))
     click.echo(f"checked in {time.perf_counter() - t0:.1f} s")
     sys.exit(1 if any(r.failures for r in results) else 0)
 

@@ -301,3 +301,8 @@ def backward_signature(spec: OptimizerSpec) -> OpSignature:
         Arg("check_finite", "bool", "raise on NaN/Inf in per_sample_weights or grad_output", default="True"),
     )
     return OpSignature("backward", args, "()")
+
+
+def lane_split_signature(spec: OptimizerSpec) -> OpSignature:
+    """`backward` run the way the CUDA kernel splits a row over lanes (CPU only; see the harness)."""
+    return OpSignature("backward_lane_split", backward_signature(spec).args, "()")

@@ -393,6 +393,66 @@ def run_case(spec: OptimizerSpec, ops, case: Case, device: str = "cpu") -> Resul
     return result
 
 
+# ---- lane-split mode ------------------------------------------------------------------------------
+# The CUDA kernel splits a row over a warp's 32 lanes, each with its own copy of the per-row
+# states and row-stage locals (templates/include/tbegen/cuda_kernels.cuh); the CPU kernel walks
+# the row in one loop. The snippet checker (tbegen/snippets.py) rejects every construct it knows
+# to depend on the split; this mode checks the rest by running the update the GPU's way on the
+# CPU (the `backward_lane_split` operator, cpu_kernels.h's LaneSplit) beside the plain CPU
+# kernel, from the same inputs, so that a spec that passes on the CPU in CI passes on the GPU.
+
+
+def _lane_split_message(spec: OptimizerSpec, error: Exception) -> str:
+    message = str(error).splitlines()[0] if str(error) else type(error).__name__
+    message = message.replace("tbegen: lane-split mode: ", "")
+    for k, s in enumerate(spec.row_states):
+        message = message.replace(f"per-row state {k} ", f"per-row state {s.name!r} ")
+    return message
+
+
+def run_lane_split_case(spec: OptimizerSpec, ops, case: Case) -> Result:
+    """Runs `case.steps` fused backward steps through the CPU kernel and through its lane-split
+    mode from the same weights, states and batch, and compares them after each step (each step
+    then continues from the CPU kernel's result). Errors are measured as in `run_case`, the plain
+    CPU result taking the reference's place; the two differ only by the rounding of the row
+    reductions' summation order unless the spec depends on the split."""
+    gen = torch.Generator().manual_seed(case.seed)
+    layout = make_layout(case.tables, case.feature_table_map)
+    hyper = default_hyperparameters(spec, dict(case.hyper))
+    weights, states = initial_state(spec, layout, case, gen)
+    feats, total_D, max_D = layout_args(layout, "cpu")
+    pooling = POOLING[case.pooling]
+    result = Result(case)
+    for step in range(1, case.steps + 1):
+        batch = random_batch(case, layout, gen)
+        shape = (batch.indices.numel(), max_D) if case.pooling == "none" else (case.B, total_D)
+        grad_output = torch.randn(shape, generator=gen, dtype=torch.float32)
+        outcome = {}
+        for op in ("backward", "backward_lane_split"):
+            w, st = weights.clone(), {k: v.clone() for k, v in states.items()}
+            try:
+                getattr(ops, op)(
+                    grad_output, w, feats, total_D, max_D, layout.total_hash_size, batch.indices, batch.offsets,
+                    batch.per_sample_weights, pooling, case.max_segment_length_per_warp, case.stochastic_rounding,
+                    case.seed, *[st[s.name] for s in spec.states], *[hyper[h.name] for h in spec.hyperparameters],
+                    step,
+                )
+            except RuntimeError as e:
+                if op == "backward":
+                    raise
+                result.failures.append(f"step {step}: lane-split mode: {_lane_split_message(spec, e)}")
+                return result
+            outcome[op] = (w, st)
+        (w_cpu, st_cpu), (w_lane, st_lane) = outcome["backward"], outcome["backward_lane_split"]
+        before_w = weights if case.weights_dtype == torch.float32 else None
+        result.note("weights", _err(w_lane, w_cpu.to(torch.float64), before_w), TOLERANCE[case.weights_dtype], step)
+        for name in st_cpu:
+            result.note(name, _err(st_lane[name], st_cpu[name].to(torch.float64), states[name]),
+                        TOLERANCE[torch.float32], step)
+        weights, states = w_cpu, st_cpu
+    return result
+
+
 # ---- the standard grid ---------------------------------------------------------------------------
 
 MIXED_TABLES = ((60, 8), (200, 36), (30, 128), (8, 4))
@@ -443,6 +503,17 @@ def test_hyperparameters(spec: OptimizerSpec) -> List[Tuple[Tuple[str, object], 
     if not variants and base:
         variants.append(tuple(base))
     return variants
+
+
+def summarize_lane_split(results: Sequence[Result]) -> str:
+    """One line for `tbegen test`, plus one per failed case."""
+    failed = [r for r in results if r.failures]
+    worst = max((r.worst for r in results), default=0.0)
+    lines = [f"lane split (the GPU's division of each row, run on the CPU): {len(results) - len(failed)} of "
+             f"{len(results)} cases agree with the CPU kernel, worst difference {worst:.3g}"]
+    for r in failed:
+        lines.append(f"  FAILED {r.case.id}: " + "; ".join(r.failures[:3]))
+    return "\n".join(lines)
 
 
 def summarize(results: Sequence[Result]) -> str:

@@ -110,6 +110,7 @@ def render_spec(spec: OptimizerSpec) -> Dict[str, str]:
         forward=codegen.forward_signature(),
         grad_psw=codegen.grad_psw_signature(),
         backward=backward,
+        backward_lane_split=codegen.lane_split_signature(spec),
         make_params_params=make_params_params,
         param_args=", ".join(["weights", "total_hash_size"] + state_args + hyper_args),
     )

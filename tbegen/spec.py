@@ -7,7 +7,10 @@ The spec language is described in docs/spec-language.md. Typical use:
 
 Loading never stops at the first mistake: every problem found in a file is
 collected as a `SpecProblem` (file, line, field, message) and all of them are
-raised together as one `SpecError`, one `FILE:LINE: FIELD: MESSAGE` per line.
+raised together as one `SpecError`, one `FILE:LINE: FIELD: MESSAGE` per line
+(`FILE:LINE:COL: ...` for problems in code). The update stages and the reference are checked by
+`tbegen.snippets` (names, syntax, and the constructs whose result would depend on how the GPU
+splits a row over lanes) before anything downstream sees them.
 
 The approach follows torchgen: a YAML loader stamps every mapping with the lines
 of its keys and values and records duplicate keys; each section parser pops the
@@ -28,6 +31,7 @@ from typing import Any, Iterable, List, Optional, Sequence, Tuple, Union
 
 import yaml
 
+from tbegen import snippets
 from tbegen.model import (
     RESERVED_NAMES,
     ROW_REDUCTIONS,
@@ -126,9 +130,14 @@ class SpecProblem:
     # dotted path of the offending key, e.g. "hyperparameters.eps.default"
     field: str
     message: str
+    # 1-based column, where known (every problem the snippet checker finds has one)
+    col: Optional[int] = None
+    # a warning does not make the spec invalid
+    warning: bool = False
 
     def __str__(self) -> str:
-        return f"{self.file}:{self.line}: {self.field}: {self.message}"
+        where = f"{self.file}:{self.line}:{self.col}" if self.col is not None else f"{self.file}:{self.line}"
+        return f"{where}: {self.field}: {'warning: ' if self.warning else ''}{self.message}"
 
 
 class SpecError(Exception):
@@ -149,12 +158,21 @@ class SpecNotFoundError(ValueError):
 class _Problems:
     """Collects the problems of one spec file, in the order they are found."""
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, text: str = ""):
         self.path = path
+        self.text_lines = text.splitlines()
         self.items: List[SpecProblem] = []
+        self.warnings: List[SpecProblem] = []
+        # code found while parsing, for the snippet checker (tbegen/snippets.py)
+        self.stage_sources: List[snippets.StageSource] = []
+        self.reference_source: Optional[snippets.Source] = None
 
-    def add(self, line: int, field: str, message: str) -> None:
-        self.items.append(SpecProblem(self.path, line, field, message))
+    def add(self, line: int, field: str, message: str, col: Optional[int] = None) -> None:
+        self.items.append(SpecProblem(self.path, line, field, message, col))
+
+    def add_finding(self, f: "snippets.Finding") -> None:
+        problem = SpecProblem(self.path, f.line, f.field, f.message, f.col, f.warning)
+        (self.warnings if f.warning else self.items).append(problem)
 
     def __len__(self) -> int:
         return len(self.items)
@@ -165,7 +183,7 @@ class _Problems:
     def raise_if_any(self) -> None:
         if self.items:
             # Stable sort: problems on one line keep the order they were found in.
-            raise SpecError(sorted(self.items, key=lambda p: p.line))
+            raise SpecError(sorted(self.items, key=lambda p: (p.line, p.col or 0)))
 
 
 # --------------------------------------------------------------------------
@@ -187,6 +205,9 @@ class _Mapping(dict):
         self.key_lines: dict = {}
         self.value_lines: dict = {}
         self.code_lines: dict = {}
+        # key -> (scalar style, 1-based line, 0-based column) of the value node
+        self.value_marks: dict = {}
+        self.key_cols: dict = {}  # key -> 0-based column of the key
         # (key, line of the repeat, line of the first occurrence)
         self.duplicates: List[Tuple[Any, int, int]] = []
 
@@ -241,8 +262,11 @@ class _SpecLoader(yaml.SafeLoader):
                 own_keys.add(key)
             data[key] = self.construct_object(value_node, deep=False)
             data.key_lines[key] = _start_line(key_node)
+            data.key_cols[key] = key_node.start_mark.column
             data.value_lines[key] = _start_line(value_node)
             data.code_lines[key] = _code_line(value_node)
+            data.value_marks[key] = (getattr(value_node, "style", None), _start_line(value_node),
+                                     value_node.start_mark.column)
 
     def construct_spec_sequence(self, node: yaml.SequenceNode):
         data = _Sequence(_start_line(node))
@@ -363,6 +387,24 @@ class _Fields:
 
     def code_line(self, key: str) -> int:
         return self.mapping.code_lines.get(key, self.line)
+
+    def source(self, key: str, code: str) -> snippets.Source:
+        """`code`, the string value of `key`, with where each of its lines starts in the file."""
+        style, line, col = self.mapping.value_marks.get(key, (None, self.line, 0))
+        lines = code.splitlines() or [""]
+        starts = []
+        if style == "|":  # a literal block: line i is file line first + i, after the indentation
+            first = self.code_line(key)
+            text = self.problems.text_lines
+            for i, code_line in enumerate(lines):
+                raw = text[first - 1 + i] if first - 1 + i < len(text) else ""
+                offset = len(raw) - len(code_line) if code_line and raw.endswith(code_line) else \
+                    len(raw) - len(raw.lstrip(" "))
+                starts.append((first + i, offset))
+        else:  # plain or quoted on the key's line (exact for one line without escapes)
+            offset = col + (1 if style in ("'", '"') else 0)
+            starts = [(line, offset)] + [(line + i, offset) for i in range(1, len(lines))]
+        return snippets.Source(code, self.path(key), tuple(starts))
 
     def pop(self, key: str, default: Any = _MISSING) -> Any:
         """The value of `key`; a missing required key is reported and gives _MISSING."""
@@ -682,8 +724,6 @@ def _parse_section(fields: _Fields, key: str, shape: str, parse_entry) -> Tuple[
 REDUCTION_CALL_RE = re.compile(r"\b(" + "|".join(ROW_REDUCTIONS) + r")\s*\(")  # group 1: row_sum, ...
 _COMMENT_RE = re.compile(r"//[^\n]*|/\*.*?\*/", re.DOTALL)
 WORD_RE = re.compile(r"\b[A-Za-z_][A-Za-z0-9_]*\b")  # any C++ identifier in a snippet
-# a name declared or assigned: `float x =`, `x =`, `x +=`, `x++`, ... (not `==`)
-_ASSIGNED_RE = re.compile(r"\b([A-Za-z_][A-Za-z0-9_]*)\s*(?:[-+*/%&|^]|<<|>>)?=(?!=)|\b([A-Za-z_][A-Za-z0-9_]*)\s*(?:\+\+|--)")
 
 
 def blank_comments(code: str) -> str:
@@ -702,38 +742,6 @@ def matching_paren(code: str, open_index: int) -> Optional[int]:
             if depth == 0:
                 return i
     return None
-
-
-def _check_reductions(problems: _Problems, kind: str, code: str, field: str, first_line: int) -> None:
-    """Row reductions: none in element stages; balanced and not nested in row stages."""
-    text = blank_comments(code)
-    inner_end = -1  # end of the reduction argument being scanned, to skip nested ones
-    for match in REDUCTION_CALL_RE.finditer(text):
-        line = first_line + text.count("\n", 0, match.start())
-        reduction = match.group(1)
-        if kind == "element":
-            problems.add(line, field, f"{reduction}(...) is a row reduction; use it in a row stage only")
-            continue
-        if match.start() < inner_end:
-            problems.add(line, field, f"{reduction}(...) is nested in another row reduction")
-            continue
-        close = matching_paren(text, match.end() - 1)
-        if close is None:
-            problems.add(line, field, f"unbalanced parentheses in {reduction}(...): missing ')'")
-            return
-        inner_end = close
-        # Reductions are computed before the stage's statements run (docs/spec-language.md), so
-        # an argument must not use a name the same stage sets before it.
-        argument_names = set(WORD_RE.findall(text[match.end() : close]))
-        set_before = {a or b for a, b in _ASSIGNED_RE.findall(text[: match.start()])}
-        clash = sorted(argument_names & set_before)
-        if clash:
-            problems.add(
-                line, field,
-                f"{reduction}(...) uses {', '.join(repr(n) for n in clash)}, which this stage sets before "
-                f"it; reductions see the values from before the stage, so move the reduction into a "
-                f"new row stage after this one",
-            )
 
 
 def _parse_snippet(fields: _Fields, key: str, what: str) -> Optional[Tuple[str, Loc]]:
@@ -755,7 +763,7 @@ def _parse_stage(fields: _Fields, kind: str) -> Optional[Stage]:
     if parsed is None:
         return None
     code, loc = parsed
-    _check_reductions(fields.problems, kind, code, fields.path(kind), loc.line)
+    fields.problems.stage_sources.append(snippets.StageSource(kind, fields.source(kind, code)))
     return Stage(kind, code, loc)
 
 
@@ -836,6 +844,7 @@ def _parse_reference(fields: _Fields) -> Optional[Reference]:
     except ValueError as e:  # e.g. a NUL character
         fields.problems.add(loc.line, fields.path("reference"), f"not valid Python: {e}")
         return None
+    fields.problems.reference_source = fields.source("reference", code)
     return Reference(code, loc)
 
 
@@ -844,7 +853,39 @@ def _parse_reference(fields: _Fields) -> Optional[Reference]:
 # --------------------------------------------------------------------------
 
 
-def _parse_document(doc: Any, problems: _Problems, stem: Optional[str]) -> Optional[OptimizerSpec]:
+def _declared_names(doc: _Mapping) -> snippets.Declared:
+    """What the spec declares, read from the document itself, so that the snippet checker
+    resolves names even where an entry has problems of its own."""
+    declared = snippets.Declared()
+
+    def entries(section):
+        value = doc.get(section)
+        if not isinstance(value, _Mapping):
+            return []
+        return [(k, v, (value.key_lines[k], value.key_cols.get(k, 0) + 1)) for k, v in value.items() if isinstance(k, str)]
+
+    for name, _, where in entries("hyperparameters"):
+        declared.hyperparameters[name] = where
+    for name, value, where in entries("states"):
+        per = value.get("per") if isinstance(value, dict) else None
+        declared.states[name] = (per if per in STATE_PERS else None, where)
+    for name, _, where in entries("temporaries"):
+        declared.temporaries[name] = where
+    return declared
+
+
+def _check_code(problems: _Problems, doc: _Mapping) -> None:
+    """The snippet checker (tbegen/snippets.py) over the stages and the reference."""
+    declared = _declared_names(doc)
+    for finding in snippets.check_stages(problems.stage_sources, declared):
+        problems.add_finding(finding)
+    if problems.reference_source is not None:
+        for finding in snippets.check_reference(problems.reference_source, declared):
+            problems.add_finding(finding)
+
+
+def _parse_document(doc: Any, problems: _Problems, stem: Optional[str],
+                    check_snippets: bool = True) -> Optional[OptimizerSpec]:
     """The top-level mapping -> OptimizerSpec (None when anything is wrong)."""
     if doc is None:
         problems.add(1, "spec", "empty spec; expected a mapping with name, summary, update and reference")
@@ -862,6 +903,8 @@ def _parse_document(doc: Any, problems: _Problems, stem: Optional[str]) -> Optio
     reference = _parse_reference(fields)
     fields.finish()
     _check_unique_names(problems, doc)
+    if check_snippets:
+        _check_code(problems, doc)
     if problems.items:
         return None
     return OptimizerSpec(
@@ -877,28 +920,33 @@ def _parse_document(doc: Any, problems: _Problems, stem: Optional[str]) -> Optio
     )
 
 
-def load_spec_text(text: str, path: str = "<string>") -> OptimizerSpec:
+def load_spec_text(text: str, path: str = "<string>", warnings: Optional[List[SpecProblem]] = None,
+                   check_snippets: bool = True) -> OptimizerSpec:
     """Parse a spec from a string; `path` is only used in Locs and messages.
 
     When `path` ends in .yaml/.yml, `name` must equal its stem, as for files.
-    Raises SpecError listing every problem found.
+    Raises SpecError listing every problem found. Warnings (a declared name never used) are
+    appended to `warnings` when a list is given. `check_snippets=False` skips the snippet
+    checker (tbegen/snippets.py): only for tests that must show what the checker prevents.
     """
     path = str(path)
-    problems = _Problems(path)
+    problems = _Problems(path, text)
     doc = _load_yaml(text, problems)
     if doc is _MISSING:
         problems.raise_if_any()
     _report_duplicate_keys(problems, doc)
     stem = Path(path).stem if Path(path).suffix in SPEC_SUFFIXES else None
-    spec = _parse_document(doc, problems, stem)
+    spec = _parse_document(doc, problems, stem, check_snippets)
+    if warnings is not None:
+        warnings.extend(sorted(problems.warnings, key=lambda p: (p.line, p.col or 0)))
     problems.raise_if_any()
     return spec
 
 
-def load_spec(path: StrPath) -> OptimizerSpec:
+def load_spec(path: StrPath, warnings: Optional[List[SpecProblem]] = None) -> OptimizerSpec:
     """Load and check one spec file. Raises SpecError (and OSError if unreadable)."""
     text = Path(path).read_text(encoding="utf-8")
-    return load_spec_text(text, str(path))
+    return load_spec_text(text, str(path), warnings)
 
 
 # --------------------------------------------------------------------------

@@ -503,26 +503,26 @@ def test_no_stage_at_all():
 def test_row_reduction_in_an_element_stage_names_its_line():
     body = "\n  - element: |\n      float a = g;\n      w -= row_sum (a) * g;"
     assert only_problem(with_update(body)) == (
-        "toy.yaml:6: update[0].element: row_sum(...) is a row reduction; use it in a row stage only"
+        "toy.yaml:6:12: update[0].element: row_sum(...) is a row reduction; use it in a row stage only"
     )
 
 
 def test_row_reduction_in_shorthand_element_stage():
     assert only_problem(minimal(element="element: w -= row_max(g);")) == (
-        "toy.yaml:3: element: row_max(...) is a row reduction; use it in a row stage only"
+        "toy.yaml:3:15: element: row_max(...) is a row reduction; use it in a row stage only"
     )
 
 
 def test_unbalanced_row_reduction():
     body = "\n  - row: |\n      float s = 0;\n      s = row_min(fabsf(g);"
     assert only_problem(with_update(body)) == (
-        "toy.yaml:6: update[0].row: unbalanced parentheses in row_min(...): missing ')'"
+        "toy.yaml:6:18: update[0].row: unbalanced brackets: '(' is never closed (missing ')')"
     )
 
 
 def test_nested_row_reductions():
     assert only_problem(minimal(element="row: float s = row_sum(g * row_mean(g));")) == (
-        "toy.yaml:3: row: row_mean(...) is nested in another row reduction"
+        "toy.yaml:3:28: row: row_mean(...) is nested in another row reduction"
     )
 
 
@@ -648,7 +648,7 @@ def test_reduction_of_a_name_set_earlier_in_the_same_stage_is_rejected(tmp_path)
     )
     with pytest.raises(SpecError) as err:
         load_spec(str(path))
-    assert f"{path}:8: update[0].row: row_sum(...) uses 'c', which this stage sets before it" in str(err.value)
+    assert f"{path}:8:17: update[0].row: row_sum(...) uses 'c', which this stage sets before it" in str(err.value)
 
 
 @pytest.mark.parametrize("name", ["seed", "pooling", "weights", "offsets"])

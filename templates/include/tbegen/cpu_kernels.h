@@ -259,5 +259,162 @@ void backward(const Batch& b, const int64_t* feat, int64_t total_hash_size, cons
   });
 }
 
+// ---- lane-split mode: the CUDA kernel's division of a row, reproduced on the CPU ---------------
+//
+// The CUDA kernel (cuda_kernels.cuh, WarpRow) gives each of a warp's 32 lanes its own slices of a
+// row (lane l owns columns v * 128 + 4 * l .. + 3) and its own register copy of every per-row
+// state; reductions are butterfly shuffles, and lane 0's copies of the per-row states are written
+// back. A spec whose result depends on that split (say, an element stage that accumulates into a
+// per-row state) trains differently on the GPU than in the CPU loop above. `LaneSplit<Opt>` is an
+// optimizer that runs `Opt`'s update the GPU's way, so that the CPU harness can compare the two
+// (tbegen/harness.py, `run_lane_split_case`; the `backward_lane_split` operator).
+//
+// The lanes run one after another. A reduction needs every lane's partial value, so the update
+// is replayed: each pass runs all 32 lanes from the row's original values; a lane's reductions
+// whose results are known return them, the first unknown one records the lane's partial value,
+// and later ones return a placeholder (the rest of that pass is discarded). After the pass the
+// recorded partials are combined as the GPU's butterfly combines them, and the next pass knows
+// one more result. The pass in which no lane meets an unknown reduction is the final one.
+
+constexpr int kLanes = 32;
+constexpr int kLaneMaxVecs = 8;  // 8 slices of 128 columns: 1024, the widest row (tbegen/layout.py)
+constexpr int kLaneMaxReductions = 256;
+
+// The reductions of one row's replay (see above).
+struct LaneReductions {
+  enum Kind : int { kSum = 0, kMax = 1, kMin = 2 };
+  int known = 0;                        // results [0, known) are final
+  int kind[kLaneMaxReductions];         // what each reduction combines with
+  float result[kLaneMaxReductions];
+  float partial[kLanes];                // the lanes' values for reduction `known`
+  int reached = 0;                      // lanes that reached reduction `known` in this pass
+  bool disagree = false;                // lanes called different reductions at one position
+
+  float call(int lane, int& calls, int k, float x) {
+    const int c = calls++;
+    if (c < known) {
+      disagree |= kind[c] != k;
+      return result[c];
+    }
+    if (c == known && c < kLaneMaxReductions) {
+      if (reached > 0) disagree |= kind[c] != k;
+      kind[c] = k;
+      partial[lane] = x;
+      ++reached;
+    }
+    return 0.0f;  // a placeholder: this pass is replayed
+  }
+
+  // The partial values combined as WarpRow's xor-butterfly does (every lane gets the same value).
+  void combine() {
+    float x[kLanes];
+    std::copy(partial, partial + kLanes, x);
+    for (int o = kLanes / 2; o > 0; o >>= 1) {
+      float y[kLanes];
+      for (int l = 0; l < kLanes; ++l) {
+        const float a = x[l], b = x[l ^ o];
+        y[l] = kind[known] == kSum ? a + b : kind[known] == kMax ? fmaxf(a, b) : fminf(a, b);
+      }
+      std::copy(y, y + kLanes, x);
+    }
+    result[known++] = x[0];
+  }
+};
+
+// One emulated lane's share of a row, with the same interface and semantics as WarpRow: this
+// lane's slices of the weights, element states and temporaries, a private copy of each per-row
+// state, and reductions across the 32 lanes.
+template <int kElementSlots, int kRowSlots>
+struct LaneSplitRow {
+  static constexpr int kN = kLaneMaxVecs * 4;
+  int D;
+  int lane;
+  int vecs;          // slices of 128 columns that the row spans
+  const float* g_;   // the whole row's gradient (read only)
+  float w_[kN];
+  float element_[kElementSlots > 0 ? kElementSlots : 1][kN];
+  float row_[kRowSlots > 0 ? kRowSlots : 1];
+  LaneReductions* reductions;
+  int calls;         // reductions called in this pass
+
+  int column(int i) const { return (i >> 2) * 128 + 4 * lane + (i & 3); }
+  int extent() const { return vecs * 4; }
+  bool valid(int i) const { return (i >> 2) * 128 + 4 * lane < D; }
+  int dim() const { return D; }
+  float g(int i) const { return g_[column(i)]; }
+  float& w(int i) { return w_[i]; }
+  float& element(int k, int i) { return element_[k][i]; }
+  float& row_state(int k) { return row_[k]; }
+  float all_sum(float x) { return reductions->call(lane, calls, LaneReductions::kSum, x); }
+  float all_max(float x) { return reductions->call(lane, calls, LaneReductions::kMax, x); }
+  float all_min(float x) { return reductions->call(lane, calls, LaneReductions::kMin, x); }
+};
+
+// `Opt` run as the CUDA kernel runs it (see above); an optimizer for `backward` like any other.
+template <class Opt>
+struct LaneSplit {
+  using Params = typename Opt::Params;
+  static constexpr int kElementStates = Opt::kElementStates;
+  static constexpr int kRowStates = Opt::kRowStates;
+  static constexpr int kTemporaries = Opt::kTemporaries;
+
+  template <class Row>
+  static void update_row(Row& row, const Params& params, int64_t step) {
+    constexpr int kSlots = kElementStates + kTemporaries;
+    using Lane = LaneSplitRow<kSlots, kRowStates>;
+    TBEGEN_CHECK(row.D <= kLaneMaxVecs * 128, "tbegen: lane-split mode: row width ", row.D, " > ",
+                 kLaneMaxVecs * 128);
+    std::vector<Lane> lanes(kLanes);
+    LaneReductions reductions;
+    for (;;) {
+      reductions.reached = 0;
+      for (int l = 0; l < kLanes; ++l) {
+        Lane& lane = lanes[l];
+        lane.D = row.D;
+        lane.lane = l;
+        lane.vecs = (row.D + 127) / 128;
+        lane.g_ = row.g_;
+        lane.reductions = &reductions;
+        lane.calls = 0;
+        for (int i = 0; i < lane.extent(); ++i) {
+          if (!lane.valid(i)) continue;
+          lane.w_[i] = row.w_[lane.column(i)];
+          // element states from memory; temporaries start at 0, as the CUDA kernel's do
+          for (int k = 0; k < kSlots; ++k) lane.element_[k][i] = k < kElementStates ? row.element_[k][lane.column(i)] : 0.0f;
+        }
+        for (int k = 0; k < kRowStates; ++k) lane.row_[k] = *row.row_[k];
+        Opt::update_row(lane, params, step);
+      }
+      bool final_pass = reductions.reached == 0;
+      for (int l = 0; l < kLanes; ++l) final_pass = final_pass && lanes[l].calls == reductions.known;
+      TBEGEN_CHECK(!reductions.disagree && (final_pass || reductions.reached == kLanes),
+                   "tbegen: lane-split mode: the lanes of a row call different row reductions (the "
+                   "spec's control flow depends on how the row is split over lanes)");
+      if (final_pass) break;
+      TBEGEN_CHECK(reductions.known < kLaneMaxReductions, "tbegen: lane-split mode: more than ",
+                   kLaneMaxReductions, " row reductions in one update");
+      reductions.combine();
+    }
+    for (const Lane& lane : lanes) {
+      for (int i = 0; i < lane.extent(); ++i) {
+        if (!lane.valid(i)) continue;
+        row.w_[lane.column(i)] = lane.w_[i];
+        for (int k = 0; k < kSlots; ++k) row.element_[k][lane.column(i)] = lane.element_[k][i];
+      }
+    }
+    // The GPU keeps lane 0's copy of each per-row state; where the lanes' copies differ, the
+    // result depends on the split, which is what this mode exists to catch.
+    for (int k = 0; k < kRowStates; ++k) {
+      for (int l = 1; l < kLanes; ++l) {
+        TBEGEN_CHECK(std::memcmp(&lanes[l].row_[k], &lanes[0].row_[k], sizeof(float)) == 0,
+                     "tbegen: lane-split mode: the 32 lanes of a row end with different values of per-row "
+                     "state ", k, " (lane 0: ", lanes[0].row_[k], ", lane ", l, ": ", lanes[l].row_[k],
+                     "); the GPU keeps lane 0's: the spec's result depends on how a row is split over lanes");
+      }
+      *row.row_[k] = lanes[0].row_[k];
+    }
+  }
+};
+
 }  // namespace cpu
 }  // namespace tbegen
