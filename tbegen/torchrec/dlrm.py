@@ -67,33 +67,42 @@ class TbegenBags(nn.Module):
 
 
 class DLRM(nn.Module):
-    def __init__(self, sparse: nn.Module, num_dense: int, pooled_dim: int, hidden: int = 16):
+    def __init__(self, sparse: nn.Module, num_dense: int, pooled_dim: int, hidden: int = 16,
+                 features: Sequence[str] = ()):
         super().__init__()
         self.sparse = sparse
+        # The order of the pooled features in the top MLP's input. A sharded EBC's KeyedTensor lists
+        # its keys in sharding order (e.g. by rank for table-wise), so they are picked by name.
+        self.features = list(features)
         self.bottom = nn.Sequential(nn.Linear(num_dense, hidden), nn.ReLU())
         self.top = nn.Sequential(nn.Linear(hidden + pooled_dim, hidden), nn.ReLU(), nn.Linear(hidden, 1))
 
     def forward(self, dense: torch.Tensor, kjt: KeyedJaggedTensor) -> torch.Tensor:
         pooled = self.sparse(kjt)
         if not isinstance(pooled, torch.Tensor):  # a KeyedTensor, or the sharded EBC's awaitable of one
-            pooled = pooled.values()
+            by_name = pooled.to_dict()
+            pooled = torch.cat([by_name[f] for f in self.features], dim=1)
         return self.top(torch.cat([self.bottom(dense), pooled], dim=1)).squeeze(1)
 
 
-def build_models(tables: Sequence[TableSpec], num_dense: int, optimizer, seed: int = 0,
-                 hidden: int = 16, **hyperparameters) -> Tuple[DLRM, DLRM]:
-    """(unsharded model with an EmbeddingBagCollection on the meta-free CPU, tbegen reference),
-    with the same initial weights: the EBC's tables are copied into the reference."""
+def build_model(tables: Sequence[TableSpec], num_dense: int, seed: int = 0, hidden: int = 16) -> DLRM:
+    """The unsharded model, its EmbeddingBagCollection on the CPU, initialised from `seed`."""
     torch.manual_seed(seed)
     pooled_dim = sum(t.dim * len(t.features) for t in tables)
     ebc = EmbeddingBagCollection(tables=table_configs(tables), device=torch.device("cpu"))
-    model = DLRM(ebc, num_dense, pooled_dim, hidden)
-    ref = DLRM(TbegenBags(tables, optimizer, **hyperparameters), num_dense, pooled_dim, hidden)
+    return DLRM(ebc, num_dense, pooled_dim, hidden, feature_names(tables))
+
+
+def build_reference(model: DLRM, tables: Sequence[TableSpec], optimizer, **hyperparameters) -> DLRM:
+    """The same model (same weights) with all tables in one single-process tbegen module."""
+    hidden = model.bottom[0].out_features
+    ref = DLRM(TbegenBags(tables, optimizer, **hyperparameters), model.bottom[0].in_features,
+               model.top[0].in_features - hidden, hidden, model.features)
     ref.bottom.load_state_dict(model.bottom.state_dict())
     ref.top.load_state_dict(model.top.state_dict())
     for t, w in zip(tables, ref.sparse.emb.split_embedding_weights()):
-        w.copy_(ebc.embedding_bags[t.name].weight.detach())
-    return model, ref
+        w.copy_(model.sparse.embedding_bags[t.name].weight.detach())
+    return ref
 
 
 @dataclass
@@ -179,7 +188,7 @@ def shard(model: DLRM, sharder, sharding_types: Dict[str, str], env_pg, device: 
     topology = Topology(world_size=world_size, compute_device=compute_device, local_world_size=world_size)
     planner = EmbeddingShardingPlanner(topology=topology, constraints=constraints)
     plan = planner.collective_plan(model, [sharder], env_pg)
-    state = model.state_dict()
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}  # DMP may reuse these tensors
     dmp = DistributedModelParallel(model, device=device, plan=plan, sharders=[sharder])
     dmp.load_state_dict(state)
     return dmp, plan
