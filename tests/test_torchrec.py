@@ -19,7 +19,8 @@ import torch
 torchrec = pytest.importorskip("torchrec")
 pytest.importorskip("fbgemm_gpu")
 
-from tbegen.torchrec import SHARDING_TYPES, TbegenEmbeddingBagCollectionSharder  # noqa: E402
+from tbegen import TableBatchedEmbeddingBags  # noqa: E402
+from tbegen.torchrec import SHARDING_TYPES, TbegenEmbeddingBagCollectionSharder, dlrm  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 NUM_DENSE = 4
@@ -43,8 +44,6 @@ CASES = {
 
 
 def _tables(types):
-    from tbegen.torchrec import dlrm
-
     dims = [8, 12, 24, 16, 24]
     rows = [40, 61, 30, 50, 27]
     return [
@@ -54,8 +53,6 @@ def _tables(types):
 
 
 def _train(dmp, opt, batches, rank, world):
-    from tbegen.torchrec import dlrm
-
     for b in batches:
         dlrm.train_step(dmp, opt, dlrm.local_batch(b, rank, world))
 
@@ -79,8 +76,6 @@ def _dense_optimizer(dmp):
 def _run_case(case, rank, world, outdir):
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
-
-    from tbegen.torchrec import dlrm
 
     tables = _tables(case["types"])
     types = {t.name: st for t, st in zip(tables, case["types"])}
@@ -128,7 +123,7 @@ def _worker(rank, world, port, outdir):
     import torch.distributed as dist
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
+    torch.set_num_threads(1)  # also keeps the forked ranks out of the parent's OpenMP thread pool
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         for case in CASES[world]:
@@ -147,7 +142,12 @@ def _free_port() -> int:
 def world_results(request, tmp_path_factory):
     world = request.param
     outdir = tmp_path_factory.mktemp(f"torchrec{world}")
-    torch.multiprocessing.spawn(_worker, args=(world, _free_port(), str(outdir)), nprocs=world, join=True)
+    for case in CASES[world]:  # build (or load) the extensions once, before the ranks fork
+        TableBatchedEmbeddingBags([(4, 4)], optimizer=case["optimizer"])
+    # fork: the ranks inherit the imported torch, torchrec and tbegen (a fresh import of torchrec
+    # costs seconds of CPU per process)
+    torch.multiprocessing.start_processes(_worker, args=(world, _free_port(), str(outdir)), nprocs=world, join=True,
+                                          start_method="fork")
     return world, {case["name"]: torch.load(outdir / f"{world}-{case['name']}.pt", weights_only=False)
                    for case in CASES[world]}
 
