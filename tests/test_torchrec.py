@@ -208,6 +208,9 @@ def test_nccl_one_gpu_equals_single_process(tmp_path):
     against single-process tbegen on the same GPU; checkpoint round trip included."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
+    # NVLink multicast stays off, also in the spawned ranks' environment
+    for k, v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"), ("NVSHMEM_DISABLE_NVLS", "1")):
+        os.environ[k] = v
     # spawn: a forked child cannot use CUDA once the parent has
     results = _launch("cuda", 1, tmp_path, "spawn")
     _check_equal_to_single_process("cuda", results)
