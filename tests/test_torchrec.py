@@ -32,23 +32,23 @@ CHECKPOINT_AFTER = 2  # steps before the checkpoint; the restored model trains t
 CASES = {
     2: [
         {"name": "adam", "optimizer": "adam", "hyper": {"learning_rate": 0.02},
-         "types": ["table_wise", "row_wise", "column_wise", "table_row_wise", "table_column_wise"],
+         "types": ["table_wise", "row_wise", "column_wise", "table_row_wise", "table_column_wise", "data_parallel"],
          "checkpoint": True},
     ],
     3: [
         {"name": "adagrad_with_momentum (YAML path)", "optimizer": str(ROOT / "optimizers" / "adagrad_with_momentum.yaml"),
          "hyper": {"learning_rate": 0.05, "momentum": 0.8},
-         "types": ["table_wise", "row_wise", "column_wise", "table_row_wise"], "checkpoint": False},
+         "types": ["table_wise", "row_wise", "column_wise", "table_row_wise", "data_parallel"], "checkpoint": False},
     ],
 }
 CASES["cuda"] = CASES[2]
 
 
 def _tables(types):
-    dims = [8, 12, 24, 16, 24]
-    rows = [40, 61, 30, 50, 27]
+    dims = [8, 12, 24, 16, 24, 8]
+    rows = [40, 61, 30, 50, 27, 33]
     return [
-        dlrm.TableSpec(f"t{i}", rows[i % 5], dims[i % 5], (f"f{i}",) if i != 1 else (f"f{i}", f"f{i}b"))
+        dlrm.TableSpec(f"t{i}", rows[i], dims[i], (f"f{i}",) if i != 1 else (f"f{i}", f"f{i}b"))
         for i in range(len(types))
     ]
 
@@ -225,7 +225,7 @@ def test_sharder_checks_its_arguments():
     with pytest.raises(ValueError, match="dense gradients"):
         TbegenEmbeddingBagCollectionSharder("none")
     s = TbegenEmbeddingBagCollectionSharder(str(ROOT / "optimizers" / "ftrl.yaml"))
-    # row-wise is offered on the CPU as well, with tbegen's fused kernel for every type
+    # row-wise (and data-parallel) is offered on the CPU as well, with tbegen's fused kernel for every type
     assert s.sharding_types("cpu") == list(SHARDING_TYPES)
-    assert "row_wise" in s.sharding_types("cpu")
+    assert {"row_wise", "data_parallel"} <= set(s.sharding_types("cpu"))
     assert s.compute_kernels("row_wise", "cpu") == ["fused"]

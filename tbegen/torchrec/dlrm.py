@@ -194,20 +194,31 @@ def shard(model: DLRM, sharder, sharding_types: Dict[str, str], env_pg, device: 
     return dmp, plan
 
 
-def gather_sharded(tensors: Dict[str, ShardedTensor]) -> Dict[str, torch.Tensor]:
-    """{key: full tensor} on rank 0, assembled from every rank's local shards of the ShardedTensors
-    in `tensors` (collective; ranks may hold different keys); other ranks get {}."""
-    local = {
-        key: (tuple(t.size()), [(tuple(s.metadata.shard_offsets), s.tensor.detach().cpu().clone()) for s in t.local_shards()])
-        for key, t in tensors.items()
-    }
+def gather_sharded(tensors: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    """{key: full tensor} on rank 0 (collective; ranks may hold different keys); {} elsewhere.
+
+    ShardedTensors are assembled from every rank's local shards. Plain tensors are replicas (the
+    tables of data-parallel sharding): rank 0 checks that every rank's copy is bitwise the same.
+    """
+    local = {}
+    for key, t in tensors.items():
+        if isinstance(t, ShardedTensor):
+            shards = [(tuple(s.metadata.shard_offsets), s.tensor.detach().cpu().clone()) for s in t.local_shards()]
+            local[key] = (tuple(t.size()), shards, False)
+        else:
+            local[key] = (tuple(t.shape), [((0,) * t.dim(), t.detach().cpu().clone())], True)
     parts = [None] * dist.get_world_size()
     dist.all_gather_object(parts, local)
     if dist.get_rank() != 0:
         return {}
     out: Dict[str, torch.Tensor] = {}
-    for part in parts:
-        for key, (size, shards) in part.items():
+    for rank, part in enumerate(parts):
+        for key, (size, shards, replica) in part.items():
+            if replica:
+                if key in out and not torch.equal(out[key], shards[0][1]):
+                    raise RuntimeError(f"the replicas of {key} differ between rank 0 and rank {rank}")
+                out.setdefault(key, shards[0][1])
+                continue
             for offsets, tensor in shards:
                 full = out.setdefault(key, torch.full(size, float("nan"), dtype=tensor.dtype))
                 full[tuple(slice(o, o + n) for o, n in zip(offsets, tensor.shape))].copy_(tensor)
@@ -218,10 +229,10 @@ def sharded_state(dmp) -> Dict[str, torch.Tensor]:
     """Rank 0: the sharded model's embedding weights ("TABLE.weight") and fused optimizer states
     ("TABLE.STATE"), gathered; {} elsewhere."""
     weights = {k.split(".")[-2] + ".weight": v for k, v in dmp.state_dict().items()
-               if isinstance(v, ShardedTensor)}
+               if ".embedding_bags." in k and k.endswith(".weight")}
     states = {}
     for entry in dmp.fused_optimizer.state_dict()["state"].values():
-        states.update({k: v for k, v in entry.items() if isinstance(v, ShardedTensor)})
+        states.update({k: v for k, v in entry.items() if not k.endswith(".step")})
     return gather_sharded({**weights, **states})
 
 

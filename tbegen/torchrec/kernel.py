@@ -7,7 +7,7 @@
 
 How it plugs in (the extension points NVIDIA's DynamicEmb uses as well; docs/torchrec.md):
 
-- The sharder declares the sharding types it runs (table-wise, row-wise, column-wise,
+- The sharder declares the sharding types it runs (table-wise, row-wise, column-wise, data-parallel,
   table-row-wise, table-column-wise, on every compute device: the fused tbegen kernel has a CPU
   path, so row-wise is offered on the CPU too) and the compute kernel of each.
 - Its sharded module, a `ShardedEmbeddingBagCollection`, overrides `create_embedding_bag_sharding`
@@ -31,6 +31,7 @@ import os
 from typing import Any, Dict, Iterator, List, Optional, Tuple, Union
 
 import torch
+from torch import distributed as dist
 from torch import nn
 from torch.distributed._shard.metadata import ShardMetadata
 from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, ShardedTensorMetadata, TensorProperties
@@ -41,6 +42,7 @@ from torchrec.distributed.embedding_lookup import GroupedPooledEmbeddingsLookup
 from torchrec.distributed.embedding_types import EmbeddingComputeKernel, GroupedEmbeddingConfig
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder, ShardedEmbeddingBagCollection
 from torchrec.distributed.sharding.cw_sharding import CwPooledEmbeddingSharding
+from torchrec.distributed.sharding.dp_sharding import DpPooledEmbeddingSharding
 from torchrec.distributed.sharding.rw_sharding import RwPooledEmbeddingSharding
 from torchrec.distributed.sharding.tw_sharding import TwPooledEmbeddingSharding
 from torchrec.distributed.sharding.twcw_sharding import TwCwPooledEmbeddingSharding
@@ -73,6 +75,7 @@ SHARDING_TYPES = (
     ShardingType.COLUMN_WISE.value,
     ShardingType.TABLE_ROW_WISE.value,
     ShardingType.TABLE_COLUMN_WISE.value,
+    ShardingType.DATA_PARALLEL.value,
 )
 
 _WEIGHT_DTYPES = {DataType.FP32: torch.float32, DataType.FP16: torch.float16, DataType.BF16: torch.bfloat16}
@@ -164,6 +167,12 @@ class TbegenFusedOptimizer(FusedOptimizer):
         for name in names:
             mine = [i for i, t in enumerate(tables) if t.name == name]
             table = tables[mine[0]]
+            if table.global_metadata is None:  # data-parallel: every rank holds the whole table
+                weight = weights[mine[0]]
+                params[f"{name}.weight"] = weight
+                state[weight] = {f"{name}.{s.name}": states[mine[0]][s.name] for s in emb.spec.states}
+                state[weight][f"{name}.step"] = kernel.step_tensor
+                continue
             offsets = [tuple(tables[i].local_metadata.shard_offsets) for i in mine]
             md, size = _state_shard_metadata(table, "element")
             weight = _sharded_tensor([(weights[i], off) for i, off in zip(mine, offsets)], md, size, pg)
@@ -228,6 +237,65 @@ class _CountingTableBatchedEmbeddingBags(TableBatchedEmbeddingBags):
         self.step_tensor.fill_(self._step)
 
 
+class _GlobalBatchTableBatchedEmbeddingBags(_CountingTableBatchedEmbeddingBags):
+    """A replica of whole tables (data-parallel) that every rank updates with the global batch.
+
+    The backward gathers every rank's indices, offsets, per-sample weights and output gradient,
+    lays them out as one feature-major batch (rank 0's bags of each feature first), divides the
+    gradient by the number of ranks (DDP's mean, TorchRec's gradient division) and runs the fused
+    update on it: each rank applies the same update, so the replicas stay equal, and that update is
+    the single-process one over the global batch.
+    """
+
+    def __init__(self, *args, pg=None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._pg = pg
+
+    def _run_backward(self, grad_output, weights, indices, offsets, per_sample_weights) -> None:
+        grad_output, indices, offsets, per_sample_weights = _global_batch(
+            self._pg, self.layout.num_features, grad_output, indices, offsets, per_sample_weights
+        )
+        super()._run_backward(grad_output, weights, indices, offsets, per_sample_weights)
+
+
+def _all_gather_padded(pg, tensor: torch.Tensor, lengths: List[int]) -> List[torch.Tensor]:
+    """Every rank's `tensor` (its first dimension lengths[r] on rank r, the rest equal)."""
+    padded = torch.zeros((max(lengths),) + tuple(tensor.shape[1:]), dtype=tensor.dtype, device=tensor.device)
+    padded[: tensor.shape[0]] = tensor
+    parts = [torch.empty_like(padded) for _ in lengths]
+    dist.all_gather(parts, padded, group=pg)
+    return [part[:n] for part, n in zip(parts, lengths)]
+
+
+def _global_batch(pg, num_features: int, grad_output, indices, offsets, per_sample_weights):
+    world = dist.get_world_size(pg)
+    batch = (offsets.numel() - 1) // num_features
+    sizes = torch.tensor([indices.numel(), batch], dtype=torch.int64, device=indices.device)
+    all_sizes = [torch.empty_like(sizes) for _ in range(world)]
+    dist.all_gather(all_sizes, sizes, group=pg)
+    n_per_rank = [int(x[0]) for x in all_sizes]
+    b_per_rank = [int(x[1]) for x in all_sizes]
+    lengths = (offsets[1:] - offsets[:-1]).view(num_features, batch).t().contiguous()  # [B, F]
+    all_lengths = _all_gather_padded(pg, lengths, b_per_rank)
+    all_indices = _all_gather_padded(pg, indices, n_per_rank)
+    all_grads = _all_gather_padded(pg, grad_output, b_per_rank)
+    all_psw = _all_gather_padded(pg, per_sample_weights, n_per_rank) if per_sample_weights is not None else None
+    # feature-major: feature f's bags of rank 0, then of rank 1, ...
+    pieces, psw_pieces = [], []
+    rank_offsets = [torch.cat([offsets.new_zeros(1), ln.t().reshape(-1).cumsum(0)]) for ln in all_lengths]
+    for f in range(num_features):
+        for r in range(world):
+            lo, hi = int(rank_offsets[r][f * b_per_rank[r]]), int(rank_offsets[r][(f + 1) * b_per_rank[r]])
+            pieces.append(all_indices[r][lo:hi])
+            if all_psw is not None:
+                psw_pieces.append(all_psw[r][lo:hi])
+    global_lengths = torch.cat(all_lengths, dim=0).t().reshape(-1)  # [F * sum(B)], feature-major
+    global_offsets = torch.cat([offsets.new_zeros(1), global_lengths.cumsum(0)]).to(offsets.dtype)
+    global_grad = torch.cat(all_grads, dim=0) / world
+    return (global_grad, torch.cat(pieces), global_offsets,
+            torch.cat(psw_pieces) if all_psw is not None else None)
+
+
 class TbegenEmbeddingBag(BaseBatchedEmbeddingBag[torch.Tensor], FusedOptimizerModule):
     """This rank's shards of one group of tables in one tbegen `TableBatchedEmbeddingBags`.
 
@@ -252,7 +320,11 @@ class TbegenEmbeddingBag(BaseBatchedEmbeddingBag[torch.Tensor], FusedOptimizerMo
         pooling = _POOLING.get(self._pooling.name)
         if pooling is None:
             raise ValueError(f"tbegen: pooling {self._pooling.name} is not supported by the TorchRec kernel (SUM, MEAN)")
-        self._emb_module = _CountingTableBatchedEmbeddingBags(
+        data_parallel = sharding_type == ShardingType.DATA_PARALLEL
+        module_class = _GlobalBatchTableBatchedEmbeddingBags if data_parallel else _CountingTableBatchedEmbeddingBags
+        extra = {"pg": pg} if data_parallel else {}
+        self._emb_module = module_class(
+            **extra,
             tables=list(zip(self._local_rows, self._local_cols)),
             optimizer=options.spec,
             pooling=pooling,
@@ -376,6 +448,25 @@ _SHARDINGS = {
 }
 
 
+class _TbegenDataParallelSharding(DpPooledEmbeddingSharding):
+    """TorchRec's data-parallel sharding (every rank holds whole tables) with tbegen kernels that
+    update each replica with the global batch (see _GlobalBatchTableBatchedEmbeddingBags)."""
+
+    def create_lookup(self, device=None, fused_params=None, feature_processor=None):
+        return TbegenPooledEmbeddingsLookup(
+            grouped_configs=self._grouped_embedding_configs,
+            pg=self._env.process_group,
+            device=device if device is not None else self._device,
+            feature_processor=feature_processor,
+            scale_weight_gradients=False,
+            sharding_type=ShardingType.DATA_PARALLEL,
+            env=self._env,
+        )
+
+
+_SHARDINGS[ShardingType.DATA_PARALLEL.value] = _TbegenDataParallelSharding
+
+
 class TbegenShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
     """TorchRec's sharded EmbeddingBagCollection with tbegen kernels for every model-parallel shard."""
 
@@ -389,10 +480,18 @@ class TbegenShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
                 f"tbegen: sharding type {sharding_type!r} is not supported by the tbegen kernel; supported: "
                 f"{', '.join(SHARDING_TYPES)}"
             )
+        if sharding_type == ShardingType.DATA_PARALLEL.value:
+            return sharding(sharding_infos, env, device)
         kwargs: Dict[str, Any] = {"qcomm_codecs_registry": qcomm_codecs_registry}
         if sharding_type in (ShardingType.COLUMN_WISE.value, ShardingType.TABLE_COLUMN_WISE.value):
             kwargs["permute_embeddings"] = permute_embeddings
         return sharding(sharding_infos, env, device, **kwargs)
+
+    def init_data_parallel(self) -> None:
+        # TorchRec wraps data-parallel lookups in DDP, to average the dense gradients of their
+        # weights; tbegen's replicas have none (their fused update averages the global batch's
+        # gradient itself), so they stay unwrapped.
+        pass
 
 
 class TbegenEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
