@@ -49,7 +49,7 @@ from torchrec.distributed.sharding.twcw_sharding import TwCwPooledEmbeddingShard
 from torchrec.distributed.sharding.twrw_sharding import TwRwPooledEmbeddingSharding
 from torchrec.distributed.types import ShardingType
 from torchrec.modules.embedding_configs import DataType
-from torchrec.optim.fused import FusedOptimizer, FusedOptimizerModule
+from torchrec.optim.fused import EmptyFusedOptimizer, FusedOptimizer, FusedOptimizerModule
 
 from ..model import OptimizerSpec
 from ..module import TableBatchedEmbeddingBags, _resolve_spec, check_hyperparameters
@@ -260,7 +260,7 @@ class _GlobalBatchTableBatchedEmbeddingBags(_CountingTableBatchedEmbeddingBags):
 
 def _all_gather_padded(pg, tensor: torch.Tensor, lengths: List[int]) -> List[torch.Tensor]:
     """Every rank's `tensor` (its first dimension lengths[r] on rank r, the rest equal)."""
-    padded = torch.zeros((max(lengths),) + tuple(tensor.shape[1:]), dtype=tensor.dtype, device=tensor.device)
+    padded = torch.zeros((max(max(lengths), 1),) + tuple(tensor.shape[1:]), dtype=tensor.dtype, device=tensor.device)
     padded[: tensor.shape[0]] = tensor
     parts = [torch.empty_like(padded) for _ in lengths]
     dist.all_gather(parts, padded, group=pg)
@@ -282,7 +282,8 @@ def _global_batch(pg, num_features: int, grad_output, indices, offsets, per_samp
     all_psw = _all_gather_padded(pg, per_sample_weights, n_per_rank) if per_sample_weights is not None else None
     # feature-major: feature f's bags of rank 0, then of rank 1, ...
     pieces, psw_pieces = [], []
-    rank_offsets = [torch.cat([offsets.new_zeros(1), ln.t().reshape(-1).cumsum(0)]) for ln in all_lengths]
+    # (on the CPU: the loop below reads them one by one)
+    rank_offsets = [torch.cat([offsets.new_zeros(1), ln.t().reshape(-1).cumsum(0)]).cpu() for ln in all_lengths]
     for f in range(num_features):
         for r in range(world):
             lo, hi = int(rank_offsets[r][f * b_per_rank[r]]), int(rank_offsets[r][(f + 1) * b_per_rank[r]])
@@ -393,8 +394,6 @@ class TbegenEmbeddingBag(BaseBatchedEmbeddingBag[torch.Tensor], FusedOptimizerMo
 
     def named_parameters(self, prefix: str = "", recurse: bool = True,
                          remove_duplicate: bool = True) -> Iterator[Tuple[str, nn.Parameter]]:
-        from torchrec.optim.fused import EmptyFusedOptimizer
-
         for name, tensor in self.named_split_embedding_weights(prefix, recurse, remove_duplicate):
             param = nn.Parameter(tensor, requires_grad=False)
             param._in_backward_optimizers = [EmptyFusedOptimizer()]
