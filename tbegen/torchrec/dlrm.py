@@ -181,8 +181,10 @@ def shard(model: DLRM, sharder, sharding_types: Dict[str, str], env_pg, device: 
     from torchrec.distributed.planner.types import ParameterConstraints
 
     world_size = dist.get_world_size(env_pg)
+    # compute kernel "fused" (device memory) for every table, so that TorchRec's FBGEMM sharder is
+    # not moved to its UVM or caching kernels where memory looks tight: both systems run alike
     constraints = {
-        name: ParameterConstraints(sharding_types=[st], min_partition=min_partition)
+        name: ParameterConstraints(sharding_types=[st], compute_kernels=["fused"], min_partition=min_partition)
         for name, st in sharding_types.items()
     }
     topology = Topology(world_size=world_size, compute_device=compute_device, local_world_size=world_size)
