@@ -113,6 +113,11 @@ def _run_case(case, rank, world, outdir, key, device):
     else:
         _train(dmp, opt, batches, rank, world, device)
         result["got"] = dlrm.sharded_state(dmp)
+    # an LR schedule acts on the fused optimizer's param groups; step() hands the value to the kernels
+    for group in dmp.fused_optimizer.param_groups:
+        group["lr"] = 0.125
+    dmp.fused_optimizer.step()
+    result["kernel_lrs"] = sorted({k.emb_module.get_learning_rate() for k in _kernels(dmp)})
     if rank == 0:
         result["want"] = dlrm.reference_state(ref, tables)
         result["initial"] = initial
@@ -169,6 +174,7 @@ def _check_equal_to_single_process(key, results):
         r = results[case["name"]]
         assert r["planned"] == {f"t{i}": st for i, st in enumerate(case["types"])}
         assert "TbegenEmbeddingBag" in r["kernels"] and "BatchedFusedEmbeddingBag" not in r["kernels"]
+        assert r["kernel_lrs"] == [0.125]
         diffs = _max_diffs(r["got"], r["want"])
         # every table and state moved: the comparison is not one of untouched initial values
         moved = _max_diffs(r["got"], r["initial"])
