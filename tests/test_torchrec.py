@@ -36,8 +36,8 @@ CASES = {
          "checkpoint": True},
     ],
     3: [
-        {"name": "adagrad_with_momentum (YAML path)", "optimizer": str(ROOT / "optimizers" / "adagrad_with_momentum.yaml"),
-         "hyper": {"learning_rate": 0.05, "momentum": 0.8},
+        {"name": "adagrad_with_momentum (YAML path, weighted features)", "optimizer": str(ROOT / "optimizers" / "adagrad_with_momentum.yaml"),
+         "hyper": {"learning_rate": 0.05, "momentum": 0.8}, "weighted": True,
          "types": ["table_wise", "row_wise", "column_wise", "table_row_wise", "data_parallel"], "checkpoint": False},
     ],
 }
@@ -80,10 +80,11 @@ def _run_case(case, rank, world, outdir, key, device):
 
     tables = _tables(case["types"])
     types = {t.name: st for t, st in zip(tables, case["types"])}
-    batches = dlrm.make_batches(tables, NUM_DENSE, 6 * world, STEPS, seed=7)
+    weighted = case.get("weighted", False)
+    batches = dlrm.make_batches(tables, NUM_DENSE, 6 * world, STEPS, seed=7, weighted=weighted)
     sharder = TbegenEmbeddingBagCollectionSharder(case["optimizer"], **case["hyper"])
 
-    model = dlrm.build_model(tables, NUM_DENSE, seed=0)
+    model = dlrm.build_model(tables, NUM_DENSE, seed=0, weighted=weighted)
     if rank == 0:
         ref = dlrm.build_reference(model, tables, case["optimizer"], **case["hyper"]).to(device)
         initial = dlrm.reference_state(ref, tables)
@@ -102,7 +103,7 @@ def _run_case(case, rank, world, outdir, key, device):
         _train(dmp, opt, batches[CHECKPOINT_AFTER:], rank, world, device)
         result["got"] = dlrm.sharded_state(dmp)
         # a fresh model with other weights, restored from the checkpoint, trains the remaining steps
-        fresh, _ = dlrm.shard(dlrm.build_model(tables, NUM_DENSE, seed=5), sharder, types, dist.group.WORLD, device,
+        fresh, _ = dlrm.shard(dlrm.build_model(tables, NUM_DENSE, seed=5, weighted=weighted), sharder, types, dist.group.WORLD, device,
                               device.type, min_partition=4)
         state = {"model": fresh.state_dict(), "optim": fresh.fused_optimizer.state_dict()}
         dcp.load(state, checkpoint_id=path)

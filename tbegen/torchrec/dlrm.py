@@ -85,11 +85,13 @@ class DLRM(nn.Module):
         return self.top(torch.cat([self.bottom(dense), pooled], dim=1)).squeeze(1)
 
 
-def build_model(tables: Sequence[TableSpec], num_dense: int, seed: int = 0, hidden: int = 16) -> DLRM:
-    """The unsharded model, its EmbeddingBagCollection on the CPU, initialised from `seed`."""
+def build_model(tables: Sequence[TableSpec], num_dense: int, seed: int = 0, hidden: int = 16,
+                weighted: bool = False) -> DLRM:
+    """The unsharded model, its EmbeddingBagCollection on the CPU (weighted: every index scales its
+    row by a per-sample weight from the KJT), initialised from `seed`."""
     torch.manual_seed(seed)
     pooled_dim = sum(t.dim * len(t.features) for t in tables)
-    ebc = EmbeddingBagCollection(tables=table_configs(tables), device=torch.device("cpu"))
+    ebc = EmbeddingBagCollection(tables=table_configs(tables), is_weighted=weighted, device=torch.device("cpu"))
     return DLRM(ebc, num_dense, pooled_dim, hidden, feature_names(tables))
 
 
@@ -116,7 +118,7 @@ class Batch:
 
 
 def make_batches(tables: Sequence[TableSpec], num_dense: int, batch: int, steps: int, seed: int = 1,
-                 zipf_alpha: float = 0.0) -> List[Batch]:
+                 zipf_alpha: float = 0.0, weighted: bool = False) -> List[Batch]:
     """`steps` global batches of `batch` examples. Indices are uniform, or Zipf-like (rank^-alpha
     over a fixed random permutation of the rows) for zipf_alpha > 0."""
     gen = torch.Generator().manual_seed(seed)
@@ -140,7 +142,9 @@ def make_batches(tables: Sequence[TableSpec], num_dense: int, batch: int, steps:
                     idx = torch.randint(0, t.rows, (n,), generator=gen)
                 lengths.append(ln)
                 values.append(idx)
-        kjt = KeyedJaggedTensor.from_lengths_sync(keys=keys, values=torch.cat(values), lengths=torch.cat(lengths))
+        values = torch.cat(values)
+        weights = torch.rand(values.numel(), generator=gen) + 0.5 if weighted else None
+        kjt = KeyedJaggedTensor.from_lengths_sync(keys=keys, values=values, lengths=torch.cat(lengths), weights=weights)
         dense = torch.randn(batch, num_dense, generator=gen)
         labels = torch.randint(0, 2, (batch,), generator=gen).float()
         out.append(Batch(dense, kjt, labels))
@@ -155,11 +159,13 @@ def local_batch(b: Batch, rank: int, world_size: int) -> Batch:
     lengths = b.kjt.lengths().view(len(keys), -1)
     offsets = b.kjt.offsets().view(-1)
     G = lengths.shape[1]
-    values = []
-    for f in range(len(keys)):
-        values.append(b.kjt.values()[offsets[f * G + lo]: offsets[f * G + hi]])
-    kjt = KeyedJaggedTensor.from_lengths_sync(keys=keys, values=torch.cat(values),
-                                              lengths=lengths[:, lo:hi].reshape(-1).contiguous())
+    spans = [slice(offsets[f * G + lo], offsets[f * G + hi]) for f in range(len(keys))]
+    weights = b.kjt.weights_or_none()
+    kjt = KeyedJaggedTensor.from_lengths_sync(
+        keys=keys, values=torch.cat([b.kjt.values()[s] for s in spans]),
+        lengths=lengths[:, lo:hi].reshape(-1).contiguous(),
+        weights=torch.cat([weights[s] for s in spans]) if weights is not None else None,
+    )
     return Batch(b.dense[lo:hi], kjt, b.labels[lo:hi])
 
 
