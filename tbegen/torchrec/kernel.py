@@ -1,0 +1,544 @@
+"""tbegen as a compute kernel of TorchRec's sharded EmbeddingBagCollection.
+
+    from tbegen.torchrec import TbegenEmbeddingBagCollectionSharder
+    sharder = TbegenEmbeddingBagCollectionSharder("adam", learning_rate=0.01)   # or a YAML path
+    plan = EmbeddingShardingPlanner(topology, constraints=...).collective_plan(model, [sharder], pg)
+    model = DistributedModelParallel(model, env=env, device=device, plan=plan, sharders=[sharder])
+
+How it plugs in (the extension points NVIDIA's DynamicEmb uses as well; docs/torchrec.md):
+
+- The sharder declares the sharding types it runs (table-wise, row-wise, column-wise, data-parallel,
+  table-row-wise, table-column-wise, on every compute device: the fused tbegen kernel has a CPU
+  path, so row-wise is offered on the CPU too) and the compute kernel of each.
+- Its sharded module, a `ShardedEmbeddingBagCollection`, overrides `create_embedding_bag_sharding`
+  to return TorchRec's sharding classes with one method changed: `create_lookup` builds a
+  `TbegenPooledEmbeddingsLookup`, whose `_create_embedding_kernel` builds a `TbegenEmbeddingBag`
+  (one tbegen `TableBatchedEmbeddingBags` over this rank's shards of one group of tables).
+- Plans carry TorchRec's compute kernel value "fused" (an optimizer fused into the backward,
+  weights and states in device memory): TorchRec's planner estimates, its sharded state_dict and
+  its optimizer plumbing key on that value, and `TbegenEmbeddingBag` provides what they read from
+  a fused kernel (per-table weight views, `fused_optimizer` with sharded states,
+  `named_parameters_by_table`).
+
+Input and output distribution (all-to-all, reduce-scatter, bucketisation of row-wise ids) stay
+TorchRec's; each shard's lookup and fused update are tbegen's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any, Dict, Iterator, List, Optional, Tuple, Union
+
+import torch
+from torch import distributed as dist
+from torch import nn
+from torch.distributed._shard.metadata import ShardMetadata
+from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, ShardedTensorMetadata, TensorProperties
+from torchrec.distributed.batched_embedding_kernel import BaseBatchedEmbeddingBag
+from torchrec.distributed.composable.table_batched_embedding_slice import TableBatchedEmbeddingSlice
+from torchrec.distributed.embedding_kernel import BaseEmbedding
+from torchrec.distributed.embedding_lookup import GroupedPooledEmbeddingsLookup
+from torchrec.distributed.embedding_types import EmbeddingComputeKernel, GroupedEmbeddingConfig
+from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder, ShardedEmbeddingBagCollection
+from torchrec.distributed.sharding.cw_sharding import CwPooledEmbeddingSharding
+from torchrec.distributed.sharding.dp_sharding import DpPooledEmbeddingSharding
+from torchrec.distributed.sharding.rw_sharding import RwPooledEmbeddingSharding
+from torchrec.distributed.sharding.tw_sharding import TwPooledEmbeddingSharding
+from torchrec.distributed.sharding.twcw_sharding import TwCwPooledEmbeddingSharding
+from torchrec.distributed.sharding.twrw_sharding import TwRwPooledEmbeddingSharding
+from torchrec.distributed.types import ShardingType
+from torchrec.modules.embedding_configs import DataType
+from torchrec.optim.fused import EmptyFusedOptimizer, FusedOptimizer, FusedOptimizerModule
+
+from ..model import OptimizerSpec
+from ..module import TableBatchedEmbeddingBags, _resolve_spec, check_hyperparameters
+
+__all__ = [
+    "TbegenEmbeddingBagCollectionSharder",
+    "TbegenShardedEmbeddingBagCollection",
+    "TbegenPooledEmbeddingsLookup",
+    "TbegenEmbeddingBag",
+    "TbegenFusedOptimizer",
+    "TbegenOptions",
+    "SHARDING_TYPES",
+]
+
+# The key of the sharder's options in TorchRec's fused_params. They travel with each table into the
+# GroupedEmbeddingConfig that a kernel is built from; fused_params are part of TorchRec's grouping
+# key, so tables with different options never share a kernel.
+FUSED_PARAMS_KEY = "tbegen"
+
+SHARDING_TYPES = (
+    ShardingType.TABLE_WISE.value,
+    ShardingType.ROW_WISE.value,
+    ShardingType.COLUMN_WISE.value,
+    ShardingType.TABLE_ROW_WISE.value,
+    ShardingType.TABLE_COLUMN_WISE.value,
+    ShardingType.DATA_PARALLEL.value,
+)
+
+_WEIGHT_DTYPES = {DataType.FP32: torch.float32, DataType.FP16: torch.float16, DataType.BF16: torch.bfloat16}
+# TorchRec's pooling modes (FBGEMM's PoolingMode names) -> tbegen's
+_POOLING = {"SUM": "sum", "MEAN": "mean"}
+
+
+@dataclasses.dataclass(frozen=True)
+class TbegenOptions:
+    """What a kernel needs beyond TorchRec's table configs. Frozen and hashable: it is part of a
+    grouping key."""
+
+    spec: OptimizerSpec
+    hyperparameters: Tuple[Tuple[str, Any], ...]
+    stochastic_rounding: bool = True
+    seed: int = 0
+    max_segment_length_per_warp: int = 32
+
+
+# ---- sharded views of per-table tensors --------------------------------------------------------
+
+
+def _state_shard_metadata(table, per: str) -> Tuple[Dict[Tuple[int, ...], ShardMetadata], List[int]]:
+    """For one table: {table shard offsets: metadata of that shard's state} over all ranks' shards,
+    and the state's global size.
+
+    Per-element states are laid out like the weights. Per-row states are 1-D: row-wise shards keep
+    their row offsets; column-wise shards each cover all rows and keep a row state of their own
+    (as FBGEMM's do), so the global tensor stacks them in column order into [rows * shards].
+    """
+    global_md = table.global_metadata
+    rows = global_md.size[0]
+    out: Dict[Tuple[int, ...], ShardMetadata] = {}
+    if per == "element":
+        for m in global_md.shards_metadata:
+            out[tuple(m.shard_offsets)] = ShardMetadata(list(m.shard_offsets), list(m.shard_sizes), m.placement)
+        return out, list(global_md.size)
+    column_sharded = any(m.shard_sizes[1] != global_md.size[1] for m in global_md.shards_metadata)
+    row_sharded = any(m.shard_sizes[0] != rows for m in global_md.shards_metadata)
+    if column_sharded and row_sharded:
+        raise NotImplementedError(
+            f"tbegen: table {table.name!r} is sharded by rows and by columns at once (grid sharding); not supported"
+        )
+    if not column_sharded:
+        for m in global_md.shards_metadata:
+            out[tuple(m.shard_offsets)] = ShardMetadata([m.shard_offsets[0]], [m.shard_sizes[0]], m.placement)
+        return out, [rows]
+    by_column = sorted(global_md.shards_metadata, key=lambda m: m.shard_offsets[1])
+    for slot, m in enumerate(by_column):
+        out[tuple(m.shard_offsets)] = ShardMetadata([slot * rows], [rows], m.placement)
+    return out, [rows * len(by_column)]
+
+
+def _sharded_tensor(local: List[Tuple[torch.Tensor, Tuple[int, ...]]], metadata: Dict[Tuple[int, ...], ShardMetadata],
+                    size: List[int], pg) -> ShardedTensor:
+    """A ShardedTensor over this rank's views `local` (tensor, table shard offsets)."""
+    props = TensorProperties(dtype=local[0][0].dtype, layout=torch.strided, requires_grad=False)
+    return ShardedTensor._init_from_local_shards_and_global_metadata(
+        local_shards=[Shard(t, metadata[key]) for t, key in local],
+        sharded_tensor_metadata=ShardedTensorMetadata(list(metadata.values()), torch.Size(size), props),
+        process_group=pg,
+    )
+
+
+# ---- the fused optimizer ------------------------------------------------------------------------
+
+
+class TbegenFusedOptimizer(FusedOptimizer):
+    """TorchRec's view of one kernel's fused optimizer.
+
+    state: per table, `{TABLE.STATE: ShardedTensor}` for every optimizer state of the spec (views
+    into the kernel's buffers, so loading a state_dict writes the kernel's states) and
+    `TABLE.step`, the kernel's update counter (a 1-element int64 tensor kept current after every
+    update). param_groups: one group whose hyperparameters are the spec's (`learning_rate` also as
+    `lr`, which LR schedulers change); `step()` and `zero_grad()` hand them to the kernel, as
+    TorchRec's FBGEMM optimizer does with its learning rate.
+    """
+
+    def __init__(self, kernel: "TbegenEmbeddingBag", pg) -> None:
+        self._kernel = kernel
+        emb = kernel.emb_module
+        tables = kernel.config.embedding_tables
+        weights = emb.split_embedding_weights()
+        states = emb.split_optimizer_states()
+
+        params: Dict[str, ShardedTensor] = {}
+        state: Dict[Any, Dict[str, Any]] = {}
+        names = list(dict.fromkeys(t.name for t in tables))
+        for name in names:
+            mine = [i for i, t in enumerate(tables) if t.name == name]
+            table = tables[mine[0]]
+            if table.global_metadata is None:  # data-parallel: every rank holds the whole table
+                weight = weights[mine[0]]
+                params[f"{name}.weight"] = weight
+                state[weight] = {f"{name}.{s.name}": states[mine[0]][s.name] for s in emb.spec.states}
+                state[weight][f"{name}.step"] = kernel.step_tensor
+                continue
+            offsets = [tuple(tables[i].local_metadata.shard_offsets) for i in mine]
+            md, size = _state_shard_metadata(table, "element")
+            weight = _sharded_tensor([(weights[i], off) for i, off in zip(mine, offsets)], md, size, pg)
+            params[f"{name}.weight"] = weight
+            entry: Dict[str, Any] = {}
+            for s in emb.spec.states:
+                md, size = _state_shard_metadata(table, s.per)
+                entry[f"{name}.{s.name}"] = _sharded_tensor(
+                    [(states[i][s.name], off) for i, off in zip(mine, offsets)], md, size, pg
+                )
+            entry[f"{name}.step"] = kernel.step_tensor
+            state[weight] = entry
+        group: Dict[str, Any] = {"params": list(params.values())}
+        group.update(self._hyperparameters_for_group())
+        super().__init__(params, state, [group])
+
+    def _hyperparameters_for_group(self) -> Dict[str, Any]:
+        values = self._kernel.emb_module.hyperparameters
+        if "learning_rate" in values:
+            values["lr"] = values.pop("learning_rate")
+        return values
+
+    def _apply_param_group(self) -> None:
+        group = dict(self.param_groups[0])
+        values = {k: v for k, v in group.items() if k not in ("params", "lr")}
+        if "lr" in group:
+            values["learning_rate"] = group["lr"]
+        self._kernel.emb_module.set_hyperparameters(**values)
+
+    def zero_grad(self, set_to_none: bool = False) -> None:
+        self._apply_param_group()
+
+    def step(self, closure: Any = None) -> None:
+        self._apply_param_group()
+
+    def set_optimizer_step(self, step: int) -> None:
+        self._kernel.set_step(step)
+
+    def update_hyper_parameters(self, params_dict: Dict[str, Any]) -> None:
+        for group in self.param_groups:
+            group.update(params_dict)
+        self._apply_param_group()
+
+    def post_load_state_dict(self) -> None:
+        # the state_dict's step counters were copied into step_tensor; the kernel counts on from there
+        self._kernel.set_step(int(self._kernel.step_tensor.item()))
+        self._apply_param_group()
+
+
+# ---- the kernel ----------------------------------------------------------------------------------
+
+
+class _CountingTableBatchedEmbeddingBags(TableBatchedEmbeddingBags):
+    """tbegen's module, mirroring its update counter into a tensor that checkpoints can hold."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.step_tensor = torch.zeros(1, dtype=torch.int64)
+
+    def _run_backward(self, *args, **kwargs) -> None:
+        super()._run_backward(*args, **kwargs)
+        self.step_tensor.fill_(self._step)
+
+
+class _GlobalBatchTableBatchedEmbeddingBags(_CountingTableBatchedEmbeddingBags):
+    """A replica of whole tables (data-parallel) that every rank updates with the global batch.
+
+    The backward gathers every rank's indices, offsets, per-sample weights and output gradient,
+    lays them out as one feature-major batch (rank 0's bags of each feature first), divides the
+    gradient by the number of ranks (DDP's mean, TorchRec's gradient division) and runs the fused
+    update on it: each rank applies the same update, so the replicas stay equal, and that update is
+    the single-process one over the global batch.
+    """
+
+    def __init__(self, *args, pg=None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._pg = pg
+
+    def _run_backward(self, grad_output, weights, indices, offsets, per_sample_weights) -> None:
+        grad_output, indices, offsets, per_sample_weights = _global_batch(
+            self._pg, self.layout.num_features, grad_output, indices, offsets, per_sample_weights
+        )
+        super()._run_backward(grad_output, weights, indices, offsets, per_sample_weights)
+
+
+def _all_gather_padded(pg, tensor: torch.Tensor, lengths: List[int]) -> List[torch.Tensor]:
+    """Every rank's `tensor` (its first dimension lengths[r] on rank r, the rest equal)."""
+    padded = torch.zeros((max(max(lengths), 1),) + tuple(tensor.shape[1:]), dtype=tensor.dtype, device=tensor.device)
+    padded[: tensor.shape[0]] = tensor
+    parts = [torch.empty_like(padded) for _ in lengths]
+    dist.all_gather(parts, padded, group=pg)
+    return [part[:n] for part, n in zip(parts, lengths)]
+
+
+def _global_batch(pg, num_features: int, grad_output, indices, offsets, per_sample_weights):
+    world = dist.get_world_size(pg)
+    batch = (offsets.numel() - 1) // num_features
+    sizes = torch.tensor([indices.numel(), batch], dtype=torch.int64, device=indices.device)
+    all_sizes = [torch.empty_like(sizes) for _ in range(world)]
+    dist.all_gather(all_sizes, sizes, group=pg)
+    n_per_rank = [int(x[0]) for x in all_sizes]
+    b_per_rank = [int(x[1]) for x in all_sizes]
+    lengths = (offsets[1:] - offsets[:-1]).view(num_features, batch).t().contiguous()  # [B, F]
+    all_lengths = _all_gather_padded(pg, lengths, b_per_rank)
+    all_indices = _all_gather_padded(pg, indices, n_per_rank)
+    all_grads = _all_gather_padded(pg, grad_output, b_per_rank)
+    all_psw = _all_gather_padded(pg, per_sample_weights, n_per_rank) if per_sample_weights is not None else None
+    # feature-major: feature f's bags of rank 0, then of rank 1, ...
+    pieces, psw_pieces = [], []
+    # (on the CPU: the loop below reads them one by one)
+    rank_offsets = [torch.cat([offsets.new_zeros(1), ln.t().reshape(-1).cumsum(0)]).cpu() for ln in all_lengths]
+    for f in range(num_features):
+        for r in range(world):
+            lo, hi = int(rank_offsets[r][f * b_per_rank[r]]), int(rank_offsets[r][(f + 1) * b_per_rank[r]])
+            pieces.append(all_indices[r][lo:hi])
+            if all_psw is not None:
+                psw_pieces.append(all_psw[r][lo:hi])
+    global_lengths = torch.cat(all_lengths, dim=0).t().reshape(-1)  # [F * sum(B)], feature-major
+    global_offsets = torch.cat([offsets.new_zeros(1), global_lengths.cumsum(0)]).to(offsets.dtype)
+    global_grad = torch.cat(all_grads, dim=0) / world
+    return (global_grad, torch.cat(pieces), global_offsets,
+            torch.cat(psw_pieces) if all_psw is not None else None)
+
+
+class TbegenEmbeddingBag(BaseBatchedEmbeddingBag[torch.Tensor], FusedOptimizerModule):
+    """This rank's shards of one group of tables in one tbegen `TableBatchedEmbeddingBags`.
+
+    Each shard is a table of its local rows and columns; features map to shards as in the
+    group's config. Weights start uniform in each table's TorchRec init range (`init_parameters`).
+    """
+
+    def __init__(self, config: GroupedEmbeddingConfig, pg=None, device: Optional[torch.device] = None,
+                 sharding_type: Optional[ShardingType] = None) -> None:
+        super().__init__(config, pg, device, sharding_type)
+        options = (config.fused_params or {}).get(FUSED_PARAMS_KEY)
+        if not isinstance(options, TbegenOptions):
+            raise ValueError(
+                "tbegen: the table group has no tbegen options in its fused_params; shard with "
+                "TbegenEmbeddingBagCollectionSharder"
+            )
+        if config.data_type not in _WEIGHT_DTYPES:
+            raise ValueError(
+                f"tbegen: tables of data_type {config.data_type} are not supported (FP32, FP16 or BF16); "
+                f"tables {[t.name for t in config.embedding_tables]}"
+            )
+        pooling = _POOLING.get(self._pooling.name)
+        if pooling is None:
+            raise ValueError(f"tbegen: pooling {self._pooling.name} is not supported by the TorchRec kernel (SUM, MEAN)")
+        data_parallel = sharding_type == ShardingType.DATA_PARALLEL
+        module_class = _GlobalBatchTableBatchedEmbeddingBags if data_parallel else _CountingTableBatchedEmbeddingBags
+        extra = {"pg": pg} if data_parallel else {}
+        self._emb_module = module_class(
+            **extra,
+            tables=list(zip(self._local_rows, self._local_cols)),
+            optimizer=options.spec,
+            pooling=pooling,
+            weights_dtype=_WEIGHT_DTYPES[config.data_type],
+            stochastic_rounding=options.stochastic_rounding,
+            device=device if device is not None else "cpu",
+            feature_table_map=self._feature_table_map,
+            seed=options.seed,
+            max_segment_length_per_warp=options.max_segment_length_per_warp,
+            **dict(options.hyperparameters),
+        )
+        if self._emb_module.dense_gradient:
+            raise ValueError("tbegen: optimizer 'none' (dense gradients) is not a fused kernel; use TorchRec's DENSE kernel")
+        self.init_parameters()
+        self._optim = TbegenFusedOptimizer(self, pg)
+
+    @property
+    def emb_module(self) -> TableBatchedEmbeddingBags:
+        return self._emb_module
+
+    @property
+    def step_tensor(self) -> torch.Tensor:
+        return self._emb_module.step_tensor
+
+    def set_step(self, step: int) -> None:
+        self._emb_module._step = int(step)
+        self._emb_module.step_tensor.fill_(int(step))
+
+    @property
+    def fused_optimizer(self) -> FusedOptimizer:
+        return self._optim
+
+    def forward(self, features, *args, **kwargs) -> torch.Tensor:
+        if features.variable_stride_per_key():
+            raise NotImplementedError("tbegen: variable batch sizes per feature (VBE) are not supported by the tbegen kernel")
+        if args or any(v is not None for v in kwargs.values()):
+            raise NotImplementedError("tbegen: preallocated VBE outputs are not supported by the tbegen kernel")
+        return super().forward(features)
+
+    @property
+    def _param_per_table(self) -> Dict[str, TableBatchedEmbeddingSlice]:
+        """Per table name, one slice of the flat weights over this rank's shards of it (consecutive
+        in the flat buffer), tagged with the fused optimizer (so dense optimizers skip it)."""
+        out = {}
+        weights = self._emb_module.weights
+        offsets = self._emb_module.layout.table_offsets
+        for name, count in self.table_name_to_count.items():
+            first = next(i for i, t in enumerate(self._config.embedding_tables) if t.name == name)
+            rows, dim = self._local_rows[first], self._local_cols[first]
+            tbe_slice = TableBatchedEmbeddingSlice(
+                data=weights, start_offset=offsets[first], end_offset=offsets[first] + count * rows * dim,
+                num_embeddings=-1, embedding_dim=dim,
+            )
+            tbe_slice._in_backward_optimizers = [self._optim]
+            out[name] = tbe_slice
+        return out
+
+    @_param_per_table.setter
+    def _param_per_table(self, value) -> None:
+        # BaseBatchedEmbeddingBag.__init__ assigns an empty dict; the slices are derived on demand
+        pass
+
+    def named_buffers(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
+        # fused weights and states are reached through state_dict and fused_optimizer, as in TorchRec
+        yield from ()
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True,
+                         remove_duplicate: bool = True) -> Iterator[Tuple[str, nn.Parameter]]:
+        for name, tensor in self.named_split_embedding_weights(prefix, recurse, remove_duplicate):
+            param = nn.Parameter(tensor, requires_grad=False)
+            param._in_backward_optimizers = [EmptyFusedOptimizer()]
+            yield name, param
+
+
+# ---- lookup and shardings -----------------------------------------------------------------------
+
+
+class TbegenPooledEmbeddingsLookup(GroupedPooledEmbeddingsLookup):
+    """TorchRec's pooled lookup whose fused kernels are tbegen's."""
+
+    def _create_embedding_kernel(self, config: GroupedEmbeddingConfig, device, pg, sharding_type, env) -> BaseEmbedding:
+        if config.compute_kernel != EmbeddingComputeKernel.FUSED:
+            raise ValueError(
+                f"tbegen: the tbegen sharder runs compute kernel 'fused' only, the plan asks for "
+                f"{config.compute_kernel.value!r} for tables {[t.name for t in config.embedding_tables]}"
+            )
+        return TbegenEmbeddingBag(config=config, pg=pg, device=device, sharding_type=sharding_type)
+
+
+def _tbegen_sharding(base, lookup_sharding_type: Optional[ShardingType], per_rank_configs: bool = False):
+    """`base` (a TorchRec pooled sharding class) with a create_lookup that builds tbegen kernels.
+
+    Only the kernels change; TorchRec's input and output distribution are kept.
+    """
+
+    def create_lookup(self, device=None, fused_params=None, feature_processor=None):
+        configs = self._grouped_embedding_configs_per_rank[self._rank] if per_rank_configs else self._grouped_embedding_configs
+        return TbegenPooledEmbeddingsLookup(
+            grouped_configs=configs,
+            pg=self._pg,
+            device=device if device is not None else self._device,
+            feature_processor=feature_processor,
+            sharding_type=lookup_sharding_type,
+            env=self._env,
+        )
+
+    return type(f"Tbegen{base.__name__}", (base,), {"create_lookup": create_lookup, "__module__": __name__})
+
+
+# The sharding types tbegen runs, each TorchRec's class with tbegen kernels. The sharding type
+# handed to the lookup is what TorchRec's own create_lookup passes (it turns MEAN into SUM where the
+# mean is taken after the reduce-scatter).
+_SHARDINGS = {
+    ShardingType.TABLE_WISE.value: _tbegen_sharding(TwPooledEmbeddingSharding, None),
+    ShardingType.ROW_WISE.value: _tbegen_sharding(RwPooledEmbeddingSharding, ShardingType.ROW_WISE),
+    ShardingType.COLUMN_WISE.value: _tbegen_sharding(CwPooledEmbeddingSharding, None),
+    ShardingType.TABLE_ROW_WISE.value: _tbegen_sharding(TwRwPooledEmbeddingSharding, ShardingType.TABLE_ROW_WISE, True),
+    ShardingType.TABLE_COLUMN_WISE.value: _tbegen_sharding(TwCwPooledEmbeddingSharding, None),
+}
+
+
+class _TbegenDataParallelSharding(DpPooledEmbeddingSharding):
+    """TorchRec's data-parallel sharding (every rank holds whole tables) with tbegen kernels that
+    update each replica with the global batch (see _GlobalBatchTableBatchedEmbeddingBags)."""
+
+    def create_lookup(self, device=None, fused_params=None, feature_processor=None):
+        return TbegenPooledEmbeddingsLookup(
+            grouped_configs=self._grouped_embedding_configs,
+            pg=self._env.process_group,
+            device=device if device is not None else self._device,
+            feature_processor=feature_processor,
+            scale_weight_gradients=False,
+            sharding_type=ShardingType.DATA_PARALLEL,
+            env=self._env,
+        )
+
+
+_SHARDINGS[ShardingType.DATA_PARALLEL.value] = _TbegenDataParallelSharding
+
+
+class TbegenShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
+    """TorchRec's sharded EmbeddingBagCollection with tbegen kernels for every model-parallel shard."""
+
+    @classmethod
+    def create_embedding_bag_sharding(cls, sharding_infos, env, device=None, permute_embeddings=False,
+                                      qcomm_codecs_registry=None):
+        sharding_type = sharding_infos[0].param_sharding.sharding_type
+        sharding = _SHARDINGS.get(sharding_type)
+        if sharding is None:
+            raise ValueError(
+                f"tbegen: sharding type {sharding_type!r} is not supported by the tbegen kernel; supported: "
+                f"{', '.join(SHARDING_TYPES)}"
+            )
+        if sharding_type == ShardingType.DATA_PARALLEL.value:
+            return sharding(sharding_infos, env, device)
+        kwargs: Dict[str, Any] = {"qcomm_codecs_registry": qcomm_codecs_registry}
+        if sharding_type in (ShardingType.COLUMN_WISE.value, ShardingType.TABLE_COLUMN_WISE.value):
+            kwargs["permute_embeddings"] = permute_embeddings
+        return sharding(sharding_infos, env, device, **kwargs)
+
+    def init_data_parallel(self) -> None:
+        # TorchRec wraps data-parallel lookups in DDP, to average the dense gradients of their
+        # weights; tbegen's replicas have none (their fused update averages the global batch's
+        # gradient itself), so they stay unwrapped.
+        pass
+
+
+class TbegenEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
+    """Shards `EmbeddingBagCollection`s onto tbegen kernels, trained by a tbegen optimizer.
+
+    Args:
+        optimizer: a tbegen spec name ("adam", "rowwise_adagrad", "ftrl", ...), a path to a YAML
+            spec, or a loaded OptimizerSpec ("none", the dense-gradient mode, is not a fused kernel).
+        stochastic_rounding, seed, max_segment_length_per_warp: as for TableBatchedEmbeddingBags.
+        sharding_types: the sharding types to offer the planner (default: all of SHARDING_TYPES,
+            on every compute device, row-wise on the CPU included).
+        qcomm_codecs_registry: TorchRec's quantized-communication codecs.
+        **hyperparameters: the optimizer's hyperparameters by name; checked here, before any sharding.
+
+    Each table's weight precision is its EmbeddingBagConfig.data_type (FP32, FP16 or BF16).
+    """
+
+    def __init__(self, optimizer: Union[str, os.PathLike, OptimizerSpec] = "rowwise_adagrad", *,
+                 stochastic_rounding: bool = True, seed: int = 0, max_segment_length_per_warp: int = 32,
+                 sharding_types: Optional[List[str]] = None, qcomm_codecs_registry=None, **hyperparameters) -> None:
+        spec = _resolve_spec(optimizer)
+        if spec.name == "none":
+            raise ValueError("tbegen: optimizer 'none' (dense gradients) is not a fused kernel; choose a fused optimizer")
+        hyper = check_hyperparameters(spec, hyperparameters)
+        if sharding_types is not None:
+            unknown = [s for s in sharding_types if s not in SHARDING_TYPES]
+            if unknown or not sharding_types:
+                raise ValueError(f"tbegen: sharding_types must be a non-empty subset of {list(SHARDING_TYPES)}, got {sharding_types!r}")
+        self._tbegen_sharding_types = list(sharding_types) if sharding_types is not None else list(SHARDING_TYPES)
+        self.options = TbegenOptions(
+            spec=spec, hyperparameters=tuple(hyper.items()), stochastic_rounding=bool(stochastic_rounding),
+            seed=int(seed), max_segment_length_per_warp=int(max_segment_length_per_warp),
+        )
+        super().__init__(fused_params={FUSED_PARAMS_KEY: self.options}, qcomm_codecs_registry=qcomm_codecs_registry)
+
+    def sharding_types(self, compute_device_type: str) -> List[str]:
+        return list(self._tbegen_sharding_types)
+
+    def compute_kernels(self, sharding_type: str, compute_device_type: str) -> List[str]:
+        return [EmbeddingComputeKernel.FUSED.value]
+
+    def shard(self, module, params, env, device=None, module_fqn=None) -> TbegenShardedEmbeddingBagCollection:
+        return TbegenShardedEmbeddingBagCollection(
+            module=module,
+            table_name_to_parameter_sharding=params,
+            env=env,
+            fused_params=self.fused_params,
+            device=device,
+            qcomm_codecs_registry=self.qcomm_codecs_registry,
+            module_fqn=module_fqn,
+        )
