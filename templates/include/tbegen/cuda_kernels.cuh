@@ -217,7 +217,7 @@ __global__ void __launch_bounds__(256) forward_kernel(ForwardArgs a, const W* __
 #pragma unroll 8
         for (int j = 0; j < n; ++j) {
           const int64_t off = __shfl_sync(kFullMask, my_off, j);
-          const float s = a.psw ? __shfl_sync(kFullMask, my_scale, j) : 1.0f;
+          const float s = __shfl_sync(kFullMask, my_scale, j);
           if (off < 0) continue;
 #pragma unroll
           for (int v = 0; v < kVecs; ++v) {
@@ -236,7 +236,7 @@ __global__ void __launch_bounds__(256) forward_kernel(ForwardArgs a, const W* __
           const int j = j0 + group;
           const int src = j < n ? j : 0;
           const int64_t off = __shfl_sync(kFullMask, my_off, src);
-          const float s = a.psw ? __shfl_sync(kFullMask, my_scale, src) : 1.0f;
+          const float s = __shfl_sync(kFullMask, my_scale, src);
           if (j < n && off >= 0 && d0 < D) {
             float x[4];
             load_weights4(weights + off + d0, x);
@@ -565,14 +565,17 @@ struct ShortRun {
 // Short runs: one warp per unique row. A warp takes 32 consecutive runs at a time; each lane
 // first fetches one run's description (start, length, key, and its first occurrence), so that a
 // row seen once (the common case) costs one round trip to memory for its weights and gradient
-// row, issued together. For narrow rows (kVecs <= 2) the next run's weights and states are loaded
-// while the current one is summed and updated, so each warp keeps two rows' loads in flight.
+// row, issued together. For rows of up to 128 columns without per-element state, the next run's
+// weights and states are loaded while the current one is summed and updated, so each warp keeps
+// two rows' loads in flight.
 // Occurrences are summed in sorted (= index) order.
 template <class Opt, typename W, int kVecs>
 __global__ void __launch_bounds__(256) backward_warp_kernel(BackwardArgs a, Runs r, Occurrences o, typename Opt::Params p,
                                                             RowUpdateContext ctx, W* weights) {
   if (update_blocked(a)) return;
-  constexpr bool kLoadAhead = kVecs <= 2;
+  // (measured on the H200, run G: a gain for rows of <= 128 columns without per-element state; with
+  // element states or wider rows the extra registers cost more than the overlap brings)
+  constexpr bool kLoadAhead = kVecs == 1 && Opt::kElementStates == 0;
   const int lane = threadIdx.x % kWarpSize;
   const int64_t warps = int64_t(gridDim.x) * blockDim.x / kWarpSize;
   const int32_t num_runs = r.counts[0];
