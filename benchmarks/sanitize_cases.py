@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """A representative subset of the CUDA cases, small enough to run under compute-sanitizer
 (memcheck, racecheck): every kernel (forward, per-sample-weight gradient, linearise, sort and
-encode, the warp-per-row and block-per-row updates), fp32/fp16/bf16, pooling sum/mean/none.
+runs, the warp-per-row, segment and finishing updates), fp32/fp16/bf16, pooling sum/mean/none.
 
     PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck python3 benchmarks/sanitize_cases.py
 """

@@ -1,8 +1,8 @@
 """The CUDA kernels on a GPU (`pytest -m cuda`; skipped where no GPU exists).
 
 The same numerical grid as the CPU suite, against the same float64 references, plus what only
-the GPU path has: hot rows far beyond max_segment_length_per_warp (the block-per-row kernel and
-its shared-memory reduction), D up to 1024, batches of 65536, a weights buffer of more than 2^31
+the GPU path has: hot rows far beyond max_segment_length_per_warp (the segment kernel and its
+fixed-order second pass over the segments' partial sums), D up to 1024, batches of 65536, a weights buffer of more than 2^31
 elements, a batch where every index is the same row, CPU/CUDA agreement, bitwise determinism,
 stochastic rounding statistics and bad input. Results of the last GPU run: docs/gpu-results.md.
 """

@@ -1,0 +1,74 @@
+#!/usr/bin/env bash
+# The whole GPU evidence for a landing, in one device call of under 10 minutes (the lent machine's
+# per-call limit), from the repository root:
+#   1. build the four benchmarked optimizers' CUDA extensions;
+#   2. the benchmark beside FBGEMM_GPU (the referee, .anchor/bench_tbe.py --check), while the other
+#      eight extensions build at low priority (the benchmark's timed work is on the GPU);
+#   3. every CUDA test (test_cuda, test_module, test_bad_input, the lane-split CPU/CUDA comparison),
+#      FBGEMM_GPU differential tests (test_fbgemm_compat -m cuda), TorchRec over NCCL on one rank
+#      (test_torchrec -m cuda and examples/torchrec_training.py, with the wheels in .whl/);
+#   4. compute-sanitizer memcheck and racecheck over benchmarks/sanitize_cases.py.
+# Carry .anchor (FBGEMM bundle and referee) and .whl (TorchRec's pure-Python wheels). Output: at
+# most 8 files under $OUT (the device tool's limit).
+set -u
+OUT=${OUT:-/tmp/tbegen-gpu-out}
+mkdir -p "$OUT/fbgemm"
+export TORCH_CUDA_ARCH_LIST=9.0 TBEGEN_BUILD_DIR=$PWD/build/tbegen-cache PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+status=0
+log() { echo "== $*" | tee -a "$OUT/extras.log"; }
+build() {  # build the named specs' CUDA extensions into the cache
+  python3 -c "
+import sys; from tbegen import build; from tbegen.spec import find_spec
+build.prebuild([find_spec(n) for n in sys.argv[1:]], with_cuda=True)" "$@"
+}
+{
+  date -u +"date: %Y-%m-%d %H:%M UTC"; git rev-parse --short HEAD 2>/dev/null | sed 's/^/commit: /'
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | sed 's/^/gpu: /'
+  python3 -c "import torch, sys; print('python:', sys.version.split()[0]); print('torch:', torch.__version__, 'cuda', torch.version.cuda)"
+  nvcc --version | tail -n 2 | head -n 1 | sed 's/^/nvcc: /'
+} | tee "$OUT/env.txt"
+python3 .anchor/unpack_bundle.py .anchor/bundle /tmp/fbg_site > /dev/null 2>&1 || log "FBGEMM bundle did not unpack"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl > /dev/null 2>&1 \
+  || log "TorchRec wheels did not install"
+
+t0=$(date +%s)
+BENCHED="sgd rowwise_adagrad adagrad adam"
+build $BENCHED > "$OUT/extras.log" 2>&1 || { status=1; log "build failed"; }
+log "build of the 4 benchmarked extensions: $(( $(date +%s) - t0 )) s"
+REST=$(python3 -c "from tbegen.spec import list_specs; print(' '.join(p.stem for p in list_specs() if p.stem not in '$BENCHED'.split()))")
+( nice -n 19 bash -c "$(declare -f build); build $REST" >> "$OUT/extras.log" 2>&1 ) &
+rest_pid=$!
+
+PYTHONPATH=/tmp/fbg_site:$PYTHONPATH CUDA_MODULE_LOADING=LAZY timeout ${BENCH_TIMEOUT:-200} python3 .anchor/bench_tbe.py --check \
+  --systems fbgemm,tbegen --fast-init --budget-s ${BENCH_BUDGET:-150} --out "$OUT/fbgemm" > "$OUT/fbgemm.log" 2>&1 || status=1
+grep -vi "compat table" "$OUT/fbgemm.log" | grep -E "^C[123] " | tail -n 24
+rm -f "$OUT/fbgemm/env.json" "$OUT/fbgemm/profiles.json"
+wait $rest_pid || { status=1; log "build of the other extensions failed"; }
+log "all extensions built: $(( $(date +%s) - t0 )) s"
+
+xdist=$(python3 -c "import xdist" 2>/dev/null && echo "-n 12")
+OMP_NUM_THREADS=2 TBEGEN_RESULTS_DIR="$OUT" timeout ${TESTS_TIMEOUT:-200} python3 -m pytest -q -p no:cacheprovider $xdist \
+  tests/test_cuda.py tests/test_module.py tests/test_bad_input.py tests/test_cuda_lane_split.py > "$OUT/pytest_cuda.log" 2>&1 || status=1
+grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/pytest_cuda.log" | tail -n 15
+python3 benchmarks/summarize_results.py "$OUT" > "$OUT/numerics_table.md" 2>&1
+rm -f "$OUT"/harness_results_*.jsonl "$OUT"/*.jsonl
+
+log "FBGEMM_GPU differential tests"
+TBEGEN_RESULTS_DIR="$OUT/fbgemm" PYTHONPATH=/tmp/fbg_site:$PYTHONPATH timeout 120 python3 -m pytest -q -p no:cacheprovider \
+  -m cuda tests/test_fbgemm_compat.py 2>&1 | tail -n 15 >> "$OUT/extras.log"
+log "TorchRec over NCCL, one rank"
+PYTHONPATH=/tmp/site:/tmp/fbg_site:$PYTHONPATH timeout 120 python3 -m pytest -q -p no:cacheprovider -m cuda tests/test_torchrec.py \
+  2>&1 | tail -n 25 >> "$OUT/extras.log"
+PYTHONPATH=/tmp/site:/tmp/fbg_site:$PYTHONPATH timeout 120 torchrun --nproc_per_node=1 examples/torchrec_training.py \
+  2>&1 | tail -n 40 >> "$OUT/extras.log"
+tail -n 30 "$OUT/extras.log"
+
+for tool in memcheck racecheck; do
+  log "compute-sanitizer --tool $tool"
+  PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout ${SANITIZE_TIMEOUT:-70} compute-sanitizer --tool $tool --print-limit 20 \
+    python3 benchmarks/sanitize_cases.py rowwise_adagrad adam > "$OUT/sanitize.tmp" 2>&1 || status=1
+  { echo "== $tool"; cat "$OUT/sanitize.tmp"; } >> "$OUT/sanitize.log"; rm -f "$OUT/sanitize.tmp"
+  grep -E "ERROR SUMMARY|RACECHECK SUMMARY" "$OUT/sanitize.log" | tail -n 1
+done
+exit $status
