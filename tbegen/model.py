@@ -113,6 +113,10 @@ class OptimizerSpec:
     stages: Tuple[Stage, ...]
     reference: Reference
     loc: Loc = field(compare=False)
+    # `dense_gradient: true`: no optimizer step. The module makes `weights` an nn.Parameter and
+    # runs the update on a zeroed buffer, which the update turns into the weights' gradient
+    # (optimizers/none.yaml: `w = g`); autograd then hands it to any torch.optim optimizer.
+    dense_gradient: bool = False
 
     @property
     def element_states(self) -> Tuple[State, ...]:
