@@ -139,7 +139,12 @@ def test(optimizer, device, quick, verbose):
     if device == "cuda" and not torch.cuda.is_available():
         raise click.ClickException("--device cuda: no CUDA device is available here")
     t0 = time.perf_counter()
-    ops = build.load_spec(spec, with_cuda=(device == "cuda"), verbose=verbose)
+    from .compile_errors import CompileError
+
+    try:
+        ops = build.load_spec(spec, with_cuda=(device == "cuda"), verbose=verbose)
+    except CompileError as e:  # already in the spec's terms, with the log's path: no traceback
+        raise click.ClickException(str(e))
     click.echo(f"{spec.name}: extension ready in {time.perf_counter() - t0:.1f} s")
     dtypes = (torch.float32,) if quick else (torch.float32, torch.float16, torch.bfloat16)
     cases = harness.standard_cases(spec, dtypes=dtypes)

@@ -764,8 +764,9 @@ def _parse_stage(fields: _Fields, kind: str) -> Optional[Stage]:
     if parsed is None:
         return None
     code, loc = parsed
-    fields.problems.stage_sources.append(snippets.StageSource(kind, fields.source(kind, code)))
-    return Stage(kind, code, loc)
+    source = fields.source(kind, code)
+    fields.problems.stage_sources.append(snippets.StageSource(kind, source))
+    return Stage(kind, code, loc, source_field=source.field, starts=source.starts)
 
 
 def _parse_update_item(problems: _Problems, item: Any, field: str, line: int) -> Optional[Stage]:
