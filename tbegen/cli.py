@@ -6,6 +6,7 @@
     tbegen render --all                      write every optimizer's sources (and prune stale files)
     tbegen check                             re-render in memory and diff against generated/
     tbegen test --optimizer NAME [--device]  build one optimizer and check it numerically
+    tbegen schema [--out FILE]               the JSON Schema of the spec format (for editors)
 """
 
 from __future__ import annotations
@@ -164,6 +165,21 @@ def test(optimizer, device, quick, verbose):
         click.echo(harness.summarize_lane_split(results[len(cases):]))
     click.echo(f"checked in {time.perf_counter() - t0:.1f} s")
     sys.exit(1 if any(r.failures for r in results) else 0)
+
+
+
+@main.command()
+@click.option("--out", "-o", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Write the schema to this file instead of printing it.")
+def schema(out):
+    """Print the JSON Schema (draft 2020-12) of the spec format, for editors."""
+    from .schema import schema_json
+
+    if out is None:
+        click.echo(schema_json(), nl=False)
+    else:
+        out.write_text(schema_json())
+        click.echo(f"wrote {out}")
 
 
 if __name__ == "__main__":

@@ -130,3 +130,67 @@ def test_column_mapping_through_generated_indentation_and_line_directives():
     assert yaml_column(lines[("s.yaml", 9)], "w = x + w % 2.0f;", 21) == 10
     # just past the last character (where "expected ';'" points)
     assert yaml_column(lines[("s.yaml", 9)], "w = x + w % 2.0f;", 28) == 17
+
+
+# ---- tbegen schema -----------------------------------------------------------------------------
+
+
+def _schema():
+    import json
+
+    from click.testing import CliRunner
+
+    from tbegen.cli import main
+
+    result = CliRunner().invoke(main, ["schema"])
+    assert result.exit_code == 0, result.output
+    return json.loads(result.output)
+
+
+def _validator():
+    jsonschema = pytest.importorskip("jsonschema")
+    schema = _schema()
+    jsonschema.Draft202012Validator.check_schema(schema)
+    return jsonschema.Draft202012Validator(schema)
+
+
+def test_schema_covers_every_key_the_loader_knows():
+    from tbegen import spec as sp
+
+    schema = _schema()
+    assert schema["$schema"] == "https://json-schema.org/draft/2020-12/schema"
+    assert set(schema["properties"]) == set(sp.TOP_KEYS)
+    assert set(schema["properties"]["hyperparameters"]["additionalProperties"]["properties"]) == set(sp.HYPERPARAMETER_KEYS)
+    assert set(schema["properties"]["states"]["additionalProperties"]["properties"]) == set(sp.STATE_KEYS)
+
+
+@pytest.mark.parametrize("path", list_specs(), ids=lambda p: p.stem)
+def test_every_shipped_spec_satisfies_the_schema(path):
+    import yaml
+
+    errors = [e.message for e in _validator().iter_errors(yaml.safe_load(path.read_text()))]
+    assert errors == []
+
+
+@pytest.mark.parametrize("change, expected", [
+    (lambda d: d.pop("summary"), "'summary' is a required property"),
+    (lambda d: d.update(colour="red"), "Additional properties are not allowed ('colour' was unexpected)"),
+    (lambda d: d["hyperparameters"]["eps"].update(default="fast"), "'fast' is not of type 'number'"),
+    (lambda d: d["states"]["momentum"].update(per="table"), "'table' is not one of ['element', 'row']"),
+    (lambda d: d.update(row="x = 1.0f;"), "should not be valid"),
+    (lambda d: d["update"].append({"row": "a;", "element": "b;"}), "has too many properties"),
+    (lambda d: d.update(name="Adam"), "does not match"),
+])
+def test_schema_rejects_what_the_loader_rejects(change, expected):
+    import copy
+
+    import yaml
+
+    from tbegen.spec import find_spec
+
+    doc = yaml.safe_load(find_spec("rowwise_adagrad").read_text())
+    assert list(_validator().iter_errors(doc)) == []
+    change(doc)
+    messages = [e.message for e in _validator().iter_errors(doc)]
+    assert any(expected in m for m in messages), messages
+
