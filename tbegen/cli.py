@@ -7,6 +7,7 @@
     tbegen check                             re-render in memory and diff against generated/
     tbegen test --optimizer NAME [--device]  build one optimizer and check it numerically
     tbegen schema [--out FILE]               the JSON Schema of the spec format (for editors)
+    tbegen new NAME [--from SPEC] [--out DIR]  write a new spec NAME.yaml to start from
 """
 
 from __future__ import annotations
@@ -180,6 +181,26 @@ def schema(out):
     else:
         out.write_text(schema_json())
         click.echo(f"wrote {out}")
+
+
+
+@main.command()
+@click.argument("name")
+@click.option("--from", "from_spec", default=None, help="Start from this spec (a name in optimizers/ or a path).")
+@click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=Path("."), show_default=True,
+              help="Folder to write NAME.yaml into.")
+def new(name, from_spec, out):
+    """Write a new spec NAME.yaml that validates and passes `tbegen test`, to edit from there."""
+    from .scaffold import write_scaffold
+
+    try:
+        path = write_scaffold(name, out, from_spec)
+    except SpecError as e:
+        raise click.ClickException(f"cannot scaffold {name!r}:\n{e}")
+    except (ValueError, FileExistsError) as e:
+        raise click.ClickException(str(e))
+    click.echo(f"wrote {path}")
+    click.echo(f"next: tbegen validate {path} && tbegen test --optimizer {path} --quick")
 
 
 if __name__ == "__main__":

@@ -194,3 +194,65 @@ def test_schema_rejects_what_the_loader_rejects(change, expected):
     messages = [e.message for e in _validator().iter_errors(doc)]
     assert any(expected in m for m in messages), messages
 
+
+
+# ---- tbegen new --------------------------------------------------------------------------------
+
+
+def _new(*args):
+    from click.testing import CliRunner
+
+    from tbegen.cli import main
+
+    return CliRunner().invoke(main, ["new", *args])
+
+
+def test_new_scaffolds_a_spec_that_validates_and_passes_the_numerical_test(tmp_path):
+    """One CPU build (~30 s) and one harness case."""
+    import torch
+
+    from tbegen import build, harness
+
+    result = _new("my_opt", "--out", str(tmp_path))
+    assert result.exit_code == 0, result.output
+    path = tmp_path / "my_opt.yaml"
+    assert f"wrote {path}" in result.output
+    warnings = []
+    spec = load_spec(path, warnings)
+    assert (spec.name, warnings) == ("my_opt", [])
+    assert [s.kind for s in spec.stages] == ["row", "element"] and spec.states and spec.hyperparameters
+    ops = build.load_spec(spec, with_cuda=False)
+    case = harness.standard_cases(spec, dtypes=(torch.float32,))[0]
+    r = harness.run_case(spec, ops, case, device="cpu")
+    assert r.failures == []
+    assert {"weights", "sum_sq"} <= set(r.errors) and r.worst < 1e-4
+
+
+def test_new_from_an_existing_spec_keeps_its_text_under_the_new_name(tmp_path):
+    result = _new("adam2", "--from", "adam", "--out", str(tmp_path))
+    assert result.exit_code == 0, result.output
+    from tbegen.spec import find_spec
+
+    original = find_spec("adam").read_text()
+    copied = (tmp_path / "adam2.yaml").read_text()
+    assert copied == original.replace("name: adam\n", "name: adam2\n", 1)
+    assert [s.code for s in load_spec(tmp_path / "adam2.yaml").stages] == [s.code for s in load_spec(find_spec("adam")).stages]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["float"], "float.yaml:5: name: 'float' is a C++ keyword"),
+    (["Bad-Name"], "name: 'Bad-Name' must match [a-z][a-z0-9_]*"),
+    (["x", "--from", "nosuch"], "unknown optimizer 'nosuch'"),
+])
+def test_new_refuses_what_would_not_validate(tmp_path, args, message):
+    result = _new(*args, "--out", str(tmp_path))
+    assert result.exit_code == 1
+    assert message in result.output
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_new_never_overwrites(tmp_path):
+    (tmp_path / "mine.yaml").write_text("precious")
+    result = _new("mine", "--out", str(tmp_path))
+    assert result.exit_code == 1 and "already exists" in result.output
+    assert (tmp_path / "mine.yaml").read_text() == "precious"
