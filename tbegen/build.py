@@ -239,6 +239,25 @@ def _compile(name: str, files: Dict[str, str], with_cuda: bool, out_dir: Path, l
         flush=True,
     )
     t0 = time.perf_counter()
+    try:
+        _load_extension(cpp_extension, name, libname, sources, src, out_dir, with_cuda, verbose)
+    except RuntimeError as e:
+        if not str(e).startswith("Error building extension"):
+            raise
+        raise _compile_error(name, flavour, str(e), files, out_dir) from None
+    print(f"tbegen: built {name} ({flavour}) in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
+
+
+def _compile_error(name: str, flavour: str, log: str, files: Dict[str, str], out_dir: Path):
+    """The compiler's complaint in the spec's terms (a few lines), its full output kept in a log."""
+    from .compile_errors import CompileError, report
+
+    log_path = out_dir / "compiler-errors.log"
+    log_path.write_text(log)
+    return CompileError(report(name, flavour, log, files, log_path, Path(__file__).resolve().parent.parent), log_path)
+
+
+def _load_extension(cpp_extension, name, libname, sources, src, out_dir, with_cuda, verbose) -> None:
     cpp_extension.load(
         name=libname,
         sources=sources,
@@ -253,7 +272,6 @@ def _compile(name: str, files: Dict[str, str], with_cuda: bool, out_dir: Path, l
         is_standalone=False,
         verbose=verbose,
     )
-    print(f"tbegen: built {name} ({flavour}) in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
 
 
 def _compile_in_child(name, files, with_cuda, out_dir, libname, verbose) -> None:
@@ -267,7 +285,11 @@ def _compile_in_child(name, files, with_cuda, out_dir, libname, verbose) -> None
     code = (
         "import json, sys; from pathlib import Path; from tbegen.build import _compile\n"
         "a = json.load(open(sys.argv[1]))\n"
-        "_compile(a['name'], a['files'], a['with_cuda'], Path(a['out_dir']), a['libname'], a['verbose'])\n"
+        "from tbegen.compile_errors import CompileError\n"
+        "try:\n"
+        "    _compile(a['name'], a['files'], a['with_cuda'], Path(a['out_dir']), a['libname'], a['verbose'])\n"
+        "except CompileError as e:\n"
+        "    print(e, file=sys.stderr); sys.exit(3)\n"
     )
     root = str(Path(__file__).resolve().parent.parent)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
@@ -275,6 +297,11 @@ def _compile_in_child(name, files, with_cuda, out_dir, libname, verbose) -> None
         proc = subprocess.run([sys.executable, "-c", code, f.name], env=env)
     finally:
         os.unlink(f.name)
+    if proc.returncode == 3:  # the compiler rejected the sources; the child printed why
+        from .compile_errors import CompileError
+
+        raise CompileError(f"tbegen: building the {name} extension failed (the errors are above)",
+                           out_dir / "compiler-errors.log")
     if proc.returncode != 0:
         raise RuntimeError(f"tbegen: building the {name} extension failed (see the compiler output above)")
 

@@ -6,6 +6,8 @@
     tbegen render --all                      write every optimizer's sources (and prune stale files)
     tbegen check                             re-render in memory and diff against generated/
     tbegen test --optimizer NAME [--device]  build one optimizer and check it numerically
+    tbegen schema [--out FILE]               the JSON Schema of the spec format (for editors)
+    tbegen new NAME [--from SPEC] [--out DIR]  write a new spec NAME.yaml to start from
 """
 
 from __future__ import annotations
@@ -139,7 +141,12 @@ def test(optimizer, device, quick, verbose):
     if device == "cuda" and not torch.cuda.is_available():
         raise click.ClickException("--device cuda: no CUDA device is available here")
     t0 = time.perf_counter()
-    ops = build.load_spec(spec, with_cuda=(device == "cuda"), verbose=verbose)
+    from .compile_errors import CompileError
+
+    try:
+        ops = build.load_spec(spec, with_cuda=(device == "cuda"), verbose=verbose)
+    except CompileError as e:  # already in the spec's terms, with the log's path: no traceback
+        raise click.ClickException(str(e))
     click.echo(f"{spec.name}: extension ready in {time.perf_counter() - t0:.1f} s")
     dtypes = (torch.float32,) if quick else (torch.float32, torch.float16, torch.bfloat16)
     cases = harness.standard_cases(spec, dtypes=dtypes)
@@ -159,6 +166,41 @@ def test(optimizer, device, quick, verbose):
         click.echo(harness.summarize_lane_split(results[len(cases):]))
     click.echo(f"checked in {time.perf_counter() - t0:.1f} s")
     sys.exit(1 if any(r.failures for r in results) else 0)
+
+
+
+@main.command()
+@click.option("--out", "-o", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Write the schema to this file instead of printing it.")
+def schema(out):
+    """Print the JSON Schema (draft 2020-12) of the spec format, for editors."""
+    from .schema import schema_json
+
+    if out is None:
+        click.echo(schema_json(), nl=False)
+    else:
+        out.write_text(schema_json())
+        click.echo(f"wrote {out}")
+
+
+
+@main.command()
+@click.argument("name")
+@click.option("--from", "from_spec", default=None, help="Start from this spec (a name in optimizers/ or a path).")
+@click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=Path("."), show_default=True,
+              help="Folder to write NAME.yaml into.")
+def new(name, from_spec, out):
+    """Write a new spec NAME.yaml that validates and passes `tbegen test`, to edit from there."""
+    from .scaffold import write_scaffold
+
+    try:
+        path = write_scaffold(name, out, from_spec)
+    except SpecError as e:
+        raise click.ClickException(f"cannot scaffold {name!r}:\n{e}")
+    except (ValueError, FileExistsError) as e:
+        raise click.ClickException(str(e))
+    click.echo(f"wrote {path}")
+    click.echo(f"next: tbegen validate {path} && tbegen test --optimizer {path} --quick")
 
 
 if __name__ == "__main__":

@@ -91,6 +91,11 @@ class Stage:
     code: str
     # line in the spec file of the snippet's first line (for #line directives)
     loc: Loc
+    # dotted path of the snippet in the spec (e.g. "element", "update[1].row"), for messages
+    source_field: str = field(default="", compare=False)
+    # per line of `code`: (1-based file line, 0-based file column of its first character), as
+    # the loader found them; maps a compiler's column in the generated code back to the YAML
+    starts: Tuple[Tuple[int, int], ...] = field(default=(), compare=False)
 
 
 @dataclass(frozen=True)
@@ -113,6 +118,10 @@ class OptimizerSpec:
     stages: Tuple[Stage, ...]
     reference: Reference
     loc: Loc = field(compare=False)
+    # `dense_gradient: true`: no optimizer step. The module makes `weights` an nn.Parameter and
+    # runs the update on a zeroed buffer, which the update turns into the weights' gradient
+    # (optimizers/none.yaml: `w = g`); autograd then hands it to any torch.optim optimizer.
+    dense_gradient: bool = False
 
     @property
     def element_states(self) -> Tuple[State, ...]:

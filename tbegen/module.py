@@ -406,8 +406,9 @@ class TableBatchedEmbeddingBags(nn.Module):
 
     @property
     def dense_gradient(self) -> bool:
-        """True for optimizer "none": no fused update, `weights` gets a dense .grad."""
-        return self.spec.name == "none"
+        """True for a spec declaring `dense_gradient: true` (optimizers/none.yaml): no fused
+        update, `weights` gets a dense .grad."""
+        return self.spec.dense_gradient
 
     @property
     def step(self) -> int:

@@ -80,6 +80,7 @@ TOP_KEYS = (
     "row",
     "element",
     "reference",
+    "dense_gradient",
 )
 HYPERPARAMETER_KEYS = ("type", "default", "doc", "choices", "test")
 STATE_KEYS = ("per", "init", "dtype", "doc")
@@ -763,8 +764,9 @@ def _parse_stage(fields: _Fields, kind: str) -> Optional[Stage]:
     if parsed is None:
         return None
     code, loc = parsed
-    fields.problems.stage_sources.append(snippets.StageSource(kind, fields.source(kind, code)))
-    return Stage(kind, code, loc)
+    source = fields.source(kind, code)
+    fields.problems.stage_sources.append(snippets.StageSource(kind, source))
+    return Stage(kind, code, loc, source_field=source.field, starts=source.starts)
 
 
 def _parse_update_item(problems: _Problems, item: Any, field: str, line: int) -> Optional[Stage]:
@@ -848,6 +850,21 @@ def _parse_reference(fields: _Fields) -> Optional[Reference]:
     return Reference(code, loc)
 
 
+def _parse_dense_gradient(fields: _Fields, states: Any) -> bool:
+    """`dense_gradient`: optional bool (default false); a dense-gradient spec has no states."""
+    value = fields.pop("dense_gradient", False)
+    line, field = fields.value_line("dense_gradient"), fields.path("dense_gradient")
+    if not isinstance(value, bool):
+        fields.problems.add(line, field, f"must be true or false, got {_describe(value)}")
+        return False
+    if value and states:
+        # the update runs on a zeroed gradient buffer, not on the weights: a state would change
+        # every step without any optimizer step to belong to
+        fields.problems.add(line, field, "a dense-gradient spec cannot declare states "
+                            f"({', '.join(s.name for s in states)}); its update only writes the gradient")
+    return value
+
+
 # --------------------------------------------------------------------------
 # Whole document
 # --------------------------------------------------------------------------
@@ -901,6 +918,7 @@ def _parse_document(doc: Any, problems: _Problems, stem: Optional[str],
     temporaries = _parse_section(fields, "temporaries", "{per: element}", _parse_temporary)
     stages = _parse_stages(fields)
     reference = _parse_reference(fields)
+    dense_gradient = _parse_dense_gradient(fields, states)
     fields.finish()
     _check_unique_names(problems, doc)
     if check_snippets:
@@ -917,6 +935,7 @@ def _parse_document(doc: Any, problems: _Problems, stem: Optional[str],
         stages=stages,
         reference=reference,
         loc=problems.loc(fields.key_line("name")),
+        dense_gradient=dense_gradient,
     )
 
 

@@ -30,12 +30,12 @@ struct Optimizer {
   // (The generator's own names start with `tbegen`, which specs may not use.)
   template <class Row>
   static TBEGEN_HD TBEGEN_INLINE void update_row(Row& tbegen_row, const Params& tbegen_p, int64_t tbegen_step) {
-    // stage 1: element (optimizers/none.yaml:4)
+    // stage 1: element (optimizers/none.yaml:7)
     TBEGEN_FOR_ELEMENTS(tbegen_row, tbegen_i) {
       const float g = tbegen_row.g(tbegen_i);
       float& w = tbegen_row.w(tbegen_i);
       {
-#line 4 "optimizers/none.yaml"
+#line 7 "optimizers/none.yaml"
         // The caller passes a zeroed gradient buffer as the weights, so w becomes the weight gradient.
         w = g;
 #line 42 "none/optimizer.h"

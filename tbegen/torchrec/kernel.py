@@ -512,8 +512,9 @@ class TbegenEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
                  stochastic_rounding: bool = True, seed: int = 0, max_segment_length_per_warp: int = 32,
                  sharding_types: Optional[List[str]] = None, qcomm_codecs_registry=None, **hyperparameters) -> None:
         spec = _resolve_spec(optimizer)
-        if spec.name == "none":
-            raise ValueError("tbegen: optimizer 'none' (dense gradients) is not a fused kernel; choose a fused optimizer")
+        if spec.dense_gradient:
+            raise ValueError(f"tbegen: optimizer {spec.name!r} (dense_gradient: true) is not a fused kernel; "
+                             "choose a fused optimizer")
         hyper = check_hyperparameters(spec, hyperparameters)
         if sharding_types is not None:
             unknown = [s for s in sharding_types if s not in SHARDING_TYPES]

@@ -1,0 +1,138 @@
+"""A JSON Schema (draft 2020-12) of the spec format, for editors (`tbegen schema`).
+
+Built from the loader's own tables (tbegen/spec.py: the keys, types, `per` values, name
+patterns), so the two cannot drift apart on the format's shape. The schema checks structure
+only: what it cannot express (names used in snippets, reductions, the reference) is the loader's
+and the snippet checker's job, so a spec that satisfies the schema may still fail
+`tbegen validate`; a spec `tbegen validate` accepts always satisfies the schema.
+
+Point an editor at it, e.g. with the YAML language server's modeline at the top of a spec:
+
+    # yaml-language-server: $schema=tbegen-spec.schema.json
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Dict
+
+from . import spec as sp
+
+SCHEMA_ID = "urn:tbegen:optimizer-spec"
+
+_JSON_TYPES = {"float": "number", "int": "integer", "bool": "boolean"}
+
+
+def _anchored(pattern: str) -> str:
+    return f"^{pattern}$"
+
+
+def _code(description: str) -> Dict[str, Any]:
+    return {"type": "string", "minLength": 1, "pattern": r"\S", "description": description}
+
+
+def _hyperparameter() -> Dict[str, Any]:
+    by_type = [
+        {
+            "if": {"properties": {"type": {"const": t}}, "required": ["type"]},
+            "then": {
+                "properties": {
+                    "default": {"type": _JSON_TYPES[t]},
+                    "choices": {"items": {"type": _JSON_TYPES[t]}},
+                    "test": {"items": {"type": _JSON_TYPES[t]}},
+                }
+            },
+        }
+        for t in sp.HYPERPARAMETER_TYPES
+    ]
+    return {
+        "type": "object",
+        "description": "A scalar passed to every update call; leave `default` out to make it required.",
+        "properties": {
+            "type": {"enum": list(sp.HYPERPARAMETER_TYPES), "description": "float (C++ float), int (int64_t) or bool"},
+            "default": {"description": "value used when the caller gives none"},
+            "doc": {"type": "string", "description": "one-line description"},
+            "choices": {"type": "array", "minItems": 1, "description": "the only values allowed"},
+            "test": {"type": "array", "minItems": 1, "description": "values worth a numerical test case each"},
+        },
+        "required": ["type"],
+        "additionalProperties": False,
+        "allOf": by_type,
+    }
+
+
+def _state() -> Dict[str, Any]:
+    return {
+        "type": "object",
+        "description": "Optimizer state saved between steps.",
+        "properties": {
+            "per": {"enum": list(sp.STATE_PERS), "description": "element: one value per weight; row: one per table row"},
+            "init": {"type": "number", "description": "initial value (default 0)"},
+            "dtype": {"enum": list(sp.STATE_DTYPES), "description": "storage type"},
+            "doc": {"type": "string"},
+        },
+        "required": ["per"],
+        "additionalProperties": False,
+    }
+
+
+def _temporary() -> Dict[str, Any]:
+    return {
+        "type": "object",
+        "description": "Per-element scratch value carried between stages, never saved.",
+        "properties": {"per": {"enum": list(sp.TEMPORARY_PERS)}},
+        "required": ["per"],
+        "additionalProperties": False,
+    }
+
+
+def _section(entry: Dict[str, Any], description: str) -> Dict[str, Any]:
+    return {
+        "type": ["object", "null"],
+        "description": description,
+        "propertyNames": {"pattern": _anchored(sp.IDENTIFIER_RE.pattern)},
+        "additionalProperties": entry,
+    }
+
+
+def spec_schema() -> Dict[str, Any]:
+    """The JSON Schema of one optimizer spec file."""
+    stage = {
+        "type": "object",
+        "description": "One stage: exactly one key, row (once per row) or element (once per element).",
+        "properties": {kind: _code(f"C-like code run per {kind}") for kind in sp.STAGE_KINDS},
+        "additionalProperties": False,
+        "minProperties": 1,
+        "maxProperties": 1,
+    }
+    properties = {
+        "name": {"type": "string", "pattern": _anchored(sp.OPTIMIZER_NAME_RE.pattern),
+                 "description": "the optimizer's name; equals the file's stem"},
+        "summary": {"type": "string", "minLength": 1, "pattern": r"^[^\n]+$", "description": "one line"},
+        "hyperparameters": _section(_hyperparameter(), "name -> hyperparameter"),
+        "states": _section(_state(), "name -> state"),
+        "temporaries": _section(_temporary(), "name -> temporary"),
+        "update": {"type": "array", "minItems": 1, "items": stage, "description": "the stages, run in order"},
+        "row": _code("shorthand for update: [{row: ...}] (runs before `element`)"),
+        "element": _code("shorthand for update: [{element: ...}]"),
+        "reference": _code("float64 torch code: the update of the touched rows, for the tests"),
+        "dense_gradient": {"type": "boolean",
+                           "description": "no optimizer step: the update writes the weights' gradient"},
+    }
+    return {
+        "$schema": "https://json-schema.org/draft/2020-12/schema",
+        "$id": SCHEMA_ID,
+        "title": "tbegen optimizer spec",
+        "description": "One optimizer for tbegen's generated embedding kernels (docs/spec-language.md).",
+        "type": "object",
+        "properties": properties,
+        "required": ["name", "summary", "reference"],
+        "additionalProperties": False,
+        # the stages come as `update`, or as the row/element shorthand, never both
+        "anyOf": [{"required": ["update"]}, {"required": ["row"]}, {"required": ["element"]}],
+        "dependentSchemas": {"update": {"not": {"anyOf": [{"required": ["row"]}, {"required": ["element"]}]}}},
+    }
+
+
+def schema_json() -> str:
+    return json.dumps(spec_schema(), indent=2) + "\n"
