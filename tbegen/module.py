@@ -31,6 +31,7 @@ from torch import nn
 from torch.autograd.graph import increment_version
 
 from . import build
+from .init import fill_uniform_
 from .layout import POOLING, Layout, make_layout
 from .model import OptimizerSpec
 from .spec import find_spec, load_spec
@@ -286,10 +287,10 @@ class TableBatchedEmbeddingBags(nn.Module):
             the spec's defaults for those not given. Unknown names, wrong types, values outside a
             hyperparameter's `choices`, and missing required ones are errors.
 
-    Weights start as uniform(-sqrt(1/dim), sqrt(1/dim)) per table, drawn in float32 on the CPU
-    from a torch.Generator seeded with `seed`, table by table, then rounded to `weights_dtype` and
-    copied to `device` (so CPU and CUDA modules start identical). Overwrite them through
-    `split_embedding_weights()` for another initialisation.
+    Weights start as uniform(-sqrt(1/dim), sqrt(1/dim)) per table, computed in float32 on `device`
+    by a counter-based generator (each weight a hash of (seed, table, element), tbegen/init.py),
+    then rounded to `weights_dtype`: CPU and CUDA modules with the same seed start bitwise
+    identical. Overwrite them through `split_embedding_weights()` for another initialisation.
     """
 
     def __init__(
@@ -362,13 +363,12 @@ class TableBatchedEmbeddingBags(nn.Module):
     # ---- construction helpers ----
 
     def _initial_weights(self, device: torch.device) -> torch.Tensor:
-        gen = torch.Generator().manual_seed(self.seed)
+        """uniform(-sqrt(1/dim), sqrt(1/dim)) per table, computed on `device` by a counter-based
+        generator (tbegen/init.py): bitwise the same on every device for the same seed."""
         weights = torch.empty(self.layout.weights_numel, dtype=self.weights_dtype, device=device)
         for t, (E, D) in enumerate(self.layout.tables):
-            bound = math.sqrt(1.0 / D)
-            table = torch.empty(E * D, dtype=torch.float32).uniform_(-bound, bound, generator=gen)
             start = self.layout.table_offsets[t]
-            weights[start : start + E * D].copy_(table.to(self.weights_dtype))
+            fill_uniform_(weights[start : start + E * D], self.seed, t, D)
         return weights
 
     # ---- properties ----
