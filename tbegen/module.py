@@ -179,15 +179,37 @@ def _convert_hyperparameter(spec: OptimizerSpec, name: str, value):
     return converted
 
 
+# Names users bring from torch.optim (and elsewhere) for tbegen's hyperparameters: alias -> the
+# spec names it stands for. Used for "did you mean" only where the spec has all of those names.
+HYPERPARAMETER_ALIASES = {
+    "lr": ("learning_rate",),
+    "wd": ("weight_decay",),
+    "decay": ("weight_decay",),
+    "epsilon": ("eps",),
+    "betas": ("beta1", "beta2"),
+    "momentum": ("beta1",),  # Adam's first-moment decay plays momentum's part
+}
+
+
+def _did_you_mean(name: str, valid: Sequence[str], also: Sequence[str]) -> Optional[str]:
+    targets = HYPERPARAMETER_ALIASES.get(name)
+    if targets and all(t in valid for t in targets):
+        if len(targets) == 1:
+            return f"did you mean {targets[0]!r}?"
+        # betas=(b1, b2) is two hyperparameters here
+        letters = [f"b{i + 1}" for i in range(len(targets))]
+        return (f"did you mean {' and '.join(repr(t) for t in targets)}? {name}=({', '.join(letters)}) is "
+                + ", ".join(f"{t}={b}" for t, b in zip(targets, letters)))
+    close = difflib.get_close_matches(name, list(valid) + list(also), n=1)
+    return f"did you mean {close[0]!r}?" if close else None
+
+
 def _unknown_names_error(spec: OptimizerSpec, unknown: Sequence[str], also: Sequence[str] = ()) -> TypeError:
     valid = [h.name for h in spec.hyperparameters]
     hints = []
     for name in unknown:
-        close = difflib.get_close_matches(name, list(valid) + list(also), n=1)
-        if close:
-            hints.append(f"{name!r} (did you mean {close[0]!r}?)")
-        else:
-            hints.append(repr(name))
+        hint = _did_you_mean(name, valid, also)
+        hints.append(f"{name!r} ({hint})" if hint else repr(name))
     message = f"tbegen: unknown hyperparameter(s) {', '.join(hints)} for optimizer {spec.name!r}; "
     message += _describe_hyperparameters(spec)
     if also:
