@@ -6,6 +6,10 @@
     tbegen render --all                      write every optimizer's sources (and prune stale files)
     tbegen check                             re-render in memory and diff against generated/
     tbegen test --optimizer NAME [--device]  build one optimizer and check it numerically
+
+Specs are code, like a Makefile or setup.py: their C++ snippets are compiled into a library that
+is loaded into the process, and their `reference` is Python that `tbegen test` executes. Use only
+specs you trust.
 """
 
 from __future__ import annotations
@@ -60,7 +64,13 @@ def list_cmd():
 @main.command()
 @click.argument("files", nargs=-1, required=True, type=click.Path(dir_okay=False))
 def validate(files):
-    """Check spec files; report every problem as FILE:LINE: FIELD: MESSAGE."""
+    """Check spec files; report every problem as FILE:LINE: FIELD: MESSAGE.
+
+    Validation only reads a spec (its reference is parsed, never run). But specs are code, like a
+    Makefile or setup.py: `tbegen test` and the module compile their C++ snippets into a library
+    that is loaded into the process, and `tbegen test` executes their Python reference. Build and
+    test only specs you trust.
+    """
     failed = False
     for f in files:
         try:
@@ -127,7 +137,12 @@ def check(out):
 @click.option("--quick", is_flag=True, help="Only fp32 cases.")
 @click.option("--verbose", "-v", is_flag=True, help="Print every case and the compiler's output.")
 def test(optimizer, device, quick, verbose):
-    """Build one optimizer and check it against its spec's float64 reference."""
+    """Build one optimizer and check it against its spec's float64 reference.
+
+    Specs are code, like a Makefile or setup.py: this compiles the spec's C++ snippets into a
+    library, loads it into this process, and executes the spec's Python reference. Test only
+    specs you trust.
+    """
     spec = _load(optimizer)
     import torch
 
