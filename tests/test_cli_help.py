@@ -11,4 +11,4 @@ def test_validate_and_test_help_say_that_specs_are_code():
         assert result.exit_code == 0
         text = " ".join(result.output.split())
         assert "specs are code, like a makefile or setup.py" in text.lower(), text
-        assert "executes" in text and "loaded into" in text, text
+        assert "executes" in text and "C++ snippets" in text, text
