@@ -111,7 +111,8 @@ def render(optimizers, all_, out):
         click.echo(f"wrote {out / rel}")
     for rel in result.removed:
         click.echo(f"removed {out / rel}")
-    click.echo(f"{len(result.written)} written, {len(result.unchanged)} unchanged, {len(result.removed)} removed")
+    click.echo(f"{out}: {len(result.written)} file(s) written, {len(result.unchanged)} already up to date, "
+               f"{len(result.removed)} stale file(s) removed")
 
 
 @main.command()
