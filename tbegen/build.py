@@ -14,7 +14,9 @@ the same entry at once take turns on a file lock: one builds, the others wait an
 A cache hit loads the shared library directly (torch.ops.load_library: milliseconds); only a miss
 runs torch.utils.cpp_extension, in a child process (about half a minute for CPU, a minute or two
 for CPU + CUDA on 2 cores, mostly torch's headers), saying which extension it builds and how long
-it took. A CPU + CUDA build links the CPU build's ops.cpp object rather than compiling it again.
+it took. A CPU + CUDA build compiles only what depends on the optimizer (ops_cuda.cu, the fused
+backward): it links the CPU build's ops.cpp object and the forward operators' object, which is
+compiled once for all optimizers (RUNTIME_CUDA_SOURCE).
 """
 
 from __future__ import annotations
@@ -39,7 +41,11 @@ from .model import OptimizerSpec
 _LOADED: Dict[str, str] = {}  # op namespace -> cache key of the library loaded in this process
 
 CXX_FLAGS = ["-O3"]  # plus cpu_arch_flags()
-CUDA_SOURCES = ("ops_cuda.cu", "forward_cuda.cu")
+CUDA_SOURCES = ("ops_cuda.cu",)
+# The optimizer-independent CUDA translation unit (the forward operators): built once per set of
+# runtime headers, as its own cache entry, and linked into every optimizer's CUDA extension.
+RUNTIME_CUDA_SOURCE = "include/tbegen/cuda_forward.cu"
+RUNTIME_NAME = "runtime_forward"
 CUDA_FLAGS = ["-O3", "--expt-relaxed-constexpr", "-lineinfo"]
 
 
@@ -278,8 +284,8 @@ def build_files(name: str, files: Dict[str, str], with_cuda: bool, verbose: bool
     """Builds {relative path: text} sources (one optimizer) and returns the library's path.
 
     With `load`, also loads it into this process, registering torch.ops.tbegen_NAME. A CPU + CUDA
-    build links the object of ops.cpp from the CPU-only build of the same sources (built first if
-    needed) instead of compiling it again.
+    build links the objects of `_reused_objects` (built first if needed) instead of compiling them
+    again.
     """
     key = cache_key(name, files, with_cuda)
     namespace = f"tbegen_{name}"
@@ -294,17 +300,13 @@ def build_files(name: str, files: Dict[str, str], with_cuda: bool, verbose: bool
     libname = _library_name(name, key, with_cuda)
     entry = root / f"{name}-{'cuda' if with_cuda else 'cpu'}-{key}"
     if not _is_published(entry):
-        cpu_object = None
-        if with_cuda:
-            cpu_files = {k: v for k, v in files.items() if k not in {f"{name}/{cu}" for cu in CUDA_SOURCES}}
-            cpu_lib = build_files(name, cpu_files, False, verbose, load=False)
-            cpu_object = verified(cpu_lib.parent, cache_key(name, cpu_files, False), "ops.o")
+        objects = _reused_objects(name, files, verbose) if with_cuda else []
         with _entry_lock(root, entry, f"the {name} extension ({_flavour(with_cuda)})"):
             if not _is_published(entry):  # unless another process built it while we waited
                 tmp = Path(tempfile.mkdtemp(prefix=f".{entry.name}.", dir=root))
                 try:
-                    _compile_in_child(name, files, with_cuda, tmp, libname, verbose, cpu_object)
-                    _publish(tmp, entry, key, [f"{libname}.so", "ops.o"])
+                    _compile_in_child(name, files, with_cuda, tmp, libname, verbose, [str(o) for o in objects])
+                    _publish(tmp, entry, key, [f"{libname}.so", "ops.o", _object_name(RUNTIME_CUDA_SOURCE)])
                 finally:
                     if tmp.exists():
                         import shutil
@@ -315,6 +317,27 @@ def build_files(name: str, files: Dict[str, str], with_cuda: bool, verbose: bool
         torch.ops.load_library(str(lib_path))
         _LOADED[namespace] = key
     return lib_path
+
+
+def _object_name(source: str) -> str:
+    """The object file cpp_extension makes of a source: ops.cpp -> ops.o, x.cu -> x.cuda.o."""
+    stem, ext = os.path.splitext(os.path.basename(source))
+    return f"{stem}.cuda.o" if ext == ".cu" else f"{stem}.o"
+
+
+def _reused_objects(name: str, files: Dict[str, str], verbose: bool) -> List[Path]:
+    """The compiled objects a CPU + CUDA build links instead of compiling them again (each built
+    first if needed, and verified): ops.o of the CPU-only build of the same sources, and the
+    optimizer-independent forward operators (RUNTIME_CUDA_SOURCE) compiled for these runtime
+    headers."""
+    cpu_files = {k: v for k, v in files.items() if k not in {f"{name}/{cu}" for cu in CUDA_SOURCES}}
+    cpu_lib = build_files(name, cpu_files, False, verbose, load=False)
+    objects = [verified(cpu_lib.parent, cache_key(name, cpu_files, False), "ops.o")]
+    runtime_files = {k: v for k, v in files.items() if k.startswith("include/")}
+    runtime_lib = build_files(RUNTIME_NAME, runtime_files, True, verbose, load=False)
+    objects.append(verified(runtime_lib.parent, cache_key(RUNTIME_NAME, runtime_files, True),
+                            _object_name(RUNTIME_CUDA_SOURCE)))
+    return objects
 
 
 def _cpp_extension():
@@ -335,18 +358,26 @@ def _cpp_extension():
 
 
 def _compile(name: str, files: Dict[str, str], with_cuda: bool, out_dir: Path, libname: str,
-             verbose: bool, cpu_object: Optional[str] = None) -> None:
+             verbose: bool, objects: Sequence[str] = ()) -> None:
     """Compiles and links (torch.utils.cpp_extension, which also loads the library: run it in a
-    child process, see _compile_in_child) into out_dir/libname.so."""
+    child process, see _compile_in_child) into out_dir/libname.so, linking `objects` too.
+
+    The sources: NAME/ops.cpp (unless its object is among `objects`) and, for CUDA, CUDA_SOURCES;
+    for RUNTIME_NAME, only RUNTIME_CUDA_SOURCE."""
     cpp_extension = _cpp_extension()
     src = out_dir / "src"
     for rel, text in files.items():
         path = src / rel
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text)
-    sources = [] if cpu_object else [str(src / name / "ops.cpp")]
+    if name == RUNTIME_NAME:
+        sources = [str(src / RUNTIME_CUDA_SOURCE)]
+    else:
+        linked = {os.path.basename(o) for o in objects}
+        sources = [] if "ops.o" in linked else [str(src / name / "ops.cpp")]
+        if with_cuda:
+            sources += [str(src / name / cu) for cu in CUDA_SOURCES]
     if with_cuda:
-        sources += [str(src / name / cu) for cu in CUDA_SOURCES]
         os.environ["TORCH_CUDA_ARCH_LIST"] = cuda_arch_list()
     cpp_extension.load(
         name=libname,
@@ -355,7 +386,7 @@ def _compile(name: str, files: Dict[str, str], with_cuda: bool, out_dir: Path, l
         + (_cuda_library_includes() if with_cuda else []),
         extra_cflags=cxx_flags(),
         extra_cuda_cflags=CUDA_FLAGS,
-        extra_ldflags=([cpu_object] if cpu_object else []) + (_cuda_link_flags() if with_cuda else []),
+        extra_ldflags=list(objects) + (_cuda_link_flags() if with_cuda else []),
         build_directory=str(out_dir),
         with_cuda=with_cuda,
         is_python_module=False,
@@ -368,7 +399,7 @@ def _compile(name: str, files: Dict[str, str], with_cuda: bool, out_dir: Path, l
 PROGRESS_EVERY_S = 60.0
 
 
-def _compile_in_child(name, files, with_cuda, out_dir, libname, verbose, cpu_object=None) -> None:
+def _compile_in_child(name, files, with_cuda, out_dir, libname, verbose, objects=()) -> None:
     """Runs _compile in a child process (cpp_extension loads what it builds: this process must
     load only the verified copy, from the cache entry), saying what it builds and how long it
     takes."""
@@ -378,16 +409,17 @@ def _compile_in_child(name, files, with_cuda, out_dir, libname, verbose, cpu_obj
     flavour = _flavour(with_cuda)
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(dict(name=name, files=files, with_cuda=with_cuda, out_dir=str(out_dir), libname=libname,
-                       verbose=verbose, cpu_object=None if cpu_object is None else str(cpu_object)), f)
+                       verbose=verbose, objects=list(objects)), f)
     code = (
         "import json, sys; from pathlib import Path; from tbegen.build import _compile\n"
         "a = json.load(open(sys.argv[1]))\n"
         "_compile(a['name'], a['files'], a['with_cuda'], Path(a['out_dir']), a['libname'], a['verbose'], "
-        "a['cpu_object'])\n"
+        "a['objects'])\n"
     )
     root = str(Path(__file__).resolve().parent.parent)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
-    print(f"tbegen: building the {name} extension ({flavour}); "
+    what = "the CUDA forward operators shared by every optimizer" if name == RUNTIME_NAME else f"the {name} extension"
+    print(f"tbegen: building {what} ({flavour}); "
           f"{'a minute or two' if with_cuda else 'about half a minute'} on 2 cores",
           file=sys.stderr, flush=True)
     t0 = time.perf_counter()
