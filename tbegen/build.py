@@ -300,7 +300,7 @@ def build_files(name: str, files: Dict[str, str], with_cuda: bool, verbose: bool
     libname = _library_name(name, key, with_cuda)
     entry = root / f"{name}-{'cuda' if with_cuda else 'cpu'}-{key}"
     if not _is_published(entry):
-        objects = _reused_objects(name, files, verbose) if with_cuda else []
+        objects = _reused_objects(name, files, verbose) if with_cuda and name != RUNTIME_NAME else []
         with _entry_lock(root, entry, f"the {name} extension ({_flavour(with_cuda)})"):
             if not _is_published(entry):  # unless another process built it while we waited
                 tmp = Path(tempfile.mkdtemp(prefix=f".{entry.name}.", dir=root))
