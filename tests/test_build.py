@@ -127,9 +127,13 @@ def test_a_cache_folder_of_another_user_is_refused(fresh_cache, monkeypatch):
         build.build_files("tiny", TINY, with_cuda=False, load=False)
 
 
-def test_a_changed_library_or_digest_is_refused_and_a_leftover_entry_is_rebuilt(fresh_cache, capfd):
+def test_a_changed_library_or_digest_is_refused_and_a_leftover_entry_is_rebuilt(fresh_cache, capfd, monkeypatch):
+    monkeypatch.setattr(build, "PROGRESS_EVERY_S", 0.2)
     lib = build.build_files("tiny", TINY, with_cuda=False, load=False)
-    assert "building the tiny extension (CPU)" in capfd.readouterr().err
+    err = capfd.readouterr().err
+    # progress: which extension, that it is still building, and how long it took
+    assert "tbegen: building the tiny extension (CPU)" in err
+    assert "tbegen: still building tiny (CPU): " in err and "tbegen: built tiny (CPU) in " in err
     entry = lib.parent
     assert sorted(p.name for p in fresh_cache.iterdir()) == ["locks", entry.name]  # no temporary folder left
     original = lib.read_bytes()
@@ -182,3 +186,13 @@ def test_concurrent_builds_of_one_extension_compile_it_once(fresh_cache, tmp_pat
     assert all(p.returncode == 0 for p in procs), errs
     assert sum(e.count("tbegen: building the tiny extension") for e in errs) == 1, errs
     assert len({o.strip() for o in outs}) == 1  # all three loaded the same library
+
+
+def test_cpp_extension_is_imported_without_the_no_cuda_runtime_warning(tmp_path):
+    # torch logs "No CUDA runtime is found" when cpp_extension is imported where a CUDA toolkit
+    # exists but no GPU does (CI): expected there, so tbegen filters exactly that message
+    code = "from tbegen import build; build._cpp_extension(); print('imported')"
+    env = dict(os.environ, PYTHONPATH=str(ROOT), CUDA_HOME=str(tmp_path))  # a CUDA_HOME that exists
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert proc.returncode == 0 and "imported" in proc.stdout, proc.stderr
+    assert "No CUDA runtime" not in proc.stderr and "NumPy" not in proc.stderr, proc.stderr
