@@ -179,6 +179,13 @@ def _flavour(with_cuda: bool) -> str:
     return "CPU + CUDA" if with_cuda else "CPU"
 
 
+def _describe(name: str, with_cuda: bool) -> str:
+    """What a build makes, for progress messages."""
+    if name == RUNTIME_NAME:
+        return "the CUDA forward operators shared by every optimizer"
+    return f"the {name} extension ({_flavour(with_cuda)})"
+
+
 # ---- the cache directory and its entries ------------------------------------------------------
 # An entry is a folder NAME-{cpu,cuda}-KEY holding the library, the objects other builds reuse,
 # and DIGEST_FILE: the key and the SHA-256 of each of those files. It is built in a temporary
@@ -253,8 +260,8 @@ def _entry_lock(root: Path, entry: Path, what: str):
         try:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            print(f"tbegen: another process is building {what}; waiting for it (lock {f.name})",
-                  file=sys.stderr, flush=True)
+            print(f"tbegen: another build (of this or another process) is compiling {what}; waiting for it "
+                  f"(lock {f.name})", file=sys.stderr, flush=True)
             t0 = time.perf_counter()
             fcntl.flock(f, fcntl.LOCK_EX)
             print(f"tbegen: {what} is ready (waited {time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
@@ -301,7 +308,7 @@ def build_files(name: str, files: Dict[str, str], with_cuda: bool, verbose: bool
     entry = root / f"{name}-{'cuda' if with_cuda else 'cpu'}-{key}"
     if not _is_published(entry):
         objects = _reused_objects(name, files, verbose) if with_cuda and name != RUNTIME_NAME else []
-        with _entry_lock(root, entry, f"the {name} extension ({_flavour(with_cuda)})"):
+        with _entry_lock(root, entry, _describe(name, with_cuda)):
             if not _is_published(entry):  # unless another process built it while we waited
                 tmp = Path(tempfile.mkdtemp(prefix=f".{entry.name}.", dir=root))
                 try:
@@ -406,7 +413,6 @@ def _compile_in_child(name, files, with_cuda, out_dir, libname, verbose, objects
     import json
     import subprocess
 
-    flavour = _flavour(with_cuda)
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(dict(name=name, files=files, with_cuda=with_cuda, out_dir=str(out_dir), libname=libname,
                        verbose=verbose, objects=list(objects)), f)
@@ -418,8 +424,8 @@ def _compile_in_child(name, files, with_cuda, out_dir, libname, verbose, objects
     )
     root = str(Path(__file__).resolve().parent.parent)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
-    what = "the CUDA forward operators shared by every optimizer" if name == RUNTIME_NAME else f"the {name} extension"
-    print(f"tbegen: building {what} ({flavour}); "
+    what = _describe(name, with_cuda)
+    print(f"tbegen: building {what}; "
           f"{'a minute or two' if with_cuda else 'about half a minute'} on 2 cores",
           file=sys.stderr, flush=True)
     t0 = time.perf_counter()
@@ -430,13 +436,13 @@ def _compile_in_child(name, files, with_cuda, out_dir, libname, verbose, objects
                 proc.wait(timeout=PROGRESS_EVERY_S)
                 break
             except subprocess.TimeoutExpired:
-                print(f"tbegen: still building {name} ({flavour}): {time.perf_counter() - t0:.0f} s",
+                print(f"tbegen: still building {what}: {time.perf_counter() - t0:.0f} s",
                       file=sys.stderr, flush=True)
     finally:
         os.unlink(f.name)
     if proc.returncode != 0:
-        raise RuntimeError(f"tbegen: building the {name} extension failed (see the compiler output above)")
-    print(f"tbegen: built {name} ({flavour}) in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+        raise RuntimeError(f"tbegen: building {what} failed (see the compiler output above)")
+    print(f"tbegen: built {what} in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
 
 
 def load_sources(name: str, src_dir: Union[str, Path], with_cuda: Optional[bool] = None,

@@ -133,7 +133,8 @@ def test_a_changed_library_or_digest_is_refused_and_a_leftover_entry_is_rebuilt(
     err = capfd.readouterr().err
     # progress: which extension, that it is still building, and how long it took
     assert "tbegen: building the tiny extension (CPU)" in err
-    assert "tbegen: still building tiny (CPU): " in err and "tbegen: built tiny (CPU) in " in err
+    assert "tbegen: still building the tiny extension (CPU): " in err
+    assert "tbegen: built the tiny extension (CPU) in " in err
     entry = lib.parent
     assert sorted(p.name for p in fresh_cache.iterdir()) == ["locks", entry.name]  # no temporary folder left
     original = lib.read_bytes()
