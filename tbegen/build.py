@@ -474,11 +474,15 @@ def load_spec(spec: OptimizerSpec, with_cuda: Optional[bool] = None, verbose: bo
     return getattr(torch.ops, f"tbegen_{spec.name}")
 
 
-def prebuild(spec_paths, flavours: Sequence[bool] = (False,), jobs: Optional[int] = None) -> None:
+def prebuild(spec_paths, flavours: Sequence[bool] = (False,), jobs: Optional[int] = None, *,
+             with_cuda: Optional[bool] = None) -> None:
     """Builds several specs' extensions into the cache (without loading them), `jobs` builds at a
     time (default: one per core, each compiling one file at a time), so that a test session pays
     for the work once, spread over the cores. `flavours`: False for CPU-only builds, True for
-    CPU + CUDA (which reuse the CPU builds' ops.cpp object: CPU builds go first)."""
+    CPU + CUDA (which reuse the CPU builds' ops.cpp object: CPU builds go first). `with_cuda=X`
+    is the older spelling of `flavours=[X]` (benchmarks/run_gpu.sh uses it)."""
+    if with_cuda is not None:
+        flavours = [with_cuda]
     from concurrent.futures import ThreadPoolExecutor
 
     from .spec import load_spec as parse
