@@ -3,24 +3,36 @@
 Builds are cached by content: the cache key hashes every source file, the torch version, the
 build flavour (CPU only, or CPU + CUDA) and the compiler flags (with -march=native, the host
 processor's model and features too; see `cpu_arch_flags`), so an unchanged spec is never rebuilt and a changed one
-never loads stale code. The cache lives in $TBEGEN_BUILD_DIR (default ~/.cache/tbegen). Two
-processes building the same key at once are serialised by torch's build lock in that directory.
+never loads stale code. The cache lives in $TBEGEN_BUILD_DIR (default ~/.cache/tbegen).
+
+The cache holds shared libraries that are loaded into the process, so it is trusted only as far
+as it is checked: its folder must belong to the user and be writable by no one else (`cache_root`);
+each entry is built in a temporary folder and renamed into place complete, with the SHA-256 of
+its files, which is checked before anything is loaded or linked (`verified`). Processes building
+the same entry at once take turns on a file lock: one builds, the others wait and then use it.
 
 A cache hit loads the shared library directly (torch.ops.load_library: milliseconds); only a miss
-runs torch.utils.cpp_extension (about a minute for CPU + CUDA, mostly torch's headers).
+runs torch.utils.cpp_extension, in a child process (about half a minute for CPU, a minute or two
+for CPU + CUDA on 2 cores, mostly torch's headers), saying which extension it builds and how long
+it took. A CPU + CUDA build compiles only what depends on the optimizer (ops_cuda.cu, the fused
+backward): it links the CPU build's ops.cpp object and the forward operators' object, which is
+compiled once for all optimizers (RUNTIME_CUDA_SOURCE).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import os
 import platform
 import re
+import stat
 import sys
+import tempfile
 import time
 from pathlib import Path
-from typing import Dict, List, Optional, Union
+from typing import Dict, List, Optional, Sequence, Union
 
 import torch
 
@@ -29,7 +41,11 @@ from .model import OptimizerSpec
 _LOADED: Dict[str, str] = {}  # op namespace -> cache key of the library loaded in this process
 
 CXX_FLAGS = ["-O3"]  # plus cpu_arch_flags()
-CUDA_SOURCES = ("ops_cuda.cu", "forward_cuda.cu")
+CUDA_SOURCES = ("ops_cuda.cu",)
+# The optimizer-independent CUDA translation unit (the forward operators): built once per set of
+# runtime headers, as its own cache entry, and linked into every optimizer's CUDA extension.
+RUNTIME_CUDA_SOURCE = "include/tbegen/cuda_forward.cu"
+RUNTIME_NAME = "runtime_forward"
 CUDA_FLAGS = ["-O3", "--expt-relaxed-constexpr", "-lineinfo"]
 
 
@@ -184,11 +200,124 @@ def _library_name(name: str, key: str, with_cuda: bool) -> str:
     return f"tbegen_{name}_{'cuda' if with_cuda else 'cpu'}_{key}"
 
 
+def _flavour(with_cuda: bool) -> str:
+    return "CPU + CUDA" if with_cuda else "CPU"
+
+
+def _describe(name: str, with_cuda: bool) -> str:
+    """What a build makes, for progress messages."""
+    if name == RUNTIME_NAME:
+        return "the CUDA forward operators shared by every optimizer"
+    return f"the {name} extension ({_flavour(with_cuda)})"
+
+
+# ---- the cache directory and its entries ------------------------------------------------------
+# An entry is a folder NAME-{cpu,cuda}-KEY holding the library, the objects other builds reuse,
+# and DIGEST_FILE: the key and the SHA-256 of each of those files. It is built in a temporary
+# folder and renamed into place complete, digest last, so an entry without its digest file is
+# never used (a crash leaves only a temporary folder behind).
+
+DIGEST_FILE = "digests.json"
+
+
+class CacheError(RuntimeError):
+    """The build cache cannot be trusted: wrong owner or permissions, or a changed file."""
+
+
+def cache_root() -> Path:
+    """build_root(), created private (0700) if missing and checked: shared libraries in it are
+    loaded into this process, so it must belong to this user and be writable by no one else."""
+    root = build_root()
+    root.mkdir(mode=0o700, parents=True, exist_ok=True)
+    st = root.stat()
+    if st.st_uid != os.getuid():
+        raise CacheError(
+            f"tbegen: the build cache {root} belongs to another user (uid {st.st_uid}, you are {os.getuid()}); "
+            "the libraries in it are loaded into this process. Set TBEGEN_BUILD_DIR to a folder of your own."
+        )
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise CacheError(
+            f"tbegen: the build cache {root} is writable by other users (mode {stat.S_IMODE(st.st_mode):o}); "
+            f"the libraries in it are loaded into this process. Run `chmod go-w {root}` or set "
+            "TBEGEN_BUILD_DIR to a private folder."
+        )
+    return root
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _is_published(entry: Path) -> bool:
+    return (entry / DIGEST_FILE).is_file()
+
+
+def verified(entry: Path, key: str, filename: str) -> Path:
+    """entry/filename, after checking it against the digest recorded when the entry was built."""
+    import json
+
+    path = entry / filename
+    try:
+        record = json.loads((entry / DIGEST_FILE).read_text())
+        expected = record["files"][filename] if record.get("key") == key else None
+    except (OSError, ValueError, KeyError, TypeError):
+        expected = None
+    if expected is None or not path.is_file() or _sha256(path) != expected:
+        raise CacheError(
+            f"tbegen: {path} does not match the digest recorded when it was built (changed, replaced or "
+            f"damaged since); refusing to load it. Delete {entry} to rebuild it."
+        )
+    return path
+
+
+@contextlib.contextmanager
+def _entry_lock(root: Path, entry: Path, what: str):
+    """Holds an exclusive lock for building `entry`; says so when another process holds it."""
+    import fcntl
+
+    lock_dir = root / "locks"
+    lock_dir.mkdir(mode=0o700, exist_ok=True)
+    with open(lock_dir / f"{entry.name}.lock", "w") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(f"tbegen: another build (of this or another process) is compiling {what}; waiting for it "
+                  f"(lock {f.name})", file=sys.stderr, flush=True)
+            t0 = time.perf_counter()
+            fcntl.flock(f, fcntl.LOCK_EX)
+            print(f"tbegen: {what} is ready (waited {time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _publish(tmp: Path, entry: Path, key: str, filenames: List[str]) -> None:
+    """Records the digests of `filenames` in tmp, then renames tmp to entry (atomic)."""
+    import json
+    import shutil
+
+    record = {"key": key, "files": {n: _sha256(tmp / n) for n in filenames if (tmp / n).is_file()}}
+    (tmp / DIGEST_FILE).write_text(json.dumps(record, indent=1) + "\n")
+    if entry.exists():  # an unpublished leftover (no digest file): replaced
+        shutil.rmtree(entry)
+    os.rename(tmp, entry)
+
+
+# ---- building ---------------------------------------------------------------------------------
+
+
 def build_files(name: str, files: Dict[str, str], with_cuda: bool, verbose: bool = False,
                 load: bool = True) -> Path:
     """Builds {relative path: text} sources (one optimizer) and returns the library's path.
 
-    With `load`, also loads it into this process, registering torch.ops.tbegen_NAME.
+    With `load`, also loads it into this process, registering torch.ops.tbegen_NAME. A CPU + CUDA
+    build links the objects of `_reused_objects` (built first if needed) instead of compiling them
+    again.
     """
     key = cache_key(name, files, with_cuda)
     namespace = f"tbegen_{name}"
@@ -199,53 +328,96 @@ def build_files(name: str, files: Dict[str, str], with_cuda: bool, verbose: bool
                 f"(changed spec, or CPU-only vs CUDA build); start a new process to load this one"
             )
         return build_root() / key
+    root = cache_root()
     libname = _library_name(name, key, with_cuda)
-    out_dir = build_root() / f"{name}-{'cuda' if with_cuda else 'cpu'}-{key}"
-    lib_path = out_dir / f"{libname}.so"
-    if not lib_path.exists():
-        if load:
-            _compile(name, files, with_cuda, out_dir, libname, verbose)
-        else:
-            # cpp_extension loads what it builds; build in a child process so that this one
-            # does not end up holding a library it did not ask for (its operators could clash
-            # with another build of the same optimizer loaded later)
-            _compile_in_child(name, files, with_cuda, out_dir, libname, verbose)
+    entry = root / f"{name}-{'cuda' if with_cuda else 'cpu'}-{key}"
+    if not _is_published(entry):
+        objects = _reused_objects(name, files, verbose) if with_cuda and name != RUNTIME_NAME else []
+        with _entry_lock(root, entry, _describe(name, with_cuda)):
+            if not _is_published(entry):  # unless another process built it while we waited
+                tmp = Path(tempfile.mkdtemp(prefix=f".{entry.name}.", dir=root))
+                try:
+                    _compile_in_child(name, files, with_cuda, tmp, libname, verbose, [str(o) for o in objects])
+                    _publish(tmp, entry, key, [f"{libname}.so", "ops.o", _object_name(RUNTIME_CUDA_SOURCE)])
+                finally:
+                    if tmp.exists():
+                        import shutil
+
+                        shutil.rmtree(tmp)
+    lib_path = verified(entry, key, f"{libname}.so")
     if load:
         torch.ops.load_library(str(lib_path))
         _LOADED[namespace] = key
     return lib_path
 
 
-def _compile(name: str, files: Dict[str, str], with_cuda: bool, out_dir: Path, libname: str,
-             verbose: bool) -> None:
+def _object_name(source: str) -> str:
+    """The object file cpp_extension makes of a source: ops.cpp -> ops.o, x.cu -> x.cuda.o."""
+    stem, ext = os.path.splitext(os.path.basename(source))
+    return f"{stem}.cuda.o" if ext == ".cu" else f"{stem}.o"
+
+
+def _reused_objects(name: str, files: Dict[str, str], verbose: bool) -> List[Path]:
+    """The compiled objects a CPU + CUDA build links instead of compiling them again (each built
+    first if needed, and verified): ops.o of the CPU-only build of the same sources, and the
+    optimizer-independent forward operators (RUNTIME_CUDA_SOURCE) compiled for these runtime
+    headers."""
+    cpu_files = {k: v for k, v in files.items() if k not in {f"{name}/{cu}" for cu in CUDA_SOURCES}}
+    cpu_lib = build_files(name, cpu_files, False, verbose, load=False)
+    objects = [verified(cpu_lib.parent, cache_key(name, cpu_files, False), "ops.o")]
+    runtime_files = {k: v for k, v in files.items() if k.startswith("include/")}
+    runtime_lib = build_files(RUNTIME_NAME, runtime_files, True, verbose, load=False)
+    objects.append(verified(runtime_lib.parent, cache_key(RUNTIME_NAME, runtime_files, True),
+                            _object_name(RUNTIME_CUDA_SOURCE)))
+    return objects
+
+
+def _cpp_extension():
+    """torch.utils.cpp_extension, without its "No CUDA runtime is found" warning (logged on import
+    where nvcc exists but no GPU does: expected here, and not something a user can act on)."""
+    import logging
+
+    class _NoCudaRuntimeFilter(logging.Filter):
+        def filter(self, record):
+            return not str(record.msg).startswith("No CUDA runtime is found")
+
+    logger = logging.getLogger("torch.utils.cpp_extension")
+    if not any(isinstance(f, _NoCudaRuntimeFilter) for f in logger.filters):
+        logger.addFilter(_NoCudaRuntimeFilter())
     from torch.utils import cpp_extension
 
+    return cpp_extension
+
+
+def _compile(name: str, files: Dict[str, str], with_cuda: bool, out_dir: Path, libname: str,
+             verbose: bool, objects: Sequence[str] = ()) -> None:
+    """Compiles and links (torch.utils.cpp_extension, which also loads the library: run it in a
+    child process, see _compile_in_child) into out_dir/libname.so, linking `objects` too.
+
+    The sources: NAME/ops.cpp (unless its object is among `objects`) and, for CUDA, CUDA_SOURCES;
+    for RUNTIME_NAME, only RUNTIME_CUDA_SOURCE."""
+    cpp_extension = _cpp_extension()
     src = out_dir / "src"
     for rel, text in files.items():
         path = src / rel
         path.parent.mkdir(parents=True, exist_ok=True)
-        if not path.exists() or path.read_text() != text:
-            path.write_text(text)
-    sources = [str(src / name / "ops.cpp")]
-    if with_cuda:
-        sources += [str(src / name / cu) for cu in CUDA_SOURCES]
-    flavour = "CPU + CUDA" if with_cuda else "CPU"
+        path.write_text(text)
+    if name == RUNTIME_NAME:
+        sources = [str(src / RUNTIME_CUDA_SOURCE)]
+    else:
+        linked = {os.path.basename(o) for o in objects}
+        sources = [] if "ops.o" in linked else [str(src / name / "ops.cpp")]
+        if with_cuda:
+            sources += [str(src / name / cu) for cu in CUDA_SOURCES]
     if with_cuda:
         os.environ["TORCH_CUDA_ARCH_LIST"] = cuda_arch_list()
-    print(
-        f"tbegen: building the {name} extension ({flavour}) in {out_dir}; "
-        f"this takes {'a minute or two' if with_cuda else 'about half a minute'} the first time",
-        file=sys.stderr,
-        flush=True,
-    )
-    t0 = time.perf_counter()
+    flavour = "CPU + CUDA" if with_cuda else "CPU"
     try:
-        _load_extension(cpp_extension, name, libname, sources, src, out_dir, with_cuda, verbose)
+        _load_extension(cpp_extension, name, libname, sources, src, out_dir, with_cuda, verbose, objects)
     except RuntimeError as e:
         if not str(e).startswith("Error building extension"):
             raise
         raise _compile_error(name, flavour, str(e), files, out_dir) from None
-    print(f"tbegen: built {name} ({flavour}) in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
 
 
 def _compile_error(name: str, flavour: str, log: str, files: Dict[str, str], out_dir: Path):
@@ -257,7 +429,7 @@ def _compile_error(name: str, flavour: str, log: str, files: Dict[str, str], out
     return CompileError(report(name, flavour, log, files, log_path, Path(__file__).resolve().parent.parent), log_path)
 
 
-def _load_extension(cpp_extension, name, libname, sources, src, out_dir, with_cuda, verbose) -> None:
+def _load_extension(cpp_extension, name, libname, sources, src, out_dir, with_cuda, verbose, objects) -> None:
     cpp_extension.load(
         name=libname,
         sources=sources,
@@ -265,7 +437,7 @@ def _load_extension(cpp_extension, name, libname, sources, src, out_dir, with_cu
         + (_cuda_library_includes() if with_cuda else []),
         extra_cflags=cxx_flags(),
         extra_cuda_cflags=CUDA_FLAGS,
-        extra_ldflags=_cuda_link_flags() if with_cuda else [],
+        extra_ldflags=list(objects) + (_cuda_link_flags() if with_cuda else []),
         build_directory=str(out_dir),
         with_cuda=with_cuda,
         is_python_module=False,
@@ -274,27 +446,46 @@ def _load_extension(cpp_extension, name, libname, sources, src, out_dir, with_cu
     )
 
 
-def _compile_in_child(name, files, with_cuda, out_dir, libname, verbose) -> None:
+# how often a running build says it is still running
+PROGRESS_EVERY_S = 60.0
+
+
+def _compile_in_child(name, files, with_cuda, out_dir, libname, verbose, objects=()) -> None:
+    """Runs _compile in a child process (cpp_extension loads what it builds: this process must
+    load only the verified copy, from the cache entry), saying what it builds and how long it
+    takes."""
     import json
     import subprocess
-    import tempfile
 
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(dict(name=name, files=files, with_cuda=with_cuda, out_dir=str(out_dir), libname=libname,
-                       verbose=verbose), f)
+                       verbose=verbose, objects=list(objects)), f)
     code = (
         "import json, sys; from pathlib import Path; from tbegen.build import _compile\n"
         "a = json.load(open(sys.argv[1]))\n"
         "from tbegen.compile_errors import CompileError\n"
         "try:\n"
-        "    _compile(a['name'], a['files'], a['with_cuda'], Path(a['out_dir']), a['libname'], a['verbose'])\n"
+        "    _compile(a['name'], a['files'], a['with_cuda'], Path(a['out_dir']), a['libname'], a['verbose'], "
+        "a['objects'])\n"
         "except CompileError as e:\n"
         "    print(e, file=sys.stderr); sys.exit(3)\n"
     )
     root = str(Path(__file__).resolve().parent.parent)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
+    what = _describe(name, with_cuda)
+    print(f"tbegen: building {what}; "
+          f"{'a minute or two' if with_cuda else 'about half a minute'} on 2 cores",
+          file=sys.stderr, flush=True)
+    t0 = time.perf_counter()
     try:
-        proc = subprocess.run([sys.executable, "-c", code, f.name], env=env)
+        proc = subprocess.Popen([sys.executable, "-c", code, f.name], env=env)
+        while True:
+            try:
+                proc.wait(timeout=PROGRESS_EVERY_S)
+                break
+            except subprocess.TimeoutExpired:
+                print(f"tbegen: still building {what}: {time.perf_counter() - t0:.0f} s",
+                      file=sys.stderr, flush=True)
     finally:
         os.unlink(f.name)
     if proc.returncode == 3:  # the compiler rejected the sources; the child printed why
@@ -303,7 +494,8 @@ def _compile_in_child(name, files, with_cuda, out_dir, libname, verbose) -> None
         raise CompileError(f"tbegen: building the {name} extension failed (the errors are above)",
                            out_dir / "compiler-errors.log")
     if proc.returncode != 0:
-        raise RuntimeError(f"tbegen: building the {name} extension failed (see the compiler output above)")
+        raise RuntimeError(f"tbegen: building {what} failed (see the compiler output above)")
+    print(f"tbegen: built {what} in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
 
 
 def load_sources(name: str, src_dir: Union[str, Path], with_cuda: Optional[bool] = None,
@@ -335,27 +527,36 @@ def load_spec(spec: OptimizerSpec, with_cuda: Optional[bool] = None, verbose: bo
     return getattr(torch.ops, f"tbegen_{spec.name}")
 
 
-def _prebuild_one(args) -> str:
-    spec_path, with_cuda = args
+def prebuild(spec_paths, flavours: Sequence[bool] = (False,), jobs: Optional[int] = None, *,
+             with_cuda: Optional[bool] = None) -> None:
+    """Builds several specs' extensions into the cache (without loading them), `jobs` builds at a
+    time (default: one per core, each compiling one file at a time), so that a test session pays
+    for the work once, spread over the cores. `flavours`: False for CPU-only builds, True for
+    CPU + CUDA (which reuse the CPU builds' ops.cpp object: CPU builds go first). `with_cuda=X`
+    is the older spelling of `flavours=[X]` (benchmarks/run_gpu.sh uses it)."""
+    if with_cuda is not None:
+        flavours = [with_cuda]
+    from concurrent.futures import ThreadPoolExecutor
+
     from .spec import load_spec as parse
 
-    spec = parse(spec_path)
-    return str(build_files(spec.name, spec_files(spec, with_cuda), with_cuda, load=False))
-
-
-def prebuild(spec_paths, with_cuda: bool, jobs: Optional[int] = None) -> None:
-    """Builds several specs' extensions in parallel processes (into the cache, without loading
-    them), so that a test session pays for the slowest build rather than the sum."""
-    from concurrent.futures import ProcessPoolExecutor
-    import multiprocessing
-
-    todo = [(str(p), with_cuda) for p in spec_paths]
-    jobs = jobs or min(len(todo), os.cpu_count() or 1)
-    if jobs <= 1:
-        for item in todo:
-            _prebuild_one(item)
+    todo = []
+    for with_cuda in sorted(set(flavours)):
+        for p in spec_paths:
+            spec = parse(str(p))
+            files = spec_files(spec, with_cuda)
+            entry = build_root() / f"{spec.name}-{'cuda' if with_cuda else 'cpu'}-{cache_key(spec.name, files, with_cuda)}"
+            if not _is_published(entry):
+                todo.append((spec.name, files, with_cuda))
+    if not todo:
         return
-    # each build compiles its files in parallel too (ninja); keep the total near the core count
+    jobs = jobs or min(len(todo), os.cpu_count() or 1)
+    print(f"tbegen: building {len(todo)} extension(s) into {build_root()}, {jobs} at a time",
+          file=sys.stderr, flush=True)
+    t0 = time.perf_counter()
+    # each build runs ninja; keep the total number of compiler processes near the core count
     os.environ.setdefault("MAX_JOBS", str(max(1, (os.cpu_count() or 1) // jobs)))
-    with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
-        list(pool.map(_prebuild_one, todo))
+    with ThreadPoolExecutor(jobs) as pool:
+        for future in [pool.submit(build_files, name, files, with_cuda, False, False) for name, files, with_cuda in todo]:
+            future.result()
+    print(f"tbegen: built {len(todo)} extension(s) in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)

@@ -8,6 +8,10 @@
     tbegen test --optimizer NAME [--device]  build one optimizer and check it numerically
     tbegen schema [--out FILE]               the JSON Schema of the spec format (for editors)
     tbegen new NAME [--from SPEC] [--out DIR]  write a new spec NAME.yaml to start from
+
+Specs are code, like a Makefile or setup.py: their C++ snippets are compiled into a library that
+is loaded into the process, and their `reference` is Python that `tbegen test` executes. Use only
+specs you trust.
 """
 
 from __future__ import annotations
@@ -62,7 +66,13 @@ def list_cmd():
 @main.command()
 @click.argument("files", nargs=-1, required=True, type=click.Path(dir_okay=False))
 def validate(files):
-    """Check spec files; report every problem as FILE:LINE[:COL]: FIELD: MESSAGE."""
+    """Check spec files; report every problem as FILE:LINE[:COL]: FIELD: MESSAGE.
+
+    Validation only reads a spec (its reference is parsed, never run). But specs are code, like a
+    Makefile or setup.py: `tbegen test` and the module compile their C++ snippets into a library
+    that is loaded into the process, and `tbegen test` executes their Python reference. Build and
+    test only specs you trust.
+    """
     failed = False
     for f in files:
         warnings = []
@@ -106,7 +116,8 @@ def render(optimizers, all_, out):
         click.echo(f"wrote {out / rel}")
     for rel in result.removed:
         click.echo(f"removed {out / rel}")
-    click.echo(f"{len(result.written)} written, {len(result.unchanged)} unchanged, {len(result.removed)} removed")
+    click.echo(f"{out}: {len(result.written)} file(s) written, {len(result.unchanged)} already up to date, "
+               f"{len(result.removed)} stale file(s) removed")
 
 
 @main.command()
@@ -132,7 +143,12 @@ def check(out):
 @click.option("--quick", is_flag=True, help="Only fp32 cases.")
 @click.option("--verbose", "-v", is_flag=True, help="Print every case and the compiler's output.")
 def test(optimizer, device, quick, verbose):
-    """Build one optimizer and check it against its spec's float64 reference."""
+    """Build one optimizer and check it against its spec's float64 reference.
+
+    Specs are code, like a Makefile or setup.py: this compiles the spec's C++ snippets into a
+    library, loads it into this process, and executes the spec's Python reference. Test only
+    specs you trust.
+    """
     spec = _load(optimizer)
     import torch
 

@@ -32,6 +32,7 @@ from torch.autograd.graph import increment_version
 
 from . import build
 from .errors import BOUNDS_CHECK_MODES, ErrorRecord
+from .init import fill_uniform_
 from .layout import POOLING, Layout, make_layout
 from .model import OptimizerSpec
 from .spec import find_spec, load_spec
@@ -181,15 +182,37 @@ def _convert_hyperparameter(spec: OptimizerSpec, name: str, value):
     return converted
 
 
+# Names users bring from torch.optim (and elsewhere) for tbegen's hyperparameters: alias -> the
+# spec names it stands for. Used for "did you mean" only where the spec has all of those names.
+HYPERPARAMETER_ALIASES = {
+    "lr": ("learning_rate",),
+    "wd": ("weight_decay",),
+    "decay": ("weight_decay",),
+    "epsilon": ("eps",),
+    "betas": ("beta1", "beta2"),
+    "momentum": ("beta1",),  # Adam's first-moment decay plays momentum's part
+}
+
+
+def _did_you_mean(name: str, valid: Sequence[str], also: Sequence[str]) -> Optional[str]:
+    targets = HYPERPARAMETER_ALIASES.get(name)
+    if targets and all(t in valid for t in targets):
+        if len(targets) == 1:
+            return f"did you mean {targets[0]!r}?"
+        # betas=(b1, b2) is two hyperparameters here
+        letters = [f"b{i + 1}" for i in range(len(targets))]
+        return (f"did you mean {' and '.join(repr(t) for t in targets)}? {name}=({', '.join(letters)}) is "
+                + ", ".join(f"{t}={b}" for t, b in zip(targets, letters)))
+    close = difflib.get_close_matches(name, list(valid) + list(also), n=1)
+    return f"did you mean {close[0]!r}?" if close else None
+
+
 def _unknown_names_error(spec: OptimizerSpec, unknown: Sequence[str], also: Sequence[str] = ()) -> TypeError:
     valid = [h.name for h in spec.hyperparameters]
     hints = []
     for name in unknown:
-        close = difflib.get_close_matches(name, list(valid) + list(also), n=1)
-        if close:
-            hints.append(f"{name!r} (did you mean {close[0]!r}?)")
-        else:
-            hints.append(repr(name))
+        hint = _did_you_mean(name, valid, also)
+        hints.append(f"{name!r} ({hint})" if hint else repr(name))
     message = f"tbegen: unknown hyperparameter(s) {', '.join(hints)} for optimizer {spec.name!r}; "
     message += _describe_hyperparameters(spec)
     if also:
@@ -301,10 +324,10 @@ class TableBatchedEmbeddingBags(nn.Module):
             the spec's defaults for those not given. Unknown names, wrong types, values outside a
             hyperparameter's `choices`, and missing required ones are errors.
 
-    Weights start as uniform(-sqrt(1/dim), sqrt(1/dim)) per table, drawn in float32 on the CPU
-    from a torch.Generator seeded with `seed`, table by table, then rounded to `weights_dtype` and
-    copied to `device` (so CPU and CUDA modules start identical). Overwrite them through
-    `split_embedding_weights()` for another initialisation.
+    Weights start as uniform(-sqrt(1/dim), sqrt(1/dim)) per table, computed in float32 on `device`
+    by a counter-based generator (each weight a hash of (seed, table, element), tbegen/init.py),
+    then rounded to `weights_dtype`: CPU and CUDA modules with the same seed start bitwise
+    identical. Overwrite them through `split_embedding_weights()` for another initialisation.
     """
 
     def __init__(
@@ -388,13 +411,12 @@ class TableBatchedEmbeddingBags(nn.Module):
     # ---- construction helpers ----
 
     def _initial_weights(self, device: torch.device) -> torch.Tensor:
-        gen = torch.Generator().manual_seed(self.seed)
+        """uniform(-sqrt(1/dim), sqrt(1/dim)) per table, computed on `device` by a counter-based
+        generator (tbegen/init.py): bitwise the same on every device for the same seed."""
         weights = torch.empty(self.layout.weights_numel, dtype=self.weights_dtype, device=device)
         for t, (E, D) in enumerate(self.layout.tables):
-            bound = math.sqrt(1.0 / D)
-            table = torch.empty(E * D, dtype=torch.float32).uniform_(-bound, bound, generator=gen)
             start = self.layout.table_offsets[t]
-            weights[start : start + E * D].copy_(table.to(self.weights_dtype))
+            fill_uniform_(weights[start : start + E * D], self.seed, t, D)
         return weights
 
     # ---- properties ----

@@ -3,11 +3,12 @@
 Output tree (relative to the output root, `generated/` by default):
 
     include/tbegen/*.h, *.cuh   the static runtime headers, copied from templates/include
+    include/tbegen/cuda_forward.cu  the CUDA forward operators, compiled once for all optimizers
     NAME/optimizer.h            the spec's update, as a template over the row view
     NAME/params.h               builds the kernels' parameters from an operator call
     NAME/ops.cpp                operator schemas and CPU implementations
-    NAME/ops_cuda.cu            CUDA implementation of the fused backward
-    NAME/forward_cuda.cu        CUDA forward and per-sample-weight gradient
+    NAME/ops_cuda.cu            CUDA implementation of the fused backward (and the registration
+                                of the shared forward operators)
     NAME/module.py              Python description of the extension, and load()
     MANIFEST                    every file above, sorted
 
@@ -38,7 +39,6 @@ OPTIMIZER_FILES = {
     "params.h.j2": "params.h",
     "ops.cpp.j2": "ops.cpp",
     "ops_cuda.cu.j2": "ops_cuda.cu",
-    "forward_cuda.cu.j2": "forward_cuda.cu",
     "module.py.j2": "module.py",
 }
 

@@ -2,6 +2,7 @@
 tbegen's content-addressed cache) and loaded once per process."""
 
 import os
+import shutil
 
 import pytest
 import torch
@@ -16,6 +17,9 @@ SPECS = {p.stem: p for p in list_specs() if not _ONLY or p.stem in _ONLY}
 if _ONLY and sorted(SPECS) != sorted(set(_ONLY)):
     raise pytest.UsageError(f"TBEGEN_TEST_OPTIMIZERS names unknown specs: {sorted(set(_ONLY) - set(SPECS))}")
 HAS_CUDA = torch.cuda.is_available()
+# CUDA extensions are compiled and linked wherever a CUDA toolchain exists, GPU or not
+# (test_cuda_build.py; a CPU-only torch lacks the CUDA headers)
+CAN_BUILD_CUDA = shutil.which("nvcc") is not None and torch.version.cuda is not None
 
 
 def pytest_collection_modifyitems(config, items):
@@ -26,10 +30,22 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture(scope="session")
-def prebuilt():
-    """Builds every spec's extension once, in parallel processes, before the first test needs one."""
-    build.prebuild(list(SPECS.values()), with_cuda=HAS_CUDA)
+def prebuilt(request):
+    """Builds every extension this session needs once, in parallel, before the first test needs
+    one: each spec for this machine's device, and for CUDA too where test_cuda_build.py will
+    compile them. Progress goes to the terminal (pytest would otherwise hold it back)."""
+    flavours = {HAS_CUDA}
+    if CAN_BUILD_CUDA and any(item.path.name == "test_cuda_build.py" for item in request.session.items):
+        flavours.add(True)
+    with terminal_output(request):
+        build.prebuild(list(SPECS.values()), sorted(flavours))
     return True
+
+
+def terminal_output(request):
+    """A context in which output (also of child processes) reaches the terminal uncaptured."""
+    capture = request.config.pluginmanager.getplugin("capturemanager")
+    return capture.global_and_fixture_disabled()
 
 
 _OPS = {}

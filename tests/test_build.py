@@ -1,6 +1,7 @@
 """The build harness: a C++ error inside a snippet is reported at the spec's line, builds are
 cached by content, and a changed spec gets a new build."""
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -87,3 +88,112 @@ def test_loading_another_build_of_a_loaded_optimizer_is_a_clear_error(load_ops):
     other["sgd/optimizer.h"] += "\n// changed\n"
     with pytest.raises(RuntimeError, match="already loaded in this process"):
         build.build_files(spec.name, other, build.cuda_wanted(None), load=True)
+
+
+# ---- the cache's trust: permissions, digests, atomic entries, one build at a time -------------
+# These use a tiny library (one C++ function, no torch headers: seconds to build) in a fresh cache.
+
+TINY = {"tiny/ops.cpp": "int tbegen_tiny_answer() { return 42; }\n"}
+
+
+@pytest.fixture
+def fresh_cache(tmp_path, monkeypatch):
+    root = tmp_path / "cache"
+    monkeypatch.setenv("TBEGEN_BUILD_DIR", str(root))
+    return root
+
+
+def test_a_new_cache_folder_is_private(fresh_cache):
+    assert build.cache_root() == fresh_cache
+    assert fresh_cache.stat().st_mode & 0o777 == 0o700
+
+
+def test_a_cache_folder_writable_by_others_is_refused(fresh_cache):
+    fresh_cache.mkdir(mode=0o700)
+    for mode in (0o777, 0o770, 0o702):
+        fresh_cache.chmod(mode)
+        with pytest.raises(build.CacheError, match="writable by other users.*chmod go-w"):
+            build.build_files("tiny", TINY, with_cuda=False, load=False)
+    assert list(fresh_cache.iterdir()) == []  # nothing was built or written
+
+
+def test_a_cache_folder_of_another_user_is_refused(fresh_cache, monkeypatch):
+    fresh_cache.mkdir(mode=0o700)
+    if os.getuid() == 0:  # really another owner
+        os.chown(fresh_cache, 12345, -1)
+    else:
+        monkeypatch.setattr(build.os, "getuid", lambda: fresh_cache.stat().st_uid + 1)
+    with pytest.raises(build.CacheError, match="belongs to another user"):
+        build.build_files("tiny", TINY, with_cuda=False, load=False)
+
+
+def test_a_changed_library_or_digest_is_refused_and_a_leftover_entry_is_rebuilt(fresh_cache, capfd, monkeypatch):
+    monkeypatch.setattr(build, "PROGRESS_EVERY_S", 0.2)
+    lib = build.build_files("tiny", TINY, with_cuda=False, load=False)
+    err = capfd.readouterr().err
+    # progress: which extension, that it is still building, and how long it took
+    assert "tbegen: building the tiny extension (CPU)" in err
+    assert "tbegen: still building the tiny extension (CPU): " in err
+    assert "tbegen: built the tiny extension (CPU) in " in err
+    entry = lib.parent
+    assert sorted(p.name for p in fresh_cache.iterdir()) == ["locks", entry.name]  # no temporary folder left
+    original = lib.read_bytes()
+    lib.write_bytes(original + b"\0")
+    with pytest.raises(build.CacheError, match="does not match the digest"):
+        build.build_files("tiny", TINY, with_cuda=False, load=True)
+    lib.write_bytes(original)
+    assert build.build_files("tiny", TINY, with_cuda=False, load=False) == lib  # restored: accepted, not rebuilt
+    assert "building" not in capfd.readouterr().err
+    digests = entry / build.DIGEST_FILE
+    digests.write_text(digests.read_text().replace(build.cache_key("tiny", TINY, False), "0" * 16))
+    with pytest.raises(build.CacheError, match="does not match the digest"):
+        build.build_files("tiny", TINY, with_cuda=False, load=False)
+    # an entry without its digest file was never published (an interrupted build of an older
+    # tbegen): it is rebuilt, not used
+    digests.unlink()
+    lib.write_bytes(b"not a library")
+    assert build.build_files("tiny", TINY, with_cuda=False, load=False) == lib
+    assert "building the tiny extension (CPU)" in capfd.readouterr().err
+    assert lib.read_bytes()[:4] == b"\x7fELF"
+
+
+def test_concurrent_builds_of_one_extension_compile_it_once(fresh_cache, tmp_path):
+    import fcntl
+    import time
+
+    code = (
+        "import torch; from tbegen import build\n"
+        f"print(build.build_files('tiny', {TINY!r}, with_cuda=False, load=True))\n"
+    )
+    env = dict(os.environ, PYTHONPATH=str(ROOT), TBEGEN_BUILD_DIR=str(fresh_cache))
+    # hold the entry's lock while the three start, so that all three meet it
+    (fresh_cache / "locks").mkdir(parents=True)
+    key = build.cache_key("tiny", TINY, False)
+    lock = open(fresh_cache / "locks" / f"tiny-cpu-{key}.lock", "w")
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    logs = [tmp_path / f"err{i}.txt" for i in range(3)]
+    procs = [subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=open(log, "w"),
+                              text=True) for log in logs]
+    try:
+        deadline = time.time() + 120
+        while not all("waiting for it" in log.read_text() for log in logs):
+            assert time.time() < deadline, [log.read_text() for log in logs]
+            time.sleep(0.2)
+    finally:
+        fcntl.flock(lock, fcntl.LOCK_UN)
+        lock.close()
+    outs = [p.communicate(timeout=300)[0] for p in procs]
+    errs = [log.read_text() for log in logs]
+    assert all(p.returncode == 0 for p in procs), errs
+    assert sum(e.count("tbegen: building the tiny extension") for e in errs) == 1, errs
+    assert len({o.strip() for o in outs}) == 1  # all three loaded the same library
+
+
+def test_cpp_extension_is_imported_without_the_no_cuda_runtime_warning(tmp_path):
+    # torch logs "No CUDA runtime is found" when cpp_extension is imported where a CUDA toolkit
+    # exists but no GPU does (CI): expected there, so tbegen filters exactly that message
+    code = "from tbegen import build; build._cpp_extension(); print('imported')"
+    env = dict(os.environ, PYTHONPATH=str(ROOT), CUDA_HOME=str(tmp_path))  # a CUDA_HOME that exists
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert proc.returncode == 0 and "imported" in proc.stdout, proc.stderr
+    assert "No CUDA runtime" not in proc.stderr and "NumPy" not in proc.stderr, proc.stderr

@@ -3,8 +3,8 @@
 // the long runs, and cut the long runs into segments. The second half, the optimizer's update
 // kernels, is launched by backward_cuda (cuda_ops.cuh) over what this returns.
 //
-// prepare_backward is compiled once per extension, in forward_cuda.cu with the forward (it does
-// not depend on the optimizer); ops_cuda.cu only calls it.
+// prepare_backward is compiled once for every optimizer, in cuda_forward.cu with the forward (it
+// does not depend on the optimizer); each extension's ops_cuda.cu only calls it.
 #pragma once
 
 #include <ATen/ATen.h>

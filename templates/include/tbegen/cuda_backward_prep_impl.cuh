@@ -1,5 +1,5 @@
 // tbegen runtime: the definition of prepare_backward (declared in cuda_backward_prep.cuh).
-// Included by forward_cuda.cu only, so that it is compiled once per extension.
+// Included by cuda_forward.cu only, so that it is compiled once for every optimizer.
 #pragma once
 
 #include <thrust/iterator/transform_iterator.h>

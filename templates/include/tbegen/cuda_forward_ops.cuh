@@ -1,6 +1,5 @@
 // tbegen runtime: the CUDA forward pooled lookup and per-sample-weight gradient operators. They do
-// not depend on the optimizer; each extension compiles them in forward_cuda.cu, apart from the
-// backward, so that the two translation units build in parallel.
+// not depend on the optimizer: cuda_forward.cu compiles them once for all optimizers.
 #pragma once
 
 #include "tbegen/cuda_ops.cuh"
