@@ -95,8 +95,18 @@ def _host_cpu() -> str:
         return f"{platform.machine()} {platform.processor()}"
 
 
+def openmp_flags() -> List[str]:
+    """-fopenmp where torch parallelises with OpenMP: at::parallel_for is a header template that
+    runs serially unless the extension itself is compiled with OpenMP. Compile only: the OpenMP
+    runtime calls resolve to the one torch has already loaded (linking another would give the
+    process two thread pools, and torch.set_num_threads would not reach ours)."""
+    if torch.backends.openmp.is_available() and platform.system() == "Linux":
+        return ["-fopenmp"]
+    return []
+
+
 def cxx_flags() -> List[str]:
-    return CXX_FLAGS + cpu_arch_flags()
+    return CXX_FLAGS + openmp_flags() + cpu_arch_flags()
 
 
 def cache_key(name: str, files: Dict[str, str], with_cuda: bool) -> str:
