@@ -28,7 +28,9 @@ from .model import OptimizerSpec
 
 _LOADED: Dict[str, str] = {}  # op namespace -> cache key of the library loaded in this process
 
-CXX_FLAGS = ["-O3"]  # plus cpu_arch_flags()
+# -fno-math-errno: sqrtf and friends need not set errno, which lets the compiler vectorise loops
+# that call them (adagrad's update ran 20x slower without); it changes no result.
+CXX_FLAGS = ["-O3", "-fno-math-errno"]  # plus openmp_flags() and cpu_arch_flags()
 CUDA_SOURCES = ("ops_cuda.cu", "forward_cuda.cu")
 CUDA_FLAGS = ["-O3", "--expt-relaxed-constexpr", "-lineinfo"]
 

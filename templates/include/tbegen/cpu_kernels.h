@@ -12,9 +12,11 @@
 
 #include <algorithm>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "tbegen/common.h"
+#include "tbegen/cpu_simd.h"
 #include "tbegen/host.h"
 
 namespace tbegen {
@@ -68,29 +70,45 @@ void forward(const Batch& b, const int64_t* feat, const W* weights, const I* ind
     });
     return;
   }
+  // Each task pools bags [begin, end) of every feature, one feature at a time: those bags' indices
+  // are contiguous, so rows are prefetched kAhead indices ahead across bag boundaries.
   at::parallel_for(0, b.B, 16, [&](int64_t begin, int64_t end) {
     std::vector<float> acc(b.max_D);
-    for (int64_t bi = begin; bi < end; ++bi) {
-      for (int64_t f = 0; f < b.F; ++f) {
-        const int64_t* ft = feat + f * kFeatColumns;
-        const int64_t D = ft[kFeatDim];
-        const int64_t bag = f * b.B + bi;
-        const int64_t start = offsets[bag], stop = offsets[bag + 1];
-        std::fill(acc.begin(), acc.begin() + D, 0.0f);
-        constexpr int64_t kAhead = 8;  // rows prefetched ahead
-        for (int64_t i = start; i < std::min(stop, start + kAhead); ++i) {
-          prefetch_bytes(weights + ft[kFeatWeightsOffset] + int64_t(indices[i]) * D, D * int64_t(sizeof(W)));
-        }
-        for (int64_t i = start; i < stop; ++i) {
-          if (i + kAhead < stop) {
-            prefetch_bytes(weights + ft[kFeatWeightsOffset] + int64_t(indices[i + kAhead]) * D, D * int64_t(sizeof(W)));
+    constexpr int64_t kAhead = 16;  // rows prefetched ahead
+    for (int64_t f = 0; f < b.F; ++f) {
+      const int64_t* ft = feat + f * kFeatColumns;
+      const int64_t D = ft[kFeatDim];
+      const W* table = weights + ft[kFeatWeightsOffset];
+      const I* bag_offsets = offsets + f * b.B;
+      const int64_t limit = bag_offsets[end];
+      auto prefetch_row = [&](int64_t i) {
+        if (i < limit) prefetch_bytes(table + int64_t(indices[i]) * D, D * int64_t(sizeof(W)));
+      };
+      for (int64_t i = bag_offsets[begin]; i < bag_offsets[begin] + kAhead; ++i) prefetch_row(i);
+      for (int64_t bi = begin; bi < end; ++bi) {
+        const int64_t start = bag_offsets[bi], stop = bag_offsets[bi + 1];
+        const float scale = (b.pooling == kPoolMean && stop > start) ? 1.0f / float(stop - start) : 1.0f;
+        float* o = out + bi * b.total_D + ft[kFeatOutOffset];
+        if constexpr (std::is_same_v<W, float>) {
+          if (simd::vector_width(D)) {
+            auto row = [&](int64_t k) { return table + int64_t(indices[start + k]) * D; };
+            auto weight = [&](int64_t k) { return psw[start + k]; };
+            auto before = [&](int64_t k) { prefetch_row(start + k + kAhead); };
+            if (psw) {
+              simd::sum_rows<true>(stop - start, D, row, weight, before, scale, o);
+            } else {
+              simd::sum_rows<false>(stop - start, D, row, weight, before, scale, o);
+            }
+            continue;
           }
-          const W* row = weights + ft[kFeatWeightsOffset] + int64_t(indices[i]) * D;
+        }
+        std::fill(acc.begin(), acc.begin() + D, 0.0f);
+        for (int64_t i = start; i < stop; ++i) {
+          prefetch_row(i + kAhead);
+          const W* row = table + int64_t(indices[i]) * D;
           const float s = psw ? psw[i] : 1.0f;
           for (int64_t d = 0; d < D; ++d) acc[d] += s * WeightTraits<W>::load(row[d]);
         }
-        const float scale = (b.pooling == kPoolMean && stop > start) ? 1.0f / float(stop - start) : 1.0f;
-        float* o = out + bi * b.total_D + ft[kFeatOutOffset];
         for (int64_t d = 0; d < D; ++d) o[d] = acc[d] * scale;
       }
     }
@@ -183,58 +201,86 @@ void backward(const Batch& b, const int64_t* feat, int64_t total_hash_size, cons
   // 4. Sum each unique row's gradient and apply the optimizer to it.
   constexpr int kElementSlots = Opt::kElementStates + Opt::kTemporaries;
   using Row = CpuRow<kElementSlots, Opt::kRowStates>;
-  // Where run r's row lives in the weights buffer (element states share the offsets).
-  auto row_offset_of = [&](int64_t r, int* D) {
-    const int64_t key = keys[run_start[r]];
+  // Where run r's row lives: its key (per-row states) and its offset in the weights buffer
+  // (element states share the offsets).
+  auto row_of = [&](int64_t r, int64_t* key, int* D) {
+    *key = keys[run_start[r]];
     const int64_t* ft = feat + (bag_of[pos[run_start[r]]] / b.B) * kFeatColumns;
     *D = int(ft[kFeatDim]);
-    return ft[kFeatWeightsOffset] + (key - ft[kFeatKeyBase]) * *D;
+    return ft[kFeatWeightsOffset] + (*key - ft[kFeatKeyBase]) * *D;
   };
+  // Occurrence i's output-gradient row and the factor its forward applied to the weight row.
+  // Features that share a table share its keys, but each has its own output columns.
+  auto grad_row_of = [&](int64_t i) {
+    const int64_t bag = bag_of[i];
+    return b.pooling == kPoolNone ? grad_output + i * b.max_D
+                                  : grad_output + (bag % b.B) * b.total_D +
+                                        feat[(bag / b.B) * kFeatColumns + kFeatOutOffset];
+  };
+  auto scale_of = [&](int64_t i) {
+    const int64_t bag = bag_of[i];
+    float scale = psw ? psw[i] : 1.0f;
+    if (b.pooling == kPoolMean) scale /= float(offsets[bag + 1] - offsets[bag]);
+    return scale;
+  };
+  // float weights are updated in place; the others through a float copy of the row.
+  constexpr bool kInPlace = std::is_same_v<W, float>;
   at::parallel_for(0, num_runs, 32, [&](int64_t begin, int64_t end) {
     std::vector<float> buf((2 + Opt::kTemporaries) * b.max_D);
     constexpr int64_t kAhead = 8;  // runs whose rows are prefetched ahead
     for (int64_t r = begin; r < end; ++r) {
       if (r + kAhead < end) {
         int Dn;
-        const int64_t off = row_offset_of(r + kAhead, &Dn);
+        int64_t key_n;
+        const int64_t off = row_of(r + kAhead, &key_n, &Dn);
         prefetch_bytes(weights + off, Dn * int64_t(sizeof(W)));
         for (int k = 0; k < Opt::kElementStates; ++k) prefetch_bytes(params.element_states[k] + off, Dn * 4);
+        for (int k = 0; k < Opt::kRowStates; ++k) __builtin_prefetch(params.row_states[k] + key_n);
       }
       const int64_t first = run_start[r], last = run_start[r + 1];
-      const int64_t key = keys[first];
-      const int64_t f = bag_of[pos[first]] / b.B;
-      const int64_t* ft = feat + f * kFeatColumns;
-      const int D = int(ft[kFeatDim]);
-      const int64_t woff = ft[kFeatWeightsOffset] + (key - ft[kFeatKeyBase]) * D;
+      int64_t key;
+      int D;
+      const int64_t woff = row_of(r, &key, &D);
 
       Row row;
       row.D = D;
       row.g_ = buf.data();
-      row.w_ = buf.data() + b.max_D;
-      std::fill(row.g_, row.g_ + D, 0.0f);
-      for (int64_t j = first; j < last; ++j) {
-        const int64_t i = pos[j];
-        const int64_t bag = bag_of[i];
-        float scale = psw ? psw[i] : 1.0f;
-        if (b.pooling == kPoolMean) scale /= float(offsets[bag + 1] - offsets[bag]);
-        // Features that share a table share its keys, but each has its own output columns.
-        const float* go = b.pooling == kPoolNone
-                              ? grad_output + i * b.max_D
-                              : grad_output + (bag % b.B) * b.total_D +
-                                    feat[(bag / b.B) * kFeatColumns + kFeatOutOffset];
-        for (int d = 0; d < D; ++d) row.g_[d] += scale * go[d];
+      // g = the sum over the run's occurrences, in index order, of scale * output-gradient row.
+      if (simd::vector_width(D)) {
+        auto grad_row = [&](int64_t k) { return grad_row_of(pos[first + k]); };
+        auto scale = [&](int64_t k) { return scale_of(pos[first + k]); };
+        auto nothing = [](int64_t) {};
+        if (psw || b.pooling == kPoolMean) {
+          simd::sum_rows<true>(last - first, D, grad_row, scale, nothing, 1.0f, row.g_);
+        } else {
+          simd::sum_rows<false>(last - first, D, grad_row, scale, nothing, 1.0f, row.g_);
+        }
+      } else {
+        std::fill(row.g_, row.g_ + D, 0.0f);
+        for (int64_t j = first; j < last; ++j) {
+          const float scale = scale_of(pos[j]);
+          const float* go = grad_row_of(pos[j]);
+          for (int d = 0; d < D; ++d) row.g_[d] += scale * go[d];
+        }
       }
       W* wrow = weights + woff;
-      for (int d = 0; d < D; ++d) row.w_[d] = WeightTraits<W>::load(wrow[d]);
+      if constexpr (kInPlace) {
+        row.w_ = wrow;
+      } else {
+        row.w_ = buf.data() + b.max_D;
+        for (int d = 0; d < D; ++d) row.w_[d] = WeightTraits<W>::load(wrow[d]);
+      }
       for (int k = 0; k < Opt::kElementStates; ++k) row.element_[k] = params.element_states[k] + woff;
       for (int k = 0; k < Opt::kTemporaries; ++k) row.element_[Opt::kElementStates + k] = buf.data() + (2 + k) * b.max_D;
       for (int k = 0; k < Opt::kRowStates; ++k) row.row_[k] = params.row_states[k] + key;
 
       Opt::update_row(row, params, ctx.step);
 
-      for (int d = 0; d < D; ++d) {
-        const uint32_t bits = ctx.stochastic_rounding ? random_bits(ctx.seed, ctx.step, key, d) : 0u;
-        wrow[d] = WeightTraits<W>::round(row.w_[d], bits, ctx.stochastic_rounding);
+      if constexpr (!kInPlace) {
+        for (int d = 0; d < D; ++d) {
+          const uint32_t bits = ctx.stochastic_rounding ? random_bits(ctx.seed, ctx.step, key, d) : 0u;
+          wrow[d] = WeightTraits<W>::round(row.w_[d], bits, ctx.stochastic_rounding);
+        }
       }
     }
   });
