@@ -138,31 +138,26 @@ void grad_per_sample_weights(const Batch& b, const int64_t* feat, const float* g
   });
 }
 
-// Stable LSD radix sort of (key, position) pairs on the low `bits` bits of the key, 11 bits a
-// pass. Stability keeps the occurrences of a key in index order, which fixes the summation order.
-inline void radix_sort_pairs(std::vector<int64_t>& keys, std::vector<int32_t>& pos, int bits) {
-  const size_t n = keys.size();
-  std::vector<int64_t> keys_tmp(n);
-  std::vector<int32_t> pos_tmp(n);
-  constexpr int kDigitBits = 11;
-  constexpr size_t kBuckets = size_t(1) << kDigitBits;
-  std::vector<size_t> count(kBuckets);
-  for (int shift = 0; shift < bits; shift += kDigitBits) {
+// Stable LSD radix sort of 64-bit items on bits [shift, shift + bits), in as few passes of at
+// most 11 bits as cover them. Stability keeps the items of a key in their original order.
+inline void radix_sort_bits(std::vector<uint64_t>& items, int shift, int bits) {
+  const size_t n = items.size();
+  std::vector<uint64_t> tmp(n);
+  const int passes = (bits + 10) / 11;
+  const int digit_bits = (bits + passes - 1) / passes;
+  const uint64_t mask = (uint64_t(1) << digit_bits) - 1;
+  std::vector<size_t> count(size_t(1) << digit_bits);
+  for (int p = 0; p < passes; ++p, shift += digit_bits) {
     std::fill(count.begin(), count.end(), 0);
-    for (size_t i = 0; i < n; ++i) ++count[(keys[i] >> shift) & (kBuckets - 1)];
+    for (size_t i = 0; i < n; ++i) ++count[(items[i] >> shift) & mask];
     size_t sum = 0;
-    for (size_t k = 0; k < kBuckets; ++k) {
-      const size_t c = count[k];
-      count[k] = sum;
-      sum += c;
+    for (size_t& c : count) {
+      const size_t here = c;
+      c = sum;
+      sum += here;
     }
-    for (size_t i = 0; i < n; ++i) {
-      const size_t dst = count[(keys[i] >> shift) & (kBuckets - 1)]++;
-      keys_tmp[dst] = keys[i];
-      pos_tmp[dst] = pos[i];
-    }
-    keys.swap(keys_tmp);
-    pos.swap(pos_tmp);
+    for (size_t i = 0; i < n; ++i) tmp[count[(items[i] >> shift) & mask]++] = items[i];
+    items.swap(tmp);
   }
 }
 
@@ -173,39 +168,38 @@ void backward(const Batch& b, const int64_t* feat, int64_t total_hash_size, cons
               W* weights, const I* indices, const I* offsets, const float* psw,
               const typename Opt::Params& params, const RowUpdateContext& ctx) {
   const int64_t nbags = b.F * b.B;
-  // 1. Linearise: key = the table's first key + row; remember each index's bag.
-  std::vector<int64_t> keys(b.N);
-  std::vector<int32_t> pos(b.N);
+  // 1. Linearise: each index i becomes the item (key << pos_bits) | i, where key = the table's
+  // first key + row; remember each index's bag.
+  const int pos_bits = bits_for(b.N);
+  const int key_bits = bits_for(total_hash_size);
+  TBEGEN_CHECK(pos_bits + key_bits <= 64, "tbegen: the CPU backward sorts 64-bit (key, position) items, "
+              "but ", total_hash_size, " rows in all and ", b.N, " indices need ", key_bits + pos_bits, " bits");
+  std::vector<uint64_t> items(b.N);
   std::vector<int32_t> bag_of(b.N);
   // (in parallel over bags: each writes its own slice, the offsets having been checked)
   at::parallel_for(0, nbags, 256, [&](int64_t begin, int64_t end) {
     for (int64_t bag = begin; bag < end; ++bag) {
       const int64_t key_base = feat[(bag / b.B) * kFeatColumns + kFeatKeyBase];
       for (int64_t i = offsets[bag]; i < offsets[bag + 1]; ++i) {
-        keys[i] = key_base + int64_t(indices[i]);
-        pos[i] = int32_t(i);
+        items[i] = (uint64_t(key_base + int64_t(indices[i])) << pos_bits) | uint64_t(i);
         bag_of[i] = int32_t(bag);
       }
     }
   });
-  // 2. Sort by key, keeping index order within a key.
-  radix_sort_pairs(keys, pos, bits_for(total_hash_size));
-  // 3. Run-length encode: run r covers sorted positions [run_start[r], run_start[r + 1]).
-  std::vector<int64_t> run_start;
-  for (int64_t i = 0; i < b.N; ++i) {
-    if (i == 0 || keys[i] != keys[i - 1]) run_start.push_back(i);
-  }
-  run_start.push_back(b.N);
-  const int64_t num_runs = int64_t(run_start.size()) - 1;
+  // 2. Sort by key, keeping index order within a key: the occurrences of a row form a run.
+  radix_sort_bits(items, pos_bits, key_bits);
+  const uint64_t pos_mask = (uint64_t(1) << pos_bits) - 1;
+  auto key_at = [&](int64_t j) { return int64_t(items[j] >> pos_bits); };
+  auto pos_at = [&](int64_t j) { return int64_t(items[j] & pos_mask); };
 
-  // 4. Sum each unique row's gradient and apply the optimizer to it.
+  // 3. Sum each unique row's gradient and apply the optimizer to it.
   constexpr int kElementSlots = Opt::kElementStates + Opt::kTemporaries;
   using Row = CpuRow<kElementSlots, Opt::kRowStates>;
-  // Where run r's row lives: its key (per-row states) and its offset in the weights buffer
-  // (element states share the offsets).
-  auto row_of = [&](int64_t r, int64_t* key, int* D) {
-    *key = keys[run_start[r]];
-    const int64_t* ft = feat + (bag_of[pos[run_start[r]]] / b.B) * kFeatColumns;
+  // Where the row at sorted position j lives: its key (per-row states) and its offset in the
+  // weights buffer (element states share the offsets).
+  auto row_at = [&](int64_t j, int64_t* key, int* D) {
+    *key = key_at(j);
+    const int64_t* ft = feat + (bag_of[pos_at(j)] / b.B) * kFeatColumns;
     *D = int(ft[kFeatDim]);
     return ft[kFeatWeightsOffset] + (*key - ft[kFeatKeyBase]) * *D;
   };
@@ -225,30 +219,36 @@ void backward(const Batch& b, const int64_t* feat, int64_t total_hash_size, cons
   };
   // float weights are updated in place; the others through a float copy of the row.
   constexpr bool kInPlace = std::is_same_v<W, float>;
-  at::parallel_for(0, num_runs, 32, [&](int64_t begin, int64_t end) {
+  // Each task updates the rows whose runs start at the sorted positions [begin, end): a run is
+  // never split, so every row is summed and updated by one thread, in the same order whatever
+  // the number of threads.
+  at::parallel_for(0, b.N, 1024, [&](int64_t begin, int64_t end) {
     std::vector<float> buf((2 + Opt::kTemporaries) * b.max_D);
-    constexpr int64_t kAhead = 8;  // runs whose rows are prefetched ahead
-    for (int64_t r = begin; r < end; ++r) {
-      if (r + kAhead < end) {
+    constexpr int64_t kAhead = 8;  // sorted positions whose rows are prefetched ahead
+    int64_t first = begin;
+    while (first < end && first > 0 && key_at(first) == key_at(first - 1)) ++first;  // an earlier task's run
+    while (first < end) {
+      int64_t key;
+      int D;
+      const int64_t woff = row_at(first, &key, &D);
+      int64_t last = first + 1;
+      while (last < b.N && key_at(last) == key) ++last;
+      if (last + kAhead < b.N) {
         int Dn;
         int64_t key_n;
-        const int64_t off = row_of(r + kAhead, &key_n, &Dn);
+        const int64_t off = row_at(last + kAhead, &key_n, &Dn);
         prefetch_bytes(weights + off, Dn * int64_t(sizeof(W)));
         for (int k = 0; k < Opt::kElementStates; ++k) prefetch_bytes(params.element_states[k] + off, Dn * 4);
         for (int k = 0; k < Opt::kRowStates; ++k) __builtin_prefetch(params.row_states[k] + key_n);
       }
-      const int64_t first = run_start[r], last = run_start[r + 1];
-      int64_t key;
-      int D;
-      const int64_t woff = row_of(r, &key, &D);
 
       Row row;
       row.D = D;
       row.g_ = buf.data();
       // g = the sum over the run's occurrences, in index order, of scale * output-gradient row.
       if (simd::vector_width(D)) {
-        auto grad_row = [&](int64_t k) { return grad_row_of(pos[first + k]); };
-        auto scale = [&](int64_t k) { return scale_of(pos[first + k]); };
+        auto grad_row = [&](int64_t k) { return grad_row_of(pos_at(first + k)); };
+        auto scale = [&](int64_t k) { return scale_of(pos_at(first + k)); };
         auto nothing = [](int64_t) {};
         if (psw || b.pooling == kPoolMean) {
           simd::sum_rows<true>(last - first, D, grad_row, scale, nothing, 1.0f, row.g_);
@@ -258,8 +258,8 @@ void backward(const Batch& b, const int64_t* feat, int64_t total_hash_size, cons
       } else {
         std::fill(row.g_, row.g_ + D, 0.0f);
         for (int64_t j = first; j < last; ++j) {
-          const float scale = scale_of(pos[j]);
-          const float* go = grad_row_of(pos[j]);
+          const float scale = scale_of(pos_at(j));
+          const float* go = grad_row_of(pos_at(j));
           for (int d = 0; d < D; ++d) row.g_[d] += scale * go[d];
         }
       }
@@ -282,6 +282,7 @@ void backward(const Batch& b, const int64_t* feat, int64_t total_hash_size, cons
           wrow[d] = WeightTraits<W>::round(row.w_[d], bits, ctx.stochastic_rounding);
         }
       }
+      first = last;
     }
   });
 }
