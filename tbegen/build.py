@@ -40,7 +40,9 @@ from .model import OptimizerSpec
 
 _LOADED: Dict[str, str] = {}  # op namespace -> cache key of the library loaded in this process
 
-CXX_FLAGS = ["-O3"]  # plus cpu_arch_flags()
+# -fno-math-errno: sqrtf and friends need not set errno, which lets the compiler vectorise loops
+# that call them (adagrad's update ran 20x slower without); it changes no result.
+CXX_FLAGS = ["-O3", "-fno-math-errno"]  # plus openmp_flags() and cpu_arch_flags()
 CUDA_SOURCES = ("ops_cuda.cu",)
 # The optimizer-independent CUDA translation unit (the forward operators): built once per set of
 # runtime headers, as its own cache entry, and linked into every optimizer's CUDA extension.
@@ -111,8 +113,18 @@ def _host_cpu() -> str:
         return f"{platform.machine()} {platform.processor()}"
 
 
+def openmp_flags() -> List[str]:
+    """-fopenmp where torch parallelises with OpenMP: at::parallel_for is a header template that
+    runs serially unless the extension itself is compiled with OpenMP. Compile only: the OpenMP
+    runtime calls resolve to the one torch has already loaded (linking another would give the
+    process two thread pools, and torch.set_num_threads would not reach ours)."""
+    if torch.backends.openmp.is_available() and platform.system() == "Linux":
+        return ["-fopenmp"]
+    return []
+
+
 def cxx_flags() -> List[str]:
-    return CXX_FLAGS + cpu_arch_flags()
+    return CXX_FLAGS + openmp_flags() + cpu_arch_flags()
 
 
 _LINE_DIRECTIVE_RE = re.compile(r'#line [0-9]+( "[^"\n]*")?$')

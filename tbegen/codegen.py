@@ -8,7 +8,7 @@ The same body serves the CPU and the CUDA kernels: it is a template over a *row 
 thread owns, and the reductions across the threads that share the row. Element stages become
 `TBEGEN_FOR_ELEMENTS` loops (a plain loop over D on the CPU; on the GPU an unrolled loop over the
 lane's 4-wide register slices); row reductions become a loop that accumulates a partial value
-followed by `row.all_sum` / `all_max` / `all_min` (the identity on the CPU, warp shuffles on the
+(`TBEGEN_FOR_ELEMENTS_SUM` where they are all sums, which the CPU may vectorise) followed by `row.all_sum` / `all_max` / `all_min` (the identity on the CPU, warp shuffles on the
 GPU).
 
 Every snippet line is preceded by a `#line` directive naming the YAML file, so that a compiler
@@ -119,7 +119,12 @@ class UpdateEmitter:
             identity, _, _ = _REDUCTIONS[red.kind]
             self.lines.append(f"  float {red.var} = {identity};  // row_{red.kind}({red.expr})")
         if reductions:
-            self.lines.append("  TBEGEN_FOR_ELEMENTS(tbegen_row, tbegen_i) {")
+            if all(r.kind in ("sum", "mean") for r in reductions):
+                # sums only: the CPU may split them into SIMD lanes (common.h)
+                accumulators = ", ".join(r.var for r in reductions)
+                self.lines.append(f"  TBEGEN_FOR_ELEMENTS_SUM(tbegen_row, tbegen_i, {accumulators}) {{")
+            else:
+                self.lines.append("  TBEGEN_FOR_ELEMENTS(tbegen_row, tbegen_i) {")
             names = set().union(*(used_names(r.expr) for r in reductions))
             self._element_bindings(names, writable=False, indent=4)
             for red in reductions:

@@ -2,6 +2,7 @@
 matches the float64 reference, and the fused backward is bitwise deterministic, whatever the
 number of threads, and leaves rows outside the batch untouched."""
 
+import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -108,3 +109,46 @@ def test_large_batch_backward_is_the_same_whatever_the_threads(load_ops):
     ref_w, ref_states, _ = harness.reference_step(spec, layout, case.B, "sum", weights, states, batch, go, hyper, 1)
     scale = (ref_w - weights.double()).abs().max()
     assert ((results[1][0].double() - ref_w).abs().max() / scale).item() < harness.TOLERANCE[torch.float32]
+
+
+def test_rows_longer_than_a_threads_share_are_updated_once(load_ops):
+    """Three rows take all 60,000 occurrences, so with 2 or 3 threads each row's run crosses the
+    boundary between two threads' shares of the sorted indices: the row is still summed and
+    updated once, by one thread (the same bits for 1, 2 and 3 threads, and sgd's exact result)."""
+    spec, ops = load_ops("sgd")
+    layout = make_layout(((3, 16),))
+    gen = torch.Generator().manual_seed(5)
+    B, L = 3000, 20
+    indices = torch.randint(0, 3, (B * L,), generator=gen)
+    offsets = torch.arange(0, B * L + 1, L)
+    go = torch.randn(B, 16, generator=gen)
+    weights = torch.randn(layout.weights_numel, generator=gen)
+    results = []
+    try:
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            w = weights.clone()
+            ops.backward(go, w, layout.features_tensor(), 16, 16, 3, indices, offsets, None, POOLING["sum"],
+                         32, False, 0, 0.5, 1)
+            results.append(w)
+    finally:
+        torch.set_num_threads(2)
+    assert all(torch.equal(w, results[0]) for w in results[1:])
+    bag = torch.arange(B).repeat_interleave(L)
+    grad = torch.zeros(3, 16, dtype=torch.float64).index_add_(0, indices, go.double()[bag])
+    expected = weights.double().view(3, 16) - 0.5 * grad
+    err = (results[0].double().view(3, 16) - expected).abs().max().item()
+    assert err < 1e-2, err  # float32 sums of 20,000 terms of size 1 (the changes are about 70)
+
+
+def test_keys_and_positions_beyond_64_bits_are_refused(load_ops):
+    """The CPU backward sorts (key, position) packed in 64 bits: a key space too large for that
+    is an error naming the sizes, and nothing is written."""
+    spec, ops = load_ops("sgd")
+    layout = make_layout(((4, 4),))
+    w = torch.ones(layout.weights_numel)
+    indices, offsets = torch.tensor([0, 1, 2, 3]), torch.tensor([0, 4])
+    with pytest.raises(RuntimeError, match="64-bit"):
+        ops.backward(torch.ones(1, 4), w, layout.features_tensor(), 4, 4, 2**63 - 1, indices, offsets, None,
+                     POOLING["sum"], 32, False, 0, 0.5, 1)
+    assert torch.equal(w, torch.ones(layout.weights_numel))

@@ -65,7 +65,7 @@ struct Optimizer {
     // stage 3: row (optimizers/lamb.yaml:29)
     float tbegen_red_0 = 0.0f;  // row_sum(w * w)
     float tbegen_red_1 = 0.0f;  // row_sum(r * r)
-    TBEGEN_FOR_ELEMENTS(tbegen_row, tbegen_i) {
+    TBEGEN_FOR_ELEMENTS_SUM(tbegen_row, tbegen_i, tbegen_red_0, tbegen_red_1) {
       const float w = tbegen_row.w(tbegen_i);
       const float r = tbegen_row.element(2, tbegen_i);
 #line 30 "optimizers/lamb.yaml"

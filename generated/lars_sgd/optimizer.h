@@ -41,7 +41,7 @@ struct Optimizer {
     // stage 1: row (optimizers/lars_sgd.yaml:19)
     float tbegen_red_0 = 0.0f;  // row_sum(w * w)
     float tbegen_red_1 = 0.0f;  // row_sum(g * g)
-    TBEGEN_FOR_ELEMENTS(tbegen_row, tbegen_i) {
+    TBEGEN_FOR_ELEMENTS_SUM(tbegen_row, tbegen_i, tbegen_red_0, tbegen_red_1) {
       const float g = tbegen_row.g(tbegen_i);
       const float w = tbegen_row.w(tbegen_i);
 #line 19 "optimizers/lars_sgd.yaml"

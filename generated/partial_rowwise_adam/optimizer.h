@@ -45,7 +45,7 @@ struct Optimizer {
     float& exp_avg_sq = tbegen_row.row_state(0);
     // stage 1: row (optimizers/partial_rowwise_adam.yaml:18)
     float tbegen_red_0 = 0.0f;  // row_mean(g * g)
-    TBEGEN_FOR_ELEMENTS(tbegen_row, tbegen_i) {
+    TBEGEN_FOR_ELEMENTS_SUM(tbegen_row, tbegen_i, tbegen_red_0) {
       const float g = tbegen_row.g(tbegen_i);
 #line 21 "optimizers/partial_rowwise_adam.yaml"
       tbegen_red_0 += (g * g);

@@ -45,7 +45,7 @@ struct Optimizer {
     float& exp_avg_sq = tbegen_row.row_state(0);
     // stage 1: row (optimizers/partial_rowwise_lamb.yaml:22)
     float tbegen_red_0 = 0.0f;  // row_mean(g * g)
-    TBEGEN_FOR_ELEMENTS(tbegen_row, tbegen_i) {
+    TBEGEN_FOR_ELEMENTS_SUM(tbegen_row, tbegen_i, tbegen_red_0) {
       const float g = tbegen_row.g(tbegen_i);
 #line 25 "optimizers/partial_rowwise_lamb.yaml"
       tbegen_red_0 += (g * g);
@@ -75,7 +75,7 @@ struct Optimizer {
     // stage 3: row (optimizers/partial_rowwise_lamb.yaml:31)
     float tbegen_red_1 = 0.0f;  // row_sum(w * w)
     float tbegen_red_2 = 0.0f;  // row_sum(r * r)
-    TBEGEN_FOR_ELEMENTS(tbegen_row, tbegen_i) {
+    TBEGEN_FOR_ELEMENTS_SUM(tbegen_row, tbegen_i, tbegen_red_1, tbegen_red_2) {
       const float w = tbegen_row.w(tbegen_i);
       const float r = tbegen_row.element(1, tbegen_i);
 #line 32 "optimizers/partial_rowwise_lamb.yaml"

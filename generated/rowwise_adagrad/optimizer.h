@@ -49,7 +49,7 @@ struct Optimizer {
 #line 50 "rowwise_adagrad/optimizer.h"
     // stage 2: row (optimizers/rowwise_adagrad.yaml:20)
     float tbegen_red_0 = 0.0f;  // row_mean((g + l2 * w) * (g + l2 * w))
-    TBEGEN_FOR_ELEMENTS(tbegen_row, tbegen_i) {
+    TBEGEN_FOR_ELEMENTS_SUM(tbegen_row, tbegen_i, tbegen_red_0) {
       const float g = tbegen_row.g(tbegen_i);
       const float w = tbegen_row.w(tbegen_i);
 #line 20 "optimizers/rowwise_adagrad.yaml"
@@ -76,7 +76,7 @@ struct Optimizer {
     }
     // stage 4: row (optimizers/rowwise_adagrad.yaml:28)
     float tbegen_red_1 = 0.0f;  // row_sum(w * w)
-    TBEGEN_FOR_ELEMENTS(tbegen_row, tbegen_i) {
+    TBEGEN_FOR_ELEMENTS_SUM(tbegen_row, tbegen_i, tbegen_red_1) {
       const float w = tbegen_row.w(tbegen_i);
 #line 29 "optimizers/rowwise_adagrad.yaml"
       tbegen_red_1 += (w * w);

@@ -20,7 +20,13 @@
 #define TBEGEN_UNROLL _Pragma("unroll")
 #else
 #define TBEGEN_HD
+// Forced, so that the row loops of an update are compiled where the row's pointers are known
+// (an outlined update_row vectorised its reductions with gathers).
+#if defined(__GNUC__) || defined(__clang__)
+#define TBEGEN_INLINE inline __attribute__((always_inline))
+#else
 #define TBEGEN_INLINE inline
+#endif
 #define TBEGEN_UNROLL
 #endif
 
@@ -28,6 +34,20 @@
 // 4-wide slices in CUDA, fully unrolled so that the per-element values stay in registers).
 #define TBEGEN_FOR_ELEMENTS(row, i) \
   TBEGEN_UNROLL for (int i = 0; i < (row).extent(); ++i) if ((row).valid(i))
+
+// The same loop for a body that only adds into the float accumulators listed after `i` (the
+// row_sum / row_mean reductions of a row stage). On the CPU the compiler may then keep one
+// partial sum per SIMD lane and add the lanes at the end (OpenMP simd, with -fopenmp or
+// -fopenmp-simd; a plain loop without): the order of the additions is fixed by the build, not
+// by the number of threads, as each row is updated by one thread. In CUDA it is the loop above.
+#if defined(__CUDACC__)
+#define TBEGEN_FOR_ELEMENTS_SUM(row, i, ...) TBEGEN_FOR_ELEMENTS(row, i)
+#else
+#define TBEGEN_PRAGMA(x) _Pragma(#x)
+#define TBEGEN_FOR_ELEMENTS_SUM(row, i, ...)                \
+  TBEGEN_PRAGMA(omp simd reduction(+ : __VA_ARGS__))        \
+  for (int i = 0; i < (row).extent(); ++i) if ((row).valid(i))
+#endif
 
 namespace tbegen {
 

@@ -12,9 +12,11 @@
 
 #include <algorithm>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "tbegen/common.h"
+#include "tbegen/cpu_simd.h"
 #include "tbegen/host.h"
 
 namespace tbegen {
@@ -50,10 +52,6 @@ inline void prefetch_bytes(const void* p, int64_t bytes) {
   for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off);
 }
 
-// Whether row `idx` exists in the table of feature row `ft` (bad indices reach the kernels only
-// when the caller asked to skip them).
-inline bool index_in_table(const int64_t* ft, int64_t idx) { return idx >= 0 && idx < ft[kFeatRows]; }
-
 template <typename W, typename I>
 void forward(const Batch& b, const int64_t* feat, const W* weights, const I* indices,
              const I* offsets, const float* psw, float* out) {
@@ -63,45 +61,54 @@ void forward(const Batch& b, const int64_t* feat, const W* weights, const I* ind
         const int64_t* ft = feat + (bag / b.B) * kFeatColumns;
         const int64_t D = ft[kFeatDim];
         for (int64_t i = offsets[bag]; i < offsets[bag + 1]; ++i) {
-          float* o = out + i * b.max_D;
-          const int64_t idx = indices[i];
-          if (!index_in_table(ft, idx)) {  // a skipped bad index: a zero row
-            std::fill(o, o + D, 0.0f);
-            continue;
-          }
-          const W* row = weights + ft[kFeatWeightsOffset] + idx * D;
+          const W* row = weights + ft[kFeatWeightsOffset] + int64_t(indices[i]) * D;
           const float s = psw ? psw[i] : 1.0f;
+          float* o = out + i * b.max_D;
           for (int64_t d = 0; d < D; ++d) o[d] = s * WeightTraits<W>::load(row[d]);
         }
       }
     });
     return;
   }
+  // Each task pools bags [begin, end) of every feature, one feature at a time: those bags' indices
+  // are contiguous, so rows are prefetched kAhead indices ahead across bag boundaries.
   at::parallel_for(0, b.B, 16, [&](int64_t begin, int64_t end) {
     std::vector<float> acc(b.max_D);
-    for (int64_t bi = begin; bi < end; ++bi) {
-      for (int64_t f = 0; f < b.F; ++f) {
-        const int64_t* ft = feat + f * kFeatColumns;
-        const int64_t D = ft[kFeatDim];
-        const int64_t bag = f * b.B + bi;
-        const int64_t start = offsets[bag], stop = offsets[bag + 1];
-        std::fill(acc.begin(), acc.begin() + D, 0.0f);
-        constexpr int64_t kAhead = 8;  // rows prefetched ahead
-        for (int64_t i = start; i < std::min(stop, start + kAhead); ++i) {
-          prefetch_bytes(weights + ft[kFeatWeightsOffset] + int64_t(indices[i]) * D, D * int64_t(sizeof(W)));
-        }
-        for (int64_t i = start; i < stop; ++i) {
-          if (i + kAhead < stop) {
-            prefetch_bytes(weights + ft[kFeatWeightsOffset] + int64_t(indices[i + kAhead]) * D, D * int64_t(sizeof(W)));
+    constexpr int64_t kAhead = 16;  // rows prefetched ahead
+    for (int64_t f = 0; f < b.F; ++f) {
+      const int64_t* ft = feat + f * kFeatColumns;
+      const int64_t D = ft[kFeatDim];
+      const W* table = weights + ft[kFeatWeightsOffset];
+      const I* bag_offsets = offsets + f * b.B;
+      const int64_t limit = bag_offsets[end];
+      auto prefetch_row = [&](int64_t i) {
+        if (i < limit) prefetch_bytes(table + int64_t(indices[i]) * D, D * int64_t(sizeof(W)));
+      };
+      for (int64_t i = bag_offsets[begin]; i < bag_offsets[begin] + kAhead; ++i) prefetch_row(i);
+      for (int64_t bi = begin; bi < end; ++bi) {
+        const int64_t start = bag_offsets[bi], stop = bag_offsets[bi + 1];
+        const float scale = (b.pooling == kPoolMean && stop > start) ? 1.0f / float(stop - start) : 1.0f;
+        float* o = out + bi * b.total_D + ft[kFeatOutOffset];
+        if constexpr (std::is_same_v<W, float>) {
+          if (simd::vector_width(D)) {
+            auto row = [&](int64_t k) { return table + int64_t(indices[start + k]) * D; };
+            auto weight = [&](int64_t k) { return psw[start + k]; };
+            auto before = [&](int64_t k) { prefetch_row(start + k + kAhead); };
+            if (psw) {
+              simd::sum_rows<true>(stop - start, D, row, weight, before, scale, o);
+            } else {
+              simd::sum_rows<false>(stop - start, D, row, weight, before, scale, o);
+            }
+            continue;
           }
-          const int64_t idx = indices[i];
-          if (!index_in_table(ft, idx)) continue;  // a skipped bad index contributes nothing
-          const W* row = weights + ft[kFeatWeightsOffset] + idx * D;
+        }
+        std::fill(acc.begin(), acc.begin() + D, 0.0f);
+        for (int64_t i = start; i < stop; ++i) {
+          prefetch_row(i + kAhead);
+          const W* row = table + int64_t(indices[i]) * D;
           const float s = psw ? psw[i] : 1.0f;
           for (int64_t d = 0; d < D; ++d) acc[d] += s * WeightTraits<W>::load(row[d]);
         }
-        const float scale = (b.pooling == kPoolMean && stop > start) ? 1.0f / float(stop - start) : 1.0f;
-        float* o = out + bi * b.total_D + ft[kFeatOutOffset];
         for (int64_t d = 0; d < D; ++d) o[d] = acc[d] * scale;
       }
     }
@@ -120,12 +127,7 @@ void grad_per_sample_weights(const Batch& b, const int64_t* feat, const float* g
       const int64_t start = offsets[bag], stop = offsets[bag + 1];
       const float scale = b.pooling == kPoolMean ? 1.0f / float(std::max<int64_t>(stop - start, 1)) : 1.0f;
       for (int64_t i = start; i < stop; ++i) {
-        const int64_t idx = indices[i];
-        if (!index_in_table(ft, idx)) {  // a skipped bad index
-          grad[i] = 0.0f;
-          continue;
-        }
-        const W* row = weights + ft[kFeatWeightsOffset] + idx * D;
+        const W* row = weights + ft[kFeatWeightsOffset] + int64_t(indices[i]) * D;
         const float* go = b.pooling == kPoolNone ? grad_output + i * b.max_D
                                                  : grad_output + bi * b.total_D + ft[kFeatOutOffset];
         float dot = 0.0f;
@@ -136,31 +138,26 @@ void grad_per_sample_weights(const Batch& b, const int64_t* feat, const float* g
   });
 }
 
-// Stable LSD radix sort of (key, position) pairs on the low `bits` bits of the key, 11 bits a
-// pass. Stability keeps the occurrences of a key in index order, which fixes the summation order.
-inline void radix_sort_pairs(std::vector<int64_t>& keys, std::vector<int32_t>& pos, int bits) {
-  const size_t n = keys.size();
-  std::vector<int64_t> keys_tmp(n);
-  std::vector<int32_t> pos_tmp(n);
-  constexpr int kDigitBits = 11;
-  constexpr size_t kBuckets = size_t(1) << kDigitBits;
-  std::vector<size_t> count(kBuckets);
-  for (int shift = 0; shift < bits; shift += kDigitBits) {
+// Stable LSD radix sort of 64-bit items on bits [shift, shift + bits), in as few passes of at
+// most 11 bits as cover them. Stability keeps the items of a key in their original order.
+inline void radix_sort_bits(std::vector<uint64_t>& items, int shift, int bits) {
+  const size_t n = items.size();
+  std::vector<uint64_t> tmp(n);
+  const int passes = (bits + 10) / 11;
+  const int digit_bits = (bits + passes - 1) / passes;
+  const uint64_t mask = (uint64_t(1) << digit_bits) - 1;
+  std::vector<size_t> count(size_t(1) << digit_bits);
+  for (int p = 0; p < passes; ++p, shift += digit_bits) {
     std::fill(count.begin(), count.end(), 0);
-    for (size_t i = 0; i < n; ++i) ++count[(keys[i] >> shift) & (kBuckets - 1)];
+    for (size_t i = 0; i < n; ++i) ++count[(items[i] >> shift) & mask];
     size_t sum = 0;
-    for (size_t k = 0; k < kBuckets; ++k) {
-      const size_t c = count[k];
-      count[k] = sum;
-      sum += c;
+    for (size_t& c : count) {
+      const size_t here = c;
+      c = sum;
+      sum += here;
     }
-    for (size_t i = 0; i < n; ++i) {
-      const size_t dst = count[(keys[i] >> shift) & (kBuckets - 1)]++;
-      keys_tmp[dst] = keys[i];
-      pos_tmp[dst] = pos[i];
-    }
-    keys.swap(keys_tmp);
-    pos.swap(pos_tmp);
+    for (size_t i = 0; i < n; ++i) tmp[count[(items[i] >> shift) & mask]++] = items[i];
+    items.swap(tmp);
   }
 }
 
@@ -171,90 +168,129 @@ void backward(const Batch& b, const int64_t* feat, int64_t total_hash_size, cons
               W* weights, const I* indices, const I* offsets, const float* psw,
               const typename Opt::Params& params, const RowUpdateContext& ctx) {
   const int64_t nbags = b.F * b.B;
-  // 1. Linearise: key = the table's first key + row; remember each index's bag.
-  std::vector<int64_t> keys(b.N);
-  std::vector<int32_t> pos(b.N);
+  // 1. Linearise: each index i becomes the item (key << pos_bits) | i, where key = the table's
+  // first key + row; remember each index's bag.
+  const int pos_bits = bits_for(b.N);
+  const int key_bits = bits_for(total_hash_size + 1);  // (+1: skipped bad indices, see below)
+  TBEGEN_CHECK(pos_bits + key_bits <= 64, "tbegen: the CPU backward sorts 64-bit (key, position) items, "
+              "but ", total_hash_size, " rows in all and ", b.N, " indices need ", key_bits + pos_bits, " bits");
+  std::vector<uint64_t> items(b.N);
   std::vector<int32_t> bag_of(b.N);
   // (in parallel over bags: each writes its own slice, the offsets having been checked)
   at::parallel_for(0, nbags, 256, [&](int64_t begin, int64_t end) {
     for (int64_t bag = begin; bag < end; ++bag) {
-      const int64_t key_base = feat[(bag / b.B) * kFeatColumns + kFeatKeyBase];
       const int64_t* ft = feat + (bag / b.B) * kFeatColumns;
+      const int64_t key_base = ft[kFeatKeyBase];
       for (int64_t i = offsets[bag]; i < offsets[bag + 1]; ++i) {
-        // a skipped bad index gets the key past the last, whose run updates nothing
-        keys[i] = index_in_table(ft, indices[i]) ? key_base + int64_t(indices[i]) : total_hash_size;
-        pos[i] = int32_t(i);
+        // a bad index (present only when the caller asked to skip them) gets the key past the
+        // last row: its run sorts last and is left out below
+        const int64_t idx = indices[i];
+        const int64_t key = idx >= 0 && idx < ft[kFeatRows] ? key_base + idx : total_hash_size;
+        items[i] = (uint64_t(key) << pos_bits) | uint64_t(i);
         bag_of[i] = int32_t(bag);
       }
     }
   });
-  // 2. Sort by key, keeping index order within a key.
-  radix_sort_pairs(keys, pos, bits_for(total_hash_size + 1));
-  // 3. Run-length encode: run r covers sorted positions [run_start[r], run_start[r + 1]).
-  std::vector<int64_t> run_start;
-  for (int64_t i = 0; i < b.N; ++i) {
-    if (i == 0 || keys[i] != keys[i - 1]) run_start.push_back(i);
-  }
-  run_start.push_back(b.N);
-  // (the run of skipped bad indices, if any, is the last one: it is left out)
-  const int64_t num_runs = int64_t(run_start.size()) - 1 - (b.N > 0 && keys[b.N - 1] == total_hash_size ? 1 : 0);
+  // 2. Sort by key, keeping index order within a key: the occurrences of a row form a run.
+  radix_sort_bits(items, pos_bits, key_bits);
+  const uint64_t pos_mask = (uint64_t(1) << pos_bits) - 1;
+  auto key_at = [&](int64_t j) { return int64_t(items[j] >> pos_bits); };
+  auto pos_at = [&](int64_t j) { return int64_t(items[j] & pos_mask); };
+  // the sorted positions of real rows: [0, n_rows)
+  int64_t n_rows = b.N;
+  while (n_rows > 0 && key_at(n_rows - 1) == total_hash_size) --n_rows;
 
-  // 4. Sum each unique row's gradient and apply the optimizer to it.
+  // 3. Sum each unique row's gradient and apply the optimizer to it.
   constexpr int kElementSlots = Opt::kElementStates + Opt::kTemporaries;
   using Row = CpuRow<kElementSlots, Opt::kRowStates>;
-  // Where run r's row lives in the weights buffer (element states share the offsets).
-  auto row_offset_of = [&](int64_t r, int* D) {
-    const int64_t key = keys[run_start[r]];
-    const int64_t* ft = feat + (bag_of[pos[run_start[r]]] / b.B) * kFeatColumns;
+  // Where the row at sorted position j lives: its key (per-row states) and its offset in the
+  // weights buffer (element states share the offsets).
+  auto row_at = [&](int64_t j, int64_t* key, int* D) {
+    *key = key_at(j);
+    const int64_t* ft = feat + (bag_of[pos_at(j)] / b.B) * kFeatColumns;
     *D = int(ft[kFeatDim]);
-    return ft[kFeatWeightsOffset] + (key - ft[kFeatKeyBase]) * *D;
+    return ft[kFeatWeightsOffset] + (*key - ft[kFeatKeyBase]) * *D;
   };
-  at::parallel_for(0, num_runs, 32, [&](int64_t begin, int64_t end) {
+  // Occurrence i's output-gradient row and the factor its forward applied to the weight row.
+  // Features that share a table share its keys, but each has its own output columns.
+  auto grad_row_of = [&](int64_t i) {
+    const int64_t bag = bag_of[i];
+    return b.pooling == kPoolNone ? grad_output + i * b.max_D
+                                  : grad_output + (bag % b.B) * b.total_D +
+                                        feat[(bag / b.B) * kFeatColumns + kFeatOutOffset];
+  };
+  auto scale_of = [&](int64_t i) {
+    const int64_t bag = bag_of[i];
+    float scale = psw ? psw[i] : 1.0f;
+    if (b.pooling == kPoolMean) scale /= float(offsets[bag + 1] - offsets[bag]);
+    return scale;
+  };
+  // float weights are updated in place; the others through a float copy of the row.
+  constexpr bool kInPlace = std::is_same_v<W, float>;
+  // Each task updates the rows whose runs start at the sorted positions [begin, end): a run is
+  // never split, so every row is summed and updated by one thread, in the same order whatever
+  // the number of threads.
+  at::parallel_for(0, n_rows, 1024, [&](int64_t begin, int64_t end) {
     std::vector<float> buf((2 + Opt::kTemporaries) * b.max_D);
-    constexpr int64_t kAhead = 8;  // runs whose rows are prefetched ahead
-    for (int64_t r = begin; r < end; ++r) {
-      if (r + kAhead < end) {
+    constexpr int64_t kAhead = 8;  // sorted positions whose rows are prefetched ahead
+    int64_t first = begin;
+    while (first < end && first > 0 && key_at(first) == key_at(first - 1)) ++first;  // an earlier task's run
+    while (first < end) {
+      int64_t key;
+      int D;
+      const int64_t woff = row_at(first, &key, &D);
+      int64_t last = first + 1;
+      while (last < n_rows && key_at(last) == key) ++last;
+      if (last + kAhead < n_rows) {
         int Dn;
-        const int64_t off = row_offset_of(r + kAhead, &Dn);
+        int64_t key_n;
+        const int64_t off = row_at(last + kAhead, &key_n, &Dn);
         prefetch_bytes(weights + off, Dn * int64_t(sizeof(W)));
         for (int k = 0; k < Opt::kElementStates; ++k) prefetch_bytes(params.element_states[k] + off, Dn * 4);
+        for (int k = 0; k < Opt::kRowStates; ++k) __builtin_prefetch(params.row_states[k] + key_n);
       }
-      const int64_t first = run_start[r], last = run_start[r + 1];
-      const int64_t key = keys[first];
-      const int64_t f = bag_of[pos[first]] / b.B;
-      const int64_t* ft = feat + f * kFeatColumns;
-      const int D = int(ft[kFeatDim]);
-      const int64_t woff = ft[kFeatWeightsOffset] + (key - ft[kFeatKeyBase]) * D;
 
       Row row;
       row.D = D;
       row.g_ = buf.data();
-      row.w_ = buf.data() + b.max_D;
-      std::fill(row.g_, row.g_ + D, 0.0f);
-      for (int64_t j = first; j < last; ++j) {
-        const int64_t i = pos[j];
-        const int64_t bag = bag_of[i];
-        float scale = psw ? psw[i] : 1.0f;
-        if (b.pooling == kPoolMean) scale /= float(offsets[bag + 1] - offsets[bag]);
-        // Features that share a table share its keys, but each has its own output columns.
-        const float* go = b.pooling == kPoolNone
-                              ? grad_output + i * b.max_D
-                              : grad_output + (bag % b.B) * b.total_D +
-                                    feat[(bag / b.B) * kFeatColumns + kFeatOutOffset];
-        for (int d = 0; d < D; ++d) row.g_[d] += scale * go[d];
+      // g = the sum over the run's occurrences, in index order, of scale * output-gradient row.
+      if (simd::vector_width(D)) {
+        auto grad_row = [&](int64_t k) { return grad_row_of(pos_at(first + k)); };
+        auto scale = [&](int64_t k) { return scale_of(pos_at(first + k)); };
+        auto nothing = [](int64_t) {};
+        if (psw || b.pooling == kPoolMean) {
+          simd::sum_rows<true>(last - first, D, grad_row, scale, nothing, 1.0f, row.g_);
+        } else {
+          simd::sum_rows<false>(last - first, D, grad_row, scale, nothing, 1.0f, row.g_);
+        }
+      } else {
+        std::fill(row.g_, row.g_ + D, 0.0f);
+        for (int64_t j = first; j < last; ++j) {
+          const float scale = scale_of(pos_at(j));
+          const float* go = grad_row_of(pos_at(j));
+          for (int d = 0; d < D; ++d) row.g_[d] += scale * go[d];
+        }
       }
       W* wrow = weights + woff;
-      for (int d = 0; d < D; ++d) row.w_[d] = WeightTraits<W>::load(wrow[d]);
+      if constexpr (kInPlace) {
+        row.w_ = wrow;
+      } else {
+        row.w_ = buf.data() + b.max_D;
+        for (int d = 0; d < D; ++d) row.w_[d] = WeightTraits<W>::load(wrow[d]);
+      }
       for (int k = 0; k < Opt::kElementStates; ++k) row.element_[k] = params.element_states[k] + woff;
       for (int k = 0; k < Opt::kTemporaries; ++k) row.element_[Opt::kElementStates + k] = buf.data() + (2 + k) * b.max_D;
       for (int k = 0; k < Opt::kRowStates; ++k) row.row_[k] = params.row_states[k] + key;
 
       Opt::update_row(row, params, ctx.step);
 
-      for (int d = 0; d < D; ++d) {
-        const uint32_t bits = ctx.stochastic_rounding ? random_bits(ctx.seed, ctx.step, key, d) : 0u;
-        wrow[d] = WeightTraits<W>::round(row.w_[d], bits, ctx.stochastic_rounding);
+      if constexpr (!kInPlace) {
+        for (int d = 0; d < D; ++d) {
+          const uint32_t bits = ctx.stochastic_rounding ? random_bits(ctx.seed, ctx.step, key, d) : 0u;
+          wrow[d] = WeightTraits<W>::round(row.w_[d], bits, ctx.stochastic_rounding);
+        }
       }
+      first = last;
     }
   });
 }

@@ -13,6 +13,7 @@
 #include <cmath>
 #include <string>
 #include <type_traits>
+#include <vector>
 
 #include "tbegen/common.h"
 
@@ -159,10 +160,11 @@ inline void check_grad_output(const Batch& b, const at::Tensor& grad_output, con
 
 // Checks index ranges and offsets on the host (CPU tensors only). Malformed offsets always raise;
 // an out-of-range index raises unless `skip_bad_indices`, when the first one is written to
-// `record` (if given) and the kernels skip every bad index.
+// `record` (if given) and the positions of all of them are returned (the caller skips them).
 template <typename I>
-void check_indices_host(const Batch& b, const int64_t* feat, const I* indices, const I* offsets,
-                        bool skip_bad_indices = false, int64_t* record = nullptr) {
+std::vector<int64_t> check_indices_host(const Batch& b, const int64_t* feat, const I* indices, const I* offsets,
+                                        bool skip_bad_indices = false, int64_t* record = nullptr) {
+  std::vector<int64_t> bad;
   TBEGEN_CHECK(offsets[0] == 0, "tbegen: offsets[0] must be 0, got ", int64_t(offsets[0]));
   const int64_t nbags = b.F * b.B;
   TBEGEN_CHECK(int64_t(offsets[nbags]) == b.N, "tbegen: offsets[-1] must equal the number of "
@@ -183,8 +185,10 @@ void check_indices_host(const Batch& b, const int64_t* feat, const I* indices, c
         record[kErrIndexSlot + 1] = i;
         record[kErrIndexSlot + 2] = idx;
       }
+      bad.push_back(i);
     }
   }
+  return bad;
 }
 
 // ---- error records ------------------------------------------------------------------------------
