@@ -35,6 +35,10 @@ class CompileError(RuntimeError):
         super().__init__(message)
         self.log_path = log_path
 
+    def __reduce__(self):
+        # (raised in the parallel build's worker processes and passed back to the caller)
+        return (CompileError, (str(self), self.log_path))
+
 
 @dataclass(frozen=True)
 class Diagnostic:
