@@ -436,7 +436,8 @@ def _compile_error(name: str, flavour: str, log: str, files: Dict[str, str], out
     """The compiler's complaint in the spec's terms (a few lines), its full output kept in a log."""
     from .compile_errors import CompileError, report
 
-    log_path = out_dir / "compiler-errors.log"
+    # (beside the cache entries: a failed build's own folder is a temporary one, removed)
+    log_path = out_dir.parent / f"{name}-{'cuda' if 'CUDA' in flavour else 'cpu'}-compiler-errors.log"
     log_path.write_text(log)
     return CompileError(report(name, flavour, log, files, log_path, Path(__file__).resolve().parent.parent), log_path)
 
@@ -480,7 +481,8 @@ def _compile_in_child(name, files, with_cuda, out_dir, libname, verbose, objects
         "    _compile(a['name'], a['files'], a['with_cuda'], Path(a['out_dir']), a['libname'], a['verbose'], "
         "a['objects'])\n"
         "except CompileError as e:\n"
-        "    print(e, file=sys.stderr); sys.exit(3)\n"
+        "    json.dump(dict(message=str(e), log=str(e.log_path)), open(sys.argv[1] + '.report', 'w'))\n"
+        "    sys.exit(3)\n"
     )
     root = str(Path(__file__).resolve().parent.parent)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
@@ -500,11 +502,13 @@ def _compile_in_child(name, files, with_cuda, out_dir, libname, verbose, objects
                       file=sys.stderr, flush=True)
     finally:
         os.unlink(f.name)
-    if proc.returncode == 3:  # the compiler rejected the sources; the child printed why
+    if proc.returncode == 3:  # the compiler rejected the sources: the child left its report
         from .compile_errors import CompileError
 
-        raise CompileError(f"tbegen: building the {name} extension failed (the errors are above)",
-                           out_dir / "compiler-errors.log")
+        with open(f.name + ".report") as r:
+            report = json.load(r)
+        os.unlink(f.name + ".report")
+        raise CompileError(report["message"], Path(report["log"]))
     if proc.returncode != 0:
         raise RuntimeError(f"tbegen: building {what} failed (see the compiler output above)")
     print(f"tbegen: built {what} in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
