@@ -513,8 +513,8 @@ class TbegenEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
                  sharding_types: Optional[List[str]] = None, qcomm_codecs_registry=None, **hyperparameters) -> None:
         spec = _resolve_spec(optimizer)
         if spec.dense_gradient:
-            raise ValueError(f"tbegen: optimizer {spec.name!r} (dense_gradient: true) is not a fused kernel; "
-                             "choose a fused optimizer")
+            raise ValueError(f"tbegen: optimizer {spec.name!r} (dense_gradient: true, it returns dense gradients) "
+                             "is not a fused kernel; choose a fused optimizer, or TorchRec's DENSE kernel")
         hyper = check_hyperparameters(spec, hyperparameters)
         if sharding_types is not None:
             unknown = [s for s in sharding_types if s not in SHARDING_TYPES]
