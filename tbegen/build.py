@@ -14,9 +14,10 @@ the same entry at once take turns on a file lock: one builds, the others wait an
 A cache hit loads the shared library directly (torch.ops.load_library: milliseconds); only a miss
 runs torch.utils.cpp_extension, in a child process (about half a minute for CPU, a minute or two
 for CPU + CUDA on 2 cores, mostly torch's headers), saying which extension it builds and how long
-it took. A CPU + CUDA build compiles only what depends on the optimizer (ops_cuda.cu, the fused
-backward): it links the CPU build's ops.cpp object and the forward operators' object, which is
-compiled once for all optimizers (RUNTIME_CUDA_SOURCE).
+it took. A CPU + CUDA build compiles only what depends on the optimizer (its update kernels,
+kernels_cuda.cu, and its CUDA operator, ops_cuda.cpp): it links the CPU build's ops.cpp object
+and the object of the CUDA code shared by every optimizer (the forward operators, the sort and the
+backward's host side), which is compiled once for all optimizers (RUNTIME_CUDA_SOURCE).
 """
 
 from __future__ import annotations
@@ -43,9 +44,12 @@ _LOADED: Dict[str, str] = {}  # op namespace -> cache key of the library loaded 
 # -fno-math-errno: sqrtf and friends need not set errno, which lets the compiler vectorise loops
 # that call them (adagrad's update ran 20x slower without); it changes no result.
 CXX_FLAGS = ["-O3", "-fno-math-errno"]  # plus openmp_flags() and cpu_arch_flags()
-CUDA_SOURCES = ("ops_cuda.cu",)
-# The optimizer-independent CUDA translation unit (the forward operators): built once per set of
-# runtime headers, as its own cache entry, and linked into every optimizer's CUDA extension.
+# An optimizer's own CUDA sources: its operator (C++ compiler) and its update kernels (nvcc, no
+# torch headers: the costly part of nvcc is torch's headers, see benchmarks/NOTES-ci.md).
+CUDA_SOURCES = ("ops_cuda.cpp", "kernels_cuda.cu")
+# The optimizer-independent CUDA translation unit (the forward operators, the sort, the host side
+# of the backward): built once per set of runtime headers, as its own cache entry, and linked
+# into every optimizer's CUDA extension.
 RUNTIME_CUDA_SOURCE = "include/tbegen/cuda_forward.cu"
 RUNTIME_NAME = "runtime_forward"
 CUDA_FLAGS = ["-O3", "--expt-relaxed-constexpr", "-lineinfo"]
@@ -219,7 +223,7 @@ def _flavour(with_cuda: bool) -> str:
 def _describe(name: str, with_cuda: bool) -> str:
     """What a build makes, for progress messages."""
     if name == RUNTIME_NAME:
-        return "the CUDA forward operators shared by every optimizer"
+        return "the CUDA runtime shared by every optimizer (forward operators, sort, backward launches)"
     return f"the {name} extension ({_flavour(with_cuda)})"
 
 
@@ -488,7 +492,7 @@ def _compile_in_child(name, files, with_cuda, out_dir, libname, verbose, objects
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
     what = _describe(name, with_cuda)
     print(f"tbegen: building {what}; "
-          f"{'a minute or two' if with_cuda else 'about half a minute'} on 2 cores",
+          f"{'about a minute' if with_cuda else 'about half a minute'} on 2 cores",
           file=sys.stderr, flush=True)
     t0 = time.perf_counter()
     try:
@@ -548,11 +552,12 @@ def prebuild(spec_paths, flavours: Sequence[bool] = (False,), jobs: Optional[int
     """Builds several specs' extensions into the cache (without loading them), `jobs` builds at a
     time (default: one per core, each compiling one file at a time), so that a test session pays
     for the work once, spread over the cores. `flavours`: False for CPU-only builds, True for
-    CPU + CUDA (which reuse the CPU builds' ops.cpp object: CPU builds go first). `with_cuda=X`
+    CPU + CUDA (which reuse the CPU builds' ops.cpp object and the shared CUDA runtime object:
+    those go first). `with_cuda=X`
     is the older spelling of `flavours=[X]` (benchmarks/run_gpu.sh uses it)."""
     if with_cuda is not None:
         flavours = [with_cuda]
-    from concurrent.futures import ThreadPoolExecutor
+    from concurrent.futures import ThreadPoolExecutor, as_completed
 
     from .spec import load_spec as parse
 
@@ -564,6 +569,13 @@ def prebuild(spec_paths, flavours: Sequence[bool] = (False,), jobs: Optional[int
             entry = build_root() / f"{spec.name}-{'cuda' if with_cuda else 'cpu'}-{cache_key(spec.name, files, with_cuda)}"
             if not _is_published(entry):
                 todo.append((spec.name, files, with_cuda))
+    if any(with_cuda for _, _, with_cuda in todo):
+        # The CUDA code shared by every optimizer goes first, beside the CPU builds: every CUDA
+        # build links it, and would otherwise wait for it with a core idle.
+        files = next(files for _, files, with_cuda in todo if with_cuda)
+        runtime_files = {k: v for k, v in files.items() if k.startswith("include/")}
+        if not _is_published(build_root() / f"{RUNTIME_NAME}-cuda-{cache_key(RUNTIME_NAME, runtime_files, True)}"):
+            todo.insert(0, (RUNTIME_NAME, runtime_files, True))
     if not todo:
         return
     jobs = jobs or min(len(todo), os.cpu_count() or 1)
@@ -573,6 +585,11 @@ def prebuild(spec_paths, flavours: Sequence[bool] = (False,), jobs: Optional[int
     # each build runs ninja; keep the total number of compiler processes near the core count
     os.environ.setdefault("MAX_JOBS", str(max(1, (os.cpu_count() or 1) // jobs)))
     with ThreadPoolExecutor(jobs) as pool:
-        for future in [pool.submit(build_files, name, files, with_cuda, False, False) for name, files, with_cuda in todo]:
+        futures = {pool.submit(build_files, name, files, with_cuda, False, False): (name, with_cuda)
+                   for name, files, with_cuda in todo}
+        for done, future in enumerate(as_completed(futures), 1):
             future.result()
+            name, with_cuda = futures[future]
+            print(f"tbegen: [{done}/{len(todo)}] {_describe(name, with_cuda)} is ready "
+                  f"({time.perf_counter() - t0:.0f} s since the start)", file=sys.stderr, flush=True)
     print(f"tbegen: built {len(todo)} extension(s) in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)

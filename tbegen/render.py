@@ -3,12 +3,14 @@
 Output tree (relative to the output root, `generated/` by default):
 
     include/tbegen/*.h, *.cuh   the static runtime headers, copied from templates/include
-    include/tbegen/cuda_forward.cu  the CUDA forward operators, compiled once for all optimizers
+    include/tbegen/cuda_forward.cu  the CUDA code shared by every optimizer (forward operators, the
+                                host side of the backward), compiled once for all optimizers
     NAME/optimizer.h            the spec's update, as a template over the row view
     NAME/params.h               builds the kernels' parameters from an operator call
     NAME/ops.cpp                operator schemas and CPU implementations
-    NAME/ops_cuda.cu            CUDA implementation of the fused backward (and the registration
-                                of the shared forward operators)
+    NAME/ops_cuda.cpp           CUDA implementation of the fused backward (and the registration
+                                of the shared forward operators); C++ compiler only
+    NAME/kernels_cuda.cu        the optimizer's update kernels (nvcc, no torch headers)
     NAME/module.py              Python description of the extension, and load()
     MANIFEST                    every file above, sorted
 
@@ -38,7 +40,8 @@ OPTIMIZER_FILES = {
     "optimizer.h.j2": "optimizer.h",
     "params.h.j2": "params.h",
     "ops.cpp.j2": "ops.cpp",
-    "ops_cuda.cu.j2": "ops_cuda.cu",
+    "ops_cuda.cpp.j2": "ops_cuda.cpp",
+    "kernels_cuda.cu.j2": "kernels_cuda.cu",
     "module.py.j2": "module.py",
 }
 

@@ -197,3 +197,35 @@ def test_cpp_extension_is_imported_without_the_no_cuda_runtime_warning(tmp_path)
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     assert proc.returncode == 0 and "imported" in proc.stdout, proc.stderr
     assert "No CUDA runtime" not in proc.stderr and "NumPy" not in proc.stderr, proc.stderr
+
+
+def test_prebuild_counts_the_extensions_it_has_built(fresh_cache, capfd, monkeypatch):
+    # the session's parallel build says how far it is after each extension (here without
+    # compiling: build_files is replaced by a recorder that checks what it is asked for)
+    asked = []
+
+    def fake_build(name, files, with_cuda, verbose=False, load=True):
+        assert not load
+        if name == build.RUNTIME_NAME:  # the CUDA code every optimizer links: its headers only
+            assert with_cuda and files and all(k.startswith("include/") for k in files)
+        else:
+            assert f"{name}/ops.cpp" in files and (f"{name}/kernels_cuda.cu" in files) == with_cuda
+        asked.append((name, with_cuda))
+        return fresh_cache / "unused"
+
+    monkeypatch.setattr(build, "build_files", fake_build)
+    monkeypatch.setenv("MAX_JOBS", "1")  # (prebuild sets it where unset: keep this session's as it was)
+    specs = [ROOT / "optimizers" / "sgd.yaml", ROOT / "optimizers" / "adam.yaml"]
+    build.prebuild(specs, [False, True], jobs=1)
+    # the shared CUDA object first, then the CPU builds (whose ops.o the CUDA builds link)
+    assert asked == [(build.RUNTIME_NAME, True), ("sgd", False), ("adam", False), ("sgd", True), ("adam", True)]
+    err = capfd.readouterr().err
+    assert "tbegen: building 5 extension(s)" in err
+    for k in range(1, 6):
+        assert f"tbegen: [{k}/5] " in err
+    assert "[5/5] the adam extension (CPU + CUDA) is ready" in err
+    assert "tbegen: built 5 extension(s) in " in err
+
+    asked.clear()  # CPU only: no shared CUDA object
+    build.prebuild(specs, [False], jobs=2)
+    assert sorted(asked) == [("adam", False), ("sgd", False)]

@@ -84,7 +84,7 @@ def test_render_single_optimizer_and_external_spec(tmp_path):
     out = tmp_path / "gen"
     result = CliRunner().invoke(main, ["render", "--optimizer", str(ext), "--out", str(out)])
     assert result.exit_code == 0, result.output
-    for f in ("optimizer.h", "params.h", "ops.cpp", "ops_cuda.cu", "module.py"):
+    for f in ("optimizer.h", "params.h", "ops.cpp", "ops_cuda.cpp", "kernels_cuda.cu", "module.py"):
         assert (out / "my_sgd" / f).is_file()
     assert (out / "include" / "tbegen" / "cuda_kernels.cuh").is_file()
     assert (out / "include" / "tbegen" / "cuda_forward.cu").is_file()  # compiled once, shared

@@ -2,7 +2,7 @@
 // Do not edit: change the spec or templates/ and run `tbegen render --optimizer adagrad_with_momentum`.
 //
 // Host wrappers: the operator schemas of tbegen_adagrad_with_momentum and their CPU implementations.
-// The CUDA implementations are registered by ops_cuda.cu when the extension is built for CUDA.
+// The CUDA implementations are registered by ops_cuda.cpp when the extension is built for CUDA.
 #include <torch/library.h>
 
 #include "tbegen/cpu_ops.h"

@@ -35,7 +35,7 @@ SCHEMAS = {
 }
 
 SOURCES = ("ops.cpp",)
-CUDA_SOURCES = ("ops_cuda.cu",)  # plus include/tbegen/cuda_forward.cu, shared by every optimizer
+CUDA_SOURCES = ("ops_cuda.cpp", "kernels_cuda.cu")  # plus include/tbegen/cuda_forward.cu, shared by every optimizer
 
 
 def load(with_cuda=None, verbose=False):

@@ -2,7 +2,7 @@
 // Do not edit: change the spec or templates/ and run `tbegen render --optimizer none`.
 //
 // Builds the kernels' Params from an operator call, checking every state tensor and
-// hyperparameter. Shared by the CPU (ops.cpp) and CUDA (ops_cuda.cu) wrappers.
+// hyperparameter. Shared by the CPU (ops.cpp) and CUDA (ops_cuda.cpp) wrappers.
 #pragma once
 
 #include "tbegen/host.h"

@@ -1,7 +1,8 @@
 // tbegen runtime: the translation unit of the CUDA forward and per-sample-weight gradient
-// operators (cuda_forward_ops.cuh) and of the first half of the backward (prepare_backward:
-// linearise, sort, segment; cuda_backward_prep_impl.cuh), the same for every optimizer: the build
-// compiles it once and links the object into every optimizer's CUDA extension (see cuda_forward.h).
+// operators (cuda_forward_ops.cuh), of the first half of the backward (prepare_backward:
+// linearise, sort, segment; cuda_backward_prep_impl.cuh) and of the host side of the fused
+// backward (backward_cuda, cuda_ops.cuh), the same for every optimizer: the build compiles it once
+// and links the object into every optimizer's CUDA extension (see cuda_forward.h, cuda_backward.h).
 #include <torch/library.h>
 
 #include "tbegen/cuda_backward_prep_impl.cuh"

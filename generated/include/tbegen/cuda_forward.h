@@ -1,6 +1,6 @@
 // tbegen runtime: the CUDA forward and per-sample-weight gradient operators do not depend on the
 // optimizer, so their translation unit (cuda_forward.cu) is compiled once per build cache and
-// linked into every optimizer's CUDA extension. Each extension's ops_cuda.cu registers them under
+// linked into every optimizer's CUDA extension. Each extension's ops_cuda.cpp registers them under
 // its own operator namespace with this call.
 #pragma once
 

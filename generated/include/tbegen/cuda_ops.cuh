@@ -1,7 +1,9 @@
 // tbegen runtime: host side of the CUDA operators, shared by every optimizer: argument checks
 // (host.h), launches of the kernels (cuda_kernels.cuh) on the current stream, and the errors the
-// kernels recorded. The fused backward is here; forward and the per-sample-weight gradient are in
-// cuda_forward_ops.cuh, compiled in their own translation unit so the two build in parallel.
+// kernels recorded. The host side of the fused backward is here; forward and the per-sample-weight
+// gradient are in cuda_forward_ops.cuh. All of it is compiled once, in cuda_forward.cu, for every
+// optimizer: an optimizer's own CUDA code is only its update kernels (cuda_backward_kernels.cuh),
+// which backward_cuda launches through the table the optimizer's extension passes in.
 #pragma once
 
 #include <ATen/cuda/CUDAContext.h>
@@ -10,6 +12,8 @@
 #include <cub/cub.cuh>
 #include <thrust/iterator/counting_iterator.h>
 
+#include "tbegen/cuda_backward.h"
+#include "tbegen/cuda_backward_kernels.cuh"
 #include "tbegen/cuda_backward_prep.cuh"
 #include "tbegen/cuda_kernels.cuh"
 #include "tbegen/host.h"
@@ -98,18 +102,18 @@ void run_cub(const at::Tensor& like, Algorithm&& algorithm) {
   TBEGEN_CUDA_CHECK(algorithm(scratch.data_ptr(), bytes));
 }
 
-// The backward pass with the optimizer `Opt` fused in (docs/algorithm.md): prepare_backward sorts
-// and segments the batch, then the update kernels sum each unique row's gradient and update it
-// once: one warp per short run, and for long runs (hot rows) one warp per segment followed by one
-// warp per run of several segments. Nothing here waits for the GPU when the caller passes an
-// error record.
-template <class Opt>
-void backward_cuda(const at::Tensor& grad_output, const at::Tensor& weights, const at::Tensor& features,
-                   int64_t total_D, int64_t max_D, int64_t total_hash_size, const at::Tensor& indices,
-                   const at::Tensor& offsets, const c10::optional<at::Tensor>& per_sample_weights,
-                   int64_t pooling, int64_t max_segment_length_per_warp, const typename Opt::Params& params,
-                   const RowUpdateContext& ctx, const c10::optional<at::Tensor>& error_record, bool skip_bad_indices,
-                   bool check_finite) {
+// The backward pass with an optimizer fused in (docs/algorithm.md): prepare_backward sorts and
+// segments the batch, then the optimizer's update kernels (`kernels`, launched with its `params`:
+// see cuda_backward.h) sum each unique row's gradient and update it once: one warp per short
+// run, and for long runs (hot rows) one warp per segment followed by one warp per run of several
+// segments. Nothing here waits for the GPU when the caller passes an error record.
+// (Defined here, not inline: this header is compiled in cuda_forward.cu only.)
+__attribute__((visibility("hidden"))) void backward_cuda(
+    const at::Tensor& grad_output, const at::Tensor& weights, const at::Tensor& features, int64_t total_D,
+    int64_t max_D, int64_t total_hash_size, const at::Tensor& indices, const at::Tensor& offsets,
+    const c10::optional<at::Tensor>& per_sample_weights, int64_t pooling, int64_t max_segment_length_per_warp,
+    const void* params, const BackwardKernels& kernels, const RowUpdateContext& ctx,
+    const c10::optional<at::Tensor>& error_record, bool skip_bad_indices, bool check_finite) {
   const Batch b = check_batch(weights, features, total_D, max_D, indices, offsets, per_sample_weights, pooling);
   const c10::cuda::CUDAGuard guard(weights.device());
   check_grad_output(b, grad_output, weights);
@@ -148,18 +152,17 @@ void backward_cuda(const at::Tensor& grad_output, const at::Tensor& weights, con
     dispatch_vecs(b.max_D, [&](auto vecs) {
       constexpr int kVecs = decltype(vecs)::value;
       at::Tensor partial = at::empty({std::max<int64_t>(prep.max_partials, 1) * kVecs * 128}, weights.options().dtype(at::kFloat));
+      BackwardLaunch l{a, prep.runs, prep.occurrences, params, ctx, wptr, partial.data_ptr<float>()};
       // (grids sized by bounds: the real counts are on the device, and idle warps exit at once)
-      const int segment_blocks = int(std::min<int64_t>(prep.max_segments / (kThreads / kWarpSize) + 1, int64_t(sms) * 8));
-      backward_segment_kernel<Opt, W, kVecs><<<segment_blocks, kThreads, 0, side.stream()>>>(
-          a, prep.runs, prep.occurrences, params, ctx, wptr, partial.data_ptr<float>());
-      TBEGEN_CUDA_CHECK(cudaGetLastError());
-      const int finish_blocks = int(std::min<int64_t>(prep.max_long_runs / (kThreads / kWarpSize) + 1, int64_t(sms) * 4));
-      backward_finish_kernel<Opt, W, kVecs><<<finish_blocks, kThreads, 0, side.stream()>>>(
-          a, prep.runs, prep.occurrences, params, ctx, wptr, partial.data_ptr<float>());
-      TBEGEN_CUDA_CHECK(cudaGetLastError());
-      backward_warp_kernel<Opt, W, kVecs><<<grid_for(b.N / kWarpSize + 1), kThreads, 0, stream>>>(
-          a, prep.runs, prep.occurrences, params, ctx, wptr);
-      TBEGEN_CUDA_CHECK(cudaGetLastError());
+      l.segment_blocks = int(std::min<int64_t>(prep.max_segments / (kThreads / kWarpSize) + 1, int64_t(sms) * 8));
+      l.finish_blocks = int(std::min<int64_t>(prep.max_long_runs / (kThreads / kWarpSize) + 1, int64_t(sms) * 4));
+      l.warp_blocks = grid_for(b.N / kWarpSize + 1);
+      l.threads = kThreads;
+      l.side = side.stream();
+      l.stream = stream.stream();
+      // the segment and finish kernels on `side`, the warp kernel on `stream`, as launched before
+      // the update kernels moved to the optimizer's own translation unit (cuda_backward_kernels.cuh)
+      TBEGEN_CUDA_CHECK(kernels.get<W, kVecs>()(l));
       joined.record(side);
       joined.block(stream);
     });

@@ -4,7 +4,7 @@
 // kernels, is launched by backward_cuda (cuda_ops.cuh) over what this returns.
 //
 // prepare_backward is compiled once for every optimizer, in cuda_forward.cu with the forward (it
-// does not depend on the optimizer); each extension's ops_cuda.cu only calls it.
+// does not depend on the optimizer), as is backward_cuda, its caller.
 #pragma once
 
 #include <ATen/ATen.h>

@@ -6,7 +6,12 @@
 // and report through a small error tensor (see raise_kernel_error), before anything is written.
 #pragma once
 
-#include <ATen/ATen.h>
+// The tensor type and the few ATen functions the operators call, rather than all of ATen/ATen.h:
+// the headers are most of what compiling an extension costs (benchmarks/NOTES-ci.md).
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/ones.h>
+#include <ATen/ops/zeros.h>
 #include <c10/util/Exception.h>
 #include <c10/util/Optional.h>
 

@@ -1,0 +1,84 @@
+// tbegen runtime: one optimizer's update kernels, as a table the shared backward launches from.
+//
+// The only CUDA code that depends on the optimizer is the three update kernels of
+// cuda_kernels.cuh (backward_segment_kernel, backward_finish_kernel, backward_warp_kernel), for
+// each weight dtype and each row width class kVecs. NAME/kernels_cuda.cu instantiates them with
+// backward_kernels_for<Optimizer>(), in a translation unit that includes no torch headers (so nvcc
+// compiles little besides the kernels); backward_cuda (cuda_ops.cuh, compiled once for every
+// optimizer) computes the launch sizes and streams and calls the table's entry for the call.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <type_traits>
+
+#include "tbegen/cuda_kernels.cuh"
+
+namespace tbegen {
+namespace cuda {
+
+// One launch of the update kernels: their arguments, grid sizes and streams.
+struct BackwardLaunch {
+  BackwardArgs a;
+  Runs runs;
+  Occurrences occurrences;
+  const void* params;  // the optimizer's Params (its own type: see launch_backward)
+  RowUpdateContext ctx;
+  void* weights;       // W*, the dtype the table entry was chosen for
+  float* partial;      // kVecs * 128 floats per partial sum of a run of several segments
+  int segment_blocks = 0, finish_blocks = 0, warp_blocks = 0, threads = 0;
+  cudaStream_t side = nullptr;    // the long runs' kernels (segment, then finish)
+  cudaStream_t stream = nullptr;  // the short runs' kernel (warp)
+};
+
+using BackwardLaunchFn = cudaError_t (*)(const BackwardLaunch&);
+
+// The launch function of every (weight dtype, kVecs) pair of one optimizer.
+struct BackwardKernels {
+  // [weights: float, c10::Half, c10::BFloat16][kVecs: 1, 2, 4, 8]
+  BackwardLaunchFn launch[3][4];
+
+  template <typename W, int kVecs>
+  BackwardLaunchFn get() const {
+    static_assert(kVecs == 1 || kVecs == 2 || kVecs == 4 || kVecs == 8, "kVecs is 1, 2, 4 or 8");
+    constexpr int w = std::is_same<W, float>::value ? 0 : std::is_same<W, c10::Half>::value ? 1 : 2;
+    static_assert(w < 2 || std::is_same<W, c10::BFloat16>::value, "weights are float, Half or BFloat16");
+    constexpr int v = kVecs == 1 ? 0 : kVecs == 2 ? 1 : kVecs == 4 ? 2 : 3;
+    return launch[w][v];
+  }
+};
+
+// Launches the three update kernels for optimizer Opt; returns the first launch error.
+template <class Opt, typename W, int kVecs>
+cudaError_t launch_backward(const BackwardLaunch& l) {
+  const typename Opt::Params& p = *static_cast<const typename Opt::Params*>(l.params);
+  W* weights = static_cast<W*>(l.weights);
+  backward_segment_kernel<Opt, W, kVecs><<<l.segment_blocks, l.threads, 0, l.side>>>(
+      l.a, l.runs, l.occurrences, p, l.ctx, weights, l.partial);
+  cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess) return err;
+  backward_finish_kernel<Opt, W, kVecs><<<l.finish_blocks, l.threads, 0, l.side>>>(
+      l.a, l.runs, l.occurrences, p, l.ctx, weights, l.partial);
+  err = cudaGetLastError();
+  if (err != cudaSuccess) return err;
+  backward_warp_kernel<Opt, W, kVecs><<<l.warp_blocks, l.threads, 0, l.stream>>>(
+      l.a, l.runs, l.occurrences, p, l.ctx, weights);
+  return cudaGetLastError();
+}
+
+// The table of optimizer Opt's kernels (instantiates all 36: 3 dtypes x 4 widths x 3 kernels).
+template <class Opt>
+const BackwardKernels& backward_kernels_for() {
+  static const BackwardKernels table = {{
+      {&launch_backward<Opt, float, 1>, &launch_backward<Opt, float, 2>, &launch_backward<Opt, float, 4>,
+       &launch_backward<Opt, float, 8>},
+      {&launch_backward<Opt, c10::Half, 1>, &launch_backward<Opt, c10::Half, 2>,
+       &launch_backward<Opt, c10::Half, 4>, &launch_backward<Opt, c10::Half, 8>},
+      {&launch_backward<Opt, c10::BFloat16, 1>, &launch_backward<Opt, c10::BFloat16, 2>,
+       &launch_backward<Opt, c10::BFloat16, 4>, &launch_backward<Opt, c10::BFloat16, 8>},
+  }};
+  return table;
+}
+
+}  // namespace cuda
+}  // namespace tbegen
