@@ -487,6 +487,9 @@ def _compile_in_child(name, files, with_cuda, out_dir, libname, verbose, objects
         "except CompileError as e:\n"
         "    json.dump(dict(message=str(e), log=str(e.log_path)), open(sys.argv[1] + '.report', 'w'))\n"
         "    sys.exit(3)\n"
+        "import resource\n"  # the CPU time of the build (this process, ninja and the compilers)
+        "use = [resource.getrusage(w) for w in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)]\n"
+        "open(sys.argv[1] + '.cpu', 'w').write(str(sum(u.ru_utime + u.ru_stime for u in use)))\n"
     )
     root = str(Path(__file__).resolve().parent.parent)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
@@ -515,7 +518,12 @@ def _compile_in_child(name, files, with_cuda, out_dir, libname, verbose, objects
         raise CompileError(report["message"], Path(report["log"]))
     if proc.returncode != 0:
         raise RuntimeError(f"tbegen: building {what} failed (see the compiler output above)")
-    print(f"tbegen: built {what} in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+    cpu, cpu_file = "", Path(f.name + ".cpu")  # (left by the child: what the build cost in CPU time)
+    if cpu_file.is_file():
+        with contextlib.suppress(ValueError):
+            cpu = f" ({float(cpu_file.read_text()):.0f} s of CPU time)"
+        cpu_file.unlink()
+    print(f"tbegen: built {what} in {time.perf_counter() - t0:.0f} s{cpu}", file=sys.stderr, flush=True)
 
 
 def load_sources(name: str, src_dir: Union[str, Path], with_cuda: Optional[bool] = None,

@@ -162,7 +162,8 @@ __attribute__((visibility("hidden"))) void backward_cuda(
       l.stream = stream.stream();
       // the segment and finish kernels on `side`, the warp kernel on `stream`, as launched before
       // the update kernels moved to the optimizer's own translation unit (cuda_backward_kernels.cuh)
-      TBEGEN_CUDA_CHECK(kernels.get<W, kVecs>()(l));
+      const BackwardLaunchFn launch = kernels.get<W, kVecs>();
+      TBEGEN_CUDA_CHECK(launch(l));
       joined.record(side);
       joined.block(stream);
     });
