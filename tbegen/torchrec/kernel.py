@@ -69,14 +69,18 @@ __all__ = [
 # key, so tables with different options never share a kernel.
 FUSED_PARAMS_KEY = "tbegen"
 
+# Data-parallel tables need TorchRec's `init_data_parallel` hook (TorchRec 1.7 and later): tbegen's
+# replicas have no dense gradients, and older releases wrap every data-parallel lookup in DDP from
+# the collection's constructor, which refuses a module without them.
+DATA_PARALLEL_SUPPORTED = hasattr(ShardedEmbeddingBagCollection, "init_data_parallel")
+
 SHARDING_TYPES = (
     ShardingType.TABLE_WISE.value,
     ShardingType.ROW_WISE.value,
     ShardingType.COLUMN_WISE.value,
     ShardingType.TABLE_ROW_WISE.value,
     ShardingType.TABLE_COLUMN_WISE.value,
-    ShardingType.DATA_PARALLEL.value,
-)
+) + ((ShardingType.DATA_PARALLEL.value,) if DATA_PARALLEL_SUPPORTED else ())
 
 _WEIGHT_DTYPES = {DataType.FP32: torch.float32, DataType.FP16: torch.float16, DataType.BF16: torch.bfloat16}
 # TorchRec's pooling modes (FBGEMM's PoolingMode names) -> tbegen's
@@ -517,6 +521,10 @@ class TbegenEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
                              "is not a fused kernel; choose a fused optimizer, or TorchRec's DENSE kernel")
         hyper = check_hyperparameters(spec, hyperparameters)
         if sharding_types is not None:
+            if ShardingType.DATA_PARALLEL.value in sharding_types and not DATA_PARALLEL_SUPPORTED:
+                raise ValueError("tbegen: sharding_types: data_parallel needs TorchRec 1.7 or later (its "
+                                 "init_data_parallel hook); this TorchRec wraps data-parallel lookups in DDP, "
+                                 "which tbegen's fused kernels (no dense gradients) cannot be")
             unknown = [s for s in sharding_types if s not in SHARDING_TYPES]
             if unknown or not sharding_types:
                 raise ValueError(f"tbegen: sharding_types must be a non-empty subset of {list(SHARDING_TYPES)}, got {sharding_types!r}")
