@@ -236,3 +236,6 @@ def test_sharder_checks_its_arguments():
     assert s.sharding_types("cpu") == list(SHARDING_TYPES)
     assert {"row_wise", "data_parallel"} <= set(s.sharding_types("cpu"))
     assert s.compute_kernels("row_wise", "cpu") == ["fused"]
+    # on GPUs also fused_uvm (tbegen's "managed" placement), for model-parallel shardings as TorchRec
+    assert s.compute_kernels("row_wise", "cuda") == ["fused", "fused_uvm"]
+    assert s.compute_kernels("data_parallel", "cuda") == ["fused"]
