@@ -5,12 +5,14 @@
 // builds the optimizer's Params and hands them, with the table of its update kernels
 // (kernels_cuda.cu), to the host side of the backward shared by every optimizer (checks, sort,
 // launches: include/tbegen/cuda_ops.cuh). Registers it, and the optimizer-independent forward and
-// grad_per_sample_weights, for CUDA. Both shared parts are compiled once for all optimizers (from
-// include/tbegen/cuda_forward.cu) and linked in; this file needs only the C++ compiler.
+// grad_per_sample_weights, for CUDA, and defines the managed-memory operators. The shared parts
+// are compiled once for all optimizers (from include/tbegen/cuda_forward.cu) and linked in; this
+// file needs only the C++ compiler.
 #include <torch/library.h>
 
 #include "tbegen/cuda_backward.h"
 #include "tbegen/cuda_forward.h"
+#include "tbegen/managed_memory.h"
 #include "optimizer.h"
 #include "params.h"
 
@@ -33,4 +35,9 @@ void backward_cuda(const at::Tensor& grad_output, const at::Tensor& weights, con
 TORCH_LIBRARY_IMPL(tbegen_adagrad, CUDA, m) {
   m.impl("backward", &tbegen::opt_adagrad::backward_cuda);
   tbegen::cuda::register_forward_cuda(m);
+}
+
+// Defined here, not in ops.cpp: they exist only in CUDA builds (managed memory needs a GPU).
+TORCH_LIBRARY_FRAGMENT(tbegen_adagrad, m) {
+  tbegen::cuda::define_managed_memory_ops(m);
 }

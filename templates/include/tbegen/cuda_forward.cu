@@ -1,13 +1,15 @@
 // tbegen runtime: the translation unit of the CUDA forward and per-sample-weight gradient
 // operators (cuda_forward_ops.cuh), of the first half of the backward (prepare_backward:
-// linearise, sort, segment; cuda_backward_prep_impl.cuh) and of the host side of the fused
-// backward (backward_cuda, cuda_ops.cuh), the same for every optimizer: the build compiles it once
-// and links the object into every optimizer's CUDA extension (see cuda_forward.h, cuda_backward.h).
+// linearise, sort, segment; cuda_backward_prep_impl.cuh), of the host side of the fused backward
+// (backward_cuda, cuda_ops.cuh) and of the managed-memory operators (managed_memory_impl.cuh), the
+// same for every optimizer: the build compiles it once and links the object into every optimizer's
+// CUDA extension (see cuda_forward.h, cuda_backward.h and managed_memory.h).
 #include <torch/library.h>
 
 #include "tbegen/cuda_backward_prep_impl.cuh"
 #include "tbegen/cuda_forward.h"
 #include "tbegen/cuda_forward_ops.cuh"
+#include "tbegen/managed_memory_impl.cuh"
 
 namespace tbegen {
 namespace cuda {
