@@ -8,6 +8,7 @@ labels and local stacks (which follow a kernel's position in the file) are ignor
     nvcc <the build's flags> -ptx OLD.cu -o old.ptx      # e.g. an earlier generated/sgd/ops_cuda.cu
     nvcc <the build's flags> -ptx NEW.cu -o new.ptx      # generated/sgd/kernels_cuda.cu
     python benchmarks/compare_kernel_ptx.py old.ptx new.ptx
+    python benchmarks/compare_kernel_ptx.py --all old_runtime.ptx new_runtime.ptx   # every kernel
 
 Exits 1 when a kernel differs or is missing, printing the start of the difference.
 """
@@ -32,9 +33,9 @@ def entries(path):
     return out
 
 
-def main(old_path, new_path):
+def main(old_path, new_path, every_kernel=False):
     old, new = entries(old_path), entries(new_path)
-    names = sorted(k for k in old if KERNELS.search(k))
+    names = sorted(k for k in old if every_kernel or KERNELS.search(k))
     if not names:
         print(f"no update kernels in {old_path}")
         return 1
@@ -47,11 +48,12 @@ def main(old_path, new_path):
             diff = difflib.unified_diff(old[k].split("\n"), new[k].split("\n"), lineterm="", n=0)
             print(f"differs: {k}\n" + "\n".join(list(diff)[:12]))
             bad += 1
-    print(f"{len(names) - bad} of {len(names)} update kernels have the same PTX")
+    print(f"{len(names) - bad} of {len(names)} {'kernels' if every_kernel else 'update kernels'} have the same PTX")
     return 1 if bad else 0
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 3:
+    args = [a for a in sys.argv[1:] if a != "--all"]
+    if len(args) != 2:
         sys.exit(__doc__)
-    sys.exit(main(sys.argv[1], sys.argv[2]))
+    sys.exit(main(args[0], args[1], every_kernel="--all" in sys.argv[1:]))

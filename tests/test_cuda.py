@@ -50,6 +50,26 @@ def test_cuda_matches_reference(load_ops, record_result, name, case):
     assert not result.failures, "\n".join(result.failures)
 
 
+# Every entry of an optimizer's table of update kernels (include/tbegen/cuda_backward_kernels.cuh),
+# through which the shared backward launches them: each weight dtype with each row-width class
+# (kVecs 1, 2, 4, 8: max_D up to 128, 256, 512, 1024). gpu_cases covers kVecs 1 and 8 only.
+TABLE_CASES = [
+    harness.Case(tables=((40, width), (30, 12)), B=8, max_L=4, pooling="sum", weighted=True,
+                 weights_dtype=dt, hot=60, seed=1000 + width + i)
+    for i, dt in enumerate(DTYPES)
+    for width in (100, 200, 400, 1000)
+]
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("case", TABLE_CASES, ids=lambda c: c.id)
+def test_every_kernel_table_entry_matches_reference(load_ops, record_result, name, case):
+    spec, ops = load_ops(name)
+    result = harness.run_case(spec, ops, case, device="cuda")
+    record_result(name, "cuda", result)
+    assert not result.failures, "\n".join(result.failures)
+
+
 def _one_step(spec, ops, case, device, weights, states, batch, grad_output, step=1):
     layout = make_layout(case.tables, case.feature_table_map)
     hyper = harness.default_hyperparameters(spec, dict(case.hyper))
