@@ -21,7 +21,17 @@ inline at::Tensor forward_cuda(const at::Tensor& weights, const at::Tensor& feat
   const at::Tensor error = error_record_for(error_record, weights);
   const ForwardArgs a = forward_args(b, features, weights, per_sample_weights, out.data_ptr<float>(), error);
   const auto stream = at::cuda::getCurrentCUDAStream();
-  if (b.F * b.B > 0) {
+  if (b.F * b.B > 0 && !use_vector_path(b, features, weights, {out.data_ptr()})) {
+    dispatch_weights(weights, [&](auto w) {
+      using W = decltype(w);
+      dispatch_index(indices, [&](auto i) {
+        using I = decltype(i);
+        any_width::forward_kernel<W, I><<<grid_for(b.F * b.B), kThreads, 0, stream>>>(
+            a, weights.data_ptr<W>(), indices.data_ptr<I>(), offsets.data_ptr<I>());
+        TBEGEN_CUDA_CHECK(cudaGetLastError());
+      });
+    });
+  } else if (b.F * b.B > 0) {
     dispatch_weights(weights, [&](auto w) {
       using W = decltype(w);
       dispatch_index(indices, [&](auto i) {
@@ -51,7 +61,18 @@ inline at::Tensor grad_per_sample_weights_cuda(const at::Tensor& grad_output, co
   const at::Tensor error = error_record_for(error_record, weights);
   const ForwardArgs a = forward_args(b, features, weights, c10::nullopt, nullptr, error);
   const auto stream = at::cuda::getCurrentCUDAStream();
-  if (b.F * b.B > 0) {
+  if (b.F * b.B > 0 && !use_vector_path(b, features, weights, {grad_output.data_ptr()})) {
+    dispatch_weights(weights, [&](auto w) {
+      using W = decltype(w);
+      dispatch_index(indices, [&](auto i) {
+        using I = decltype(i);
+        any_width::grad_psw_kernel<W, I><<<grid_for(b.F * b.B), kThreads, 0, stream>>>(
+            a, grad_output.data_ptr<float>(), weights.data_ptr<W>(), indices.data_ptr<I>(), offsets.data_ptr<I>(),
+            grad.data_ptr<float>());
+        TBEGEN_CUDA_CHECK(cudaGetLastError());
+      });
+    });
+  } else if (b.F * b.B > 0) {
     dispatch_weights(weights, [&](auto w) {
       using W = decltype(w);
       dispatch_index(indices, [&](auto i) {
