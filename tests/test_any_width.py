@@ -363,6 +363,25 @@ def test_cuda_features_changed_in_place_switch_paths(load_ops):
 
 @cuda
 @needs_cuda
+def test_cuda_checks_the_features_table(load_ops):
+    """The CUDA operators check their host copy of the features table as the CPU ones do (the
+    any-width kernels size their scratch by max_D, so a wider row must never reach them)."""
+    spec, ops = load_ops("sgd")
+    layout = make_layout([(4, 5)])
+    w = torch.zeros(layout.weights_numel, device="cuda")
+    ind, off = torch.tensor([1], device="cuda"), torch.tensor([0, 1], device="cuda")
+    feats = layout.features_tensor("cuda")
+    feats[0, 2] = 6
+    with pytest.raises(RuntimeError, match="feature 0 has D = 6 > max_D = 5"):
+        ops.forward(w, feats, 5, 5, ind, off, None, 0)
+    feats[0, 2] = 5000
+    with pytest.raises(RuntimeError, match="feature 0 has D = 5000; embedding dims must be from 1 to 4096"):
+        ops.backward(torch.zeros(1, 5, device="cuda"), w, feats, 5, 5, 4, ind, off, None, 0, 32, False, 0,
+                     *[0.1 for _ in spec.hyperparameters], 1)
+
+
+@cuda
+@needs_cuda
 @pytest.mark.parametrize("optimizer", ["sgd", "rowwise_adagrad", "adam"])
 def test_cuda_module_odd_widths_match_cpu(optimizer):
     kw = dict(seed=3, pooling="mean", feature_table_map=[0, 1, 2, 1], learning_rate=0.05)

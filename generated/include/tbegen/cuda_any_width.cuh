@@ -1,6 +1,6 @@
 // tbegen runtime: the CUDA kernels for layouts the 4-wide kernels (cuda_kernels.cuh) do not take:
 // a width D that is not a multiple of 4, a column offset (in the weights or the pooled output) that
-// is not, or a row wider than kVectorMaxD. The host picks them per call (use_vector_path in
+// is not, or a row wider than kVectorMaxD. The host picks them per call (check_layout_and_choose in
 // cuda_ops.cuh); a layout of multiples of 4 up to kVectorMaxD never runs this code.
 //
 // Column layout: lane l of a warp owns columns l, l + 32, l + 64, ... of a row, so every load and

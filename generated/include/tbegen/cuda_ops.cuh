@@ -10,6 +10,7 @@
 #include <cub/cub.cuh>
 #include <thrust/iterator/counting_iterator.h>
 
+#include <memory>
 #include <mutex>
 #include <vector>
 
@@ -86,39 +87,41 @@ inline ForwardArgs forward_args(const Batch& b, const at::Tensor& features, cons
   return a;
 }
 
-// ---- which kernels a call takes ------------------------------------------------------------------
+// ---- the layout on the host, and which kernels a call takes --------------------------------------
 //
-// The 4-wide kernels (cuda_kernels.cuh) take layouts whose widths and column offsets are
-// multiples of 4 (host.h, vector_layout); the any-width kernels (cuda_any_width.cuh) take the
-// rest. The features table lives on the GPU, so reading it costs a wait for the stream: it is
-// read once per features tensor and the answer remembered, keyed by the tensor (a weak reference,
+// The features table lives on the GPU, but the host needs it: to check it (host.h,
+// check_features) and to choose between the 4-wide kernels (cuda_kernels.cuh), which take layouts
+// whose widths and column offsets are multiples of 4 (host.h, vector_layout), and the any-width
+// kernels (cuda_any_width.cuh), which take the rest. Reading it costs a wait for the stream, so it
+// is read once per features tensor and the host copy kept, keyed by the tensor (a weak reference,
 // so that a new tensor at the same address is not mistaken for it), its data pointer and its
 // version counter (bumped by every in-place change made through torch). A module builds its
 // features once, so only its first call waits.
-class VectorLayoutCache {
+class HostFeaturesCache {
  public:
-  bool lookup(const at::Tensor& features, int64_t total_D, int64_t max_D) {
+  using Copy = std::shared_ptr<const std::vector<int64_t>>;
+
+  Copy get(const at::Tensor& features) {
     const std::lock_guard<std::mutex> lock(mutex_);
     for (const Entry& e : entries_) {
       if (!e.impl.expired() && e.impl._unsafe_get_target() == features.unsafeGetTensorImpl() &&
-          e.data == features.data_ptr() && e.version == features._version() && e.total_D == total_D &&
-          e.max_D == max_D) {
-        return e.vector;
+          e.data == features.data_ptr() && e.version == features._version() && e.numel == features.numel()) {
+        return e.copy;
       }
     }
-    const at::Tensor host = features.to(at::kCPU);
-    Entry e{c10::weak_intrusive_ptr<c10::TensorImpl>(features.getIntrusivePtr()), features.data_ptr(),
-            features._version(), total_D, max_D,
-            vector_layout(host.data_ptr<int64_t>(), host.size(0), total_D, max_D)};
+    const at::Tensor host = features.to(at::kCPU).contiguous();
+    const int64_t* p = host.data_ptr<int64_t>();
+    Copy copy = std::make_shared<const std::vector<int64_t>>(p, p + host.numel());
     // forget tensors that are gone, and the oldest entry when the cache is full
     std::vector<Entry> kept;
     for (Entry& old : entries_) {
       if (!old.impl.expired()) kept.push_back(std::move(old));
     }
     if (kept.size() >= kCapacity) kept.erase(kept.begin());
-    kept.push_back(std::move(e));
+    kept.push_back(Entry{c10::weak_intrusive_ptr<c10::TensorImpl>(features.getIntrusivePtr()), features.data_ptr(),
+                         features._version(), features.numel(), copy});
     entries_.swap(kept);
-    return entries_.back().vector;
+    return copy;
   }
 
  private:
@@ -127,8 +130,8 @@ class VectorLayoutCache {
     c10::weak_intrusive_ptr<c10::TensorImpl> impl;
     const void* data;
     int64_t version;
-    int64_t total_D, max_D;
-    bool vector;
+    int64_t numel;
+    Copy copy;
   };
   std::mutex mutex_;
   std::vector<Entry> entries_;
@@ -136,17 +139,20 @@ class VectorLayoutCache {
 
 inline bool aligned_to(const void* p, size_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
 
-// Whether this call takes the 4-wide kernels: a vector layout, with the buffers they load 4 at a
-// time aligned for it (a weights tensor that is a view at an odd offset takes the any-width path).
-inline bool use_vector_path(const Batch& b, const at::Tensor& features, const at::Tensor& weights,
-                            std::initializer_list<const void*> float_buffers) {
-  if (b.total_D % 4 != 0 || b.max_D % 4 != 0 || b.max_D > kVectorMaxD) return false;
+// Checks the call's features table and says whether the call takes the 4-wide kernels: a vector
+// layout, with the buffers they load 4 at a time aligned for it (a weights tensor that is a view at
+// an odd offset takes the any-width kernels).
+inline bool check_layout_and_choose(const Batch& b, const at::Tensor& features, const at::Tensor& weights,
+                                    std::initializer_list<const void*> float_buffers) {
+  static HostFeaturesCache cache;
+  const HostFeaturesCache::Copy feat = cache.get(features);
+  check_features(b, feat->data(), weights);
+  if (!vector_layout(feat->data(), b.F, b.total_D, b.max_D)) return false;
   if (!aligned_to(weights.data_ptr(), 4 * weights.element_size())) return false;
   for (const void* p : float_buffers) {
     if (p != nullptr && !aligned_to(p, 16)) return false;
   }
-  static VectorLayoutCache cache;
-  return cache.lookup(features, b.total_D, b.max_D);
+  return true;
 }
 
 // Warps of an any-width kernel: at most `wanted`, and no more than keep the scratch area (slots
@@ -229,12 +235,12 @@ void backward_cuda(const at::Tensor& grad_output, const at::Tensor& weights, con
   check_error_record(error_record, weights);
   TBEGEN_CHECK(total_hash_size >= 1, "tbegen: total_hash_size must be positive, got ", total_hash_size);
   TBEGEN_CHECK(max_segment_length_per_warp >= 1, "tbegen: max_segment_length_per_warp must be >= 1");
+  // the 4-wide kernels, or the any-width ones (above)
+  bool vector_path = check_layout_and_choose(b, features, weights, {grad_output.data_ptr()});
+  for (int k = 0; k < Opt::kElementStates; ++k) vector_path = vector_path && aligned_to(params.element_states[k], 16);
   if (b.N == 0) return;
   const auto stream = at::cuda::getCurrentCUDAStream();
   const at::Tensor error = error_record_for(error_record, weights);
-  // the 4-wide kernels, or the any-width ones (above)
-  bool vector_path = use_vector_path(b, features, weights, {grad_output.data_ptr()});
-  for (int k = 0; k < Opt::kElementStates; ++k) vector_path = vector_path && aligned_to(params.element_states[k], 16);
 
   const PreparedBackward prep = prepare_backward(b, grad_output, weights, features, total_hash_size, indices, offsets,
                                                  per_sample_weights, max_segment_length_per_warp, error, check_finite);

@@ -75,6 +75,28 @@ inline void check_tensor(const at::Tensor& t, const char* name, const at::Tensor
   TBEGEN_CHECK(t.is_contiguous(), "tbegen: ", name, " must be contiguous");
 }
 
+// Checks the features table (a host pointer, b.F rows) against the call's shapes.
+inline void check_features(const Batch& b, const int64_t* feat, const at::Tensor& weights) {
+  const int64_t max_D = b.max_D, total_D = b.total_D, pooling = b.pooling;
+  for (int64_t f = 0; f < b.F; ++f) {
+    const int64_t* ft = feat + f * kFeatColumns;
+    const int64_t rows = ft[kFeatRows], D = ft[kFeatDim];
+    TBEGEN_CHECK(D >= 1 && D <= kMaxD, "tbegen: feature ", f, " has D = ", D,
+                "; embedding dims must be from 1 to ", kMaxD);
+    TBEGEN_CHECK(D <= max_D, "tbegen: feature ", f, " has D = ", D, " > max_D = ", max_D);
+    TBEGEN_CHECK(pooling != kPoolNone || D == max_D, "tbegen: pooling none needs every table to "
+                "have the same D, but feature ", f, " has D = ", D, " and max_D = ", max_D);
+    TBEGEN_CHECK(rows >= 0 && ft[kFeatWeightsOffset] >= 0 &&
+                    ft[kFeatWeightsOffset] + rows * D <= weights.numel(),
+                "tbegen: feature ", f, "'s table (", rows, " x ", D, " at offset ",
+                ft[kFeatWeightsOffset], ") does not fit in the weights buffer of ",
+                weights.numel(), " elements");
+    TBEGEN_CHECK(pooling == kPoolNone || (ft[kFeatOutOffset] >= 0 &&
+                                         ft[kFeatOutOffset] + D <= total_D),
+                "tbegen: feature ", f, "'s output columns do not fit in total_D = ", total_D);
+  }
+}
+
 // Checks everything that can be checked without reading device memory, and returns the shapes.
 inline Batch check_batch(const at::Tensor& weights, const at::Tensor& features, int64_t total_D,
                          int64_t max_D, const at::Tensor& indices, const at::Tensor& offsets,
@@ -124,28 +146,9 @@ inline Batch check_batch(const at::Tensor& weights, const at::Tensor& features, 
                 "entry per index (", b.N, "), got shape ", psw.sizes());
     b.weighted = true;
   }
-  // The per-feature table is small: on the CPU check it in full (CUDA callers check it once when
-  // they build it, and the kernels guard every row access).
-  if (features.is_cpu()) {
-    const int64_t* feat = features.data_ptr<int64_t>();
-    for (int64_t f = 0; f < b.F; ++f) {
-      const int64_t* ft = feat + f * kFeatColumns;
-      const int64_t rows = ft[kFeatRows], D = ft[kFeatDim];
-      TBEGEN_CHECK(D >= 1 && D <= kMaxD, "tbegen: feature ", f, " has D = ", D,
-                  "; embedding dims must be from 1 to ", kMaxD);
-      TBEGEN_CHECK(D <= max_D, "tbegen: feature ", f, " has D = ", D, " > max_D = ", max_D);
-      TBEGEN_CHECK(pooling != kPoolNone || D == max_D, "tbegen: pooling none needs every table to "
-                  "have the same D, but feature ", f, " has D = ", D, " and max_D = ", max_D);
-      TBEGEN_CHECK(rows >= 0 && ft[kFeatWeightsOffset] >= 0 &&
-                      ft[kFeatWeightsOffset] + rows * D <= weights.numel(),
-                  "tbegen: feature ", f, "'s table (", rows, " x ", D, " at offset ",
-                  ft[kFeatWeightsOffset], ") does not fit in the weights buffer of ",
-                  weights.numel(), " elements");
-      TBEGEN_CHECK(pooling == kPoolNone || (ft[kFeatOutOffset] >= 0 &&
-                                           ft[kFeatOutOffset] + D <= total_D),
-                  "tbegen: feature ", f, "'s output columns do not fit in total_D = ", total_D);
-    }
-  }
+  // The per-feature table is small: on the CPU check it in full here (the CUDA operators check
+  // their host copy of it, cuda_ops.cuh's host_features, and the kernels guard every row access).
+  if (features.is_cpu()) check_features(b, features.data_ptr<int64_t>(), weights);
   return b;
 }
 
