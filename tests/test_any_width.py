@@ -363,6 +363,21 @@ def test_cuda_features_changed_in_place_switch_paths(load_ops):
 
 @cuda
 @needs_cuda
+def test_cuda_inference_mode_features(load_ops):
+    """Features made under inference_mode (no version counter) are read on every call."""
+    _, ops = load_ops("sgd")
+    layout = make_layout([(10, 3), (10, 5)])
+    w = torch.randn(layout.weights_numel, device="cuda")
+    ind, off = torch.tensor([1, 2], device="cuda"), torch.tensor([0, 1, 2], device="cuda")
+    with torch.inference_mode():
+        feats = layout.features_tensor("cuda")
+        out = ops.forward(w, feats, 8, 5, ind, off, None, 0).cpu()
+    wc = w.cpu()
+    assert_close(out, torch.cat([wc[3:6], wc[30 + 10 : 30 + 15]])[None], msg="pooled")
+
+
+@cuda
+@needs_cuda
 def test_cuda_checks_the_features_table(load_ops):
     """The CUDA operators check their host copy of the features table as the CPU ones do (the
     any-width kernels size their scratch by max_D, so a wider row must never reach them)."""

@@ -102,6 +102,8 @@ class HostFeaturesCache {
   using Copy = std::shared_ptr<const std::vector<int64_t>>;
 
   Copy get(const at::Tensor& features) {
+    // (an inference tensor has no version counter to key on: it is read on every call)
+    if (features.is_inference()) return read(features);
     const std::lock_guard<std::mutex> lock(mutex_);
     for (const Entry& e : entries_) {
       if (!e.impl.expired() && e.impl._unsafe_get_target() == features.unsafeGetTensorImpl() &&
@@ -109,9 +111,7 @@ class HostFeaturesCache {
         return e.copy;
       }
     }
-    const at::Tensor host = features.to(at::kCPU).contiguous();
-    const int64_t* p = host.data_ptr<int64_t>();
-    Copy copy = std::make_shared<const std::vector<int64_t>>(p, p + host.numel());
+    Copy copy = read(features);
     // forget tensors that are gone, and the oldest entry when the cache is full
     std::vector<Entry> kept;
     for (Entry& old : entries_) {
@@ -125,6 +125,12 @@ class HostFeaturesCache {
   }
 
  private:
+  static Copy read(const at::Tensor& features) {
+    const at::Tensor host = features.to(at::kCPU).contiguous();
+    const int64_t* p = host.data_ptr<int64_t>();
+    return std::make_shared<const std::vector<int64_t>>(p, p + host.numel());
+  }
+
   static constexpr size_t kCapacity = 32;
   struct Entry {
     c10::weak_intrusive_ptr<c10::TensorImpl> impl;
