@@ -78,8 +78,8 @@ CASES = [
 ]
 
 
-# Every other spec: four of those cases (weighted sum over bf16 weights, weighted mean over fp16, 4095 and 4096
-# wide rows, a mixed layout with shared tables).
+# Every other spec: four of those cases (weighted sum over bf16 weights, weighted mean over fp16,
+# 4095 and 4096 wide rows, a mixed layout with shared tables).
 OTHER_CASES = [
     pytest.param(name, case, id=f"{name}-{case.id}")
     for name in sorted(set(SPECS) - set(OPTIMIZERS))
