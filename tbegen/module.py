@@ -302,7 +302,7 @@ class TableBatchedEmbeddingBags(nn.Module):
     """Many embedding tables, looked up together, trained by an optimizer fused into the backward.
 
     Args:
-        tables: (rows, dim) per table; dims are multiples of 4 from 4 to 1024.
+        tables: (rows, dim) per table; any dim from 1 to 4096 (tbegen.layout.MAX_DIM).
         optimizer: a spec name from optimizers/ ("sgd", "adagrad", "rowwise_adagrad", "adam",
             "none", ...), a path to a YAML spec, or a loaded `OptimizerSpec`. "none" is the
             dense-gradient mode (no fused update; `weights` is an nn.Parameter with a dense .grad).

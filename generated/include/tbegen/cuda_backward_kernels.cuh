@@ -12,6 +12,7 @@
 
 #include <type_traits>
 
+#include "tbegen/cuda_any_width.cuh"
 #include "tbegen/cuda_kernels.cuh"
 
 namespace tbegen {
@@ -33,10 +34,42 @@ struct BackwardLaunch {
 
 using BackwardLaunchFn = cudaError_t (*)(const BackwardLaunch&);
 
+// One launch of the any-width update kernels (cuda_any_width.cuh), for layouts the 4-wide
+// kernels do not take.
+struct AnyWidthLaunch {
+  BackwardArgs a;
+  Runs runs;
+  Occurrences occurrences;
+  const void* params;  // the optimizer's Params
+  RowUpdateContext ctx;
+  void* weights;       // W*
+  float* partial;      // max_D floats per partial sum of a run of several segments
+  float* side_scratch; // the segment and finish kernels' scratch rows (side stream)
+  float* scratch;      // the warp kernel's scratch rows
+  int segment_blocks = 0, finish_blocks = 0, warp_blocks = 0, threads = 0;
+  cudaStream_t side = nullptr;
+  cudaStream_t stream = nullptr;
+};
+
+// The any-width kernels of one weight dtype: their launch and their scratch rows per warp.
+struct AnyWidthKernels {
+  cudaError_t (*launch)(const AnyWidthLaunch&);
+  int64_t scratch_slots;
+};
+
 // The launch function of every (weight dtype, kVecs) pair of one optimizer.
 struct BackwardKernels {
   // [weights: float, c10::Half, c10::BFloat16][kVecs: 1, 2, 4, 8]
   BackwardLaunchFn launch[3][4];
+  // [weights: float, c10::Half, c10::BFloat16]
+  AnyWidthKernels any_width[3];
+  // whether every per-element state of these Params is 16-byte aligned (the 4-wide kernels' loads)
+  bool (*element_states_aligned)(const void* params);
+
+  template <typename W>
+  const AnyWidthKernels& any_width_for() const {
+    return any_width[std::is_same<W, float>::value ? 0 : std::is_same<W, c10::Half>::value ? 1 : 2];
+  }
 
   template <typename W, int kVecs>
   BackwardLaunchFn get() const {
@@ -66,7 +99,35 @@ cudaError_t launch_backward(const BackwardLaunch& l) {
   return cudaGetLastError();
 }
 
-// The table of optimizer Opt's kernels (instantiates all 36: 3 dtypes x 4 widths x 3 kernels).
+// Launches the three any-width update kernels for optimizer Opt; returns the first launch error.
+template <class Opt, typename W>
+cudaError_t launch_any_width(const AnyWidthLaunch& l) {
+  const typename Opt::Params& p = *static_cast<const typename Opt::Params*>(l.params);
+  W* weights = static_cast<W*>(l.weights);
+  any_width::backward_segment_kernel<Opt, W><<<l.segment_blocks, l.threads, 0, l.side>>>(
+      l.a, l.runs, l.occurrences, p, l.ctx, weights, l.partial, l.side_scratch);
+  cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess) return err;
+  any_width::backward_finish_kernel<Opt, W><<<l.finish_blocks, l.threads, 0, l.side>>>(
+      l.a, l.runs, l.occurrences, p, l.ctx, weights, l.partial, l.side_scratch);
+  err = cudaGetLastError();
+  if (err != cudaSuccess) return err;
+  any_width::backward_warp_kernel<Opt, W><<<l.warp_blocks, l.threads, 0, l.stream>>>(
+      l.a, l.runs, l.occurrences, p, l.ctx, weights, l.scratch);
+  return cudaGetLastError();
+}
+
+template <class Opt>
+bool element_states_aligned(const void* params) {
+  const typename Opt::Params& p = *static_cast<const typename Opt::Params*>(params);
+  for (int k = 0; k < Opt::kElementStates; ++k) {
+    if (reinterpret_cast<uintptr_t>(p.element_states[k]) % 16 != 0) return false;
+  }
+  return true;
+}
+
+// The table of optimizer Opt's kernels (instantiates all 36 4-wide ones, 3 dtypes x 4 widths x 3
+// kernels, and the 9 any-width ones).
 template <class Opt>
 const BackwardKernels& backward_kernels_for() {
   static const BackwardKernels table = {{
@@ -76,7 +137,11 @@ const BackwardKernels& backward_kernels_for() {
        &launch_backward<Opt, c10::Half, 4>, &launch_backward<Opt, c10::Half, 8>},
       {&launch_backward<Opt, c10::BFloat16, 1>, &launch_backward<Opt, c10::BFloat16, 2>,
        &launch_backward<Opt, c10::BFloat16, 4>, &launch_backward<Opt, c10::BFloat16, 8>},
-  }};
+  }, {
+      {&launch_any_width<Opt, float>, any_width::scratch_slots<Opt, float>()},
+      {&launch_any_width<Opt, c10::Half>, any_width::scratch_slots<Opt, c10::Half>()},
+      {&launch_any_width<Opt, c10::BFloat16>, any_width::scratch_slots<Opt, c10::BFloat16>()},
+  }, &element_states_aligned<Opt>};
   return table;
 }
 
