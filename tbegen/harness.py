@@ -29,7 +29,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 
 from .layout import POOLING, Layout, make_layout
-from .model import OptimizerSpec
+from .model import STATE_DTYPE_NAMES, OptimizerSpec
 
 # Allowed error per dtype of the tensor compared (see the module docstring for the measure).
 TOLERANCE = {
@@ -38,6 +38,17 @@ TOLERANCE = {
     torch.bfloat16: 2.0**-6,  # two ulps
 }
 FORWARD_TOLERANCE = 1e-5
+
+
+_DTYPE_IDS = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+
+
+def state_dtype(spec: OptimizerSpec, case: "Case", name: str) -> torch.dtype:
+    """The storage dtype of state `name` in `case`: the case's override, else the spec's."""
+    overrides = dict(case.state_dtypes)
+    if name in overrides:
+        return overrides[name]
+    return getattr(torch, STATE_DTYPE_NAMES[next(s.dtype for s in spec.states if s.name == name)])
 
 
 @dataclass(frozen=True)
@@ -60,6 +71,8 @@ class Case:
     # every index of the batch is row 0 of its feature's table
     all_same: bool = False
     seed: int = 0
+    # storage dtype overrides per state, as the module's state_dtypes (default: the spec's dtype)
+    state_dtypes: Tuple[Tuple[str, torch.dtype], ...] = ()
 
     @property
     def id(self) -> str:
@@ -80,6 +93,7 @@ class Case:
         if self.max_segment_length_per_warp != 32:
             parts.append(f"seg{self.max_segment_length_per_warp}")
         parts += [f"{k}={v}" for k, v in self.hyper]
+        parts += [f"{k}:{_DTYPE_IDS[v]}" for k, v in self.state_dtypes]
         return "-".join(parts)
 
 
@@ -155,7 +169,8 @@ def initial_state(spec: OptimizerSpec, layout: Layout, case: Case, gen: torch.Ge
     for s in spec.states:
         n = layout.weights_numel if s.per == "element" else layout.total_hash_size
         # start from non-trivial, valid (non-negative) state values so that every term matters
-        states[s.name] = torch.rand(n, generator=gen, dtype=torch.float32) * 0.1 + float(s.init)
+        value = torch.rand(n, generator=gen, dtype=torch.float32) * 0.1 + float(s.init)
+        states[s.name] = value.to(state_dtype(spec, case, s.name))
     return weights, states
 
 
@@ -375,8 +390,10 @@ def run_case(spec: OptimizerSpec, ops, case: Case, device: str = "cpu") -> Resul
         if not torch.equal(w_now[~touched], before_w[~touched]):
             result.failures.append(f"step {step}: rows outside the batch changed")
         w_before = before_w if case.weights_dtype == torch.float32 else None
+        # a narrow (fp16/bf16) state is measured like narrow weights: against its size
         compared = [("weights", w_now, ref_w, w_before, tol_w)] + [
-            (name, states[name].cpu(), ref, before_states[name], TOLERANCE[torch.float32])
+            (name, states[name].cpu(), ref,
+             before_states[name] if states[name].dtype == torch.float32 else None, TOLERANCE[states[name].dtype])
             for name, ref in ref_states.items()
         ]
         errors = [_err(a, r, b) for _, a, r, b, _ in compared]
@@ -447,8 +464,9 @@ def run_lane_split_case(spec: OptimizerSpec, ops, case: Case) -> Result:
         before_w = weights if case.weights_dtype == torch.float32 else None
         result.note("weights", _err(w_lane, w_cpu.to(torch.float64), before_w), TOLERANCE[case.weights_dtype], step)
         for name in st_cpu:
-            result.note(name, _err(st_lane[name], st_cpu[name].to(torch.float64), states[name]),
-                        TOLERANCE[torch.float32], step)
+            narrow = states[name].dtype != torch.float32
+            result.note(name, _err(st_lane[name], st_cpu[name].to(torch.float64), None if narrow else states[name]),
+                        TOLERANCE[states[name].dtype], step)
         weights, states = w_cpu, st_cpu
     return result
 
@@ -481,6 +499,13 @@ def standard_cases(spec: OptimizerSpec, dtypes: Sequence[torch.dtype] = (torch.f
     for hyper in test_hyperparameters(spec):
         seed += 1
         cases.append(Case(tables=MIXED_TABLES, pooling="sum", weighted=True, hyper=hyper, seed=seed))
+    # narrow state storage (the module's state_dtypes): every state bf16, then every state fp16
+    # (fp32 arithmetic, stochastic rounding on store)
+    for narrow, wdt, pooling in ((torch.bfloat16, torch.float32, "sum"), (torch.float16, torch.float16, "mean")):
+        if spec.states:
+            seed += 1
+            cases.append(Case(tables=MIXED_TABLES, pooling=pooling, weighted=True, weights_dtype=wdt, seed=seed,
+                              state_dtypes=tuple((s.name, narrow) for s in spec.states)))
     return cases
 
 

@@ -24,7 +24,7 @@ import difflib
 import math
 import numbers
 import os
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
@@ -34,7 +34,7 @@ from . import build
 from .errors import BOUNDS_CHECK_MODES, ErrorRecord
 from .init import fill_uniform_
 from .layout import POOLING, Layout, make_layout
-from .model import OptimizerSpec
+from .model import STATE_DTYPE_NAMES, OptimizerSpec
 from .spec import find_spec, load_spec
 
 __all__ = ["TableBatchedEmbeddingBags", "DTYPES", "INDEX_DTYPES"]
@@ -65,6 +65,7 @@ _MODULE_ARGS = (
     "max_segment_length_per_warp",
     "bounds_check_mode",
     "check_finite",
+    "state_dtypes",
 )
 
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
@@ -120,6 +121,34 @@ def _check_dtype(weights_dtype) -> torch.dtype:
         f"tbegen: weights_dtype must be torch.float32, torch.float16 or torch.bfloat16 "
         f"(or one of the names {sorted(DTYPES)}), got {weights_dtype!r}"
     )
+
+
+def state_torch_dtype(spec_dtype: str) -> torch.dtype:
+    """The torch dtype of a spec's state `dtype` ("fp32", "bf16", "fp16")."""
+    return getattr(torch, STATE_DTYPE_NAMES[spec_dtype])
+
+
+def _check_state_dtypes(spec: OptimizerSpec, state_dtypes) -> Dict[str, torch.dtype]:
+    """Each state's storage dtype: the spec's `dtype`, unless `state_dtypes` names the state."""
+    out = {s.name: state_torch_dtype(s.dtype) for s in spec.states}
+    if state_dtypes is None:
+        return out
+    if not isinstance(state_dtypes, Mapping):
+        raise TypeError(f"tbegen: state_dtypes must be a dict {{state name: dtype}}, got {state_dtypes!r}")
+    allowed = {torch.float32, torch.float16, torch.bfloat16}
+    for name, dt in state_dtypes.items():
+        if name not in out:
+            raise ValueError(f"tbegen: state_dtypes names {name!r}, but optimizer {spec.name!r} has "
+                             f"{'the states ' + str(sorted(out)) if out else 'no states'}")
+        if isinstance(dt, str) and dt in DTYPES:
+            dt = DTYPES[dt]
+        if isinstance(dt, str) and dt in STATE_DTYPE_NAMES:
+            dt = state_torch_dtype(dt)
+        if dt not in allowed:
+            raise ValueError(f"tbegen: state_dtypes[{name!r}] must be torch.float32, torch.float16 or "
+                             f"torch.bfloat16, got {dt!r}")
+        out[name] = dt
+    return out
 
 
 def _check_device(device) -> torch.device:
@@ -304,7 +333,11 @@ class TableBatchedEmbeddingBags(nn.Module):
             "none", ...), a path to a YAML spec, or a loaded `OptimizerSpec`. "none" is the
             dense-gradient mode (no fused update; `weights` is an nn.Parameter with a dense .grad).
         pooling: "sum", "mean" or "none" (one output row per index; every table the same dim).
-        weights_dtype: torch.float32, torch.float16 or torch.bfloat16. Optimizer states are float32.
+        weights_dtype: torch.float32, torch.float16 or torch.bfloat16.
+        state_dtypes: {state name: torch.float32 | torch.float16 | torch.bfloat16} overriding the
+            storage dtype a spec declares for its states (float32 by default). The update always
+            computes in float32; a narrow state is rounded stochastically when stored, with bits
+            that are a pure function of (seed, step, state, row, element).
         stochastic_rounding: round fp16/bf16 weights stochastically after each update (the random
             bits are a pure function of (seed, step, row, element), so runs are reproducible).
         device: "cpu" or "cuda" ("cuda:N").
@@ -343,6 +376,7 @@ class TableBatchedEmbeddingBags(nn.Module):
         max_segment_length_per_warp: int = 32,
         bounds_check_mode: str = "raise",
         check_finite: bool = True,
+        state_dtypes: Optional[Mapping[str, Union[torch.dtype, str]]] = None,
         **hyperparameters,
     ):
         super().__init__()
@@ -364,6 +398,7 @@ class TableBatchedEmbeddingBags(nn.Module):
                 f"got dims {[D for _, D in layout.tables]}"
             )
         dtype = _check_dtype(weights_dtype)
+        self_state_dtypes = _check_state_dtypes(spec, state_dtypes)
         dev = _check_device(device)
         if not isinstance(stochastic_rounding, bool):
             raise TypeError(f"tbegen: stochastic_rounding must be a bool, got {stochastic_rounding!r}")
@@ -385,6 +420,8 @@ class TableBatchedEmbeddingBags(nn.Module):
         self.layout: Layout = layout
         self.pooling: str = pooling
         self.weights_dtype: torch.dtype = dtype
+        # storage dtype of each optimizer state (the spec's, or state_dtypes')
+        self.state_dtypes: Dict[str, torch.dtype] = self_state_dtypes
         self.stochastic_rounding: bool = stochastic_rounding
         self.seed: int = int(seed)
         self.max_segment_length_per_warp: int = int(max_segment_length_per_warp)
@@ -403,7 +440,7 @@ class TableBatchedEmbeddingBags(nn.Module):
         self.states = nn.Module()
         for s in spec.states:
             n = layout.weights_numel if s.per == "element" else layout.total_hash_size
-            self.states.register_buffer(s.name, torch.full((n,), float(s.init), dtype=torch.float32, device=dev))
+            self.states.register_buffer(s.name, torch.full((n,), float(s.init), dtype=self.state_dtypes[s.name], device=dev))
         self.register_buffer("features", layout.features_tensor(dev), persistent=False)
         self.check_finite: bool = check_finite
         self._errors = ErrorRecord(dev, self._ops, bounds_check_mode)
@@ -514,6 +551,7 @@ class TableBatchedEmbeddingBags(nn.Module):
             "feature_table_map": list(self.layout.feature_table_map),
             "pooling": self.pooling,
             "weights_dtype": str(self.weights_dtype).replace("torch.", ""),
+            "state_dtypes": {k: str(v).replace("torch.", "") for k, v in self.state_dtypes.items()},
         }
 
     def set_extra_state(self, state: Dict[str, Any]) -> None:
@@ -557,8 +595,11 @@ class TableBatchedEmbeddingBags(nn.Module):
                 f"(module.half()/.to(dtype) converts buffers; choose weights_dtype at construction instead)"
             )
         for s in self.spec.states:
-            if getattr(self.states, s.name).dtype != torch.float32:
-                raise RuntimeError(f"tbegen: optimizer state {s.name!r} must stay float32 (was the module converted with .half()/.to(dtype)?)")
+            have, want = getattr(self.states, s.name).dtype, self.state_dtypes[s.name]
+            if have != want:
+                raise RuntimeError(f"tbegen: optimizer state {s.name!r} is {have} but the module was built with it "
+                                   f"{want} (was the module converted with .half()/.to(dtype)? choose "
+                                   f"state_dtypes at construction instead)")
 
     def _check_input(self, indices, offsets, per_sample_weights):
         device = self.weights.device

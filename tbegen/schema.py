@@ -68,7 +68,8 @@ def _state() -> Dict[str, Any]:
         "properties": {
             "per": {"enum": list(sp.STATE_PERS), "description": "element: one value per weight; row: one per table row"},
             "init": {"type": "number", "description": "initial value (default 0)"},
-            "dtype": {"enum": list(sp.STATE_DTYPES), "description": "storage type"},
+            "dtype": {"enum": list(sp.STATE_DTYPES), "default": "fp32",
+                      "description": "storage type (arithmetic is float32; narrow states are rounded stochastically)"},
             "doc": {"type": "string"},
         },
         "required": ["per"],

@@ -66,7 +66,7 @@ SPEC_SUFFIXES = (".yaml", ".yml")
 
 HYPERPARAMETER_TYPES = ("float", "int", "bool")
 STATE_PERS = ("element", "row")
-STATE_DTYPES = ("float32",)
+STATE_DTYPES = ("fp32", "bf16", "fp16")  # storage; the arithmetic is float32
 TEMPORARY_PERS = ("element",)
 STAGE_KINDS = ("row", "element")
 
@@ -665,12 +665,12 @@ def _parse_state(problems: _Problems, name: Any, value: Any, field: str, line: i
     else:
         init = float(init)
 
-    dtype = fields.pop("dtype", "float32")
+    dtype = fields.pop("dtype", "fp32")
     if dtype not in STATE_DTYPES:
         problems.add(
             fields.value_line("dtype"),
             fields.path("dtype"),
-            f"only float32 states are supported for now, got {_describe(dtype)}",
+            f"must be {' or '.join(STATE_DTYPES)} (the storage type; arithmetic is float32), got {_describe(dtype)}",
         )
 
     doc = _pop_string(fields, "doc", "")

@@ -19,6 +19,10 @@ struct Params {
   float* element_states[1];
   // per-row states, one float per linear key: none
   float* row_states[1];
+  // how each state is stored (common.h, StateDtype: float32, float16 or bfloat16); set by
+  // make_params from the tensors passed in
+  int32_t element_state_dtypes[1];
+  int32_t row_state_dtypes[1];
 };
 
 struct Optimizer {
@@ -43,7 +47,7 @@ struct Optimizer {
 #line 9 "optimizers/adagrad.yaml"
         accumulator += g * g;
         w -= learning_rate * g / (sqrtf(accumulator) + eps);
-#line 47 "adagrad/optimizer.h"
+#line 51 "adagrad/optimizer.h"
       }
     }
     (void)tbegen_step;

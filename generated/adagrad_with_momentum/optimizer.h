@@ -21,6 +21,10 @@ struct Params {
   float* element_states[2];
   // per-row states, one float per linear key: none
   float* row_states[1];
+  // how each state is stored (common.h, StateDtype: float32, float16 or bfloat16); set by
+  // make_params from the tensors passed in
+  int32_t element_state_dtypes[2];
+  int32_t row_state_dtypes[1];
 };
 
 struct Optimizer {
@@ -50,7 +54,7 @@ struct Optimizer {
         accumulator += gd * gd;
         momentum_buffer = momentum * momentum_buffer + gd / (sqrtf(accumulator) + eps);
         w -= learning_rate * momentum_buffer;
-#line 54 "adagrad_with_momentum/optimizer.h"
+#line 58 "adagrad_with_momentum/optimizer.h"
       }
     }
     (void)tbegen_step;

@@ -22,6 +22,10 @@ struct Params {
   float* element_states[2];
   // per-row states, one float per linear key: none
   float* row_states[1];
+  // how each state is stored (common.h, StateDtype: float32, float16 or bfloat16); set by
+  // make_params from the tensors passed in
+  int32_t element_state_dtypes[2];
+  int32_t row_state_dtypes[1];
 };
 
 struct Optimizer {
@@ -47,7 +51,7 @@ struct Optimizer {
     float bias1 = static_cast<float>(1.0 - pow(static_cast<double>(beta1), static_cast<double>(step)));
     float bias2 = static_cast<float>(1.0 - pow(static_cast<double>(beta2), static_cast<double>(step)));
     float keep = 1.0f - learning_rate * weight_decay;
-#line 51 "adamw/optimizer.h"
+#line 55 "adamw/optimizer.h"
     // stage 2: element (optimizers/adamw.yaml:23)
     TBEGEN_FOR_ELEMENTS(tbegen_row, tbegen_i) {
       const float g = tbegen_row.g(tbegen_i);
@@ -59,7 +63,7 @@ struct Optimizer {
         exp_avg = beta1 * exp_avg + (1.0f - beta1) * g;
         exp_avg_sq = beta2 * exp_avg_sq + (1.0f - beta2) * g * g;
         w = keep * w - learning_rate * (exp_avg / bias1) / (sqrtf(exp_avg_sq / bias2) + eps);
-#line 63 "adamw/optimizer.h"
+#line 67 "adamw/optimizer.h"
       }
     }
   }

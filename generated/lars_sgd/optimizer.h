@@ -21,6 +21,10 @@ struct Params {
   float* element_states[1];
   // per-row states, one float per linear key: none
   float* row_states[1];
+  // how each state is stored (common.h, StateDtype: float32, float16 or bfloat16); set by
+  // make_params from the tensors passed in
+  int32_t element_state_dtypes[1];
+  int32_t row_state_dtypes[1];
 };
 
 struct Optimizer {
@@ -46,10 +50,10 @@ struct Optimizer {
       const float w = tbegen_row.w(tbegen_i);
 #line 19 "optimizers/lars_sgd.yaml"
       tbegen_red_0 += (w * w);
-#line 50 "lars_sgd/optimizer.h"
+#line 54 "lars_sgd/optimizer.h"
 #line 20 "optimizers/lars_sgd.yaml"
       tbegen_red_1 += (g * g);
-#line 53 "lars_sgd/optimizer.h"
+#line 57 "lars_sgd/optimizer.h"
     }
     tbegen_red_0 = tbegen_row.all_sum(tbegen_red_0);
     tbegen_red_1 = tbegen_row.all_sum(tbegen_red_1);
@@ -58,7 +62,7 @@ struct Optimizer {
     float grad_norm = sqrtf(tbegen_red_1);
     float denom = grad_norm + weight_decay * weight_norm;
     float local_lr = (weight_norm > 0.0f && denom > 0.0f) ? learning_rate * eta * weight_norm / denom : learning_rate;
-#line 62 "lars_sgd/optimizer.h"
+#line 66 "lars_sgd/optimizer.h"
     // stage 2: element (optimizers/lars_sgd.yaml:24)
     TBEGEN_FOR_ELEMENTS(tbegen_row, tbegen_i) {
       const float g = tbegen_row.g(tbegen_i);
@@ -68,7 +72,7 @@ struct Optimizer {
 #line 24 "optimizers/lars_sgd.yaml"
         momentum_buffer = momentum * momentum_buffer + local_lr * (g + weight_decay * w);
         w -= momentum_buffer;
-#line 72 "lars_sgd/optimizer.h"
+#line 76 "lars_sgd/optimizer.h"
       }
     }
     (void)tbegen_step;

@@ -21,6 +21,10 @@ struct Params {
   float* element_states[1];
   // per-row states, one float per linear key: none
   float* row_states[1];
+  // how each state is stored (common.h, StateDtype: float32, float16 or bfloat16); set by
+  // make_params from the tensors passed in
+  int32_t element_state_dtypes[1];
+  int32_t row_state_dtypes[1];
 };
 
 struct Optimizer {
@@ -49,7 +53,7 @@ struct Optimizer {
         float direction = c > 0.0f ? 1.0f : (c < 0.0f ? -1.0f : 0.0f);
         w = w * (1.0f - learning_rate * weight_decay) - learning_rate * direction;
         exp_avg = beta2 * exp_avg + (1.0f - beta2) * g;
-#line 53 "lion/optimizer.h"
+#line 57 "lion/optimizer.h"
       }
     }
     (void)tbegen_step;

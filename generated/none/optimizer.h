@@ -17,6 +17,10 @@ struct Params {
   float* element_states[1];
   // per-row states, one float per linear key: none
   float* row_states[1];
+  // how each state is stored (common.h, StateDtype: float32, float16 or bfloat16); set by
+  // make_params from the tensors passed in
+  int32_t element_state_dtypes[1];
+  int32_t row_state_dtypes[1];
 };
 
 struct Optimizer {
@@ -38,7 +42,7 @@ struct Optimizer {
 #line 7 "optimizers/none.yaml"
         // The caller passes a zeroed gradient buffer as the weights, so w becomes the weight gradient.
         w = g;
-#line 42 "none/optimizer.h"
+#line 46 "none/optimizer.h"
       }
     }
     (void)tbegen_step;

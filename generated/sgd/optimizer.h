@@ -18,6 +18,10 @@ struct Params {
   float* element_states[1];
   // per-row states, one float per linear key: none
   float* row_states[1];
+  // how each state is stored (common.h, StateDtype: float32, float16 or bfloat16); set by
+  // make_params from the tensors passed in
+  int32_t element_state_dtypes[1];
+  int32_t row_state_dtypes[1];
 };
 
 struct Optimizer {
@@ -39,7 +43,7 @@ struct Optimizer {
       {
 #line 6 "optimizers/sgd.yaml"
         w -= learning_rate * g;
-#line 43 "sgd/optimizer.h"
+#line 47 "sgd/optimizer.h"
       }
     }
     (void)tbegen_step;

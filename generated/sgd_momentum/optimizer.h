@@ -22,6 +22,10 @@ struct Params {
   float* element_states[1];
   // per-row states, one float per linear key: none
   float* row_states[1];
+  // how each state is stored (common.h, StateDtype: float32, float16 or bfloat16); set by
+  // make_params from the tensors passed in
+  int32_t element_state_dtypes[1];
+  int32_t row_state_dtypes[1];
 };
 
 struct Optimizer {
@@ -50,7 +54,7 @@ struct Optimizer {
         float d = g + weight_decay * w;
         momentum_buffer = momentum * momentum_buffer + (1.0f - dampening) * d;
         w -= learning_rate * (nesterov ? d + momentum * momentum_buffer : momentum_buffer);
-#line 54 "sgd_momentum/optimizer.h"
+#line 58 "sgd_momentum/optimizer.h"
       }
     }
     (void)tbegen_step;

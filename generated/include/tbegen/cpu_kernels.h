@@ -231,7 +231,8 @@ void backward(const Batch& b, const int64_t* feat, int64_t total_hash_size, cons
   // never split, so every row is summed and updated by one thread, in the same order whatever
   // the number of threads.
   at::parallel_for(0, n_rows, 1024, [&](int64_t begin, int64_t end) {
-    std::vector<float> buf((2 + Opt::kTemporaries) * b.max_D);
+    // g, a float copy of the weights, the temporaries, then float copies of narrow element states
+    std::vector<float> buf((2 + Opt::kTemporaries + Opt::kElementStates) * b.max_D);
     constexpr int64_t kAhead = 8;  // sorted positions whose rows are prefetched ahead
     int64_t first = begin;
     while (first < end && first > 0 && key_at(first) == key_at(first - 1)) ++first;  // an earlier task's run
@@ -246,7 +247,10 @@ void backward(const Batch& b, const int64_t* feat, int64_t total_hash_size, cons
         int64_t key_n;
         const int64_t off = row_at(last + kAhead, &key_n, &Dn);
         prefetch_bytes(weights + off, Dn * int64_t(sizeof(W)));
-        for (int k = 0; k < Opt::kElementStates; ++k) prefetch_bytes(params.element_states[k] + off, Dn * 4);
+        for (int k = 0; k < Opt::kElementStates; ++k) {
+          const int size = state_element_size(params.element_state_dtypes[k]);
+          prefetch_bytes(reinterpret_cast<const char*>(params.element_states[k]) + off * size, Dn * size);
+        }
         for (int k = 0; k < Opt::kRowStates; ++k) __builtin_prefetch(params.row_states[k] + key_n);
       }
 
@@ -278,11 +282,39 @@ void backward(const Batch& b, const int64_t* feat, int64_t total_hash_size, cons
         row.w_ = buf.data() + b.max_D;
         for (int d = 0; d < D; ++d) row.w_[d] = WeightTraits<W>::load(wrow[d]);
       }
-      for (int k = 0; k < Opt::kElementStates; ++k) row.element_[k] = params.element_states[k] + woff;
+      // float32 states are updated in place; narrow (fp16/bf16) ones through a float copy
+      float row_copy[Opt::kRowStates > 0 ? Opt::kRowStates : 1];
+      for (int k = 0; k < Opt::kElementStates; ++k) {
+        const int32_t dtype = params.element_state_dtypes[k];
+        if (dtype == kStateFloat32) {
+          row.element_[k] = params.element_states[k] + woff;
+        } else {
+          row.element_[k] = buf.data() + (2 + Opt::kTemporaries + k) * b.max_D;
+          for (int d = 0; d < D; ++d) row.element_[k][d] = load_state(params.element_states[k], dtype, woff + d);
+        }
+      }
       for (int k = 0; k < Opt::kTemporaries; ++k) row.element_[Opt::kElementStates + k] = buf.data() + (2 + k) * b.max_D;
-      for (int k = 0; k < Opt::kRowStates; ++k) row.row_[k] = params.row_states[k] + key;
+      for (int k = 0; k < Opt::kRowStates; ++k) {
+        const int32_t dtype = params.row_state_dtypes[k];
+        if (dtype == kStateFloat32) {
+          row.row_[k] = params.row_states[k] + key;
+        } else {
+          row_copy[k] = load_state(params.row_states[k], dtype, key);
+          row.row_[k] = &row_copy[k];
+        }
+      }
 
       Opt::update_row(row, params, ctx.step);
+
+      for (int k = 0; k < Opt::kElementStates; ++k) {
+        const int32_t dtype = params.element_state_dtypes[k];
+        if (dtype == kStateFloat32) continue;
+        for (int d = 0; d < D; ++d) store_state(params.element_states[k], dtype, woff + d, row.element_[k][d], ctx, k, key, d);
+      }
+      for (int k = 0; k < Opt::kRowStates; ++k) {
+        const int32_t dtype = params.row_state_dtypes[k];
+        if (dtype != kStateFloat32) store_state(params.row_states[k], dtype, key, row_copy[k], ctx, Opt::kElementStates + k, key, 0);
+      }
 
       if constexpr (!kInPlace) {
         for (int d = 0; d < D; ++d) {
