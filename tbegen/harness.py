@@ -46,6 +46,8 @@ _DTYPE_IDS = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf1
 def state_dtype(spec: OptimizerSpec, case: "Case", name: str) -> torch.dtype:
     """The storage dtype of state `name` in `case`: the case's override, else the spec's."""
     overrides = dict(case.state_dtypes)
+    if next(s for s in spec.states if s.name == name).is_int:
+        return torch.int64
     if name in overrides:
         return overrides[name]
     return getattr(torch, STATE_DTYPE_NAMES[next(s.dtype for s in spec.states if s.name == name)])
@@ -169,6 +171,10 @@ def initial_state(spec: OptimizerSpec, layout: Layout, case: Case, gen: torch.Ge
     for s in spec.states:
         n = layout.weights_numel if s.per == "element" else layout.total_hash_size
         # start from non-trivial, valid (non-negative) state values so that every term matters
+        if s.is_int:
+            # small non-negative counts (a step number or counter of 0, 1 or 2)
+            states[s.name] = torch.randint(0, 3, (n,), generator=gen, dtype=torch.int64) + int(s.init)
+            continue
         value = torch.rand(n, generator=gen, dtype=torch.float32) * 0.1 + float(s.init)
         states[s.name] = value.to(state_dtype(spec, case, s.name))
     return weights, states
@@ -286,7 +292,10 @@ def reference_step(spec, layout, B, pooling, weights, states, batch, grad_output
             if s.per == "element":
                 st[s.name][base : base + E * D].view(E, D)[rows] = ns[s.name].to(torch.float64)
             else:
-                st[s.name][layout.table_key_base[t] + rows] = ns[s.name].to(torch.float64)
+                value = torch.as_tensor(ns[s.name], dtype=torch.float64)
+                if s.is_int:  # an int state holds integers: what the reference computes, rounded
+                    value = value.round()
+                st[s.name][layout.table_key_base[t] + rows] = value
     return w, st, touched_w
 
 
@@ -390,11 +399,17 @@ def run_case(spec: OptimizerSpec, ops, case: Case, device: str = "cpu") -> Resul
         if not torch.equal(w_now[~touched], before_w[~touched]):
             result.failures.append(f"step {step}: rows outside the batch changed")
         w_before = before_w if case.weights_dtype == torch.float32 else None
+        # int states must equal the reference exactly
+        for name, ref in ref_states.items():
+            if states[name].dtype == torch.int64 and not torch.equal(states[name].cpu().to(torch.float64), ref):
+                bad = int((states[name].cpu().to(torch.float64) != ref).nonzero()[0])
+                result.failures.append(f"step {step}: int state {name}: {int(states[name].cpu()[bad])} at {bad}, "
+                                       f"reference {ref[bad].item():.17g}")
         # a narrow (fp16/bf16) state is measured like narrow weights: against its size
         compared = [("weights", w_now, ref_w, w_before, tol_w)] + [
             (name, states[name].cpu(), ref,
              before_states[name] if states[name].dtype == torch.float32 else None, TOLERANCE[states[name].dtype])
-            for name, ref in ref_states.items()
+            for name, ref in ref_states.items() if states[name].dtype != torch.int64
         ]
         errors = [_err(a, r, b) for _, a, r, b, _ in compared]
         # an error over the tolerance is judged again with the step's sensitivity to float32
@@ -423,7 +438,9 @@ def _lane_split_message(spec: OptimizerSpec, error: Exception) -> str:
     message = str(error).splitlines()[0] if str(error) else type(error).__name__
     message = message.replace("tbegen: lane-split mode: ", "")
     for k, s in enumerate(spec.row_states):
-        message = message.replace(f"per-row state {k} ", f"per-row state {s.name!r} ")
+        message = message.replace(f"of per-row state {k} ", f"of per-row state {s.name!r} ")
+    for k, s in enumerate(spec.int_row_states):
+        message = message.replace(f"int per-row state {k} ", f"int per-row state {s.name!r} ")
     return message
 
 
@@ -464,6 +481,10 @@ def run_lane_split_case(spec: OptimizerSpec, ops, case: Case) -> Result:
         before_w = weights if case.weights_dtype == torch.float32 else None
         result.note("weights", _err(w_lane, w_cpu.to(torch.float64), before_w), TOLERANCE[case.weights_dtype], step)
         for name in st_cpu:
+            if states[name].dtype == torch.int64:
+                if not torch.equal(st_lane[name], st_cpu[name]):
+                    result.failures.append(f"step {step}: int state {name}: lane-split mode differs from the CPU kernel")
+                continue
             narrow = states[name].dtype != torch.float32
             result.note(name, _err(st_lane[name], st_cpu[name].to(torch.float64), None if narrow else states[name]),
                         TOLERANCE[states[name].dtype], step)

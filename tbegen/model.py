@@ -77,6 +77,13 @@ class State:
     dtype: str
     doc: str
     loc: Loc
+    # "float" (a float in snippets, stored as `dtype`) or "int" (per row only: an int64_t in
+    # snippets and in storage, exact; counters, step numbers)
+    type: str = "float"
+
+    @property
+    def is_int(self) -> bool:
+        return self.type == "int"
 
 
 @dataclass(frozen=True)
@@ -134,7 +141,12 @@ class OptimizerSpec:
 
     @property
     def row_states(self) -> Tuple[State, ...]:
-        return tuple(s for s in self.states if s.per == "row")
+        """The float per-row states (int ones: `int_row_states`)."""
+        return tuple(s for s in self.states if s.per == "row" and not s.is_int)
+
+    @property
+    def int_row_states(self) -> Tuple[State, ...]:
+        return tuple(s for s in self.states if s.is_int)
 
     def hyperparameter(self, name: str) -> Hyperparameter:
         for h in self.hyperparameters:

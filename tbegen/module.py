@@ -130,7 +130,8 @@ def state_torch_dtype(spec_dtype: str) -> torch.dtype:
 
 def _check_state_dtypes(spec: OptimizerSpec, state_dtypes) -> Dict[str, torch.dtype]:
     """Each state's storage dtype: the spec's `dtype`, unless `state_dtypes` names the state."""
-    out = {s.name: state_torch_dtype(s.dtype) for s in spec.states}
+    out = {s.name: torch.int64 if s.is_int else state_torch_dtype(s.dtype) for s in spec.states}
+    int_states = {s.name for s in spec.states if s.is_int}
     if state_dtypes is None:
         return out
     if not isinstance(state_dtypes, Mapping):
@@ -140,6 +141,8 @@ def _check_state_dtypes(spec: OptimizerSpec, state_dtypes) -> Dict[str, torch.dt
         if name not in out:
             raise ValueError(f"tbegen: state_dtypes names {name!r}, but optimizer {spec.name!r} has "
                              f"{'the states ' + str(sorted(out)) if out else 'no states'}")
+        if name in int_states:
+            raise ValueError(f"tbegen: state_dtypes names {name!r}, an int state (always int64)")
         if isinstance(dt, str) and dt in DTYPES:
             dt = DTYPES[dt]
         if isinstance(dt, str) and dt in STATE_DTYPE_NAMES:

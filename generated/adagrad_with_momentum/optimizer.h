@@ -25,12 +25,15 @@ struct Params {
   // make_params from the tensors passed in
   int32_t element_state_dtypes[2];
   int32_t row_state_dtypes[1];
+  // int per-row states, one int64 per linear key: none
+  int64_t* int_row_states[1];
 };
 
 struct Optimizer {
   using Params = opt_adagrad_with_momentum::Params;
   static constexpr int kElementStates = 2;
   static constexpr int kRowStates = 0;
+  static constexpr int kIntRowStates = 0;
   static constexpr int kTemporaries = 0;  // per-element scratch
 
   // Applies the update to the row. Weights, element states and temporaries are accessed through
@@ -54,7 +57,7 @@ struct Optimizer {
         accumulator += gd * gd;
         momentum_buffer = momentum * momentum_buffer + gd / (sqrtf(accumulator) + eps);
         w -= learning_rate * momentum_buffer;
-#line 58 "adagrad_with_momentum/optimizer.h"
+#line 61 "adagrad_with_momentum/optimizer.h"
       }
     }
     (void)tbegen_step;

@@ -25,12 +25,15 @@ struct Params {
   // make_params from the tensors passed in
   int32_t element_state_dtypes[1];
   int32_t row_state_dtypes[1];
+  // int per-row states, one int64 per linear key: none
+  int64_t* int_row_states[1];
 };
 
 struct Optimizer {
   using Params = opt_lion::Params;
   static constexpr int kElementStates = 1;
   static constexpr int kRowStates = 0;
+  static constexpr int kIntRowStates = 0;
   static constexpr int kTemporaries = 0;  // per-element scratch
 
   // Applies the update to the row. Weights, element states and temporaries are accessed through
@@ -53,7 +56,7 @@ struct Optimizer {
         float direction = c > 0.0f ? 1.0f : (c < 0.0f ? -1.0f : 0.0f);
         w = w * (1.0f - learning_rate * weight_decay) - learning_rate * direction;
         exp_avg = beta2 * exp_avg + (1.0f - beta2) * g;
-#line 57 "lion/optimizer.h"
+#line 60 "lion/optimizer.h"
       }
     }
     (void)tbegen_step;

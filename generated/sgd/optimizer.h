@@ -22,12 +22,15 @@ struct Params {
   // make_params from the tensors passed in
   int32_t element_state_dtypes[1];
   int32_t row_state_dtypes[1];
+  // int per-row states, one int64 per linear key: none
+  int64_t* int_row_states[1];
 };
 
 struct Optimizer {
   using Params = opt_sgd::Params;
   static constexpr int kElementStates = 0;
   static constexpr int kRowStates = 0;
+  static constexpr int kIntRowStates = 0;
   static constexpr int kTemporaries = 0;  // per-element scratch
 
   // Applies the update to the row. Weights, element states and temporaries are accessed through
@@ -43,7 +46,7 @@ struct Optimizer {
       {
 #line 6 "optimizers/sgd.yaml"
         w -= learning_rate * g;
-#line 47 "sgd/optimizer.h"
+#line 50 "sgd/optimizer.h"
       }
     }
     (void)tbegen_step;

@@ -26,12 +26,15 @@ struct Params {
   // make_params from the tensors passed in
   int32_t element_state_dtypes[1];
   int32_t row_state_dtypes[1];
+  // int per-row states, one int64 per linear key: none
+  int64_t* int_row_states[1];
 };
 
 struct Optimizer {
   using Params = opt_sgd_momentum::Params;
   static constexpr int kElementStates = 1;
   static constexpr int kRowStates = 0;
+  static constexpr int kIntRowStates = 0;
   static constexpr int kTemporaries = 0;  // per-element scratch
 
   // Applies the update to the row. Weights, element states and temporaries are accessed through
@@ -54,7 +57,7 @@ struct Optimizer {
         float d = g + weight_decay * w;
         momentum_buffer = momentum * momentum_buffer + (1.0f - dampening) * d;
         w -= learning_rate * (nesterov ? d + momentum * momentum_buffer : momentum_buffer);
-#line 58 "sgd_momentum/optimizer.h"
+#line 61 "sgd_momentum/optimizer.h"
       }
     }
     (void)tbegen_step;

@@ -24,13 +24,14 @@ namespace cpu {
 
 // A row seen by the optimizer on the CPU: the whole row, with each per-element value in a
 // contiguous float array and each per-row state referenced in place.
-template <int kElementSlots, int kRowSlots>
+template <int kElementSlots, int kRowSlots, int kIntRowSlots = 0>
 struct CpuRow {
   int D;
   float* g_;
   float* w_;
   float* element_[kElementSlots > 0 ? kElementSlots : 1];
   float* row_[kRowSlots > 0 ? kRowSlots : 1];
+  int64_t* int_row_[kIntRowSlots > 0 ? kIntRowSlots : 1];  // int per-row states, in place
 
   int extent() const { return D; }
   bool valid(int) const { return true; }
@@ -39,6 +40,7 @@ struct CpuRow {
   float& w(int i) { return w_[i]; }
   float& element(int k, int i) { return element_[k][i]; }
   float& row_state(int k) { return *row_[k]; }
+  int64_t& int_row_state(int k) { return *int_row_[k]; }
   // The loop already covered the whole row, so a reduction across "lanes" is the identity.
   static float all_sum(float x) { return x; }
   static float all_max(float x) { return x; }
@@ -202,7 +204,7 @@ void backward(const Batch& b, const int64_t* feat, int64_t total_hash_size, cons
 
   // 3. Sum each unique row's gradient and apply the optimizer to it.
   constexpr int kElementSlots = Opt::kElementStates + Opt::kTemporaries;
-  using Row = CpuRow<kElementSlots, Opt::kRowStates>;
+  using Row = CpuRow<kElementSlots, Opt::kRowStates, Opt::kIntRowStates>;
   // Where the row at sorted position j lives: its key (per-row states) and its offset in the
   // weights buffer (element states share the offsets).
   auto row_at = [&](int64_t j, int64_t* key, int* D) {
@@ -294,6 +296,7 @@ void backward(const Batch& b, const int64_t* feat, int64_t total_hash_size, cons
         }
       }
       for (int k = 0; k < Opt::kTemporaries; ++k) row.element_[Opt::kElementStates + k] = buf.data() + (2 + k) * b.max_D;
+      for (int k = 0; k < Opt::kIntRowStates; ++k) row.int_row_[k] = params.int_row_states[k] + key;
       for (int k = 0; k < Opt::kRowStates; ++k) {
         const int32_t dtype = params.row_state_dtypes[k];
         if (dtype == kStateFloat32) {
@@ -392,7 +395,7 @@ struct LaneReductions {
 // One emulated lane's share of a row, with the same interface and semantics as WarpRow: this
 // lane's slices of the weights, element states and temporaries, a private copy of each per-row
 // state, and reductions across the 32 lanes.
-template <int kElementSlots, int kRowSlots>
+template <int kElementSlots, int kRowSlots, int kIntRowSlots>
 struct LaneSplitRow {
   static constexpr int kN = kLaneMaxVecs * 4;
   int D;
@@ -402,6 +405,7 @@ struct LaneSplitRow {
   float w_[kN];
   float element_[kElementSlots > 0 ? kElementSlots : 1][kN];
   float row_[kRowSlots > 0 ? kRowSlots : 1];
+  int64_t int_row_[kIntRowSlots > 0 ? kIntRowSlots : 1];
   LaneReductions* reductions;
   int calls;         // reductions called in this pass
 
@@ -413,6 +417,7 @@ struct LaneSplitRow {
   float& w(int i) { return w_[i]; }
   float& element(int k, int i) { return element_[k][i]; }
   float& row_state(int k) { return row_[k]; }
+  int64_t& int_row_state(int k) { return int_row_[k]; }
   float all_sum(float x) { return reductions->call(lane, calls, LaneReductions::kSum, x); }
   float all_max(float x) { return reductions->call(lane, calls, LaneReductions::kMax, x); }
   float all_min(float x) { return reductions->call(lane, calls, LaneReductions::kMin, x); }
@@ -425,11 +430,12 @@ struct LaneSplit {
   static constexpr int kElementStates = Opt::kElementStates;
   static constexpr int kRowStates = Opt::kRowStates;
   static constexpr int kTemporaries = Opt::kTemporaries;
+  static constexpr int kIntRowStates = Opt::kIntRowStates;
 
   template <class Row>
   static void update_row(Row& row, const Params& params, int64_t step) {
     constexpr int kSlots = kElementStates + kTemporaries;
-    using Lane = LaneSplitRow<kSlots, kRowStates>;
+    using Lane = LaneSplitRow<kSlots, kRowStates, kIntRowStates>;
     TBEGEN_CHECK(row.D <= kLaneMaxVecs * 128, "tbegen: lane-split mode: row width ", row.D, " > ",
                  kLaneMaxVecs * 128);
     std::vector<Lane> lanes(kLanes);
@@ -451,6 +457,7 @@ struct LaneSplit {
           for (int k = 0; k < kSlots; ++k) lane.element_[k][i] = k < kElementStates ? row.element_[k][lane.column(i)] : 0.0f;
         }
         for (int k = 0; k < kRowStates; ++k) lane.row_[k] = *row.row_[k];
+        for (int k = 0; k < kIntRowStates; ++k) lane.int_row_[k] = *row.int_row_[k];
         Opt::update_row(lane, params, step);
       }
       bool final_pass = reductions.reached == 0;
@@ -480,6 +487,15 @@ struct LaneSplit {
                      "); the GPU keeps lane 0's: the spec's result depends on how a row is split over lanes");
       }
       *row.row_[k] = lanes[0].row_[k];
+    }
+    for (int k = 0; k < kIntRowStates; ++k) {
+      for (int l = 1; l < kLanes; ++l) {
+        TBEGEN_CHECK(lanes[l].int_row_[k] == lanes[0].int_row_[k],
+                     "tbegen: lane-split mode: the 32 lanes of a row end with different values of int per-row "
+                     "state ", k, " (lane 0: ", lanes[0].int_row_[k], ", lane ", l, ": ", lanes[l].int_row_[k],
+                     "); the GPU keeps lane 0's: the spec's result depends on how a row is split over lanes");
+      }
+      *row.int_row_[k] = lanes[0].int_row_[k];
     }
   }
 };

@@ -271,4 +271,17 @@ inline float* state_data(const at::Tensor& state, const char* optimizer, const c
   return static_cast<float*>(state.data_ptr());
 }
 
+// Checks an int (int64, per-row) state tensor and returns its data.
+inline int64_t* int_state_data(const at::Tensor& state, const char* optimizer, const char* name,
+                               const at::Tensor& weights, int64_t expected_numel, const char* layout) {
+  TBEGEN_CHECK(state.scalar_type() == at::kLong, "tbegen: ", optimizer, ": int state '", name,
+               "' must be int64, got ", dtype_name(state.scalar_type()));
+  TBEGEN_CHECK(state.device() == weights.device(), "tbegen: ", optimizer, ": state '", name,
+              "' is on ", state.device(), " but the weights are on ", weights.device());
+  TBEGEN_CHECK(state.is_contiguous(), "tbegen: ", optimizer, ": state '", name, "' must be contiguous");
+  TBEGEN_CHECK(state.numel() == expected_numel, "tbegen: ", optimizer, ": state '", name, "' must have ",
+              expected_numel, " elements (", layout, "), got ", state.numel());
+  return state.data_ptr<int64_t>();
+}
+
 }  // namespace tbegen
