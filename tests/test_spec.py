@@ -113,8 +113,8 @@ def test_valid_spec_parses_into_the_model(tmp_path):
             Hyperparameter("nesterov", "bool", False, "", None, Loc(file, 9)),
         ),
         states=(
-            State("momentum", "row", 0.0, "float32", "Running sum of the mean squared gradient.", Loc(file, 11)),
-            State("exp_avg", "element", 1.0, "float32", "", Loc(file, 12)),
+            State("momentum", "row", 0.0, "fp32", "Running sum of the mean squared gradient.", Loc(file, 11)),
+            State("exp_avg", "element", 1.0, "fp32", "", Loc(file, 12)),
         ),
         temporaries=(Temporary("r", "element", Loc(file, 14)),),
         stages=(
