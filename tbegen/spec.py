@@ -680,11 +680,15 @@ def _parse_state(problems: _Problems, name: Any, value: Any, field: str, line: i
         problems.add(fields.value_line("dtype"), fields.path("dtype"),
                      "an int state is stored as int64; dtype applies to float states only")
     dtype = fields.pop("dtype", "fp32")
+    if dtype == "float32":  # the only value before bf16/fp16 storage existed: still accepted
+        dtype = "fp32"
     if dtype not in STATE_DTYPES:
+        hint = {"float16": "fp16", "half": "fp16", "bfloat16": "bf16"}.get(dtype) if isinstance(dtype, str) else None
         problems.add(
             fields.value_line("dtype"),
             fields.path("dtype"),
-            f"must be {' or '.join(STATE_DTYPES)} (the storage type; arithmetic is float32), got {_describe(dtype)}",
+            f"must be {' or '.join(STATE_DTYPES)} (the storage type; arithmetic is float32), got {_describe(dtype)}"
+            + (f" (did you mean '{hint}'?)" if hint else ""),
         )
 
     doc = _pop_string(fields, "doc", "")
