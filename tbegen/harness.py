@@ -530,10 +530,11 @@ def standard_cases(spec: OptimizerSpec, dtypes: Sequence[torch.dtype] = (torch.f
     # narrow state storage (the module's state_dtypes): every state bf16, then every state fp16
     # (fp32 arithmetic, stochastic rounding on store)
     for narrow, wdt, pooling in ((torch.bfloat16, torch.float32, "sum"), (torch.float16, torch.float16, "mean")):
-        if spec.states:
+        floats = [s.name for s in spec.states if not s.is_int]
+        if floats:
             seed += 1
             cases.append(Case(tables=MIXED_TABLES, pooling=pooling, weighted=True, weights_dtype=wdt, seed=seed,
-                              state_dtypes=tuple((s.name, narrow) for s in spec.states)))
+                              state_dtypes=tuple((name, narrow) for name in floats)))
     return cases
 
 
