@@ -2,16 +2,24 @@
 """tbegen forward / fused backward timings on the standard configurations (brief §8).
 
     python benchmarks/bench.py --out DIR [--configs C1,C2,C3] [--opts sgd,rowwise_adagrad,...]
+                               [--placements device,managed]
 
 C1: T=32, E=1e6, D=128, B=16384, L=20, uniform, fp32, sum.   C2: C1 with Zipf(1.1) indices
 (rank k drawn with probability ~ (k+1)^-1.1, mapped through a fixed random permutation per table).
 C3: T=16, D cycling 32/64/128/256, fp16 weights, per-sample weights, uniform.
+C4 (not run by default): C1 with D = 127, the any-width kernels; `--configs C1,C4` measures them
+beside the 4-wide kernels on the same batch shape.
 
 Medians of CUDA-event timings over `--iters` iterations after `--warmup`, rotating over `--nsets`
 input sets so that the L2 cache does not hold the batch. Ideal bytes = grad_output and the pooled
 output once + indices/offsets (and per-sample weights) once + each unique row's weights and
 states read and written once; effective bandwidth = ideal bytes / time, compared with a measured
 device-to-device copy. Writes results.jsonl and prints a table.
+
+--placements: each configuration is timed once per placement, every table placed alike: "device"
+(GPU memory) or "managed" (weights and states in CUDA managed memory preferred on the host and
+read by the GPU in place; docs/placements.md). For managed placement the "% of copy BW" column
+still compares with the device-to-device copy, so it shows how far the interconnect falls short.
 """
 
 from __future__ import annotations
@@ -28,6 +36,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from tbegen import build  # noqa: E402
+from tbegen import placement as placement_  # noqa: E402
 from tbegen.layout import make_layout  # noqa: E402
 from tbegen.spec import find_spec, load_spec  # noqa: E402
 
@@ -35,6 +44,7 @@ CONFIGS = {
     "C1": dict(T=32, Ds=[128] * 32, B=16384, L=20, dist="uniform", dtype=torch.float32, weighted=False),
     "C2": dict(T=32, Ds=[128] * 32, B=16384, L=20, dist="zipf", dtype=torch.float32, weighted=False),
     "C3": dict(T=16, Ds=[32, 64, 128, 256] * 4, B=16384, L=20, dist="uniform", dtype=torch.float16, weighted=True),
+    "C4": dict(T=32, Ds=[127] * 32, B=16384, L=20, dist="uniform", dtype=torch.float32, weighted=False),
 }
 HYPER = {
     "sgd": dict(learning_rate=0.01),
@@ -100,14 +110,23 @@ def ideal_bytes(cfg, spec, unique, w_bytes):
     return total
 
 
-def bench_one(name, cfg_name, cfg, E, args, bw_tbs):
+def bench_one(name, cfg_name, cfg, E, args, bw_tbs, placement="device"):
     spec = load_spec(str(find_spec(name)))
     ops = build.load_spec(spec, with_cuda=True)
     layout = make_layout([(E, D) for D in cfg["Ds"]])
     feats = layout.features_tensor("cuda")
-    weights = torch.empty(layout.weights_numel, device="cuda", dtype=cfg["dtype"]).uniform_(-0.01, 0.01)
-    states = [torch.full((layout.weights_numel if s.per == "element" else layout.total_hash_size,), s.init,
-                         device="cuda") for s in spec.states]
+    placements = [placement] * len(cfg["Ds"])
+    dev = torch.device("cuda", torch.cuda.current_device())
+    element_ranges = [(off, E * D) for off, D in zip(layout.table_offsets, cfg["Ds"])]
+    row_ranges = [(kb, E) for kb in layout.table_key_base]
+
+    def alloc(numel, dtype, ranges):
+        # the module's allocation (tbegen/placement.py): ordinary device memory, or managed
+        return placement_.allocate(ops, numel, dtype, dev, placements, ranges)
+
+    weights = alloc(layout.weights_numel, cfg["dtype"], element_ranges).uniform_(-0.01, 0.01)
+    states = [alloc(layout.weights_numel if s.per == "element" else layout.total_hash_size, torch.float32,
+                    element_ranges if s.per == "element" else row_ranges).fill_(s.init) for s in spec.states]
     hyper = dict(HYPER.get(name, {}))
     hvals = [hyper.get(h.name, h.default) for h in spec.hyperparameters]
     sets = make_sets(cfg, E, args.nsets, seed=1)
@@ -155,7 +174,7 @@ def bench_one(name, cfg_name, cfg, E, args, bw_tbs):
     unique = [statistics.mean(s["unique"][t] for s in sets) for t in range(cfg["T"])]
     ib = ideal_bytes(cfg, spec, unique, weights.element_size())
     bwd_ms = statistics.median(b_ms)
-    row = dict(config=cfg_name, optimizer=name, fwd_ms=statistics.median(f_ms), bwd_ms=bwd_ms,
+    row = dict(config=cfg_name, optimizer=name, placement=placement, fwd_ms=statistics.median(f_ms), bwd_ms=bwd_ms,
                bwd_p10=sorted(b_ms)[len(b_ms) // 10], bwd_p90=sorted(b_ms)[(9 * len(b_ms)) // 10],
                ideal_gb=ib / 1e9, eff_tbs=ib / (bwd_ms * 1e-3) / 1e12, copy_tbs=bw_tbs,
                limit_ms=ib / (bw_tbs * 1e12) * 1e3)
@@ -175,7 +194,12 @@ def main():
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--profile", action="store_true", help="print the top CUDA kernels of each run")
+    ap.add_argument("--placements", default="device", help="comma list of device, managed (every table alike)")
     args = ap.parse_args()
+    placements = args.placements.split(",")
+    for p in placements:
+        if p not in placement_.BUILT_PLACEMENTS:
+            raise SystemExit(f"--placements: {p!r} is not one of {list(placement_.BUILT_PLACEMENTS)}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     bw = copy_bandwidth()
@@ -184,13 +208,14 @@ def main():
     with open(out / "tbegen_results.jsonl", "w") as f:
         for c in args.configs.split(","):
             for o in args.opts.split(","):
-                row = bench_one(o, c, CONFIGS[c], args.E, args, bw)
-                rows.append(row)
-                f.write(json.dumps(row) + "\n")
-                f.flush()
-                print(f"{c} {o:16s} fwd {row['fwd_ms']:7.3f} ms  bwd {row['bwd_ms']:7.3f} ms "
-                      f"(p10 {row['bwd_p10']:.3f}, p90 {row['bwd_p90']:.3f})  limit {row['limit_ms']:.3f} ms  "
-                      f"{row['pct_of_copy']:5.1f}% of copy BW", flush=True)
+                for p in placements:
+                    row = bench_one(o, c, CONFIGS[c], args.E, args, bw, p)
+                    rows.append(row)
+                    f.write(json.dumps(row) + "\n")
+                    f.flush()
+                    print(f"{c} {o:16s} {p:8s} fwd {row['fwd_ms']:7.3f} ms  bwd {row['bwd_ms']:7.3f} ms "
+                          f"(p10 {row['bwd_p10']:.3f}, p90 {row['bwd_p90']:.3f})  limit {row['limit_ms']:.3f} ms  "
+                          f"{row['pct_of_copy']:5.1f}% of copy BW", flush=True)
 
 
 if __name__ == "__main__":

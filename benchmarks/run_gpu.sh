@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything the GPU machine checks, in one command (the device tool runs it from the repo root):
-#   benchmarks/run_gpu.sh [build] [diag] [tests] [sanitize] [bench] [profile] [fbgemm]
-#   (default: all but profile). Narrower runs: BUILD_SPECS="sgd adam" builds only those;
+#   benchmarks/run_gpu.sh [build] [diag] [tests] [sanitize] [bench] [profile] [fbgemm] [placements]
+#   (default: all but profile and placements). Narrower runs: BUILD_SPECS="sgd adam" builds only those;
 #   TEST_FILES and TBEGEN_TEST_OPTIMIZERS="sgd adam" (see tests/conftest.py) narrow the tests step;
 #   BENCH_OPTS=sgd,adam the bench step.
 # Logs and results go to $OUT (default /tmp/tbegen-gpu-out). See docs/gpu-results.md.
@@ -47,7 +47,7 @@ if has tests; then
   xdist=$(python3 -c "import xdist" 2>/dev/null && echo "-n ${XDIST:-12}")
   timeout_opt=$(python3 -c "import pytest_timeout" 2>/dev/null && echo "--timeout 300")
   OMP_NUM_THREADS=2 TBEGEN_RESULTS_DIR="$OUT" timeout ${TESTS_TIMEOUT:-480} python3 -m pytest \
-    ${TEST_FILES:-tests/test_cuda.py tests/test_module.py} -q -p no:cacheprovider $xdist $timeout_opt \
+    ${TEST_FILES:-tests/test_cuda.py tests/test_module.py tests/test_placements.py} -q -p no:cacheprovider $xdist $timeout_opt \
     > "$OUT/pytest_cuda.log" 2>&1 || status=1
   grep -E "^(FAILED|ERROR)|passed|failed|crashed" "$OUT/pytest_cuda.log" | tail -n 30
   python3 benchmarks/summarize_results.py "$OUT" | tee "$OUT/numerics_table.md"
@@ -68,6 +68,24 @@ fi
 if has profile; then
   python3 benchmarks/bench.py --out /tmp/tbegen-profile --configs C1,C2 --opts sgd --iters 5 --profile 2>&1 \
     | tee "$OUT/profile.log" | grep -v Warning
+fi
+if has placements; then
+  # Table placements (docs/placements.md) on C2 (Zipf): every table in device memory, then every
+  # table in managed memory, tbegen and FBGEMM (its MANAGED location) in the same call.
+  # PLACEMENT_OPTS narrows the optimizers (default sgd,rowwise_adagrad).
+  popts=${PLACEMENT_OPTS:-sgd,rowwise_adagrad}
+  python3 benchmarks/bench.py --out "$OUT/placements" --configs C2 --opts "$popts" --placements device,managed \
+    2>&1 | tee "$OUT/placements.log" | grep -v Warning || status=1
+  if [ -d .anchor/bundle ]; then
+    python3 .anchor/unpack_bundle.py .anchor/bundle /tmp/fbg_site > /dev/null 2>&1 &&
+    PYTHONPATH=/tmp/fbg_site:$PYTHONPATH CUDA_MODULE_LOADING=LAZY python3 .anchor/bench_tbe.py --configs C2 \
+      --systems fbgemm,tbegen --placements device,managed --opts "$(echo "$popts" | sed 's/rowwise_adagrad/EXACT_ROWWISE_ADAGRAD/; s/\bsgd\b/EXACT_SGD/')" \
+      --fast-init --out "$OUT/placements-fbgemm" >> "$OUT/placements.log" 2>&1 || status=1
+    rm -f "$OUT/placements-fbgemm/env.json"
+    grep -E "fbgemm|tbegen" "$OUT/placements.log" | grep -vi "compat table" | tail -n 20
+  else
+    echo "placements: .anchor/bundle not carried; FBGEMM's MANAGED skipped" | tee -a "$OUT/placements.log"
+  fi
 fi
 if has fbgemm; then
   if [ -d .anchor/bundle ]; then

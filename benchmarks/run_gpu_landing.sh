@@ -8,7 +8,8 @@
 #      FBGEMM_GPU differential tests (test_fbgemm_compat -m cuda), TorchRec over NCCL on one rank
 #      (test_torchrec -m cuda and examples/torchrec_training.py, with the wheels in .whl/);
 #   4. compute-sanitizer memcheck and racecheck over benchmarks/sanitize_cases.py.
-# Carry .anchor (FBGEMM bundle and referee) and .whl (TorchRec's pure-Python wheels). Output: at
+# Carry .anchor (FBGEMM bundle and referee) and .whl (TorchRec 1.6.1 and its pure-Python wheels:
+# benchmarks/fetch_gpu_wheels.sh). Output: at
 # most 8 files under $OUT (the device tool's limit).
 set -u
 OUT=${OUT:-/tmp/tbegen-gpu-out}

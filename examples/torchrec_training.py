@@ -42,11 +42,13 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tbegen.torchrec import TbegenEmbeddingBagCollectionSharder  # noqa: E402
+from tbegen.torchrec import SHARDING_TYPES as TBEGEN_SHARDING_TYPES, TbegenEmbeddingBagCollectionSharder  # noqa: E402
 from tbegen.spec import find_spec, load_spec  # noqa: E402
 from tbegen.torchrec import dlrm  # noqa: E402
 
-SHARDING_TYPES = ["table_wise", "row_wise", "column_wise", "table_row_wise", "data_parallel"]
+# (data_parallel only where this TorchRec can hold tbegen's data-parallel tables: 1.7 and later)
+SHARDING_TYPES = [t for t in ["table_wise", "row_wise", "column_wise", "table_row_wise", "data_parallel"]
+                  if t in TBEGEN_SHARDING_TYPES]
 # tbegen optimizer -> FBGEMM's EmbOptimType name
 FBGEMM_NAMES = {"sgd": "exact_sgd", "adagrad": "exact_adagrad", "rowwise_adagrad": "exact_row_wise_adagrad",
                 "adam": "adam", "lamb": "lamb", "lars_sgd": "lars_sgd", "partial_rowwise_adam": "partial_row_wise_adam"}

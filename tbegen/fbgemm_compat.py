@@ -240,9 +240,11 @@ FBGEMM_HYPERPARAMETERS = {
     "min_shrinkage": 0.1,
 }
 
-# FBGEMM's other constructor arguments that have no effect here: caching and UVM settings (only
-# MANAGED_CACHING / MANAGED tables read them, and those placements are refused), statistics and
-# logging, index dtypes (tbegen takes int32 and int64 indices either way), shard bookkeeping.
+# FBGEMM's other constructor arguments that have no effect here: cache settings (only
+# MANAGED_CACHING tables read them, and that location is refused), uvm_host_mapped (FBGEMM's
+# page-locked host memory in place of managed memory for MANAGED tables: tbegen's MANAGED tables
+# are always managed memory, preferred on the host), statistics and logging, index dtypes (tbegen
+# takes int32 and int64 indices either way), shard bookkeeping.
 _NO_EFFECT = {
     "cache_algorithm", "cache_load_factor", "cache_sets", "cache_reserved_memory", "cache_precision",
     "enforce_hbm", "record_cache_metrics", "gather_uvm_cache_stats", "stats_reporter_config",
@@ -341,11 +343,17 @@ def _check_other_arguments(spec: OptimizerSpec, others: Dict[str, Any]) -> Dict[
     return {k: v for k, v in others.items() if k in _TBEGEN_ARGS}
 
 
-def _devices(embedding_specs, device) -> Tuple[List[Tuple[int, int]], torch.device]:
-    """Tables and the torch device from FBGEMM's (rows, dim, location, compute_device) specs."""
+# FBGEMM's EmbeddingLocation of a CUDA table -> tbegen's placement (tbegen/placement.py). HOST and
+# MANAGED_CACHING tables have no tbegen placement yet.
+_CUDA_PLACEMENTS = {"DEVICE": "device", "MANAGED": "managed"}
+
+
+def _devices(embedding_specs, device) -> Tuple[List[Tuple[int, int]], List[str], torch.device]:
+    """Tables, their placements and the torch device from FBGEMM's (rows, dim, location,
+    compute_device) specs."""
     if isinstance(embedding_specs, (str, bytes)) or not isinstance(embedding_specs, Sequence) or not embedding_specs:
         raise TypeError("tbegen: embedding_specs must be a non-empty list of (rows, dim, location, compute_device) tuples")
-    tables, computes = [], []
+    tables, placements, computes = [], [], []
     for t, entry in enumerate(embedding_specs):
         if not isinstance(entry, Sequence) or len(entry) != 4:
             raise TypeError(f"tbegen: embedding_specs[{t}] must be (rows, dim, location, compute_device), got {entry!r}")
@@ -354,29 +362,34 @@ def _devices(embedding_specs, device) -> Tuple[List[Tuple[int, int]], torch.devi
         compute = _enum_member(compute, ComputeDevice, f"embedding_specs[{t}] compute_device")
         if compute == "MTIA":
             raise NotImplementedError(f"tbegen: embedding_specs[{t}] compute_device MTIA is not supported (CPU or CUDA)")
-        wanted = "HOST" if compute == "CPU" else "DEVICE"
-        if location != wanted:
+        if compute == "CPU" and location != "HOST":
             raise NotImplementedError(
-                f"tbegen: embedding_specs[{t}] location {location} with compute_device {compute} is not supported: "
-                f"tbegen keeps every table in the memory of its compute device (location {wanted}); "
-                f"MANAGED and MANAGED_CACHING placements do not exist yet"
+                f"tbegen: embedding_specs[{t}] location {location} with compute_device CPU is not supported: "
+                f"CPU tables live in host memory (location HOST)"
+            )
+        if compute == "CUDA" and location not in _CUDA_PLACEMENTS:
+            raise NotImplementedError(
+                f"tbegen: embedding_specs[{t}] location {location} with compute_device CUDA is not supported yet: "
+                f"the locations tbegen has for CUDA tables are {', '.join(_CUDA_PLACEMENTS)} "
+                f"(MANAGED_CACHING and HOST are planned; docs/placements.md)"
             )
         tables.append((rows, dim))
+        placements.append(_CUDA_PLACEMENTS.get(location, "device"))
         computes.append(compute)
     if len(set(computes)) != 1:
         raise ValueError(f"tbegen: embedding_specs mixes compute devices {computes}; all tables need the same one")
     if computes[0] == "CPU":
         if device is not None and torch.device(device).type != "cpu":
             raise ValueError(f"tbegen: device {device!r} does not match compute_device CPU of embedding_specs")
-        return tables, torch.device("cpu")
+        return tables, placements, torch.device("cpu")
     if device is None:
         if not torch.cuda.is_available():
             raise RuntimeError("tbegen: embedding_specs ask for compute_device CUDA, but CUDA is not available to torch here")
-        return tables, torch.device("cuda", torch.cuda.current_device())
+        return tables, placements, torch.device("cuda", torch.cuda.current_device())
     dev = torch.device(device) if not isinstance(device, int) else torch.device("cuda", device)
     if dev.type != "cuda":
         raise ValueError(f"tbegen: device {device!r} does not match compute_device CUDA of embedding_specs")
-    return tables, dev
+    return tables, placements, dev
 
 
 # ---- the module --------------------------------------------------------------------------------
@@ -416,7 +429,7 @@ class SplitTableBatchedEmbeddingBagsCodegen(nn.Module):
     ):
         super().__init__()
         spec, fbgemm_name = _resolve_optimizer(optimizer)
-        tables, dev = _devices(embedding_specs, device)
+        tables, placements, dev = _devices(embedding_specs, device)
 
         precision = _enum_member(weights_precision, SparseType, "weights_precision")
         if precision not in _PRECISIONS:
@@ -442,7 +455,7 @@ class SplitTableBatchedEmbeddingBagsCodegen(nn.Module):
         inner = TableBatchedEmbeddingBags(
             tables, optimizer=spec, pooling=pooling.lower(), weights_dtype=_PRECISIONS[precision],
             stochastic_rounding=stochastic_rounding, device=dev, feature_table_map=feature_table_map,
-            **module_args, **hyper,
+            placements=placements, **module_args, **hyper,
         )
         # Held outside nn.Module's registry so that state_dict() is this class's FBGEMM-shaped one
         # (see _save_to_state_dict); _apply below moves it with .to()/.cuda()/.cpu().
@@ -633,9 +646,16 @@ class SplitTableBatchedEmbeddingBagsCodegen(nn.Module):
 
     # ---- state_dict: FBGEMM's keys ----
 
-    def _state_keys(self) -> Tuple[str, str]:
-        """FBGEMM's buffer suffix and placement code for where the tensors live."""
-        return ("dev", EmbeddingLocation.DEVICE.value) if self._tbe.weights.is_cuda else ("host", EmbeddingLocation.HOST.value)
+    def _state_keys(self) -> Tuple[str, int]:
+        """FBGEMM's buffer suffix and placement code for where the tensors live. With a MANAGED
+        table the whole flat buffer is one managed allocation (tbegen/placement.py), so every
+        feature is recorded in FBGEMM's unified-memory buffer ("uvm", MANAGED), DEVICE tables too."""
+        tbe = self._tbe
+        if not tbe.weights.is_cuda:
+            return "host", EmbeddingLocation.HOST.value
+        if "managed" in tbe.placements:
+            return "uvm", EmbeddingLocation.MANAGED.value
+        return "dev", EmbeddingLocation.DEVICE.value
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         tbe = self._tbe

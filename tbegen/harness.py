@@ -503,12 +503,15 @@ def run_lane_split_case(spec: OptimizerSpec, ops, case: Case) -> Result:
 
 MIXED_TABLES = ((60, 8), (200, 36), (30, 128), (8, 4))
 WIDE_TABLES = ((40, 1024), (25, 516))
+# widths that are not multiples of 4, so output columns start at odd offsets (on CUDA: the
+# any-width kernels), and one row wider than the 4-wide kernels take
+ODD_TABLES = ((30, 1), (20, 3), (10, 5), (9, 33), (4, 1031))
 NONE_TABLES = ((80, 32), (40, 32))
 
 
 def standard_cases(spec: OptimizerSpec, dtypes: Sequence[torch.dtype] = (torch.float32, torch.float16)) -> List[Case]:
     """pooling x weighted x weight dtype x index dtype, on mixed dims, with duplicates, empty bags
-    and a hot row; plus wide rows and shared tables. Hyperparameter variants come from
+    and a hot row; plus wide rows, shared tables and odd widths. Hyperparameter variants come from
     `test_hyperparameters` below."""
     cases = []
     seed = 0
@@ -535,6 +538,8 @@ def standard_cases(spec: OptimizerSpec, dtypes: Sequence[torch.dtype] = (torch.f
             seed += 1
             cases.append(Case(tables=MIXED_TABLES, pooling=pooling, weighted=True, weights_dtype=wdt, seed=seed,
                               state_dtypes=tuple((name, narrow) for name in floats)))
+    # (last, with its own seed, so that the cases above keep theirs)
+    cases.append(Case(tables=ODD_TABLES, B=8, max_L=4, pooling="mean", weighted=True, weights_dtype=dtypes[-1], seed=700))
     return cases
 
 

@@ -13,6 +13,11 @@ import torch
 
 POOLING = {"sum": 0, "mean": 1, "none": 2}
 
+# The widest row the operators accept (kMaxD in templates/include/tbegen/common.h). Any width from
+# 1 up is supported; on CUDA a layout whose widths or column offsets are not all multiples of 4
+# (or whose widest row is over 1024) takes the any-width kernels instead of the 4-wide ones.
+MAX_DIM = 4096
+
 
 @dataclass(frozen=True)
 class Layout:
@@ -54,10 +59,8 @@ def make_layout(tables: Sequence[Tuple[int, int]], feature_table_map: Optional[S
     for t, (E, D) in enumerate(tables):
         if E < 1:
             raise ValueError(f"tbegen: table {t} has {E} rows; each table needs at least one row")
-        if D < 4 or D > 1024 or D % 4:
-            raise ValueError(
-                f"tbegen: table {t} has dim {D}; embedding dims must be multiples of 4 from 4 to 1024"
-            )
+        if D < 1 or D > MAX_DIM:
+            raise ValueError(f"tbegen: table {t} has dim {D}; embedding dims must be from 1 to {MAX_DIM}")
     if feature_table_map is None:
         feature_table_map = range(len(tables))
     ftm = tuple(int(t) for t in feature_table_map)

@@ -15,7 +15,8 @@ gradient, for any torch optimizer.
 Layout (shared with the operators, tbegen/layout.py): all tables live in one flat `weights`
 buffer, table t at `layout.table_offsets[t]`, row-major [rows, dim]; per-element optimizer states
 have the weights' layout, per-row states one float per row of every table (table t's rows start
-at `layout.table_key_base[t]`).
+at `layout.table_key_base[t]`). Where those buffers live is each table's placement
+(tbegen/placement.py, docs/placements.md).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from torch import nn
 from torch.autograd.graph import increment_version
 
 from . import build
+from . import placement as placement_
 from .errors import BOUNDS_CHECK_MODES, ErrorRecord
 from .init import fill_uniform_
 from .layout import POOLING, Layout, make_layout
@@ -66,6 +68,7 @@ _MODULE_ARGS = (
     "bounds_check_mode",
     "check_finite",
     "state_dtypes",
+    "placements",
 )
 
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
@@ -331,7 +334,7 @@ class TableBatchedEmbeddingBags(nn.Module):
     """Many embedding tables, looked up together, trained by an optimizer fused into the backward.
 
     Args:
-        tables: (rows, dim) per table; dims are multiples of 4 from 4 to 1024.
+        tables: (rows, dim) per table; any dim from 1 to 4096 (tbegen.layout.MAX_DIM).
         optimizer: a spec name from optimizers/ ("sgd", "adagrad", "rowwise_adagrad", "adam",
             "none", ...), a path to a YAML spec, or a loaded `OptimizerSpec`. "none" is the
             dense-gradient mode (no fused update; `weights` is an nn.Parameter with a dense .grad).
@@ -356,6 +359,12 @@ class TableBatchedEmbeddingBags(nn.Module):
             by the module's next call (or by `check_errors()`); nothing is updated in between.
         check_finite: raise (like a bad index in mode "raise") on NaN or Inf in the per-sample
             weights or the output gradient, before anything is updated.
+        placements: where each table's weights and optimizer states live: "device" (the default)
+            or "managed" (CUDA managed memory, preferred in host memory and read and written in
+            place by the GPU kernels, so a table may exceed GPU memory; on the CPU, ordinary host
+            memory). One string for every table, or a list with one per table; results are
+            bitwise the same for every placement. "managed_caching" and "host" are not built yet
+            (an error says so). See docs/placements.md.
         **hyperparameters: the optimizer's hyperparameters by name (e.g. learning_rate=0.05);
             the spec's defaults for those not given. Unknown names, wrong types, values outside a
             hyperparameter's `choices`, and missing required ones are errors.
@@ -380,6 +389,7 @@ class TableBatchedEmbeddingBags(nn.Module):
         bounds_check_mode: str = "raise",
         check_finite: bool = True,
         state_dtypes: Optional[Mapping[str, Union[torch.dtype, str]]] = None,
+        placements: Union[None, str, Sequence[str]] = None,
         **hyperparameters,
     ):
         super().__init__()
@@ -418,6 +428,8 @@ class TableBatchedEmbeddingBags(nn.Module):
             )
         if not isinstance(check_finite, bool):
             raise TypeError(f"tbegen: check_finite must be a bool, got {check_finite!r}")
+        placements = placement_.check_placements(placements, len(layout.tables), dense_gradient=spec.dense_gradient,
+                                                 optimizer=spec.name)
 
         self.spec: OptimizerSpec = spec
         self.layout: Layout = layout
@@ -431,6 +443,7 @@ class TableBatchedEmbeddingBags(nn.Module):
         self._hyperparameters: Dict[str, Any] = hyper
         self._step: int = 0
         self._pooling_id = POOLING[pooling]
+        self.placements: Tuple[str, ...] = placements
 
         # Builds the extension on first use of this optimizer (cached on disk by content hash).
         self._ops = _ops_for(spec)
@@ -442,18 +455,54 @@ class TableBatchedEmbeddingBags(nn.Module):
             self.register_buffer("weights", weights)
         self.states = nn.Module()
         for s in spec.states:
-            n = layout.weights_numel if s.per == "element" else layout.total_hash_size
-            self.states.register_buffer(s.name, torch.full((n,), float(s.init), dtype=self.state_dtypes[s.name], device=dev))
+            # (in the state's storage dtype, self.state_dtypes; int states are int64)
+            state = self._allocate("state " + s.name, dev)
+            self.states.register_buffer(s.name, state.fill_(int(s.init) if s.is_int else float(s.init)))
         self.register_buffer("features", layout.features_tensor(dev), persistent=False)
         self.check_finite: bool = check_finite
         self._errors = ErrorRecord(dev, self._ops, bounds_check_mode)
 
     # ---- construction helpers ----
 
+    def _buffer_ranges(self, per: str) -> List[Tuple[int, int]]:
+        """(start, count) of each table in a buffer laid out per "element" (the weights and
+        per-element states) or per "row" (per-row states)."""
+        if per == "element":
+            return [(off, E * D) for (E, D), off in zip(self.layout.tables, self.layout.table_offsets)]
+        return [(kb, E) for (E, _), kb in zip(self.layout.tables, self.layout.table_key_base)]
+
+    def _buffer_shape(self, what: str) -> Tuple[int, torch.dtype, str]:
+        """numel, dtype and layout ("element" or "row") of "weights" or "state NAME"."""
+        if what == "weights":
+            return self.layout.weights_numel, self.weights_dtype, "element"
+        s = next(s for s in self.spec.states if s.name == what[len("state "):])
+        n = self.layout.weights_numel if s.per == "element" else self.layout.total_hash_size
+        return n, self.state_dtypes[s.name], s.per
+
+    def _allocate(self, what: str, device: torch.device) -> torch.Tensor:
+        """An uninitialised buffer for "weights" or "state NAME", in the memory the placements ask for."""
+        numel, dtype, per = self._buffer_shape(what)
+        return placement_.allocate(self._ops, numel, dtype, device, self.placements, self._buffer_ranges(per))
+
+    def _apply(self, fn, *args, **kwargs):
+        # .to() / .cuda() / .cpu() move the buffers as ordinary tensors; a module with managed
+        # tables that lands on a GPU moves its buffers back into managed memory (a copy each).
+        super()._apply(fn, *args, **kwargs)
+        w = self.weights
+        if placement_.needs_managed(self.placements, w.device) and not self.dense_gradient:
+            # (a buffer converted to another dtype is left as it is, for _check_buffers to refuse)
+            if w.dtype == self.weights_dtype and placement_.memory_kind(self._ops, w) != "managed":
+                self.weights = self._allocate("weights", w.device).copy_(w)
+            for s in self.spec.states:
+                buf = getattr(self.states, s.name)
+                if buf.device == w.device and buf.dtype == self.state_dtypes[s.name] and placement_.memory_kind(self._ops, buf) != "managed":
+                    setattr(self.states, s.name, self._allocate("state " + s.name, buf.device).copy_(buf))
+        return self
+
     def _initial_weights(self, device: torch.device) -> torch.Tensor:
         """uniform(-sqrt(1/dim), sqrt(1/dim)) per table, computed on `device` by a counter-based
         generator (tbegen/init.py): bitwise the same on every device for the same seed."""
-        weights = torch.empty(self.layout.weights_numel, dtype=self.weights_dtype, device=device)
+        weights = self._allocate("weights", device)
         for t, (E, D) in enumerate(self.layout.tables):
             start = self.layout.table_offsets[t]
             fill_uniform_(weights[start : start + E * D], self.seed, t, D)
@@ -555,6 +604,8 @@ class TableBatchedEmbeddingBags(nn.Module):
             "pooling": self.pooling,
             "weights_dtype": str(self.weights_dtype).replace("torch.", ""),
             "state_dtypes": {k: str(v).replace("torch.", "") for k, v in self.state_dtypes.items()},
+            # where the tables lived; not checked on loading (a state_dict moves between placements)
+            "placements": list(self.placements),
         }
 
     def set_extra_state(self, state: Dict[str, Any]) -> None:
@@ -685,5 +736,6 @@ class TableBatchedEmbeddingBags(nn.Module):
             f"tables={[tuple(t) for t in self.layout.tables]}{ftm}, optimizer={self.spec.name!r}, "
             f"pooling={self.pooling!r}, weights_dtype={self.weights_dtype}, device={self.weights.device}"
             + (f", {hyper}" if hyper else "")
+            + ("" if set(self.placements) == {"device"} else f", placements={list(self.placements)}")
             + f", step={self._step}"
         )

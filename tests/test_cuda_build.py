@@ -21,6 +21,9 @@ pytestmark = pytest.mark.skipif(
 )
 
 OPS = ("forward", "grad_per_sample_weights", "backward")
+# The managed-memory operators of the runtime (include/tbegen/managed_memory.h): defined only in
+# CUDA builds, with catch-all kernels (managed_empty has no tensor argument to dispatch on).
+MANAGED_OPS = ("managed_empty", "managed_advise", "memory_kind", "managed_preferred_location")
 
 
 @pytest.fixture(scope="module")
@@ -42,6 +45,8 @@ def registered(prebuilt, request):
         "    torch.ops.load_library(lib)\n"
         f"    out[name] = {{op: [has(f'tbegen_{{name}}::{{op}}', 'CUDA'), has(f'tbegen_{{name}}::{{op}}', 'CPU')]\n"
         f"                 for op in {OPS!r}}}\n"
+        f"    out[name].update({{op: [has(f'tbegen_{{name}}::{{op}}', 'CompositeImplicitAutograd')]\n"
+        f"                      for op in {MANAGED_OPS!r}}})\n"
         "print(json.dumps(out))\n"
     )
     proc = subprocess.run([sys.executable, "-c", code, json.dumps(libs)], capture_output=True, text=True)
@@ -51,4 +56,33 @@ def registered(prebuilt, request):
 
 @pytest.mark.parametrize("name", [p.stem for p in list_specs()])
 def test_cuda_extension_builds_and_registers_its_operators(registered, name):
-    assert registered[name] == {op: [True, True] for op in OPS}
+    assert registered[name] == {**{op: [True, True] for op in OPS}, **{op: [True] for op in MANAGED_OPS}}
+
+
+def test_managed_memory_operators_check_arguments_without_a_gpu(prebuilt):
+    """The runtime's managed-memory operators are reachable through the dispatcher (catch-all
+    kernels; managed_empty has no tensor argument) and refuse bad arguments before any CUDA call,
+    so this runs on a machine without a GPU. What they do on a GPU: tests/test_placements.py."""
+    spec = load_spec(str(next(p for p in list_specs() if p.stem == "sgd")))
+    lib = str(build.build_files(spec.name, build.spec_files(spec, True), True, load=False))
+    code = (
+        "import sys, torch\n"
+        "torch.ops.load_library(sys.argv[1]); ops = torch.ops.tbegen_sgd\n"
+        "for call in (lambda: ops.managed_empty(4, torch.float32, torch.device('cpu')),\n"
+        "             lambda: ops.managed_empty(-1, torch.float32, torch.device('cuda')),\n"
+        "             lambda: ops.managed_advise(torch.zeros(4), 0, 4, 'hbm'),\n"
+        "             lambda: ops.managed_advise(torch.zeros(4), 0, 4, 'host')):\n"
+        "    try:\n"
+        "        call()\n"
+        "        print('no error')\n"
+        "    except RuntimeError as e:\n"
+        "        print(str(e).splitlines()[0])\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code, lib], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.splitlines()[-4:] == [
+        "tbegen: managed_empty: device must be a CUDA device, got cpu",
+        "tbegen: managed_empty: numel must be >= 0, got -1",
+        "tbegen: managed_advise: location must be 'host' or 'device', got 'hbm'",
+        "tbegen: managed_advise: the tensor must be a contiguous CUDA tensor",
+    ]

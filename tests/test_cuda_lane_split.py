@@ -25,6 +25,9 @@ DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 CASES = [
     harness.Case(tables=harness.MIXED_TABLES, pooling="sum", weighted=True, hot=200, seed=301),
     harness.Case(tables=harness.WIDE_TABLES, B=8, max_L=4, pooling="mean", seed=302),
+    # odd widths and offsets: the any-width kernels, against the lane-split mode's column split
+    harness.Case(tables=((30, 1), (20, 3), (10, 5), (7, 7), (9, 33), (4, 1031)), B=8, max_L=4, pooling="sum",
+                 weighted=True, hot=200, seed=303),
 ]
 
 

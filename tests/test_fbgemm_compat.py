@@ -126,8 +126,13 @@ def test_enum_spellings(optimizer):
 @pytest.mark.parametrize(
     "kwargs,error,message",
     [
-        (dict(embedding_specs=[(10, 4, EmbeddingLocation.MANAGED, ComputeDevice.CUDA)]), NotImplementedError,
-         r"embedding_specs\[0\] location MANAGED"),
+        (dict(embedding_specs=[(10, 4, EmbeddingLocation.MANAGED_CACHING, ComputeDevice.CUDA)]), NotImplementedError,
+         r"embedding_specs\[0\] location MANAGED_CACHING with compute_device CUDA is not supported yet: the "
+         r"locations tbegen has for CUDA tables are DEVICE, MANAGED"),
+        (dict(embedding_specs=[(10, 4, "DEVICE", "CUDA"), (10, 4, EmbeddingLocation.HOST, ComputeDevice.CUDA)]),
+         NotImplementedError, r"embedding_specs\[1\] location HOST with compute_device CUDA is not supported yet"),
+        (dict(embedding_specs=[(10, 4, EmbeddingLocation.MANAGED, ComputeDevice.CPU)]), NotImplementedError,
+         r"embedding_specs\[0\] location MANAGED with compute_device CPU"),
         (dict(embedding_specs=[(10, 4, EmbeddingLocation.DEVICE, ComputeDevice.CPU)]), NotImplementedError,
          r"embedding_specs\[0\] location DEVICE with compute_device CPU"),
         (dict(embedding_specs=[(10, 4, EmbeddingLocation.HOST, ComputeDevice.MTIA)]), NotImplementedError,

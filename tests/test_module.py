@@ -542,10 +542,10 @@ def test_unknown_optimizer():
 
 
 def test_construction_errors():
-    with pytest.raises(ValueError, match="multiples of 4 from 4 to 1024"):
-        make_emb("sgd", tables=[(10, 6)])
-    with pytest.raises(ValueError, match="multiples of 4"):
-        make_emb("sgd", tables=[(10, 2048)])
+    with pytest.raises(ValueError, match="table 0 has dim 0; embedding dims must be from 1 to 4096"):
+        make_emb("sgd", tables=[(10, 0)])
+    with pytest.raises(ValueError, match="table 1 has dim 4097; embedding dims must be from 1 to 4096"):
+        make_emb("sgd", tables=[(10, 6), (10, 4097)])
     with pytest.raises(TypeError, match=r"tables\[1\] must be a \(rows, dim\) pair"):
         make_emb("sgd", tables=[(10, 8), (10, 8, 3)])
     with pytest.raises(ValueError, match="at least one table"):

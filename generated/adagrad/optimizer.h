@@ -2,8 +2,9 @@
 // Do not edit: change the spec or templates/ and run `tbegen render --optimizer adagrad`.
 //
 // The update of one unique row, written once for the CPU and the CUDA kernels. `Row` is the row
-// view the kernel passes in: tbegen::cpu::CpuRow (the whole row, plain loops) or
-// tbegen::cuda::WarpRow (this lane's 4-wide register slices, warp-shuffle reductions).
+// view the kernel passes in: tbegen::cpu::CpuRow (the whole row, plain loops),
+// tbegen::cuda::WarpRow (this lane's 4-wide register slices, warp-shuffle reductions) or, for
+// layouts of any width, tbegen::cuda::any_width::ColumnRow (this lane's columns, in memory).
 #pragma once
 
 #include "tbegen/common.h"
@@ -50,7 +51,7 @@ struct Optimizer {
 #line 9 "optimizers/adagrad.yaml"
         accumulator += g * g;
         w -= learning_rate * g / (sqrtf(accumulator) + eps);
-#line 54 "adagrad/optimizer.h"
+#line 55 "adagrad/optimizer.h"
       }
     }
     (void)tbegen_step;

@@ -2,8 +2,9 @@
 // Do not edit: change the spec or templates/ and run `tbegen render --optimizer adagrad_with_momentum`.
 //
 // The update of one unique row, written once for the CPU and the CUDA kernels. `Row` is the row
-// view the kernel passes in: tbegen::cpu::CpuRow (the whole row, plain loops) or
-// tbegen::cuda::WarpRow (this lane's 4-wide register slices, warp-shuffle reductions).
+// view the kernel passes in: tbegen::cpu::CpuRow (the whole row, plain loops),
+// tbegen::cuda::WarpRow (this lane's 4-wide register slices, warp-shuffle reductions) or, for
+// layouts of any width, tbegen::cuda::any_width::ColumnRow (this lane's columns, in memory).
 #pragma once
 
 #include "tbegen/common.h"
@@ -57,7 +58,7 @@ struct Optimizer {
         accumulator += gd * gd;
         momentum_buffer = momentum * momentum_buffer + gd / (sqrtf(accumulator) + eps);
         w -= learning_rate * momentum_buffer;
-#line 61 "adagrad_with_momentum/optimizer.h"
+#line 62 "adagrad_with_momentum/optimizer.h"
       }
     }
     (void)tbegen_step;

@@ -2,8 +2,9 @@
 // Do not edit: change the spec or templates/ and run `tbegen render --optimizer adam`.
 //
 // The update of one unique row, written once for the CPU and the CUDA kernels. `Row` is the row
-// view the kernel passes in: tbegen::cpu::CpuRow (the whole row, plain loops) or
-// tbegen::cuda::WarpRow (this lane's 4-wide register slices, warp-shuffle reductions).
+// view the kernel passes in: tbegen::cpu::CpuRow (the whole row, plain loops),
+// tbegen::cuda::WarpRow (this lane's 4-wide register slices, warp-shuffle reductions) or, for
+// layouts of any width, tbegen::cuda::any_width::ColumnRow (this lane's columns, in memory).
 #pragma once
 
 #include "tbegen/common.h"
@@ -53,7 +54,7 @@ struct Optimizer {
     // 1 - beta^step in double: in float it cancels badly for small steps (beta2 = 0.999).
     float bias1 = static_cast<float>(1.0 - pow(static_cast<double>(beta1), static_cast<double>(step)));
     float bias2 = static_cast<float>(1.0 - pow(static_cast<double>(beta2), static_cast<double>(step)));
-#line 57 "adam/optimizer.h"
+#line 58 "adam/optimizer.h"
     // stage 2: element (optimizers/adam.yaml:18)
     TBEGEN_FOR_ELEMENTS(tbegen_row, tbegen_i) {
       const float g = tbegen_row.g(tbegen_i);
@@ -65,7 +66,7 @@ struct Optimizer {
         exp_avg = beta1 * exp_avg + (1.0f - beta1) * g;
         exp_avg_sq = beta2 * exp_avg_sq + (1.0f - beta2) * g * g;
         w -= learning_rate * ((exp_avg / bias1) / (sqrtf(exp_avg_sq / bias2) + eps) + weight_decay * w);
-#line 69 "adam/optimizer.h"
+#line 70 "adam/optimizer.h"
       }
     }
   }

@@ -2,8 +2,9 @@
 // Do not edit: change the spec or templates/ and run `tbegen render --optimizer ftrl`.
 //
 // The update of one unique row, written once for the CPU and the CUDA kernels. `Row` is the row
-// view the kernel passes in: tbegen::cpu::CpuRow (the whole row, plain loops) or
-// tbegen::cuda::WarpRow (this lane's 4-wide register slices, warp-shuffle reductions).
+// view the kernel passes in: tbegen::cpu::CpuRow (the whole row, plain loops),
+// tbegen::cuda::WarpRow (this lane's 4-wide register slices, warp-shuffle reductions) or, for
+// layouts of any width, tbegen::cuda::any_width::ColumnRow (this lane's columns, in memory).
 #pragma once
 
 #include "tbegen/common.h"
@@ -52,7 +53,7 @@ struct Optimizer {
     // stage 1: row (optimizers/ftrl.yaml:28)
 #line 28 "optimizers/ftrl.yaml"
     const float power = -learning_rate_power;
-#line 56 "ftrl/optimizer.h"
+#line 57 "ftrl/optimizer.h"
     // stage 2: element (optimizers/ftrl.yaml:30)
     TBEGEN_FOR_ELEMENTS(tbegen_row, tbegen_i) {
       const float g = tbegen_row.g(tbegen_i);
@@ -68,7 +69,7 @@ struct Optimizer {
         accumulator = n_new;
         float quadratic = (beta + powf(n_new, power)) / learning_rate + 2.0f * l2;
         w = (fabsf(linear) > l1 && quadratic > 0.0f) ? (copysignf(l1, linear) - linear) / quadratic : 0.0f;
-#line 72 "ftrl/optimizer.h"
+#line 73 "ftrl/optimizer.h"
       }
     }
     (void)tbegen_step;

@@ -2,8 +2,9 @@
 // Do not edit: change the spec or templates/ and run `tbegen render --optimizer lamb`.
 //
 // The update of one unique row, written once for the CPU and the CUDA kernels. `Row` is the row
-// view the kernel passes in: tbegen::cpu::CpuRow (the whole row, plain loops) or
-// tbegen::cuda::WarpRow (this lane's 4-wide register slices, warp-shuffle reductions).
+// view the kernel passes in: tbegen::cpu::CpuRow (the whole row, plain loops),
+// tbegen::cuda::WarpRow (this lane's 4-wide register slices, warp-shuffle reductions) or, for
+// layouts of any width, tbegen::cuda::any_width::ColumnRow (this lane's columns, in memory).
 #pragma once
 
 #include "tbegen/common.h"
@@ -53,7 +54,7 @@ struct Optimizer {
     // 1 - beta^step in double: in float it cancels badly for small steps (beta2 = 0.999).
     float bias1 = static_cast<float>(1.0 - pow(static_cast<double>(beta1), static_cast<double>(step)));
     float bias2 = static_cast<float>(1.0 - pow(static_cast<double>(beta2), static_cast<double>(step)));
-#line 57 "lamb/optimizer.h"
+#line 58 "lamb/optimizer.h"
     // stage 2: element (optimizers/lamb.yaml:25)
     TBEGEN_FOR_ELEMENTS(tbegen_row, tbegen_i) {
       const float g = tbegen_row.g(tbegen_i);
@@ -66,7 +67,7 @@ struct Optimizer {
         exp_avg = beta1 * exp_avg + (1.0f - beta1) * g;
         exp_avg_sq = beta2 * exp_avg_sq + (1.0f - beta2) * g * g;
         r = (exp_avg / bias1) / (sqrtf(exp_avg_sq / bias2) + eps) + weight_decay * w;
-#line 70 "lamb/optimizer.h"
+#line 71 "lamb/optimizer.h"
       }
     }
     // stage 3: row (optimizers/lamb.yaml:29)
@@ -77,10 +78,10 @@ struct Optimizer {
       const float r = tbegen_row.element(2, tbegen_i);
 #line 30 "optimizers/lamb.yaml"
       tbegen_red_0 += (w * w);
-#line 81 "lamb/optimizer.h"
+#line 82 "lamb/optimizer.h"
 #line 31 "optimizers/lamb.yaml"
       tbegen_red_1 += (r * r);
-#line 84 "lamb/optimizer.h"
+#line 85 "lamb/optimizer.h"
     }
     tbegen_red_0 = tbegen_row.all_sum(tbegen_red_0);
     tbegen_red_1 = tbegen_row.all_sum(tbegen_red_1);
@@ -90,7 +91,7 @@ struct Optimizer {
     float direction_norm = sqrtf(tbegen_red_1);
     float ratio = (weight_norm > 0.0f && direction_norm > 0.0f) ? weight_norm / direction_norm : 1.0f;
     float step_size = learning_rate * ratio;
-#line 94 "lamb/optimizer.h"
+#line 95 "lamb/optimizer.h"
     // stage 4: element (optimizers/lamb.yaml:35)
     TBEGEN_FOR_ELEMENTS(tbegen_row, tbegen_i) {
       float& w = tbegen_row.w(tbegen_i);
@@ -98,7 +99,7 @@ struct Optimizer {
       {
 #line 35 "optimizers/lamb.yaml"
         w -= step_size * r;
-#line 102 "lamb/optimizer.h"
+#line 103 "lamb/optimizer.h"
       }
     }
   }

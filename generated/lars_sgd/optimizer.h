@@ -2,8 +2,9 @@
 // Do not edit: change the spec or templates/ and run `tbegen render --optimizer lars_sgd`.
 //
 // The update of one unique row, written once for the CPU and the CUDA kernels. `Row` is the row
-// view the kernel passes in: tbegen::cpu::CpuRow (the whole row, plain loops) or
-// tbegen::cuda::WarpRow (this lane's 4-wide register slices, warp-shuffle reductions).
+// view the kernel passes in: tbegen::cpu::CpuRow (the whole row, plain loops),
+// tbegen::cuda::WarpRow (this lane's 4-wide register slices, warp-shuffle reductions) or, for
+// layouts of any width, tbegen::cuda::any_width::ColumnRow (this lane's columns, in memory).
 #pragma once
 
 #include "tbegen/common.h"
@@ -53,10 +54,10 @@ struct Optimizer {
       const float w = tbegen_row.w(tbegen_i);
 #line 19 "optimizers/lars_sgd.yaml"
       tbegen_red_0 += (w * w);
-#line 57 "lars_sgd/optimizer.h"
+#line 58 "lars_sgd/optimizer.h"
 #line 20 "optimizers/lars_sgd.yaml"
       tbegen_red_1 += (g * g);
-#line 60 "lars_sgd/optimizer.h"
+#line 61 "lars_sgd/optimizer.h"
     }
     tbegen_red_0 = tbegen_row.all_sum(tbegen_red_0);
     tbegen_red_1 = tbegen_row.all_sum(tbegen_red_1);
@@ -65,7 +66,7 @@ struct Optimizer {
     float grad_norm = sqrtf(tbegen_red_1);
     float denom = grad_norm + weight_decay * weight_norm;
     float local_lr = (weight_norm > 0.0f && denom > 0.0f) ? learning_rate * eta * weight_norm / denom : learning_rate;
-#line 69 "lars_sgd/optimizer.h"
+#line 70 "lars_sgd/optimizer.h"
     // stage 2: element (optimizers/lars_sgd.yaml:24)
     TBEGEN_FOR_ELEMENTS(tbegen_row, tbegen_i) {
       const float g = tbegen_row.g(tbegen_i);
@@ -75,7 +76,7 @@ struct Optimizer {
 #line 24 "optimizers/lars_sgd.yaml"
         momentum_buffer = momentum * momentum_buffer + local_lr * (g + weight_decay * w);
         w -= momentum_buffer;
-#line 79 "lars_sgd/optimizer.h"
+#line 80 "lars_sgd/optimizer.h"
       }
     }
     (void)tbegen_step;

@@ -2,8 +2,9 @@
 // Do not edit: change the spec or templates/ and run `tbegen render --optimizer lion`.
 //
 // The update of one unique row, written once for the CPU and the CUDA kernels. `Row` is the row
-// view the kernel passes in: tbegen::cpu::CpuRow (the whole row, plain loops) or
-// tbegen::cuda::WarpRow (this lane's 4-wide register slices, warp-shuffle reductions).
+// view the kernel passes in: tbegen::cpu::CpuRow (the whole row, plain loops),
+// tbegen::cuda::WarpRow (this lane's 4-wide register slices, warp-shuffle reductions) or, for
+// layouts of any width, tbegen::cuda::any_width::ColumnRow (this lane's columns, in memory).
 #pragma once
 
 #include "tbegen/common.h"
@@ -56,7 +57,7 @@ struct Optimizer {
         float direction = c > 0.0f ? 1.0f : (c < 0.0f ? -1.0f : 0.0f);
         w = w * (1.0f - learning_rate * weight_decay) - learning_rate * direction;
         exp_avg = beta2 * exp_avg + (1.0f - beta2) * g;
-#line 60 "lion/optimizer.h"
+#line 61 "lion/optimizer.h"
       }
     }
     (void)tbegen_step;

@@ -2,8 +2,9 @@
 // Do not edit: change the spec or templates/ and run `tbegen render --optimizer partial_rowwise_adam`.
 //
 // The update of one unique row, written once for the CPU and the CUDA kernels. `Row` is the row
-// view the kernel passes in: tbegen::cpu::CpuRow (the whole row, plain loops) or
-// tbegen::cuda::WarpRow (this lane's 4-wide register slices, warp-shuffle reductions).
+// view the kernel passes in: tbegen::cpu::CpuRow (the whole row, plain loops),
+// tbegen::cuda::WarpRow (this lane's 4-wide register slices, warp-shuffle reductions) or, for
+// layouts of any width, tbegen::cuda::any_width::ColumnRow (this lane's columns, in memory).
 #pragma once
 
 #include "tbegen/common.h"
@@ -56,7 +57,7 @@ struct Optimizer {
       const float g = tbegen_row.g(tbegen_i);
 #line 21 "optimizers/partial_rowwise_adam.yaml"
       tbegen_red_0 += (g * g);
-#line 60 "partial_rowwise_adam/optimizer.h"
+#line 61 "partial_rowwise_adam/optimizer.h"
     }
     tbegen_red_0 = tbegen_row.all_sum(tbegen_red_0) / static_cast<float>(D);
 #line 18 "optimizers/partial_rowwise_adam.yaml"
@@ -65,7 +66,7 @@ struct Optimizer {
     float bias2 = static_cast<float>(1.0 - pow(static_cast<double>(beta2), static_cast<double>(step)));
     exp_avg_sq = beta2 * exp_avg_sq + (1.0f - beta2) * tbegen_red_0;
     float denom = sqrtf(exp_avg_sq / bias2) + eps;
-#line 69 "partial_rowwise_adam/optimizer.h"
+#line 70 "partial_rowwise_adam/optimizer.h"
     // stage 2: element (optimizers/partial_rowwise_adam.yaml:24)
     TBEGEN_FOR_ELEMENTS(tbegen_row, tbegen_i) {
       const float g = tbegen_row.g(tbegen_i);
@@ -75,7 +76,7 @@ struct Optimizer {
 #line 24 "optimizers/partial_rowwise_adam.yaml"
         exp_avg = beta1 * exp_avg + (1.0f - beta1) * g;
         w -= learning_rate * ((exp_avg / bias1) / denom + weight_decay * w);
-#line 79 "partial_rowwise_adam/optimizer.h"
+#line 80 "partial_rowwise_adam/optimizer.h"
       }
     }
   }

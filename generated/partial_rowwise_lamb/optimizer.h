@@ -2,8 +2,9 @@
 // Do not edit: change the spec or templates/ and run `tbegen render --optimizer partial_rowwise_lamb`.
 //
 // The update of one unique row, written once for the CPU and the CUDA kernels. `Row` is the row
-// view the kernel passes in: tbegen::cpu::CpuRow (the whole row, plain loops) or
-// tbegen::cuda::WarpRow (this lane's 4-wide register slices, warp-shuffle reductions).
+// view the kernel passes in: tbegen::cpu::CpuRow (the whole row, plain loops),
+// tbegen::cuda::WarpRow (this lane's 4-wide register slices, warp-shuffle reductions) or, for
+// layouts of any width, tbegen::cuda::any_width::ColumnRow (this lane's columns, in memory).
 #pragma once
 
 #include "tbegen/common.h"
@@ -56,7 +57,7 @@ struct Optimizer {
       const float g = tbegen_row.g(tbegen_i);
 #line 25 "optimizers/partial_rowwise_lamb.yaml"
       tbegen_red_0 += (g * g);
-#line 60 "partial_rowwise_lamb/optimizer.h"
+#line 61 "partial_rowwise_lamb/optimizer.h"
     }
     tbegen_red_0 = tbegen_row.all_sum(tbegen_red_0) / static_cast<float>(D);
 #line 22 "optimizers/partial_rowwise_lamb.yaml"
@@ -65,7 +66,7 @@ struct Optimizer {
     float bias2 = static_cast<float>(1.0 - pow(static_cast<double>(beta2), static_cast<double>(step)));
     exp_avg_sq = beta2 * exp_avg_sq + (1.0f - beta2) * tbegen_red_0;
     float denom = sqrtf(exp_avg_sq / bias2) + eps;
-#line 69 "partial_rowwise_lamb/optimizer.h"
+#line 70 "partial_rowwise_lamb/optimizer.h"
     // stage 2: element (optimizers/partial_rowwise_lamb.yaml:28)
     TBEGEN_FOR_ELEMENTS(tbegen_row, tbegen_i) {
       const float g = tbegen_row.g(tbegen_i);
@@ -76,7 +77,7 @@ struct Optimizer {
 #line 28 "optimizers/partial_rowwise_lamb.yaml"
         exp_avg = beta1 * exp_avg + (1.0f - beta1) * g;
         r = (exp_avg / bias1) / denom + weight_decay * w;
-#line 80 "partial_rowwise_lamb/optimizer.h"
+#line 81 "partial_rowwise_lamb/optimizer.h"
       }
     }
     // stage 3: row (optimizers/partial_rowwise_lamb.yaml:31)
@@ -87,10 +88,10 @@ struct Optimizer {
       const float r = tbegen_row.element(1, tbegen_i);
 #line 32 "optimizers/partial_rowwise_lamb.yaml"
       tbegen_red_1 += (w * w);
-#line 91 "partial_rowwise_lamb/optimizer.h"
+#line 92 "partial_rowwise_lamb/optimizer.h"
 #line 33 "optimizers/partial_rowwise_lamb.yaml"
       tbegen_red_2 += (r * r);
-#line 94 "partial_rowwise_lamb/optimizer.h"
+#line 95 "partial_rowwise_lamb/optimizer.h"
     }
     tbegen_red_1 = tbegen_row.all_sum(tbegen_red_1);
     tbegen_red_2 = tbegen_row.all_sum(tbegen_red_2);
@@ -100,7 +101,7 @@ struct Optimizer {
     float direction_norm = sqrtf(tbegen_red_2);
     float ratio = (weight_norm > 0.0f && direction_norm > 0.0f) ? weight_norm / direction_norm : 1.0f;
     float step_size = learning_rate * ratio;
-#line 104 "partial_rowwise_lamb/optimizer.h"
+#line 105 "partial_rowwise_lamb/optimizer.h"
     // stage 4: element (optimizers/partial_rowwise_lamb.yaml:37)
     TBEGEN_FOR_ELEMENTS(tbegen_row, tbegen_i) {
       float& w = tbegen_row.w(tbegen_i);
@@ -108,7 +109,7 @@ struct Optimizer {
       {
 #line 37 "optimizers/partial_rowwise_lamb.yaml"
         w -= step_size * r;
-#line 112 "partial_rowwise_lamb/optimizer.h"
+#line 113 "partial_rowwise_lamb/optimizer.h"
       }
     }
   }

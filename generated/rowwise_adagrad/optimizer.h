@@ -2,8 +2,9 @@
 // Do not edit: change the spec or templates/ and run `tbegen render --optimizer rowwise_adagrad`.
 //
 // The update of one unique row, written once for the CPU and the CUDA kernels. `Row` is the row
-// view the kernel passes in: tbegen::cpu::CpuRow (the whole row, plain loops) or
-// tbegen::cuda::WarpRow (this lane's 4-wide register slices, warp-shuffle reductions).
+// view the kernel passes in: tbegen::cpu::CpuRow (the whole row, plain loops),
+// tbegen::cuda::WarpRow (this lane's 4-wide register slices, warp-shuffle reductions) or, for
+// layouts of any width, tbegen::cuda::any_width::ColumnRow (this lane's columns, in memory).
 #pragma once
 
 #include "tbegen/common.h"
@@ -53,7 +54,7 @@ struct Optimizer {
 #line 17 "optimizers/rowwise_adagrad.yaml"
     // L2 decay (mode 1) adds weight_decay * w to the gradient that feeds the accumulator.
     float l2 = weight_decay_mode == 1 ? weight_decay : 0.0f;
-#line 57 "rowwise_adagrad/optimizer.h"
+#line 58 "rowwise_adagrad/optimizer.h"
     // stage 2: row (optimizers/rowwise_adagrad.yaml:20)
     float tbegen_red_0 = 0.0f;  // row_mean((g + l2 * w) * (g + l2 * w))
     TBEGEN_FOR_ELEMENTS_SUM(tbegen_row, tbegen_i, tbegen_red_0) {
@@ -61,7 +62,7 @@ struct Optimizer {
       const float w = tbegen_row.w(tbegen_i);
 #line 20 "optimizers/rowwise_adagrad.yaml"
       tbegen_red_0 += ((g + l2 * w) * (g + l2 * w));
-#line 65 "rowwise_adagrad/optimizer.h"
+#line 66 "rowwise_adagrad/optimizer.h"
     }
     tbegen_red_0 = tbegen_row.all_sum(tbegen_red_0) / static_cast<float>(D);
 #line 20 "optimizers/rowwise_adagrad.yaml"
@@ -70,7 +71,7 @@ struct Optimizer {
     float keep = 1.0f;
     if (weight_decay_mode == 1) keep = 1.0f - multiplier * weight_decay;
     if (weight_decay_mode == 2) keep = 1.0f - learning_rate * weight_decay;
-#line 74 "rowwise_adagrad/optimizer.h"
+#line 75 "rowwise_adagrad/optimizer.h"
     // stage 3: element (optimizers/rowwise_adagrad.yaml:26)
     TBEGEN_FOR_ELEMENTS(tbegen_row, tbegen_i) {
       const float g = tbegen_row.g(tbegen_i);
@@ -78,7 +79,7 @@ struct Optimizer {
       {
 #line 26 "optimizers/rowwise_adagrad.yaml"
         w = keep * w - multiplier * g;
-#line 82 "rowwise_adagrad/optimizer.h"
+#line 83 "rowwise_adagrad/optimizer.h"
       }
     }
     // stage 4: row (optimizers/rowwise_adagrad.yaml:28)
@@ -87,21 +88,21 @@ struct Optimizer {
       const float w = tbegen_row.w(tbegen_i);
 #line 29 "optimizers/rowwise_adagrad.yaml"
       tbegen_red_1 += (w * w);
-#line 91 "rowwise_adagrad/optimizer.h"
+#line 92 "rowwise_adagrad/optimizer.h"
     }
     tbegen_red_1 = tbegen_row.all_sum(tbegen_red_1);
 #line 28 "optimizers/rowwise_adagrad.yaml"
     // Post-update pass: clamp the row's L2 norm.
     float norm = sqrtf(tbegen_red_1);
     float clamp = (max_norm > 0.0f && norm > max_norm) ? max_norm / norm : 1.0f;
-#line 98 "rowwise_adagrad/optimizer.h"
+#line 99 "rowwise_adagrad/optimizer.h"
     // stage 5: element (optimizers/rowwise_adagrad.yaml:32)
     TBEGEN_FOR_ELEMENTS(tbegen_row, tbegen_i) {
       float& w = tbegen_row.w(tbegen_i);
       {
 #line 32 "optimizers/rowwise_adagrad.yaml"
         w *= clamp;
-#line 105 "rowwise_adagrad/optimizer.h"
+#line 106 "rowwise_adagrad/optimizer.h"
       }
     }
     (void)tbegen_step;

@@ -2,12 +2,14 @@
 // Do not edit: change the spec or templates/ and run `tbegen render --optimizer rowwise_adagrad_with_counter`.
 //
 // CUDA implementation of tbegen_rowwise_adagrad_with_counter.backward, the fused backward pass (schema in ops.cpp),
-// and the registration of the optimizer-independent forward and grad_per_sample_weights (compiled
-// once for all optimizers from include/tbegen/cuda_forward.cu and linked in).
+// and the registration of the optimizer-independent forward and grad_per_sample_weights and of the
+// managed-memory operators (compiled once for all optimizers from include/tbegen/cuda_forward.cu
+// and linked in).
 #include <torch/library.h>
 
 #include "tbegen/cuda_forward.h"
 #include "tbegen/cuda_ops.cuh"
+#include "tbegen/managed_memory.h"
 #include "optimizer.h"
 #include "params.h"
 
@@ -28,4 +30,9 @@ void backward_cuda(const at::Tensor& grad_output, const at::Tensor& weights, con
 TORCH_LIBRARY_IMPL(tbegen_rowwise_adagrad_with_counter, CUDA, m) {
   m.impl("backward", &tbegen::opt_rowwise_adagrad_with_counter::backward_cuda);
   tbegen::cuda::register_forward_cuda(m);
+}
+
+// Defined here, not in ops.cpp: they exist only in CUDA builds (managed memory needs a GPU).
+TORCH_LIBRARY_FRAGMENT(tbegen_rowwise_adagrad_with_counter, m) {
+  tbegen::cuda::define_managed_memory_ops(m);
 }

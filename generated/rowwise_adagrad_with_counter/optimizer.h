@@ -2,8 +2,9 @@
 // Do not edit: change the spec or templates/ and run `tbegen render --optimizer rowwise_adagrad_with_counter`.
 //
 // The update of one unique row, written once for the CPU and the CUDA kernels. `Row` is the row
-// view the kernel passes in: tbegen::cpu::CpuRow (the whole row, plain loops) or
-// tbegen::cuda::WarpRow (this lane's 4-wide register slices, warp-shuffle reductions).
+// view the kernel passes in: tbegen::cpu::CpuRow (the whole row, plain loops),
+// tbegen::cuda::WarpRow (this lane's 4-wide register slices, warp-shuffle reductions) or, for
+// layouts of any width, tbegen::cuda::any_width::ColumnRow (this lane's columns, in memory).
 #pragma once
 
 #include "tbegen/common.h"
@@ -84,7 +85,7 @@ struct Optimizer {
     float freq = static_cast<float>(counter_halflife) / row_counter;
     float threshold = is_tail_id_thresh_ratio != 0 ? floorf(tail_id_threshold * max_counter) : tail_id_threshold;
     float l2 = weight_decay_mode == 1 ? weight_decay : 0.0f;
-#line 88 "rowwise_adagrad_with_counter/optimizer.h"
+#line 89 "rowwise_adagrad_with_counter/optimizer.h"
     // stage 2: row (optimizers/rowwise_adagrad_with_counter.yaml:60)
     float tbegen_red_0 = 0.0f;  // row_sum((g + l2 * w) * (g + l2 * w))
     float tbegen_red_1 = 0.0f;  // row_sum(w * w)
@@ -93,10 +94,10 @@ struct Optimizer {
       const float w = tbegen_row.w(tbegen_i);
 #line 61 "optimizers/rowwise_adagrad_with_counter.yaml"
       tbegen_red_0 += ((g + l2 * w) * (g + l2 * w));
-#line 97 "rowwise_adagrad_with_counter/optimizer.h"
+#line 98 "rowwise_adagrad_with_counter/optimizer.h"
 #line 62 "optimizers/rowwise_adagrad_with_counter.yaml"
       tbegen_red_1 += (w * w);
-#line 100 "rowwise_adagrad_with_counter/optimizer.h"
+#line 101 "rowwise_adagrad_with_counter/optimizer.h"
     }
     tbegen_red_0 = tbegen_row.all_sum(tbegen_red_0);
     tbegen_red_1 = tbegen_row.all_sum(tbegen_red_1);
@@ -149,7 +150,7 @@ struct Optimizer {
       }
     }
     prev_iter = step;
-#line 153 "rowwise_adagrad_with_counter/optimizer.h"
+#line 154 "rowwise_adagrad_with_counter/optimizer.h"
     // stage 3: element (optimizers/rowwise_adagrad_with_counter.yaml:109)
     TBEGEN_FOR_ELEMENTS(tbegen_row, tbegen_i) {
       const float g = tbegen_row.g(tbegen_i);
@@ -157,7 +158,7 @@ struct Optimizer {
       {
 #line 109 "optimizers/rowwise_adagrad_with_counter.yaml"
         w = correction * w - adjusted * g;
-#line 161 "rowwise_adagrad_with_counter/optimizer.h"
+#line 162 "rowwise_adagrad_with_counter/optimizer.h"
       }
     }
   }

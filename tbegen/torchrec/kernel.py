@@ -15,7 +15,9 @@ How it plugs in (the extension points NVIDIA's DynamicEmb uses as well; docs/tor
   `TbegenPooledEmbeddingsLookup`, whose `_create_embedding_kernel` builds a `TbegenEmbeddingBag`
   (one tbegen `TableBatchedEmbeddingBags` over this rank's shards of one group of tables).
 - Plans carry TorchRec's compute kernel value "fused" (an optimizer fused into the backward,
-  weights and states in device memory): TorchRec's planner estimates, its sharded state_dict and
+  weights and states in device memory) or, on GPUs, "fused_uvm" (the same, in managed memory:
+  tbegen's placement "managed"; TorchRec groups both into one kernel, each table keeping its own
+  placement): TorchRec's planner estimates, its sharded state_dict and
   its optimizer plumbing key on that value, and `TbegenEmbeddingBag` provides what they read from
   a fused kernel (per-table weight views, `fused_optimizer` with sharded states,
   `named_parameters_by_table`).
@@ -69,14 +71,18 @@ __all__ = [
 # key, so tables with different options never share a kernel.
 FUSED_PARAMS_KEY = "tbegen"
 
+# Data-parallel tables need TorchRec's `init_data_parallel` hook (TorchRec 1.7 and later): tbegen's
+# replicas have no dense gradients, and older releases wrap every data-parallel lookup in DDP from
+# the collection's constructor, which refuses a module without them.
+DATA_PARALLEL_SUPPORTED = hasattr(ShardedEmbeddingBagCollection, "init_data_parallel")
+
 SHARDING_TYPES = (
     ShardingType.TABLE_WISE.value,
     ShardingType.ROW_WISE.value,
     ShardingType.COLUMN_WISE.value,
     ShardingType.TABLE_ROW_WISE.value,
     ShardingType.TABLE_COLUMN_WISE.value,
-    ShardingType.DATA_PARALLEL.value,
-)
+) + ((ShardingType.DATA_PARALLEL.value,) if DATA_PARALLEL_SUPPORTED else ())
 
 _WEIGHT_DTYPES = {DataType.FP32: torch.float32, DataType.FP16: torch.float16, DataType.BF16: torch.bfloat16}
 # TorchRec's pooling modes (FBGEMM's PoolingMode names) -> tbegen's
@@ -321,6 +327,7 @@ class TbegenEmbeddingBag(BaseBatchedEmbeddingBag[torch.Tensor], FusedOptimizerMo
         pooling = _POOLING.get(self._pooling.name)
         if pooling is None:
             raise ValueError(f"tbegen: pooling {self._pooling.name} is not supported by the TorchRec kernel (SUM, MEAN)")
+        placements = _placements(config)
         data_parallel = sharding_type == ShardingType.DATA_PARALLEL
         module_class = _GlobalBatchTableBatchedEmbeddingBags if data_parallel else _CountingTableBatchedEmbeddingBags
         extra = {"pg": pg} if data_parallel else {}
@@ -335,6 +342,7 @@ class TbegenEmbeddingBag(BaseBatchedEmbeddingBag[torch.Tensor], FusedOptimizerMo
             feature_table_map=self._feature_table_map,
             seed=options.seed,
             max_segment_length_per_warp=options.max_segment_length_per_warp,
+            placements=placements,
             **dict(options.hyperparameters),
         )
         if self._emb_module.dense_gradient:
@@ -403,15 +411,41 @@ class TbegenEmbeddingBag(BaseBatchedEmbeddingBag[torch.Tensor], FusedOptimizerMo
 # ---- lookup and shardings -----------------------------------------------------------------------
 
 
+# TorchRec's fused compute kernels -> the placement of the table in tbegen's module
+# (tbegen/placement.py). TorchRec groups FUSED_UVM (and FUSED_UVM_CACHING) tables with FUSED ones
+# into one kernel; each table keeps its own compute_kernel, which picks its placement.
+_PLACEMENT_OF_KERNEL = {
+    EmbeddingComputeKernel.FUSED: "device",
+    EmbeddingComputeKernel.FUSED_UVM: "managed",
+}
+
+
+def _placements(config: GroupedEmbeddingConfig) -> List[str]:
+    """One tbegen placement per table of the group, from each table's compute kernel."""
+    out = []
+    for table in config.embedding_tables:
+        kernel = table.compute_kernel
+        if kernel not in _PLACEMENT_OF_KERNEL:
+            planned = " (host tables behind a GPU cache: not built yet)" if kernel == EmbeddingComputeKernel.FUSED_UVM_CACHING else ""
+            raise ValueError(
+                f"tbegen: the tbegen sharder runs compute kernels "
+                f"{', '.join(repr(k.value) for k in _PLACEMENT_OF_KERNEL)}; the plan asks for {kernel.value!r}{planned} "
+                f"for table {table.name!r}"
+            )
+        out.append(_PLACEMENT_OF_KERNEL[kernel])
+    return out
+
+
 class TbegenPooledEmbeddingsLookup(GroupedPooledEmbeddingsLookup):
     """TorchRec's pooled lookup whose fused kernels are tbegen's."""
 
     def _create_embedding_kernel(self, config: GroupedEmbeddingConfig, device, pg, sharding_type, env) -> BaseEmbedding:
-        if config.compute_kernel != EmbeddingComputeKernel.FUSED:
+        if config.compute_kernel != EmbeddingComputeKernel.FUSED:  # (the group's kernel: FUSED_UVM tables are FUSED here)
             raise ValueError(
-                f"tbegen: the tbegen sharder runs compute kernel 'fused' only, the plan asks for "
+                f"tbegen: the tbegen sharder runs fused compute kernels only, the plan asks for "
                 f"{config.compute_kernel.value!r} for tables {[t.name for t in config.embedding_tables]}"
             )
+        _placements(config)  # refuses another kernel before anything is built
         return TbegenEmbeddingBag(config=config, pg=pg, device=device, sharding_type=sharding_type)
 
 
@@ -517,6 +551,10 @@ class TbegenEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
                              "is not a fused kernel; choose a fused optimizer, or TorchRec's DENSE kernel")
         hyper = check_hyperparameters(spec, hyperparameters)
         if sharding_types is not None:
+            if ShardingType.DATA_PARALLEL.value in sharding_types and not DATA_PARALLEL_SUPPORTED:
+                raise ValueError("tbegen: sharding_types: data_parallel needs TorchRec 1.7 or later (its "
+                                 "init_data_parallel hook); this TorchRec wraps data-parallel lookups in DDP, "
+                                 "which tbegen's fused kernels (no dense gradients) cannot be")
             unknown = [s for s in sharding_types if s not in SHARDING_TYPES]
             if unknown or not sharding_types:
                 raise ValueError(f"tbegen: sharding_types must be a non-empty subset of {list(SHARDING_TYPES)}, got {sharding_types!r}")
@@ -531,6 +569,10 @@ class TbegenEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
         return list(self._tbegen_sharding_types)
 
     def compute_kernels(self, sharding_type: str, compute_device_type: str) -> List[str]:
+        # FUSED_UVM (tables in managed memory) on GPUs, for model-parallel shardings, as TorchRec
+        # offers it; FUSED_UVM_CACHING waits for tbegen's cached placement.
+        if compute_device_type == "cuda" and sharding_type != ShardingType.DATA_PARALLEL.value:
+            return [EmbeddingComputeKernel.FUSED.value, EmbeddingComputeKernel.FUSED_UVM.value]
         return [EmbeddingComputeKernel.FUSED.value]
 
     def shard(self, module, params, env, device=None, module_fqn=None) -> TbegenShardedEmbeddingBagCollection:

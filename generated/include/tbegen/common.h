@@ -78,6 +78,13 @@ constexpr int kErrIndexSlot = 0;
 constexpr int kErrFatalSlot = 3;
 constexpr int kErrRecordSize = 6;
 
+// Row widths (docs/layout.md). Any D from 1 to kMaxD is accepted. The CUDA kernels have two
+// paths: the 4-wide register path (cuda_kernels.cuh) for layouts whose every width and column
+// offset is a multiple of 4 and whose widest row fits kVectorMaxD, and the any-width path
+// (cuda_any_width.cuh) for the others; the CPU kernels take any width.
+constexpr int64_t kMaxD = 4096;
+constexpr int64_t kVectorMaxD = 1024;
+
 // Number of bits needed to represent keys in [0, n).
 inline int bits_for(int64_t n) {
   int bits = 1;

@@ -27,6 +27,10 @@ namespace cpu {
 template <int kElementSlots, int kRowSlots, int kIntRowSlots = 0>
 struct CpuRow {
   int D;
+  // How the CUDA kernels would split this call's rows over a warp (host.h, vector_layout): in
+  // 4-wide slices (true) or column by column (the any-width kernels). Only the lane-split mode
+  // below reads it.
+  bool vector_split;
   float* g_;
   float* w_;
   float* element_[kElementSlots > 0 ? kElementSlots : 1];
@@ -227,6 +231,7 @@ void backward(const Batch& b, const int64_t* feat, int64_t total_hash_size, cons
     if (b.pooling == kPoolMean) scale /= float(offsets[bag + 1] - offsets[bag]);
     return scale;
   };
+  const bool vector_split = vector_layout(feat, b.F, b.total_D, b.max_D);
   // float weights are updated in place; the others through a float copy of the row.
   constexpr bool kInPlace = std::is_same_v<W, float>;
   // Each task updates the rows whose runs start at the sorted positions [begin, end): a run is
@@ -258,6 +263,7 @@ void backward(const Batch& b, const int64_t* feat, int64_t total_hash_size, cons
 
       Row row;
       row.D = D;
+      row.vector_split = vector_split;
       row.g_ = buf.data();
       // g = the sum over the run's occurrences, in index order, of scale * output-gradient row.
       if (simd::vector_width(D)) {
@@ -333,8 +339,8 @@ void backward(const Batch& b, const int64_t* feat, int64_t total_hash_size, cons
 // ---- lane-split mode: the CUDA kernel's division of a row, reproduced on the CPU ---------------
 //
 // The CUDA kernel (cuda_kernels.cuh, WarpRow) gives each of a warp's 32 lanes its own slices of a
-// row (lane l owns columns v * 128 + 4 * l .. + 3) and its own register copy of every per-row
-// state; reductions are butterfly shuffles, and lane 0's copies of the per-row states are written
+// row (lane l owns columns v * 128 + 4 * l .. + 3; in the any-width kernels, cuda_any_width.cuh,
+// columns l, l + 32, ...) and its own register copy of every per-row state; reductions are butterfly shuffles, and lane 0's copies of the per-row states are written
 // back. A spec whose result depends on that split (say, an element stage that accumulates into a
 // per-row state) trains differently on the GPU than in the CPU loop above. `LaneSplit<Opt>` is an
 // optimizer that runs `Opt`'s update the GPU's way, so that the CPU harness can compare the two
@@ -348,7 +354,9 @@ void backward(const Batch& b, const int64_t* feat, int64_t total_hash_size, cons
 // one more result. The pass in which no lane meets an unknown reduction is the final one.
 
 constexpr int kLanes = 32;
-constexpr int kLaneMaxVecs = 8;  // 8 slices of 128 columns: 1024, the widest row (tbegen/layout.py)
+constexpr int kLaneMaxVecs = 8;  // 8 slices of 128 columns: kVectorMaxD, the widest row of the 4-wide kernels
+// Values one lane holds: 8 slices of 4 (4-wide split), or kMaxD / 32 columns (column split).
+constexpr int kLaneMaxValues = kMaxD / kLanes > kLaneMaxVecs * 4 ? kMaxD / kLanes : kLaneMaxVecs * 4;
 constexpr int kLaneMaxReductions = 256;
 
 // The reductions of one row's replay (see above).
@@ -392,15 +400,17 @@ struct LaneReductions {
   }
 };
 
-// One emulated lane's share of a row, with the same interface and semantics as WarpRow: this
-// lane's slices of the weights, element states and temporaries, a private copy of each per-row
-// state, and reductions across the 32 lanes.
+// One emulated lane's share of a row, with the same interface and semantics as WarpRow (or, for
+// the column split, any_width::ColumnRow): this lane's slices of the weights, element states and
+// temporaries, a private copy of each per-row state (float and int), and reductions across the
+// 32 lanes.
 template <int kElementSlots, int kRowSlots, int kIntRowSlots>
 struct LaneSplitRow {
-  static constexpr int kN = kLaneMaxVecs * 4;
+  static constexpr int kN = kLaneMaxValues;
   int D;
   int lane;
-  int vecs;          // slices of 128 columns that the row spans
+  bool vector_split;  // 4-wide slices, or columns lane, lane + 32, ...
+  int vecs;           // slices of 128 columns that the row spans (4-wide split)
   const float* g_;   // the whole row's gradient (read only)
   float w_[kN];
   float element_[kElementSlots > 0 ? kElementSlots : 1][kN];
@@ -409,9 +419,10 @@ struct LaneSplitRow {
   LaneReductions* reductions;
   int calls;         // reductions called in this pass
 
-  int column(int i) const { return (i >> 2) * 128 + 4 * lane + (i & 3); }
-  int extent() const { return vecs * 4; }
-  bool valid(int i) const { return (i >> 2) * 128 + 4 * lane < D; }
+  int column(int i) const { return vector_split ? (i >> 2) * 128 + 4 * lane + (i & 3) : i * kLanes + lane; }
+  int extent() const { return vector_split ? vecs * 4 : (D + kLanes - 1) / kLanes; }
+  // (the 4-wide split treats a slice as a whole, as WarpRow does: D is a multiple of 4 there)
+  bool valid(int i) const { return vector_split ? (i >> 2) * 128 + 4 * lane < D : column(i) < D; }
   int dim() const { return D; }
   float g(int i) const { return g_[column(i)]; }
   float& w(int i) { return w_[i]; }
@@ -436,8 +447,8 @@ struct LaneSplit {
   static void update_row(Row& row, const Params& params, int64_t step) {
     constexpr int kSlots = kElementStates + kTemporaries;
     using Lane = LaneSplitRow<kSlots, kRowStates, kIntRowStates>;
-    TBEGEN_CHECK(row.D <= kLaneMaxVecs * 128, "tbegen: lane-split mode: row width ", row.D, " > ",
-                 kLaneMaxVecs * 128);
+    TBEGEN_CHECK(row.vector_split ? row.D <= kLaneMaxVecs * 128 : row.D <= kLanes * kLaneMaxValues,
+                 "tbegen: lane-split mode: row width ", row.D, " is wider than the emulated split covers");
     std::vector<Lane> lanes(kLanes);
     LaneReductions reductions;
     for (;;) {
@@ -446,6 +457,7 @@ struct LaneSplit {
         Lane& lane = lanes[l];
         lane.D = row.D;
         lane.lane = l;
+        lane.vector_split = row.vector_split;
         lane.vecs = (row.D + 127) / 128;
         lane.g_ = row.g_;
         lane.reductions = &reductions;

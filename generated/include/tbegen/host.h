@@ -75,6 +75,28 @@ inline void check_tensor(const at::Tensor& t, const char* name, const at::Tensor
   TBEGEN_CHECK(t.is_contiguous(), "tbegen: ", name, " must be contiguous");
 }
 
+// Checks the features table (a host pointer, b.F rows) against the call's shapes.
+inline void check_features(const Batch& b, const int64_t* feat, const at::Tensor& weights) {
+  const int64_t max_D = b.max_D, total_D = b.total_D, pooling = b.pooling;
+  for (int64_t f = 0; f < b.F; ++f) {
+    const int64_t* ft = feat + f * kFeatColumns;
+    const int64_t rows = ft[kFeatRows], D = ft[kFeatDim];
+    TBEGEN_CHECK(D >= 1 && D <= kMaxD, "tbegen: feature ", f, " has D = ", D,
+                "; embedding dims must be from 1 to ", kMaxD);
+    TBEGEN_CHECK(D <= max_D, "tbegen: feature ", f, " has D = ", D, " > max_D = ", max_D);
+    TBEGEN_CHECK(pooling != kPoolNone || D == max_D, "tbegen: pooling none needs every table to "
+                "have the same D, but feature ", f, " has D = ", D, " and max_D = ", max_D);
+    TBEGEN_CHECK(rows >= 0 && ft[kFeatWeightsOffset] >= 0 &&
+                    ft[kFeatWeightsOffset] + rows * D <= weights.numel(),
+                "tbegen: feature ", f, "'s table (", rows, " x ", D, " at offset ",
+                ft[kFeatWeightsOffset], ") does not fit in the weights buffer of ",
+                weights.numel(), " elements");
+    TBEGEN_CHECK(pooling == kPoolNone || (ft[kFeatOutOffset] >= 0 &&
+                                         ft[kFeatOutOffset] + D <= total_D),
+                "tbegen: feature ", f, "'s output columns do not fit in total_D = ", total_D);
+  }
+}
+
 // Checks everything that can be checked without reading device memory, and returns the shapes.
 inline Batch check_batch(const at::Tensor& weights, const at::Tensor& features, int64_t total_D,
                          int64_t max_D, const at::Tensor& indices, const at::Tensor& offsets,
@@ -109,8 +131,9 @@ inline Batch check_batch(const at::Tensor& weights, const at::Tensor& features, 
   b.B = (offsets.numel() - 1) / b.F;
   b.N = indices.numel();
   TBEGEN_CHECK(b.N < (int64_t(1) << 31), "tbegen: at most 2^31 - 1 indices per batch, got ", b.N);
-  TBEGEN_CHECK(max_D >= 4 && max_D <= 1024 && max_D % 4 == 0,
-              "tbegen: embedding dims must be multiples of 4 from 4 to 1024, got max_D = ", max_D);
+  TBEGEN_CHECK(max_D >= 1 && max_D <= kMaxD, "tbegen: embedding dims must be from 1 to ", kMaxD,
+              ", got max_D = ", max_D);
+  TBEGEN_CHECK(total_D >= 0, "tbegen: total_D must not be negative, got ", total_D);
   b.total_D = total_D;
   b.max_D = max_D;
   b.pooling = pooling;
@@ -123,29 +146,26 @@ inline Batch check_batch(const at::Tensor& weights, const at::Tensor& features, 
                 "entry per index (", b.N, "), got shape ", psw.sizes());
     b.weighted = true;
   }
-  // The per-feature table is small: on the CPU check it in full (CUDA callers check it once when
-  // they build it, and the kernels guard every row access).
-  if (features.is_cpu()) {
-    const int64_t* feat = features.data_ptr<int64_t>();
-    for (int64_t f = 0; f < b.F; ++f) {
-      const int64_t* ft = feat + f * kFeatColumns;
-      const int64_t rows = ft[kFeatRows], D = ft[kFeatDim];
-      TBEGEN_CHECK(D >= 4 && D <= 1024 && D % 4 == 0, "tbegen: feature ", f, " has D = ", D,
-                  "; embedding dims must be multiples of 4 from 4 to 1024");
-      TBEGEN_CHECK(D <= max_D, "tbegen: feature ", f, " has D = ", D, " > max_D = ", max_D);
-      TBEGEN_CHECK(pooling != kPoolNone || D == max_D, "tbegen: pooling none needs every table to "
-                  "have the same D, but feature ", f, " has D = ", D, " and max_D = ", max_D);
-      TBEGEN_CHECK(rows >= 0 && ft[kFeatWeightsOffset] >= 0 &&
-                      ft[kFeatWeightsOffset] + rows * D <= weights.numel(),
-                  "tbegen: feature ", f, "'s table (", rows, " x ", D, " at offset ",
-                  ft[kFeatWeightsOffset], ") does not fit in the weights buffer of ",
-                  weights.numel(), " elements");
-      TBEGEN_CHECK(pooling == kPoolNone || (ft[kFeatOutOffset] >= 0 &&
-                                           ft[kFeatOutOffset] + D <= total_D),
-                  "tbegen: feature ", f, "'s output columns do not fit in total_D = ", total_D);
+  // The per-feature table is small: on the CPU check it in full here (the CUDA operators check
+  // their host copy of it, cuda_ops.cuh's host_features, and the kernels guard every row access).
+  if (features.is_cpu()) check_features(b, features.data_ptr<int64_t>(), weights);
+  return b;
+}
+
+// Whether a layout suits the CUDA 4-wide kernels (cuda_kernels.cuh): every feature's width, table
+// offset and output column a multiple of 4, no row wider than kVectorMaxD, and (as row strides of
+// the output) total_D and max_D multiples of 4. Other layouts take the any-width kernels
+// (cuda_any_width.cuh). `feat` is the features table on the host.
+inline bool vector_layout(const int64_t* feat, int64_t F, int64_t total_D, int64_t max_D) {
+  if (total_D % 4 != 0 || max_D % 4 != 0 || max_D > kVectorMaxD) return false;
+  for (int64_t f = 0; f < F; ++f) {
+    const int64_t* ft = feat + f * kFeatColumns;
+    if (ft[kFeatDim] % 4 != 0 || ft[kFeatDim] > kVectorMaxD || ft[kFeatWeightsOffset] % 4 != 0 ||
+        ft[kFeatOutOffset] % 4 != 0) {
+      return false;
     }
   }
-  return b;
+  return true;
 }
 
 inline void check_grad_output(const Batch& b, const at::Tensor& grad_output, const at::Tensor& weights) {

@@ -20,8 +20,19 @@ inline at::Tensor forward_cuda(const at::Tensor& weights, const at::Tensor& feat
                                         : at::empty({b.B, b.total_D}, weights.options().dtype(at::kFloat));
   const at::Tensor error = error_record_for(error_record, weights);
   const ForwardArgs a = forward_args(b, features, weights, per_sample_weights, out.data_ptr<float>(), error);
+  const bool vector_path = check_layout_and_choose(b, features, weights, {out.data_ptr()});
   const auto stream = at::cuda::getCurrentCUDAStream();
-  if (b.F * b.B > 0) {
+  if (b.F * b.B > 0 && !vector_path) {
+    dispatch_weights(weights, [&](auto w) {
+      using W = decltype(w);
+      dispatch_index(indices, [&](auto i) {
+        using I = decltype(i);
+        any_width::forward_kernel<W, I><<<grid_for(b.F * b.B), kThreads, 0, stream>>>(
+            a, weights.data_ptr<W>(), indices.data_ptr<I>(), offsets.data_ptr<I>());
+        TBEGEN_CUDA_CHECK(cudaGetLastError());
+      });
+    });
+  } else if (b.F * b.B > 0) {
     dispatch_weights(weights, [&](auto w) {
       using W = decltype(w);
       dispatch_index(indices, [&](auto i) {
@@ -50,8 +61,20 @@ inline at::Tensor grad_per_sample_weights_cuda(const at::Tensor& grad_output, co
   at::Tensor grad = at::zeros({b.N}, weights.options().dtype(at::kFloat));
   const at::Tensor error = error_record_for(error_record, weights);
   const ForwardArgs a = forward_args(b, features, weights, c10::nullopt, nullptr, error);
+  const bool vector_path = check_layout_and_choose(b, features, weights, {grad_output.data_ptr()});
   const auto stream = at::cuda::getCurrentCUDAStream();
-  if (b.F * b.B > 0) {
+  if (b.F * b.B > 0 && !vector_path) {
+    dispatch_weights(weights, [&](auto w) {
+      using W = decltype(w);
+      dispatch_index(indices, [&](auto i) {
+        using I = decltype(i);
+        any_width::grad_psw_kernel<W, I><<<grid_for(b.F * b.B), kThreads, 0, stream>>>(
+            a, grad_output.data_ptr<float>(), weights.data_ptr<W>(), indices.data_ptr<I>(), offsets.data_ptr<I>(),
+            grad.data_ptr<float>());
+        TBEGEN_CUDA_CHECK(cudaGetLastError());
+      });
+    });
+  } else if (b.F * b.B > 0) {
     dispatch_weights(weights, [&](auto w) {
       using W = decltype(w);
       dispatch_index(indices, [&](auto i) {

@@ -10,6 +10,11 @@
 #include <cub/cub.cuh>
 #include <thrust/iterator/counting_iterator.h>
 
+#include <memory>
+#include <mutex>
+#include <vector>
+
+#include "tbegen/cuda_any_width.cuh"
 #include "tbegen/cuda_backward_prep.cuh"
 #include "tbegen/cuda_kernels.cuh"
 #include "tbegen/host.h"
@@ -82,6 +87,89 @@ inline ForwardArgs forward_args(const Batch& b, const at::Tensor& features, cons
   return a;
 }
 
+// ---- the layout on the host, and which kernels a call takes --------------------------------------
+//
+// The features table lives on the GPU, but the host needs it: to check it (host.h,
+// check_features) and to choose between the 4-wide kernels (cuda_kernels.cuh), which take layouts
+// whose widths and column offsets are multiples of 4 (host.h, vector_layout), and the any-width
+// kernels (cuda_any_width.cuh), which take the rest. Reading it costs a wait for the stream, so it
+// is read once per features tensor and the host copy kept, keyed by the tensor (a weak reference,
+// so that a new tensor at the same address is not mistaken for it), its data pointer and its
+// version counter (bumped by every in-place change made through torch). A module builds its
+// features once, so only its first call waits.
+class HostFeaturesCache {
+ public:
+  using Copy = std::shared_ptr<const std::vector<int64_t>>;
+
+  Copy get(const at::Tensor& features) {
+    // (an inference tensor has no version counter to key on: it is read on every call)
+    if (features.is_inference()) return read(features);
+    const std::lock_guard<std::mutex> lock(mutex_);
+    for (const Entry& e : entries_) {
+      if (!e.impl.expired() && e.impl._unsafe_get_target() == features.unsafeGetTensorImpl() &&
+          e.data == features.data_ptr() && e.version == features._version() && e.numel == features.numel()) {
+        return e.copy;
+      }
+    }
+    Copy copy = read(features);
+    // forget tensors that are gone, and the oldest entry when the cache is full
+    std::vector<Entry> kept;
+    for (Entry& old : entries_) {
+      if (!old.impl.expired()) kept.push_back(std::move(old));
+    }
+    if (kept.size() >= kCapacity) kept.erase(kept.begin());
+    kept.push_back(Entry{c10::weak_intrusive_ptr<c10::TensorImpl>(features.getIntrusivePtr()), features.data_ptr(),
+                         features._version(), features.numel(), copy});
+    entries_.swap(kept);
+    return copy;
+  }
+
+ private:
+  static Copy read(const at::Tensor& features) {
+    const at::Tensor host = features.to(at::kCPU).contiguous();
+    const int64_t* p = host.data_ptr<int64_t>();
+    return std::make_shared<const std::vector<int64_t>>(p, p + host.numel());
+  }
+
+  static constexpr size_t kCapacity = 32;
+  struct Entry {
+    c10::weak_intrusive_ptr<c10::TensorImpl> impl;
+    const void* data;
+    int64_t version;
+    int64_t numel;
+    Copy copy;
+  };
+  std::mutex mutex_;
+  std::vector<Entry> entries_;
+};
+
+inline bool aligned_to(const void* p, size_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
+
+// Checks the call's features table and says whether the call takes the 4-wide kernels: a vector
+// layout, with the buffers they load 4 at a time aligned for it (a weights tensor that is a view at
+// an odd offset takes the any-width kernels).
+inline bool check_layout_and_choose(const Batch& b, const at::Tensor& features, const at::Tensor& weights,
+                                    std::initializer_list<const void*> float_buffers) {
+  static HostFeaturesCache cache;
+  const HostFeaturesCache::Copy feat = cache.get(features);
+  check_features(b, feat->data(), weights);
+  if (!vector_layout(feat->data(), b.F, b.total_D, b.max_D)) return false;
+  if (!aligned_to(weights.data_ptr(), 4 * weights.element_size())) return false;
+  for (const void* p : float_buffers) {
+    if (p != nullptr && !aligned_to(p, 16)) return false;
+  }
+  return true;
+}
+
+// Warps of an any-width kernel: at most `wanted`, and no more than keep the scratch area (slots
+// rows of max_D floats per warp) within kAnyWidthScratchBytes.
+constexpr int64_t kAnyWidthScratchBytes = int64_t(64) << 20;
+inline int64_t any_width_blocks(int64_t wanted_blocks, int64_t slots, int64_t max_D) {
+  const int64_t per_block = int64_t(kThreads / kWarpSize) * slots * max_D * int64_t(sizeof(float));
+  const int64_t cap = std::max<int64_t>(1, kAnyWidthScratchBytes / std::max<int64_t>(per_block, 1));
+  return std::max<int64_t>(1, std::min(wanted_blocks, cap));
+}
+
 // The error record a call writes to: the caller's, or a fresh one that the call reads back itself
 // before returning (raising what it says).
 inline at::Tensor error_record_for(const c10::optional<at::Tensor>& given, const at::Tensor& like) {
@@ -96,6 +184,43 @@ void run_cub(const at::Tensor& like, Algorithm&& algorithm) {
   TBEGEN_CUDA_CHECK(algorithm(nullptr, bytes));
   at::Tensor scratch = at::empty({int64_t(std::max<size_t>(bytes, 1))}, like.options().dtype(at::kByte));
   TBEGEN_CUDA_CHECK(algorithm(scratch.data_ptr(), bytes));
+}
+
+// The update kernels of the backward for layouts the 4-wide kernels do not take (any-width
+// path): the same three kernels, on the same streams, over the same prepared batch.
+template <class Opt>
+void backward_any_width(const Batch& b, const BackwardArgs& a, const PreparedBackward& prep, const at::Tensor& weights,
+                        const typename Opt::Params& params, const RowUpdateContext& ctx,
+                        const at::cuda::CUDAStream& stream, const at::cuda::CUDAStream& side,
+                        at::cuda::CUDAEvent& joined, int sms) {
+  dispatch_weights(weights, [&](auto w) {
+    using W = decltype(w);
+    W* wptr = weights.data_ptr<W>();
+    const int64_t slots = any_width::scratch_slots<Opt, W>();
+    const auto floats = weights.options().dtype(at::kFloat);
+    at::Tensor partial = at::empty({std::max<int64_t>(prep.max_partials, 1) * b.max_D}, floats);
+    // the long runs' kernels (on the side stream, one after the other) share a scratch area
+    const int64_t segment_blocks = any_width_blocks(
+        std::min<int64_t>(prep.max_segments / (kThreads / kWarpSize) + 1, int64_t(sms) * 8), slots, b.max_D);
+    const int64_t finish_blocks = any_width_blocks(
+        std::min<int64_t>(prep.max_long_runs / (kThreads / kWarpSize) + 1, int64_t(sms) * 4), slots, b.max_D);
+    at::Tensor side_scratch = at::empty({std::max(segment_blocks, finish_blocks) * kThreads / kWarpSize * slots * b.max_D}, floats);
+    any_width::backward_segment_kernel<Opt, W><<<int(segment_blocks), kThreads, 0, side.stream()>>>(
+        a, prep.runs, prep.occurrences, params, ctx, wptr, partial.data_ptr<float>(), side_scratch.data_ptr<float>());
+    TBEGEN_CUDA_CHECK(cudaGetLastError());
+    any_width::backward_finish_kernel<Opt, W><<<int(finish_blocks), kThreads, 0, side.stream()>>>(
+        a, prep.runs, prep.occurrences, params, ctx, wptr, partial.data_ptr<float>(), side_scratch.data_ptr<float>());
+    TBEGEN_CUDA_CHECK(cudaGetLastError());
+    // one warp per run (there are at most N of them)
+    const int64_t warp_blocks = any_width_blocks(grid_for(b.N), slots, b.max_D);
+    at::Tensor scratch = at::empty({warp_blocks * kThreads / kWarpSize * slots * b.max_D}, floats);
+    any_width::backward_warp_kernel<Opt, W><<<int(warp_blocks), kThreads, 0, stream.stream()>>>(
+        a, prep.runs, prep.occurrences, params, ctx, wptr, scratch.data_ptr<float>());
+    TBEGEN_CUDA_CHECK(cudaGetLastError());
+    // joined before the scratch tensors go back to the caching allocator (as in backward_cuda)
+    joined.record(side);
+    joined.block(stream);
+  });
 }
 
 // The backward pass with the optimizer `Opt` fused in (docs/algorithm.md): prepare_backward sorts
@@ -116,6 +241,9 @@ void backward_cuda(const at::Tensor& grad_output, const at::Tensor& weights, con
   check_error_record(error_record, weights);
   TBEGEN_CHECK(total_hash_size >= 1, "tbegen: total_hash_size must be positive, got ", total_hash_size);
   TBEGEN_CHECK(max_segment_length_per_warp >= 1, "tbegen: max_segment_length_per_warp must be >= 1");
+  // the 4-wide kernels, or the any-width ones (above)
+  bool vector_path = check_layout_and_choose(b, features, weights, {grad_output.data_ptr()});
+  for (int k = 0; k < Opt::kElementStates; ++k) vector_path = vector_path && aligned_to(params.element_states[k], 16);
   if (b.N == 0) return;
   const auto stream = at::cuda::getCurrentCUDAStream();
   const at::Tensor error = error_record_for(error_record, weights);
@@ -142,6 +270,11 @@ void backward_cuda(const at::Tensor& grad_output, const at::Tensor& weights, con
   at::cuda::CUDAEvent forked, joined;
   forked.record(stream);
   forked.block(side);
+  if (!vector_path) {
+    backward_any_width<Opt>(b, a, prep, weights, params, ctx, stream, side, joined, sms);
+    if (!error_record.has_value()) raise_kernel_error(error, !skip_bad_indices);
+    return;
+  }
   dispatch_weights(weights, [&](auto w) {
     using W = decltype(w);
     W* wptr = weights.data_ptr<W>();

@@ -1,0 +1,343 @@
+// tbegen runtime: the CUDA kernels for layouts the 4-wide kernels (cuda_kernels.cuh) do not take:
+// a width D that is not a multiple of 4, a column offset (in the weights or the pooled output) that
+// is not, or a row wider than kVectorMaxD. The host picks them per call (check_layout_and_choose in
+// cuda_ops.cuh); a layout of multiples of 4 up to kVectorMaxD never runs this code.
+//
+// Column layout: lane l of a warp owns columns l, l + 32, l + 64, ... of a row, so every load and
+// store is one float (or one 16-bit weight) and needs no alignment, and a warp's 32 loads are
+// consecutive. Each lane touches only its own columns of every buffer it writes, so the only
+// communication between lanes is the shuffles of the row reductions.
+//
+// A row does not live in registers here (4096 columns would be 128 values per lane per array):
+//  - fp32 weights and per-element states are updated in place in global memory (each unique row
+//    is updated by exactly one warp, as in the 4-wide path);
+//  - the summed gradient, the temporaries and (for fp16/bf16 weights) a float copy of the weights
+//    live in a per-warp scratch area in global memory, `kScratchSlots` rows of max_D floats,
+//    which the caches mostly keep close (the host caps the grid so that scratch stays small);
+//  - per-row states are a register copy per lane, as in WarpRow; lane 0 writes them back.
+// Sums are taken in the same order as in the 4-wide path (occurrences in sorted order, fp32,
+// per column); only the split of the row reductions over lanes differs, so results agree with
+// the 4-wide path to rounding, and are deterministic (bitwise) for a given layout.
+#pragma once
+
+#include "tbegen/cuda_kernels.cuh"
+
+namespace tbegen {
+namespace cuda {
+namespace any_width {
+
+// ---- the row view the optimizer sees ---------------------------------------------------------
+
+// One lane's share of a row in the column layout. Element i of this lane is column
+// i * 32 + lane; extent() is the same on every lane, so every lane runs the optimizer's loops the
+// same number of times and reaches the same reductions.
+template <int kElementSlots, int kRowSlots>
+struct ColumnRow {
+  float* g_;                                            // summed gradient (scratch)
+  float* w_;                                            // weights (in place, or a scratch copy)
+  float* element_[kElementSlots > 0 ? kElementSlots : 1];  // element states (in place), temporaries (scratch)
+  float row_[kRowSlots > 0 ? kRowSlots : 1];
+  int D;
+  int lane;
+
+  __device__ __forceinline__ int extent() const { return (D + kWarpSize - 1) / kWarpSize; }
+  __device__ __forceinline__ int column(int i) const { return i * kWarpSize + lane; }
+  __device__ __forceinline__ bool valid(int i) const { return column(i) < D; }
+  __device__ __forceinline__ int dim() const { return D; }
+  __device__ __forceinline__ float g(int i) const { return g_[column(i)]; }
+  __device__ __forceinline__ float& w(int i) { return w_[column(i)]; }
+  __device__ __forceinline__ float& element(int k, int i) { return element_[k][column(i)]; }
+  __device__ __forceinline__ float& row_state(int k) { return row_[k]; }
+  static __device__ __forceinline__ float all_sum(float x) { return warp_sum(x); }
+  static __device__ __forceinline__ float all_max(float x) {
+    return WarpRow<1, 1, 1>::all_max(x);
+  }
+  static __device__ __forceinline__ float all_min(float x) {
+    return WarpRow<1, 1, 1>::all_min(x);
+  }
+};
+
+template <class Opt>
+using OptColumnRow = ColumnRow<Opt::kElementStates + Opt::kTemporaries, Opt::kRowStates>;
+
+// Scratch rows per warp: the gradient, the temporaries, and a float copy of 16-bit weights.
+template <class Opt, typename W>
+constexpr int scratch_slots() {
+  return 1 + Opt::kTemporaries + (sizeof(W) == 4 ? 0 : 1);
+}
+
+// ---- forward -----------------------------------------------------------------------------------
+
+// Columns a lane accumulates per pass over a bag: a warp pools 32 * kCols columns per pass, and
+// wider rows take several passes (each reading the bag's indices again, from the caches).
+constexpr int kCols = 4;
+
+// One warp per bag; each pass adds the bag's rows in index order into kCols register
+// accumulators per lane. (Pooling none copies each scaled row to its output row.)
+template <typename W, typename I>
+__global__ void __launch_bounds__(256) forward_kernel(ForwardArgs a, const W* __restrict__ weights,
+                                                      const I* __restrict__ indices,
+                                                      const I* __restrict__ offsets) {
+  const int lane = threadIdx.x % kWarpSize;
+  const int64_t nbags = a.F * a.B;
+  const int64_t warps = int64_t(gridDim.x) * blockDim.x / kWarpSize;
+  for (int64_t bag = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / kWarpSize; bag < nbags; bag += warps) {
+    int64_t start, end;
+    const bool bounds_ok = bag_bounds(offsets, bag, nbags, a.N, a.error, &start, &end);
+    if (!bounds_ok) start = end = 0;  // (sum/mean: the bag's output is written as zeros)
+    if (!bounds_ok && a.pooling == kPoolNone) continue;
+    const int64_t f = bag / a.B, b = bag % a.B;
+    const int64_t* ft = a.feat + f * kFeatColumns;
+    const int D = int(ft[kFeatDim]);
+    const float scale = (a.pooling == kPoolMean && end > start) ? 1.0f / float(end - start) : 1.0f;
+    float* out = a.out + b * a.total_D + ft[kFeatOutOffset];
+    for (int c0 = 0; c0 < D; c0 += kWarpSize * kCols) {
+      float acc[kCols];
+#pragma unroll
+      for (int c = 0; c < kCols; ++c) acc[c] = 0.0f;
+      for (int64_t base = start; base < end; base += kWarpSize) {
+        // lane j fetches index base + j and its row offset (a bad index is recorded again on
+        // later passes, which changes nothing: the record keeps the first error)
+        const int64_t my_i = base + lane;
+        int64_t my_off = -1;
+        float my_scale = 0.0f;
+        if (my_i < end) {
+          my_off = row_offset(ft, int64_t(indices[my_i]), my_i, a.weights_numel, a.error);
+          my_scale = a.psw ? a.psw[my_i] : 1.0f;
+        }
+        const int n = end - base < kWarpSize ? int(end - base) : kWarpSize;
+        for (int j = 0; j < n; ++j) {
+          const int64_t off = __shfl_sync(kFullMask, my_off, j);
+          const float s = __shfl_sync(kFullMask, my_scale, j);
+          if (off < 0) continue;
+          if (a.pooling == kPoolNone) {
+            float* o = a.out + (base + j) * a.max_D;
+#pragma unroll
+            for (int c = 0; c < kCols; ++c) {
+              const int d = c0 + c * kWarpSize + lane;
+              if (d < D) o[d] = s * WeightTraits<W>::load(weights[off + d]);
+            }
+          } else {
+#pragma unroll
+            for (int c = 0; c < kCols; ++c) {
+              const int d = c0 + c * kWarpSize + lane;
+              if (d < D) acc[c] += s * WeightTraits<W>::load(weights[off + d]);
+            }
+          }
+        }
+      }
+      if (a.pooling == kPoolNone) continue;
+#pragma unroll
+      for (int c = 0; c < kCols; ++c) {
+        const int d = c0 + c * kWarpSize + lane;
+        if (d < D) out[d] = acc[c] * scale;
+      }
+    }
+  }
+}
+
+// d loss / d per_sample_weights[i]: one warp per bag, a warp-wide dot product per index (each
+// lane over its columns, then a butterfly sum).
+template <typename W, typename I>
+__global__ void __launch_bounds__(256) grad_psw_kernel(ForwardArgs a, const float* __restrict__ grad_output,
+                                                       const W* __restrict__ weights,
+                                                       const I* __restrict__ indices,
+                                                       const I* __restrict__ offsets, float* grad) {
+  const int lane = threadIdx.x % kWarpSize;
+  const int64_t nbags = a.F * a.B;
+  const int64_t warps = int64_t(gridDim.x) * blockDim.x / kWarpSize;
+  for (int64_t bag = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / kWarpSize; bag < nbags; bag += warps) {
+    int64_t start, end;
+    if (!bag_bounds(offsets, bag, nbags, a.N, a.error, &start, &end)) continue;
+    const int64_t f = bag / a.B, b = bag % a.B;
+    const int64_t* ft = a.feat + f * kFeatColumns;
+    const int D = int(ft[kFeatDim]);
+    const float scale = a.pooling == kPoolMean ? 1.0f / float(end > start ? end - start : 1) : 1.0f;
+    for (int64_t i = start; i < end; ++i) {
+      const int64_t off = row_offset(ft, int64_t(indices[i]), i, a.weights_numel, a.error);
+      if (off < 0) continue;
+      const float* go = a.pooling == kPoolNone ? grad_output + i * a.max_D
+                                               : grad_output + b * a.total_D + ft[kFeatOutOffset];
+      float dot = 0.0f;
+      for (int d = lane; d < D; d += kWarpSize) dot += WeightTraits<W>::load(weights[off + d]) * go[d];
+      dot = warp_sum(dot);
+      if (lane == 0) grad[i] = dot * scale;
+    }
+  }
+}
+
+// ---- backward ----------------------------------------------------------------------------------
+
+// Adds the scaled output-gradient rows of occurrences [first, first + n), n <= 32, in order, into
+// this lane's columns of g.
+__device__ __forceinline__ void add_chunk(const BackwardArgs& a, const Occurrences& o, int D, int lane, int64_t first,
+                                          int n, float* g) {
+  OccurrenceInfo mine;
+  if (lane < n) mine.fetch(o, first + lane, a.pooling == kPoolNone);
+  for (int k = 0; k < n; ++k) {
+    const OccurrenceInfo occ = mine.from_lane(k);
+    const float* go = grad_row(a, occ.position, occ.bag);
+    for (int d = lane; d < D; d += kWarpSize) g[d] += occ.scale * go[d];
+  }
+}
+
+// Adds occurrences [first, last) into g (this lane's columns), 32 at a time.
+__device__ __forceinline__ void add_occurrences(const BackwardArgs& a, const Occurrences& o, int D, int lane,
+                                                int64_t first, int64_t last, float* g) {
+  for (int64_t base = first; base < last; base += kWarpSize) {
+    const int n = last - base < kWarpSize ? int(last - base) : kWarpSize;
+    add_chunk(a, o, D, lane, base, n, g);
+  }
+}
+
+// Points the row view at its weights and states (loading what is not updated in place) and at
+// this warp's scratch, whose gradient row is cleared; per-row states are loaded into registers.
+template <class Opt, typename W>
+__device__ __forceinline__ void begin_row(OptColumnRow<Opt>& row, const typename Opt::Params& p, W* weights,
+                                          int64_t key, int64_t woff, float* scratch, int64_t max_D) {
+  row.g_ = scratch;
+  float* next = scratch + max_D;
+  if constexpr (sizeof(W) == 4) {
+    row.w_ = reinterpret_cast<float*>(weights) + woff;
+  } else {
+    row.w_ = next;
+    next += max_D;
+    for (int d = row.lane; d < row.D; d += kWarpSize) row.w_[d] = WeightTraits<W>::load(weights[woff + d]);
+  }
+#pragma unroll
+  for (int k = 0; k < Opt::kElementStates; ++k) row.element_[k] = p.element_states[k] + woff;
+#pragma unroll
+  for (int k = Opt::kElementStates; k < Opt::kElementStates + Opt::kTemporaries; ++k) {
+    row.element_[k] = next;
+    next += max_D;
+    for (int d = row.lane; d < row.D; d += kWarpSize) row.element_[k][d] = 0.0f;
+  }
+#pragma unroll
+  for (int k = 0; k < Opt::kRowStates; ++k) row.row_[k] = p.row_states[k][key];
+  for (int d = row.lane; d < row.D; d += kWarpSize) row.g_[d] = 0.0f;
+}
+
+// Applies the optimizer to a row whose gradient has been summed, and writes back what was not
+// updated in place (16-bit weights, rounded as in the 4-wide path; per-row states from lane 0).
+template <class Opt, typename W>
+__device__ __forceinline__ void update_and_store(OptColumnRow<Opt>& row, const typename Opt::Params& p,
+                                                 const RowUpdateContext& ctx, W* weights, int64_t key, int64_t woff) {
+  Opt::update_row(row, p, ctx.step);
+  if constexpr (sizeof(W) != 4) {
+    for (int d = row.lane; d < row.D; d += kWarpSize) {
+      const uint32_t bits = ctx.stochastic_rounding ? random_bits(ctx.seed, ctx.step, key, d) : 0u;
+      weights[woff + d] = WeightTraits<W>::round(row.w_[d], bits, ctx.stochastic_rounding);
+    }
+  }
+  if (row.lane == 0) {
+#pragma unroll
+    for (int k = 0; k < Opt::kRowStates; ++k) p.row_states[k][key] = row.row_[k];
+  }
+}
+
+// This warp's scratch area: warp w of the grid owns slots [w * slots, (w + 1) * slots) rows.
+template <class Opt, typename W>
+__device__ __forceinline__ float* warp_scratch(float* scratch, int64_t max_D) {
+  const int64_t warp = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / kWarpSize;
+  return scratch + warp * scratch_slots<Opt, W>() * max_D;
+}
+
+// Short runs: one warp per unique row, rows taken in turn (grid-stride).
+template <class Opt, typename W>
+__global__ void __launch_bounds__(256) backward_warp_kernel(BackwardArgs a, Runs r, Occurrences o, typename Opt::Params p,
+                                                            RowUpdateContext ctx, W* weights, float* scratch) {
+  if (update_blocked(a)) return;
+  const int lane = threadIdx.x % kWarpSize;
+  const int64_t warps = int64_t(gridDim.x) * blockDim.x / kWarpSize;
+  const int32_t num_runs = r.counts[0];
+  float* mine = warp_scratch<Opt, W>(scratch, a.max_D);
+  for (int64_t run = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / kWarpSize; run < num_runs; run += warps) {
+    const int32_t start = r.starts[run];
+    const int32_t len = r.end_of(run, num_runs) - start;
+    const int64_t key = r.key_at(start);
+    // long runs are the segment kernels'; skipped bad indices update nothing
+    if (len >= r.max_segment_length_per_warp || key >= r.skipped_key) continue;
+    OptColumnRow<Opt> row;
+    row.lane = lane;
+    int64_t woff;
+    locate_row(a, o.bag[start], key, &row.D, &woff);
+    begin_row<Opt, W>(row, p, weights, key, woff, mine, a.max_D);
+    add_occurrences(a, o, row.D, lane, start, int64_t(start) + len, row.g_);
+    update_and_store<Opt, W>(row, p, ctx, weights, key, woff);
+  }
+}
+
+// Long runs, first pass: one warp per segment of kSegmentLength occurrences. A run of one
+// segment is summed and updated here; a run of several leaves each segment's sum (max_D floats)
+// in `partial` for backward_finish_kernel.
+template <class Opt, typename W>
+__global__ void __launch_bounds__(256) backward_segment_kernel(BackwardArgs a, Runs r, Occurrences o, typename Opt::Params p,
+                                                               RowUpdateContext ctx, W* weights, float* partial,
+                                                               float* scratch) {
+  if (update_blocked(a)) return;
+  const int lane = threadIdx.x % kWarpSize;
+  const int64_t warps = int64_t(gridDim.x) * blockDim.x / kWarpSize;
+  const int32_t num_runs = r.counts[0];
+  const int32_t num_long = r.counts[1];
+  if (num_long == 0) return;
+  const int32_t total = r.segments[num_long].x;
+  float* mine = warp_scratch<Opt, W>(scratch, a.max_D);
+  for (int64_t s = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / kWarpSize; s < total; s += warps) {
+    // the long run owning segment s: the last k with segments[k].x <= s
+    int32_t lo = 0, hi = num_long - 1;
+    while (lo < hi) {
+      const int32_t mid = (lo + hi + 1) >> 1;
+      if (r.segments[mid].x <= s) lo = mid; else hi = mid - 1;
+    }
+    const LongRun run = long_run(r, lo, num_runs);
+    if (run.key >= r.skipped_key) continue;
+    const int32_t seg = int32_t(s) - run.segments.x;
+    const int32_t begin = seg * kSegmentLength;
+    const int32_t end = begin + kSegmentLength < run.len ? begin + kSegmentLength : run.len;
+    OptColumnRow<Opt> row;
+    row.lane = lane;
+    int64_t woff;
+    locate_row(a, o.bag[run.first], run.key, &row.D, &woff);
+    if (run.nseg == 1) {
+      begin_row<Opt, W>(row, p, weights, run.key, woff, mine, a.max_D);
+      add_occurrences(a, o, row.D, lane, int64_t(run.first) + begin, int64_t(run.first) + end, row.g_);
+      update_and_store<Opt, W>(row, p, ctx, weights, run.key, woff);
+    } else {
+      float* out = partial + int64_t(run.segments.y + seg) * a.max_D;
+      for (int d = lane; d < row.D; d += kWarpSize) out[d] = 0.0f;
+      add_occurrences(a, o, row.D, lane, int64_t(run.first) + begin, int64_t(run.first) + end, out);
+    }
+  }
+}
+
+// Long runs, second pass: one warp per run of several segments adds their partial sums in
+// segment order and updates the row.
+template <class Opt, typename W>
+__global__ void __launch_bounds__(256) backward_finish_kernel(BackwardArgs a, Runs r, Occurrences o, typename Opt::Params p,
+                                                              RowUpdateContext ctx, W* weights, const float* partial,
+                                                              float* scratch) {
+  if (update_blocked(a)) return;
+  const int lane = threadIdx.x % kWarpSize;
+  const int64_t warps = int64_t(gridDim.x) * blockDim.x / kWarpSize;
+  const int32_t num_runs = r.counts[0];
+  const int32_t num_long = r.counts[1];
+  float* mine = warp_scratch<Opt, W>(scratch, a.max_D);
+  for (int64_t k = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / kWarpSize; k < num_long; k += warps) {
+    const LongRun run = long_run(r, int32_t(k), num_runs);
+    if (run.nseg <= 1 || run.key >= r.skipped_key) continue;
+    OptColumnRow<Opt> row;
+    row.lane = lane;
+    int64_t woff;
+    locate_row(a, o.bag[run.first], run.key, &row.D, &woff);
+    begin_row<Opt, W>(row, p, weights, run.key, woff, mine, a.max_D);
+    const float* in = partial + int64_t(run.segments.y) * a.max_D;
+    for (int32_t j = 0; j < run.nseg; ++j) {
+      for (int d = lane; d < row.D; d += kWarpSize) row.g_[d] += in[int64_t(j) * a.max_D + d];
+    }
+    update_and_store<Opt, W>(row, p, ctx, weights, run.key, woff);
+  }
+}
+
+}  // namespace any_width
+}  // namespace cuda
+}  // namespace tbegen

@@ -1,0 +1,128 @@
+"""Where a module's tables live: the `placements` argument of TableBatchedEmbeddingBags.
+
+    "device"           weights and optimizer states in GPU memory (the default)
+    "managed"          weights and optimizer states in CUDA managed (unified) memory, preferred in
+                       host memory and mapped for the GPU, which reads and writes them in place:
+                       the table may be larger than GPU memory
+    "managed_caching"  (not built yet) host-resident tables behind a GPU cache of hot rows
+    "host"             (not built yet) tables in ordinary host memory in a GPU module
+
+How managed tables meet the kernels (docs/placements.md): the GPU kernels take one flat weights
+buffer and one buffer per optimizer state, with every table at its offset. A module with at least
+one managed table on a GPU therefore allocates each of those buffers whole in managed memory
+(the runtime operator managed_empty, include/tbegen/managed_memory.h) and gives each table's
+range its own hint: managed tables preferred in host memory (the GPU maps them), device tables
+preferred in GPU memory (and prefetched there). The kernels, unchanged, see one device pointer
+per buffer; which memory a table's pages sit in is the driver's business. A module whose tables
+are all "device" allocates exactly as before (ordinary device tensors).
+
+On the CPU every buffer is host memory already: "managed" is accepted there and means just that,
+so that a model configured with placements runs unchanged (and bitwise the same) on the CPU.
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional, Sequence, Tuple, Union
+
+import torch
+
+__all__ = ["PLACEMENTS", "BUILT_PLACEMENTS", "check_placements", "allocate", "memory_kind"]
+
+PLACEMENTS = ("device", "managed", "managed_caching", "host")
+BUILT_PLACEMENTS = ("device", "managed")
+# Placements that are planned (issue 12) but not built: what each would be.
+_NOT_BUILT = {
+    "managed_caching": "host-resident tables behind a GPU cache of hot rows",
+    "host": "tables in ordinary host memory in a GPU module",
+}
+
+
+def check_placements(placements: Union[None, str, Sequence[str]], num_tables: int, *,
+                     dense_gradient: bool = False, optimizer: str = "") -> Tuple[str, ...]:
+    """One placement per table, checked: None means every table "device"; a single string applies
+    to every table; otherwise a list with one entry per table."""
+    if placements is None:
+        return ("device",) * num_tables
+    if isinstance(placements, str):
+        placements = [placements] * num_tables
+    elif isinstance(placements, bytes) or not isinstance(placements, Sequence):
+        raise TypeError(
+            f"tbegen: placements must be a list with one placement per table (or one placement for all), "
+            f"got {type(placements).__name__}"
+        )
+    placements = list(placements)
+    if len(placements) != num_tables:
+        raise ValueError(
+            f"tbegen: placements has {len(placements)} entries but the module has {num_tables} table(s); "
+            f"give one placement per table, or one string for all"
+        )
+    for t, p in enumerate(placements):
+        if not isinstance(p, str) or p not in PLACEMENTS:
+            raise ValueError(
+                f"tbegen: placements[{t}] must be one of {list(BUILT_PLACEMENTS)} "
+                f"({' and '.join(map(repr, _NOT_BUILT))} are planned, not built yet), got {p!r}"
+            )
+        if p in _NOT_BUILT:
+            raise NotImplementedError(
+                f"tbegen: placements[{t}] = {p!r} ({_NOT_BUILT[p]}) is not built yet; the placements that "
+                f"exist are {list(BUILT_PLACEMENTS)} (docs/placements.md)"
+            )
+    if dense_gradient and "managed" in placements:
+        raise ValueError(
+            f"tbegen: placement 'managed' with optimizer {optimizer!r} (dense gradients): the dense weight "
+            f"gradient would be an ordinary device tensor as large as every table, which defeats a managed "
+            f"table; use a fused optimizer, or placement 'device'"
+        )
+    return tuple(placements)
+
+
+def needs_managed(placements: Sequence[str], device: torch.device) -> bool:
+    """Whether the module's buffers go to managed memory: some table is managed, on a GPU."""
+    return device.type == "cuda" and "managed" in placements
+
+
+def _managed_ops(ops):
+    if not hasattr(ops, "managed_empty"):
+        raise RuntimeError(
+            "tbegen: this extension was built without CUDA, so it has no managed-memory operators; "
+            "placement 'managed' on a GPU needs the CUDA build"
+        )
+    return ops
+
+
+def allocate(ops, numel: int, dtype: torch.dtype, device: torch.device, placements: Sequence[str],
+             ranges: Sequence[Tuple[int, int]]) -> torch.Tensor:
+    """An uninitialised 1-D buffer of `numel` elements for tables whose elements are `ranges`
+    ((start, count) per table, in table order): an ordinary tensor on `device`, or, where
+    `needs_managed`, one managed allocation with each table's range hinted to its placement.
+
+    Host-preferred ranges are hinted first and device-preferred ones last: the driver applies
+    hints to whole pages, and a page shared by a managed and a device table is then preferred on
+    the device (the few bytes of the managed table in it are read from GPU memory)."""
+    if not needs_managed(placements, device):
+        return torch.empty(numel, dtype=dtype, device=device)
+    ops = _managed_ops(ops)
+    buffer = ops.managed_empty(numel, dtype, device)
+    for location in ("host", "device"):
+        for placement, (start, count) in zip(placements, ranges):
+            if (placement == "managed") == (location == "host"):
+                ops.managed_advise(buffer, start, count, location)
+    return buffer
+
+
+def memory_kind(ops, tensor: torch.Tensor) -> str:
+    """What backs a tensor: "managed", "device", "host" (page-locked), "unregistered" (pageable
+    host memory), or "cpu" for a CPU tensor (no CUDA query)."""
+    if tensor.device.type == "cpu":
+        return "cpu"
+    return _managed_ops(ops).memory_kind(tensor)
+
+
+def preferred_locations(ops, tensor: torch.Tensor, ranges: Sequence[Tuple[int, int]]) -> List[Optional[str]]:
+    """Per (start, count) range of a managed tensor, the preferred location its pages share:
+    "host", "device", or None (no hint, or its pages disagree)."""
+    out: List[Optional[str]] = []
+    for start, count in ranges:
+        loc = int(_managed_ops(ops).managed_preferred_location(tensor, start, count))
+        out.append("host" if loc == -1 else "device" if loc == tensor.device.index else None)
+    return out

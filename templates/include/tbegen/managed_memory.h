@@ -1,0 +1,38 @@
+// tbegen runtime: tensors in CUDA managed (unified) memory, for tables placed "managed"
+// (docs/placements.md). The GPU kernels read and write such a tensor like any device tensor; the
+// driver keeps its pages where the hints set here prefer them, so a table can exceed GPU memory.
+//
+// Compiled once, in the runtime translation unit (cuda_forward.cu), and linked into every
+// optimizer's CUDA extension; each extension's ops_cuda.cu defines these operators in its own
+// namespace with this call (they take no optimizer-specific argument):
+//
+//   managed_empty(int numel, ScalarType dtype, Device device) -> Tensor
+//       a 1-D tensor of `numel` elements on `device` (a CUDA device), backed by cudaMallocManaged;
+//       freed with cudaFree when the last reference goes. Contents uninitialised.
+//   managed_advise(Tensor tensor, int start, int count, str location) -> ()
+//       hints for elements [start, start + count) of a managed tensor: "host" (preferred location
+//       host memory, mapped for the GPU: the GPU reads and writes the pages there, without moving
+//       them) or "device" (preferred location the tensor's GPU, mapped there too), then prefetches
+//       the range to that location. The driver applies hints to whole pages (rounded outward), so
+//       a page shared by two ranges follows the later call.
+//   memory_kind(Tensor tensor) -> str
+//       what backs the tensor's data pointer, by cudaPointerGetAttributes: "managed", "device",
+//       "host" (page-locked host memory registered with CUDA) or "unregistered" (pageable host).
+//   managed_preferred_location(Tensor tensor, int start, int count) -> int
+//       the preferred location shared by every page of that element range of a managed tensor:
+//       the device ordinal, -1 (host), or -2 (none, or the pages disagree).
+#pragma once
+
+namespace torch {
+class Library;
+}  // namespace torch
+
+namespace tbegen {
+namespace cuda {
+
+// m.def(...) of the four operators above, with their (device-independent) implementations, in a
+// TORCH_LIBRARY_FRAGMENT(ns, m) block.
+void define_managed_memory_ops(torch::Library& m);
+
+}  // namespace cuda
+}  // namespace tbegen
