@@ -540,6 +540,11 @@ def standard_cases(spec: OptimizerSpec, dtypes: Sequence[torch.dtype] = (torch.f
                               state_dtypes=tuple((name, narrow) for name in floats)))
     # (last, with its own seed, so that the cases above keep theirs)
     cases.append(Case(tables=ODD_TABLES, B=8, max_L=4, pooling="mean", weighted=True, weights_dtype=dtypes[-1], seed=700))
+    # odd widths with every float state bf16 (on CUDA: the any-width kernels' narrow-state path)
+    floats = [s.name for s in spec.states if not s.is_int]
+    if floats:
+        cases.append(Case(tables=ODD_TABLES, B=8, max_L=4, pooling="sum", weighted=True, seed=701,
+                          state_dtypes=tuple((name, torch.bfloat16) for name in floats)))
     return cases
 
 

@@ -196,7 +196,7 @@ void backward_any_width(const Batch& b, const BackwardArgs& a, const PreparedBac
   dispatch_weights(weights, [&](auto w) {
     using W = decltype(w);
     W* wptr = weights.data_ptr<W>();
-    const int64_t slots = any_width::scratch_slots<Opt, W>();
+    const int64_t slots = any_width::scratch_slots<Opt, W>(params);
     const auto floats = weights.options().dtype(at::kFloat);
     at::Tensor partial = at::empty({std::max<int64_t>(prep.max_partials, 1) * b.max_D}, floats);
     // the long runs' kernels (on the side stream, one after the other) share a scratch area
