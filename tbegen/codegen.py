@@ -161,6 +161,8 @@ class UpdateEmitter:
             self.lines.append("  const int D = tbegen_row.dim();")
         for k, s in enumerate(spec.row_states):
             self.lines.append(f"  float& {s.name} = tbegen_row.row_state({k});")
+        for k, s in enumerate(spec.int_row_states):
+            self.lines.append(f"  int64_t& {s.name} = tbegen_row.int_row_state({k});")
         counter = [0]
         for number, stage in enumerate(spec.stages, start=1):
             if stage.kind == "row":
@@ -298,7 +300,8 @@ def backward_signature(spec: OptimizerSpec) -> OpSignature:
     )
     for s in spec.states:
         layout = "like the weights" if s.per == "element" else "one per linear key"
-        args += (Arg(s.name, "Tensor", f"state, float32, {layout}", mutable=True),)
+        kind = "int64" if s.is_int else "float32, float16 or bfloat16"
+        args += (Arg(s.name, "Tensor", f"state, {kind}, {layout}", mutable=True),)
     for h in spec.hyperparameters:
         args += (Arg(h.name, h.type, h.doc),)
     args += (Arg("step", "int", "1-based step counter"),)

@@ -29,7 +29,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 
 from .layout import POOLING, Layout, make_layout
-from .model import OptimizerSpec
+from .model import STATE_DTYPE_NAMES, OptimizerSpec
 
 # Allowed error per dtype of the tensor compared (see the module docstring for the measure).
 TOLERANCE = {
@@ -38,6 +38,19 @@ TOLERANCE = {
     torch.bfloat16: 2.0**-6,  # two ulps
 }
 FORWARD_TOLERANCE = 1e-5
+
+
+_DTYPE_IDS = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+
+
+def state_dtype(spec: OptimizerSpec, case: "Case", name: str) -> torch.dtype:
+    """The storage dtype of state `name` in `case`: the case's override, else the spec's."""
+    overrides = dict(case.state_dtypes)
+    if next(s for s in spec.states if s.name == name).is_int:
+        return torch.int64
+    if name in overrides:
+        return overrides[name]
+    return getattr(torch, STATE_DTYPE_NAMES[next(s.dtype for s in spec.states if s.name == name)])
 
 
 @dataclass(frozen=True)
@@ -60,6 +73,8 @@ class Case:
     # every index of the batch is row 0 of its feature's table
     all_same: bool = False
     seed: int = 0
+    # storage dtype overrides per state, as the module's state_dtypes (default: the spec's dtype)
+    state_dtypes: Tuple[Tuple[str, torch.dtype], ...] = ()
 
     @property
     def id(self) -> str:
@@ -80,6 +95,7 @@ class Case:
         if self.max_segment_length_per_warp != 32:
             parts.append(f"seg{self.max_segment_length_per_warp}")
         parts += [f"{k}={v}" for k, v in self.hyper]
+        parts += [f"{k}:{_DTYPE_IDS[v]}" for k, v in self.state_dtypes]
         return "-".join(parts)
 
 
@@ -155,7 +171,12 @@ def initial_state(spec: OptimizerSpec, layout: Layout, case: Case, gen: torch.Ge
     for s in spec.states:
         n = layout.weights_numel if s.per == "element" else layout.total_hash_size
         # start from non-trivial, valid (non-negative) state values so that every term matters
-        states[s.name] = torch.rand(n, generator=gen, dtype=torch.float32) * 0.1 + float(s.init)
+        if s.is_int:
+            # small non-negative counts (a step number or counter of 0, 1 or 2)
+            states[s.name] = torch.randint(0, 3, (n,), generator=gen, dtype=torch.int64) + int(s.init)
+            continue
+        value = torch.rand(n, generator=gen, dtype=torch.float32) * 0.1 + float(s.init)
+        states[s.name] = value.to(state_dtype(spec, case, s.name))
     return weights, states
 
 
@@ -271,7 +292,10 @@ def reference_step(spec, layout, B, pooling, weights, states, batch, grad_output
             if s.per == "element":
                 st[s.name][base : base + E * D].view(E, D)[rows] = ns[s.name].to(torch.float64)
             else:
-                st[s.name][layout.table_key_base[t] + rows] = ns[s.name].to(torch.float64)
+                value = torch.as_tensor(ns[s.name], dtype=torch.float64)
+                if s.is_int:  # an int state holds integers: what the reference computes, rounded
+                    value = value.round()
+                st[s.name][layout.table_key_base[t] + rows] = value
     return w, st, touched_w
 
 
@@ -375,9 +399,22 @@ def run_case(spec: OptimizerSpec, ops, case: Case, device: str = "cpu") -> Resul
         if not torch.equal(w_now[~touched], before_w[~touched]):
             result.failures.append(f"step {step}: rows outside the batch changed")
         w_before = before_w if case.weights_dtype == torch.float32 else None
+        # int states must equal the reference exactly
+        for name, ref in ref_states.items():
+            if states[name].dtype != torch.int64:
+                continue
+            mismatch = states[name].cpu().to(torch.float64) != ref
+            # (the error of an int state: the fraction of its entries that differ)
+            result.errors[name] = max(result.errors.get(name, 0.0), mismatch.double().mean().item())
+            if mismatch.any():
+                bad = int(mismatch.nonzero()[0])
+                result.failures.append(f"step {step}: int state {name}: {int(states[name].cpu()[bad])} at {bad}, "
+                                       f"reference {ref[bad].item():.17g}")
+        # a narrow (fp16/bf16) state is measured like narrow weights: against its size
         compared = [("weights", w_now, ref_w, w_before, tol_w)] + [
-            (name, states[name].cpu(), ref, before_states[name], TOLERANCE[torch.float32])
-            for name, ref in ref_states.items()
+            (name, states[name].cpu(), ref,
+             before_states[name] if states[name].dtype == torch.float32 else None, TOLERANCE[states[name].dtype])
+            for name, ref in ref_states.items() if states[name].dtype != torch.int64
         ]
         errors = [_err(a, r, b) for _, a, r, b, _ in compared]
         # an error over the tolerance is judged again with the step's sensitivity to float32
@@ -406,7 +443,9 @@ def _lane_split_message(spec: OptimizerSpec, error: Exception) -> str:
     message = str(error).splitlines()[0] if str(error) else type(error).__name__
     message = message.replace("tbegen: lane-split mode: ", "")
     for k, s in enumerate(spec.row_states):
-        message = message.replace(f"per-row state {k} ", f"per-row state {s.name!r} ")
+        message = message.replace(f"of per-row state {k} ", f"of per-row state {s.name!r} ")
+    for k, s in enumerate(spec.int_row_states):
+        message = message.replace(f"int per-row state {k} ", f"int per-row state {s.name!r} ")
     return message
 
 
@@ -447,8 +486,15 @@ def run_lane_split_case(spec: OptimizerSpec, ops, case: Case) -> Result:
         before_w = weights if case.weights_dtype == torch.float32 else None
         result.note("weights", _err(w_lane, w_cpu.to(torch.float64), before_w), TOLERANCE[case.weights_dtype], step)
         for name in st_cpu:
-            result.note(name, _err(st_lane[name], st_cpu[name].to(torch.float64), states[name]),
-                        TOLERANCE[torch.float32], step)
+            if states[name].dtype == torch.int64:
+                mismatch = st_lane[name] != st_cpu[name]
+                result.errors[name] = max(result.errors.get(name, 0.0), mismatch.double().mean().item())
+                if mismatch.any():
+                    result.failures.append(f"step {step}: int state {name}: lane-split mode differs from the CPU kernel")
+                continue
+            narrow = states[name].dtype != torch.float32
+            result.note(name, _err(st_lane[name], st_cpu[name].to(torch.float64), None if narrow else states[name]),
+                        TOLERANCE[states[name].dtype], step)
         weights, states = w_cpu, st_cpu
     return result
 
@@ -484,8 +530,21 @@ def standard_cases(spec: OptimizerSpec, dtypes: Sequence[torch.dtype] = (torch.f
     for hyper in test_hyperparameters(spec):
         seed += 1
         cases.append(Case(tables=MIXED_TABLES, pooling="sum", weighted=True, hyper=hyper, seed=seed))
+    # narrow state storage (the module's state_dtypes): every state bf16, then every state fp16
+    # (fp32 arithmetic, stochastic rounding on store)
+    for narrow, wdt, pooling in ((torch.bfloat16, torch.float32, "sum"), (torch.float16, torch.float16, "mean")):
+        floats = [s.name for s in spec.states if not s.is_int]
+        if floats:
+            seed += 1
+            cases.append(Case(tables=MIXED_TABLES, pooling=pooling, weighted=True, weights_dtype=wdt, seed=seed,
+                              state_dtypes=tuple((name, narrow) for name in floats)))
     # (last, with its own seed, so that the cases above keep theirs)
     cases.append(Case(tables=ODD_TABLES, B=8, max_L=4, pooling="mean", weighted=True, weights_dtype=dtypes[-1], seed=700))
+    # odd widths with every float state bf16 (on CUDA: the any-width kernels' narrow-state path)
+    floats = [s.name for s in spec.states if not s.is_int]
+    if floats:
+        cases.append(Case(tables=ODD_TABLES, B=8, max_L=4, pooling="sum", weighted=True, seed=701,
+                          state_dtypes=tuple((name, torch.bfloat16) for name in floats)))
     return cases
 
 

@@ -24,6 +24,10 @@ RESERVED_NAMES = frozenset(
 # Row reductions usable inside `row` stages, with their identity and combine op.
 ROW_REDUCTIONS = ("row_sum", "row_mean", "row_max", "row_min")
 
+# A state's storage dtype in a spec -> the torch dtype's name (torch.float32, ...) and the C++
+# code the kernels dispatch on (common.h, StateDtype).
+STATE_DTYPE_NAMES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
+
 HyperValue = Union[float, int, bool]
 
 
@@ -68,10 +72,18 @@ class State:
     per: str
     # initial value of every entry
     init: float
-    # storage dtype; only "float32" for now
+    # storage dtype: "fp32", "bf16" or "fp16" (STATE_DTYPE_NAMES); the arithmetic is float32 and
+    # a narrow state is rounded stochastically when stored. The module may override it per state.
     dtype: str
     doc: str
     loc: Loc
+    # "float" (a float in snippets, stored as `dtype`) or "int" (per row only: an int64_t in
+    # snippets and in storage, exact; counters, step numbers)
+    type: str = "float"
+
+    @property
+    def is_int(self) -> bool:
+        return self.type == "int"
 
 
 @dataclass(frozen=True)
@@ -129,7 +141,12 @@ class OptimizerSpec:
 
     @property
     def row_states(self) -> Tuple[State, ...]:
-        return tuple(s for s in self.states if s.per == "row")
+        """The float per-row states (int ones: `int_row_states`)."""
+        return tuple(s for s in self.states if s.per == "row" and not s.is_int)
+
+    @property
+    def int_row_states(self) -> Tuple[State, ...]:
+        return tuple(s for s in self.states if s.is_int)
 
     def hyperparameter(self, name: str) -> Hyperparameter:
         for h in self.hyperparameters:

@@ -25,7 +25,7 @@ import difflib
 import math
 import numbers
 import os
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
@@ -36,7 +36,7 @@ from . import placement as placement_
 from .errors import BOUNDS_CHECK_MODES, ErrorRecord
 from .init import fill_uniform_
 from .layout import POOLING, Layout, make_layout
-from .model import OptimizerSpec
+from .model import STATE_DTYPE_NAMES, OptimizerSpec
 from .spec import find_spec, load_spec
 
 __all__ = ["TableBatchedEmbeddingBags", "DTYPES", "INDEX_DTYPES"]
@@ -67,6 +67,7 @@ _MODULE_ARGS = (
     "max_segment_length_per_warp",
     "bounds_check_mode",
     "check_finite",
+    "state_dtypes",
     "placements",
 )
 
@@ -123,6 +124,37 @@ def _check_dtype(weights_dtype) -> torch.dtype:
         f"tbegen: weights_dtype must be torch.float32, torch.float16 or torch.bfloat16 "
         f"(or one of the names {sorted(DTYPES)}), got {weights_dtype!r}"
     )
+
+
+def state_torch_dtype(spec_dtype: str) -> torch.dtype:
+    """The torch dtype of a spec's state `dtype` ("fp32", "bf16", "fp16")."""
+    return getattr(torch, STATE_DTYPE_NAMES[spec_dtype])
+
+
+def _check_state_dtypes(spec: OptimizerSpec, state_dtypes) -> Dict[str, torch.dtype]:
+    """Each state's storage dtype: the spec's `dtype`, unless `state_dtypes` names the state."""
+    out = {s.name: torch.int64 if s.is_int else state_torch_dtype(s.dtype) for s in spec.states}
+    int_states = {s.name for s in spec.states if s.is_int}
+    if state_dtypes is None:
+        return out
+    if not isinstance(state_dtypes, Mapping):
+        raise TypeError(f"tbegen: state_dtypes must be a dict {{state name: dtype}}, got {state_dtypes!r}")
+    allowed = {torch.float32, torch.float16, torch.bfloat16}
+    for name, dt in state_dtypes.items():
+        if name not in out:
+            raise ValueError(f"tbegen: state_dtypes names {name!r}, but optimizer {spec.name!r} has "
+                             f"{'the states ' + str(sorted(out)) if out else 'no states'}")
+        if name in int_states:
+            raise ValueError(f"tbegen: state_dtypes names {name!r}, an int state (always int64)")
+        if isinstance(dt, str) and dt in DTYPES:
+            dt = DTYPES[dt]
+        if isinstance(dt, str) and dt in STATE_DTYPE_NAMES:
+            dt = state_torch_dtype(dt)
+        if dt not in allowed:
+            raise ValueError(f"tbegen: state_dtypes[{name!r}] must be torch.float32, torch.float16 or "
+                             f"torch.bfloat16, got {dt!r}")
+        out[name] = dt
+    return out
 
 
 def _check_device(device) -> torch.device:
@@ -307,7 +339,11 @@ class TableBatchedEmbeddingBags(nn.Module):
             "none", ...), a path to a YAML spec, or a loaded `OptimizerSpec`. "none" is the
             dense-gradient mode (no fused update; `weights` is an nn.Parameter with a dense .grad).
         pooling: "sum", "mean" or "none" (one output row per index; every table the same dim).
-        weights_dtype: torch.float32, torch.float16 or torch.bfloat16. Optimizer states are float32.
+        weights_dtype: torch.float32, torch.float16 or torch.bfloat16.
+        state_dtypes: {state name: torch.float32 | torch.float16 | torch.bfloat16} overriding the
+            storage dtype a spec declares for its states (float32 by default). The update always
+            computes in float32; a narrow state is rounded stochastically when stored, with bits
+            that are a pure function of (seed, step, state, row, element).
         stochastic_rounding: round fp16/bf16 weights stochastically after each update (the random
             bits are a pure function of (seed, step, row, element), so runs are reproducible).
         device: "cpu" or "cuda" ("cuda:N").
@@ -352,6 +388,7 @@ class TableBatchedEmbeddingBags(nn.Module):
         max_segment_length_per_warp: int = 32,
         bounds_check_mode: str = "raise",
         check_finite: bool = True,
+        state_dtypes: Optional[Mapping[str, Union[torch.dtype, str]]] = None,
         placements: Union[None, str, Sequence[str]] = None,
         **hyperparameters,
     ):
@@ -374,6 +411,7 @@ class TableBatchedEmbeddingBags(nn.Module):
                 f"got dims {[D for _, D in layout.tables]}"
             )
         dtype = _check_dtype(weights_dtype)
+        self_state_dtypes = _check_state_dtypes(spec, state_dtypes)
         dev = _check_device(device)
         if not isinstance(stochastic_rounding, bool):
             raise TypeError(f"tbegen: stochastic_rounding must be a bool, got {stochastic_rounding!r}")
@@ -397,6 +435,8 @@ class TableBatchedEmbeddingBags(nn.Module):
         self.layout: Layout = layout
         self.pooling: str = pooling
         self.weights_dtype: torch.dtype = dtype
+        # storage dtype of each optimizer state (the spec's, or state_dtypes')
+        self.state_dtypes: Dict[str, torch.dtype] = self_state_dtypes
         self.stochastic_rounding: bool = stochastic_rounding
         self.seed: int = int(seed)
         self.max_segment_length_per_warp: int = int(max_segment_length_per_warp)
@@ -415,8 +455,9 @@ class TableBatchedEmbeddingBags(nn.Module):
             self.register_buffer("weights", weights)
         self.states = nn.Module()
         for s in spec.states:
+            # (in the state's storage dtype, self.state_dtypes; int states are int64)
             state = self._allocate("state " + s.name, dev)
-            self.states.register_buffer(s.name, state.fill_(float(s.init)))
+            self.states.register_buffer(s.name, state.fill_(int(s.init) if s.is_int else float(s.init)))
         self.register_buffer("features", layout.features_tensor(dev), persistent=False)
         self.check_finite: bool = check_finite
         self._errors = ErrorRecord(dev, self._ops, bounds_check_mode)
@@ -436,7 +477,7 @@ class TableBatchedEmbeddingBags(nn.Module):
             return self.layout.weights_numel, self.weights_dtype, "element"
         s = next(s for s in self.spec.states if s.name == what[len("state "):])
         n = self.layout.weights_numel if s.per == "element" else self.layout.total_hash_size
-        return n, torch.float32, s.per
+        return n, self.state_dtypes[s.name], s.per
 
     def _allocate(self, what: str, device: torch.device) -> torch.Tensor:
         """An uninitialised buffer for "weights" or "state NAME", in the memory the placements ask for."""
@@ -454,7 +495,7 @@ class TableBatchedEmbeddingBags(nn.Module):
                 self.weights = self._allocate("weights", w.device).copy_(w)
             for s in self.spec.states:
                 buf = getattr(self.states, s.name)
-                if buf.device == w.device and buf.dtype == torch.float32 and placement_.memory_kind(self._ops, buf) != "managed":
+                if buf.device == w.device and buf.dtype == self.state_dtypes[s.name] and placement_.memory_kind(self._ops, buf) != "managed":
                     setattr(self.states, s.name, self._allocate("state " + s.name, buf.device).copy_(buf))
         return self
 
@@ -562,6 +603,7 @@ class TableBatchedEmbeddingBags(nn.Module):
             "feature_table_map": list(self.layout.feature_table_map),
             "pooling": self.pooling,
             "weights_dtype": str(self.weights_dtype).replace("torch.", ""),
+            "state_dtypes": {k: str(v).replace("torch.", "") for k, v in self.state_dtypes.items()},
             # where the tables lived; not checked on loading (a state_dict moves between placements)
             "placements": list(self.placements),
         }
@@ -607,8 +649,11 @@ class TableBatchedEmbeddingBags(nn.Module):
                 f"(module.half()/.to(dtype) converts buffers; choose weights_dtype at construction instead)"
             )
         for s in self.spec.states:
-            if getattr(self.states, s.name).dtype != torch.float32:
-                raise RuntimeError(f"tbegen: optimizer state {s.name!r} must stay float32 (was the module converted with .half()/.to(dtype)?)")
+            have, want = getattr(self.states, s.name).dtype, self.state_dtypes[s.name]
+            if have != want:
+                raise RuntimeError(f"tbegen: optimizer state {s.name!r} is {have} but the module was built with it "
+                                   f"{want} (was the module converted with .half()/.to(dtype)? choose "
+                                   f"state_dtypes at construction instead)")
 
     def _check_input(self, indices, offsets, per_sample_weights):
         device = self.weights.device

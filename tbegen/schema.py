@@ -67,8 +67,11 @@ def _state() -> Dict[str, Any]:
         "description": "Optimizer state saved between steps.",
         "properties": {
             "per": {"enum": list(sp.STATE_PERS), "description": "element: one value per weight; row: one per table row"},
+            "type": {"enum": list(sp.STATE_TYPES), "default": "float",
+                     "description": "float, or int: an exact int64 per-row value (counters, step numbers)"},
             "init": {"type": "number", "description": "initial value (default 0)"},
-            "dtype": {"enum": list(sp.STATE_DTYPES), "description": "storage type"},
+            "dtype": {"enum": list(sp.STATE_DTYPES), "default": "fp32",
+                      "description": "storage type (arithmetic is float32; narrow states are rounded stochastically)"},
             "doc": {"type": "string"},
         },
         "required": ["per"],

@@ -66,7 +66,7 @@ SPEC_SUFFIXES = (".yaml", ".yml")
 
 HYPERPARAMETER_TYPES = ("float", "int", "bool")
 STATE_PERS = ("element", "row")
-STATE_DTYPES = ("float32",)
+STATE_DTYPES = ("fp32", "bf16", "fp16")  # storage; the arithmetic is float32
 TEMPORARY_PERS = ("element",)
 STAGE_KINDS = ("row", "element")
 
@@ -83,7 +83,8 @@ TOP_KEYS = (
     "dense_gradient",
 )
 HYPERPARAMETER_KEYS = ("type", "default", "doc", "choices", "test")
-STATE_KEYS = ("per", "init", "dtype", "doc")
+STATE_KEYS = ("per", "type", "init", "dtype", "doc")
+STATE_TYPES = ("float", "int")  # int: an exact int64 per-row value (counters, step numbers)
 # how entries are described in problems, e.g. HYPERPARAMETER_SHAPE
 HYPERPARAMETER_SHAPE = "{" + ", ".join(HYPERPARAMETER_KEYS) + "}"
 STATE_SHAPE = "{" + ", ".join(STATE_KEYS) + "}"
@@ -659,25 +660,42 @@ def _parse_state(problems: _Problems, name: Any, value: Any, field: str, line: i
     fields = _Fields(problems, mapping, field, line, STATE_KEYS)
     per = _pop_choice(fields, "per", STATE_PERS)
 
+    type_ = fields.pop("type", "float")
+    if type_ not in STATE_TYPES:
+        problems.add(fields.value_line("type"), fields.path("type"),
+                     f"must be {' or '.join(STATE_TYPES)}, got {_describe(type_)}")
+    elif type_ == "int" and per not in (None, "row"):
+        problems.add(fields.value_line("type"), fields.path("type"),
+                     "int states are per row only (a counter or step number per row; use per: row)")
+
     init = fields.pop("init", 0.0)
     if isinstance(init, bool) or not isinstance(init, (int, float)):
         problems.add(fields.value_line("init"), fields.path("init"), f"must be a number, got {_describe(init)}")
+    elif type_ == "int" and (not float(init).is_integer() or not INT64_MIN <= init <= INT64_MAX):
+        problems.add(fields.value_line("init"), fields.path("init"), f"must be an integer for an int state, got {init!r}")
     else:
         init = float(init)
 
-    dtype = fields.pop("dtype", "float32")
+    if type_ == "int" and fields.has("dtype"):
+        problems.add(fields.value_line("dtype"), fields.path("dtype"),
+                     "an int state is stored as int64; dtype applies to float states only")
+    dtype = fields.pop("dtype", "fp32")
+    if dtype == "float32":  # the only value before bf16/fp16 storage existed: still accepted
+        dtype = "fp32"
     if dtype not in STATE_DTYPES:
+        hint = {"float16": "fp16", "half": "fp16", "bfloat16": "bf16"}.get(dtype) if isinstance(dtype, str) else None
         problems.add(
             fields.value_line("dtype"),
             fields.path("dtype"),
-            f"only float32 states are supported for now, got {_describe(dtype)}",
+            f"must be {' or '.join(STATE_DTYPES)} (the storage type; arithmetic is float32), got {_describe(dtype)}"
+            + (f" (did you mean '{hint}'?)" if hint else ""),
         )
 
     doc = _pop_string(fields, "doc", "")
     fields.finish()
     if len(problems) > start:
         return None
-    return State(name, per, init, dtype, doc, problems.loc(line))
+    return State(name, per, init, dtype, doc, problems.loc(line), type_)
 
 
 def _parse_temporary(problems: _Problems, name: Any, value: Any, field: str, line: int) -> Optional[Temporary]:

@@ -128,6 +128,113 @@ def test_lane_split_odd_widths(load_ops, name, case):
     assert not result.failures, "\n".join(result.failures)
 
 
+# ---- narrow (fp16/bf16) and int states at odd widths ---------------------------------------------
+# The any-width CUDA kernels copy narrow per-element states to float scratch and store them back
+# with stochastic rounding, read narrow per-row states through load_state / store_state and carry
+# int per-row states, as the 4-wide kernels do; on the CPU the same specs and layouts run the CPU
+# kernel and the column-split emulation.
+
+# per-row state (rowwise_adagrad), per-element states (adam), an int per-row state beside float
+# per-row states (rowwise_adagrad_with_counter)
+STATE_OPTIMIZERS = [n for n in ("rowwise_adagrad", "adam", "rowwise_adagrad_with_counter") if n in SPECS]
+
+
+def state_cases(name):
+    """Odd-width cases with every float state bf16 (then fp16), and for a spec with int states one
+    with its float states left float32: the int state alone."""
+    spec = load_spec(str(SPECS[name]))
+    floats = [s.name for s in spec.states if not s.is_int]
+    bf16 = tuple((n, torch.bfloat16) for n in floats)
+    fp16 = tuple((n, torch.float16) for n in floats)
+    c = [
+        harness.Case(tables=ODD_TABLES, pooling="sum", weighted=True, B=8, max_L=4, hot=12, seed=610,
+                     state_dtypes=bf16),
+        harness.Case(tables=((5, 4095), (4, 4096), (6, 3)), pooling="mean", weighted=True,
+                     weights_dtype=torch.bfloat16, B=4, max_L=3, hot=6, steps=2, seed=611, state_dtypes=bf16),
+        harness.Case(tables=MIXED_TABLES, feature_table_map=(0, 1, 1, 2, 3, 0), pooling="mean",
+                     weights_dtype=torch.float16, B=8, max_L=4, hot=12, seed=612, state_dtypes=fp16),
+    ]
+    if any(s.is_int for s in spec.states):
+        c.append(harness.Case(tables=ODD_TABLES, pooling="sum", weighted=True, B=8, max_L=4, hot=12, steps=3,
+                              seed=613))
+    return c
+
+
+STATE_CASES = [
+    pytest.param(name, case, id=f"{name}-{case.id}")
+    for name in STATE_OPTIMIZERS
+    for case in state_cases(name)
+]
+
+
+@pytest.mark.parametrize("name,case", STATE_CASES)
+def test_cpu_odd_widths_narrow_and_int_states_match_reference(load_ops, name, case):
+    spec, ops = load_ops(name)
+    result = harness.run_case(spec, ops, case, device="cpu")
+    assert not result.failures, "\n".join(result.failures)
+    # the states really were stored narrow / as int64 (the cases are not float32 runs in disguise)
+    _, states = harness.initial_state(spec, make_layout(case.tables, case.feature_table_map), case,
+                                      torch.Generator().manual_seed(0))
+    overrides = dict(case.state_dtypes)
+    for s in spec.states:
+        assert states[s.name].dtype == (torch.int64 if s.is_int else overrides.get(s.name, torch.float32))
+    if any(s.is_int for s in spec.states):
+        assert all(result.errors[s.name] == 0.0 for s in spec.states if s.is_int)
+
+
+@pytest.mark.parametrize("name,case", STATE_CASES)
+def test_lane_split_odd_widths_narrow_and_int_states(load_ops, name, case):
+    """The column split, emulated on the CPU, with narrow and int states (each lane's copy of an
+    int per-row state must agree, as of a float one)."""
+    spec, ops = load_ops(name)
+    result = harness.run_lane_split_case(spec, ops, case)
+    assert not result.failures, "\n".join(result.failures)
+
+
+def test_odd_width_int_state_is_checked_exactly(load_ops):
+    """At odd widths a wrong int state is caught exactly (the comparison is not vacuous there)."""
+    spec, ops = load_ops("rowwise_adagrad_with_counter")
+    case = state_cases("rowwise_adagrad_with_counter")[-1]
+    wrong = dataclasses.replace(spec, reference=dataclasses.replace(
+        spec.reference, code=spec.reference.code.replace("torch.full_like(prev_iter, step)",
+                                                         "torch.full_like(prev_iter, step + 1)")))
+    assert wrong.reference.code != spec.reference.code
+    failures = harness.run_case(wrong, ops, case).failures
+    assert any("int state prev_iter" in f for f in failures), failures
+
+
+def test_module_odd_widths_bf16_state_and_int_state():
+    """The module at odd widths with a bf16 state beside an int64 state: dtypes kept through
+    training, deterministic run to run, close to the float32-state run, and the int state exact
+    (each touched row's prev_iter is the step that last touched it)."""
+    tables = [(30, 3), (20, 7), (10, 33)]
+    kw = dict(optimizer="rowwise_adagrad_with_counter", pooling="sum", seed=5, learning_rate=0.1)
+    runs = [TableBatchedEmbeddingBags(tables, state_dtypes={"momentum": "bf16"}, **kw) for _ in range(2)]
+    wide = TableBatchedEmbeddingBags(tables, **kw)
+    gen = torch.Generator().manual_seed(3)
+    batches = [make_batch(wide, 6, gen, weighted=False) for _ in range(3)]
+    for m in runs + [wide]:
+        for step, (ind, off, _) in enumerate(batches, start=1):
+            out = m(ind, off)
+            out.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(step)))
+    a, b = runs
+    assert a.optimizer_state("momentum").dtype == torch.bfloat16
+    assert a.optimizer_state("prev_iter").dtype == torch.int64
+    assert torch.equal(a.weights, b.weights)
+    assert all(torch.equal(a.optimizer_state(s), b.optimizer_state(s)) for s in ("momentum", "prev_iter", "row_counter"))
+    ref = wide.optimizer_state("momentum")
+    assert (a.optimizer_state("momentum").float() - ref).abs().max() <= 0.03 * ref.abs().max()
+    # prev_iter: the last step that touched each row, in every run
+    last = torch.zeros(wide.layout.total_hash_size, dtype=torch.int64)
+    F, B = len(tables), 6
+    for step, (ind, off, _) in enumerate(batches, start=1):
+        for f in range(F):
+            rows = ind[off[f * B] : off[(f + 1) * B]].long() + wide.layout.table_key_base[f]
+            last[rows] = step
+    for m in runs + [wide]:
+        assert torch.equal(m.optimizer_state("prev_iter"), last)
+
+
 # ---- the module ----------------------------------------------------------------------------------
 
 
@@ -330,6 +437,55 @@ def test_cuda_any_width_path_agrees_with_cpu_and_is_deterministic(load_ops, name
         assert_close(st_g[k], st_c[k], rtol=1e-5, atol=1e-7, msg=k)
     assert torch.equal(w_g, w_g2) and all(torch.equal(st_g[k], st_g2[k]) for k in st_g)
     assert all(torch.equal(a, b) for a, b in zip(out_g, out_g2))
+
+
+CUDA_STATE_CASES = STATE_CASES + [
+    pytest.param(name, harness.Case(tables=((50, 5), (20, 1031), (300, 127)), pooling="sum", weighted=True,
+                                    hot=3000, max_segment_length_per_warp=seg, seed=620 + seg,
+                                    state_dtypes=tuple((s.name, torch.bfloat16)
+                                                       for s in load_spec(str(SPECS[name])).states if not s.is_int)),
+                 id=f"{name}-hot-seg{seg}")
+    for name in STATE_OPTIMIZERS
+    for seg in (1, 1000)
+]
+
+
+@cuda
+@needs_cuda
+@pytest.mark.parametrize("name,case", CUDA_STATE_CASES)
+def test_cuda_odd_widths_narrow_and_int_states_match_reference(load_ops, name, case):
+    """The any-width kernels with narrow and int states (short runs, and hot rows through the
+    segment kernels) against the float64 reference."""
+    spec, ops = load_ops(name)
+    result = harness.run_case(spec, ops, case, device="cuda")
+    assert not result.failures, "\n".join(result.failures)
+
+
+@cuda
+@needs_cuda
+@pytest.mark.parametrize("name", STATE_OPTIMIZERS)
+@pytest.mark.parametrize("narrow", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_cuda_any_width_narrow_states_agree_with_cpu_and_are_deterministic(load_ops, name, narrow):
+    """Both devices draw the same stochastic-rounding bits (slot, key, column), so narrow states
+    differ by at most one ulp where the float32 values straddle a rounding threshold; int states
+    agree exactly; two CUDA runs agree bitwise."""
+    spec, ops = load_ops(name)
+    case = harness.Case(tables=ODD_TABLES, pooling="mean", weighted=True, B=32, max_L=6, hot=300, seed=630,
+                        state_dtypes=tuple((s.name, narrow) for s in spec.states if not s.is_int))
+    out_c, w_c, st_c = _train(ops, spec, case, "cpu")
+    out_g, w_g, st_g = _train(ops, spec, case, "cuda")
+    out_g2, w_g2, st_g2 = _train(ops, spec, case, "cuda")
+    assert_close(w_g, w_c, rtol=1e-4, atol=1e-5, msg="weights")
+    ulp = 2.0**-7 if narrow == torch.bfloat16 else 2.0**-10
+    for s in spec.states:
+        k = s.name
+        if s.is_int:
+            assert st_g[k].dtype == torch.int64 and torch.equal(st_g[k], st_c[k]), k
+            continue
+        assert st_g[k].dtype == narrow
+        diff = (st_g[k].double() - st_c[k].double()).abs()
+        assert bool((diff <= 2 * ulp * st_c[k].double().abs() + 1e-6).all()), f"{k}: CPU and CUDA differ by {diff.max():.3g}"
+    assert torch.equal(w_g, w_g2) and all(torch.equal(st_g[k], st_g2[k]) for k in st_g)
 
 
 @cuda

@@ -234,3 +234,35 @@ def test_bad_indices_raise_and_change_nothing(load_ops):
         ops.backward(go, w, feats, 16, 16, 10, torch.tensor([1, 2, 3], device="cuda"), bad_off, None, 0, 32, False, 0,
                      acc, 0.1, 1e-8, 1)
     assert torch.equal(w, w0) and torch.equal(acc, acc0)
+
+
+# Narrow state storage (state_dtypes / a state's `dtype`): the CUDA kernels load fp16/bf16 states
+# element by element and store them with stochastic rounding (common.h, store_state). The grid
+# above already includes the bf16-state and fp16-state cases of harness.standard_cases; these add
+# determinism and agreement with the CPU kernel, which draws the same random bits.
+NARROW_NAMES = [n for n in NAMES if any(not s.is_int for s in load_spec(str(SPECS[n])).states)]
+
+
+@pytest.mark.parametrize("name", NARROW_NAMES)
+@pytest.mark.parametrize("narrow", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_narrow_states_cuda_deterministic_and_agree_with_cpu(load_ops, name, narrow):
+    spec, ops = load_ops(name)
+    case = harness.Case(pooling="sum", weighted=True, hot=300, seed=31,
+                        state_dtypes=tuple((s.name, narrow) for s in spec.states if not s.is_int))
+    weights, states, batch, go = _problem(spec, case)
+    assert all(v.dtype == (torch.int64 if s.is_int else narrow) for s, v in zip(spec.states, states.values()))
+    first = _one_step(spec, ops, case, "cuda", weights, states, batch, go)
+    again = _one_step(spec, ops, case, "cuda", weights, states, batch, go)
+    assert torch.equal(first[0], again[0])
+    cpu = _one_step(spec, ops, case, "cpu", weights, states, batch, go)
+    ulp = 2.0**-7 if narrow == torch.bfloat16 else 2.0**-10
+    for s in spec.states:
+        k = s.name
+        if s.is_int:
+            assert torch.equal(first[1][k], cpu[1][k]) and torch.equal(first[1][k], again[1][k]), k
+            continue
+        assert first[1][k].dtype == narrow and torch.equal(first[1][k], again[1][k])
+        # the same bits on both devices: the stored values differ only where the float32 values
+        # straddle a rounding threshold, by one ulp
+        diff = (first[1][k].double() - cpu[1][k].double()).abs()
+        assert bool((diff <= ulp * cpu[1][k].double().abs() + 1e-6).all()), f"{k}: CPU and CUDA differ by {diff.max():.3g}"

@@ -128,6 +128,21 @@ def test_state_dict_moves_between_placements_on_the_cpu():
     assert_same_training_state(train(a, data[2:]), train(b, data[2:]))
 
 
+def test_placements_with_narrow_and_int_states_on_the_cpu():
+    """States are allocated in their storage dtype wherever they live (a bf16 state, an int64
+    state), and train as with the default placement."""
+    data = batches(TABLES, 3, seed=4, weighted=True)
+    kw = dict(optimizer="rowwise_adagrad_with_counter", learning_rate=0.05, state_dtypes={"momentum": "bf16"})
+    a = train(TableBatchedEmbeddingBags(TABLES, **kw), data)
+    b = train(TableBatchedEmbeddingBags(TABLES, placements=["managed", "device", "managed"], **kw), data)
+    for m in (a, b):
+        assert m.optimizer_state("momentum").dtype == torch.bfloat16
+        assert m.optimizer_state("prev_iter").dtype == torch.int64
+        assert m.optimizer_state("row_counter").dtype == torch.float32
+    assert_same_training_state(a, b)
+    assert int(b.optimizer_state("prev_iter").max()) == 3  # (the last step touched some row)
+
+
 def test_allocate_off_the_gpu_is_an_ordinary_tensor():
     t = placement.allocate(None, 10, torch.float16, torch.device("cpu"), ["managed"], [(0, 10)])
     assert t.shape == (10,) and t.dtype == torch.float16 and t.device.type == "cpu"
@@ -214,6 +229,26 @@ def test_cuda_mixed_placements_train_bitwise_like_device(optimizer, dtype, weigh
     idx, offsets, psw, _ = data[0]
     with torch.no_grad():
         assert torch.equal(device(idx, offsets, psw), mixed(idx, offsets, psw))
+
+
+@cuda
+def test_cuda_managed_narrow_and_int_states_train_bitwise_like_device():
+    """The managed allocator takes 16-bit and int64 states (and moves them back into managed
+    memory after .cuda() with their dtype kept); training matches the device placement bitwise."""
+    data = batches(BIG, 4, B=64, L=8, seed=5, device="cuda", weighted=True)
+    kw = dict(optimizer="rowwise_adagrad_with_counter", device="cuda", learning_rate=0.05,
+              state_dtypes={"momentum": torch.bfloat16, "row_counter": torch.float16})
+    device = train(TableBatchedEmbeddingBags(BIG, **kw), data)
+    managed = train(TableBatchedEmbeddingBags(BIG, placements=MIXED, **kw), data)
+    torch.cuda.synchronize()
+    for s in managed.spec.states:
+        buf = managed.optimizer_state(s.name)
+        assert placement.memory_kind(managed._ops, buf) == "managed", s.name
+        assert buf.dtype == {"momentum": torch.bfloat16, "row_counter": torch.float16, "prev_iter": torch.int64}[s.name]
+    assert_same_training_state(device, managed)
+    moved = managed.cpu().cuda()
+    for s in moved.spec.states:
+        assert placement.memory_kind(moved._ops, moved.optimizer_state(s.name)) == "managed", s.name
 
 
 @cuda

@@ -113,8 +113,8 @@ def test_valid_spec_parses_into_the_model(tmp_path):
             Hyperparameter("nesterov", "bool", False, "", None, Loc(file, 9)),
         ),
         states=(
-            State("momentum", "row", 0.0, "float32", "Running sum of the mean squared gradient.", Loc(file, 11)),
-            State("exp_avg", "element", 1.0, "float32", "", Loc(file, 12)),
+            State("momentum", "row", 0.0, "fp32", "Running sum of the mean squared gradient.", Loc(file, 11)),
+            State("exp_avg", "element", 1.0, "fp32", "", Loc(file, 12)),
         ),
         temporaries=(Temporary("r", "element", Loc(file, 14)),),
         stages=(
@@ -426,9 +426,12 @@ def state(entry: str) -> str:
         ("{init: 0.0}", "per", "missing required key"),
         ("{per: row, init: zero}", "init", "must be a number, got string 'zero'"),
         ("{per: row, init: true}", "init", "must be a number, got boolean true"),
-        ("{per: row, dtype: float16}", "dtype", "only float32 states are supported for now, got string 'float16'"),
-        ("{per: row, dtype: bfloat16}", "dtype", "only float32 states are supported for now"),
-        ("{per: row, shape: [1]}", "shape", "unknown key; expected one of: per, init, dtype, doc"),
+        ("{per: row, dtype: float16}", "dtype", "must be fp32 or bf16 or fp16 (the storage type; arithmetic is float32), got string 'float16' (did you mean 'fp16'?)"),
+        ("{per: row, dtype: int8}", "dtype", "must be fp32 or bf16 or fp16"),
+        ("{per: row, shape: [1]}", "shape", "unknown key; expected one of: per, type, init, dtype, doc"),
+        ("{per: element, type: int}", "type", "int states are per row only"),
+        ("{per: row, type: int, init: 1.5}", "init", "must be an integer for an int state, got 1.5"),
+        ("{per: row, type: int, dtype: fp16}", "dtype", "an int state is stored as int64"),
     ],
 )
 def test_bad_state(entry, field, message):
@@ -588,7 +591,7 @@ def test_all_problems_in_a_file_are_reported():
     text = str(info.value)
     assert len(text.splitlines()) == 12
     assert all(line.startswith(f"{path}:") for line in text.splitlines())
-    assert "only float32 states are supported for now" in text
+    assert "states.momentum.dtype: must be fp32 or bf16 or fp16" in text
 
 
 # ---------------------------------------------------------------------------

@@ -20,12 +20,19 @@ struct Params {
   float* element_states[1];
   // per-row states, one float per linear key: none
   float* row_states[1];
+  // how each state is stored (common.h, StateDtype: float32, float16 or bfloat16); set by
+  // make_params from the tensors passed in
+  int32_t element_state_dtypes[1];
+  int32_t row_state_dtypes[1];
+  // int per-row states, one int64 per linear key: none
+  int64_t* int_row_states[1];
 };
 
 struct Optimizer {
   using Params = opt_adagrad::Params;
   static constexpr int kElementStates = 1;
   static constexpr int kRowStates = 0;
+  static constexpr int kIntRowStates = 0;
   static constexpr int kTemporaries = 0;  // per-element scratch
 
   // Applies the update to the row. Weights, element states and temporaries are accessed through
@@ -44,7 +51,7 @@ struct Optimizer {
 #line 9 "optimizers/adagrad.yaml"
         accumulator += g * g;
         w -= learning_rate * g / (sqrtf(accumulator) + eps);
-#line 48 "adagrad/optimizer.h"
+#line 55 "adagrad/optimizer.h"
       }
     }
     (void)tbegen_step;

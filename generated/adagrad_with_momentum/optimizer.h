@@ -22,12 +22,19 @@ struct Params {
   float* element_states[2];
   // per-row states, one float per linear key: none
   float* row_states[1];
+  // how each state is stored (common.h, StateDtype: float32, float16 or bfloat16); set by
+  // make_params from the tensors passed in
+  int32_t element_state_dtypes[2];
+  int32_t row_state_dtypes[1];
+  // int per-row states, one int64 per linear key: none
+  int64_t* int_row_states[1];
 };
 
 struct Optimizer {
   using Params = opt_adagrad_with_momentum::Params;
   static constexpr int kElementStates = 2;
   static constexpr int kRowStates = 0;
+  static constexpr int kIntRowStates = 0;
   static constexpr int kTemporaries = 0;  // per-element scratch
 
   // Applies the update to the row. Weights, element states and temporaries are accessed through
@@ -51,7 +58,7 @@ struct Optimizer {
         accumulator += gd * gd;
         momentum_buffer = momentum * momentum_buffer + gd / (sqrtf(accumulator) + eps);
         w -= learning_rate * momentum_buffer;
-#line 55 "adagrad_with_momentum/optimizer.h"
+#line 62 "adagrad_with_momentum/optimizer.h"
       }
     }
     (void)tbegen_step;

@@ -23,12 +23,19 @@ struct Params {
   float* element_states[2];
   // per-row states, one float per linear key: none
   float* row_states[1];
+  // how each state is stored (common.h, StateDtype: float32, float16 or bfloat16); set by
+  // make_params from the tensors passed in
+  int32_t element_state_dtypes[2];
+  int32_t row_state_dtypes[1];
+  // int per-row states, one int64 per linear key: none
+  int64_t* int_row_states[1];
 };
 
 struct Optimizer {
   using Params = opt_adam::Params;
   static constexpr int kElementStates = 2;
   static constexpr int kRowStates = 0;
+  static constexpr int kIntRowStates = 0;
   static constexpr int kTemporaries = 0;  // per-element scratch
 
   // Applies the update to the row. Weights, element states and temporaries are accessed through
@@ -47,7 +54,7 @@ struct Optimizer {
     // 1 - beta^step in double: in float it cancels badly for small steps (beta2 = 0.999).
     float bias1 = static_cast<float>(1.0 - pow(static_cast<double>(beta1), static_cast<double>(step)));
     float bias2 = static_cast<float>(1.0 - pow(static_cast<double>(beta2), static_cast<double>(step)));
-#line 51 "adam/optimizer.h"
+#line 58 "adam/optimizer.h"
     // stage 2: element (optimizers/adam.yaml:18)
     TBEGEN_FOR_ELEMENTS(tbegen_row, tbegen_i) {
       const float g = tbegen_row.g(tbegen_i);
@@ -59,7 +66,7 @@ struct Optimizer {
         exp_avg = beta1 * exp_avg + (1.0f - beta1) * g;
         exp_avg_sq = beta2 * exp_avg_sq + (1.0f - beta2) * g * g;
         w -= learning_rate * ((exp_avg / bias1) / (sqrtf(exp_avg_sq / bias2) + eps) + weight_decay * w);
-#line 63 "adam/optimizer.h"
+#line 70 "adam/optimizer.h"
       }
     }
   }

@@ -23,12 +23,19 @@ struct Params {
   float* element_states[2];
   // per-row states, one float per linear key: none
   float* row_states[1];
+  // how each state is stored (common.h, StateDtype: float32, float16 or bfloat16); set by
+  // make_params from the tensors passed in
+  int32_t element_state_dtypes[2];
+  int32_t row_state_dtypes[1];
+  // int per-row states, one int64 per linear key: none
+  int64_t* int_row_states[1];
 };
 
 struct Optimizer {
   using Params = opt_adamw::Params;
   static constexpr int kElementStates = 2;
   static constexpr int kRowStates = 0;
+  static constexpr int kIntRowStates = 0;
   static constexpr int kTemporaries = 0;  // per-element scratch
 
   // Applies the update to the row. Weights, element states and temporaries are accessed through
@@ -48,7 +55,7 @@ struct Optimizer {
     float bias1 = static_cast<float>(1.0 - pow(static_cast<double>(beta1), static_cast<double>(step)));
     float bias2 = static_cast<float>(1.0 - pow(static_cast<double>(beta2), static_cast<double>(step)));
     float keep = 1.0f - learning_rate * weight_decay;
-#line 52 "adamw/optimizer.h"
+#line 59 "adamw/optimizer.h"
     // stage 2: element (optimizers/adamw.yaml:23)
     TBEGEN_FOR_ELEMENTS(tbegen_row, tbegen_i) {
       const float g = tbegen_row.g(tbegen_i);
@@ -60,7 +67,7 @@ struct Optimizer {
         exp_avg = beta1 * exp_avg + (1.0f - beta1) * g;
         exp_avg_sq = beta2 * exp_avg_sq + (1.0f - beta2) * g * g;
         w = keep * w - learning_rate * (exp_avg / bias1) / (sqrtf(exp_avg_sq / bias2) + eps);
-#line 64 "adamw/optimizer.h"
+#line 71 "adamw/optimizer.h"
       }
     }
   }

@@ -24,12 +24,19 @@ struct Params {
   float* element_states[2];
   // per-row states, one float per linear key: none
   float* row_states[1];
+  // how each state is stored (common.h, StateDtype: float32, float16 or bfloat16); set by
+  // make_params from the tensors passed in
+  int32_t element_state_dtypes[2];
+  int32_t row_state_dtypes[1];
+  // int per-row states, one int64 per linear key: none
+  int64_t* int_row_states[1];
 };
 
 struct Optimizer {
   using Params = opt_ftrl::Params;
   static constexpr int kElementStates = 2;
   static constexpr int kRowStates = 0;
+  static constexpr int kIntRowStates = 0;
   static constexpr int kTemporaries = 0;  // per-element scratch
 
   // Applies the update to the row. Weights, element states and temporaries are accessed through
@@ -46,7 +53,7 @@ struct Optimizer {
     // stage 1: row (optimizers/ftrl.yaml:28)
 #line 28 "optimizers/ftrl.yaml"
     const float power = -learning_rate_power;
-#line 50 "ftrl/optimizer.h"
+#line 57 "ftrl/optimizer.h"
     // stage 2: element (optimizers/ftrl.yaml:30)
     TBEGEN_FOR_ELEMENTS(tbegen_row, tbegen_i) {
       const float g = tbegen_row.g(tbegen_i);
@@ -62,7 +69,7 @@ struct Optimizer {
         accumulator = n_new;
         float quadratic = (beta + powf(n_new, power)) / learning_rate + 2.0f * l2;
         w = (fabsf(linear) > l1 && quadratic > 0.0f) ? (copysignf(l1, linear) - linear) / quadratic : 0.0f;
-#line 66 "ftrl/optimizer.h"
+#line 73 "ftrl/optimizer.h"
       }
     }
     (void)tbegen_step;

@@ -22,12 +22,19 @@ struct Params {
   float* element_states[1];
   // per-row states, one float per linear key: none
   float* row_states[1];
+  // how each state is stored (common.h, StateDtype: float32, float16 or bfloat16); set by
+  // make_params from the tensors passed in
+  int32_t element_state_dtypes[1];
+  int32_t row_state_dtypes[1];
+  // int per-row states, one int64 per linear key: none
+  int64_t* int_row_states[1];
 };
 
 struct Optimizer {
   using Params = opt_lars_sgd::Params;
   static constexpr int kElementStates = 1;
   static constexpr int kRowStates = 0;
+  static constexpr int kIntRowStates = 0;
   static constexpr int kTemporaries = 0;  // per-element scratch
 
   // Applies the update to the row. Weights, element states and temporaries are accessed through
@@ -47,10 +54,10 @@ struct Optimizer {
       const float w = tbegen_row.w(tbegen_i);
 #line 19 "optimizers/lars_sgd.yaml"
       tbegen_red_0 += (w * w);
-#line 51 "lars_sgd/optimizer.h"
+#line 58 "lars_sgd/optimizer.h"
 #line 20 "optimizers/lars_sgd.yaml"
       tbegen_red_1 += (g * g);
-#line 54 "lars_sgd/optimizer.h"
+#line 61 "lars_sgd/optimizer.h"
     }
     tbegen_red_0 = tbegen_row.all_sum(tbegen_red_0);
     tbegen_red_1 = tbegen_row.all_sum(tbegen_red_1);
@@ -59,7 +66,7 @@ struct Optimizer {
     float grad_norm = sqrtf(tbegen_red_1);
     float denom = grad_norm + weight_decay * weight_norm;
     float local_lr = (weight_norm > 0.0f && denom > 0.0f) ? learning_rate * eta * weight_norm / denom : learning_rate;
-#line 63 "lars_sgd/optimizer.h"
+#line 70 "lars_sgd/optimizer.h"
     // stage 2: element (optimizers/lars_sgd.yaml:24)
     TBEGEN_FOR_ELEMENTS(tbegen_row, tbegen_i) {
       const float g = tbegen_row.g(tbegen_i);
@@ -69,7 +76,7 @@ struct Optimizer {
 #line 24 "optimizers/lars_sgd.yaml"
         momentum_buffer = momentum * momentum_buffer + local_lr * (g + weight_decay * w);
         w -= momentum_buffer;
-#line 73 "lars_sgd/optimizer.h"
+#line 80 "lars_sgd/optimizer.h"
       }
     }
     (void)tbegen_step;

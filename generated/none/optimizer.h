@@ -18,12 +18,19 @@ struct Params {
   float* element_states[1];
   // per-row states, one float per linear key: none
   float* row_states[1];
+  // how each state is stored (common.h, StateDtype: float32, float16 or bfloat16); set by
+  // make_params from the tensors passed in
+  int32_t element_state_dtypes[1];
+  int32_t row_state_dtypes[1];
+  // int per-row states, one int64 per linear key: none
+  int64_t* int_row_states[1];
 };
 
 struct Optimizer {
   using Params = opt_none::Params;
   static constexpr int kElementStates = 0;
   static constexpr int kRowStates = 0;
+  static constexpr int kIntRowStates = 0;
   static constexpr int kTemporaries = 0;  // per-element scratch
 
   // Applies the update to the row. Weights, element states and temporaries are accessed through
@@ -39,7 +46,7 @@ struct Optimizer {
 #line 7 "optimizers/none.yaml"
         // The caller passes a zeroed gradient buffer as the weights, so w becomes the weight gradient.
         w = g;
-#line 43 "none/optimizer.h"
+#line 50 "none/optimizer.h"
       }
     }
     (void)tbegen_step;

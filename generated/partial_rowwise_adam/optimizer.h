@@ -23,12 +23,19 @@ struct Params {
   float* element_states[1];
   // per-row states, one float per linear key: [0] exp_avg_sq
   float* row_states[1];
+  // how each state is stored (common.h, StateDtype: float32, float16 or bfloat16); set by
+  // make_params from the tensors passed in
+  int32_t element_state_dtypes[1];
+  int32_t row_state_dtypes[1];
+  // int per-row states, one int64 per linear key: none
+  int64_t* int_row_states[1];
 };
 
 struct Optimizer {
   using Params = opt_partial_rowwise_adam::Params;
   static constexpr int kElementStates = 1;
   static constexpr int kRowStates = 1;
+  static constexpr int kIntRowStates = 0;
   static constexpr int kTemporaries = 0;  // per-element scratch
 
   // Applies the update to the row. Weights, element states and temporaries are accessed through
@@ -50,7 +57,7 @@ struct Optimizer {
       const float g = tbegen_row.g(tbegen_i);
 #line 21 "optimizers/partial_rowwise_adam.yaml"
       tbegen_red_0 += (g * g);
-#line 54 "partial_rowwise_adam/optimizer.h"
+#line 61 "partial_rowwise_adam/optimizer.h"
     }
     tbegen_red_0 = tbegen_row.all_sum(tbegen_red_0) / static_cast<float>(D);
 #line 18 "optimizers/partial_rowwise_adam.yaml"
@@ -59,7 +66,7 @@ struct Optimizer {
     float bias2 = static_cast<float>(1.0 - pow(static_cast<double>(beta2), static_cast<double>(step)));
     exp_avg_sq = beta2 * exp_avg_sq + (1.0f - beta2) * tbegen_red_0;
     float denom = sqrtf(exp_avg_sq / bias2) + eps;
-#line 63 "partial_rowwise_adam/optimizer.h"
+#line 70 "partial_rowwise_adam/optimizer.h"
     // stage 2: element (optimizers/partial_rowwise_adam.yaml:24)
     TBEGEN_FOR_ELEMENTS(tbegen_row, tbegen_i) {
       const float g = tbegen_row.g(tbegen_i);
@@ -69,7 +76,7 @@ struct Optimizer {
 #line 24 "optimizers/partial_rowwise_adam.yaml"
         exp_avg = beta1 * exp_avg + (1.0f - beta1) * g;
         w -= learning_rate * ((exp_avg / bias1) / denom + weight_decay * w);
-#line 73 "partial_rowwise_adam/optimizer.h"
+#line 80 "partial_rowwise_adam/optimizer.h"
       }
     }
   }

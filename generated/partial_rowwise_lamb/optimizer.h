@@ -23,12 +23,19 @@ struct Params {
   float* element_states[1];
   // per-row states, one float per linear key: [0] exp_avg_sq
   float* row_states[1];
+  // how each state is stored (common.h, StateDtype: float32, float16 or bfloat16); set by
+  // make_params from the tensors passed in
+  int32_t element_state_dtypes[1];
+  int32_t row_state_dtypes[1];
+  // int per-row states, one int64 per linear key: none
+  int64_t* int_row_states[1];
 };
 
 struct Optimizer {
   using Params = opt_partial_rowwise_lamb::Params;
   static constexpr int kElementStates = 1;
   static constexpr int kRowStates = 1;
+  static constexpr int kIntRowStates = 0;
   static constexpr int kTemporaries = 1;  // per-element scratch [1] r
 
   // Applies the update to the row. Weights, element states and temporaries are accessed through
@@ -50,7 +57,7 @@ struct Optimizer {
       const float g = tbegen_row.g(tbegen_i);
 #line 25 "optimizers/partial_rowwise_lamb.yaml"
       tbegen_red_0 += (g * g);
-#line 54 "partial_rowwise_lamb/optimizer.h"
+#line 61 "partial_rowwise_lamb/optimizer.h"
     }
     tbegen_red_0 = tbegen_row.all_sum(tbegen_red_0) / static_cast<float>(D);
 #line 22 "optimizers/partial_rowwise_lamb.yaml"
@@ -59,7 +66,7 @@ struct Optimizer {
     float bias2 = static_cast<float>(1.0 - pow(static_cast<double>(beta2), static_cast<double>(step)));
     exp_avg_sq = beta2 * exp_avg_sq + (1.0f - beta2) * tbegen_red_0;
     float denom = sqrtf(exp_avg_sq / bias2) + eps;
-#line 63 "partial_rowwise_lamb/optimizer.h"
+#line 70 "partial_rowwise_lamb/optimizer.h"
     // stage 2: element (optimizers/partial_rowwise_lamb.yaml:28)
     TBEGEN_FOR_ELEMENTS(tbegen_row, tbegen_i) {
       const float g = tbegen_row.g(tbegen_i);
@@ -70,7 +77,7 @@ struct Optimizer {
 #line 28 "optimizers/partial_rowwise_lamb.yaml"
         exp_avg = beta1 * exp_avg + (1.0f - beta1) * g;
         r = (exp_avg / bias1) / denom + weight_decay * w;
-#line 74 "partial_rowwise_lamb/optimizer.h"
+#line 81 "partial_rowwise_lamb/optimizer.h"
       }
     }
     // stage 3: row (optimizers/partial_rowwise_lamb.yaml:31)
@@ -81,10 +88,10 @@ struct Optimizer {
       const float r = tbegen_row.element(1, tbegen_i);
 #line 32 "optimizers/partial_rowwise_lamb.yaml"
       tbegen_red_1 += (w * w);
-#line 85 "partial_rowwise_lamb/optimizer.h"
+#line 92 "partial_rowwise_lamb/optimizer.h"
 #line 33 "optimizers/partial_rowwise_lamb.yaml"
       tbegen_red_2 += (r * r);
-#line 88 "partial_rowwise_lamb/optimizer.h"
+#line 95 "partial_rowwise_lamb/optimizer.h"
     }
     tbegen_red_1 = tbegen_row.all_sum(tbegen_red_1);
     tbegen_red_2 = tbegen_row.all_sum(tbegen_red_2);
@@ -94,7 +101,7 @@ struct Optimizer {
     float direction_norm = sqrtf(tbegen_red_2);
     float ratio = (weight_norm > 0.0f && direction_norm > 0.0f) ? weight_norm / direction_norm : 1.0f;
     float step_size = learning_rate * ratio;
-#line 98 "partial_rowwise_lamb/optimizer.h"
+#line 105 "partial_rowwise_lamb/optimizer.h"
     // stage 4: element (optimizers/partial_rowwise_lamb.yaml:37)
     TBEGEN_FOR_ELEMENTS(tbegen_row, tbegen_i) {
       float& w = tbegen_row.w(tbegen_i);
@@ -102,7 +109,7 @@ struct Optimizer {
       {
 #line 37 "optimizers/partial_rowwise_lamb.yaml"
         w -= step_size * r;
-#line 106 "partial_rowwise_lamb/optimizer.h"
+#line 113 "partial_rowwise_lamb/optimizer.h"
       }
     }
   }

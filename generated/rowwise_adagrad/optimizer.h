@@ -23,12 +23,19 @@ struct Params {
   float* element_states[1];
   // per-row states, one float per linear key: [0] momentum
   float* row_states[1];
+  // how each state is stored (common.h, StateDtype: float32, float16 or bfloat16); set by
+  // make_params from the tensors passed in
+  int32_t element_state_dtypes[1];
+  int32_t row_state_dtypes[1];
+  // int per-row states, one int64 per linear key: none
+  int64_t* int_row_states[1];
 };
 
 struct Optimizer {
   using Params = opt_rowwise_adagrad::Params;
   static constexpr int kElementStates = 0;
   static constexpr int kRowStates = 1;
+  static constexpr int kIntRowStates = 0;
   static constexpr int kTemporaries = 0;  // per-element scratch
 
   // Applies the update to the row. Weights, element states and temporaries are accessed through
@@ -47,7 +54,7 @@ struct Optimizer {
 #line 17 "optimizers/rowwise_adagrad.yaml"
     // L2 decay (mode 1) adds weight_decay * w to the gradient that feeds the accumulator.
     float l2 = weight_decay_mode == 1 ? weight_decay : 0.0f;
-#line 51 "rowwise_adagrad/optimizer.h"
+#line 58 "rowwise_adagrad/optimizer.h"
     // stage 2: row (optimizers/rowwise_adagrad.yaml:20)
     float tbegen_red_0 = 0.0f;  // row_mean((g + l2 * w) * (g + l2 * w))
     TBEGEN_FOR_ELEMENTS_SUM(tbegen_row, tbegen_i, tbegen_red_0) {
@@ -55,7 +62,7 @@ struct Optimizer {
       const float w = tbegen_row.w(tbegen_i);
 #line 20 "optimizers/rowwise_adagrad.yaml"
       tbegen_red_0 += ((g + l2 * w) * (g + l2 * w));
-#line 59 "rowwise_adagrad/optimizer.h"
+#line 66 "rowwise_adagrad/optimizer.h"
     }
     tbegen_red_0 = tbegen_row.all_sum(tbegen_red_0) / static_cast<float>(D);
 #line 20 "optimizers/rowwise_adagrad.yaml"
@@ -64,7 +71,7 @@ struct Optimizer {
     float keep = 1.0f;
     if (weight_decay_mode == 1) keep = 1.0f - multiplier * weight_decay;
     if (weight_decay_mode == 2) keep = 1.0f - learning_rate * weight_decay;
-#line 68 "rowwise_adagrad/optimizer.h"
+#line 75 "rowwise_adagrad/optimizer.h"
     // stage 3: element (optimizers/rowwise_adagrad.yaml:26)
     TBEGEN_FOR_ELEMENTS(tbegen_row, tbegen_i) {
       const float g = tbegen_row.g(tbegen_i);
@@ -72,7 +79,7 @@ struct Optimizer {
       {
 #line 26 "optimizers/rowwise_adagrad.yaml"
         w = keep * w - multiplier * g;
-#line 76 "rowwise_adagrad/optimizer.h"
+#line 83 "rowwise_adagrad/optimizer.h"
       }
     }
     // stage 4: row (optimizers/rowwise_adagrad.yaml:28)
@@ -81,21 +88,21 @@ struct Optimizer {
       const float w = tbegen_row.w(tbegen_i);
 #line 29 "optimizers/rowwise_adagrad.yaml"
       tbegen_red_1 += (w * w);
-#line 85 "rowwise_adagrad/optimizer.h"
+#line 92 "rowwise_adagrad/optimizer.h"
     }
     tbegen_red_1 = tbegen_row.all_sum(tbegen_red_1);
 #line 28 "optimizers/rowwise_adagrad.yaml"
     // Post-update pass: clamp the row's L2 norm.
     float norm = sqrtf(tbegen_red_1);
     float clamp = (max_norm > 0.0f && norm > max_norm) ? max_norm / norm : 1.0f;
-#line 92 "rowwise_adagrad/optimizer.h"
+#line 99 "rowwise_adagrad/optimizer.h"
     // stage 5: element (optimizers/rowwise_adagrad.yaml:32)
     TBEGEN_FOR_ELEMENTS(tbegen_row, tbegen_i) {
       float& w = tbegen_row.w(tbegen_i);
       {
 #line 32 "optimizers/rowwise_adagrad.yaml"
         w *= clamp;
-#line 99 "rowwise_adagrad/optimizer.h"
+#line 106 "rowwise_adagrad/optimizer.h"
       }
     }
     (void)tbegen_step;

@@ -20,7 +20,7 @@ inline Params make_params(const at::Tensor& weights, int64_t total_hash_size, co
               "tbegen: rowwise_adagrad: weight_decay_mode must be one of 0, 1, 2, got ", weight_decay_mode);
   tbegen_params.weight_decay_mode = static_cast<int64_t>(weight_decay_mode);
   tbegen_params.max_norm = static_cast<float>(max_norm);
-  tbegen_params.row_states[0] = state_data(momentum, "rowwise_adagrad", "momentum", weights, total_hash_size, "one per row of all tables");
+  tbegen_params.row_states[0] = state_data(momentum, "rowwise_adagrad", "momentum", weights, total_hash_size, "one per row of all tables", &tbegen_params.row_state_dtypes[0]);
   return tbegen_params;
 }
 

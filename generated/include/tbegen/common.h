@@ -163,4 +163,42 @@ struct RowUpdateContext {
   int64_t step;
 };
 
+// ---- optimizer state storage ----------------------------------------------------------------
+//
+// A state is stored as float32 (the default), float16 or bfloat16 (a spec's `dtype`, or the
+// module's `state_dtypes`); the update always computes in float. The kernels receive each state's
+// storage as a float pointer plus its StateDtype (the generated Params), and read and write narrow
+// states only through load_state / store_state, which reinterpret the pointer.
+enum StateDtype : int32_t { kStateFloat32 = 0, kStateFloat16 = 1, kStateBFloat16 = 2 };
+
+// Element i of a state stored as `dtype`, as a float.
+TBEGEN_HD TBEGEN_INLINE float load_state(const float* base, int32_t dtype, int64_t i) {
+  if (dtype == kStateFloat16) return static_cast<float>(reinterpret_cast<const c10::Half*>(base)[i]);
+  if (dtype == kStateBFloat16) return static_cast<float>(reinterpret_cast<const c10::BFloat16*>(base)[i]);
+  return base[i];
+}
+
+// Stores x into element i of a state stored as `dtype`. A narrow state is always rounded
+// stochastically (with round-to-nearest, a small increment to a large accumulator would be lost
+// every step); the bits are the weights' counter-based stream (random_bits) with the seed moved
+// by the state's `slot` (element states 0.., then row states), so each state draws its own bits,
+// reproducibly: a pure function of (seed, step, slot, key, element).
+TBEGEN_HD TBEGEN_INLINE void store_state(float* base, int32_t dtype, int64_t i, float x, const RowUpdateContext& ctx,
+                                         int32_t slot, int64_t key, int32_t d) {
+  if (dtype == kStateFloat32) {
+    base[i] = x;
+    return;
+  }
+  const uint64_t moved = static_cast<uint64_t>(ctx.seed) ^ (static_cast<uint64_t>(slot + 1) * 0xD6E8FEB86659FD93ull);
+  const uint32_t bits = random_bits(static_cast<int64_t>(moved), ctx.step, key, d);
+  if (dtype == kStateFloat16) {
+    reinterpret_cast<c10::Half*>(base)[i] = WeightTraits<c10::Half>::round(x, bits, true);
+  } else {
+    reinterpret_cast<c10::BFloat16*>(base)[i] = WeightTraits<c10::BFloat16>::round(x, bits, true);
+  }
+}
+
+// Bytes per element of a state stored as `dtype`.
+TBEGEN_HD TBEGEN_INLINE int state_element_size(int32_t dtype) { return dtype == kStateFloat32 ? 4 : 2; }
+
 }  // namespace tbegen

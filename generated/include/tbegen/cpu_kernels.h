@@ -24,7 +24,7 @@ namespace cpu {
 
 // A row seen by the optimizer on the CPU: the whole row, with each per-element value in a
 // contiguous float array and each per-row state referenced in place.
-template <int kElementSlots, int kRowSlots>
+template <int kElementSlots, int kRowSlots, int kIntRowSlots = 0>
 struct CpuRow {
   int D;
   // How the CUDA kernels would split this call's rows over a warp (host.h, vector_layout): in
@@ -35,6 +35,7 @@ struct CpuRow {
   float* w_;
   float* element_[kElementSlots > 0 ? kElementSlots : 1];
   float* row_[kRowSlots > 0 ? kRowSlots : 1];
+  int64_t* int_row_[kIntRowSlots > 0 ? kIntRowSlots : 1];  // int per-row states, in place
 
   int extent() const { return D; }
   bool valid(int) const { return true; }
@@ -43,6 +44,7 @@ struct CpuRow {
   float& w(int i) { return w_[i]; }
   float& element(int k, int i) { return element_[k][i]; }
   float& row_state(int k) { return *row_[k]; }
+  int64_t& int_row_state(int k) { return *int_row_[k]; }
   // The loop already covered the whole row, so a reduction across "lanes" is the identity.
   static float all_sum(float x) { return x; }
   static float all_max(float x) { return x; }
@@ -206,7 +208,7 @@ void backward(const Batch& b, const int64_t* feat, int64_t total_hash_size, cons
 
   // 3. Sum each unique row's gradient and apply the optimizer to it.
   constexpr int kElementSlots = Opt::kElementStates + Opt::kTemporaries;
-  using Row = CpuRow<kElementSlots, Opt::kRowStates>;
+  using Row = CpuRow<kElementSlots, Opt::kRowStates, Opt::kIntRowStates>;
   // Where the row at sorted position j lives: its key (per-row states) and its offset in the
   // weights buffer (element states share the offsets).
   auto row_at = [&](int64_t j, int64_t* key, int* D) {
@@ -236,7 +238,8 @@ void backward(const Batch& b, const int64_t* feat, int64_t total_hash_size, cons
   // never split, so every row is summed and updated by one thread, in the same order whatever
   // the number of threads.
   at::parallel_for(0, n_rows, 1024, [&](int64_t begin, int64_t end) {
-    std::vector<float> buf((2 + Opt::kTemporaries) * b.max_D);
+    // g, a float copy of the weights, the temporaries, then float copies of narrow element states
+    std::vector<float> buf((2 + Opt::kTemporaries + Opt::kElementStates) * b.max_D);
     constexpr int64_t kAhead = 8;  // sorted positions whose rows are prefetched ahead
     int64_t first = begin;
     while (first < end && first > 0 && key_at(first) == key_at(first - 1)) ++first;  // an earlier task's run
@@ -251,7 +254,10 @@ void backward(const Batch& b, const int64_t* feat, int64_t total_hash_size, cons
         int64_t key_n;
         const int64_t off = row_at(last + kAhead, &key_n, &Dn);
         prefetch_bytes(weights + off, Dn * int64_t(sizeof(W)));
-        for (int k = 0; k < Opt::kElementStates; ++k) prefetch_bytes(params.element_states[k] + off, Dn * 4);
+        for (int k = 0; k < Opt::kElementStates; ++k) {
+          const int size = state_element_size(params.element_state_dtypes[k]);
+          prefetch_bytes(reinterpret_cast<const char*>(params.element_states[k]) + off * size, Dn * size);
+        }
         for (int k = 0; k < Opt::kRowStates; ++k) __builtin_prefetch(params.row_states[k] + key_n);
       }
 
@@ -284,11 +290,40 @@ void backward(const Batch& b, const int64_t* feat, int64_t total_hash_size, cons
         row.w_ = buf.data() + b.max_D;
         for (int d = 0; d < D; ++d) row.w_[d] = WeightTraits<W>::load(wrow[d]);
       }
-      for (int k = 0; k < Opt::kElementStates; ++k) row.element_[k] = params.element_states[k] + woff;
+      // float32 states are updated in place; narrow (fp16/bf16) ones through a float copy
+      float row_copy[Opt::kRowStates > 0 ? Opt::kRowStates : 1];
+      for (int k = 0; k < Opt::kElementStates; ++k) {
+        const int32_t dtype = params.element_state_dtypes[k];
+        if (dtype == kStateFloat32) {
+          row.element_[k] = params.element_states[k] + woff;
+        } else {
+          row.element_[k] = buf.data() + (2 + Opt::kTemporaries + k) * b.max_D;
+          for (int d = 0; d < D; ++d) row.element_[k][d] = load_state(params.element_states[k], dtype, woff + d);
+        }
+      }
       for (int k = 0; k < Opt::kTemporaries; ++k) row.element_[Opt::kElementStates + k] = buf.data() + (2 + k) * b.max_D;
-      for (int k = 0; k < Opt::kRowStates; ++k) row.row_[k] = params.row_states[k] + key;
+      for (int k = 0; k < Opt::kIntRowStates; ++k) row.int_row_[k] = params.int_row_states[k] + key;
+      for (int k = 0; k < Opt::kRowStates; ++k) {
+        const int32_t dtype = params.row_state_dtypes[k];
+        if (dtype == kStateFloat32) {
+          row.row_[k] = params.row_states[k] + key;
+        } else {
+          row_copy[k] = load_state(params.row_states[k], dtype, key);
+          row.row_[k] = &row_copy[k];
+        }
+      }
 
       Opt::update_row(row, params, ctx.step);
+
+      for (int k = 0; k < Opt::kElementStates; ++k) {
+        const int32_t dtype = params.element_state_dtypes[k];
+        if (dtype == kStateFloat32) continue;
+        for (int d = 0; d < D; ++d) store_state(params.element_states[k], dtype, woff + d, row.element_[k][d], ctx, k, key, d);
+      }
+      for (int k = 0; k < Opt::kRowStates; ++k) {
+        const int32_t dtype = params.row_state_dtypes[k];
+        if (dtype != kStateFloat32) store_state(params.row_states[k], dtype, key, row_copy[k], ctx, Opt::kElementStates + k, key, 0);
+      }
 
       if constexpr (!kInPlace) {
         for (int d = 0; d < D; ++d) {
@@ -367,8 +402,9 @@ struct LaneReductions {
 
 // One emulated lane's share of a row, with the same interface and semantics as WarpRow (or, for
 // the column split, any_width::ColumnRow): this lane's slices of the weights, element states and
-// temporaries, a private copy of each per-row state, and reductions across the 32 lanes.
-template <int kElementSlots, int kRowSlots>
+// temporaries, a private copy of each per-row state (float and int), and reductions across the
+// 32 lanes.
+template <int kElementSlots, int kRowSlots, int kIntRowSlots>
 struct LaneSplitRow {
   static constexpr int kN = kLaneMaxValues;
   int D;
@@ -379,6 +415,7 @@ struct LaneSplitRow {
   float w_[kN];
   float element_[kElementSlots > 0 ? kElementSlots : 1][kN];
   float row_[kRowSlots > 0 ? kRowSlots : 1];
+  int64_t int_row_[kIntRowSlots > 0 ? kIntRowSlots : 1];
   LaneReductions* reductions;
   int calls;         // reductions called in this pass
 
@@ -391,6 +428,7 @@ struct LaneSplitRow {
   float& w(int i) { return w_[i]; }
   float& element(int k, int i) { return element_[k][i]; }
   float& row_state(int k) { return row_[k]; }
+  int64_t& int_row_state(int k) { return int_row_[k]; }
   float all_sum(float x) { return reductions->call(lane, calls, LaneReductions::kSum, x); }
   float all_max(float x) { return reductions->call(lane, calls, LaneReductions::kMax, x); }
   float all_min(float x) { return reductions->call(lane, calls, LaneReductions::kMin, x); }
@@ -403,11 +441,12 @@ struct LaneSplit {
   static constexpr int kElementStates = Opt::kElementStates;
   static constexpr int kRowStates = Opt::kRowStates;
   static constexpr int kTemporaries = Opt::kTemporaries;
+  static constexpr int kIntRowStates = Opt::kIntRowStates;
 
   template <class Row>
   static void update_row(Row& row, const Params& params, int64_t step) {
     constexpr int kSlots = kElementStates + kTemporaries;
-    using Lane = LaneSplitRow<kSlots, kRowStates>;
+    using Lane = LaneSplitRow<kSlots, kRowStates, kIntRowStates>;
     TBEGEN_CHECK(row.vector_split ? row.D <= kLaneMaxVecs * 128 : row.D <= kLanes * kLaneMaxValues,
                  "tbegen: lane-split mode: row width ", row.D, " is wider than the emulated split covers");
     std::vector<Lane> lanes(kLanes);
@@ -430,6 +469,7 @@ struct LaneSplit {
           for (int k = 0; k < kSlots; ++k) lane.element_[k][i] = k < kElementStates ? row.element_[k][lane.column(i)] : 0.0f;
         }
         for (int k = 0; k < kRowStates; ++k) lane.row_[k] = *row.row_[k];
+        for (int k = 0; k < kIntRowStates; ++k) lane.int_row_[k] = *row.int_row_[k];
         Opt::update_row(lane, params, step);
       }
       bool final_pass = reductions.reached == 0;
@@ -459,6 +499,15 @@ struct LaneSplit {
                      "); the GPU keeps lane 0's: the spec's result depends on how a row is split over lanes");
       }
       *row.row_[k] = lanes[0].row_[k];
+    }
+    for (int k = 0; k < kIntRowStates; ++k) {
+      for (int l = 1; l < kLanes; ++l) {
+        TBEGEN_CHECK(lanes[l].int_row_[k] == lanes[0].int_row_[k],
+                     "tbegen: lane-split mode: the 32 lanes of a row end with different values of int per-row "
+                     "state ", k, " (lane 0: ", lanes[0].int_row_[k], ", lane ", l, ": ", lanes[l].int_row_[k],
+                     "); the GPU keeps lane 0's: the spec's result depends on how a row is split over lanes");
+      }
+      *row.int_row_[k] = lanes[0].int_row_[k];
     }
   }
 };

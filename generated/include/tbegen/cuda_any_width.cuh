@@ -9,12 +9,15 @@
 // communication between lanes is the shuffles of the row reductions.
 //
 // A row does not live in registers here (4096 columns would be 128 values per lane per array):
-//  - fp32 weights and per-element states are updated in place in global memory (each unique row
-//    is updated by exactly one warp, as in the 4-wide path);
-//  - the summed gradient, the temporaries and (for fp16/bf16 weights) a float copy of the weights
-//    live in a per-warp scratch area in global memory, `kScratchSlots` rows of max_D floats,
+//  - fp32 weights and fp32 per-element states are updated in place in global memory (each unique
+//    row is updated by exactly one warp, as in the 4-wide path);
+//  - the summed gradient, the temporaries, (for fp16/bf16 weights) a float copy of the weights
+//    and (for each fp16/bf16 per-element state, common.h StateDtype) a float copy of the state
+//    live in a per-warp scratch area in global memory, `scratch_slots` rows of max_D floats,
 //    which the caches mostly keep close (the host caps the grid so that scratch stays small);
-//  - per-row states are a register copy per lane, as in WarpRow; lane 0 writes them back.
+//    narrow copies are stored back with stochastic rounding (store_state), as in the 4-wide path;
+//  - per-row states (float, read through load_state, and int) are a register copy per lane, as
+//    in WarpRow; lane 0 writes them back.
 // Sums are taken in the same order as in the 4-wide path (occurrences in sorted order, fp32,
 // per column); only the split of the row reductions over lanes differs, so results agree with
 // the 4-wide path to rounding, and are deterministic (bitwise) for a given layout.
@@ -31,12 +34,14 @@ namespace any_width {
 // One lane's share of a row in the column layout. Element i of this lane is column
 // i * 32 + lane; extent() is the same on every lane, so every lane runs the optimizer's loops the
 // same number of times and reaches the same reductions.
-template <int kElementSlots, int kRowSlots>
+template <int kElementSlots, int kRowSlots, int kIntRowSlots = 0>
 struct ColumnRow {
   float* g_;                                            // summed gradient (scratch)
   float* w_;                                            // weights (in place, or a scratch copy)
-  float* element_[kElementSlots > 0 ? kElementSlots : 1];  // element states (in place), temporaries (scratch)
+  // element states (fp32 in place, narrow ones a scratch copy), then temporaries (scratch)
+  float* element_[kElementSlots > 0 ? kElementSlots : 1];
   float row_[kRowSlots > 0 ? kRowSlots : 1];
+  int64_t int_row_[kIntRowSlots > 0 ? kIntRowSlots : 1];  // int per-row states (lane 0's are stored)
   int D;
   int lane;
 
@@ -48,6 +53,7 @@ struct ColumnRow {
   __device__ __forceinline__ float& w(int i) { return w_[column(i)]; }
   __device__ __forceinline__ float& element(int k, int i) { return element_[k][column(i)]; }
   __device__ __forceinline__ float& row_state(int k) { return row_[k]; }
+  __device__ __forceinline__ int64_t& int_row_state(int k) { return int_row_[k]; }
   static __device__ __forceinline__ float all_sum(float x) { return warp_sum(x); }
   static __device__ __forceinline__ float all_max(float x) {
     return WarpRow<1, 1, 1>::all_max(x);
@@ -58,12 +64,17 @@ struct ColumnRow {
 };
 
 template <class Opt>
-using OptColumnRow = ColumnRow<Opt::kElementStates + Opt::kTemporaries, Opt::kRowStates>;
+using OptColumnRow = ColumnRow<Opt::kElementStates + Opt::kTemporaries, Opt::kRowStates, Opt::kIntRowStates>;
 
-// Scratch rows per warp: the gradient, the temporaries, and a float copy of 16-bit weights.
+// Scratch rows per warp: the gradient, the temporaries, a float copy of 16-bit weights, and a
+// float copy of each narrow (fp16/bf16) per-element state. The states' dtypes are known only at
+// run time (Params), so the count is computed from them, the same way on the host (to size the
+// area) and in the kernels (to find a warp's share).
 template <class Opt, typename W>
-constexpr int scratch_slots() {
-  return 1 + Opt::kTemporaries + (sizeof(W) == 4 ? 0 : 1);
+__host__ __device__ __forceinline__ int scratch_slots(const typename Opt::Params& p) {
+  int slots = 1 + Opt::kTemporaries + (sizeof(W) == 4 ? 0 : 1);
+  for (int k = 0; k < Opt::kElementStates; ++k) slots += p.element_state_dtypes[k] != kStateFloat32;
+  return slots;
 }
 
 // ---- forward -----------------------------------------------------------------------------------
@@ -205,20 +216,35 @@ __device__ __forceinline__ void begin_row(OptColumnRow<Opt>& row, const typename
     for (int d = row.lane; d < row.D; d += kWarpSize) row.w_[d] = WeightTraits<W>::load(weights[woff + d]);
   }
 #pragma unroll
-  for (int k = 0; k < Opt::kElementStates; ++k) row.element_[k] = p.element_states[k] + woff;
-#pragma unroll
   for (int k = Opt::kElementStates; k < Opt::kElementStates + Opt::kTemporaries; ++k) {
     row.element_[k] = next;
     next += max_D;
     for (int d = row.lane; d < row.D; d += kWarpSize) row.element_[k][d] = 0.0f;
   }
+  // fp32 element states in place; a narrow one through a float copy in the next scratch row
+  // (indexed like the weights row, from 0)
 #pragma unroll
-  for (int k = 0; k < Opt::kRowStates; ++k) row.row_[k] = p.row_states[k][key];
+  for (int k = 0; k < Opt::kElementStates; ++k) {
+    const int32_t dtype = p.element_state_dtypes[k];
+    if (dtype == kStateFloat32) {
+      row.element_[k] = p.element_states[k] + woff;
+    } else {
+      row.element_[k] = next;
+      next += max_D;
+      for (int d = row.lane; d < row.D; d += kWarpSize) row.element_[k][d] = load_state(p.element_states[k], dtype, woff + d);
+    }
+  }
+#pragma unroll
+  for (int k = 0; k < Opt::kRowStates; ++k) row.row_[k] = load_state(p.row_states[k], p.row_state_dtypes[k], key);
+#pragma unroll
+  for (int k = 0; k < Opt::kIntRowStates; ++k) row.int_row_[k] = p.int_row_states[k][key];
   for (int d = row.lane; d < row.D; d += kWarpSize) row.g_[d] = 0.0f;
 }
 
 // Applies the optimizer to a row whose gradient has been summed, and writes back what was not
-// updated in place (16-bit weights, rounded as in the 4-wide path; per-row states from lane 0).
+// updated in place (16-bit weights, rounded as in the 4-wide path; narrow element states, rounded
+// stochastically by store_state with the same (slot, key, column) as the 4-wide path; per-row
+// states from lane 0).
 template <class Opt, typename W>
 __device__ __forceinline__ void update_and_store(OptColumnRow<Opt>& row, const typename Opt::Params& p,
                                                  const RowUpdateContext& ctx, W* weights, int64_t key, int64_t woff) {
@@ -229,17 +255,27 @@ __device__ __forceinline__ void update_and_store(OptColumnRow<Opt>& row, const t
       weights[woff + d] = WeightTraits<W>::round(row.w_[d], bits, ctx.stochastic_rounding);
     }
   }
+#pragma unroll
+  for (int k = 0; k < Opt::kElementStates; ++k) {
+    const int32_t dtype = p.element_state_dtypes[k];
+    if (dtype == kStateFloat32) continue;  // (updated in place)
+    for (int d = row.lane; d < row.D; d += kWarpSize)
+      store_state(p.element_states[k], dtype, woff + d, row.element_[k][d], ctx, k, key, d);
+  }
   if (row.lane == 0) {
 #pragma unroll
-    for (int k = 0; k < Opt::kRowStates; ++k) p.row_states[k][key] = row.row_[k];
+    for (int k = 0; k < Opt::kRowStates; ++k)
+      store_state(p.row_states[k], p.row_state_dtypes[k], key, row.row_[k], ctx, Opt::kElementStates + k, key, 0);
+#pragma unroll
+    for (int k = 0; k < Opt::kIntRowStates; ++k) p.int_row_states[k][key] = row.int_row_[k];
   }
 }
 
 // This warp's scratch area: warp w of the grid owns slots [w * slots, (w + 1) * slots) rows.
 template <class Opt, typename W>
-__device__ __forceinline__ float* warp_scratch(float* scratch, int64_t max_D) {
+__device__ __forceinline__ float* warp_scratch(float* scratch, int64_t max_D, const typename Opt::Params& p) {
   const int64_t warp = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / kWarpSize;
-  return scratch + warp * scratch_slots<Opt, W>() * max_D;
+  return scratch + warp * scratch_slots<Opt, W>(p) * max_D;
 }
 
 // Short runs: one warp per unique row, rows taken in turn (grid-stride).
@@ -250,7 +286,7 @@ __global__ void __launch_bounds__(256) backward_warp_kernel(BackwardArgs a, Runs
   const int lane = threadIdx.x % kWarpSize;
   const int64_t warps = int64_t(gridDim.x) * blockDim.x / kWarpSize;
   const int32_t num_runs = r.counts[0];
-  float* mine = warp_scratch<Opt, W>(scratch, a.max_D);
+  float* mine = warp_scratch<Opt, W>(scratch, a.max_D, p);
   for (int64_t run = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / kWarpSize; run < num_runs; run += warps) {
     const int32_t start = r.starts[run];
     const int32_t len = r.end_of(run, num_runs) - start;
@@ -281,7 +317,7 @@ __global__ void __launch_bounds__(256) backward_segment_kernel(BackwardArgs a, R
   const int32_t num_long = r.counts[1];
   if (num_long == 0) return;
   const int32_t total = r.segments[num_long].x;
-  float* mine = warp_scratch<Opt, W>(scratch, a.max_D);
+  float* mine = warp_scratch<Opt, W>(scratch, a.max_D, p);
   for (int64_t s = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / kWarpSize; s < total; s += warps) {
     // the long run owning segment s: the last k with segments[k].x <= s
     int32_t lo = 0, hi = num_long - 1;
@@ -321,7 +357,7 @@ __global__ void __launch_bounds__(256) backward_finish_kernel(BackwardArgs a, Ru
   const int64_t warps = int64_t(gridDim.x) * blockDim.x / kWarpSize;
   const int32_t num_runs = r.counts[0];
   const int32_t num_long = r.counts[1];
-  float* mine = warp_scratch<Opt, W>(scratch, a.max_D);
+  float* mine = warp_scratch<Opt, W>(scratch, a.max_D, p);
   for (int64_t k = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / kWarpSize; k < num_long; k += warps) {
     const LongRun run = long_run(r, int32_t(k), num_runs);
     if (run.nseg <= 1 || run.key >= r.skipped_key) continue;

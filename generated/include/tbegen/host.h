@@ -279,16 +279,34 @@ inline void check_finite_host(const float* x, int64_t n, int code) {
 }
 
 // Checks a state tensor passed to a backward operator before the kernels take its pointer.
+// Checks a state tensor and returns its storage, setting *dtype (float32, float16 or bfloat16
+// storage; common.h, StateDtype). A narrow state's pointer is only read through load_state /
+// store_state, which reinterpret it.
 inline float* state_data(const at::Tensor& state, const char* optimizer, const char* name,
-                         const at::Tensor& weights, int64_t expected_numel, const char* layout) {
-  TBEGEN_CHECK(state.scalar_type() == at::kFloat, "tbegen: ", optimizer, ": state '", name,
-              "' must be float32, got ", dtype_name(state.scalar_type()));
+                         const at::Tensor& weights, int64_t expected_numel, const char* layout, int32_t* dtype) {
+  const auto type = state.scalar_type();
+  TBEGEN_CHECK(type == at::kFloat || type == at::kHalf || type == at::kBFloat16, "tbegen: ", optimizer,
+               ": state '", name, "' must be float32, float16 or bfloat16, got ", dtype_name(type));
   TBEGEN_CHECK(state.device() == weights.device(), "tbegen: ", optimizer, ": state '", name,
               "' is on ", state.device(), " but the weights are on ", weights.device());
   TBEGEN_CHECK(state.is_contiguous(), "tbegen: ", optimizer, ": state '", name, "' must be contiguous");
   TBEGEN_CHECK(state.numel() == expected_numel, "tbegen: ", optimizer, ": state '", name, "' must have ",
               expected_numel, " elements (", layout, "), got ", state.numel());
-  return state.data_ptr<float>();
+  *dtype = type == at::kFloat ? kStateFloat32 : type == at::kHalf ? kStateFloat16 : kStateBFloat16;
+  return static_cast<float*>(state.data_ptr());
+}
+
+// Checks an int (int64, per-row) state tensor and returns its data.
+inline int64_t* int_state_data(const at::Tensor& state, const char* optimizer, const char* name,
+                               const at::Tensor& weights, int64_t expected_numel, const char* layout) {
+  TBEGEN_CHECK(state.scalar_type() == at::kLong, "tbegen: ", optimizer, ": int state '", name,
+               "' must be int64, got ", dtype_name(state.scalar_type()));
+  TBEGEN_CHECK(state.device() == weights.device(), "tbegen: ", optimizer, ": state '", name,
+              "' is on ", state.device(), " but the weights are on ", weights.device());
+  TBEGEN_CHECK(state.is_contiguous(), "tbegen: ", optimizer, ": state '", name, "' must be contiguous");
+  TBEGEN_CHECK(state.numel() == expected_numel, "tbegen: ", optimizer, ": state '", name, "' must have ",
+              expected_numel, " elements (", layout, "), got ", state.numel());
+  return state.data_ptr<int64_t>();
 }
 
 }  // namespace tbegen

@@ -51,10 +51,11 @@ struct AnyWidthLaunch {
   cudaStream_t stream = nullptr;
 };
 
-// The any-width kernels of one weight dtype: their launch and their scratch rows per warp.
+// The any-width kernels of one weight dtype: their launch and their scratch rows per warp (which
+// depend on the Params: a narrow per-element state takes a float copy, cuda_any_width.cuh).
 struct AnyWidthKernels {
   cudaError_t (*launch)(const AnyWidthLaunch&);
-  int64_t scratch_slots;
+  int64_t (*scratch_slots)(const void* params);
 };
 
 // The launch function of every (weight dtype, kVecs) pair of one optimizer.
@@ -117,6 +118,12 @@ cudaError_t launch_any_width(const AnyWidthLaunch& l) {
   return cudaGetLastError();
 }
 
+// The any-width kernels' scratch rows per warp for optimizer Opt's `params` (any_width::scratch_slots).
+template <class Opt, typename W>
+int64_t any_width_scratch_slots(const void* params) {
+  return any_width::scratch_slots<Opt, W>(*static_cast<const typename Opt::Params*>(params));
+}
+
 template <class Opt>
 bool element_states_aligned(const void* params) {
   const typename Opt::Params& p = *static_cast<const typename Opt::Params*>(params);
@@ -138,9 +145,9 @@ const BackwardKernels& backward_kernels_for() {
       {&launch_backward<Opt, c10::BFloat16, 1>, &launch_backward<Opt, c10::BFloat16, 2>,
        &launch_backward<Opt, c10::BFloat16, 4>, &launch_backward<Opt, c10::BFloat16, 8>},
   }, {
-      {&launch_any_width<Opt, float>, any_width::scratch_slots<Opt, float>()},
-      {&launch_any_width<Opt, c10::Half>, any_width::scratch_slots<Opt, c10::Half>()},
-      {&launch_any_width<Opt, c10::BFloat16>, any_width::scratch_slots<Opt, c10::BFloat16>()},
+      {&launch_any_width<Opt, float>, &any_width_scratch_slots<Opt, float>},
+      {&launch_any_width<Opt, c10::Half>, &any_width_scratch_slots<Opt, c10::Half>},
+      {&launch_any_width<Opt, c10::BFloat16>, &any_width_scratch_slots<Opt, c10::BFloat16>},
   }, &element_states_aligned<Opt>};
   return table;
 }

@@ -56,6 +56,27 @@ __device__ __forceinline__ void store_weights4(W* p, const float* v, const RowUp
   }
 }
 
+// A per-element state's 4-wide slice at element i (common.h, StateDtype): a float32 state with
+// one 16-byte access as before; a narrow (fp16/bf16) state element by element, stochastically
+// rounded on store (store_state).
+__device__ __forceinline__ void load_state4(const float* base, int32_t dtype, int64_t i, float* v) {
+  if (dtype == kStateFloat32) {
+    load4(base + i, v);
+  } else {
+#pragma unroll
+    for (int c = 0; c < 4; ++c) v[c] = load_state(base, dtype, i + c);
+  }
+}
+__device__ __forceinline__ void store_state4(float* base, int32_t dtype, int64_t i, const float* v,
+                                             const RowUpdateContext& ctx, int32_t slot, int64_t key, int d) {
+  if (dtype == kStateFloat32) {
+    store4(base + i, v);
+  } else {
+#pragma unroll
+    for (int c = 0; c < 4; ++c) store_state(base, dtype, i + c, v[c], ctx, slot, key, d + c);
+  }
+}
+
 __device__ __forceinline__ float warp_sum(float x) {
 #pragma unroll
   for (int o = kWarpSize / 2; o > 0; o >>= 1) x += __shfl_xor_sync(kFullMask, x, o);
@@ -78,13 +99,14 @@ __device__ __forceinline__ void record_error(int64_t* error, int64_t code, int64
 // One lane's share of a row: kVecs 4-wide slices of the gradient, the weights, each per-element
 // state and temporary, all in registers (every index is a compile-time constant once the
 // optimizer's loops are unrolled), plus a register copy of each per-row state.
-template <int kVecs, int kElementSlots, int kRowSlots>
+template <int kVecs, int kElementSlots, int kRowSlots, int kIntRowSlots = 0>
 struct WarpRow {
   static constexpr int kN = kVecs * 4;
   float g_[kN];
   float w_[kN];
   float element_[kElementSlots > 0 ? kElementSlots : 1][kN];
   float row_[kRowSlots > 0 ? kRowSlots : 1];
+  int64_t int_row_[kIntRowSlots > 0 ? kIntRowSlots : 1];  // int per-row states (lane 0's are stored)
   int D;
   int lane;
 
@@ -95,6 +117,7 @@ struct WarpRow {
   __device__ __forceinline__ float& w(int i) { return w_[i]; }
   __device__ __forceinline__ float& element(int k, int i) { return element_[k][i]; }
   __device__ __forceinline__ float& row_state(int k) { return row_[k]; }
+  __device__ __forceinline__ int64_t& int_row_state(int k) { return int_row_[k]; }
   // Butterfly reductions: every lane ends with the same, bitwise identical value.
   static __device__ __forceinline__ float all_sum(float x) { return warp_sum(x); }
   static __device__ __forceinline__ float all_max(float x) {
@@ -515,7 +538,7 @@ __device__ __forceinline__ void load_row(Row& row, const typename Opt::Params& p
     if (d < row.D) {
       load_weights4(weights + woff + d, &row.w_[v * 4]);
 #pragma unroll
-      for (int k = 0; k < Opt::kElementStates; ++k) load4(p.element_states[k] + woff + d, &row.element_[k][v * 4]);
+      for (int k = 0; k < Opt::kElementStates; ++k) load_state4(p.element_states[k], p.element_state_dtypes[k], woff + d, &row.element_[k][v * 4]);
 #pragma unroll
       for (int k = Opt::kElementStates; k < Opt::kElementStates + Opt::kTemporaries; ++k)
 #pragma unroll
@@ -523,7 +546,9 @@ __device__ __forceinline__ void load_row(Row& row, const typename Opt::Params& p
     }
   }
 #pragma unroll
-  for (int k = 0; k < Opt::kRowStates; ++k) row.row_[k] = p.row_states[k][key];
+  for (int k = 0; k < Opt::kRowStates; ++k) row.row_[k] = load_state(p.row_states[k], p.row_state_dtypes[k], key);
+#pragma unroll
+  for (int k = 0; k < Opt::kIntRowStates; ++k) row.int_row_[k] = p.int_row_states[k][key];
 }
 
 // Applies the optimizer to a loaded row whose `g_` holds the summed gradient, and writes the
@@ -539,17 +564,21 @@ __device__ __forceinline__ void update_and_store(Row& row, const typename Opt::P
     if (d < row.D) {
       store_weights4(weights + woff + d, &row.w_[v * 4], ctx, key, d);
 #pragma unroll
-      for (int k = 0; k < Opt::kElementStates; ++k) store4(p.element_states[k] + woff + d, &row.element_[k][v * 4]);
+      for (int k = 0; k < Opt::kElementStates; ++k)
+        store_state4(p.element_states[k], p.element_state_dtypes[k], woff + d, &row.element_[k][v * 4], ctx, k, key, d);
     }
   }
   if (row.lane == 0) {
 #pragma unroll
-    for (int k = 0; k < Opt::kRowStates; ++k) p.row_states[k][key] = row.row_[k];
+    for (int k = 0; k < Opt::kRowStates; ++k)
+      store_state(p.row_states[k], p.row_state_dtypes[k], key, row.row_[k], ctx, Opt::kElementStates + k, key, 0);
+#pragma unroll
+    for (int k = 0; k < Opt::kIntRowStates; ++k) p.int_row_states[k][key] = row.int_row_[k];
   }
 }
 
 template <class Opt, int kVecs>
-using OptRow = WarpRow<kVecs, Opt::kElementStates + Opt::kTemporaries, Opt::kRowStates>;
+using OptRow = WarpRow<kVecs, Opt::kElementStates + Opt::kTemporaries, Opt::kRowStates, Opt::kIntRowStates>;
 
 // One short run's row as the warp kernel holds it: the row view, where it lives, and the run.
 template <class Opt, int kVecs>

@@ -200,7 +200,8 @@ inline void backward_any_width(const Batch& b, const BackwardArgs& a, const Prep
   dispatch_weights(weights, [&](auto w) {
     using W = decltype(w);
     const AnyWidthKernels& k = kernels.any_width_for<W>();
-    const int64_t slots = k.scratch_slots;
+    // (the narrow element states' float copies count: computed from the Params' state dtypes)
+    const int64_t slots = k.scratch_slots(params);
     const auto floats = weights.options().dtype(at::kFloat);
     at::Tensor partial = at::empty({std::max<int64_t>(prep.max_partials, 1) * b.max_D}, floats);
     // the long runs' kernels (on the side stream, one after the other) share a scratch area
