@@ -47,7 +47,7 @@ if has tests; then
   xdist=$(python3 -c "import xdist" 2>/dev/null && echo "-n ${XDIST:-12}")
   timeout_opt=$(python3 -c "import pytest_timeout" 2>/dev/null && echo "--timeout 300")
   OMP_NUM_THREADS=2 TBEGEN_RESULTS_DIR="$OUT" timeout ${TESTS_TIMEOUT:-480} python3 -m pytest \
-    ${TEST_FILES:-tests/test_cuda.py tests/test_module.py tests/test_placements.py} -q -p no:cacheprovider $xdist $timeout_opt \
+    ${TEST_FILES:-tests/test_cuda.py tests/test_module.py tests/test_placements.py tests/test_any_width.py tests/test_state_dtypes.py tests/test_int_states.py tests/test_bad_input.py tests/test_cuda_lane_split.py} -q -p no:cacheprovider $xdist $timeout_opt \
     > "$OUT/pytest_cuda.log" 2>&1 || status=1
   grep -E "^(FAILED|ERROR)|passed|failed|crashed" "$OUT/pytest_cuda.log" | tail -n 30
   python3 benchmarks/summarize_results.py "$OUT" | tee "$OUT/numerics_table.md"

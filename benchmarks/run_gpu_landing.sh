@@ -50,7 +50,8 @@ log "all extensions built: $(( $(date +%s) - t0 )) s"
 
 xdist=$(python3 -c "import xdist" 2>/dev/null && echo "-n 12")
 OMP_NUM_THREADS=2 TBEGEN_RESULTS_DIR="$OUT" timeout ${TESTS_TIMEOUT:-200} python3 -m pytest -q -p no:cacheprovider $xdist \
-  tests/test_cuda.py tests/test_module.py tests/test_bad_input.py tests/test_cuda_lane_split.py > "$OUT/pytest_cuda.log" 2>&1 || status=1
+  tests/test_cuda.py tests/test_module.py tests/test_bad_input.py tests/test_cuda_lane_split.py \
+  tests/test_any_width.py tests/test_placements.py tests/test_state_dtypes.py tests/test_int_states.py > "$OUT/pytest_cuda.log" 2>&1 || status=1
 grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/pytest_cuda.log" | tail -n 15
 python3 benchmarks/summarize_results.py "$OUT" > "$OUT/numerics_table.md" 2>&1
 rm -f "$OUT"/harness_results_*.jsonl "$OUT"/*.jsonl
