@@ -353,6 +353,19 @@ def layout_args(layout: Layout, device) -> tuple:
     return (layout.features_tensor(device), layout.total_D, layout.max_D)
 
 
+def call_backward(spec: OptimizerSpec, ops, op: str, case: "Case", layout: Layout, feats: torch.Tensor,
+                  hyper: Dict[str, object], grad_output: torch.Tensor, weights: torch.Tensor, states: Dict[str, torch.Tensor],
+                  indices: torch.Tensor, offsets: torch.Tensor, psw: Optional[torch.Tensor], step: int) -> None:
+    """One fused backward step through the extension's operator `op` ("backward" or
+    "backward_lane_split"), updating `weights` and `states` in place; the tensors are on the device
+    they are to run on, `feats` too (layout.features_tensor)."""
+    getattr(ops, op)(
+        grad_output, weights, feats, layout.total_D, layout.max_D, layout.total_hash_size, indices, offsets, psw,
+        POOLING[case.pooling], case.max_segment_length_per_warp, case.stochastic_rounding, case.seed,
+        *[states[s.name] for s in spec.states], *[hyper[h.name] for h in spec.hyperparameters], step,
+    )
+
+
 def run_case(spec: OptimizerSpec, ops, case: Case, device: str = "cpu") -> Result:
     """Runs `case.steps` steps of forward + grad_psw + fused backward and checks each one."""
     gen = torch.Generator().manual_seed(case.seed)
@@ -388,13 +401,8 @@ def run_case(spec: OptimizerSpec, ops, case: Case, device: str = "cpu") -> Resul
         ref_w, ref_states, touched = reference_step(
             spec, layout, B, case.pooling, before_w, before_states, batch, grad_output, hyper, step
         )
-        ops.backward(
-            grad_output_dev, weights, feats, total_D, max_D, layout.total_hash_size, ind, off, dev_psw,
-            pooling, case.max_segment_length_per_warp, case.stochastic_rounding, case.seed,
-            *[states[s.name] for s in spec.states],
-            *[hyper[h.name] for h in spec.hyperparameters],
-            step,
-        )
+        call_backward(spec, ops, "backward", case, layout, feats, hyper, grad_output_dev, weights, states, ind, off,
+                      dev_psw, step)
         w_now = weights.cpu()
         if not torch.equal(w_now[~touched], before_w[~touched]):
             result.failures.append(f"step {step}: rows outside the batch changed")
@@ -460,7 +468,6 @@ def run_lane_split_case(spec: OptimizerSpec, ops, case: Case) -> Result:
     hyper = default_hyperparameters(spec, dict(case.hyper))
     weights, states = initial_state(spec, layout, case, gen)
     feats, total_D, max_D = layout_args(layout, "cpu")
-    pooling = POOLING[case.pooling]
     result = Result(case)
     for step in range(1, case.steps + 1):
         batch = random_batch(case, layout, gen)
@@ -470,12 +477,8 @@ def run_lane_split_case(spec: OptimizerSpec, ops, case: Case) -> Result:
         for op in ("backward", "backward_lane_split"):
             w, st = weights.clone(), {k: v.clone() for k, v in states.items()}
             try:
-                getattr(ops, op)(
-                    grad_output, w, feats, total_D, max_D, layout.total_hash_size, batch.indices, batch.offsets,
-                    batch.per_sample_weights, pooling, case.max_segment_length_per_warp, case.stochastic_rounding,
-                    case.seed, *[st[s.name] for s in spec.states], *[hyper[h.name] for h in spec.hyperparameters],
-                    step,
-                )
+                call_backward(spec, ops, op, case, layout, feats, hyper, grad_output, w, st, batch.indices,
+                              batch.offsets, batch.per_sample_weights, step)
             except RuntimeError as e:
                 if op == "backward":
                     raise

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tbegen import harness
-from tbegen.layout import POOLING, make_layout
+from tbegen.layout import make_layout
 from tbegen.spec import load_spec
 
 from conftest import SPECS
@@ -76,12 +76,8 @@ def _one_step(spec, ops, case, device, weights, states, batch, grad_output, step
     w = weights.clone().to(device)
     st = {k: v.clone().to(device) for k, v in states.items()}
     psw = batch.per_sample_weights.to(device) if batch.per_sample_weights is not None else None
-    ops.backward(
-        grad_output.to(device), w, layout.features_tensor(device), layout.total_D, layout.max_D,
-        layout.total_hash_size, batch.indices.to(device), batch.offsets.to(device), psw,
-        POOLING[case.pooling], case.max_segment_length_per_warp, case.stochastic_rounding, case.seed,
-        *[st[s.name] for s in spec.states], *[hyper[h.name] for h in spec.hyperparameters], step,
-    )
+    harness.call_backward(spec, ops, "backward", case, layout, layout.features_tensor(device), hyper,
+                          grad_output.to(device), w, st, batch.indices.to(device), batch.offsets.to(device), psw, step)
     return w.cpu(), {k: v.cpu() for k, v in st.items()}
 
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tbegen import build, harness
-from tbegen.layout import POOLING, make_layout
+from tbegen.layout import make_layout
 from tbegen.spec import load_spec_text
 
 from conftest import SPECS
@@ -38,12 +38,8 @@ def _step(spec, ops, op, case, device, weights, states, batch, grad_output):
     w = weights.clone().to(device)
     st = {k: v.clone().to(device) for k, v in states.items()}
     psw = batch.per_sample_weights.to(device) if batch.per_sample_weights is not None else None
-    getattr(ops, op)(
-        grad_output.to(device), w, layout.features_tensor(device), layout.total_D, layout.max_D,
-        layout.total_hash_size, batch.indices.to(device), batch.offsets.to(device), psw,
-        POOLING[case.pooling], case.max_segment_length_per_warp, case.stochastic_rounding, case.seed,
-        *[st[s.name] for s in spec.states], *[hyper[h.name] for h in spec.hyperparameters], 1,
-    )
+    harness.call_backward(spec, ops, op, case, layout, layout.features_tensor(device), hyper,
+                          grad_output.to(device), w, st, batch.indices.to(device), batch.offsets.to(device), psw, 1)
     return w.cpu(), {k: v.cpu() for k, v in st.items()}
 
 
