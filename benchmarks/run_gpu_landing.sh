@@ -52,7 +52,13 @@ xdist=$(python3 -c "import xdist" 2>/dev/null && echo "-n 12")
 OMP_NUM_THREADS=2 TBEGEN_RESULTS_DIR="$OUT" timeout ${TESTS_TIMEOUT:-200} python3 -m pytest -q -p no:cacheprovider $xdist \
   tests/test_cuda.py tests/test_module.py tests/test_bad_input.py tests/test_cuda_lane_split.py \
   tests/test_any_width.py tests/test_placements.py tests/test_state_dtypes.py tests/test_int_states.py > "$OUT/pytest_cuda.log" 2>&1 || status=1
-grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/pytest_cuda.log" | tail -n 15
+# a test whose xdist worker crashed: again, alone, with Python's fault handler (its stack, if any)
+for t in $(grep -oE "crashed while running '[^']+'" "$OUT/pytest_cuda.log" | sed -E "s/.*'(.*)'/\1/"); do
+  echo "== alone: $t" >> "$OUT/pytest_cuda.log"
+  OMP_NUM_THREADS=2 timeout 60 python3 -X faulthandler -m pytest -q -p no:cacheprovider -p no:xdist "$t" >> "$OUT/pytest_cuda.log" 2>&1
+  echo "== exit status $?" >> "$OUT/pytest_cuda.log"
+done
+grep -E "^(FAILED|ERROR)|passed|failed|^== (alone|exit)" "$OUT/pytest_cuda.log" | tail -n 15
 python3 benchmarks/summarize_results.py "$OUT" > "$OUT/numerics_table.md" 2>&1
 rm -f "$OUT"/harness_results_*.jsonl "$OUT"/*.jsonl
 
@@ -60,10 +66,11 @@ log "FBGEMM_GPU differential tests"
 TBEGEN_RESULTS_DIR="$OUT/fbgemm" PYTHONPATH=/tmp/fbg_site:$PYTHONPATH timeout 120 python3 -m pytest -q -p no:cacheprovider \
   -m cuda tests/test_fbgemm_compat.py 2>&1 | tail -n 15 >> "$OUT/extras.log"
 log "TorchRec over NCCL, one rank"
-PYTHONPATH=/tmp/site:/tmp/fbg_site:$PYTHONPATH timeout 120 python3 -m pytest -q -p no:cacheprovider -m cuda tests/test_torchrec.py \
-  2>&1 | tail -n 25 >> "$OUT/extras.log"
-PYTHONPATH=/tmp/site:/tmp/fbg_site:$PYTHONPATH timeout 120 torchrun --nproc_per_node=1 examples/torchrec_training.py \
-  2>&1 | tail -n 40 >> "$OUT/extras.log"
+# (through with_fbgemm_subset.py: the bundle has FBGEMM_GPU's training libraries only)
+PYTHONPATH=/tmp/site:/tmp/fbg_site:$PYTHONPATH timeout 120 python3 benchmarks/with_fbgemm_subset.py -m pytest -q \
+  -p no:cacheprovider -m cuda tests/test_torchrec.py 2>&1 | tail -n 25 >> "$OUT/extras.log"
+PYTHONPATH=/tmp/site:/tmp/fbg_site:$PYTHONPATH timeout 120 torchrun --nproc_per_node=1 benchmarks/with_fbgemm_subset.py \
+  examples/torchrec_training.py 2>&1 | tail -n 40 >> "$OUT/extras.log"
 tail -n 30 "$OUT/extras.log"
 
 for tool in memcheck racecheck; do

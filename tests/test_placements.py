@@ -251,9 +251,14 @@ def test_cuda_managed_narrow_and_int_states_train_bitwise_like_device():
         assert placement.memory_kind(moved._ops, moved.optimizer_state(s.name)) == "managed", s.name
 
 
+# Tables large enough that each of the first three has pages of its own (more than 2 MiB, the
+# largest page the driver may use, from either end; BIG's are not: 2 MiB and less).
+HINTED = [(20000, 128), (24000, 64), (8192, 256), (1000, 32)]
+
+
 @cuda
 def test_cuda_buffers_are_managed_with_per_table_hints():
-    emb = TableBatchedEmbeddingBags(BIG, optimizer="adam", device="cuda", placements=MIXED)
+    emb = TableBatchedEmbeddingBags(HINTED, optimizer="adam", device="cuda", placements=MIXED)
     ops = emb._ops
     buffers = {"weights": (emb.weights, "element")}
     buffers.update({s.name: (emb.optimizer_state(s.name), s.per) for s in emb.spec.states})
@@ -261,11 +266,11 @@ def test_cuda_buffers_are_managed_with_per_table_hints():
         assert placement.memory_kind(ops, buf) == "managed", name
         inner = _interior(emb._buffer_ranges(per), buf.element_size())
         checked = [(r, p) for r, p in zip(inner, MIXED) if r is not None]
-        assert checked, name  # the tables are big enough to have an interior
+        assert [p for _, p in checked] == MIXED[:3], name  # the first three tables have an interior
         got = placement.preferred_locations(ops, buf, [r for r, _ in checked])
         assert got == [("host" if p == "managed" else "device") for _, p in checked], name
     # an all-device module allocates as before: ordinary device memory
-    plain = TableBatchedEmbeddingBags(BIG, optimizer="adam", device="cuda")
+    plain = TableBatchedEmbeddingBags(HINTED, optimizer="adam", device="cuda")
     assert placement.memory_kind(ops, plain.weights) == "device"
     assert placement.memory_kind(ops, plain.optimizer_state("exp_avg")) == "device"
 

@@ -64,8 +64,10 @@ struct BackwardKernels {
   BackwardLaunchFn launch[3][4];
   // [weights: float, c10::Half, c10::BFloat16]
   AnyWidthKernels any_width[3];
-  // whether every per-element state of these Params is 16-byte aligned (the 4-wide kernels' loads)
-  bool (*element_states_aligned)(const void* params);
+  // whether these Params' states suit the 4-wide kernels: every state float32 (the 4-wide kernels
+  // have no narrow-state branches, cuda_kernels.cuh load_row) and every per-element state 16-byte
+  // aligned (their 16-byte loads)
+  bool (*vector_states_fit)(const void* params);
 
   template <typename W>
   const AnyWidthKernels& any_width_for() const {
@@ -125,10 +127,14 @@ int64_t any_width_scratch_slots(const void* params) {
 }
 
 template <class Opt>
-bool element_states_aligned(const void* params) {
+bool vector_states_fit(const void* params) {
   const typename Opt::Params& p = *static_cast<const typename Opt::Params*>(params);
   for (int k = 0; k < Opt::kElementStates; ++k) {
+    if (p.element_state_dtypes[k] != kStateFloat32) return false;
     if (reinterpret_cast<uintptr_t>(p.element_states[k]) % 16 != 0) return false;
+  }
+  for (int k = 0; k < Opt::kRowStates; ++k) {
+    if (p.row_state_dtypes[k] != kStateFloat32) return false;
   }
   return true;
 }
@@ -148,7 +154,7 @@ const BackwardKernels& backward_kernels_for() {
       {&launch_any_width<Opt, float>, &any_width_scratch_slots<Opt, float>},
       {&launch_any_width<Opt, c10::Half>, &any_width_scratch_slots<Opt, c10::Half>},
       {&launch_any_width<Opt, c10::BFloat16>, &any_width_scratch_slots<Opt, c10::BFloat16>},
-  }, &element_states_aligned<Opt>};
+  }, &vector_states_fit<Opt>};
   return table;
 }
 

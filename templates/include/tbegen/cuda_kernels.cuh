@@ -56,27 +56,6 @@ __device__ __forceinline__ void store_weights4(W* p, const float* v, const RowUp
   }
 }
 
-// A per-element state's 4-wide slice at element i (common.h, StateDtype): a float32 state with
-// one 16-byte access as before; a narrow (fp16/bf16) state element by element, stochastically
-// rounded on store (store_state).
-__device__ __forceinline__ void load_state4(const float* base, int32_t dtype, int64_t i, float* v) {
-  if (dtype == kStateFloat32) {
-    load4(base + i, v);
-  } else {
-#pragma unroll
-    for (int c = 0; c < 4; ++c) v[c] = load_state(base, dtype, i + c);
-  }
-}
-__device__ __forceinline__ void store_state4(float* base, int32_t dtype, int64_t i, const float* v,
-                                             const RowUpdateContext& ctx, int32_t slot, int64_t key, int d) {
-  if (dtype == kStateFloat32) {
-    store4(base + i, v);
-  } else {
-#pragma unroll
-    for (int c = 0; c < 4; ++c) store_state(base, dtype, i + c, v[c], ctx, slot, key, d + c);
-  }
-}
-
 __device__ __forceinline__ float warp_sum(float x) {
 #pragma unroll
   for (int o = kWarpSize / 2; o > 0; o >>= 1) x += __shfl_xor_sync(kFullMask, x, o);
@@ -527,7 +506,10 @@ __device__ __forceinline__ void add_chunk(const BackwardArgs& a, const Occurrenc
 }
 
 // Loads the row's weights and states into `row` (issued before the gradient is summed, so that
-// both streams of loads are in flight together).
+// both streams of loads are in flight together). The 4-wide kernels take float32 states only
+// (the host sends a module with a float16/bfloat16 state to the any-width kernels,
+// BackwardKernels::vector_states_fit): a run-time choice of state dtype here raised every
+// kernel's register count and made the float32 kernels spill (benchmarks/NOTES-gpu.md, run J).
 template <class Opt, typename W, class Row>
 __device__ __forceinline__ void load_row(Row& row, const typename Opt::Params& p, const W* weights, int64_t key,
                                          int64_t woff) {
@@ -538,7 +520,7 @@ __device__ __forceinline__ void load_row(Row& row, const typename Opt::Params& p
     if (d < row.D) {
       load_weights4(weights + woff + d, &row.w_[v * 4]);
 #pragma unroll
-      for (int k = 0; k < Opt::kElementStates; ++k) load_state4(p.element_states[k], p.element_state_dtypes[k], woff + d, &row.element_[k][v * 4]);
+      for (int k = 0; k < Opt::kElementStates; ++k) load4(p.element_states[k] + woff + d, &row.element_[k][v * 4]);
 #pragma unroll
       for (int k = Opt::kElementStates; k < Opt::kElementStates + Opt::kTemporaries; ++k)
 #pragma unroll
@@ -546,7 +528,7 @@ __device__ __forceinline__ void load_row(Row& row, const typename Opt::Params& p
     }
   }
 #pragma unroll
-  for (int k = 0; k < Opt::kRowStates; ++k) row.row_[k] = load_state(p.row_states[k], p.row_state_dtypes[k], key);
+  for (int k = 0; k < Opt::kRowStates; ++k) row.row_[k] = p.row_states[k][key];
 #pragma unroll
   for (int k = 0; k < Opt::kIntRowStates; ++k) row.int_row_[k] = p.int_row_states[k][key];
 }
@@ -564,14 +546,12 @@ __device__ __forceinline__ void update_and_store(Row& row, const typename Opt::P
     if (d < row.D) {
       store_weights4(weights + woff + d, &row.w_[v * 4], ctx, key, d);
 #pragma unroll
-      for (int k = 0; k < Opt::kElementStates; ++k)
-        store_state4(p.element_states[k], p.element_state_dtypes[k], woff + d, &row.element_[k][v * 4], ctx, k, key, d);
+      for (int k = 0; k < Opt::kElementStates; ++k) store4(p.element_states[k] + woff + d, &row.element_[k][v * 4]);
     }
   }
   if (row.lane == 0) {
 #pragma unroll
-    for (int k = 0; k < Opt::kRowStates; ++k)
-      store_state(p.row_states[k], p.row_state_dtypes[k], key, row.row_[k], ctx, Opt::kElementStates + k, key, 0);
+    for (int k = 0; k < Opt::kRowStates; ++k) p.row_states[k][key] = row.row_[k];
 #pragma unroll
     for (int k = 0; k < Opt::kIntRowStates; ++k) p.int_row_states[k][key] = row.int_row_[k];
   }

@@ -96,7 +96,8 @@ inline ForwardArgs forward_args(const Batch& b, const at::Tensor& features, cons
 // The features table lives on the GPU, but the host needs it: to check it (host.h,
 // check_features) and to choose between the 4-wide kernels (cuda_kernels.cuh), which take layouts
 // whose widths and column offsets are multiples of 4 (host.h, vector_layout), and the any-width
-// kernels (cuda_any_width.cuh), which take the rest. Reading it costs a wait for the stream, so it
+// kernels (cuda_any_width.cuh), which take the rest, and also every module with a float16 or
+// bfloat16 optimizer state (BackwardKernels::vector_states_fit). Reading it costs a wait for the stream, so it
 // is read once per features tensor and the host copy kept, keyed by the tensor (a weak reference,
 // so that a new tensor at the same address is not mistaken for it), its data pointer and its
 // version counter (bumped by every in-place change made through torch). A module builds its
@@ -248,7 +249,7 @@ __attribute__((visibility("hidden"))) void backward_cuda(
   TBEGEN_CHECK(max_segment_length_per_warp >= 1, "tbegen: max_segment_length_per_warp must be >= 1");
   // the 4-wide kernels, or the any-width ones (above)
   bool vector_path = check_layout_and_choose(b, features, weights, {grad_output.data_ptr()});
-  vector_path = vector_path && kernels.element_states_aligned(params);
+  vector_path = vector_path && kernels.vector_states_fit(params);
   if (b.N == 0) return;
   const auto stream = at::cuda::getCurrentCUDAStream();
   const at::Tensor error = error_record_for(error_record, weights);
