@@ -16,8 +16,11 @@ import torch
 
 
 def import_fbgemm_subset() -> list:
+    """Imports fbgemm_gpu (and fbgemm_gpu.sparse_ops, which TorchRec imports) from the subset;
+    returns the names of the libraries that were absent."""
     skipped = []
     load = torch.ops.load_library
+    has_kernel = torch._C._dispatch_has_kernel_for_dispatch_key
 
     def load_if_present(path):
         if not os.path.exists(path):
@@ -25,11 +28,44 @@ def import_fbgemm_subset() -> list:
             return
         load(path)
 
+    def has_kernel_or_absent(op_name, key):
+        # sparse_ops registers fake kernels for every operator, the absent libraries' too; it skips
+        # an operator that already has one, so an absent operator is reported as having one
+        try:
+            return has_kernel(op_name, key)
+        except RuntimeError as e:
+            if "does not exist" in str(e):
+                return True
+            raise
+
+    def absent(op_name) -> bool:
+        try:
+            has_kernel(op_name, "CompositeImplicitAutograd")
+            return False
+        except RuntimeError as e:
+            return "does not exist" in str(e)
+
+    def skipping_absent(register):
+        def wrapper(op_name, *args, **kwargs):
+            if isinstance(op_name, str) and absent(op_name):
+                return None
+            return register(op_name, *args, **kwargs)
+
+        return wrapper
+
+    registers = {name: getattr(torch.library, name) for name in ("register_fake", "register_autograd")}
     torch.ops.load_library = load_if_present
+    torch._C._dispatch_has_kernel_for_dispatch_key = has_kernel_or_absent
+    for name, register in registers.items():
+        setattr(torch.library, name, skipping_absent(register))
     try:
         import fbgemm_gpu  # noqa: F401
+        import fbgemm_gpu.sparse_ops  # noqa: F401
     finally:
         torch.ops.load_library = load
+        torch._C._dispatch_has_kernel_for_dispatch_key = has_kernel
+        for name, register in registers.items():
+            setattr(torch.library, name, register)
     return skipped
 
 
