@@ -1,5 +1,7 @@
 // tbegen runtime: the managed-memory operators declared (and documented) in managed_memory.h.
-// Host code only; included once, by the runtime translation unit cuda_forward.cu.
+// Host code only; included once, by the runtime translation unit cuda_forward.cu. Messages are
+// built with TBEGEN_CHECK / tbegen::message (host.h), never c10::str: formatting an integer through
+// an ostream in this nvcc-compiled object crashed the process on the GPU machine (run K).
 #pragma once
 
 #include <ATen/ATen.h>
@@ -14,6 +16,7 @@
 #include <limits>
 #include <string>
 
+#include "tbegen/host.h"
 #include "tbegen/managed_memory.h"
 
 namespace tbegen {
@@ -64,11 +67,11 @@ inline std::string memory_kind(const at::Tensor& tensor) {
 }
 
 inline at::Tensor managed_empty(int64_t numel, c10::ScalarType dtype, c10::Device device) {
-  TORCH_CHECK(device.is_cuda(), "tbegen: managed_empty: device must be a CUDA device, got ", device);
-  TORCH_CHECK(numel >= 0, "tbegen: managed_empty: numel must be >= 0, got ", numel);
+  TBEGEN_CHECK(device.is_cuda(), "tbegen: managed_empty: device must be a CUDA device, got ", device);
+  TBEGEN_CHECK(numel >= 0, "tbegen: managed_empty: numel must be >= 0, got ", numel);
   const int64_t item = static_cast<int64_t>(c10::elementSize(dtype));
-  TORCH_CHECK(numel <= std::numeric_limits<int64_t>::max() / item, "tbegen: managed_empty: ", numel,
-              " elements of ", dtype, " overflow the byte count");
+  TBEGEN_CHECK(numel <= std::numeric_limits<int64_t>::max() / item, "tbegen: managed_empty: ", numel,
+               " elements of ", dtype, " overflow the byte count");
   const size_t bytes = static_cast<size_t>(numel * item);
   const c10::Device target(c10::kCUDA, device.has_index() ? device.index() : c10::cuda::current_device());
   const c10::cuda::CUDAGuard guard(target);
@@ -77,8 +80,8 @@ inline at::Tensor managed_empty(int64_t numel, c10::ScalarType dtype, c10::Devic
     const cudaError_t err = cudaMallocManaged(&ptr, bytes, cudaMemAttachGlobal);
     if (err != cudaSuccess) {
       (void)cudaGetLastError();  // not sticky: clear it, and say what was asked for
-      TORCH_CHECK(false, "tbegen: cudaMallocManaged of ", bytes, " bytes (", numel, " x ", dtype,
-                  ") failed: ", cudaGetErrorString(err));
+      TBEGEN_CHECK(false, "tbegen: cudaMallocManaged of ", bytes, " bytes (", numel, " x ", dtype,
+                   ") failed: ", cudaGetErrorString(err));
     }
   }
   // cudaFree waits for the device, so no kernel still reads the memory when it goes. At process
@@ -91,7 +94,7 @@ inline at::Tensor managed_empty(int64_t numel, c10::ScalarType dtype, c10::Devic
     if (err != cudaSuccess) {
       (void)cudaGetLastError();
       if (err != cudaErrorCudartUnloading) {
-        TORCH_WARN("tbegen: cudaFree of a managed tensor failed: ", cudaGetErrorString(err));
+        TORCH_WARN(::tbegen::message("tbegen: cudaFree of a managed tensor failed: ", cudaGetErrorString(err)));
       }
     }
   };
@@ -104,23 +107,23 @@ inline at::Tensor managed_empty(int64_t numel, c10::ScalarType dtype, c10::Devic
 
 inline void managed_advise(const at::Tensor& tensor, int64_t start, int64_t count, c10::string_view location) {
   const std::string where(location.data(), location.size());
-  TORCH_CHECK(where == "host" || where == "device", "tbegen: managed_advise: location must be 'host' or 'device', got '",
-              where, "'");
-  TORCH_CHECK(tensor.is_cuda() && tensor.is_contiguous(), "tbegen: managed_advise: the tensor must be a contiguous CUDA tensor");
-  TORCH_CHECK(start >= 0 && count >= 0 && start + count <= tensor.numel(), "tbegen: managed_advise: elements [", start,
-              ", ", start + count, ") are not inside the tensor's ", tensor.numel());
+  TBEGEN_CHECK(where == "host" || where == "device", "tbegen: managed_advise: location must be 'host' or 'device', got '",
+               where, "'");
+  TBEGEN_CHECK(tensor.is_cuda() && tensor.is_contiguous(), "tbegen: managed_advise: the tensor must be a contiguous CUDA tensor");
+  TBEGEN_CHECK(start >= 0 && count >= 0 && start + count <= tensor.numel(), "tbegen: managed_advise: elements [", start,
+               ", ", start + count, ") are not inside the tensor's ", tensor.numel());
   if (count == 0) {
     return;
   }
   const c10::cuda::CUDAGuard guard(tensor.device());
-  TORCH_CHECK(memory_kind(tensor) == "managed", "tbegen: managed_advise: the tensor is not in managed memory (it is ",
-              memory_kind(tensor), ")");
+  TBEGEN_CHECK(memory_kind(tensor) == "managed", "tbegen: managed_advise: the tensor is not in managed memory (it is ",
+               memory_kind(tensor), ")");
   const int device = tensor.get_device();
   int concurrent = 0;
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&concurrent, cudaDevAttrConcurrentManagedAccess, device));
   if (!concurrent) {
     // (Windows, some virtualised GPUs): managed memory works, migrating on demand; hints do not.
-    TORCH_WARN_ONCE("tbegen: GPU ", device, " has no concurrent managed access; managed tables get no placement hints");
+    TORCH_WARN_ONCE(::tbegen::message("tbegen: GPU ", device, " has no concurrent managed access; managed tables get no placement hints"));
     return;
   }
   const auto* ptr = static_cast<const char*>(tensor.data_ptr()) + start * tensor.element_size();
@@ -134,11 +137,11 @@ inline void managed_advise(const at::Tensor& tensor, int64_t start, int64_t coun
 }
 
 inline int64_t managed_preferred_location(const at::Tensor& tensor, int64_t start, int64_t count) {
-  TORCH_CHECK(tensor.is_cuda(), "tbegen: managed_preferred_location: the tensor must be a CUDA tensor");
-  TORCH_CHECK(start >= 0 && count > 0 && start + count <= tensor.numel(), "tbegen: managed_preferred_location: elements [",
-              start, ", ", start + count, ") are not a non-empty range inside the tensor's ", tensor.numel());
+  TBEGEN_CHECK(tensor.is_cuda(), "tbegen: managed_preferred_location: the tensor must be a CUDA tensor");
+  TBEGEN_CHECK(start >= 0 && count > 0 && start + count <= tensor.numel(), "tbegen: managed_preferred_location: elements [",
+               start, ", ", start + count, ") are not a non-empty range inside the tensor's ", tensor.numel());
   const c10::cuda::CUDAGuard guard(tensor.device());
-  TORCH_CHECK(memory_kind(tensor) == "managed", "tbegen: managed_preferred_location: the tensor is not in managed memory");
+  TBEGEN_CHECK(memory_kind(tensor) == "managed", "tbegen: managed_preferred_location: the tensor is not in managed memory");
   int location = cudaInvalidDeviceId;
   const auto* ptr = static_cast<const char*>(tensor.data_ptr()) + start * tensor.element_size();
   C10_CUDA_CHECK(cudaMemRangeGetAttribute(&location, sizeof(location), cudaMemRangeAttributePreferredLocation, ptr,
