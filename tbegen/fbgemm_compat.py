@@ -438,8 +438,10 @@ class SplitTableBatchedEmbeddingBagsCodegen(nn.Module):
                 f"quantised types are FBGEMM's inference-only formats"
             )
         out_precision = _enum_member(output_dtype, SparseType, "output_dtype")
-        if out_precision != "FP32":
-            raise NotImplementedError(f"tbegen: output_dtype {out_precision} is not supported yet; the output is FP32")
+        if out_precision not in _PRECISIONS:
+            raise NotImplementedError(
+                f"tbegen: output_dtype {out_precision} is not supported (FP32, FP16 or BF16: the pooled output's dtype)"
+            )
         pooling = _enum_member(pooling_mode, PoolingMode, "pooling_mode")
         bounds = _enum_member(bounds_check_mode, BoundsCheckMode, "bounds_check_mode").replace("V2_", "")
 
@@ -454,6 +456,7 @@ class SplitTableBatchedEmbeddingBagsCodegen(nn.Module):
 
         inner = TableBatchedEmbeddingBags(
             tables, optimizer=spec, pooling=pooling.lower(), weights_dtype=_PRECISIONS[precision],
+            output_dtype=_PRECISIONS[out_precision],
             stochastic_rounding=stochastic_rounding, device=dev, feature_table_map=feature_table_map,
             placements=placements, **module_args, **hyper,
         )

@@ -60,6 +60,7 @@ _MODULE_ARGS = (
     "optimizer",
     "pooling",
     "weights_dtype",
+    "output_dtype",
     "stochastic_rounding",
     "device",
     "feature_table_map",
@@ -115,14 +116,14 @@ def _check_tables(tables) -> Tuple[Tuple[int, int], ...]:
     return tuple(out)
 
 
-def _check_dtype(weights_dtype) -> torch.dtype:
-    if isinstance(weights_dtype, str) and weights_dtype in DTYPES:
-        return DTYPES[weights_dtype]
-    if isinstance(weights_dtype, torch.dtype) and weights_dtype in DTYPES.values():
-        return weights_dtype
+def _check_dtype(dtype, argument: str = "weights_dtype") -> torch.dtype:
+    if isinstance(dtype, str) and dtype in DTYPES:
+        return DTYPES[dtype]
+    if isinstance(dtype, torch.dtype) and dtype in DTYPES.values():
+        return dtype
     raise ValueError(
-        f"tbegen: weights_dtype must be torch.float32, torch.float16 or torch.bfloat16 "
-        f"(or one of the names {sorted(DTYPES)}), got {weights_dtype!r}"
+        f"tbegen: {argument} must be torch.float32, torch.float16 or torch.bfloat16 "
+        f"(or one of the names {sorted(DTYPES)}), got {dtype!r}"
     )
 
 
@@ -340,6 +341,10 @@ class TableBatchedEmbeddingBags(nn.Module):
             dense-gradient mode (no fused update; `weights` is an nn.Parameter with a dense .grad).
         pooling: "sum", "mean" or "none" (one output row per index; every table the same dim).
         weights_dtype: torch.float32, torch.float16 or torch.bfloat16.
+        output_dtype: the dtype of the pooled output (torch.float32, torch.float16 or
+            torch.bfloat16). The lookup always sums in float32; a narrow output is that sum rounded
+            to nearest, and its gradient is widened to float32 before the backward (FBGEMM's
+            `output_dtype` means the same).
         state_dtypes: {state name: torch.float32 | torch.float16 | torch.bfloat16} overriding the
             storage dtype a spec declares for its states (float32 by default). The update always
             computes in float32; a narrow state is rounded stochastically when stored, with bits
@@ -390,6 +395,7 @@ class TableBatchedEmbeddingBags(nn.Module):
         check_finite: bool = True,
         state_dtypes: Optional[Mapping[str, Union[torch.dtype, str]]] = None,
         placements: Union[None, str, Sequence[str]] = None,
+        output_dtype: Union[torch.dtype, str] = torch.float32,
         **hyperparameters,
     ):
         super().__init__()
@@ -411,6 +417,7 @@ class TableBatchedEmbeddingBags(nn.Module):
                 f"got dims {[D for _, D in layout.tables]}"
             )
         dtype = _check_dtype(weights_dtype)
+        out_dtype = _check_dtype(output_dtype, "output_dtype")
         self_state_dtypes = _check_state_dtypes(spec, state_dtypes)
         dev = _check_device(device)
         if not isinstance(stochastic_rounding, bool):
@@ -435,6 +442,7 @@ class TableBatchedEmbeddingBags(nn.Module):
         self.layout: Layout = layout
         self.pooling: str = pooling
         self.weights_dtype: torch.dtype = dtype
+        self.output_dtype: torch.dtype = out_dtype
         # storage dtype of each optimizer state (the spec's, or state_dtypes')
         self.state_dtypes: Dict[str, torch.dtype] = self_state_dtypes
         self.stochastic_rounding: bool = stochastic_rounding
@@ -692,8 +700,8 @@ class TableBatchedEmbeddingBags(nn.Module):
 
     def forward(self, indices: torch.Tensor, offsets: torch.Tensor,
                 per_sample_weights: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """Pooled lookup of every feature: float32 [B, total_D] (pooling sum/mean; feature f's
-        columns start at layout.feature_out_offsets()[f]) or [N, dim] (pooling none).
+        """Pooled lookup of every feature: [B, total_D] (pooling sum/mean; feature f's columns start
+        at layout.feature_out_offsets()[f]) or [N, dim] (pooling none), in `output_dtype`.
 
         `offsets` has F*B+1 entries, feature-major. When the output takes part in a backward pass,
         that backward applies the optimizer update (see docs/module.md).
@@ -706,7 +714,9 @@ class TableBatchedEmbeddingBags(nn.Module):
         else:
             # The anchor: see _Lookup. Created per call so that it lives with this graph only.
             first = torch.empty(0, device=self.weights.device, requires_grad=torch.is_grad_enabled())
-        return _Lookup.apply(self, first, indices, offsets, per_sample_weights)
+        out = _Lookup.apply(self, first, indices, offsets, per_sample_weights)
+        # A narrow output: the float32 sums rounded to nearest (autograd widens the gradient back).
+        return out if self.output_dtype == torch.float32 else out.to(self.output_dtype)
 
     def _run_backward(self, grad_output, weights, indices, offsets, per_sample_weights) -> None:
         step = self._step + 1
@@ -735,6 +745,7 @@ class TableBatchedEmbeddingBags(nn.Module):
         return (
             f"tables={[tuple(t) for t in self.layout.tables]}{ftm}, optimizer={self.spec.name!r}, "
             f"pooling={self.pooling!r}, weights_dtype={self.weights_dtype}, device={self.weights.device}"
+            + ("" if self.output_dtype == torch.float32 else f", output_dtype={self.output_dtype}")
             + (f", {hyper}" if hyper else "")
             + ("" if set(self.placements) == {"device"} else f", placements={list(self.placements)}")
             + f", step={self._step}"

@@ -836,3 +836,69 @@ def test_cuda_module_to_device():
     assert emb.features.is_cuda and emb.optimizer_state("momentum").is_cuda
     train_steps(emb, 2, seed=3)
     assert emb.step == 2
+
+
+# ---- output_dtype --------------------------------------------------------------------------------
+
+
+def _output_dtype_case(device, output_dtype, optimizer, pooling="sum"):
+    """A float32-output module and a narrow-output one, trained on the same batches; the narrow
+    module's gradient is the float32 one rounded to its output dtype, which is what the float32
+    module is given as well."""
+    kw = dict(optimizer=optimizer, pooling=pooling, device=device, learning_rate=0.1, seed=3)
+    wide = TableBatchedEmbeddingBags(TABLES, **kw)
+    narrow = TableBatchedEmbeddingBags(TABLES, output_dtype=output_dtype, **kw)
+    gen = torch.Generator().manual_seed(5)
+    for _ in range(3):
+        indices, offsets, psw = _batch(gen, device)
+        out_w, out_n = wide(indices, offsets, psw), narrow(indices, offsets, psw)
+        assert out_n.dtype == output_dtype and out_w.dtype == torch.float32
+        # the float32 sums, rounded to nearest
+        assert torch.equal(out_n, out_w.to(output_dtype))
+        grad = torch.randn(out_w.shape, generator=gen).to(device=device, dtype=output_dtype)
+        out_n.backward(grad)
+        out_w.backward(grad.float())
+    assert torch.equal(wide.weights, narrow.weights)
+    for s in wide.spec.states:
+        assert torch.equal(wide.optimizer_state(s.name), narrow.optimizer_state(s.name)), s.name
+
+
+def _batch(gen, device):
+    F, B = len(TABLES), 5
+    lengths = torch.randint(0, 4, (F * B,), generator=gen)
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
+    rows = torch.tensor([TABLES[f][0] for f in range(F) for _ in range(B)])
+    indices = torch.cat([torch.randint(0, int(r), (int(n),), generator=gen) for r, n in zip(rows, lengths)])
+    psw = torch.rand(indices.numel(), generator=gen)
+    return indices.to(device), offsets.to(device), psw.to(device)
+
+
+@pytest.mark.parametrize("output_dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("optimizer,pooling", [("rowwise_adagrad", "sum"), ("adam", "mean"), ("none", "sum")])
+def test_output_dtype(output_dtype, optimizer, pooling):
+    if optimizer == "none":
+        # dense-gradient mode: the cast sits before the weights' gradient as well
+        emb = TableBatchedEmbeddingBags(TABLES, optimizer="none", output_dtype=output_dtype)
+        indices, offsets, psw = _batch(torch.Generator().manual_seed(1), "cpu")
+        out = emb(indices, offsets, psw)
+        assert out.dtype == output_dtype
+        out.float().sum().backward()
+        assert emb.weights.grad is not None and emb.weights.grad.dtype == torch.float32
+        return
+    _output_dtype_case("cpu", output_dtype, optimizer, pooling)
+
+
+def test_output_dtype_names_and_errors():
+    assert TableBatchedEmbeddingBags(TABLES, optimizer="sgd", output_dtype="bf16").output_dtype == torch.bfloat16
+    assert "output_dtype=torch.float16" in repr(TableBatchedEmbeddingBags(TABLES, optimizer="sgd", output_dtype="fp16"))
+    with pytest.raises(ValueError, match="output_dtype must be torch.float32, torch.float16 or torch.bfloat16"):
+        TableBatchedEmbeddingBags(TABLES, optimizer="sgd", output_dtype=torch.int8)
+    with pytest.raises(ValueError, match="output_dtype must be"):
+        TableBatchedEmbeddingBags(TABLES, optimizer="sgd", output_dtype="fp8")
+
+
+@cuda
+@needs_cuda
+@pytest.mark.parametrize("output_dtype", [torch.float16, torch.bfloat16])
+def test_cuda_output_dtype(output_dtype):
+    _output_dtype_case("cuda", output_dtype, "rowwise_adagrad")
