@@ -148,9 +148,14 @@ class UpdateEmitter:
         self.lines.append("    }")
         self.lines.append("  }")
 
+    def _close_guard(self, start: int) -> None:
+        """Indents the guarded stages' lines (from `start`) one level and closes their `if`."""
+        self.lines[start:] = [l if not l or l.startswith("#") else "  " + l for l in self.lines[start:]]
+        self.lines.append("  }")
+
     def emit(self) -> str:
         spec = self.spec
-        all_code = "\n".join(s.code for s in spec.stages)
+        all_code = "\n".join([s.code for s in spec.stages] + [s.when for s in spec.stages])
         names = used_names(all_code)
         for h in spec.hyperparameters:
             if h.name in names:
@@ -164,11 +169,23 @@ class UpdateEmitter:
         for k, s in enumerate(spec.int_row_states):
             self.lines.append(f"  int64_t& {s.name} = tbegen_row.int_row_state({k});")
         counter = [0]
+        guard, guard_start = "", 0
         for number, stage in enumerate(spec.stages, start=1):
+            if stage.when != guard:
+                if guard:
+                    self._close_guard(guard_start)
+                guard = stage.when
+                if guard:
+                    # a run of stages with one guard: skipped together (hyperparameters only, so
+                    # every lane of a warp takes the same branch)
+                    self.lines.append(f"  if ({guard}) {{  // the `when:` of the stages below ({self.path})")
+                    guard_start = len(self.lines)
             if stage.kind == "row":
                 self._row_stage(stage, number, counter)
             else:
                 self._element_stage(stage, number)
+        if guard:
+            self._close_guard(guard_start)
         if "step" not in names:
             self.lines.append("  (void)tbegen_step;")
         # the body sits inside a member function: indent everything but preprocessor lines

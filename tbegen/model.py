@@ -108,6 +108,10 @@ class Stage:
     # per line of `code`: (1-based file line, 0-based file column of its first character), as
     # the loader found them; maps a compiler's column in the generated code back to the YAML
     starts: Tuple[Tuple[int, int], ...] = field(default=(), compare=False)
+    # the stage's guard: a C condition over hyperparameters only ("" = always runs). Consecutive
+    # stages with the same guard run together inside one `if`, so their locals are shared by
+    # them and by no later stage.
+    when: str = ""
 
 
 @dataclass(frozen=True)

@@ -102,11 +102,14 @@ def spec_schema() -> Dict[str, Any]:
     """The JSON Schema of one optimizer spec file."""
     stage = {
         "type": "object",
-        "description": "One stage: exactly one key, row (once per row) or element (once per element).",
-        "properties": {kind: _code(f"C-like code run per {kind}") for kind in sp.STAGE_KINDS},
+        "description": "One stage: exactly one key, row (once per row) or element (once per element), "
+                       "and optionally when (a guard).",
+        "properties": {
+            **{kind: _code(f"C-like code run per {kind}") for kind in sp.STAGE_KINDS},
+            "when": _code("a C condition over hyperparameters only; the stage runs when it holds"),
+        },
         "additionalProperties": False,
-        "minProperties": 1,
-        "maxProperties": 1,
+        "oneOf": [{"required": [kind]} for kind in sp.STAGE_KINDS],
     }
     properties = {
         "name": {"type": "string", "pattern": _anchored(sp.OPTIMIZER_NAME_RE.pattern),

@@ -144,6 +144,7 @@ class Source:
 class StageSource:
     kind: str  # "row" | "element"
     source: Source
+    when: Optional[Source] = None  # the stage's guard (a condition over hyperparameters)
 
 
 @dataclass
@@ -655,13 +656,55 @@ def _is_cpp_keyword(name: str) -> bool:
     return name in _CPP_KEYWORDS_CACHE
 
 
+# What a `when:` guard may contain besides hyperparameters and the step: it is evaluated once per
+# row, the same on every lane of a warp and in every kernel, so it may not read anything that
+# varies by row or element (no states, no g/w, no D, no locals).
+GUARD_OPS = frozenset({"(", ")", "<", ">", "<=", ">=", "==", "!=", "&&", "||", "!", "+", "-", "*", "/", "?", ":"})
+
+
+def check_guard(source: Source, declared: Declared, used: Set[str]) -> List[Finding]:
+    """A stage's `when:` condition: hyperparameters, `step`, numbers, true/false and operators only."""
+    findings: List[Finding] = []
+    tokens, bad = tokenize(source.code)
+    for line, col, text in bad:
+        file_line, file_col = source.at(line, col)
+        findings.append(Finding(file_line, file_col, source.field, f"unexpected character {text!r}"))
+    for t in tokens:
+        file_line, file_col = source.at(t.line, t.col)
+        if t.kind == "name":
+            if t.text in declared.hyperparameters:
+                used.add(t.text)
+            elif t.text not in ("true", "false", "step"):
+                findings.append(Finding(
+                    file_line, file_col, source.field,
+                    f"{t.text!r}: a guard may read hyperparameters and `step` only (it decides, once per row "
+                    f"and the same on every lane, whether the stage runs){_suggest(t.text, declared.hyperparameters)}"))
+        elif t.kind == "number":
+            continue
+        elif t.kind != "op" or t.text not in GUARD_OPS:
+            findings.append(Finding(file_line, file_col, source.field, f"{t.text!r} is not allowed in a guard"))
+    return findings
+
+
 def check_stages(stages: Sequence[StageSource], declared: Declared) -> List[Finding]:
     """Every problem in the update stages, in stage order, plus unused-declaration warnings."""
     findings: List[Finding] = []
     row_locals: Dict[str, Tuple[int, int]] = {}
     set_temporaries: Set[str] = set()
     used: Set[str] = set()
+    guard: Optional[str] = None  # the current run of stages' guard (None: unguarded)
+    before_guard: Dict[str, Tuple[int, int]] = {}
     for stage in stages:
+        when = stage.when.code.strip() if stage.when is not None else None
+        if when != guard:
+            # a guarded run's locals end with it (the generated code closes its `if` there)
+            if guard is not None:
+                row_locals.clear()
+                row_locals.update(before_guard)
+            before_guard = dict(row_locals)
+            guard = when
+            if stage.when is not None:
+                findings.extend(check_guard(stage.when, declared, used))
         _StageChecker(stage, declared, row_locals, set_temporaries, findings, used).run()
     if stages:
         for name, (line, col) in declared.hyperparameters.items():

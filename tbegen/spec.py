@@ -776,15 +776,30 @@ def _parse_snippet(fields: _Fields, key: str, what: str) -> Optional[Tuple[str, 
     return code, fields.problems.loc(fields.code_line(key))
 
 
-def _parse_stage(fields: _Fields, kind: str) -> Optional[Stage]:
-    """One `row:`/`element:` snippet, with its row-reduction checks."""
+def _parse_stage(fields: _Fields, kind: str, when: Optional[snippets.Source] = None) -> Optional[Stage]:
+    """One `row:`/`element:` snippet, with its row-reduction checks; `when` is its guard."""
     parsed = _parse_snippet(fields, kind, "code")
     if parsed is None:
         return None
     code, loc = parsed
     source = fields.source(kind, code)
-    fields.problems.stage_sources.append(snippets.StageSource(kind, source))
-    return Stage(kind, code, loc, source_field=source.field, starts=source.starts)
+    fields.problems.stage_sources.append(snippets.StageSource(kind, source, when))
+    return Stage(kind, code, loc, source_field=source.field, starts=source.starts,
+                 when=when.code.strip() if when is not None else "")
+
+
+def _parse_when(fields: _Fields) -> Optional[snippets.Source]:
+    """A stage's `when:` guard, one line of C (checked with the stages: hyperparameters only)."""
+    if not fields.has("when"):
+        return None
+    parsed = _parse_snippet(fields, "when", "C condition over hyperparameters")
+    if parsed is None:
+        return None
+    code, _ = parsed
+    if "\n" in code.strip():
+        fields.problems.add(fields.value_line("when"), fields.path("when"), "must be one line")
+        return None
+    return fields.source("when", code.strip())
 
 
 def _parse_update_item(problems: _Problems, item: Any, field: str, line: int) -> Optional[Stage]:
@@ -792,16 +807,17 @@ def _parse_update_item(problems: _Problems, item: Any, field: str, line: int) ->
     mapping = _as_mapping(problems, item, field, line, "{row: CODE} or {element: CODE}")
     if mapping is None:
         return None
-    fields = _Fields(problems, mapping, field, line, STAGE_KINDS)
+    fields = _Fields(problems, mapping, field, line, STAGE_KINDS + ("when",))
     kinds = [k for k in mapping if k in STAGE_KINDS]
+    when = _parse_when(fields)
     stage = None
     if len(kinds) == 1:
-        stage = _parse_stage(fields, kinds[0])
+        stage = _parse_stage(fields, kinds[0], when)
     elif len(kinds) > 1:
         problems.add(line, field, "a stage has exactly one key, row or element; split it into two stages")
         for kind in kinds:
             fields.pop(kind)
-    elif not mapping:
+    elif not [k for k in mapping if k != "when"]:
         problems.add(line, field, "a stage needs one key, row or element")
     fields.finish()  # any other key is reported as unknown
     return stage

@@ -480,8 +480,8 @@ def with_update(body: str) -> str:
             "toy.yaml:4: update[0]: a stage has exactly one key, row or element; split it into two stages",
         ),
         (
-            "\n  - element: w -= g;\n    when: always",
-            "toy.yaml:5: update[0].when: unknown key; expected one of: row, element",
+            "\n  - element: w -= g;\n    unless: always",
+            "toy.yaml:5: update[0].unless: unknown key; expected one of: row, element, when",
         ),
     ],
 )

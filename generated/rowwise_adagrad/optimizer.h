@@ -82,27 +82,28 @@ struct Optimizer {
 #line 83 "rowwise_adagrad/optimizer.h"
       }
     }
-    // stage 4: row (optimizers/rowwise_adagrad.yaml:28)
-    float tbegen_red_1 = 0.0f;  // row_sum(w * w)
-    TBEGEN_FOR_ELEMENTS_SUM(tbegen_row, tbegen_i, tbegen_red_1) {
-      const float w = tbegen_row.w(tbegen_i);
-#line 29 "optimizers/rowwise_adagrad.yaml"
-      tbegen_red_1 += (w * w);
-#line 92 "rowwise_adagrad/optimizer.h"
-    }
-    tbegen_red_1 = tbegen_row.all_sum(tbegen_red_1);
-#line 28 "optimizers/rowwise_adagrad.yaml"
-    // Post-update pass: clamp the row's L2 norm.
-    float norm = sqrtf(tbegen_red_1);
-    float clamp = (max_norm > 0.0f && norm > max_norm) ? max_norm / norm : 1.0f;
+    if (max_norm > 0.0f) {  // the `when:` of the stages below (optimizers/rowwise_adagrad.yaml)
+      // stage 4: row (optimizers/rowwise_adagrad.yaml:30)
+      float tbegen_red_1 = 0.0f;  // row_sum(w * w)
+      TBEGEN_FOR_ELEMENTS_SUM(tbegen_row, tbegen_i, tbegen_red_1) {
+        const float w = tbegen_row.w(tbegen_i);
+#line 30 "optimizers/rowwise_adagrad.yaml"
+        tbegen_red_1 += (w * w);
+#line 93 "rowwise_adagrad/optimizer.h"
+      }
+      tbegen_red_1 = tbegen_row.all_sum(tbegen_red_1);
+#line 30 "optimizers/rowwise_adagrad.yaml"
+      float norm = sqrtf(tbegen_red_1);
+      float clamp = norm > max_norm ? max_norm / norm : 1.0f;
 #line 99 "rowwise_adagrad/optimizer.h"
-    // stage 5: element (optimizers/rowwise_adagrad.yaml:32)
-    TBEGEN_FOR_ELEMENTS(tbegen_row, tbegen_i) {
-      float& w = tbegen_row.w(tbegen_i);
-      {
-#line 32 "optimizers/rowwise_adagrad.yaml"
-        w *= clamp;
+      // stage 5: element (optimizers/rowwise_adagrad.yaml:34)
+      TBEGEN_FOR_ELEMENTS(tbegen_row, tbegen_i) {
+        float& w = tbegen_row.w(tbegen_i);
+        {
+#line 34 "optimizers/rowwise_adagrad.yaml"
+          w *= clamp;
 #line 106 "rowwise_adagrad/optimizer.h"
+        }
       }
     }
     (void)tbegen_step;
