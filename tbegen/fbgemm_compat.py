@@ -159,6 +159,7 @@ FBGEMM_OPTIMIZERS = {
 
 # FBGEMM's names for each optimizer's states in get_optimizer_state() (torch.optim's names).
 _OPTIMIZER_STATE_NAMES = {
+    "rowwise_adagrad_with_counter": ("sum", "prev_iter", "row_counter"),
     "adagrad": ("sum",),
     "rowwise_adagrad": ("sum",),
     "adam": ("exp_avg", "exp_avg_sq"),
@@ -259,8 +260,8 @@ _UNSUPPORTED_UNLESS_DEFAULT = {
     "gradient_clipping": "gradient clipping of the summed row gradient",
     "ensemble_mode": "ENSEMBLE_ROWWISE_ADAGRAD",
     "emainplace_mode": "EMAINPLACE_ROWWISE_ADAGRAD",
-    "counter_based_regularization": "counter-based weight decay (WeightDecayMode.COUNTER)",
-    "cowclip_regularization": "CowClip (WeightDecayMode.COWCLIP)",
+    "counter_based_regularization": "read with weight_decay_mode COUNTER only",
+    "cowclip_regularization": "read with weight_decay_mode COWCLIP only",
     "global_weight_decay": "global weight decay (WeightDecayMode.DECOUPLE_GLOBAL)",
     "uvm_non_rowwise_momentum": "optimizer states in unified memory",
     "prefetch_pipeline": "cache prefetching",
@@ -301,12 +302,70 @@ def _check_extra_optimizer_config(config) -> None:
         )
 
 
+# ---- counter-based regularization (weight_decay_mode COUNTER / COWCLIP) ------------------------
+# FBGEMM runs EXACT_ROWWISE_ADAGRAD with weight_decay_mode COUNTER (3) or COWCLIP (4) as its
+# rowwise_adagrad_with_counter kernel; here that is optimizers/rowwise_adagrad_with_counter.yaml,
+# whose hyperparameters come from FBGEMM's CounterBasedRegularizationDefinition or CowClipDefinition
+# (read by attribute, so fbgemm_gpu's dataclasses or any object with those fields will do).
+COUNTER_SPEC = "rowwise_adagrad_with_counter"
+_COUNTER_STATE_KEYS = ("momentum1", "prev_iter", "row_counter")  # FBGEMM's state_dict buffers, in order
+
+
+def _plain(value) -> Any:
+    return value.value if isinstance(value, enum.Enum) else value
+
+
+def _state_key(spec_name: str, k: int) -> str:
+    """FBGEMM's state_dict name of the k-th (1-based) optimizer state: momentum1, momentum2, or
+    for the counter optimizer momentum1, prev_iter, row_counter."""
+    return _COUNTER_STATE_KEYS[k - 1] if spec_name == COUNTER_SPEC else f"momentum{k}"
+
+
+def _counter_hyperparameters(mode: str, counter, cowclip) -> Tuple[Dict[str, Any], int]:
+    """(the counter spec's hyperparameters, FBGEMM's max_counter_update_freq) for mode COUNTER or
+    COWCLIP, from FBGEMM's definition objects (None: FBGEMM's defaults)."""
+    given = counter if mode == "COUNTER" else cowclip
+    if given is None:
+        argument = "counter_based_regularization" if mode == "COUNTER" else "cowclip_regularization"
+        raise ValueError(f"tbegen: weight_decay_mode {mode} needs {argument} (as FBGEMM does)")
+    if mode == "COUNTER":
+        decay = _plain(getattr(counter, "grad_sum_decay", -1))
+        if decay != -1:
+            raise NotImplementedError(
+                f"tbegen: counter_based_regularization.grad_sum_decay {getattr(counter, 'grad_sum_decay')!r} is not "
+                f"supported (NO_DECAY only)"
+            )
+        tail = getattr(counter, "tail_id_threshold", None)
+        hyper = dict(
+            regularization_mode=3,
+            weight_decay_mode=int(_plain(counter.counter_weight_decay_mode)),
+            counter_halflife=int(counter.counter_halflife),
+            adjustment_iter=int(counter.adjustment_iter),
+            adjustment_ub=float(counter.adjustment_ub),
+            learning_rate_mode=int(_plain(counter.learning_rate_mode)),
+            tail_id_threshold=float(getattr(tail, "val", 0.0)) if tail is not None else 0.0,
+            is_tail_id_thresh_ratio=int(bool(getattr(tail, "is_ratio", False))) if tail is not None else 0,
+        )
+        return hyper, int(getattr(counter, "max_counter_update_freq", 1000))
+    hyper = dict(
+        regularization_mode=4,
+        weight_decay_mode=int(_plain(cowclip.counter_weight_decay_mode)),
+        counter_halflife=int(cowclip.counter_halflife),
+        weight_norm_coefficient=float(cowclip.weight_norm_coefficient),
+        lower_bound=float(cowclip.lower_bound),
+    )
+    return hyper, -1
+
+
 def _spec_hyperparameters(spec: OptimizerSpec, fbgemm_values: Dict[str, Any], others: Dict[str, Any]) -> Dict[str, Any]:
     """The spec's hyperparameters from FBGEMM's (those the spec declares) and from the spec's own
     names among the other keyword arguments; checked (errors name the hyperparameter)."""
     mode = _enum_member(fbgemm_values["weight_decay_mode"], WeightDecayMode, "weight_decay_mode")
     if mode not in ("NONE", "L2", "DECOUPLE"):
-        raise NotImplementedError(f"tbegen: weight_decay_mode {mode} is not supported (NONE, L2 or DECOUPLE)")
+        raise NotImplementedError(
+            f"tbegen: weight_decay_mode {mode} is not supported (NONE, L2 or DECOUPLE; COUNTER and COWCLIP with "
+            f"EXACT_ROWWISE_ADAGRAD)"
+        )
     fbgemm_values = dict(fbgemm_values, weight_decay_mode=WeightDecayMode[mode].value)
     declared = {h.name for h in spec.hyperparameters}
     hyper = {k: v for k, v in fbgemm_values.items() if k in declared}
@@ -451,7 +510,23 @@ class SplitTableBatchedEmbeddingBagsCodegen(nn.Module):
         )
         fbgemm_values.update({k: v for k, v in kwargs.items() if k in FBGEMM_HYPERPARAMETERS})
         others = {k: v for k, v in kwargs.items() if k not in FBGEMM_HYPERPARAMETERS}
-        hyper = _spec_hyperparameters(spec, fbgemm_values, others)
+        mode = _enum_member(fbgemm_values["weight_decay_mode"], WeightDecayMode, "weight_decay_mode")
+        self._max_counter_update_freq = -1
+        if mode in ("COUNTER", "COWCLIP"):
+            if fbgemm_name != "EXACT_ROWWISE_ADAGRAD":
+                raise NotImplementedError(
+                    f"tbegen: weight_decay_mode {mode} is EXACT_ROWWISE_ADAGRAD's (FBGEMM's rowwise_adagrad_with_counter), "
+                    f"not {fbgemm_name or spec.name}'s"
+                )
+            spec = load_spec(find_spec(COUNTER_SPEC))
+            counter_hyper, self._max_counter_update_freq = _counter_hyperparameters(
+                mode, others.pop("counter_based_regularization", None), others.pop("cowclip_regularization", None))
+            fbgemm_values["weight_decay_mode"] = WeightDecayMode.NONE  # the spec's own mode comes from the definition
+            hyper = _spec_hyperparameters(spec, fbgemm_values, others)
+            hyper.update(counter_hyper, max_counter=1.0)
+            check_hyperparameters(spec, hyper)
+        else:
+            hyper = _spec_hyperparameters(spec, fbgemm_values, others)
         module_args = _check_other_arguments(spec, others)
 
         inner = TableBatchedEmbeddingBags(
@@ -546,7 +621,17 @@ class SplitTableBatchedEmbeddingBagsCodegen(nn.Module):
             indices = self._zero_out_of_range(indices, offsets)
         if per_sample_weights is not None and feature_requires_grad is not None:
             per_sample_weights = self._mask_weight_gradient(per_sample_weights, offsets, feature_requires_grad)
+        if self._max_counter_update_freq > 0 and (self._tbe.step + 1) % self._max_counter_update_freq == 0:
+            self._refresh_max_counter()
         return self._tbe(indices, offsets, per_sample_weights)
+
+    def _refresh_max_counter(self) -> None:
+        """FBGEMM's periodic max_counter = max(row_counter) + 1, before the step that divides
+        max_counter_update_freq. FBGEMM reads its device buffer of the counters, which is empty
+        for CPU tables: there max_counter stays 1, and so it does here."""
+        counters = self._tbe.optimizer_state("row_counter")
+        value = float(counters.max().item()) + 1.0 if counters.is_cuda and counters.numel() else 1.0
+        self._tbe.set_hyperparameters(max_counter=value)
 
     def _feature_of_each_index(self, offsets: torch.Tensor, n: int) -> Optional[torch.Tensor]:
         """The feature each index belongs to, or None when the offsets are malformed (the
@@ -676,7 +761,9 @@ class SplitTableBatchedEmbeddingBagsCodegen(nn.Module):
         destination[prefix + "weights_placements"] = placements
         for k, s in enumerate(tbe.spec.states, start=1):
             buf = tbe.optimizer_state(s.name)
-            name = f"momentum{k}"
+            name = _state_key(tbe.spec.name, k)
+            if buf.dtype != torch.float32:
+                buf = buf.to(torch.float32)  # FBGEMM keeps prev_iter as float32 (a copy, not a view)
             destination[prefix + f"{name}_{suffix}"] = buf if keep_vars else buf.detach()
             bases = layout.table_offsets if s.per == "element" else layout.table_key_base
             destination[prefix + f"{name}_offsets"] = per_feature(bases)
@@ -794,19 +881,19 @@ def _load_fbgemm_tensors(module: SplitTableBatchedEmbeddingBagsCodegen, entries:
             raise TypeError(f"tbegen: the state_dict's weights are {w.dtype}, this module's are {tbe.weights_dtype} (table {t})")
     states = []
     for k, s in enumerate(tbe.spec.states, start=1):
-        name = f"momentum{k}"
+        name = _state_key(tbe.spec.name, k)
         sizes_k = sizes if s.per == "element" else [E for E, _ in layout.tables]
         parts = _flat_tensor(entries, name, first_feature, sizes_k)
         if any(p.dtype != torch.float32 for p in parts):
             raise TypeError(f"tbegen: the state_dict's {name} must be float32 (optimizer state {s.name!r})")
         states.append((s.name, parts))
         used |= {f"{name}_offsets", f"{name}_placements", f"{name}_dev", f"{name}_host", f"{name}_uvm"}
-    for name in ("prev_iter", "row_counter"):
+    for name in ("prev_iter", "row_counter") if tbe.spec.name != COUNTER_SPEC else ():
         for where in ("dev", "host", "uvm"):
             key = f"{name}_{where}"
             if key in entries and entries[key].numel():
                 raise ValueError(
-                    f"tbegen: the state_dict holds FBGEMM's {key} (counter-based or global weight decay), which tbegen does not support"
+                    f"tbegen: the state_dict holds FBGEMM's {key} (counter-based or global weight decay): this module's optimizer has no such state (weight_decay_mode COUNTER or COWCLIP builds one that does)"
                 )
     step = None
     if "iter" in entries:

@@ -140,8 +140,8 @@ def test_enum_spellings(optimizer):
         (dict(weights_precision=SparseType.INT8), NotImplementedError, r"weights_precision INT8"),
         (dict(output_dtype=SparseType.INT8), NotImplementedError, r"output_dtype INT8"),
         (dict(gradient_clipping=True), NotImplementedError, r"gradient_clipping"),
-        (dict(optimizer=EmbOptimType.EXACT_ROWWISE_ADAGRAD, weight_decay_mode=WeightDecayMode.COUNTER),
-         NotImplementedError, r"weight_decay_mode COUNTER"),
+        (dict(optimizer=EmbOptimType.EXACT_ADAGRAD, weight_decay_mode=WeightDecayMode.COUNTER),
+         NotImplementedError, r"weight_decay_mode COUNTER is EXACT_ROWWISE_ADAGRAD's"),
         (dict(optimizer="ENSEMBLE_ROWWISE_ADAGRAD"), ValueError, r"optimizer 'ENSEMBLE_ROWWISE_ADAGRAD'"),
         (dict(optimizer=EmbOptimType.NONE), NotImplementedError, r"EmbOptimType.NONE"),
         (dict(prefetch_pipeline=True), NotImplementedError, r"prefetch_pipeline"),
@@ -610,7 +610,7 @@ def test_gpu_narrow_output_matches_fbgemm(fbgemm_gpu_ops, optimizer, output):
 # ---- rowwise_adagrad_with_counter against FBGEMM's CPU kernel -------------------------------------
 # FBGEMM runs it as EXACT_ROWWISE_ADAGRAD with weight_decay_mode COUNTER and a
 # CounterBasedRegularizationDefinition; tbegen as optimizers/rowwise_adagrad_with_counter.yaml,
-# through the module directly (the compatibility class does not map COUNTER yet). Both start from
+# through the module directly (the class-level test, COUNTER and COWCLIP, is further below). Both start from
 # the same weights; FBGEMM's max_counter stays 1 for its first max_counter_update_freq (1000) steps.
 COUNTER_CONFIGS = [
     # (counter_weight_decay_mode, counter_halflife, learning_rate_mode, adjustment_iter, adjustment_ub)
@@ -667,3 +667,128 @@ def test_rowwise_adagrad_with_counter_matches_fbgemm_cpu(config):
             torch.testing.assert_close(mine["row_counter"], their_states[t][2].view(-1), rtol=1e-6, atol=0)
             _record("cpu", "rowwise_adagrad_with_counter", "wd{}-hl{}-lr{}-adj{}-ub{}".format(*config), "weights",
                     (ours.split_embedding_weights()[t] - theirs.split_embedding_weights()[t]).abs().max())
+
+
+# ---- weight_decay_mode COUNTER / COWCLIP through the FBGEMM-compatible class -----------------------
+
+
+def _counter_pair(fb, wd_mode, halflife, lr_mode, adjustment_iter, ub, cowclip=False, device="cpu"):
+    from fbgemm_gpu.tbe.config.optimizer_config import (
+        CounterBasedRegularizationDefinition, CounterWeightDecayMode, CowClipDefinition, LearningRateMode)
+
+    tables = [(40, 8), (25, 12)]
+    on_gpu = device != "cpu"
+    specs = [(E, D, fb["Location"].DEVICE if on_gpu else fb["Location"].HOST,
+              fb["Compute"].CUDA if on_gpu else fb["Compute"].CPU) for E, D in tables]
+    if cowclip:
+        extra = dict(weight_decay_mode=fb["WD"].COWCLIP, cowclip_regularization=CowClipDefinition(
+            counter_weight_decay_mode=CounterWeightDecayMode(wd_mode), counter_halflife=halflife,
+            weight_norm_coefficient=0.5, lower_bound=0.01))
+    else:
+        extra = dict(weight_decay_mode=fb["WD"].COUNTER, counter_based_regularization=CounterBasedRegularizationDefinition(
+            counter_weight_decay_mode=CounterWeightDecayMode(wd_mode), counter_halflife=halflife,
+            learning_rate_mode=LearningRateMode(lr_mode), adjustment_iter=adjustment_iter, adjustment_ub=ub,
+            max_counter_update_freq=2))
+    args = dict(optimizer=fb["Opt"].EXACT_ROWWISE_ADAGRAD, learning_rate=0.05, eps=1e-8, weight_decay=0.02, **extra)
+    theirs = fb["TBE"](specs, device=torch.device(device), **args)
+    ours = Compat(specs, device=device, **args)
+    with torch.no_grad():
+        for a, b in zip(ours.split_embedding_weights(), theirs.split_embedding_weights()):
+            a.copy_(b)
+    return tables, theirs, ours
+
+
+@pytest.mark.parametrize("config,cowclip", [(c, False) for c in COUNTER_CONFIGS[:5]] + [((1, 3, -1, -1, 1.0), True),
+                                                                                       ((2, -1, -1, -1, 1.0), True)],
+                         ids=lambda v: "wd{}-hl{}-lr{}-adj{}-ub{}".format(*v) if isinstance(v, tuple) else ("cowclip" if v else "counter"))
+def test_cpu_counter_modes_match_fbgemm_through_the_class(fbgemm_cpu, config, cowclip):
+    """EXACT_ROWWISE_ADAGRAD with weight_decay_mode COUNTER or COWCLIP and FBGEMM's definition
+    objects, as a user of FBGEMM writes it: the same weights and states (momentum1, prev_iter,
+    row_counter) after each of 5 steps, max_counter refreshed every 2 steps as FBGEMM does; then
+    FBGEMM's state_dict loads into a fresh module of this class."""
+    tables, theirs, ours = _counter_pair(fbgemm_cpu, *config, cowclip=cowclip)
+    assert ours.optimizer_name == "rowwise_adagrad_with_counter" and ours.fbgemm_optimizer == "EXACT_ROWWISE_ADAGRAD"
+    gen = torch.Generator().manual_seed(sum(abs(x) for x in config[:4]) + int(cowclip))
+    B = 6
+    for step in range(5):
+        bags = [torch.randint(0, E, (int(torch.randint(0, 4, (1,), generator=gen)),), generator=gen)
+                for E, _ in tables for _ in range(B)]
+        idx = torch.cat(bags)
+        off = torch.tensor([0] + [len(b) for b in bags]).cumsum(0)
+        go = torch.randn(B, sum(D for _, D in tables), generator=gen)
+        out_t, out_o = theirs(idx, off), ours(idx, off)
+        torch.testing.assert_close(out_o, out_t, rtol=1e-5, atol=1e-6)
+        out_t.backward(go)
+        out_o.backward(go)
+        for t, (a, b) in enumerate(zip(ours.split_embedding_weights(), theirs.split_embedding_weights())):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=lambda m: f"step {step + 1} table {t}: {m}")
+        for mine, their in zip(ours.split_optimizer_states(), theirs.split_optimizer_states()):
+            assert len(mine) == len(their) == 3
+            torch.testing.assert_close(mine[0], their[0].view(-1), rtol=1e-5, atol=1e-7)
+            assert torch.equal(mine[1].to(torch.float32), their[1].view(-1))
+            torch.testing.assert_close(mine[2], their[2].view(-1), rtol=1e-6, atol=0)
+    _record("cpu", "rowwise_adagrad_with_counter" + ("-cowclip" if cowclip else "-counter"),
+            "wd{}-hl{}-lr{}-adj{}-ub{}".format(*config), "weights",
+            max(max_diff(a, b) for a, b in zip(ours.split_embedding_weights(), theirs.split_embedding_weights())))
+    assert ours.get_optimizer_state()[0].keys() == {"sum", "prev_iter", "row_counter"}
+    # FBGEMM's state_dict into a fresh module of this class, and this class's back out
+    _, _, fresh = _counter_pair(fbgemm_cpu, *config, cowclip=cowclip)
+    fresh.load_state_dict(theirs.state_dict(), strict=False)
+    for mine, their in zip(fresh.split_optimizer_states(), theirs.split_optimizer_states()):
+        assert torch.equal(mine[0], their[0].view(-1)) and torch.equal(mine[2], their[2].view(-1))
+        assert torch.equal(mine[1].to(torch.float32), their[1].view(-1))
+    # FBGEMM's state_dict carries no step counter (its iter buffer is not saved): set it, as a user
+    # of FBGEMM does, before training on (prev_iter is compared with it)
+    assert "iter" not in theirs.state_dict()
+    fresh.set_optimizer_step(5)
+    assert fresh.tbe.step == ours.tbe.step == 5
+    saved = ours.state_dict()
+    assert saved["prev_iter_host"].dtype == torch.float32 and "row_counter_host" in saved
+
+
+@cuda
+def test_gpu_counter_mode_matches_fbgemm_through_the_class(fbgemm_gpu_ops):
+    """COUNTER on the GPU, 6 steps with max_counter refreshed every 2 (on the GPU FBGEMM sets it to
+    max(row_counter) + 1, and so does this class)."""
+    fb = fbgemm_gpu_ops
+    tables, theirs, ours = _counter_pair(fb, 2, 5, 1, -1, 0.5, device="cuda")
+    gen = torch.Generator().manual_seed(3)
+    for step in range(6):
+        bags = [torch.randint(0, E, (int(torch.randint(1, 4, (1,), generator=gen)),), generator=gen)
+                for E, _ in tables for _ in range(6)]
+        idx = torch.cat(bags).cuda()
+        off = torch.tensor([0] + [len(b) for b in bags]).cumsum(0).cuda()
+        go = torch.randn(6, sum(D for _, D in tables), generator=gen).cuda()
+        try:
+            out_t = theirs(idx, off)
+            out_t.backward(go)
+            torch.cuda.synchronize()
+        except Exception as e:  # noqa: BLE001 - a trimmed FBGEMM_GPU may lack this kernel
+            pytest.skip(f"FBGEMM_GPU here cannot train rowwise_adagrad_with_counter: {type(e).__name__}: {str(e)[:200]}")
+        ours(idx, off).backward(go)
+        for t, (a, b) in enumerate(zip(ours.split_embedding_weights(), theirs.split_embedding_weights())):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=lambda m: f"step {step + 1} table {t}: {m}")
+        assert ours.tbe.hyperparameters["max_counter"] == float(theirs.max_counter.item()), step
+    _record("cuda", "rowwise_adagrad_with_counter-counter", "wd2-hl5-lr1-adj-1-ub0.5", "weights",
+            max(max_diff(a, b) for a, b in zip(ours.split_embedding_weights(), theirs.split_embedding_weights())))
+
+
+def test_counter_mode_errors():
+    with pytest.raises(NotImplementedError, match="weight_decay_mode COUNTER is EXACT_ROWWISE_ADAGRAD's"):
+        Compat([(10, 4, EmbeddingLocation.HOST, ComputeDevice.CPU)], optimizer=EmbOptimType.EXACT_ADAGRAD,
+               weight_decay_mode=WeightDecayMode.COUNTER)
+
+    class Decaying:  # FBGEMM's definition with grad_sum_decay set (tbegen has no such decay)
+        counter_weight_decay_mode, counter_halflife, adjustment_iter, adjustment_ub = 0, -1, -1, 1.0
+        learning_rate_mode, grad_sum_decay, max_counter_update_freq = -1, 0, 1000
+
+    with pytest.raises(NotImplementedError, match="grad_sum_decay"):
+        Compat([(10, 4, EmbeddingLocation.HOST, ComputeDevice.CPU)], optimizer=EmbOptimType.EXACT_ROWWISE_ADAGRAD,
+               weight_decay_mode=WeightDecayMode.COUNTER, counter_based_regularization=Decaying())
+    # as FBGEMM: the mode and its definition come together
+    with pytest.raises(ValueError, match="weight_decay_mode COWCLIP needs cowclip_regularization"):
+        Compat([(10, 4, EmbeddingLocation.HOST, ComputeDevice.CPU)], optimizer=EmbOptimType.EXACT_ROWWISE_ADAGRAD,
+               weight_decay_mode=WeightDecayMode.COWCLIP)
+    with pytest.raises(NotImplementedError, match="counter_based_regularization=.*read with weight_decay_mode COUNTER only"):
+        Compat([(10, 4, EmbeddingLocation.HOST, ComputeDevice.CPU)], optimizer=EmbOptimType.EXACT_ROWWISE_ADAGRAD,
+               counter_based_regularization=Decaying())
