@@ -35,13 +35,9 @@ generate:         ## re-render every spec into generated/
 check:            ## fail with a diff if generated/ is not a fresh render
 	$(PYTHON) -m tbegen check
 
-# Two test processes where pytest-xdist is installed (the extensions are built first, in the
-# controlling process, with its progress shown; tests/conftest.py), one file per process at a time.
-PYTEST_WORKERS ?= $(shell $(PYTHON) -c "import xdist" 2>/dev/null && echo "-n 2 --dist loadfile")
-
 test:             ## CPU suite + compile-and-link of every CUDA extension (where nvcc exists)
 	$(PYTHON) -m tbegen check
-	$(PYTHON) -m pytest -q $(PYTEST_WORKERS)
+	$(PYTHON) -m pytest -q
 
 test-gpu:         ## on a GPU machine: the CUDA suite, sanitizers, benchmarks
 	benchmarks/run_gpu.sh

@@ -29,29 +29,6 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-def _is_xdist_controller(config) -> bool:
-    return config.pluginmanager.hasplugin("xdist") and getattr(config.option, "numprocesses", None) \
-        and not hasattr(config, "workerinput")
-
-
-@pytest.hookimpl(tryfirst=True)
-def pytest_sessionstart(session):
-    """Under pytest-xdist, the controlling process builds every extension before the workers start
-    (a worker's output is not shown, and the build's progress should be; the workers then find
-    everything in the cache). Without xdist the `prebuilt` fixture below does it."""
-    config = session.config
-    if not _is_xdist_controller(config):
-        return
-    # the CUDA flavour too where test_cuda_build.py may run: the whole suite, or that file named
-    args = [str(a) for a in config.args]
-    flavours = {HAS_CUDA}
-    if CAN_BUILD_CUDA and (not args or any(os.path.isdir(a.split("::")[0]) or "test_cuda_build" in a for a in args)):
-        flavours.add(True)
-    capture = config.pluginmanager.getplugin("capturemanager")
-    with capture.global_and_fixture_disabled():
-        build.prebuild(list(SPECS.values()), sorted(flavours))
-
-
 @pytest.fixture(scope="session")
 def prebuilt(request):
     """Builds every extension this session needs once, in parallel, before the first test needs
