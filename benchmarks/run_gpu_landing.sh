@@ -69,10 +69,12 @@ log "TorchRec over NCCL, one rank"
 # (benchmarks/fbgemm_subset on PYTHONPATH: every process, the spawned ranks too, imports fbgemm_gpu
 # from the bundle, which has FBGEMM_GPU's training libraries only)
 TRC_PATH=$PWD/benchmarks/fbgemm_subset:/tmp/site:/tmp/fbg_site:$PYTHONPATH
+# FBGEMM's per-library "compat table has no entry" warnings and TorchRec's planner warnings left out
+quiet() { grep -v "compat_table\|cannot determine\|\[0m\|\[33m\|^WARNING:root:$\|^WARNING:torchrec\|^ *$"; }
 PYTHONPATH=$TRC_PATH timeout 150 python3 -m pytest -q -p no:cacheprovider -m cuda tests/test_torchrec.py 2>&1 \
-  | grep -v "compat_table\|cannot determine\|\[0m\|\[33m\|^WARNING:root:$\|^ *$" | tail -n 25 >> "$OUT/extras.log"
+  | quiet | tail -n 25 >> "$OUT/extras.log"
 PYTHONPATH=$TRC_PATH timeout 150 torchrun --nproc_per_node=1 examples/torchrec_training.py 2>&1 \
-  | grep -v "compat_table\|cannot determine\|\[0m\|\[33m\|^WARNING:root:$\|^WARNING:torchrec\|^ *$" | tail -n 40 >> "$OUT/extras.log"
+  | quiet | tail -n 40 >> "$OUT/extras.log"
 tail -n 30 "$OUT/extras.log"
 
 for tool in memcheck racecheck; do

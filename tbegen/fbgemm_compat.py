@@ -283,9 +283,13 @@ _TBEGEN_ARGS = {"seed", "max_segment_length_per_warp"}
 _PRECISIONS = {"FP32": torch.float32, "FP16": torch.float16, "BF16": torch.bfloat16}
 
 
+def _plain(value) -> Any:
+    """An enum member's value (fbgemm_gpu's enums or ours), anything else as it is."""
+    return value.value if isinstance(value, enum.Enum) else value
+
+
 def _is_default(value, default) -> bool:
-    if isinstance(value, enum.Enum):
-        value = value.value
+    value = _plain(value)
     try:
         return value == default
     except Exception:  # a tensor or an object without a plain comparison
@@ -309,10 +313,6 @@ def _check_extra_optimizer_config(config) -> None:
 # (read by attribute, so fbgemm_gpu's dataclasses or any object with those fields will do).
 COUNTER_SPEC = "rowwise_adagrad_with_counter"
 _COUNTER_STATE_KEYS = ("momentum1", "prev_iter", "row_counter")  # FBGEMM's state_dict buffers, in order
-
-
-def _plain(value) -> Any:
-    return value.value if isinstance(value, enum.Enum) else value
 
 
 def _state_key(spec_name: str, k: int) -> str:

@@ -695,7 +695,7 @@ def check_stages(stages: Sequence[StageSource], declared: Declared) -> List[Find
     guard: Optional[str] = None  # the current run of stages' guard (None: unguarded)
     before_guard: Dict[str, Tuple[int, int]] = {}
     for stage in stages:
-        when = stage.when.code.strip() if stage.when is not None else None
+        when = stage.when.code if stage.when is not None else None
         if when != guard:
             # a guarded run's locals end with it (the generated code closes its `if` there)
             if guard is not None:

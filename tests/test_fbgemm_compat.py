@@ -624,6 +624,14 @@ COUNTER_CONFIGS = [
 ]
 
 
+def _counter_batch(tables, B, gen, min_L=0):
+    """Indices, offsets (B bags of min_L..3 indices per table) and an output gradient."""
+    bags = [torch.randint(0, E, (int(torch.randint(min_L, 4, (1,), generator=gen)),), generator=gen)
+            for E, _ in tables for _ in range(B)]
+    offsets = torch.tensor([0] + [len(b) for b in bags]).cumsum(0)
+    return torch.cat(bags), offsets, torch.randn(B, sum(D for _, D in tables), generator=gen)
+
+
 @pytest.mark.parametrize("config", COUNTER_CONFIGS, ids=lambda c: "wd{}-hl{}-lr{}-adj{}-ub{}".format(*c))
 def test_rowwise_adagrad_with_counter_matches_fbgemm_cpu(config):
     fb = import_fbgemm()
@@ -648,11 +656,7 @@ def test_rowwise_adagrad_with_counter_matches_fbgemm_cpu(config):
     gen = torch.Generator().manual_seed(sum(abs(x) for x in config[:4]))
     B = 6
     for step in range(5):
-        bags = [torch.randint(0, E, (int(torch.randint(0, 4, (1,), generator=gen)),), generator=gen)
-                for E, _ in tables for _ in range(B)]
-        idx = torch.cat(bags)
-        off = torch.tensor([0] + [len(b) for b in bags]).cumsum(0)
-        go = torch.randn(B, sum(D for _, D in tables), generator=gen)
+        idx, off, go = _counter_batch(tables, B, gen)
         out_theirs = theirs(idx, off)
         out_ours = ours(idx, off)
         torch.testing.assert_close(out_ours, out_theirs, rtol=1e-5, atol=1e-6)
@@ -711,11 +715,7 @@ def test_cpu_counter_modes_match_fbgemm_through_the_class(fbgemm_cpu, config, co
     gen = torch.Generator().manual_seed(sum(abs(x) for x in config[:4]) + int(cowclip))
     B = 6
     for step in range(5):
-        bags = [torch.randint(0, E, (int(torch.randint(0, 4, (1,), generator=gen)),), generator=gen)
-                for E, _ in tables for _ in range(B)]
-        idx = torch.cat(bags)
-        off = torch.tensor([0] + [len(b) for b in bags]).cumsum(0)
-        go = torch.randn(B, sum(D for _, D in tables), generator=gen)
+        idx, off, go = _counter_batch(tables, B, gen)
         out_t, out_o = theirs(idx, off), ours(idx, off)
         torch.testing.assert_close(out_o, out_t, rtol=1e-5, atol=1e-6)
         out_t.backward(go)
@@ -754,11 +754,7 @@ def test_gpu_counter_mode_matches_fbgemm_through_the_class(fbgemm_gpu_ops):
     tables, theirs, ours = _counter_pair(fb, 2, 5, 1, -1, 0.5, device="cuda")
     gen = torch.Generator().manual_seed(3)
     for step in range(6):
-        bags = [torch.randint(0, E, (int(torch.randint(1, 4, (1,), generator=gen)),), generator=gen)
-                for E, _ in tables for _ in range(6)]
-        idx = torch.cat(bags).cuda()
-        off = torch.tensor([0] + [len(b) for b in bags]).cumsum(0).cuda()
-        go = torch.randn(6, sum(D for _, D in tables), generator=gen).cuda()
+        idx, off, go = (x.cuda() for x in _counter_batch(tables, 6, gen, min_L=1))
         try:
             out_t = theirs(idx, off)
             out_t.backward(go)

@@ -850,7 +850,7 @@ def _output_dtype_case(device, output_dtype, optimizer, pooling="sum"):
     narrow = TableBatchedEmbeddingBags(TABLES, output_dtype=output_dtype, **kw)
     gen = torch.Generator().manual_seed(5)
     for _ in range(3):
-        indices, offsets, psw = _batch(gen, device)
+        indices, offsets, psw = (x.to(device) for x in make_batch(wide, 5, gen, weighted=True))
         out_w, out_n = wide(indices, offsets, psw), narrow(indices, offsets, psw)
         assert out_n.dtype == output_dtype and out_w.dtype == torch.float32
         # the float32 sums, rounded to nearest
@@ -863,23 +863,13 @@ def _output_dtype_case(device, output_dtype, optimizer, pooling="sum"):
         assert torch.equal(wide.optimizer_state(s.name), narrow.optimizer_state(s.name)), s.name
 
 
-def _batch(gen, device):
-    F, B = len(TABLES), 5
-    lengths = torch.randint(0, 4, (F * B,), generator=gen)
-    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
-    rows = torch.tensor([TABLES[f][0] for f in range(F) for _ in range(B)])
-    indices = torch.cat([torch.randint(0, int(r), (int(n),), generator=gen) for r, n in zip(rows, lengths)])
-    psw = torch.rand(indices.numel(), generator=gen)
-    return indices.to(device), offsets.to(device), psw.to(device)
-
-
 @pytest.mark.parametrize("output_dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("optimizer,pooling", [("rowwise_adagrad", "sum"), ("adam", "mean"), ("none", "sum")])
 def test_output_dtype(output_dtype, optimizer, pooling):
     if optimizer == "none":
         # dense-gradient mode: the cast sits before the weights' gradient as well
         emb = TableBatchedEmbeddingBags(TABLES, optimizer="none", output_dtype=output_dtype)
-        indices, offsets, psw = _batch(torch.Generator().manual_seed(1), "cpu")
+        indices, offsets, psw = make_batch(emb, 5, torch.Generator().manual_seed(1), weighted=True)
         out = emb(indices, offsets, psw)
         assert out.dtype == output_dtype
         out.float().sum().backward()
