@@ -32,14 +32,34 @@ inline at::Tensor forward_cuda(const at::Tensor& weights, const at::Tensor& feat
         TBEGEN_CUDA_CHECK(cudaGetLastError());
       });
     });
-  } else if (b.F * b.B > 0) {
+  } else if (b.F * b.B > 0 && pooling == kPoolNone) {
     dispatch_weights(weights, [&](auto w) {
       using W = decltype(w);
       dispatch_index(indices, [&](auto i) {
         using I = decltype(i);
         dispatch_vecs(b.max_D, [&](auto vecs) {
-          forward_kernel<W, I, decltype(vecs)::value><<<grid_for(b.F * b.B), kThreads, 0, stream>>>(
+          forward_rows_kernel<W, I, decltype(vecs)::value><<<grid_for(b.F * b.B), kThreads, 0, stream>>>(
               a, weights.data_ptr<W>(), indices.data_ptr<I>(), offsets.data_ptr<I>());
+          TBEGEN_CUDA_CHECK(cudaGetLastError());
+        });
+      });
+    });
+  } else if (b.F * b.B > 0) {
+    // a warp for every bag (forward_kernel has no grid-stride loop)
+    const int64_t blocks = (b.F * b.B + kThreads / kWarpSize - 1) / (kThreads / kWarpSize);
+    dispatch_weights(weights, [&](auto w) {
+      using W = decltype(w);
+      dispatch_index(indices, [&](auto i) {
+        using I = decltype(i);
+        dispatch_vecs(b.max_D, [&](auto vecs) {
+          constexpr int kVecs = decltype(vecs)::value;
+          if (b.weighted) {
+            forward_kernel<W, I, kVecs, true><<<int(blocks), kThreads, 0, stream>>>(
+                a, weights.data_ptr<W>(), indices.data_ptr<I>(), offsets.data_ptr<I>());
+          } else {
+            forward_kernel<W, I, kVecs, false><<<int(blocks), kThreads, 0, stream>>>(
+                a, weights.data_ptr<W>(), indices.data_ptr<I>(), offsets.data_ptr<I>());
+          }
           TBEGEN_CUDA_CHECK(cudaGetLastError());
         });
       });

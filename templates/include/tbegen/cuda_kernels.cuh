@@ -157,35 +157,157 @@ __device__ __forceinline__ int lanes_for_row(int D) {
   return lanes;
 }
 
-// One warp per bag. The bag's indices are read 32 at a time, one per lane, and broadcast with
-// shuffles. A row of D >= 128 is spread over the whole warp (each lane holds kVecs 4-wide slices
-// of the accumulator); a narrower row needs only lanes_for_row(D) lanes, so the warp splits into
-// that many-lane groups that each add every (32 / lanes)-th row of the bag, several rows' loads
-// in flight at once, and the groups' sums are added at the end (a fixed order for a given D).
-template <typename W, typename I, int kVecs>
+// Checks index i (of a table of `rows` < 2^31 rows, starting at element `base` of the weights) and
+// returns its row number, or -1 after recording why.
+__device__ __forceinline__ int32_t checked_row(int64_t idx, int64_t rows, int64_t base, int D,
+                                               int64_t weights_numel, int64_t i, int64_t* error) {
+  if (idx < 0 || idx >= rows) {
+    record_error(error, kErrIndexOutOfRange, i, idx);
+    return -1;
+  }
+  if (base + idx * D + D > weights_numel) {
+    record_error(error, kErrRowOutsideWeights, i, idx);
+    return -1;
+  }
+  return int32_t(idx);
+}
+
+// Adds one 4-wide slice of a row into an accumulator, scaled by its per-sample weight when the
+// call has them (s * x + acc in one rounding; without weights, x + acc: the same bits as s = 1).
+template <bool kWeighted>
+__device__ __forceinline__ void accumulate4(float* acc, const float* x, float s) {
+#pragma unroll
+  for (int c = 0; c < 4; ++c) acc[c] = kWeighted ? fmaf(s, x[c], acc[c]) : acc[c] + x[c];
+}
+
+// Pooled lookup (sum or mean): one warp per bag, launched with a warp for every bag (no grid-stride
+// loop: the blocks run in bag order, so the GPU works on neighbouring bags of one table at a time,
+// which share hot rows in the caches). The bag's indices are read 32 at a time, one per lane, each
+// lane checking its own, and the lanes pass each other 32-bit row numbers (the host takes this
+// kernel only for tables of fewer than 2^31 rows, and batches have fewer than 2^31 indices and
+// bags). A row of D >= 128 is spread over the whole warp (each lane holds kVecs 4-wide slices of
+// the accumulator); a narrower row needs only lanes_for_row(D) lanes, so the warp splits into
+// groups of that many lanes that each add every (32 / lanes)-th row of the bag, several rows'
+// loads in flight at once, and the groups' sums are added at the end (a fixed order for a given
+// D). kWeighted: the call has per-sample weights (a compile-time choice: without them the loop
+// passes one value per row, not two). Measured against the grid-stride, 64-bit version it
+// replaced: benchmarks/NOTES-gpu.md, run M.
+template <typename W, typename I, int kVecs, bool kWeighted>
 __global__ void __launch_bounds__(256) forward_kernel(ForwardArgs a, const W* __restrict__ weights,
                                                       const I* __restrict__ indices,
                                                       const I* __restrict__ offsets) {
+  const int lane = threadIdx.x % kWarpSize;
+  const int nbags = int(a.F * a.B);
+  const int bag = int((int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / kWarpSize);
+  if (bag >= nbags) return;
+  int64_t start64, end64;
+  const bool bounds_ok = bag_bounds(offsets, bag, nbags, a.N, a.error, &start64, &end64);
+  // (a bag with bad offsets: its output is written as zeros)
+  const int start = bounds_ok ? int(start64) : 0, end = bounds_ok ? int(end64) : 0;
+  const int B = int(a.B);
+  const int f = bag / B, b = bag - f * B;
+  const int64_t* ft = a.feat + f * kFeatColumns;
+  const int D = int(ft[kFeatDim]);
+  const int64_t rows = ft[kFeatRows], base = ft[kFeatWeightsOffset];
+  const W* table = weights + base;
+  const int group_lanes = lanes_for_row(D);
+  const int groups = kWarpSize / group_lanes;
+  const int group = lane / group_lanes;
+  const int d0 = 4 * (lane % group_lanes);  // this lane's first column (groups > 1: its only one)
+  float acc[kVecs][4];
+#pragma unroll
+  for (int v = 0; v < kVecs; ++v)
+#pragma unroll
+    for (int c = 0; c < 4; ++c) acc[v][c] = 0.0f;
+  for (int i0 = start; i0 < end; i0 += kWarpSize) {
+    // lane j checks index i0 + j and holds its row number (-1: skipped)
+    const int my_i = i0 + lane;
+    int32_t my_row = -1;
+    float my_scale = 0.0f;
+    if (my_i < end) {
+      my_row = checked_row(int64_t(indices[my_i]), rows, base, D, a.weights_numel, my_i, a.error);
+      if (kWeighted) my_scale = a.psw[my_i];
+    }
+    const int n = end - i0 < kWarpSize ? end - i0 : kWarpSize;
+    if (kVecs == 1 || D <= 128) {
+      // rows of up to 128 columns: a group of lanes per row, 32 / group_lanes rows at a time (one
+      // loop for every width keeps the kVecs = 1 kernel small: 40 registers); unrolled so that
+      // several rows' loads are in flight at once (4 measured best: run M)
+      const int rounds = (n + groups - 1) / groups;
+#pragma unroll 4
+      for (int k = 0; k < rounds; ++k) {
+        const int j = k * groups + group;
+        const int src = j < n ? j : 0;
+        const int32_t r = __shfl_sync(kFullMask, my_row, src);
+        const float s = kWeighted ? __shfl_sync(kFullMask, my_scale, src) : 1.0f;
+        if (j < n && r >= 0 && d0 < D) {
+          float x[4];
+          load_weights4(table + int64_t(r) * D + d0, x);
+          accumulate4<kWeighted>(acc[0], x, s);
+        }
+      }
+    } else {
+      // wider rows: each row over the whole warp, kVecs slices per lane
+#pragma unroll 4
+      for (int j = 0; j < n; ++j) {
+        const int32_t r = __shfl_sync(kFullMask, my_row, j);
+        const float s = kWeighted ? __shfl_sync(kFullMask, my_scale, j) : 1.0f;
+        if (r < 0) continue;
+        const W* row = table + int64_t(r) * D;
+#pragma unroll
+        for (int v = 0; v < kVecs; ++v) {
+          const int d = v * 128 + 4 * lane;
+          if (d < D) {
+            float x[4];
+            load_weights4(row + d, x);
+            accumulate4<kWeighted>(acc[v], x, s);
+          }
+        }
+      }
+    }
+  }
+  // the groups' partial sums, added across the warp (every group ends with the total)
+  for (int o = group_lanes; o < kWarpSize; o <<= 1) {
+#pragma unroll
+    for (int c = 0; c < 4; ++c) acc[0][c] += __shfl_xor_sync(kFullMask, acc[0][c], o);
+  }
+  const float scale = (a.pooling == kPoolMean && end > start) ? 1.0f / float(end - start) : 1.0f;
+  float* o = a.out + int64_t(b) * a.total_D + ft[kFeatOutOffset];
+  if (groups > 1) {
+    if (group == 0 && d0 < D) {
+      float x[4];
+#pragma unroll
+      for (int c = 0; c < 4; ++c) x[c] = acc[0][c] * scale;
+      store4(o + d0, x);
+    }
+    return;
+  }
+#pragma unroll
+  for (int v = 0; v < kVecs; ++v) {
+    const int d = v * 128 + 4 * lane;
+    if (d < D) {
+      float x[4];
+#pragma unroll
+      for (int c = 0; c < 4; ++c) x[c] = acc[v][c] * scale;
+      store4(o + d, x);
+    }
+  }
+}
+
+// Lookup without pooling (pooling none): output row i is row indices[i] scaled by its per-sample
+// weight (zeros for a bad index). One warp per bag, each row spread over the warp in 4-wide slices.
+template <typename W, typename I, int kVecs>
+__global__ void __launch_bounds__(256) forward_rows_kernel(ForwardArgs a, const W* __restrict__ weights,
+                                                           const I* __restrict__ indices,
+                                                           const I* __restrict__ offsets) {
   const int lane = threadIdx.x % kWarpSize;
   const int64_t nbags = a.F * a.B;
   const int64_t warps = int64_t(gridDim.x) * blockDim.x / kWarpSize;
   for (int64_t bag = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / kWarpSize; bag < nbags; bag += warps) {
     int64_t start, end;
-    const bool bounds_ok = bag_bounds(offsets, bag, nbags, a.N, a.error, &start, &end);
-    if (!bounds_ok) start = end = 0;  // (sum/mean: the bag's output is written as zeros)
-    const int64_t f = bag / a.B, b = bag % a.B;
-    const int64_t* ft = a.feat + f * kFeatColumns;
+    if (!bag_bounds(offsets, bag, nbags, a.N, a.error, &start, &end)) continue;
+    const int64_t* ft = a.feat + (bag / a.B) * kFeatColumns;
     const int D = int(ft[kFeatDim]);
-    if (!bounds_ok && a.pooling == kPoolNone) continue;
-    const int group_lanes = lanes_for_row(D);
-    const int groups = kWarpSize / group_lanes;
-    const int group = lane / group_lanes;
-    const int d0 = 4 * (lane % group_lanes);  // this lane's first column (groups > 1: its only one)
-    float acc[kVecs][4];
-#pragma unroll
-    for (int v = 0; v < kVecs; ++v)
-#pragma unroll
-      for (int c = 0; c < 4; ++c) acc[v][c] = 0.0f;
     for (int64_t base = start; base < end; base += kWarpSize) {
       // lane j fetches index base + j and its row offset
       const int64_t my_i = base + lane;
@@ -196,83 +318,22 @@ __global__ void __launch_bounds__(256) forward_kernel(ForwardArgs a, const W* __
         my_scale = a.psw ? a.psw[my_i] : 1.0f;
       }
       const int n = end - base < kWarpSize ? int(end - base) : kWarpSize;
-      if (a.pooling == kPoolNone) {
-        for (int j = 0; j < n; ++j) {
-          const int64_t off = __shfl_sync(kFullMask, my_off, j);
-          const float s = __shfl_sync(kFullMask, my_scale, j);
-          if (off < 0) continue;
-          float* o = a.out + (base + j) * a.max_D;
+      for (int j = 0; j < n; ++j) {
+        const int64_t off = __shfl_sync(kFullMask, my_off, j);
+        const float s = __shfl_sync(kFullMask, my_scale, j);
+        if (off < 0) continue;
+        float* o = a.out + (base + j) * a.max_D;
 #pragma unroll
-          for (int v = 0; v < kVecs; ++v) {
-            const int d = v * 128 + 4 * lane;
-            if (d < D) {
-              float x[4];
-              load_weights4(weights + off + d, x);
-#pragma unroll
-              for (int c = 0; c < 4; ++c) x[c] *= s;
-              store4(o + d, x);
-            }
-          }
-        }
-      } else if (groups == 1) {
-        // unrolled so that several rows' loads are in flight at once
-#pragma unroll 8
-        for (int j = 0; j < n; ++j) {
-          const int64_t off = __shfl_sync(kFullMask, my_off, j);
-          const float s = __shfl_sync(kFullMask, my_scale, j);
-          if (off < 0) continue;
-#pragma unroll
-          for (int v = 0; v < kVecs; ++v) {
-            const int d = v * 128 + 4 * lane;
-            if (d < D) {
-              float x[4];
-              load_weights4(weights + off + d, x);
-#pragma unroll
-              for (int c = 0; c < 4; ++c) acc[v][c] += s * x[c];
-            }
-          }
-        }
-      } else {
-#pragma unroll 4
-        for (int j0 = 0; j0 < n; j0 += groups) {
-          const int j = j0 + group;
-          const int src = j < n ? j : 0;
-          const int64_t off = __shfl_sync(kFullMask, my_off, src);
-          const float s = __shfl_sync(kFullMask, my_scale, src);
-          if (j < n && off >= 0 && d0 < D) {
+        for (int v = 0; v < kVecs; ++v) {
+          const int d = v * 128 + 4 * lane;
+          if (d < D) {
             float x[4];
-            load_weights4(weights + off + d0, x);
+            load_weights4(weights + off + d, x);
 #pragma unroll
-            for (int c = 0; c < 4; ++c) acc[0][c] += s * x[c];
+            for (int c = 0; c < 4; ++c) x[c] *= s;
+            store4(o + d, x);
           }
         }
-      }
-    }
-    if (a.pooling == kPoolNone) continue;
-    // the groups' partial sums, added across the warp (every group ends with the total)
-    for (int o = group_lanes; o < kWarpSize; o <<= 1) {
-#pragma unroll
-      for (int c = 0; c < 4; ++c) acc[0][c] += __shfl_xor_sync(kFullMask, acc[0][c], o);
-    }
-    const float scale = (a.pooling == kPoolMean && end > start) ? 1.0f / float(end - start) : 1.0f;
-    float* o = a.out + b * a.total_D + ft[kFeatOutOffset];
-    if (groups > 1) {
-      if (group == 0 && d0 < D) {
-        float x[4];
-#pragma unroll
-        for (int c = 0; c < 4; ++c) x[c] = acc[0][c] * scale;
-        store4(o + d0, x);
-      }
-      continue;
-    }
-#pragma unroll
-    for (int v = 0; v < kVecs; ++v) {
-      const int d = v * 128 + 4 * lane;
-      if (d < D) {
-        float x[4];
-#pragma unroll
-        for (int c = 0; c < 4; ++c) x[c] = acc[v][c] * scale;
-        store4(o + d, x);
       }
     }
   }

@@ -136,6 +136,8 @@ inline Batch check_batch(const at::Tensor& weights, const at::Tensor& features, 
   b.B = (offsets.numel() - 1) / b.F;
   b.N = indices.numel();
   TBEGEN_CHECK(b.N < (int64_t(1) << 31), "tbegen: at most 2^31 - 1 indices per batch, got ", b.N);
+  TBEGEN_CHECK(b.F * b.B < (int64_t(1) << 31), "tbegen: at most 2^31 - 1 bags (features x batch size) per "
+              "batch, got ", b.F, " x ", b.B);
   TBEGEN_CHECK(max_D >= 1 && max_D <= kMaxD, "tbegen: embedding dims must be from 1 to ", kMaxD,
               ", got max_D = ", max_D);
   TBEGEN_CHECK(total_D >= 0, "tbegen: total_D must not be negative, got ", total_D);
@@ -158,15 +160,16 @@ inline Batch check_batch(const at::Tensor& weights, const at::Tensor& features, 
 }
 
 // Whether a layout suits the CUDA 4-wide kernels (cuda_kernels.cuh): every feature's width, table
-// offset and output column a multiple of 4, no row wider than kVectorMaxD, and (as row strides of
-// the output) total_D and max_D multiples of 4. Other layouts take the any-width kernels
+// offset and output column a multiple of 4, no row wider than kVectorMaxD, every table of fewer
+// than 2^31 rows (the forward passes 32-bit row numbers between lanes), and (as row strides of the
+// output) total_D and max_D multiples of 4. Other layouts take the any-width kernels
 // (cuda_any_width.cuh). `feat` is the features table on the host.
 inline bool vector_layout(const int64_t* feat, int64_t F, int64_t total_D, int64_t max_D) {
   if (total_D % 4 != 0 || max_D % 4 != 0 || max_D > kVectorMaxD) return false;
   for (int64_t f = 0; f < F; ++f) {
     const int64_t* ft = feat + f * kFeatColumns;
     if (ft[kFeatDim] % 4 != 0 || ft[kFeatDim] > kVectorMaxD || ft[kFeatWeightsOffset] % 4 != 0 ||
-        ft[kFeatOutOffset] % 4 != 0) {
+        ft[kFeatOutOffset] % 4 != 0 || ft[kFeatRows] >= (int64_t(1) << 31)) {
       return false;
     }
   }
