@@ -12,9 +12,14 @@ its files, which is checked before anything is loaded or linked (`verified`). Pr
 the same entry at once take turns on a file lock: one builds, the others wait and then use it.
 
 A cache hit loads the shared library directly (torch.ops.load_library: milliseconds); only a miss
-runs torch.utils.cpp_extension, in a child process (about half a minute for CPU, a minute or two
-for CPU + CUDA on 2 cores, mostly torch's headers), saying which extension it builds and how long
-it took. A CPU + CUDA build compiles only what depends on the optimizer (its update kernels,
+runs torch.utils.cpp_extension (about half a minute for CPU, a minute or two for CPU + CUDA on 2
+cores, mostly torch's headers), saying which extension it builds and how long it took. It runs in
+a build worker: a child process that imports torch and cpp_extension once (3 CPU s) and then
+builds extension after extension, one at a time, without loading them (cpp_extension.load would;
+a worker builds a spec's CPU and CUDA libraries, which register the same operators, and this
+process loads only the verified copy from the cache). There are at most as many workers as builds
+running at once (`prebuild`: one per thread); an idle one is kept for the next build and ends
+with this process. A CPU + CUDA build compiles only what depends on the optimizer (its update kernels,
 kernels_cuda.cu, and its CUDA operator, ops_cuda.cpp): it links the CPU build's ops.cpp object
 and the object of the CUDA code shared by every optimizer (the forward operators, the sort and the
 backward's host side), which is compiled once for all optimizers (RUNTIME_CUDA_SOURCE).
@@ -22,6 +27,7 @@ backward's host side), which is compiled once for all optimizers (RUNTIME_CUDA_S
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import functools
 import hashlib
@@ -31,6 +37,7 @@ import re
 import stat
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Union
@@ -353,7 +360,7 @@ def build_files(name: str, files: Dict[str, str], with_cuda: bool, verbose: bool
             if not _is_published(entry):  # unless another process built it while we waited
                 tmp = Path(tempfile.mkdtemp(prefix=f".{entry.name}.", dir=root))
                 try:
-                    _compile_in_child(name, files, with_cuda, tmp, libname, verbose, [str(o) for o in objects])
+                    _compile_in_worker(name, files, with_cuda, tmp, libname, verbose, [str(o) for o in objects])
                     _publish(tmp, entry, key, [f"{libname}.so", "ops.o", _object_name(RUNTIME_CUDA_SOURCE)])
                 finally:
                     if tmp.exists():
@@ -407,8 +414,8 @@ def _cpp_extension():
 
 def _compile(name: str, files: Dict[str, str], with_cuda: bool, out_dir: Path, libname: str,
              verbose: bool, objects: Sequence[str] = ()) -> None:
-    """Compiles and links (torch.utils.cpp_extension, which also loads the library: run it in a
-    child process, see _compile_in_child) into out_dir/libname.so, linking `objects` too.
+    """Compiles and links (torch.utils.cpp_extension, with the load it ends with prevented: run
+    it in a build worker, see _compile_in_worker) into out_dir/libname.so, linking `objects` too.
 
     The sources: NAME/ops.cpp (unless its object is among `objects`) and, for CUDA, CUDA_SOURCES;
     for RUNTIME_NAME, only RUNTIME_CUDA_SOURCE."""
@@ -429,7 +436,8 @@ def _compile(name: str, files: Dict[str, str], with_cuda: bool, out_dir: Path, l
         os.environ["TORCH_CUDA_ARCH_LIST"] = cuda_arch_list()
     flavour = "CPU + CUDA" if with_cuda else "CPU"
     try:
-        _load_extension(cpp_extension, name, libname, sources, src, out_dir, with_cuda, verbose, objects)
+        _build_without_loading(cpp_extension, libname, out_dir, lambda: _load_extension(
+            cpp_extension, name, libname, sources, src, out_dir, with_cuda, verbose, objects))
     except RuntimeError as e:
         if not str(e).startswith("Error building extension"):
             raise
@@ -467,63 +475,223 @@ def _load_extension(cpp_extension, name, libname, sources, src, out_dir, with_cu
 PROGRESS_EVERY_S = 60.0
 
 
-def _compile_in_child(name, files, with_cuda, out_dir, libname, verbose, objects=()) -> None:
-    """Runs _compile in a child process (cpp_extension loads what it builds: this process must
-    load only the verified copy, from the cache entry), saying what it builds and how long it
-    takes."""
-    import json
-    import subprocess
+# ---- build workers ----------------------------------------------------------------------------
+# torch.utils.cpp_extension.load() loads what it builds into the process that calls it, and
+# importing torch with it costs about 3 CPU s. The builds therefore run in worker processes: a
+# worker imports torch and cpp_extension once, then builds extensions one after another, as it is
+# asked (one JSON line per request on one pipe, one JSON line per reply on another; its stdout and
+# stderr are this process's, so compiler output shows as before). A worker never loads what it
+# builds (`_build_without_loading`): it builds both flavours of a spec, whose libraries register
+# the same operator namespace, and this process loads only the verified copy from the cache. A
+# build holds one worker at a time (a CPU + CUDA build has its reused objects built before it asks
+# for its own), so there are at most as many workers as concurrent builds; idle ones are kept for
+# later builds (one, or one per thread while `prebuild` runs) and end with this process.
 
-    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
-        json.dump(dict(name=name, files=files, with_cuda=with_cuda, out_dir=str(out_dir), libname=libname,
-                       verbose=verbose, objects=list(objects)), f)
-    code = (
-        "import json, sys; from pathlib import Path; from tbegen.build import _compile\n"
-        "a = json.load(open(sys.argv[1]))\n"
-        "from tbegen.compile_errors import CompileError\n"
-        "try:\n"
-        "    _compile(a['name'], a['files'], a['with_cuda'], Path(a['out_dir']), a['libname'], a['verbose'], "
-        "a['objects'])\n"
-        "except CompileError as e:\n"
-        "    json.dump(dict(message=str(e), log=str(e.log_path)), open(sys.argv[1] + '.report', 'w'))\n"
-        "    sys.exit(3)\n"
-        "import resource\n"  # the CPU time of the build (this process, ninja and the compilers)
-        "use = [resource.getrusage(w) for w in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)]\n"
-        "open(sys.argv[1] + '.cpu', 'w').write(str(sum(u.ru_utime + u.ru_stime for u in use)))\n"
-    )
-    root = str(Path(__file__).resolve().parent.parent)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
+_WORKER_CODE = "import sys; from tbegen.build import _worker_main; _worker_main(int(sys.argv[1]), int(sys.argv[2]))"
+
+
+class _WorkerLost(RuntimeError):
+    """The worker process ended (crashed, or was killed) before replying."""
+
+
+def _cpu_seconds() -> float:
+    """User + system CPU time of this process and of its waited-for children (ninja, compilers)."""
+    import resource
+
+    use = [resource.getrusage(w) for w in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)]
+    return sum(u.ru_utime + u.ru_stime for u in use)
+
+
+def _build_without_loading(cpp_extension, libname: str, out_dir: Path, build) -> None:
+    """Runs build() (which calls cpp_extension.load) without loading the library it makes.
+
+    load() with is_python_module=False ends by loading the library with torch.ops.load_library
+    (its documented behaviour); while build() runs, that function is replaced by one that only
+    checks the path. Used only in build workers, which load nothing. Also forgets what
+    cpp_extension remembers of an earlier build of the same name in this process (its versioner
+    would otherwise build a second `libname` as `libname_v1`), so that rebuilding an entry
+    (after a failure, or of a removed entry) makes out_dir/libname.so again."""
+    versioner = getattr(cpp_extension, "JIT_EXTENSION_VERSIONER", None)
+    if versioner is not None:
+        versioner.entries.pop(libname, None)
+    expected = out_dir / f"{libname}{cpp_extension.LIB_EXT}"
+    asked = []
+
+    def load_library(path):
+        asked.append(path)
+
+    real = torch.ops.load_library
+    torch.ops.load_library = load_library
+    try:
+        build()
+    finally:
+        torch.ops.load_library = real
+    if [os.path.realpath(p) for p in asked] != [os.path.realpath(expected)] or not expected.is_file():
+        raise RuntimeError(f"tbegen: cpp_extension did not build {expected} as expected (asked to load {asked})")
+
+
+def _worker_main(requests_fd: int, replies_fd: int) -> None:
+    """A build worker's loop (run with _WORKER_CODE): each request is _compile's arguments and the
+    environment of the requesting process (which the build then runs in); each reply says how the
+    build ended and its CPU time. Ends when the requests pipe closes or the parent process is gone."""
+    import json
+    import select
+    import traceback
+
+    from .compile_errors import CompileError
+
+    parent = os.getppid()
+    _cpp_extension()  # imported once for all the builds of this worker
+    with os.fdopen(requests_fd, "r") as requests, os.fdopen(replies_fd, "w") as replies:
+        while True:
+            if not select.select([requests], [], [], 5.0)[0]:
+                if os.getppid() != parent:  # orphaned: nobody will ask again
+                    return
+                continue
+            line = requests.readline()
+            if not line:
+                return
+            a = json.loads(line)
+            os.environ.clear()
+            os.environ.update(a["env"])
+            t0 = _cpu_seconds()
+            try:
+                _compile(a["name"], a["files"], a["with_cuda"], Path(a["out_dir"]), a["libname"], a["verbose"],
+                         a["objects"])
+                reply = dict(ok=True)
+            except CompileError as e:
+                reply = dict(ok=False, message=str(e), log=str(e.log_path))
+            except Exception:  # said on stderr; the worker stays usable
+                traceback.print_exc()
+                sys.stderr.flush()
+                reply = dict(ok=False)
+            reply["cpu"] = _cpu_seconds() - t0
+            replies.write(json.dumps(reply) + "\n")
+            replies.flush()
+
+
+class _Worker:
+    """One build worker process, seen from the process that asks it to build."""
+
+    def __init__(self):
+        import subprocess
+
+        req_r, req_w = os.pipe()
+        rep_r, rep_w = os.pipe()
+        root = str(Path(__file__).resolve().parent.parent)
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
+        try:
+            self.proc = subprocess.Popen([sys.executable, "-c", _WORKER_CODE, str(req_r), str(rep_w)], env=env,
+                                         stdin=subprocess.DEVNULL, pass_fds=(req_r, rep_w))
+        finally:
+            os.close(req_r)
+            os.close(rep_w)
+        self.requests = os.fdopen(req_w, "w")
+        self.replies = os.fdopen(rep_r, "r")
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def build(self, request: dict, waiting) -> dict:
+        """Sends one request and returns its reply, calling waiting() every PROGRESS_EVERY_S."""
+        import json
+        import select
+
+        try:
+            self.requests.write(json.dumps(request) + "\n")
+            self.requests.flush()
+        except BrokenPipeError:
+            raise _WorkerLost() from None
+        while not select.select([self.replies], [], [], PROGRESS_EVERY_S)[0]:
+            waiting()
+        line = self.replies.readline()
+        if not line:
+            raise _WorkerLost()
+        return json.loads(line)
+
+    def close(self, kill: bool = False) -> None:
+        import subprocess
+
+        with contextlib.suppress(OSError):
+            self.requests.close()  # (end of requests: the worker's loop ends)
+        if kill:
+            self.proc.kill()
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.replies.close()
+
+
+_WORKERS_LOCK = threading.Lock()
+_IDLE_WORKERS: List[_Worker] = []
+_KEEP_IDLE = [1]  # how many idle workers are kept for later builds (prebuild: one per thread)
+
+
+def _take_worker() -> _Worker:
+    with _WORKERS_LOCK:
+        while _IDLE_WORKERS:
+            worker = _IDLE_WORKERS.pop()
+            if worker.alive():
+                return worker
+            worker.close()
+    return _Worker()
+
+
+def _give_back_worker(worker: _Worker) -> None:
+    with _WORKERS_LOCK:
+        if worker.alive() and len(_IDLE_WORKERS) < _KEEP_IDLE[0]:
+            _IDLE_WORKERS.append(worker)
+            return
+    worker.close()
+
+
+def _keep_idle_workers(n: int) -> None:
+    """Keeps at most n idle workers from now on (closing the others)."""
+    with _WORKERS_LOCK:
+        _KEEP_IDLE[0] = n
+        extra = _IDLE_WORKERS[n:]
+        del _IDLE_WORKERS[n:]
+    for worker in extra:
+        worker.close()
+
+
+atexit.register(_keep_idle_workers, 0)
+
+
+def _compile_in_worker(name, files, with_cuda, out_dir, libname, verbose, objects=()) -> None:
+    """Runs _compile in a build worker (see above), saying what it builds and how long it takes;
+    raises the CompileError the worker reports, or a RuntimeError if the build failed otherwise."""
     what = _describe(name, with_cuda)
     print(f"tbegen: building {what}; "
           f"{'about a minute' if with_cuda else 'about half a minute'} on 2 cores",
           file=sys.stderr, flush=True)
     t0 = time.perf_counter()
+
+    def waiting():
+        print(f"tbegen: still building {what}: {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+
+    request = dict(name=name, files=files, with_cuda=with_cuda, out_dir=str(out_dir), libname=libname,
+                   verbose=verbose, objects=list(objects), env=dict(os.environ))
+    worker = _take_worker()
     try:
-        proc = subprocess.Popen([sys.executable, "-c", code, f.name], env=env)
-        while True:
-            try:
-                proc.wait(timeout=PROGRESS_EVERY_S)
-                break
-            except subprocess.TimeoutExpired:
-                print(f"tbegen: still building {what}: {time.perf_counter() - t0:.0f} s",
-                      file=sys.stderr, flush=True)
-    finally:
-        os.unlink(f.name)
-    if proc.returncode == 3:  # the compiler rejected the sources: the child left its report
+        reply = worker.build(request, waiting)
+    except BaseException as e:  # (the worker's state is unknown: it goes)
+        worker.close(kill=True)
+        if isinstance(e, _WorkerLost):
+            raise RuntimeError(f"tbegen: building {what} failed: its build worker ended "
+                               f"(exit status {worker.proc.returncode}; see the output above)") from None
+        raise
+    _give_back_worker(worker)
+    if "message" in reply:  # the compiler rejected the sources
         from .compile_errors import CompileError
 
-        with open(f.name + ".report") as r:
-            report = json.load(r)
-        os.unlink(f.name + ".report")
-        raise CompileError(report["message"], Path(report["log"]))
-    if proc.returncode != 0:
+        raise CompileError(reply["message"], Path(reply["log"]))
+    if not reply["ok"]:
         raise RuntimeError(f"tbegen: building {what} failed (see the compiler output above)")
-    cpu, cpu_file = "", Path(f.name + ".cpu")  # (left by the child: what the build cost in CPU time)
-    if cpu_file.is_file():
-        with contextlib.suppress(ValueError):
-            cpu = f" ({float(cpu_file.read_text()):.0f} s of CPU time)"
-        cpu_file.unlink()
-    print(f"tbegen: built {what} in {time.perf_counter() - t0:.0f} s{cpu}", file=sys.stderr, flush=True)
+    print(f"tbegen: built {what} in {time.perf_counter() - t0:.0f} s ({reply['cpu']:.0f} s of CPU time)",
+          file=sys.stderr, flush=True)
 
 
 def load_sources(name: str, src_dir: Union[str, Path], with_cuda: Optional[bool] = None,
@@ -592,12 +760,16 @@ def prebuild(spec_paths, flavours: Sequence[bool] = (False,), jobs: Optional[int
     t0 = time.perf_counter()
     # each build runs ninja; keep the total number of compiler processes near the core count
     os.environ.setdefault("MAX_JOBS", str(max(1, (os.cpu_count() or 1) // jobs)))
-    with ThreadPoolExecutor(jobs) as pool:
-        futures = {pool.submit(build_files, name, files, with_cuda, False, False): (name, with_cuda)
-                   for name, files, with_cuda in todo}
-        for done, future in enumerate(as_completed(futures), 1):
-            future.result()
-            name, with_cuda = futures[future]
-            print(f"tbegen: [{done}/{len(todo)}] {_describe(name, with_cuda)} is ready "
-                  f"({time.perf_counter() - t0:.0f} s since the start)", file=sys.stderr, flush=True)
+    _keep_idle_workers(jobs)  # each thread's build worker serves its next build
+    try:
+        with ThreadPoolExecutor(jobs) as pool:
+            futures = {pool.submit(build_files, name, files, with_cuda, False, False): (name, with_cuda)
+                       for name, files, with_cuda in todo}
+            for done, future in enumerate(as_completed(futures), 1):
+                future.result()
+                name, with_cuda = futures[future]
+                print(f"tbegen: [{done}/{len(todo)}] {_describe(name, with_cuda)} is ready "
+                      f"({time.perf_counter() - t0:.0f} s since the start)", file=sys.stderr, flush=True)
+    finally:
+        _keep_idle_workers(1)
     print(f"tbegen: built {len(todo)} extension(s) in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)

@@ -44,7 +44,7 @@ def no_compiler(monkeypatch):
         raise AssertionError("a bad spec reached the compiler")
 
     monkeypatch.setattr(build, "_compile", refuse)
-    monkeypatch.setattr(build, "_compile_in_child", refuse)
+    monkeypatch.setattr(build, "_compile_in_worker", refuse)
     return calls
 
 

@@ -129,7 +129,7 @@ def test_a_cache_folder_of_another_user_is_refused(fresh_cache, monkeypatch):
 
 
 def test_a_changed_library_or_digest_is_refused_and_a_leftover_entry_is_rebuilt(fresh_cache, capfd, monkeypatch):
-    monkeypatch.setattr(build, "PROGRESS_EVERY_S", 0.2)
+    monkeypatch.setattr(build, "PROGRESS_EVERY_S", 0.01)  # (a warm build worker builds it in a fraction of a second)
     lib = build.build_files("tiny", TINY, with_cuda=False, load=False)
     err = capfd.readouterr().err
     # progress: which extension, that it is still building, and how long it took
@@ -188,6 +188,85 @@ def test_concurrent_builds_of_one_extension_compile_it_once(fresh_cache, tmp_pat
     assert all(p.returncode == 0 for p in procs), errs
     assert sum(e.count("tbegen: building the tiny extension") for e in errs) == 1, errs
     assert len({o.strip() for o in outs}) == 1  # all three loaded the same library
+
+
+# ---- build workers: one process builds many extensions and loads none of them ----------------
+
+
+def _marking(name: str, marks: Path) -> dict:
+    """A tiny library whose loading leaves a file loaded-PID in `marks` (PID: the loading process)."""
+    return {f"{name}/ops.cpp": (
+        "#include <stdio.h>\n#include <unistd.h>\n"
+        "__attribute__((constructor)) static void tbegen_mark() {\n"
+        f'  char path[4096]; snprintf(path, sizeof path, "%s/loaded-%d", "{marks}", (int)getpid());\n'
+        '  FILE* f = fopen(path, "w"); if (f) fclose(f);\n}\n'
+        f"int tbegen_{name}_answer() {{ return 42; }}\n")}
+
+
+def _idle_worker_pids():
+    return [w.proc.pid for w in build._IDLE_WORKERS]
+
+
+def test_one_worker_builds_several_extensions_without_loading_them(fresh_cache, tmp_path, capfd):
+    # (as prebuild's worker builds a spec's CPU and CUDA libraries, which register the same
+    # operator namespace: loading both into one process would fail)
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    first = build.build_files("mark_a", _marking("mark_a", marks), with_cuda=False, load=False)
+    pids = _idle_worker_pids()
+    assert len(pids) == 1  # the worker stays for the next build
+    second = build.build_files("mark_b", _marking("mark_b", marks), with_cuda=False, load=False)
+    assert _idle_worker_pids() == pids  # the same worker built the second one
+    assert first != second and first.is_file() and second.is_file()
+    assert list(marks.iterdir()) == []  # ... and loaded neither
+    err = capfd.readouterr().err
+    for name in ("mark_a", "mark_b"):
+        assert re.search(rf"tbegen: built the {name} extension \(CPU\) in [0-9]+ s \([0-9]+ s of CPU time\)", err), err
+    # (the marks do show a load: here, of the first library by another process)
+    proc = subprocess.run([sys.executable, "-c", "import ctypes, os, sys; ctypes.CDLL(sys.argv[1]); print(os.getpid())",
+                           str(first)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert [p.name for p in marks.iterdir()] == [f"loaded-{proc.stdout.strip()}"]
+
+
+def test_a_compile_error_in_a_worker_is_reported_and_the_worker_builds_on(fresh_cache):
+    from tbegen.compile_errors import CompileError
+
+    with pytest.raises(CompileError) as info:
+        build.build_files("tinybad", {"tinybad/ops.cpp": "int f() { return step_sise; }\n"}, with_cuda=False,
+                          load=False)
+    message = str(info.value)
+    assert message.startswith("tbegen: the compiler rejected optimizer 'tinybad' (CPU build):"), message
+    assert "ops.cpp:1:18: error:" in message and "step_sise" in message
+    assert info.value.log_path == fresh_cache / "tinybad-cpu-compiler-errors.log"
+    assert "step_sise" in info.value.log_path.read_text()
+    assert not any(p.name.startswith("tinybad-cpu-") and p.is_dir() for p in fresh_cache.iterdir())  # nothing published
+    pids = _idle_worker_pids()
+    assert len(pids) == 1
+    assert build.build_files("tiny", TINY, with_cuda=False, load=False).is_file()
+    assert _idle_worker_pids() == pids
+
+
+def test_a_worker_that_ends_is_replaced(fresh_cache, monkeypatch):
+    build.build_files("tiny", TINY, with_cuda=False, load=False)
+    (idle,) = build._IDLE_WORKERS
+    idle.proc.kill()  # ended while idle: the next build starts another
+    idle.proc.wait()
+    lib = build.build_files("tiny2", {"tiny2/ops.cpp": "int tbegen_tiny2() { return 2; }\n"}, False, load=False)
+    assert lib.is_file() and _idle_worker_pids() != [idle.proc.pid]
+    # ended while building: the build fails with a clear error, and the next one gets a new worker
+    real = build._Worker.build
+
+    def killed_while_building(self, request, waiting):
+        self.proc.kill()
+        return real(self, request, waiting)
+
+    monkeypatch.setattr(build._Worker, "build", killed_while_building)
+    with pytest.raises(RuntimeError, match="building the tiny3 extension \\(CPU\\) failed: its build worker ended"):
+        build.build_files("tiny3", {"tiny3/ops.cpp": "int tbegen_tiny3() { return 3; }\n"}, False, load=False)
+    assert build._IDLE_WORKERS == []
+    monkeypatch.setattr(build._Worker, "build", real)
+    assert build.build_files("tiny3", {"tiny3/ops.cpp": "int tbegen_tiny3() { return 3; }\n"}, False, load=False).is_file()
 
 
 def test_cpp_extension_is_imported_without_the_no_cuda_runtime_warning(tmp_path):
