@@ -189,10 +189,11 @@ __device__ __forceinline__ void accumulate4(float* acc, const float* x, float s)
 // the accumulator); a narrower row needs only lanes_for_row(D) lanes, so the warp splits into
 // groups of that many lanes that each add every (32 / lanes)-th row of the bag, several rows'
 // loads in flight at once, and the groups' sums are added at the end (a fixed order for a given
-// D). kWeighted: the call has per-sample weights (a compile-time choice: without them the loop
-// passes one value per row, not two). Measured against the grid-stride, 64-bit version it
-// replaced: benchmarks/NOTES-gpu.md, run M.
-template <typename W, typename I, int kVecs, bool kWeighted>
+// D). kLaneGroups: some table is 64 columns wide or less (else, with kVecs = 1, a plainer loop).
+// kWeighted: the call has per-sample weights (without them the loop passes one value per row, not
+// two). Both are compile-time choices, made on the host per call. Measured against the
+// grid-stride, 64-bit version it replaced: benchmarks/NOTES-gpu.md, run M.
+template <typename W, typename I, int kVecs, bool kLaneGroups, bool kWeighted>
 __global__ void __launch_bounds__(256) forward_kernel(ForwardArgs a, const W* __restrict__ weights,
                                                       const I* __restrict__ indices,
                                                       const I* __restrict__ offsets) {
@@ -210,7 +211,8 @@ __global__ void __launch_bounds__(256) forward_kernel(ForwardArgs a, const W* __
   const int D = int(ft[kFeatDim]);
   const int64_t rows = ft[kFeatRows], base = ft[kFeatWeightsOffset];
   const W* table = weights + base;
-  const int group_lanes = lanes_for_row(D);
+  // (without lane groups a row spans the warp: no per-bag group arithmetic)
+  const int group_lanes = (kLaneGroups || kVecs > 1) ? lanes_for_row(D) : kWarpSize;
   const int groups = kWarpSize / group_lanes;
   const int group = lane / group_lanes;
   const int d0 = 4 * (lane % group_lanes);  // this lane's first column (groups > 1: its only one)
@@ -229,10 +231,24 @@ __global__ void __launch_bounds__(256) forward_kernel(ForwardArgs a, const W* __
       if (kWeighted) my_scale = a.psw[my_i];
     }
     const int n = end - i0 < kWarpSize ? end - i0 : kWarpSize;
-    if (kVecs == 1 || D <= 128) {
-      // rows of up to 128 columns: a group of lanes per row, 32 / group_lanes rows at a time (one
-      // loop for every width keeps the kVecs = 1 kernel small: 40 registers); unrolled so that
-      // several rows' loads are in flight at once (4 measured best: run M)
+    if (kVecs == 1 && !kLaneGroups) {
+      // every row 65 to 128 columns wide: one row at a time over the whole warp, four rows' loads
+      // in flight (this plain loop measured 15% faster than the lane-group loop below on C2 with
+      // D = 128: benchmarks/NOTES-gpu.md, run M)
+      const int d = 4 * lane;
+#pragma unroll 4
+      for (int j = 0; j < n; ++j) {
+        const int32_t r = __shfl_sync(kFullMask, my_row, j);
+        const float s = kWeighted ? __shfl_sync(kFullMask, my_scale, j) : 1.0f;
+        if (r >= 0 && d < D) {
+          float x[4];
+          load_weights4(table + int64_t(r) * D + d, x);
+          accumulate4<kWeighted>(acc[0], x, s);
+        }
+      }
+    } else if (kVecs == 1 || D <= 128) {
+      // rows of up to 128 columns: a group of lanes per row, 32 / group_lanes rows at a time;
+      // unrolled so that several rows' loads are in flight at once
       const int rounds = (n + groups - 1) / groups;
 #pragma unroll 4
       for (int k = 0; k < rounds; ++k) {

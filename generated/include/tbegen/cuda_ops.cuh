@@ -152,12 +152,18 @@ inline bool aligned_to(const void* p, size_t bytes) { return reinterpret_cast<ui
 
 // Checks the call's features table and says whether the call takes the 4-wide kernels: a vector
 // layout, with the buffers they load 4 at a time aligned for it (a weights tensor that is a view at
-// an odd offset takes the any-width kernels).
+// an odd offset takes the any-width kernels). `narrowest_D`, if given, receives the smallest
+// feature width (the forward picks its loop by it).
 inline bool check_layout_and_choose(const Batch& b, const at::Tensor& features, const at::Tensor& weights,
-                                    std::initializer_list<const void*> float_buffers) {
+                                    std::initializer_list<const void*> float_buffers,
+                                    int64_t* narrowest_D = nullptr) {
   static HostFeaturesCache cache;
   const HostFeaturesCache::Copy feat = cache.get(features);
   check_features(b, feat->data(), weights);
+  if (narrowest_D != nullptr) {
+    *narrowest_D = kMaxD;
+    for (int64_t f = 0; f < b.F; ++f) *narrowest_D = std::min(*narrowest_D, (*feat)[f * kFeatColumns + kFeatDim]);
+  }
   if (!vector_layout(feat->data(), b.F, b.total_D, b.max_D)) return false;
   if (!aligned_to(weights.data_ptr(), 4 * weights.element_size())) return false;
   for (const void* p : float_buffers) {

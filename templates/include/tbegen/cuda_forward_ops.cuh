@@ -20,7 +20,8 @@ inline at::Tensor forward_cuda(const at::Tensor& weights, const at::Tensor& feat
                                         : at::empty({b.B, b.total_D}, weights.options().dtype(at::kFloat));
   const at::Tensor error = error_record_for(error_record, weights);
   const ForwardArgs a = forward_args(b, features, weights, per_sample_weights, out.data_ptr<float>(), error);
-  const bool vector_path = check_layout_and_choose(b, features, weights, {out.data_ptr()});
+  int64_t narrowest_D = 0;
+  const bool vector_path = check_layout_and_choose(b, features, weights, {out.data_ptr()}, &narrowest_D);
   const auto stream = at::cuda::getCurrentCUDAStream();
   if (b.F * b.B > 0 && !vector_path) {
     dispatch_weights(weights, [&](auto w) {
@@ -53,12 +54,18 @@ inline at::Tensor forward_cuda(const at::Tensor& weights, const at::Tensor& feat
         using I = decltype(i);
         dispatch_vecs(b.max_D, [&](auto vecs) {
           constexpr int kVecs = decltype(vecs)::value;
-          if (b.weighted) {
-            forward_kernel<W, I, kVecs, true><<<int(blocks), kThreads, 0, stream>>>(
-                a, weights.data_ptr<W>(), indices.data_ptr<I>(), offsets.data_ptr<I>());
+          auto launch = [&](auto lane_groups, auto weighted) {
+            forward_kernel<W, I, kVecs, decltype(lane_groups)::value, decltype(weighted)::value>
+                <<<int(blocks), kThreads, 0, stream>>>(a, weights.data_ptr<W>(), indices.data_ptr<I>(),
+                                                      offsets.data_ptr<I>());
+          };
+          using Yes = std::true_type;
+          using No = std::false_type;
+          // (with kVecs > 1 the lane-group loop always exists, for the narrow tables among wide ones)
+          if (kVecs > 1 || narrowest_D <= 64) {
+            b.weighted ? launch(Yes{}, Yes{}) : launch(Yes{}, No{});
           } else {
-            forward_kernel<W, I, kVecs, false><<<int(blocks), kThreads, 0, stream>>>(
-                a, weights.data_ptr<W>(), indices.data_ptr<I>(), offsets.data_ptr<I>());
+            b.weighted ? launch(No{}, Yes{}) : launch(No{}, No{});
           }
           TBEGEN_CUDA_CHECK(cudaGetLastError());
         });
