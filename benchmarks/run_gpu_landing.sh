@@ -3,7 +3,8 @@
 # per-call limit), from the repository root:
 #   1. build the four benchmarked optimizers' CUDA extensions;
 #   2. the benchmark beside FBGEMM_GPU (the referee, .anchor/bench_tbe.py --check), while the other
-#      eight extensions build at low priority (the benchmark's timed work is on the GPU);
+#      eight extensions build at low priority (the benchmark's timed work is on the GPU), then the
+#      backward against max_segment_length_per_warp (benchmarks/sweep_segment_length.py; SWEEP=0 skips);
 #   3. every CUDA test (test_cuda, test_module, test_bad_input, the lane-split CPU/CUDA comparison),
 #      FBGEMM_GPU differential tests (test_fbgemm_compat -m cuda), TorchRec over NCCL on one rank
 #      (test_torchrec -m cuda and examples/torchrec_training.py, with the wheels in .whl/);
@@ -45,6 +46,13 @@ PYTHONPATH=/tmp/fbg_site:$PYTHONPATH CUDA_MODULE_LOADING=LAZY timeout ${BENCH_TI
   --systems fbgemm,tbegen --fast-init --budget-s ${BENCH_BUDGET:-150} --out "$OUT/fbgemm" > "$OUT/fbgemm.log" 2>&1 || status=1
 grep -vi "compat table" "$OUT/fbgemm.log" | grep -E "^C[123] " | tail -n 24
 rm -f "$OUT/fbgemm/env.json" "$OUT/fbgemm/profiles.json"
+# the backward against max_segment_length_per_warp (benchmarks/sweep_segment_length.py), SWEEP=0 skips
+if [ "${SWEEP:-1}" = 1 ]; then
+  echo "== max_segment_length_per_warp sweep" >> "$OUT/fbgemm.log"
+  PYTHONPATH=.anchor:$PYTHONPATH timeout ${SWEEP_TIMEOUT:-100} python3 benchmarks/sweep_segment_length.py \
+    >> "$OUT/fbgemm.log" 2>&1 || log "sweep failed or timed out"
+  grep "max_segment_length_per_warp=" "$OUT/fbgemm.log" | tail -n 24
+fi
 wait $rest_pid || { status=1; log "build of the other extensions failed"; }
 log "all extensions built: $(( $(date +%s) - t0 )) s"
 
@@ -63,8 +71,11 @@ python3 benchmarks/summarize_results.py "$OUT" > "$OUT/numerics_table.md" 2>&1
 rm -f "$OUT"/harness_results_*.jsonl "$OUT"/*.jsonl
 
 log "FBGEMM_GPU differential tests"
+# (FBGEMM's per-call "TBE B200 optimization" warnings left out; a failure's short traceback kept)
 TBEGEN_RESULTS_DIR="$OUT/fbgemm" PYTHONPATH=/tmp/fbg_site:$PYTHONPATH timeout 120 python3 -m pytest -q -p no:cacheprovider \
-  -m cuda tests/test_fbgemm_compat.py 2>&1 | tail -n 15 >> "$OUT/extras.log"
+  -rf --tb=short -m cuda tests/test_fbgemm_compat.py 2>&1 \
+  | grep -v "TBE B200 optimization\|return Variable._execution_engine\|^tests/test_fbgemm_compat.py::test_gpu_matches_fbgemm\|^ *$" \
+  | tail -n 40 >> "$OUT/extras.log"
 log "TorchRec over NCCL, one rank"
 # (benchmarks/fbgemm_subset on PYTHONPATH: every process, the spawned ranks too, imports fbgemm_gpu
 # from the bundle, which has FBGEMM_GPU's training libraries only)

@@ -173,7 +173,8 @@ def world_results(request, tmp_path_factory):
 
 def _max_diffs(got, want):
     assert sorted(got) == sorted(want), f"keys differ: {sorted(got)} vs {sorted(want)}"
-    return {k: (got[k] - want[k]).abs().max().item() for k in want}
+    # (on the host: a rank's tensors may be on its GPU, the single-process reference's on the CPU)
+    return {k: (got[k].cpu() - want[k].cpu()).abs().max().item() for k in want}
 
 
 def _check_equal_to_single_process(key, results):
