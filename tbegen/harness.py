@@ -552,23 +552,24 @@ def standard_cases(spec: OptimizerSpec, dtypes: Sequence[torch.dtype] = (torch.f
 
 
 def test_hyperparameters(spec: OptimizerSpec) -> List[Tuple[Tuple[str, object], ...]]:
-    """Hyperparameter settings worth a case of their own: every choice of a hyperparameter with
-    choices and every value a spec lists under `test`, with any decay and max-norm switched on."""
-    names = {h.name for h in spec.hyperparameters}
-    base = []
-    if "weight_decay" in names:
-        base.append(("weight_decay", 0.05))
+    """Hyperparameter settings worth a case of their own, all read from the spec: every choice of a
+    hyperparameter with `choices`, then every value a hyperparameter lists under `test`, each with
+    the `test_base` values of the other hyperparameters (say, a decay switched on); the
+    `test_base` values alone when there is nothing else."""
+    base = tuple((h.name, h.test_base) for h in spec.hyperparameters if h.test_base is not None)
+
+    def on(name, value):
+        return tuple(b for b in base if b[0] != name) + ((name, value),)
+
     variants = []
     for h in spec.hyperparameters:
         if h.choices:
-            variants += [tuple(base) + ((h.name, c),) for c in h.choices]
+            variants += [on(h.name, c) for c in h.choices]
     for h in spec.hyperparameters:
         if h.test_values:
-            variants += [tuple(b for b in base if b[0] != h.name) + ((h.name, v),) for v in h.test_values]
-    if "max_norm" in names:
-        variants.append(tuple(base) + (("max_norm", 0.3),))
+            variants += [on(h.name, v) for v in h.test_values]
     if not variants and base:
-        variants.append(tuple(base))
+        variants.append(base)
     return variants
 
 

@@ -57,6 +57,9 @@ class Hyperparameter:
     loc: Loc
     # optional values worth a numerical test case each (`tbegen test`, the test suite)
     test_values: Optional[Tuple[HyperValue, ...]] = None
+    # optional value this hyperparameter takes in every other test case (a decay switched on
+    # while the cases for choices and test values run); None: its default there
+    test_base: Optional[HyperValue] = None
 
     @property
     def required(self) -> bool:

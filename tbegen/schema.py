@@ -40,6 +40,7 @@ def _hyperparameter() -> Dict[str, Any]:
                     "default": {"type": _JSON_TYPES[t]},
                     "choices": {"items": {"type": _JSON_TYPES[t]}},
                     "test": {"items": {"type": _JSON_TYPES[t]}},
+                    "test_base": {"type": _JSON_TYPES[t]},
                 }
             },
         }
@@ -54,6 +55,7 @@ def _hyperparameter() -> Dict[str, Any]:
             "doc": {"type": "string", "description": "one-line description"},
             "choices": {"type": "array", "minItems": 1, "description": "the only values allowed"},
             "test": {"type": "array", "minItems": 1, "description": "values worth a numerical test case each"},
+            "test_base": {"description": "the value it takes in every other numerical test case (a decay switched on)"},
         },
         "required": ["type"],
         "additionalProperties": False,

@@ -82,7 +82,7 @@ TOP_KEYS = (
     "reference",
     "dense_gradient",
 )
-HYPERPARAMETER_KEYS = ("type", "default", "doc", "choices", "test")
+HYPERPARAMETER_KEYS = ("type", "default", "doc", "choices", "test", "test_base")
 STATE_KEYS = ("per", "type", "init", "dtype", "doc")
 STATE_TYPES = ("float", "int")  # int: an exact int64 per-row value (counters, step numbers)
 # how entries are described in problems, e.g. HYPERPARAMETER_SHAPE
@@ -607,7 +607,7 @@ def _parse_choices(fields: _Fields, type_: Optional[str], key: str = "choices") 
 
 
 def _parse_hyperparameter(problems: _Problems, name: Any, value: Any, field: str, line: int) -> Optional[Hyperparameter]:
-    """One `hyperparameters` entry: {type, default, doc, choices, test}."""
+    """One `hyperparameters` entry: {type, default, doc, choices, test, test_base}."""
     start = len(problems)
     _check_identifier(problems, name, field, line)
     mapping = _as_mapping(problems, value, field, line, HYPERPARAMETER_SHAPE)
@@ -643,11 +643,24 @@ def _parse_hyperparameter(problems: _Problems, name: Any, value: Any, field: str
             problems.add(fields.value_line("test"), fields.path("test"),
                          f"{outside!r} not among the choices {list(choices)!r}")
 
+    test_base = None
+    if fields.has("test_base"):
+        raw = fields.pop("test_base")
+        if type_ is not None:
+            test_base = _hyper_value(type_, raw)
+            if test_base is _MISSING:
+                problems.add(fields.value_line("test_base"), fields.path("test_base"),
+                             f"must be {_ARTICLE[type_]}, got {_describe(raw)}")
+                test_base = None
+            elif choices is not None and test_base not in choices:
+                problems.add(fields.value_line("test_base"), fields.path("test_base"),
+                             f"{test_base!r} is not one of the choices {list(choices)!r}")
+
     doc = _pop_string(fields, "doc", "")
     fields.finish()
     if len(problems) > start:
         return None
-    return Hyperparameter(name, type_, default, doc, choices, problems.loc(line), test_values)
+    return Hyperparameter(name, type_, default, doc, choices, problems.loc(line), test_values, test_base)
 
 
 def _parse_state(problems: _Problems, name: Any, value: Any, field: str, line: int) -> Optional[State]:

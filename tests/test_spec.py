@@ -357,13 +357,13 @@ def test_comma_in_flow_mapping_doc_is_explained():
 
 def test_section_must_be_a_mapping():
     assert only_problem(minimal(extra="hyperparameters: [lr]")) == (
-        "toy.yaml:5: hyperparameters: must be a mapping of name -> {type, default, doc, choices, test}, got a list"
+        "toy.yaml:5: hyperparameters: must be a mapping of name -> {type, default, doc, choices, test, test_base}, got a list"
     )
 
 
 def test_entry_must_be_a_mapping():
     assert only_problem(hyper("0.1")) == (
-        "toy.yaml:6: hyperparameters.lr: must be a mapping {type, default, doc, choices, test}, got float 0.1"
+        "toy.yaml:6: hyperparameters.lr: must be a mapping {type, default, doc, choices, test, test_base}, got float 0.1"
     )
 
 
@@ -680,3 +680,51 @@ def test_hyperparameter_test_values(tmp_path):
     spec = load_spec(str(path))
     assert spec.hyperparameter("l1").test_values == (0.001, 1.0)
     assert spec.hyperparameter("mode").test_values == (1,)
+
+
+def test_hyperparameter_test_base(tmp_path):
+    """`test_base`: the value a hyperparameter takes in every other test case; checked like a default."""
+    path = tmp_path / "tb.yaml"
+    path.write_text(
+        "name: tb\nsummary: x\nhyperparameters:\n  decay: {type: float, default: 0.0, test_base: yes}\n"
+        "  mode: {type: int, default: 0, choices: [0, 1], test_base: 2}\n"
+        "element: |\n  w -= g * (1.0f - decay) + mode;\nreference: |\n  w -= g * (1.0 - decay) + mode\n"
+    )
+    with pytest.raises(SpecError) as err:
+        load_spec(str(path))
+    assert f"{path}:4: hyperparameters.decay.test_base: must be a float, got boolean true" in str(err.value)
+    assert f"{path}:5: hyperparameters.mode.test_base: 2 is not one of the choices [0, 1]" in str(err.value)
+    path.write_text(path.read_text().replace("test_base: yes", "test_base: 0.05").replace("test_base: 2", "test: [1]"))
+    spec = load_spec(str(path))
+    assert spec.hyperparameter("decay").test_base == 0.05
+    assert spec.hyperparameter("mode").test_base is None
+
+
+def test_harness_cases_come_from_the_spec(tmp_path):
+    """The harness's hyperparameter cases are read from the spec (`choices`, `test`, `test_base`),
+    never from hyperparameter names it knows: a spec naming its decay differently gets the same."""
+    from tbegen.harness import test_hyperparameters
+
+    text = (
+        "name: {name}\nsummary: x\nhyperparameters:\n"
+        "  {decay}: {{type: float, default: 0.0, test_base: 0.05}}\n"
+        "  mode: {{type: int, default: 0, choices: [0, 1]}}\n"
+        "  clip: {{type: float, default: 0.0, test: [0.3]}}\n"
+        "element: |\n  w -= g * (1.0f - {decay}) + mode + clip;\nreference: |\n  w -= g * (1.0 - {decay}) + mode + clip\n"
+    )
+    cases = {}
+    for decay in ("weight_decay", "l2_penalty"):
+        path = tmp_path / f"h_{decay}.yaml"
+        path.write_text(text.format(name=f"h_{decay}", decay=decay))
+        cases[decay] = test_hyperparameters(load_spec(str(path)))
+    assert cases["weight_decay"] == [
+        (("weight_decay", 0.05), ("mode", 0)), (("weight_decay", 0.05), ("mode", 1)),
+        (("weight_decay", 0.05), ("clip", 0.3)),
+    ]
+    rename = {"weight_decay": "l2_penalty"}
+    assert cases["l2_penalty"] == [tuple((rename.get(k, k), v) for k, v in c) for c in cases["weight_decay"]]
+    # nothing but a base: the base alone
+    path = tmp_path / "h_base.yaml"
+    path.write_text("name: h_base\nsummary: x\nhyperparameters:\n  decay: {type: float, default: 0.0, test_base: 0.1}\n"
+                    "element: |\n  w -= g + decay;\nreference: |\n  w -= g + decay\n")
+    assert test_hyperparameters(load_spec(str(path))) == [(("decay", 0.1),)]
