@@ -35,8 +35,6 @@ _REDUCTIONS = {
     "min": ("INFINITY", "{acc} = fminf({acc}, ({expr}));", "all_min"),
 }
 
-CPP_TYPES = {"float": "float", "int": "int64_t", "bool": "bool"}
-
 
 @dataclass(frozen=True)
 class Reduction:
@@ -159,7 +157,7 @@ class UpdateEmitter:
         names = used_names(all_code)
         for h in spec.hyperparameters:
             if h.name in names:
-                self.lines.append(f"  const {CPP_TYPES[h.type]} {h.name} = tbegen_p.{h.name};")
+                self.lines.append(f"  const {h.type.cpp} {h.name} = tbegen_p.{h.name};")
         if "step" in names:
             self.lines.append("  const int64_t step = tbegen_step;")
         if "D" in names or "row_mean" in names:

@@ -8,8 +8,11 @@ in docs/spec-language.md.
 
 from __future__ import annotations
 
+import enum
+import math
+import numbers
 from dataclasses import dataclass, field
-from typing import Optional, Tuple, Union
+from typing import Any, Optional, Tuple, Union
 
 # Names the generator binds in every snippet, and the fixed arguments of the backward operator
 # (hyperparameters and states become its other arguments); a spec may not declare them. The
@@ -30,6 +33,85 @@ STATE_DTYPE_NAMES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
 
 HyperValue = Union[float, int, bool]
 
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+
+class _Word(str, enum.Enum):
+    """An enum whose members are the words a spec spells them with (they compare equal to those
+    strings, and print as them)."""
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+
+class HyperType(_Word):
+    """A hyperparameter's type: its word in a spec, its C++ type in the kernels, and the one
+    conversion of a value to it (`convert`: used by the loader, the module and the harness)."""
+
+    FLOAT = "float"
+    INT = "int"
+    BOOL = "bool"
+
+    @property
+    def cpp(self) -> str:
+        """The C++ type of the kernels' Params field (float, int64_t, bool)."""
+        return {"float": "float", "int": "int64_t", "bool": "bool"}[self.value]
+
+    @property
+    def article(self) -> str:
+        return {"float": "a float", "int": "an int", "bool": "a bool"}[self.value]
+
+    def convert(self, value: Any) -> HyperValue:
+        """`value` as a value of this type: raises TypeError when it is not one (a bool is neither
+        an int nor a float), ValueError when it is out of range (a float must be finite, an int
+        must fit in int64)."""
+        if self is HyperType.BOOL:
+            if not isinstance(value, bool):
+                raise TypeError(f"must be a bool, got {type(value).__name__} {value!r}")
+            return value
+        if isinstance(value, bool):
+            raise TypeError(f"must be {self.article}, got bool {value!r}")
+        if self is HyperType.INT:
+            if not isinstance(value, numbers.Integral):
+                raise TypeError(f"must be an int, got {type(value).__name__} {value!r}")
+            converted = int(value)
+            if not INT64_MIN <= converted <= INT64_MAX:
+                raise ValueError(f"does not fit in int64: {value!r}")
+            return converted
+        if not isinstance(value, numbers.Real):
+            raise TypeError(f"must be a float, got {type(value).__name__} {value!r}")
+        converted = float(value)
+        if not math.isfinite(converted):
+            raise ValueError(f"must be finite, got {value!r}")
+        return converted
+
+
+class StatePer(_Word):
+    """What a state holds one value for: each weight element (laid out like the weights), or each
+    table row (one per linear key)."""
+
+    ELEMENT = "element"
+    ROW = "row"
+
+
+class StateType(_Word):
+    """A state's value type in snippets: float (stored as the state's dtype) or int (int64, per row
+    only: counters, step numbers; exact)."""
+
+    FLOAT = "float"
+    INT = "int"
+
+
+class StageKind(_Word):
+    """How often a stage runs: once per unique row (scalar code; may use row reductions) or once
+    per element of the row."""
+
+    ROW = "row"
+    ELEMENT = "element"
+
 
 @dataclass(frozen=True)
 class Loc:
@@ -46,8 +128,8 @@ class Loc:
 class Hyperparameter:
     # identifier, used verbatim in snippets, the op schema and the Python API
     name: str
-    # "float" (C++ float), "int" (C++ int64_t) or "bool" (C++ bool)
-    type: str
+    # float (C++ float), int (C++ int64_t) or bool (C++ bool)
+    type: HyperType
     # None means the hyperparameter is required (no default)
     default: Optional[HyperValue]
     # one-line description shown by the CLI and in docstrings
@@ -61,6 +143,19 @@ class Hyperparameter:
     # while the cases for choices and test values run); None: its default there
     test_base: Optional[HyperValue] = None
 
+    def __post_init__(self) -> None:
+        # the invariants the loader reports as spec problems, checked again for any other maker
+        object.__setattr__(self, "type", HyperType(self.type))
+        values = [self.default] if self.default is not None else []
+        values += list(self.choices or ()) + list(self.test_values or ())
+        values += [self.test_base] if self.test_base is not None else []
+        for v in values:
+            self.type.convert(v)
+        if self.choices is not None:
+            outside = [v for v in values if v not in self.choices]
+            if outside:
+                raise ValueError(f"hyperparameter {self.name}: {outside!r} not among its choices {list(self.choices)!r}")
+
     @property
     def required(self) -> bool:
         return self.default is None
@@ -70,9 +165,8 @@ class Hyperparameter:
 class State:
     # identifier; also the key in split_optimizer_states() and state_dict()
     name: str
-    # "element": one value per weight element (laid out like the weights);
-    # "row": one value per table row
-    per: str
+    # element: one value per weight element (laid out like the weights); row: one per table row
+    per: StatePer
     # initial value of every entry
     init: float
     # storage dtype: "fp32", "bf16" or "fp16" (STATE_DTYPE_NAMES); the arithmetic is float32 and
@@ -80,28 +174,41 @@ class State:
     dtype: str
     doc: str
     loc: Loc
-    # "float" (a float in snippets, stored as `dtype`) or "int" (per row only: an int64_t in
+    # float (a float in snippets, stored as `dtype`) or int (per row only: an int64_t in
     # snippets and in storage, exact; counters, step numbers)
-    type: str = "float"
+    type: StateType = StateType.FLOAT
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "per", StatePer(self.per))
+        object.__setattr__(self, "type", StateType(self.type))
+        if self.dtype not in STATE_DTYPE_NAMES:
+            raise ValueError(f"state {self.name}: dtype must be one of {list(STATE_DTYPE_NAMES)}, got {self.dtype!r}")
+        if self.is_int and self.per is not StatePer.ROW:
+            raise ValueError(f"state {self.name}: int states are per row only")
 
     @property
     def is_int(self) -> bool:
-        return self.type == "int"
+        return self.type is StateType.INT
 
 
 @dataclass(frozen=True)
 class Temporary:
     # per-element scratch value carried from one stage to the next, never saved
     name: str
-    per: str  # "element" only, for now
+    per: StatePer  # element only, for now
     loc: Loc
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "per", StatePer(self.per))
+        if self.per is not StatePer.ELEMENT:
+            raise ValueError(f"temporary {self.name}: temporaries are per element only")
 
 
 @dataclass(frozen=True)
 class Stage:
-    # "row": runs once per unique row (scalar code; may call row_* reductions);
-    # "element": runs once per element of the row
-    kind: str
+    # row: runs once per unique row (scalar code; may call row_* reductions);
+    # element: runs once per element of the row
+    kind: StageKind
     # the C-like snippet, verbatim
     code: str
     # line in the spec file of the snippet's first line (for #line directives)
@@ -115,6 +222,9 @@ class Stage:
     # stages with the same guard run together inside one `if`, so their locals are shared by
     # them and by no later stage.
     when: str = ""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "kind", StageKind(self.kind))
 
 
 @dataclass(frozen=True)

@@ -72,7 +72,7 @@ _MODULE_ARGS = (
     "placements",
 )
 
-_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+from .model import INT64_MAX as _INT64_MAX, INT64_MIN as _INT64_MIN
 
 # OptimizerSpec -> torch.ops.tbegen_NAME (build.load_spec caches too, but re-renders to hash).
 _OPS: Dict[OptimizerSpec, Any] = {}
@@ -183,33 +183,13 @@ def _describe_hyperparameters(spec: OptimizerSpec) -> str:
 
 
 def _convert_hyperparameter(spec: OptimizerSpec, name: str, value):
-    """One hyperparameter value, checked against its declared type and choices."""
+    """One hyperparameter value, checked against its declared type (HyperType.convert, the
+    loader's conversion too) and choices."""
     h = spec.hyperparameter(name)
-    if h.type == "float":
-        if isinstance(value, bool) or not isinstance(value, numbers.Real):
-            raise TypeError(
-                f"tbegen: hyperparameter {name!r} of optimizer {spec.name!r} must be a float, "
-                f"got {type(value).__name__} {value!r}"
-            )
-        converted = float(value)
-        if not math.isfinite(converted):
-            raise ValueError(f"tbegen: hyperparameter {name!r} of optimizer {spec.name!r} must be finite, got {value!r}")
-    elif h.type == "int":
-        if not _is_int(value):
-            raise TypeError(
-                f"tbegen: hyperparameter {name!r} of optimizer {spec.name!r} must be an int, "
-                f"got {type(value).__name__} {value!r}"
-            )
-        converted = int(value)
-        if not _INT64_MIN <= converted <= _INT64_MAX:
-            raise ValueError(f"tbegen: hyperparameter {name!r} of optimizer {spec.name!r} does not fit in int64: {value!r}")
-    else:  # bool
-        if not isinstance(value, bool):
-            raise TypeError(
-                f"tbegen: hyperparameter {name!r} of optimizer {spec.name!r} must be a bool, "
-                f"got {type(value).__name__} {value!r}"
-            )
-        converted = value
+    try:
+        converted = h.type.convert(value)
+    except (TypeError, ValueError) as e:
+        raise type(e)(f"tbegen: hyperparameter {name!r} of optimizer {spec.name!r} {e}") from None
     if h.choices is not None and converted not in h.choices:
         raise ValueError(
             f"tbegen: hyperparameter {name!r} of optimizer {spec.name!r} must be one of "

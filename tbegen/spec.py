@@ -33,15 +33,21 @@ import yaml
 
 from tbegen import snippets
 from tbegen.model import (
+    INT64_MAX,
+    INT64_MIN,
     RESERVED_NAMES,
     ROW_REDUCTIONS,
     Hyperparameter,
+    HyperType,
     HyperValue,
     Loc,
     OptimizerSpec,
     Reference,
     Stage,
+    StageKind,
     State,
+    StatePer,
+    StateType,
     Temporary,
 )
 
@@ -64,11 +70,11 @@ DEFAULT_SPEC_DIR = Path(__file__).resolve().parent.parent / "optimizers"
 # File suffixes accepted for spec files.
 SPEC_SUFFIXES = (".yaml", ".yml")
 
-HYPERPARAMETER_TYPES = ("float", "int", "bool")
-STATE_PERS = ("element", "row")
+HYPERPARAMETER_TYPES = tuple(t.value for t in HyperType)
+STATE_PERS = tuple(p.value for p in StatePer)
 STATE_DTYPES = ("fp32", "bf16", "fp16")  # storage; the arithmetic is float32
 TEMPORARY_PERS = ("element",)
-STAGE_KINDS = ("row", "element")
+STAGE_KINDS = tuple(k.value for k in StageKind)
 
 TOP_KEYS = (
     "name",
@@ -84,7 +90,7 @@ TOP_KEYS = (
 )
 HYPERPARAMETER_KEYS = ("type", "default", "doc", "choices", "test", "test_base")
 STATE_KEYS = ("per", "type", "init", "dtype", "doc")
-STATE_TYPES = ("float", "int")  # int: an exact int64 per-row value (counters, step numbers)
+STATE_TYPES = tuple(t.value for t in StateType)  # int: an exact int64 per-row value (counters, step numbers)
 # how entries are described in problems, e.g. HYPERPARAMETER_SHAPE
 HYPERPARAMETER_SHAPE = "{" + ", ".join(HYPERPARAMETER_KEYS) + "}"
 STATE_SHAPE = "{" + ", ".join(STATE_KEYS) + "}"
@@ -92,7 +98,6 @@ TEMPORARY_KEYS = ("per",)
 
 IDENTIFIER_RE = re.compile(r"[A-Za-z][A-Za-z0-9_]*")
 OPTIMIZER_NAME_RE = re.compile(r"[a-z][a-z0-9_]*")
-INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 # Marks a key or document that is absent (None is a legitimate YAML value).
 _MISSING: Any = object()
@@ -569,20 +574,15 @@ def _parse_summary(fields: _Fields) -> Optional[str]:
     return summary
 
 
-def _hyper_value(type_: str, value: Any) -> Any:
-    """`value` converted to a hyperparameter of `type_`, or _MISSING if it is not one."""
-    if type_ == "bool":
-        return value if isinstance(value, bool) else _MISSING
-    if isinstance(value, bool):
-        return _MISSING
-    if type_ == "int":
-        return value if isinstance(value, int) and INT64_MIN <= value <= INT64_MAX else _MISSING
-    if type_ == "float":
-        return float(value) if isinstance(value, (int, float)) else _MISSING
-    return _MISSING
-
-
-_ARTICLE = {"float": "a float", "int": "an int", "bool": "a bool"}
+def _hyper_value(type_: str, value: Any) -> Tuple[Any, str]:
+    """(`value` as a hyperparameter of `type_`, "") by HyperType.convert (the module's and the
+    harness's conversion too), or (_MISSING, why not) in the words of a spec problem."""
+    try:
+        return HyperType(type_).convert(value), ""
+    except TypeError:
+        return _MISSING, f"must be {HyperType(type_).article}, got {_describe(value)}"
+    except ValueError as e:
+        return _MISSING, str(e)
 
 
 def _parse_choices(fields: _Fields, type_: Optional[str], key: str = "choices") -> Optional[Tuple[HyperValue, ...]]:
@@ -597,10 +597,10 @@ def _parse_choices(fields: _Fields, type_: Optional[str], key: str = "choices") 
     choices = []
     item_lines = getattr(value, "item_lines", [])
     for i, item in enumerate(value):
-        converted = _hyper_value(type_, item)
+        converted, why = _hyper_value(type_, item)
         if converted is _MISSING:
             item_line = item_lines[i] if i < len(item_lines) else line
-            fields.problems.add(item_line, f"{field}[{i}]", f"must be {_ARTICLE[type_]}, got {_describe(item)}")
+            fields.problems.add(item_line, f"{field}[{i}]", why)
         else:
             choices.append(converted)
     return tuple(choices) if len(choices) == len(value) else None
@@ -620,9 +620,8 @@ def _parse_hyperparameter(problems: _Problems, name: Any, value: Any, field: str
     if fields.has("default"):
         raw = fields.pop("default")
         if type_ is not None:
-            default = _hyper_value(type_, raw)
+            default, message = _hyper_value(type_, raw)
             if default is _MISSING:
-                message = f"must be {_ARTICLE[type_]}, got {_describe(raw)}"
                 if raw is None:
                     message += " (leave `default` out to make the hyperparameter required)"
                 problems.add(fields.value_line("default"), fields.path("default"), message)
@@ -647,10 +646,9 @@ def _parse_hyperparameter(problems: _Problems, name: Any, value: Any, field: str
     if fields.has("test_base"):
         raw = fields.pop("test_base")
         if type_ is not None:
-            test_base = _hyper_value(type_, raw)
+            test_base, why = _hyper_value(type_, raw)
             if test_base is _MISSING:
-                problems.add(fields.value_line("test_base"), fields.path("test_base"),
-                             f"must be {_ARTICLE[type_]}, got {_describe(raw)}")
+                problems.add(fields.value_line("test_base"), fields.path("test_base"), why)
                 test_base = None
             elif choices is not None and test_base not in choices:
                 problems.add(fields.value_line("test_base"), fields.path("test_base"),

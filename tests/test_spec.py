@@ -319,7 +319,7 @@ def hyper(entry: str) -> str:
         ("{type: int, default: 0.5}", "default", "must be an int, got float 0.5"),
         ("{type: int, default: false}", "default", "must be an int, got boolean false"),
         ("{type: bool, default: 1}", "default", "must be a bool, got integer 1"),
-        ("{type: int, default: 99999999999999999999}", "default", "must be an int, got integer 99999999999999999999"),
+        ("{type: int, default: 99999999999999999999}", "default", "does not fit in int64: 99999999999999999999"),
         ("{type: float, default: null}", "default", "must be a float, got null (leave `default` out"),
         ("{type: int, choices: 3}", "choices", "must be a non-empty list, got integer 3"),
         ("{type: int, choices: []}", "choices", "must be a non-empty list, got a list"),
