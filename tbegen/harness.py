@@ -28,7 +28,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from .layout import POOLING, Layout, make_layout
+from .layout import POOLING, VECTOR_MAX_DIM, Layout, make_layout
 from .model import STATE_DTYPE_NAMES, OptimizerSpec
 
 # Allowed error per dtype of the tensor compared (see the module docstring for the measure).
@@ -505,7 +505,7 @@ def run_lane_split_case(spec: OptimizerSpec, ops, case: Case) -> Result:
 # ---- the standard grid ---------------------------------------------------------------------------
 
 MIXED_TABLES = ((60, 8), (200, 36), (30, 128), (8, 4))
-WIDE_TABLES = ((40, 1024), (25, 516))
+WIDE_TABLES = ((40, VECTOR_MAX_DIM), (25, 516))  # the widest rows the 4-wide kernels take
 # widths that are not multiples of 4, so output columns start at odd offsets (on CUDA: the
 # any-width kernels), and one row wider than the 4-wide kernels take
 ODD_TABLES = ((30, 1), (20, 3), (10, 5), (9, 33), (4, 1031))

@@ -9,14 +9,31 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Sequence, Tuple
 
+import re
+from pathlib import Path
+
 import torch
 
 POOLING = {"sum": 0, "mean": 1, "none": 2}
 
-# The widest row the operators accept (kMaxD in templates/include/tbegen/common.h). Any width from
-# 1 up is supported; on CUDA a layout whose widths or column offsets are not all multiples of 4
-# (or whose widest row is over 1024) takes the any-width kernels instead of the 4-wide ones.
-MAX_DIM = 4096
+# The runtime header that defines the row-width limits for the kernels and the host checks.
+COMMON_HEADER = Path(__file__).resolve().parent.parent / "templates" / "include" / "tbegen" / "common.h"
+
+
+def header_constant(name: str, header: Path = COMMON_HEADER) -> int:
+    """The value of `constexpr int64_t NAME = N;` in the runtime's common.h: the row-width limits
+    have one source, read by the kernels, the host checks and this module alike."""
+    match = re.search(rf"constexpr\s+int64_t\s+{name}\s*=\s*([0-9]+)\s*;", header.read_text())
+    if match is None:
+        raise RuntimeError(f"tbegen: {header} defines no `constexpr int64_t {name} = N;` (the templates are damaged)")
+    return int(match.group(1))
+
+
+# The widest row the operators accept (kMaxD). Any width from 1 up is supported; on CUDA a layout
+# whose widths or column offsets are not all multiples of 4, or whose widest row is over
+# VECTOR_MAX_DIM (kVectorMaxD), takes the any-width kernels instead of the 4-wide ones.
+MAX_DIM = header_constant("kMaxD")
+VECTOR_MAX_DIM = header_constant("kVectorMaxD")
 
 
 @dataclass(frozen=True)

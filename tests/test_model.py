@@ -98,3 +98,18 @@ def test_loaded_specs_carry_enum_members():
     assert all(isinstance(s.per, StatePer) and isinstance(s.type, StateType) for s in spec.states)
     assert all(isinstance(st.kind, StageKind) for st in spec.stages)
     assert {s.name for s in spec.int_row_states} == {"prev_iter"}  # (row_counter decays: a float)
+
+
+def test_row_width_limits_have_one_source(tmp_path):
+    """tbegen.layout reads kMaxD and kVectorMaxD from the runtime header the kernels compile."""
+    from tbegen import layout
+
+    text = layout.COMMON_HEADER.read_text()
+    assert f"constexpr int64_t kMaxD = {layout.MAX_DIM};" in text
+    assert f"constexpr int64_t kVectorMaxD = {layout.VECTOR_MAX_DIM};" in text
+    damaged = tmp_path / "common.h"
+    damaged.write_text(text.replace("kMaxD", "kMaxWidth"))
+    with pytest.raises(RuntimeError, match="defines no `constexpr int64_t kMaxD = N;`"):
+        layout.header_constant("kMaxD", damaged)
+    with pytest.raises(ValueError, match=f"embedding dims must be from 1 to {layout.MAX_DIM}"):
+        layout.make_layout([(10, layout.MAX_DIM + 1)])
