@@ -19,10 +19,16 @@ builds extension after extension, one at a time, without loading them (cpp_exten
 a worker builds a spec's CPU and CUDA libraries, which register the same operators, and this
 process loads only the verified copy from the cache). There are at most as many workers as builds
 running at once (`prebuild`: one per thread); an idle one is kept for the next build and ends
-with this process. A CPU + CUDA build compiles only what depends on the optimizer (its update kernels,
-kernels_cuda.cu, and its CUDA operator, ops_cuda.cpp): it links the CPU build's ops.cpp object
-and the object of the CUDA code shared by every optimizer (the forward operators, the sort and the
-backward's host side), which is compiled once for all optimizers (RUNTIME_CUDA_SOURCE).
+with this process.
+
+Builds compile only what depends on the optimizer. The CPU operators that do not (forward,
+grad_per_sample_weights, describe_error: RUNTIME_CPU_SOURCE) are compiled once per set of runtime
+headers, as their own cache entry, and their object is linked into every optimizer's library; a
+CPU build compiles ops.cpp (the optimizer's backward and the registrations). A CPU + CUDA build
+compiles its update kernels (kernels_cuda.cu) and its CUDA operator (ops_cuda.cpp) and links the
+CPU build's ops.cpp object, the shared CPU operators' object and the object of the CUDA code
+shared by every optimizer (the forward operators, the sort and the backward's host side), also
+compiled once for all optimizers (RUNTIME_CUDA_SOURCE).
 """
 
 from __future__ import annotations
@@ -59,6 +65,13 @@ CUDA_SOURCES = ("ops_cuda.cpp", "kernels_cuda.cu")
 # into every optimizer's CUDA extension.
 RUNTIME_CUDA_SOURCE = "include/tbegen/cuda_forward.cu"
 RUNTIME_NAME = "runtime_forward"
+# The optimizer-independent CPU operators (forward, grad_per_sample_weights, describe_error;
+# declared in cpu_ops.h): likewise built once per set of runtime headers, as their own cache
+# entry, and linked into every optimizer's extension, CPU and CPU + CUDA (where its sources hold
+# this file: a library without the runtime headers links nothing).
+RUNTIME_CPU_SOURCE = "include/tbegen/cpu_ops.cpp"
+RUNTIME_CPU_NAME = "runtime_ops"
+RUNTIMES = (RUNTIME_NAME, RUNTIME_CPU_NAME)
 CUDA_FLAGS = ["-O3", "--expt-relaxed-constexpr", "-lineinfo"]
 
 
@@ -231,6 +244,8 @@ def _describe(name: str, with_cuda: bool) -> str:
     """What a build makes, for progress messages."""
     if name == RUNTIME_NAME:
         return "the CUDA runtime shared by every optimizer (forward operators, sort, backward launches)"
+    if name == RUNTIME_CPU_NAME:
+        return "the CPU operators shared by every optimizer (forward, grad_per_sample_weights, describe_error)"
     return f"the {name} extension ({_flavour(with_cuda)})"
 
 
@@ -355,13 +370,14 @@ def build_files(name: str, files: Dict[str, str], with_cuda: bool, verbose: bool
     libname = _library_name(name, key, with_cuda)
     entry = root / f"{name}-{'cuda' if with_cuda else 'cpu'}-{key}"
     if not _is_published(entry):
-        objects = _reused_objects(name, files, verbose) if with_cuda and name != RUNTIME_NAME else []
+        objects = [] if name in RUNTIMES else _reused_objects(name, files, with_cuda, verbose)
         with _entry_lock(root, entry, _describe(name, with_cuda)):
             if not _is_published(entry):  # unless another process built it while we waited
                 tmp = Path(tempfile.mkdtemp(prefix=f".{entry.name}.", dir=root))
                 try:
                     _compile_in_worker(name, files, with_cuda, tmp, libname, verbose, [str(o) for o in objects])
-                    _publish(tmp, entry, key, [f"{libname}.so", "ops.o", _object_name(RUNTIME_CUDA_SOURCE)])
+                    _publish(tmp, entry, key, [f"{libname}.so", "ops.o", _object_name(RUNTIME_CUDA_SOURCE),
+                                               _object_name(RUNTIME_CPU_SOURCE)])
                 finally:
                     if tmp.exists():
                         import shutil
@@ -380,15 +396,27 @@ def _object_name(source: str) -> str:
     return f"{stem}.cuda.o" if ext == ".cu" else f"{stem}.o"
 
 
-def _reused_objects(name: str, files: Dict[str, str], verbose: bool) -> List[Path]:
-    """The compiled objects a CPU + CUDA build links instead of compiling them again (each built
-    first if needed, and verified): ops.o of the CPU-only build of the same sources, and the
-    optimizer-independent forward operators (RUNTIME_CUDA_SOURCE) compiled for these runtime
-    headers."""
+def _runtime_files(files: Dict[str, str]) -> Dict[str, str]:
+    """The sources of the runtime objects: the runtime headers (and their two source files)."""
+    return {k: v for k, v in files.items() if k.startswith("include/")}
+
+
+def _reused_objects(name: str, files: Dict[str, str], with_cuda: bool, verbose: bool) -> List[Path]:
+    """The compiled objects an optimizer's build links instead of compiling them (each built first
+    if needed, and verified): the optimizer-independent CPU operators (RUNTIME_CPU_SOURCE)
+    compiled for these runtime headers; for CPU + CUDA also ops.o of the CPU-only build of the
+    same sources and the optimizer-independent CUDA code (RUNTIME_CUDA_SOURCE)."""
+    runtime_files = _runtime_files(files)
+    objects = []
+    if RUNTIME_CPU_SOURCE in files:
+        runtime_lib = build_files(RUNTIME_CPU_NAME, runtime_files, False, verbose, load=False)
+        objects.append(verified(runtime_lib.parent, cache_key(RUNTIME_CPU_NAME, runtime_files, False),
+                                _object_name(RUNTIME_CPU_SOURCE)))
+    if not with_cuda:
+        return objects
     cpu_files = {k: v for k, v in files.items() if k not in {f"{name}/{cu}" for cu in CUDA_SOURCES}}
     cpu_lib = build_files(name, cpu_files, False, verbose, load=False)
-    objects = [verified(cpu_lib.parent, cache_key(name, cpu_files, False), "ops.o")]
-    runtime_files = {k: v for k, v in files.items() if k.startswith("include/")}
+    objects.append(verified(cpu_lib.parent, cache_key(name, cpu_files, False), "ops.o"))
     runtime_lib = build_files(RUNTIME_NAME, runtime_files, True, verbose, load=False)
     objects.append(verified(runtime_lib.parent, cache_key(RUNTIME_NAME, runtime_files, True),
                             _object_name(RUNTIME_CUDA_SOURCE)))
@@ -418,7 +446,7 @@ def _compile(name: str, files: Dict[str, str], with_cuda: bool, out_dir: Path, l
     it in a build worker, see _compile_in_worker) into out_dir/libname.so, linking `objects` too.
 
     The sources: NAME/ops.cpp (unless its object is among `objects`) and, for CUDA, CUDA_SOURCES;
-    for RUNTIME_NAME, only RUNTIME_CUDA_SOURCE."""
+    for RUNTIME_NAME, only RUNTIME_CUDA_SOURCE; for RUNTIME_CPU_NAME, only RUNTIME_CPU_SOURCE."""
     cpp_extension = _cpp_extension()
     src = out_dir / "src"
     for rel, text in files.items():
@@ -427,6 +455,8 @@ def _compile(name: str, files: Dict[str, str], with_cuda: bool, out_dir: Path, l
         path.write_text(text)
     if name == RUNTIME_NAME:
         sources = [str(src / RUNTIME_CUDA_SOURCE)]
+    elif name == RUNTIME_CPU_NAME:
+        sources = [str(src / RUNTIME_CPU_SOURCE)]
     else:
         linked = {os.path.basename(o) for o in objects}
         sources = [] if "ops.o" in linked else [str(src / name / "ops.cpp")]
@@ -728,9 +758,9 @@ def prebuild(spec_paths, flavours: Sequence[bool] = (False,), jobs: Optional[int
     """Builds several specs' extensions into the cache (without loading them), `jobs` builds at a
     time (default: one per core, each compiling one file at a time), so that a test session pays
     for the work once, spread over the cores. `flavours`: False for CPU-only builds, True for
-    CPU + CUDA (which reuse the CPU builds' ops.cpp object and the shared CUDA runtime object:
-    those go first). `with_cuda=X`
-    is the older spelling of `flavours=[X]` (benchmarks/run_gpu.sh uses it)."""
+    CPU + CUDA (which reuse the CPU builds' ops.cpp object and the shared CUDA runtime object).
+    The shared runtime objects (CPU operators, CUDA runtime) go first, then the CPU builds.
+    `with_cuda=X` is the older spelling of `flavours=[X]` (benchmarks/run_gpu.sh uses it)."""
     if with_cuda is not None:
         flavours = [with_cuda]
     from concurrent.futures import ThreadPoolExecutor, as_completed
@@ -745,11 +775,15 @@ def prebuild(spec_paths, flavours: Sequence[bool] = (False,), jobs: Optional[int
             entry = build_root() / f"{spec.name}-{'cuda' if with_cuda else 'cpu'}-{cache_key(spec.name, files, with_cuda)}"
             if not _is_published(entry):
                 todo.append((spec.name, files, with_cuda))
+    # The code shared by every optimizer goes first: the CPU operators (every build links them)
+    # and the CUDA code, beside the CPU builds (every CUDA build links it, and would otherwise
+    # wait for it with a core idle).
+    if any(RUNTIME_CPU_SOURCE in files for _, files, _ in todo):
+        runtime_files = _runtime_files(next(files for _, files, _ in todo if RUNTIME_CPU_SOURCE in files))
+        if not _is_published(build_root() / f"{RUNTIME_CPU_NAME}-cpu-{cache_key(RUNTIME_CPU_NAME, runtime_files, False)}"):
+            todo.insert(0, (RUNTIME_CPU_NAME, runtime_files, False))
     if any(with_cuda for _, _, with_cuda in todo):
-        # The CUDA code shared by every optimizer goes first, beside the CPU builds: every CUDA
-        # build links it, and would otherwise wait for it with a core idle.
-        files = next(files for _, files, with_cuda in todo if with_cuda)
-        runtime_files = {k: v for k, v in files.items() if k.startswith("include/")}
+        runtime_files = _runtime_files(next(files for _, files, with_cuda in todo if with_cuda))
         if not _is_published(build_root() / f"{RUNTIME_NAME}-cuda-{cache_key(RUNTIME_NAME, runtime_files, True)}"):
             todo.insert(0, (RUNTIME_NAME, runtime_files, True))
     if not todo:

@@ -190,6 +190,60 @@ def test_concurrent_builds_of_one_extension_compile_it_once(fresh_cache, tmp_pat
     assert len({o.strip() for o in outs}) == 1  # all three loaded the same library
 
 
+# ---- the shared CPU runtime object -------------------------------------------------------------
+# Stand-in runtime sources (one C++ function) in the runtime's place: the build compiles
+# include/tbegen/cpu_ops.cpp once, as its own entry, and links it into every library built from
+# those runtime files.
+
+
+def _with_runtime(name: str, runtime: str) -> dict:
+    return {build.RUNTIME_CPU_SOURCE: runtime, "include/tbegen/cpu_ops.h": 'extern "C" int tbegen_shared();\n',
+            f"{name}/ops.cpp": f'#include "tbegen/cpu_ops.h"\nextern "C" int tbegen_{name}() {{ return tbegen_shared(); }}\n'}
+
+
+def _call(lib: Path, function: str) -> int:
+    code = "import ctypes, sys; print(getattr(ctypes.CDLL(sys.argv[1]), sys.argv[2])())"
+    proc = subprocess.run([sys.executable, "-c", code, str(lib), function], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    return int(proc.stdout)
+
+
+def test_the_cpu_runtime_object_is_built_once_and_linked_into_every_library(fresh_cache, capfd):
+    runtime = 'extern "C" int tbegen_shared() { return 7; }\n'
+    a = build.build_files("rt_a", _with_runtime("rt_a", runtime), with_cuda=False, load=False)
+    b = build.build_files("rt_b", _with_runtime("rt_b", runtime), with_cuda=False, load=False)
+    err = capfd.readouterr().err
+    assert err.count("tbegen: building the CPU operators shared by every optimizer") == 1, err
+    runtime_entries = [p for p in fresh_cache.iterdir() if p.name.startswith(f"{build.RUNTIME_CPU_NAME}-cpu-")]
+    assert len(runtime_entries) == 1 and (runtime_entries[0] / "cpu_ops.o").is_file()
+    assert _call(a, "tbegen_rt_a") == 7 and _call(b, "tbegen_rt_b") == 7  # linked into both
+    ninja = (a.parent / "build.ninja").read_text()  # linked, not compiled again
+    assert "build cpu_ops.o:" not in ninja and str(runtime_entries[0] / "cpu_ops.o") in ninja
+    # other runtime sources: another runtime object, and another key for the optimizer's library
+    changed = build.build_files("rt_a", _with_runtime("rt_a", runtime.replace("7", "8")), with_cuda=False,
+                                load=False)
+    assert changed != a and _call(changed, "tbegen_rt_a") == 8
+    assert "tbegen: building the CPU operators shared by every optimizer" in capfd.readouterr().err
+    # sources without the runtime link nothing (TINY, and the libraries of older renders)
+    assert build._reused_objects("tiny", TINY, False, False) == []
+
+
+def test_a_spec_key_follows_the_cpu_runtime_sources():
+    spec = load_spec(str(ROOT / "optimizers" / "sgd.yaml"))
+    for with_cuda in (False, True):
+        files = build.spec_files(spec, with_cuda=with_cuda)
+        assert build.RUNTIME_CPU_SOURCE in files and "include/tbegen/cpu_ops.h" in files
+        runtime = build._runtime_files(files)
+        assert set(runtime) == {k for k in files if k.startswith("include/")}
+        for changed_file in (build.RUNTIME_CPU_SOURCE, "include/tbegen/cpu_kernels.h"):
+            changed = dict(files)
+            changed[changed_file] = changed[changed_file].replace("namespace cpu {", "namespace cpu {\nint x;", 1)
+            assert changed[changed_file] != files[changed_file]
+            assert build.cache_key(spec.name, changed, with_cuda) != build.cache_key(spec.name, files, with_cuda)
+            assert (build.cache_key(build.RUNTIME_CPU_NAME, build._runtime_files(changed), False)
+                    != build.cache_key(build.RUNTIME_CPU_NAME, runtime, False))
+
+
 # ---- build workers: one process builds many extensions and loads none of them ----------------
 
 
@@ -286,8 +340,9 @@ def test_prebuild_counts_the_extensions_it_has_built(fresh_cache, capfd, monkeyp
 
     def fake_build(name, files, with_cuda, verbose=False, load=True):
         assert not load
-        if name == build.RUNTIME_NAME:  # the CUDA code every optimizer links: its headers only
-            assert with_cuda and files and all(k.startswith("include/") for k in files)
+        if name in build.RUNTIMES:  # the code every optimizer links: its headers only
+            assert with_cuda == (name == build.RUNTIME_NAME)
+            assert build.RUNTIME_CPU_SOURCE in files and all(k.startswith("include/") for k in files)
         else:
             assert f"{name}/ops.cpp" in files and (f"{name}/kernels_cuda.cu" in files) == with_cuda
         asked.append((name, with_cuda))
@@ -297,15 +352,16 @@ def test_prebuild_counts_the_extensions_it_has_built(fresh_cache, capfd, monkeyp
     monkeypatch.setenv("MAX_JOBS", "1")  # (prebuild sets it where unset: keep this session's as it was)
     specs = [ROOT / "optimizers" / "sgd.yaml", ROOT / "optimizers" / "adam.yaml"]
     build.prebuild(specs, [False, True], jobs=1)
-    # the shared CUDA object first, then the CPU builds (whose ops.o the CUDA builds link)
-    assert asked == [(build.RUNTIME_NAME, True), ("sgd", False), ("adam", False), ("sgd", True), ("adam", True)]
+    # the shared objects first (CUDA, CPU), then the CPU builds (whose ops.o the CUDA builds link)
+    assert asked == [(build.RUNTIME_NAME, True), (build.RUNTIME_CPU_NAME, False), ("sgd", False), ("adam", False),
+                     ("sgd", True), ("adam", True)]
     err = capfd.readouterr().err
-    assert "tbegen: building 5 extension(s)" in err
-    for k in range(1, 6):
-        assert f"tbegen: [{k}/5] " in err
-    assert "[5/5] the adam extension (CPU + CUDA) is ready" in err
-    assert "tbegen: built 5 extension(s) in " in err
+    assert "tbegen: building 6 extension(s)" in err
+    for k in range(1, 7):
+        assert f"tbegen: [{k}/6] " in err
+    assert "[6/6] the adam extension (CPU + CUDA) is ready" in err
+    assert "tbegen: built 6 extension(s) in " in err
 
     asked.clear()  # CPU only: no shared CUDA object
-    build.prebuild(specs, [False], jobs=2)
-    assert sorted(asked) == [("adam", False), ("sgd", False)]
+    build.prebuild(specs, [False], jobs=1)
+    assert asked == [(build.RUNTIME_CPU_NAME, False), ("sgd", False), ("adam", False)]

@@ -34,7 +34,7 @@ SCHEMAS = {
     "backward": 'backward(Tensor grad_output, Tensor(a!) weights, Tensor features, int total_D, int max_D, int total_hash_size, Tensor indices, Tensor offsets, Tensor? per_sample_weights, int pooling, int max_segment_length_per_warp, bool stochastic_rounding, int seed, Tensor(b!) exp_avg, Tensor(c!) exp_avg_sq, float learning_rate, float beta1, float beta2, float eps, float weight_decay, int step, Tensor? error_record=None, bool skip_bad_indices=False, bool check_finite=True) -> ()',
 }
 
-SOURCES = ("ops.cpp",)
+SOURCES = ("ops.cpp",)  # plus include/tbegen/cpu_ops.cpp, shared by every optimizer
 CUDA_SOURCES = ("ops_cuda.cpp", "kernels_cuda.cu")  # plus include/tbegen/cuda_forward.cu, shared by every optimizer
 
 

@@ -3,6 +3,9 @@
 //
 // Host wrappers: the operator schemas of tbegen_partial_rowwise_lamb and their CPU implementations.
 // The CUDA implementations are registered by ops_cuda.cpp when the extension is built for CUDA.
+// forward, grad_per_sample_weights and describe_error do not depend on the optimizer: declared in
+// tbegen/cpu_ops.h, they are compiled once for all optimizers (include/tbegen/cpu_ops.cpp) and
+// linked in; this file compiles the optimizer's backward.
 #include <torch/library.h>
 
 #include "tbegen/cpu_ops.h"

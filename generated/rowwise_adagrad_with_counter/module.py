@@ -44,7 +44,7 @@ SCHEMAS = {
     "backward": 'backward(Tensor grad_output, Tensor(a!) weights, Tensor features, int total_D, int max_D, int total_hash_size, Tensor indices, Tensor offsets, Tensor? per_sample_weights, int pooling, int max_segment_length_per_warp, bool stochastic_rounding, int seed, Tensor(b!) momentum, Tensor(c!) prev_iter, Tensor(d!) row_counter, float learning_rate, float eps, float weight_decay, int weight_decay_mode, int regularization_mode, int counter_halflife, int adjustment_iter, float adjustment_ub, int learning_rate_mode, float max_counter, float tail_id_threshold, int is_tail_id_thresh_ratio, float weight_norm_coefficient, float lower_bound, int step, Tensor? error_record=None, bool skip_bad_indices=False, bool check_finite=True) -> ()',
 }
 
-SOURCES = ("ops.cpp",)
+SOURCES = ("ops.cpp",)  # plus include/tbegen/cpu_ops.cpp, shared by every optimizer
 CUDA_SOURCES = ("ops_cuda.cpp", "kernels_cuda.cu")  # plus include/tbegen/cuda_forward.cu, shared by every optimizer
 
 

@@ -1,5 +1,7 @@
 // tbegen runtime: CPU implementations of the operators, shared by every optimizer. They check the
 // arguments (host.h), dispatch on weight and index dtypes, and call the kernels (cpu_kernels.h).
+// The optimizer's backward is a template here, instantiated by each optimizer's ops.cpp; the
+// operators that do not depend on the optimizer are only declared (defined in cpu_ops.cpp).
 #pragma once
 
 #include "tbegen/cpu_kernels.h"
@@ -35,86 +37,21 @@ inline int64_t* record_data(const c10::optional<at::Tensor>& record) {
   return record.has_value() ? record->data_ptr<int64_t>() : nullptr;
 }
 
+// The operators that do not depend on the optimizer: defined in cpu_ops.cpp, which the build
+// compiles once per set of runtime headers and links into every optimizer's extension (hidden:
+// each extension calls its own copy, whatever other extensions a process has loaded).
+[[gnu::visibility("hidden")]] at::Tensor forward_cpu(const at::Tensor& weights, const at::Tensor& features,
+                                                     int64_t total_D, int64_t max_D, const at::Tensor& indices,
+                                                     const at::Tensor& offsets,
+                                                     const c10::optional<at::Tensor>& per_sample_weights,
+                                                     int64_t pooling, const c10::optional<at::Tensor>& error_record,
+                                                     bool skip_bad_indices);
+[[gnu::visibility("hidden")]] at::Tensor grad_per_sample_weights_cpu(
+    const at::Tensor& grad_output, const at::Tensor& weights, const at::Tensor& features, int64_t total_D,
+    int64_t max_D, const at::Tensor& indices, const at::Tensor& offsets, int64_t pooling,
+    const c10::optional<at::Tensor>& error_record, bool skip_bad_indices);
 // The message of an error record (see host.h), for callers that keep their own record.
-inline std::string describe_error(const at::Tensor& record, bool with_index_errors) {
-  return describe_error_record(record, with_index_errors);
-}
-
-// The stand-ins the forward kernels get for skipped bad indices (cpu_kernels.h's backward skips
-// them itself): row 0 with per-sample weight 0. Built only when a batch has bad indices.
-template <typename I>
-struct SkippedIndices {
-  at::Tensor indices;  // the batch's indices, each bad one replaced by 0
-  at::Tensor weights;  // the per-sample weights (1 where none were given), 0 at each bad index
-  SkippedIndices(const std::vector<int64_t>& bad, const at::Tensor& given,
-                 const c10::optional<at::Tensor>& per_sample_weights) {
-    if (bad.empty()) return;
-    indices = given.clone();
-    weights = per_sample_weights.has_value() ? per_sample_weights->clone() : at::ones({given.numel()}, given.options().dtype(at::kFloat));
-    I* ind = indices.data_ptr<I>();
-    float* w = weights.data_ptr<float>();
-    for (const int64_t i : bad) {
-      ind[i] = 0;
-      w[i] = 0.0f;
-    }
-  }
-};
-
-inline at::Tensor forward_cpu(const at::Tensor& weights, const at::Tensor& features, int64_t total_D,
-                              int64_t max_D, const at::Tensor& indices, const at::Tensor& offsets,
-                              const c10::optional<at::Tensor>& per_sample_weights, int64_t pooling,
-                              const c10::optional<at::Tensor>& error_record, bool skip_bad_indices) {
-  const Batch b = check_batch(weights, features, total_D, max_D, indices, offsets, per_sample_weights, pooling);
-  check_error_record(error_record, weights);
-  at::Tensor out = pooling == kPoolNone ? at::empty({b.N, b.max_D}, weights.options().dtype(at::kFloat))
-                                        : at::empty({b.B, b.total_D}, weights.options().dtype(at::kFloat));
-  dispatch_types(weights, indices, [&](auto w, auto i) {
-    using W = decltype(w);
-    using I = decltype(i);
-    const std::vector<int64_t> bad = check_indices_host<I>(b, features.data_ptr<int64_t>(), indices.data_ptr<I>(),
-                                                           offsets.data_ptr<I>(), skip_bad_indices,
-                                                           record_data(error_record));
-    if (bad.empty()) {
-      forward<W, I>(b, features.data_ptr<int64_t>(), weights.data_ptr<W>(), indices.data_ptr<I>(),
-                    offsets.data_ptr<I>(), optional_data(per_sample_weights), out.data_ptr<float>());
-      return;
-    }
-    // Skipped bad indices: each looks up row 0 with weight 0 (so it adds nothing, and a mean still
-    // divides by the bag's full length, as on CUDA); for pooling none its row is zeroed after.
-    const SkippedIndices<I> skip(bad, indices, per_sample_weights);
-    forward<W, I>(b, features.data_ptr<int64_t>(), weights.data_ptr<W>(), skip.indices.template data_ptr<I>(),
-                  offsets.data_ptr<I>(), skip.weights.template data_ptr<float>(), out.data_ptr<float>());
-    if (pooling == kPoolNone) {
-      for (const int64_t i : bad) out[i].zero_();
-    }
-  });
-  return out;
-}
-
-inline at::Tensor grad_per_sample_weights_cpu(const at::Tensor& grad_output, const at::Tensor& weights,
-                                              const at::Tensor& features, int64_t total_D, int64_t max_D,
-                                              const at::Tensor& indices, const at::Tensor& offsets,
-                                              int64_t pooling, const c10::optional<at::Tensor>& error_record,
-                                              bool skip_bad_indices) {
-  const Batch b = check_batch(weights, features, total_D, max_D, indices, offsets, c10::nullopt, pooling);
-  check_grad_output(b, grad_output, weights);
-  check_error_record(error_record, weights);
-  at::Tensor grad = at::empty({b.N}, weights.options().dtype(at::kFloat));
-  dispatch_types(weights, indices, [&](auto w, auto i) {
-    using W = decltype(w);
-    using I = decltype(i);
-    const std::vector<int64_t> bad = check_indices_host<I>(b, features.data_ptr<int64_t>(), indices.data_ptr<I>(),
-                                                           offsets.data_ptr<I>(), skip_bad_indices,
-                                                           record_data(error_record));
-    const SkippedIndices<I> skip(bad, indices, c10::nullopt);
-    grad_per_sample_weights<W, I>(b, features.data_ptr<int64_t>(), grad_output.data_ptr<float>(),
-                                  weights.data_ptr<W>(), (bad.empty() ? indices : skip.indices).template data_ptr<I>(),
-                                  offsets.data_ptr<I>(), grad.data_ptr<float>());
-    float* g = grad.data_ptr<float>();
-    for (const int64_t i : bad) g[i] = 0.0f;  // a skipped index's weight gets no gradient
-  });
-  return grad;
-}
+[[gnu::visibility("hidden")]] std::string describe_error(const at::Tensor& record, bool with_index_errors);
 
 template <class Opt>
 void backward_cpu(const at::Tensor& grad_output, const at::Tensor& weights, const at::Tensor& features,
