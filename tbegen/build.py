@@ -537,7 +537,9 @@ def _build_without_loading(cpp_extension, libname: str, out_dir: Path, build) ->
 
     load() with is_python_module=False ends by loading the library with torch.ops.load_library
     (its documented behaviour); while build() runs, that function is replaced by one that only
-    checks the path. Used only in build workers, which load nothing. Also forgets what
+    checks the path. Used only in build workers, which load nothing themselves: the library is then
+    loaded in a forked copy of the worker (`_load_in_a_fork`), so that one that does not load (an
+    unresolved symbol) fails its build, as it did when each build ran in a process of its own. Also forgets what
     cpp_extension remembers of an earlier build of the same name in this process (its versioner
     would otherwise build a second `libname` as `libname_v1`), so that rebuilding an entry
     (after a failure, or of a removed entry) makes out_dir/libname.so again."""
@@ -558,6 +560,40 @@ def _build_without_loading(cpp_extension, libname: str, out_dir: Path, build) ->
         torch.ops.load_library = real
     if [os.path.realpath(p) for p in asked] != [os.path.realpath(expected)] or not expected.is_file():
         raise RuntimeError(f"tbegen: cpp_extension did not build {expected} as expected (asked to load {asked})")
+    complaint = _load_in_a_fork(expected)
+    if complaint:
+        raise RuntimeError(f"tbegen: {expected.name} was built but does not load: {complaint}")
+
+
+def _load_in_a_fork(path: Path) -> str:
+    """Loads the library `path` in a forked copy of this process and returns "" or why it failed.
+
+    The worker itself loads nothing (see above), but a library with an unresolved symbol must fail
+    its build, not its first use from the cache: the fork has torch imported already, so the check
+    costs one dlopen. (Where fork is missing, nothing is checked.)"""
+    if not hasattr(os, "fork"):
+        return ""
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the copy: load, report, and leave without running any of this process's cleanup
+        os.close(read_end)
+        code = 0
+        try:
+            import ctypes
+
+            # (what torch.ops.load_library does, without its message that drops the loader's reason)
+            ctypes.CDLL(str(path))
+        except BaseException as e:  # noqa: BLE001 - everything is reported to the worker
+            os.write(write_end, f"{type(e).__name__}: {e}".encode(errors="replace")[:4000])
+            code = 1
+        os._exit(code)
+    os.close(write_end)
+    with os.fdopen(read_end, "rb") as f:
+        message = f.read().decode(errors="replace").strip()
+    _, status = os.waitpid(pid, 0)
+    if os.waitstatus_to_exitcode(status) == 0:
+        return ""
+    return message or f"the loading process ended with status {os.waitstatus_to_exitcode(status)}"
 
 
 def _worker_main(requests_fd: int, replies_fd: int) -> None:
@@ -591,10 +627,10 @@ def _worker_main(requests_fd: int, replies_fd: int) -> None:
                 reply = dict(ok=True)
             except CompileError as e:
                 reply = dict(ok=False, message=str(e), log=str(e.log_path))
-            except Exception:  # said on stderr; the worker stays usable
+            except Exception as e:  # said on stderr (the traceback) and in the reply; the worker stays usable
                 traceback.print_exc()
                 sys.stderr.flush()
-                reply = dict(ok=False)
+                reply = dict(ok=False, error=f"{type(e).__name__}: {e}")
             reply["cpu"] = _cpu_seconds() - t0
             replies.write(json.dumps(reply) + "\n")
             replies.flush()
@@ -719,7 +755,11 @@ def _compile_in_worker(name, files, with_cuda, out_dir, libname, verbose, object
 
         raise CompileError(reply["message"], Path(reply["log"]))
     if not reply["ok"]:
-        raise RuntimeError(f"tbegen: building {what} failed (see the compiler output above)")
+        error = reply.get("error", "")
+        if error.startswith("RuntimeError: tbegen: "):  # tbegen's own words: enough on their own
+            raise RuntimeError(f"tbegen: building {what} failed: {error[len('RuntimeError: tbegen: '):]}")
+        raise RuntimeError(f"tbegen: building {what} failed (see the compiler output above)"
+                           + (f": {error.splitlines()[0][:500]}" if error else ""))
     print(f"tbegen: built {what} in {time.perf_counter() - t0:.0f} s ({reply['cpu']:.0f} s of CPU time)",
           file=sys.stderr, flush=True)
 

@@ -272,7 +272,11 @@ def test_one_worker_builds_several_extensions_without_loading_them(fresh_cache, 
     second = build.build_files("mark_b", _marking("mark_b", marks), with_cuda=False, load=False)
     assert _idle_worker_pids() == pids  # the same worker built the second one
     assert first != second and first.is_file() and second.is_file()
-    assert list(marks.iterdir()) == []  # ... and loaded neither
+    # ... and loaded neither itself; each was loaded once, by a forked copy of it (the load check)
+    loaded_by = [p.name for p in marks.iterdir()]
+    assert f"loaded-{pids[0]}" not in loaded_by and len(loaded_by) == 2, loaded_by
+    for mark in marks.iterdir():
+        mark.unlink()
     err = capfd.readouterr().err
     for name in ("mark_a", "mark_b"):
         assert re.search(rf"tbegen: built the {name} extension \(CPU\) in [0-9]+ s \([0-9]+ s of CPU time\)", err), err
@@ -299,6 +303,18 @@ def test_a_compile_error_in_a_worker_is_reported_and_the_worker_builds_on(fresh_
     assert len(pids) == 1
     assert build.build_files("tiny", TINY, with_cuda=False, load=False).is_file()
     assert _idle_worker_pids() == pids
+
+
+def test_a_library_that_does_not_load_fails_its_build(fresh_cache):
+    """The worker loads each library in a fork before it is published: an unresolved symbol (which
+    linking a shared library allows) fails the build, not the first use from the cache."""
+    source = {"unresolved/ops.cpp": "extern int tbegen_nowhere_defined();\n"
+                                    "int tbegen_unresolved_answer = tbegen_nowhere_defined();\n"}
+    with pytest.raises(RuntimeError, match=r"was built but does not load: .*tbegen_nowhere_defined"):
+        build.build_files("unresolved", source, with_cuda=False, load=False)
+    assert not any(p.name.startswith("unresolved-cpu-") and p.is_dir() for p in fresh_cache.iterdir())
+    # the worker builds on
+    assert build.build_files("tiny", TINY, with_cuda=False, load=False).is_file()
 
 
 def test_a_worker_that_ends_is_replaced(fresh_cache, monkeypatch):
