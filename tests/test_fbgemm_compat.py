@@ -677,8 +677,12 @@ def test_rowwise_adagrad_with_counter_matches_fbgemm_cpu(config):
 
 
 def _counter_pair(fb, wd_mode, halflife, lr_mode, adjustment_iter, ub, cowclip=False, device="cpu"):
-    from fbgemm_gpu.tbe.config.optimizer_config import (
-        CounterBasedRegularizationDefinition, CounterWeightDecayMode, CowClipDefinition, LearningRateMode)
+    try:
+        from fbgemm_gpu.tbe.config.optimizer_config import (
+            CounterBasedRegularizationDefinition, CounterWeightDecayMode, CowClipDefinition, LearningRateMode)
+    except ImportError:  # FBGEMM_GPU 1.6 (the GPU machine's) defines them in its training module
+        from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
+            CounterBasedRegularizationDefinition, CounterWeightDecayMode, CowClipDefinition, LearningRateMode)
 
     tables = [(40, 8), (25, 12)]
     on_gpu = device != "cpu"
