@@ -112,7 +112,7 @@ def ideal_bytes(cfg, spec, unique, w_bytes):
 
 def bench_one(name, cfg_name, cfg, E, args, bw_tbs, placement="device"):
     spec = load_spec(str(find_spec(name)))
-    ops = build.load_spec(spec, with_cuda=True)
+    ops = build.load_ops(spec, with_cuda=True)
     layout = make_layout([(E, D) for D in cfg["Ds"]])
     feats = layout.features_tensor("cuda")
     placements = [placement] * len(cfg["Ds"])

@@ -59,7 +59,7 @@ def time_steps(step, nsets, warmup, iters):
 
 def bench_tbegen(name, sets, grad, args):
     spec = load_spec(str(find_spec(name)))
-    ops = build.load_spec(spec, with_cuda=False)
+    ops = build.load_ops(spec, with_cuda=False)
     layout = make_layout([(E, D)] * T)
     feats = layout.features_tensor()
     weights = torch.empty(layout.weights_numel).uniform_(-0.01, 0.01)

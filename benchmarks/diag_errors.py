@@ -10,7 +10,7 @@ sys.path.insert(0, '.')
 from tbegen import build
 from tbegen.spec import load_spec
 from tbegen.layout import make_layout
-spec = load_spec('optimizers/adagrad.yaml'); ops = build.load_spec(spec, with_cuda=True)
+spec = load_spec('optimizers/adagrad.yaml'); ops = build.load_ops(spec, with_cuda=True)
 layout = make_layout([(10, 16)])
 def run(dev):
     w = torch.randn(layout.weights_numel, device=dev); acc = torch.zeros_like(w)

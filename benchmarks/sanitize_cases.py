@@ -27,7 +27,7 @@ CASES = [
 failures = 0
 for name in sys.argv[1:] or ["rowwise_adagrad", "adam"]:
     spec = load_spec(str(find_spec(name)))
-    ops = build.load_spec(spec, with_cuda=True)
+    ops = build.load_ops(spec, with_cuda=True)
     for case in CASES:
         r = harness.run_case(spec, ops, case, device="cuda")
         failures += bool(r.failures)

@@ -108,6 +108,46 @@ def cuda_arch_list() -> str:
     return "9.0"
 
 
+def cuda_code() -> str:
+    """What a CUDA build makes of the device code: "sass" (machine code for cuda_arch_list(), what a
+    GPU runs) or "ptx" (the architectures' PTX only, which a driver would compile when the library
+    is loaded on a GPU). $TBEGEN_CUDA_CODE chooses; by default "sass" where a GPU is present and
+    "ptx" where none is. A CUDA build on a machine without a GPU (CI) can only check that every
+    kernel compiles and links: nvcc's front end and optimizer still see all of it, and leaving
+    out ptxas, the assembler, halves the time (benchmarks/NOTES-ci.md). The GPU machine builds
+    machine code and runs the kernels."""
+    code = os.environ.get("TBEGEN_CUDA_CODE")
+    if code is None:
+        return "sass" if torch.cuda.is_available() else "ptx"
+    if code not in ("sass", "ptx"):
+        raise ValueError(f"tbegen: TBEGEN_CUDA_CODE={code!r}: expected 'sass' (machine code) or 'ptx'")
+    return code
+
+
+def _compute_capabilities(arch_list: str) -> List[str]:
+    """"8.0;9.0+PTX" -> ["80", "90"] (TORCH_CUDA_ARCH_LIST's numeric form; named architectures are
+    not accepted here)."""
+    found = []
+    for item in re.split(r"[;\s]+", arch_list.strip()):
+        if not item:
+            continue
+        m = re.fullmatch(r"([0-9]+)\.([0-9]+)([a-z]?)(\+PTX)?", item)
+        if m is None:
+            raise ValueError(f"tbegen: TORCH_CUDA_ARCH_LIST={arch_list!r}: {item!r} is not an architecture "
+                             "number such as 9.0 (needed to build PTX: TBEGEN_CUDA_CODE=ptx)")
+        found.append(f"{m.group(1)}{m.group(2)}{m.group(3)}")
+    return found
+
+
+def cuda_flags() -> List[str]:
+    """nvcc's flags for the CUDA sources: CUDA_FLAGS, and for cuda_code() "ptx" a PTX-only
+    -gencode per architecture (cpp_extension then adds no architecture flags of its own)."""
+    if cuda_code() == "sass":
+        return list(CUDA_FLAGS)
+    return list(CUDA_FLAGS) + [f"-gencode=arch=compute_{c},code=compute_{c}"
+                               for c in _compute_capabilities(cuda_arch_list())]
+
+
 def cpu_arch_flags() -> List[str]:
     """Instruction-set flags for the C++ sources, from $TBEGEN_CPU_ARCH.
 
@@ -183,7 +223,7 @@ def cache_key(name: str, files: Dict[str, str], with_cuda: bool) -> str:
     if "-march=native" in flags:
         h.update(_host_cpu().encode())
     if with_cuda:
-        h.update(cuda_arch_list().encode())
+        h.update(f"{cuda_arch_list()}\0{cuda_flags()}".encode())
     for rel in sorted(files):  # what the compiler sees (a reference-only change rebuilds nothing)
         h.update(rel.encode() + b"\0" + compiled_text(files[rel]).encode() + b"\0")
     return h.hexdigest()[:16]
@@ -371,6 +411,8 @@ def build_files(name: str, files: Dict[str, str], with_cuda: bool, verbose: bool
     entry = root / f"{name}-{'cuda' if with_cuda else 'cpu'}-{key}"
     if not _is_published(entry):
         objects = [] if name in RUNTIMES else _reused_objects(name, files, with_cuda, verbose)
+        if with_cuda:
+            _say_cuda_code_once()
         with _entry_lock(root, entry, _describe(name, with_cuda)):
             if not _is_published(entry):  # unless another process built it while we waited
                 tmp = Path(tempfile.mkdtemp(prefix=f".{entry.name}.", dir=root))
@@ -388,6 +430,18 @@ def build_files(name: str, files: Dict[str, str], with_cuda: bool, verbose: bool
         torch.ops.load_library(str(lib_path))
         _LOADED[namespace] = key
     return lib_path
+
+
+_SAID_CUDA_CODE = []
+
+
+def _say_cuda_code_once() -> None:
+    """Says, once per process, that CUDA builds here make PTX only (see cuda_code)."""
+    if cuda_code() == "ptx" and not _SAID_CUDA_CODE:
+        _SAID_CUDA_CODE.append(True)
+        reason = "TBEGEN_CUDA_CODE=ptx" if os.environ.get("TBEGEN_CUDA_CODE") else "no GPU here"
+        print(f"tbegen: {reason}: the CUDA builds compile the device code to PTX only, which checks that it "
+              "compiles and links; TBEGEN_CUDA_CODE=sass builds machine code", file=sys.stderr, flush=True)
 
 
 def _object_name(source: str) -> str:
@@ -491,7 +545,7 @@ def _load_extension(cpp_extension, name, libname, sources, src, out_dir, with_cu
         extra_include_paths=[str(src / "include"), str(src / name)]
         + (_cuda_library_includes() if with_cuda else []),
         extra_cflags=cxx_flags(),
-        extra_cuda_cflags=CUDA_FLAGS,
+        extra_cuda_cflags=cuda_flags(),
         extra_ldflags=list(objects) + (_cuda_link_flags() if with_cuda else []),
         build_directory=str(out_dir),
         with_cuda=with_cuda,
@@ -786,8 +840,9 @@ def spec_files(spec: OptimizerSpec, with_cuda: bool) -> Dict[str, str]:
     return files
 
 
-def load_spec(spec: OptimizerSpec, with_cuda: Optional[bool] = None, verbose: bool = False):
-    """Renders a spec in memory, builds it (cached) and returns torch.ops.tbegen_NAME."""
+def load_ops(spec: OptimizerSpec, with_cuda: Optional[bool] = None, verbose: bool = False):
+    """Renders a parsed spec in memory, builds it (cached), loads it and returns its operators,
+    torch.ops.tbegen_NAME. (tbegen.spec.load_spec parses a spec file; this builds one.)"""
     use_cuda = cuda_wanted(with_cuda)
     build_files(spec.name, spec_files(spec, use_cuda), use_cuda, verbose)
     return getattr(torch.ops, f"tbegen_{spec.name}")

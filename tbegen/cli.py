@@ -160,7 +160,7 @@ def test(optimizer, device, quick, verbose):
     from .compile_errors import CompileError
 
     try:
-        ops = build.load_spec(spec, with_cuda=(device == "cuda"), verbose=verbose)
+        ops = build.load_ops(spec, with_cuda=(device == "cuda"), verbose=verbose)
     except CompileError as e:  # already in the spec's terms, with the log's path: no traceback
         raise click.ClickException(str(e))
     click.echo(f"{spec.name}: extension ready in {time.perf_counter() - t0:.1f} s")

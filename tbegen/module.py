@@ -74,14 +74,14 @@ _MODULE_ARGS = (
 
 from .model import INT64_MAX as _INT64_MAX, INT64_MIN as _INT64_MIN
 
-# OptimizerSpec -> torch.ops.tbegen_NAME (build.load_spec caches too, but re-renders to hash).
+# OptimizerSpec -> torch.ops.tbegen_NAME (build.load_ops caches too, but re-renders to hash).
 _OPS: Dict[OptimizerSpec, Any] = {}
 
 
 def _ops_for(spec: OptimizerSpec):
     ops = _OPS.get(spec)
     if ops is None:
-        ops = build.load_spec(spec, with_cuda=None)
+        ops = build.load_ops(spec, with_cuda=None)
         _OPS[spec] = ops
     return ops
 

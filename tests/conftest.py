@@ -58,7 +58,7 @@ def load_ops(prebuilt):
     def load(name):
         if name not in _OPS:
             spec = load_spec(str(SPECS[name]))
-            _OPS[name] = (spec, build.load_spec(spec, with_cuda=HAS_CUDA))
+            _OPS[name] = (spec, build.load_ops(spec, with_cuda=HAS_CUDA))
         return _OPS[name]
 
     return load

@@ -32,7 +32,7 @@ def test_compiler_error_points_at_the_yaml_line(tmp_path, monkeypatch):
     spec_path.write_text(BROKEN)
     code = (
         "import sys; from tbegen import build; from tbegen.spec import load_spec\n"
-        f"build.load_spec(load_spec({str(spec_path)!r}), with_cuda=False)\n"
+        f"build.load_ops(load_spec({str(spec_path)!r}), with_cuda=False)\n"
     )
     env = {"TBEGEN_BUILD_DIR": str(tmp_path / "cache"), "PATH": "/usr/bin:/bin:/usr/local/bin",
            "PYTHONPATH": str(ROOT), "HOME": str(tmp_path)}
@@ -79,7 +79,7 @@ def test_a_second_load_hits_the_cache(load_ops, tmp_path):
 
     spec, _ = load_ops("sgd")  # built (and loaded) by the session fixture
     t0 = time.perf_counter()
-    build.load_spec(spec, with_cuda=build.cuda_wanted(None))
+    build.load_ops(spec, with_cuda=build.cuda_wanted(None))
     assert time.perf_counter() - t0 < 5.0
 
 

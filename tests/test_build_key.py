@@ -3,6 +3,9 @@ spec's reference, summary, docs or YAML comments rebuilds nothing; editing its c
 
 from pathlib import Path
 
+import pytest
+import torch
+
 from tbegen import build
 from tbegen.spec import load_spec_text
 
@@ -38,3 +41,26 @@ def test_comment_stripping_never_hides_code():
     for text in ['s = "http://x";', "/* a // b */ x = 1;", "// c \\", "x = 1; // it's */"]:
         assert build.compiled_text(text) == text
     assert build.compiled_text("// c \\\ny = 1;") != build.compiled_text("// c\ny = 1;")
+
+
+def test_cuda_code_choice_and_its_flags(monkeypatch):
+    """build.cuda_code: machine code where a GPU is, PTX only where none is (a CUDA build there is a
+    compile-and-link check), $TBEGEN_CUDA_CODE to choose; the choice is part of a CUDA build's key."""
+    monkeypatch.delenv("TBEGEN_CUDA_CODE", raising=False)
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "8.0;9.0a+PTX")
+    assert build.cuda_code() == ("sass" if torch.cuda.is_available() else "ptx")
+    monkeypatch.setenv("TBEGEN_CUDA_CODE", "ptx")
+    assert build.cuda_flags() == build.CUDA_FLAGS + ["-gencode=arch=compute_80,code=compute_80",
+                                                     "-gencode=arch=compute_90a,code=compute_90a"]
+    files = {"k/ops.cpp": "int f() { return 1; }\n"}
+    ptx_key, cpu_key = build.cache_key("k", files, True), build.cache_key("k", files, False)
+    monkeypatch.setenv("TBEGEN_CUDA_CODE", "sass")
+    assert build.cuda_flags() == build.CUDA_FLAGS  # (cpp_extension adds the -gencode for sm_XY)
+    assert build.cache_key("k", files, True) != ptx_key and build.cache_key("k", files, False) == cpu_key
+    monkeypatch.setenv("TBEGEN_CUDA_CODE", "cubin")
+    with pytest.raises(ValueError, match="TBEGEN_CUDA_CODE='cubin': expected 'sass' \\(machine code\\) or 'ptx'"):
+        build.cuda_code()
+    monkeypatch.setenv("TBEGEN_CUDA_CODE", "ptx")
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "Hopper")
+    with pytest.raises(ValueError, match="'Hopper' is not an architecture number"):
+        build.cuda_flags()

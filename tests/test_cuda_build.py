@@ -86,3 +86,16 @@ def test_managed_memory_operators_check_arguments_without_a_gpu(prebuilt):
         "tbegen: managed_advise: location must be 'host' or 'device', got 'hbm'",
         "tbegen: managed_advise: the tensor must be a contiguous CUDA tensor",
     ]
+
+
+def test_the_device_code_is_what_cuda_code_says(registered):
+    """Without a GPU (CI) the CUDA builds make PTX only (build.cuda_code); with one, machine code.
+    Read from the build file each cache entry keeps."""
+    spec = load_spec(str(next(iter(SPECS.values()))))
+    lib = build.build_files(spec.name, build.spec_files(spec, True), True, load=False)
+    ninja = (lib.parent / "build.ninja").read_text()
+    caps = build._compute_capabilities(build.cuda_arch_list())
+    if build.cuda_code() == "ptx":
+        assert all(f"code=compute_{c}" in ninja for c in caps) and "code=sm_" not in ninja
+    else:
+        assert all(f"code=sm_{c}" in ninja for c in caps)

@@ -86,7 +86,7 @@ def test_cpu_and_cuda_kernels_agree_and_are_recorded(load_ops, record_result, na
 def test_issue_14_spec_disagrees_on_the_gpu_and_lane_split_refuses_it(record_result):
     path = ROOT / "tests" / "specs_bad" / "row_acc_in_element.yaml"
     spec = load_spec_text(path.read_text(), str(path), check_snippets=False)
-    ops = build.load_spec(spec, with_cuda=True)
+    ops = build.load_ops(spec, with_cuda=True)
     case = harness.Case(tables=harness.MIXED_TABLES, pooling="sum", seed=304)
     inputs = _inputs(spec, case)
     plain = _differences(spec, ops, case, *inputs, "cpu", "cuda")

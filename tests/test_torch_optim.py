@@ -101,7 +101,7 @@ def built():
     def get(name: str):
         if name not in cache:
             spec = tbegen.spec.load_spec(str(ROOT / "optimizers" / f"{name}.yaml"))
-            cache[name] = (spec, tbegen.build.load_spec(spec, with_cuda=False))
+            cache[name] = (spec, tbegen.build.load_ops(spec, with_cuda=False))
         return cache[name]
 
     return get

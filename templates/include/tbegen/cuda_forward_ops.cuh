@@ -61,8 +61,11 @@ inline at::Tensor forward_cuda(const at::Tensor& weights, const at::Tensor& feat
           };
           using Yes = std::true_type;
           using No = std::false_type;
-          // (with kVecs > 1 the lane-group loop always exists, for the narrow tables among wide ones)
-          if (kVecs > 1 || narrowest_D <= 64) {
+          // (with kVecs > 1 the lane-group loop always exists, for the narrow tables among wide
+          // ones: the variants without it are not even instantiated)
+          if constexpr (kVecs > 1) {
+            b.weighted ? launch(Yes{}, Yes{}) : launch(Yes{}, No{});
+          } else if (narrowest_D <= 64) {
             b.weighted ? launch(Yes{}, Yes{}) : launch(Yes{}, No{});
           } else {
             b.weighted ? launch(No{}, Yes{}) : launch(No{}, No{});
