@@ -585,6 +585,21 @@ def _hyper_value(type_: str, value: Any) -> Tuple[Any, str]:
         return _MISSING, str(e)
 
 
+def _parse_hyper_value(fields: _Fields, key: str, type_: Optional[str], none_hint: str = "") -> Optional[HyperValue]:
+    """An optional value of the hyperparameter's type (`default`, `test_base`), or None (absent,
+    or wrong: reported; `none_hint` is added when the YAML value is null)."""
+    if not fields.has(key):
+        return None
+    raw = fields.pop(key)
+    if type_ is None:
+        return None  # the type's own problem is already reported
+    value, why = _hyper_value(type_, raw)
+    if value is _MISSING:
+        fields.problems.add(fields.value_line(key), fields.path(key), why + (none_hint if raw is None else ""))
+        return None
+    return value
+
+
 def _parse_choices(fields: _Fields, type_: Optional[str], key: str = "choices") -> Optional[Tuple[HyperValue, ...]]:
     """`choices` (or `test`): a non-empty list of values of the hyperparameter's type."""
     value = fields.pop(key)
@@ -616,43 +631,16 @@ def _parse_hyperparameter(problems: _Problems, name: Any, value: Any, field: str
     fields = _Fields(problems, mapping, field, line, HYPERPARAMETER_KEYS)
     type_ = _pop_choice(fields, "type", HYPERPARAMETER_TYPES)
 
-    default = None
-    if fields.has("default"):
-        raw = fields.pop("default")
-        if type_ is not None:
-            default, message = _hyper_value(type_, raw)
-            if default is _MISSING:
-                if raw is None:
-                    message += " (leave `default` out to make the hyperparameter required)"
-                problems.add(fields.value_line("default"), fields.path("default"), message)
-                default = None
-
+    default = _parse_hyper_value(fields, "default", type_, " (leave `default` out to make the hyperparameter required)")
     choices = _parse_choices(fields, type_) if fields.has("choices") else None
-    if choices is not None and default is not None and default not in choices:
-        problems.add(
-            fields.value_line("default"),
-            fields.path("default"),
-            f"{default!r} is not one of the choices {list(choices)!r}",
-        )
-
     test_values = _parse_choices(fields, type_, "test") if fields.has("test") else None
-    if test_values is not None and choices is not None:
-        outside = [v for v in test_values if v not in choices]
-        if outside:
-            problems.add(fields.value_line("test"), fields.path("test"),
-                         f"{outside!r} not among the choices {list(choices)!r}")
-
-    test_base = None
-    if fields.has("test_base"):
-        raw = fields.pop("test_base")
-        if type_ is not None:
-            test_base, why = _hyper_value(type_, raw)
-            if test_base is _MISSING:
-                problems.add(fields.value_line("test_base"), fields.path("test_base"), why)
-                test_base = None
-            elif choices is not None and test_base not in choices:
-                problems.add(fields.value_line("test_base"), fields.path("test_base"),
-                             f"{test_base!r} is not one of the choices {list(choices)!r}")
+    test_base = _parse_hyper_value(fields, "test_base", type_)
+    if choices is not None:
+        for key, values in (("default", [default]), ("test", test_values or []), ("test_base", [test_base])):
+            outside = [v for v in values if v is not None and v not in choices]
+            if outside:
+                message = (f"{outside!r} not among" if key == "test" else f"{outside[0]!r} is not one of")
+                problems.add(fields.value_line(key), fields.path(key), f"{message} the choices {list(choices)!r}")
 
     doc = _pop_string(fields, "doc", "")
     fields.finish()
