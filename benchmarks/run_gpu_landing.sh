@@ -3,12 +3,12 @@
 # per-call limit), from the repository root:
 #   1. build the four benchmarked optimizers' CUDA extensions;
 #   2. the benchmark beside FBGEMM_GPU (the referee, .anchor/bench_tbe.py --check), while the other
-#      eight extensions build at low priority (the benchmark's timed work is on the GPU), then the
-#      backward against max_segment_length_per_warp (benchmarks/sweep_segment_length.py; SWEEP=0 skips);
+#      eleven extensions build at low priority (the benchmark's timed work is on the GPU), then the
+#      kernel profiles of the worst cells (PROFILE) and, with SWEEP=1, the segment-length sweep;
 #   3. every CUDA test (test_cuda, test_module, test_bad_input, the lane-split CPU/CUDA comparison),
 #      FBGEMM_GPU differential tests (test_fbgemm_compat -m cuda), TorchRec over NCCL on one rank
 #      (test_torchrec -m cuda and examples/torchrec_training.py, with the wheels in .whl/);
-#   4. compute-sanitizer memcheck and racecheck over benchmarks/sanitize_cases.py.
+#   4. compute-sanitizer memcheck and racecheck over benchmarks/sanitize_cases.py (into extras.log).
 # Carry .anchor (FBGEMM bundle and referee) and .whl (TorchRec 1.6.1 and its pure-Python wheels:
 # benchmarks/fetch_gpu_wheels.sh). Output: at
 # most 8 files under $OUT (the device tool's limit).
@@ -45,9 +45,28 @@ rest_pid=$!
 PYTHONPATH=/tmp/fbg_site:$PYTHONPATH CUDA_MODULE_LOADING=LAZY timeout ${BENCH_TIMEOUT:-200} python3 .anchor/bench_tbe.py --check \
   --systems fbgemm,tbegen --fast-init --budget-s ${BENCH_BUDGET:-150} --out "$OUT/fbgemm" > "$OUT/fbgemm.log" 2>&1 || status=1
 grep -vi "compat table" "$OUT/fbgemm.log" | grep -E "^C[123] " | tail -n 24
-rm -f "$OUT/fbgemm/env.json" "$OUT/fbgemm/profiles.json"
-# the backward against max_segment_length_per_warp (benchmarks/sweep_segment_length.py), SWEEP=0 skips
-if [ "${SWEEP:-1}" = 1 ]; then
+rm -f "$OUT/fbgemm/env.json" "$OUT/fbgemm/profiles.json"  # (profiles.json: the PROFILE step below)
+# where the time goes, kernel by kernel, in the cells named by PROFILE (config:OPT,...; default the
+# three worst backward cells of run N, about 60 s; PROFILE= skips):
+# bench_tbe.py --profile, FBGEMM and tbegen, into fbgemm/profiles.json
+if [ -n "${PROFILE-C2:EXACT_ADAGRAD,C1:EXACT_ADAGRAD,C3:ADAM}" ]; then
+  for cell in $(echo "${PROFILE-C2:EXACT_ADAGRAD,C1:EXACT_ADAGRAD,C3:ADAM}" | tr ',' ' '); do
+    PYTHONPATH=/tmp/fbg_site:$PYTHONPATH CUDA_MODULE_LOADING=LAZY timeout ${PROFILE_TIMEOUT:-60} python3 .anchor/bench_tbe.py \
+      --configs "${cell%%:*}" --opts "${cell##*:}" --systems fbgemm,tbegen --fast-init --profile --iters 10 \
+      --out "$OUT/profile" >> "$OUT/fbgemm.log" 2>&1 || log "profile of $cell failed or timed out"
+    python3 - "$OUT/profile/profiles.json" "$OUT/fbgemm/profiles.json" <<'PY' || log "profile of $cell not kept"
+import json, os, sys
+new = json.load(open(sys.argv[1]))
+old = json.load(open(sys.argv[2])) if os.path.exists(sys.argv[2]) else {}
+old.update(new)
+json.dump(old, open(sys.argv[2], "w"), indent=1)
+PY
+  done
+  rm -rf "$OUT/profile"
+fi
+# the backward against max_segment_length_per_warp (benchmarks/sweep_segment_length.py; run N: the
+# default 32 is best, so SWEEP=1 runs it again only on request)
+if [ "${SWEEP:-0}" = 1 ]; then
   echo "== max_segment_length_per_warp sweep" >> "$OUT/fbgemm.log"
   PYTHONPATH=.anchor:$PYTHONPATH timeout ${SWEEP_TIMEOUT:-100} python3 benchmarks/sweep_segment_length.py \
     >> "$OUT/fbgemm.log" 2>&1 || log "sweep failed or timed out"
@@ -92,7 +111,7 @@ for tool in memcheck racecheck; do
   log "compute-sanitizer --tool $tool"
   PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout ${SANITIZE_TIMEOUT:-70} compute-sanitizer --tool $tool --print-limit 20 \
     python3 benchmarks/sanitize_cases.py rowwise_adagrad adam > "$OUT/sanitize.tmp" 2>&1 || status=1
-  { echo "== $tool"; cat "$OUT/sanitize.tmp"; } >> "$OUT/sanitize.log"; rm -f "$OUT/sanitize.tmp"
-  grep -E "ERROR SUMMARY|RACECHECK SUMMARY" "$OUT/sanitize.log" | tail -n 1
+  { echo "== $tool"; tail -n 60 "$OUT/sanitize.tmp"; } >> "$OUT/extras.log"
+  grep -E "ERROR SUMMARY|RACECHECK SUMMARY" "$OUT/sanitize.tmp" | tail -n 1; rm -f "$OUT/sanitize.tmp"
 done
 exit $status
