@@ -1,8 +1,10 @@
 // Forward kernel experiment (H200): the shipped 4-wide forward kernel beside candidate variants, on
 // the benchmark's C1 (uniform) and C2 (Zipf) batches: T=32 tables of 1,000,000 x 128 fp32 rows,
 // B=16384, L=20, sum pooling, int64 indices. Each variant's output is compared bitwise with the
-// kernel shipped before run M (same order of additions), then timed with CUDA events (median of
-// 20), warm (one batch again and again) and cold (4 batches in turn, L2 flushed before each).
+// shipped kernel's (same order of additions), then timed with CUDA events (median of 20), warm
+// (one batch again and again) and cold (4 batches in turn, L2 flushed before each). (Run M's
+// outputs, docs/gpu-runs/2026-12-03-m/forward_variants_*.txt, also timed the kernel shipped
+// before it, since removed from this file.)
 //
 //   nvcc -O3 -std=c++17 -arch=sm_90 --expt-relaxed-constexpr -I templates/include \
 //        -I $(python3 -c 'import torch,os;print(os.path.dirname(torch.__file__))')/include \
@@ -35,129 +37,6 @@ using namespace tbegen::cuda;
   } while (0)
 
 // ---- candidates ---------------------------------------------------------------------------------
-
-// The forward kernel as shipped before run M (kept here for comparison). One warp per bag. The bag's indices are read 32 at a time, one per lane, and broadcast with
-// shuffles. A row of D >= 128 is spread over the whole warp (each lane holds kVecs 4-wide slices
-// of the accumulator); a narrower row needs only lanes_for_row(D) lanes, so the warp splits into
-// that many-lane groups that each add every (32 / lanes)-th row of the bag, several rows' loads
-// in flight at once, and the groups' sums are added at the end (a fixed order for a given D).
-template <typename W, typename I, int kVecs>
-__global__ void __launch_bounds__(256) old_forward_kernel(ForwardArgs a, const W* __restrict__ weights,
-                                                      const I* __restrict__ indices,
-                                                      const I* __restrict__ offsets) {
-  const int lane = threadIdx.x % kWarpSize;
-  const int64_t nbags = a.F * a.B;
-  const int64_t warps = int64_t(gridDim.x) * blockDim.x / kWarpSize;
-  for (int64_t bag = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / kWarpSize; bag < nbags; bag += warps) {
-    int64_t start, end;
-    const bool bounds_ok = bag_bounds(offsets, bag, nbags, a.N, a.error, &start, &end);
-    if (!bounds_ok) start = end = 0;  // (sum/mean: the bag's output is written as zeros)
-    const int64_t f = bag / a.B, b = bag % a.B;
-    const int64_t* ft = a.feat + f * kFeatColumns;
-    const int D = int(ft[kFeatDim]);
-    if (!bounds_ok && a.pooling == kPoolNone) continue;
-    const int group_lanes = lanes_for_row(D);
-    const int groups = kWarpSize / group_lanes;
-    const int group = lane / group_lanes;
-    const int d0 = 4 * (lane % group_lanes);  // this lane's first column (groups > 1: its only one)
-    float acc[kVecs][4];
-#pragma unroll
-    for (int v = 0; v < kVecs; ++v)
-#pragma unroll
-      for (int c = 0; c < 4; ++c) acc[v][c] = 0.0f;
-    for (int64_t base = start; base < end; base += kWarpSize) {
-      // lane j fetches index base + j and its row offset
-      const int64_t my_i = base + lane;
-      int64_t my_off = -1;
-      float my_scale = 0.0f;
-      if (my_i < end) {
-        my_off = row_offset(ft, int64_t(indices[my_i]), my_i, a.weights_numel, a.error);
-        my_scale = a.psw ? a.psw[my_i] : 1.0f;
-      }
-      const int n = end - base < kWarpSize ? int(end - base) : kWarpSize;
-      if (a.pooling == kPoolNone) {
-        for (int j = 0; j < n; ++j) {
-          const int64_t off = __shfl_sync(kFullMask, my_off, j);
-          const float s = __shfl_sync(kFullMask, my_scale, j);
-          if (off < 0) continue;
-          float* o = a.out + (base + j) * a.max_D;
-#pragma unroll
-          for (int v = 0; v < kVecs; ++v) {
-            const int d = v * 128 + 4 * lane;
-            if (d < D) {
-              float x[4];
-              load_weights4(weights + off + d, x);
-#pragma unroll
-              for (int c = 0; c < 4; ++c) x[c] *= s;
-              store4(o + d, x);
-            }
-          }
-        }
-      } else if (groups == 1) {
-        // unrolled so that several rows' loads are in flight at once
-#pragma unroll 8
-        for (int j = 0; j < n; ++j) {
-          const int64_t off = __shfl_sync(kFullMask, my_off, j);
-          const float s = __shfl_sync(kFullMask, my_scale, j);
-          if (off < 0) continue;
-#pragma unroll
-          for (int v = 0; v < kVecs; ++v) {
-            const int d = v * 128 + 4 * lane;
-            if (d < D) {
-              float x[4];
-              load_weights4(weights + off + d, x);
-#pragma unroll
-              for (int c = 0; c < 4; ++c) acc[v][c] += s * x[c];
-            }
-          }
-        }
-      } else {
-#pragma unroll 4
-        for (int j0 = 0; j0 < n; j0 += groups) {
-          const int j = j0 + group;
-          const int src = j < n ? j : 0;
-          const int64_t off = __shfl_sync(kFullMask, my_off, src);
-          const float s = __shfl_sync(kFullMask, my_scale, src);
-          if (j < n && off >= 0 && d0 < D) {
-            float x[4];
-            load_weights4(weights + off + d0, x);
-#pragma unroll
-            for (int c = 0; c < 4; ++c) acc[0][c] += s * x[c];
-          }
-        }
-      }
-    }
-    if (a.pooling == kPoolNone) continue;
-    // the groups' partial sums, added across the warp (every group ends with the total)
-    for (int o = group_lanes; o < kWarpSize; o <<= 1) {
-#pragma unroll
-      for (int c = 0; c < 4; ++c) acc[0][c] += __shfl_xor_sync(kFullMask, acc[0][c], o);
-    }
-    const float scale = (a.pooling == kPoolMean && end > start) ? 1.0f / float(end - start) : 1.0f;
-    float* o = a.out + b * a.total_D + ft[kFeatOutOffset];
-    if (groups > 1) {
-      if (group == 0 && d0 < D) {
-        float x[4];
-#pragma unroll
-        for (int c = 0; c < 4; ++c) x[c] = acc[0][c] * scale;
-        store4(o + d0, x);
-      }
-      continue;
-    }
-#pragma unroll
-    for (int v = 0; v < kVecs; ++v) {
-      const int d = v * 128 + 4 * lane;
-      if (d < D) {
-        float x[4];
-#pragma unroll
-        for (int c = 0; c < 4; ++c) x[c] = acc[v][c] * scale;
-        store4(o + d, x);
-      }
-    }
-  }
-}
-
-
 
 // "cand": the shipped kernel's loop (groups of lanes per row, one bag per warp, a warp for every
 // bag) with its tunables exposed: rows in flight (kUnroll), block size, a minimum of resident
@@ -350,8 +229,6 @@ int main(int argc, char** argv) {
   };
   auto full = [&](int per_block) { return int((nbags + per_block - 1) / per_block); };
   std::vector<Variant> variants = {
-      {"old shipped (grid-stride, 64-bit)",
-       [&](float* o) { a.out = o; old_forward_kernel<float, int64_t, 1><<<grid_capped(nbags), 256>>>(a, w, dind, doff); }},
       {"shipped: plain loop (every D > 64)",
        [&](float* o) { a.out = o; forward_kernel<float, int64_t, 1, false, false><<<full(8), 256>>>(a, w, dind, doff); }},
       {"shipped: lane-group loop (some D <= 64)",

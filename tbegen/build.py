@@ -432,13 +432,10 @@ def build_files(name: str, files: Dict[str, str], with_cuda: bool, verbose: bool
     return lib_path
 
 
-_SAID_CUDA_CODE = []
-
-
+@functools.lru_cache(maxsize=None)
 def _say_cuda_code_once() -> None:
     """Says, once per process, that CUDA builds here make PTX only (see cuda_code)."""
-    if cuda_code() == "ptx" and not _SAID_CUDA_CODE:
-        _SAID_CUDA_CODE.append(True)
+    if cuda_code() == "ptx":
         reason = "TBEGEN_CUDA_CODE=ptx" if os.environ.get("TBEGEN_CUDA_CODE") else "no GPU here"
         print(f"tbegen: {reason}: the CUDA builds compile the device code to PTX only, which checks that it "
               "compiles and links; TBEGEN_CUDA_CODE=sass builds machine code", file=sys.stderr, flush=True)

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Sequence, Tuple
 
+import functools
 import re
 from pathlib import Path
 
@@ -20,10 +21,15 @@ POOLING = {"sum": 0, "mean": 1, "none": 2}
 COMMON_HEADER = Path(__file__).resolve().parent.parent / "templates" / "include" / "tbegen" / "common.h"
 
 
+@functools.lru_cache(maxsize=None)
+def _header_text(header: Path) -> str:
+    return header.read_text()  # (read once: both limits come from it)
+
+
 def header_constant(name: str, header: Path = COMMON_HEADER) -> int:
     """The value of `constexpr int64_t NAME = N;` in the runtime's common.h: the row-width limits
     have one source, read by the kernels, the host checks and this module alike."""
-    match = re.search(rf"constexpr\s+int64_t\s+{name}\s*=\s*([0-9]+)\s*;", header.read_text())
+    match = re.search(rf"constexpr\s+int64_t\s+{name}\s*=\s*([0-9]+)\s*;", _header_text(header))
     if match is None:
         raise RuntimeError(f"tbegen: {header} defines no `constexpr int64_t {name} = N;` (the templates are damaged)")
     return int(match.group(1))

@@ -59,16 +59,15 @@ inline at::Tensor forward_cuda(const at::Tensor& weights, const at::Tensor& feat
                 <<<int(blocks), kThreads, 0, stream>>>(a, weights.data_ptr<W>(), indices.data_ptr<I>(),
                                                       offsets.data_ptr<I>());
           };
-          using Yes = std::true_type;
-          using No = std::false_type;
+          auto launch_weighted_or_not = [&](auto lane_groups) {
+            b.weighted ? launch(lane_groups, std::true_type{}) : launch(lane_groups, std::false_type{});
+          };
           // (with kVecs > 1 the lane-group loop always exists, for the narrow tables among wide
           // ones: the variants without it are not even instantiated)
-          if constexpr (kVecs > 1) {
-            b.weighted ? launch(Yes{}, Yes{}) : launch(Yes{}, No{});
-          } else if (narrowest_D <= 64) {
-            b.weighted ? launch(Yes{}, Yes{}) : launch(Yes{}, No{});
-          } else {
-            b.weighted ? launch(No{}, Yes{}) : launch(No{}, No{});
+          if (kVecs > 1 || narrowest_D <= 64) {
+            launch_weighted_or_not(std::true_type{});
+          } else if constexpr (kVecs == 1) {
+            launch_weighted_or_not(std::false_type{});
           }
           TBEGEN_CUDA_CHECK(cudaGetLastError());
         });
