@@ -22,7 +22,6 @@ at `layout.table_key_base[t]`). Where those buffers live is each table's placeme
 from __future__ import annotations
 
 import difflib
-import math
 import numbers
 import os
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union

@@ -24,7 +24,7 @@ import difflib
 import enum
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, Iterable, List, Optional
+from typing import Dict, Iterable, List
 
 import jinja2
 
