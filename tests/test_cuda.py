@@ -262,3 +262,33 @@ def test_narrow_states_cuda_deterministic_and_agree_with_cpu(load_ops, name, nar
         # straddle a rounding threshold, by one ulp
         diff = (first[1][k].double() - cpu[1][k].double()).abs()
         assert bool((diff <= ulp * cpu[1][k].double().abs() + 1e-6).all()), f"{k}: CPU and CUDA differ by {diff.max():.3g}"
+
+
+
+# Lane groups (cuda_kernels.cuh, backward_group_kernel): when some table is at most 64 columns
+# wide and no row is wider than 256, a warp updates several narrow rows at once, one per group of
+# lanes. A row must get the bits the whole-warp kernel (backward_warp_kernel) gives it: the same
+# step is run with the group kernel and with TBEGEN_LANE_GROUPS=0, which makes the host launch
+# the whole-warp kernel instead. Tables of several widths, so that a warp's runs change width
+# within its 32 (rounds of different group sizes), hot rows (the segment kernel beside it).
+GROUP_CASES = [
+    harness.Case(tables=((300, 8), (100, 16), (50, 256), (80, 128)), B=32, pooling="sum", weighted=True, hot=100, seed=41),
+    harness.Case(tables=((300, 36), (100, 64), (50, 60)), B=32, pooling="mean", weights_dtype=torch.float16,
+                 stochastic_rounding=True, seed=42),
+    harness.Case(tables=((300, 4), (100, 32), (50, 128)), B=64, max_L=12, pooling="sum", weights_dtype=torch.bfloat16,
+                 hot=600, seed=43),
+]
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("case", GROUP_CASES, ids=lambda c: c.id)
+def test_lane_groups_give_the_whole_warp_bits(load_ops, monkeypatch, name, case):
+    spec, ops = load_ops(name)
+    weights, states, batch, go = _problem(spec, case)
+    grouped = _one_step(spec, ops, case, "cuda", weights, states, batch, go)
+    monkeypatch.setenv("TBEGEN_LANE_GROUPS", "0")
+    whole = _one_step(spec, ops, case, "cuda", weights, states, batch, go)
+    assert not torch.equal(grouped[0], weights), "the step changed nothing"
+    assert torch.equal(grouped[0], whole[0]), "weights differ"
+    for k in states:
+        assert torch.equal(grouped[1][k], whole[1][k]), f"state {k} differs"

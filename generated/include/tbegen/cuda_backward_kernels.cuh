@@ -1,8 +1,8 @@
 // tbegen runtime: one optimizer's update kernels, as a table the shared backward launches from.
 //
-// The only CUDA code that depends on the optimizer is the three update kernels of
-// cuda_kernels.cuh (backward_segment_kernel, backward_finish_kernel, backward_warp_kernel), for
-// each weight dtype and each row width class kVecs. NAME/kernels_cuda.cu instantiates them with
+// The only CUDA code that depends on the optimizer is the update kernels of cuda_kernels.cuh
+// (backward_segment_kernel, backward_finish_kernel, and backward_warp_kernel or, with a table of
+// at most 64 columns, backward_group_kernel), for each weight dtype and each row width class kVecs. NAME/kernels_cuda.cu instantiates them with
 // backward_kernels_for<Optimizer>(), in a translation unit that includes no torch headers (so nvcc
 // compiles little besides the kernels); backward_cuda (cuda_ops.cuh, compiled once for every
 // optimizer) computes the launch sizes and streams and calls the table's entry for the call.
@@ -29,7 +29,8 @@ struct BackwardLaunch {
   float* partial;      // kVecs * 128 floats per partial sum of a run of several segments
   int segment_blocks = 0, finish_blocks = 0, warp_blocks = 0, threads = 0;
   cudaStream_t side = nullptr;    // the long runs' kernels (segment, then finish)
-  cudaStream_t stream = nullptr;  // the short runs' kernel (warp)
+  cudaStream_t stream = nullptr;  // the short runs' kernel (warp, or group)
+  bool lane_groups = false;       // some table is at most 64 columns wide (kVecs <= 2: the group kernel)
 };
 
 using BackwardLaunchFn = cudaError_t (*)(const BackwardLaunch&);
@@ -97,6 +98,15 @@ cudaError_t launch_backward(const BackwardLaunch& l) {
       l.a, l.runs, l.occurrences, p, l.ctx, weights, l.partial);
   err = cudaGetLastError();
   if (err != cudaSuccess) return err;
+  // (the group kernel only for rows of up to 256 columns: a table of at most 64 columns among
+  // wider ones is rare, and each variant is compiled for every optimizer and weight dtype)
+  if constexpr (kVecs <= 2) {
+    if (l.lane_groups) {
+      backward_group_kernel<Opt, W, kVecs><<<l.warp_blocks, l.threads, 0, l.stream>>>(
+          l.a, l.runs, l.occurrences, p, l.ctx, weights);
+      return cudaGetLastError();
+    }
+  }
   backward_warp_kernel<Opt, W, kVecs><<<l.warp_blocks, l.threads, 0, l.stream>>>(
       l.a, l.runs, l.occurrences, p, l.ctx, weights);
   return cudaGetLastError();
@@ -139,8 +149,8 @@ bool vector_states_fit(const void* params) {
   return true;
 }
 
-// The table of optimizer Opt's kernels (instantiates all 36 4-wide ones, 3 dtypes x 4 widths x 3
-// kernels, and the 9 any-width ones).
+// The table of optimizer Opt's kernels (instantiates all 42 4-wide ones, 3 dtypes x 4 widths x 3
+// kernels plus the group kernel for 3 dtypes x 2 widths, and the 9 any-width ones).
 template <class Opt>
 const BackwardKernels& backward_kernels_for() {
   static const BackwardKernels table = {{

@@ -111,6 +111,37 @@ struct WarpRow {
   }
 };
 
+// A row held by a group of `lanes` lanes of the warp (a power of two; the groups are aligned, so
+// lane l belongs to group l / lanes), for rows of at most 4 * lanes columns: `lane` is the lane's
+// place in its group, and the reductions combine the group's lanes only. The butterfly is the
+// whole warp's with the steps across groups left out; those steps add what the lanes past the
+// row hold, the reductions' identity (0, -inf, +inf), so a row gets the bits the whole warp would
+// give it (tests/test_cuda.py, test_lane_groups_give_the_whole_warp_bits). `lanes` is the same in
+// every group of the warp at a time, so the shuffles stay convergent.
+template <int kVecs, int kElementSlots, int kRowSlots, int kIntRowSlots = 0>
+struct GroupRow : WarpRow<kVecs, kElementSlots, kRowSlots, kIntRowSlots> {
+  int lanes;
+
+  __device__ __forceinline__ float all_sum(float x) const {
+#pragma unroll
+    for (int o = kWarpSize / 2; o > 0; o >>= 1)
+      if (o < lanes) x += __shfl_xor_sync(kFullMask, x, o);
+    return x;
+  }
+  __device__ __forceinline__ float all_max(float x) const {
+#pragma unroll
+    for (int o = kWarpSize / 2; o > 0; o >>= 1)
+      if (o < lanes) x = fmaxf(x, __shfl_xor_sync(kFullMask, x, o));
+    return x;
+  }
+  __device__ __forceinline__ float all_min(float x) const {
+#pragma unroll
+    for (int o = kWarpSize / 2; o > 0; o >>= 1)
+      if (o < lanes) x = fminf(x, __shfl_xor_sync(kFullMask, x, o));
+    return x;
+  }
+};
+
 // ---- forward -----------------------------------------------------------------------------------
 
 struct ForwardArgs {
@@ -610,13 +641,11 @@ __device__ __forceinline__ void load_row(Row& row, const typename Opt::Params& p
   for (int k = 0; k < Opt::kIntRowStates; ++k) row.int_row_[k] = p.int_row_states[k][key];
 }
 
-// Applies the optimizer to a loaded row whose `g_` holds the summed gradient, and writes the
-// weights and states back.
+// Writes an updated row's weights and states back.
 template <class Opt, typename W, class Row>
-__device__ __forceinline__ void update_and_store(Row& row, const typename Opt::Params& p, const RowUpdateContext& ctx,
-                                                 W* weights, int64_t key, int64_t woff) {
+__device__ __forceinline__ void store_row(Row& row, const typename Opt::Params& p, const RowUpdateContext& ctx,
+                                          W* weights, int64_t key, int64_t woff) {
   constexpr int kVecs = Row::kN / 4;
-  Opt::update_row(row, p, ctx.step);
 #pragma unroll
   for (int v = 0; v < kVecs; ++v) {
     const int d = v * 128 + 4 * row.lane;
@@ -632,6 +661,15 @@ __device__ __forceinline__ void update_and_store(Row& row, const typename Opt::P
 #pragma unroll
     for (int k = 0; k < Opt::kIntRowStates; ++k) p.int_row_states[k][key] = row.int_row_[k];
   }
+}
+
+// Applies the optimizer to a loaded row whose `g_` holds the summed gradient, and writes the
+// weights and states back.
+template <class Opt, typename W, class Row>
+__device__ __forceinline__ void update_and_store(Row& row, const typename Opt::Params& p, const RowUpdateContext& ctx,
+                                                 W* weights, int64_t key, int64_t woff) {
+  Opt::update_row(row, p, ctx.step);
+  store_row<Opt, W>(row, p, ctx, weights, key, woff);
 }
 
 template <class Opt, int kVecs>
@@ -714,6 +752,92 @@ __global__ void __launch_bounds__(256) backward_warp_kernel(BackwardArgs a, Runs
       } else {
         begin_run(cur);
       }
+    }
+  }
+}
+
+// Short runs when some table is at most 64 columns wide: backward_warp_kernel, except that a row
+// of D <= 64 columns occupies only lanes_for_row(D) lanes (8 for D = 32), so the warp splits into
+// groups that update 32 / lanes_for_row(D) such rows at once, each group one row, where the warp
+// kernel would leave the other lanes idle. A warp takes 32 consecutive runs at a time, as there,
+// and works through them in rounds: each round takes the first remaining run, and with it up to
+// 32 / lanes - 1 more of the remaining runs whose rows need as many lanes (runs of the same table
+// are neighbours in key order, so rounds are full but at a table's edge); rows wider than 64
+// columns go one per round over the whole warp, as in the warp kernel. A row's gradient is summed
+// in the same order and updated by the same code as there, with reductions over its group
+// (GroupRow): the same bits. The host takes this kernel when the narrowest table has at most 64
+// columns and rows are at most 256 wide (kVecs <= 2), else backward_warp_kernel
+// (cuda_backward_kernels.cuh, launch_backward). Measured: benchmarks/NOTES-gpu.md, run O.
+template <class Opt, typename W, int kVecs>
+__global__ void __launch_bounds__(256) backward_group_kernel(BackwardArgs a, Runs r, Occurrences o, typename Opt::Params p,
+                                                             RowUpdateContext ctx, W* weights) {
+  if (update_blocked(a)) return;
+  const int lane = threadIdx.x % kWarpSize;
+  const int64_t warps = int64_t(gridDim.x) * blockDim.x / kWarpSize;
+  const int32_t num_runs = r.counts[0];
+  const bool none_pooling = a.pooling == kPoolNone;
+  for (int64_t group = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / kWarpSize * kWarpSize; group < num_runs;
+       group += warps * kWarpSize) {
+    // lane l describes run group + l: where it starts, its length, key and first occurrence, and
+    // how many lanes its row needs
+    int32_t my_len = 0, my_start = 0;
+    int64_t my_key = 0;
+    int my_lanes = 0;
+    OccurrenceInfo my_first;
+    if (group + lane < num_runs) {
+      my_start = r.starts[group + lane];
+      my_len = r.end_of(group + lane, num_runs) - my_start;
+      my_key = r.key_at(my_start);
+      my_first.fetch(o, my_start, none_pooling);
+      my_lanes = lanes_for_row(int(a.feat[(my_first.bag / a.B) * kFeatColumns + kFeatDim]));
+    }
+    // (as in backward_warp_kernel: long runs and skipped bad indices are not this kernel's)
+    unsigned todo = __ballot_sync(kFullMask, group + lane < num_runs && my_len < r.max_segment_length_per_warp &&
+                                                 my_key < r.skipped_key);
+    while (todo != 0) {
+      // this round's runs: `lanes` lanes each, at most 32 / lanes of them, taken in key order
+      const int lanes = __shfl_sync(kFullMask, my_lanes, __ffs(todo) - 1);
+      unsigned round = todo & __ballot_sync(kFullMask, my_lanes == lanes);
+      const int groups = kWarpSize / lanes;
+      if (__popc(round) > groups) round &= (1u << __fns(round, 0, groups + 1)) - 1u;  // the first `groups`
+      todo &= ~round;
+      // my group's run: the (lane / lanes)-th of the round, described by lane `src`
+      const unsigned src = __fns(round, 0, lane / lanes + 1);
+      const bool active = src < unsigned(kWarpSize);
+      const int from = active ? int(src) : 0;
+      GroupRow<kVecs, Opt::kElementStates + Opt::kTemporaries, Opt::kRowStates, Opt::kIntRowStates> row;
+      row.lanes = lanes;
+      row.lane = lane % lanes;
+      const int32_t len = active ? __shfl_sync(kFullMask, my_len, from) : 0;
+      const int32_t start = __shfl_sync(kFullMask, my_start, from);
+      const int64_t key = __shfl_sync(kFullMask, my_key, from);
+      const OccurrenceInfo first = my_first.from_lane(from);
+      int64_t woff = 0;
+      row.D = 0;  // (a group without a run: no columns)
+      if (active) {
+        locate_row(a, first.bag, key, &row.D, &woff);
+        load_row<Opt, W>(row, p, weights, key, woff);
+      }
+#pragma unroll
+      for (int i = 0; i < row.kN; ++i) row.g_[i] = 0.0f;
+      if (active) add_gradient<kVecs>(a, first, row.D, row.lane, row.g_);
+      // the other occurrences, in order, `lanes` at a time: each lane of a group fetches one
+      // occurrence's metadata, then the group adds their rows one by one
+      int32_t longest = len;
+#pragma unroll
+      for (int m = kWarpSize / 2; m > 0; m >>= 1) longest = max(longest, __shfl_xor_sync(kFullMask, longest, m));
+      for (int32_t base = 1; base < longest; base += lanes) {
+        OccurrenceInfo mine;
+        if (base + row.lane < len) mine.fetch(o, int64_t(start) + base + row.lane, none_pooling);
+        const int n = longest - base < lanes ? longest - base : lanes;
+        for (int k = 0; k < n; ++k) {
+          const OccurrenceInfo occ = mine.from_lane(lane - row.lane + k);
+          if (base + k < len) add_gradient<kVecs>(a, occ, row.D, row.lane, row.g_);
+        }
+      }
+      // every lane runs the update (its reductions are shuffles); a group without a run stores nothing
+      Opt::update_row(row, p, ctx.step);
+      if (active) store_row<Opt, W>(row, p, ctx, weights, key, woff);
     }
   }
 }

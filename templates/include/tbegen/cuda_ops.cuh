@@ -12,6 +12,8 @@
 #include <cub/cub.cuh>
 #include <thrust/iterator/counting_iterator.h>
 
+#include <cstdlib>
+#include <cstring>
 #include <memory>
 #include <mutex>
 #include <vector>
@@ -235,6 +237,15 @@ inline void backward_any_width(const Batch& b, const BackwardArgs& a, const Prep
   });
 }
 
+// Whether the backward may take the lane-group kernel (backward_group_kernel) for tables of at
+// most 64 columns: yes unless the environment sets TBEGEN_LANE_GROUPS=0, which launches the
+// whole-warp kernel instead (the same bits, tests/test_cuda.py; benchmarks time the two in one
+// process). Read at every call, so that a test or benchmark can switch it between calls.
+inline bool lane_groups_enabled() {
+  const char* v = std::getenv("TBEGEN_LANE_GROUPS");
+  return v == nullptr || std::strcmp(v, "0") != 0;
+}
+
 // The backward pass with an optimizer fused in (docs/algorithm.md): prepare_backward sorts and
 // segments the batch, then the optimizer's update kernels (`kernels`, launched with its `params`:
 // see cuda_backward.h) sum each unique row's gradient and update it once: one warp per short
@@ -254,7 +265,8 @@ __attribute__((visibility("hidden"))) void backward_cuda(
   TBEGEN_CHECK(total_hash_size >= 1, "tbegen: total_hash_size must be positive, got ", total_hash_size);
   TBEGEN_CHECK(max_segment_length_per_warp >= 1, "tbegen: max_segment_length_per_warp must be >= 1");
   // the 4-wide kernels, or the any-width ones (above)
-  bool vector_path = check_layout_and_choose(b, features, weights, {grad_output.data_ptr()});
+  int64_t narrowest_D = 0;
+  bool vector_path = check_layout_and_choose(b, features, weights, {grad_output.data_ptr()}, &narrowest_D);
   vector_path = vector_path && kernels.vector_states_fit(params);
   if (b.N == 0) return;
   const auto stream = at::cuda::getCurrentCUDAStream();
@@ -301,6 +313,7 @@ __attribute__((visibility("hidden"))) void backward_cuda(
       l.threads = kThreads;
       l.side = side.stream();
       l.stream = stream.stream();
+      l.lane_groups = narrowest_D <= 64 && lane_groups_enabled();
       // the segment and finish kernels on `side`, the warp kernel on `stream`, as launched before
       // the update kernels moved to the optimizer's own translation unit (cuda_backward_kernels.cuh)
       const BackwardLaunchFn launch = kernels.get<W, kVecs>();

@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# The lane-group backward kernel (cuda_kernels.cuh, backward_group_kernel) on the GPU, in one
+# device call: build a few optimizers, run the CUDA tests that take the group kernel for them
+# (TESTS: a pytest -k expression), then the referee (.anchor/bench_tbe.py, FBGEMM and tbegen in
+# one process) on the configurations in CONFIGS, with the group kernel and again with
+# TBEGEN_LANE_GROUPS=0 (the whole-warp kernel), and a kernel profile of PROFILE_CELL.
+# Carry .anchor. Output under $OUT: env.txt, groups.log, on/ and off/ (the referee's results).
+set -u
+OUT=${OUT:-/tmp/tbegen-gpu-out}
+mkdir -p "$OUT"
+export TORCH_CUDA_ARCH_LIST=9.0 TBEGEN_BUILD_DIR=$PWD/build/tbegen-cache PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+SPECS=${SPECS:-"sgd rowwise_adagrad adagrad adam lamb rowwise_adagrad_with_counter"}
+TESTS=${TESTS:-"lane_groups or (test_cuda_matches_reference and (adam- or lamb- or sgd- or rowwise_adagrad-))"}
+CONFIGS=${CONFIGS:-C3}
+PROFILE_CELL=${PROFILE_CELL:-C3:ADAM}
+status=0
+{
+  date -u +"date: %Y-%m-%d %H:%M UTC"
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | sed 's/^/gpu: /'
+  python3 -c "import torch, sys; print('python:', sys.version.split()[0]); print('torch:', torch.__version__, 'cuda', torch.version.cuda)"
+  nvcc --version | tail -n 2 | head -n 1 | sed 's/^/nvcc: /'
+  echo "tree: ${TREE:-unknown}"
+} | tee "$OUT/env.txt"
+python3 .anchor/unpack_bundle.py .anchor/bundle /tmp/fbg_site > /dev/null 2>&1 || echo "FBGEMM bundle did not unpack"
+t0=$(date +%s)
+python3 -c "
+import sys; from tbegen import build; from tbegen.spec import find_spec
+build.prebuild([find_spec(n) for n in sys.argv[1:]], with_cuda=True)" $SPECS > "$OUT/groups.log" 2>&1 || { status=1; echo "build failed"; }
+echo "== build: $(( $(date +%s) - t0 )) s" | tee -a "$OUT/groups.log"
+xdist=$(python3 -c "import xdist" 2>/dev/null && echo "-n 12")
+OMP_NUM_THREADS=2 timeout ${TESTS_TIMEOUT:-150} python3 -m pytest -q -p no:cacheprovider $xdist tests/test_cuda.py \
+  -k "$TESTS" > "$OUT/pytest.tmp" 2>&1 || status=1
+grep -E "^(FAILED|ERROR)|passed|failed|Error" "$OUT/pytest.tmp" | tail -n 30 | tee -a "$OUT/groups.log"
+rm -f "$OUT/pytest.tmp"
+for mode in on off; do
+  flag=1; [ $mode = off ] && flag=0
+  echo "== bench_tbe.py, TBEGEN_LANE_GROUPS=$flag" | tee -a "$OUT/groups.log"
+  TBEGEN_LANE_GROUPS=$flag PYTHONPATH=/tmp/fbg_site:$PYTHONPATH CUDA_MODULE_LOADING=LAZY timeout ${BENCH_TIMEOUT:-120} \
+    python3 .anchor/bench_tbe.py --configs "$CONFIGS" --systems fbgemm,tbegen --fast-init --out "$OUT/$mode" \
+    >> "$OUT/groups.log" 2>&1 || status=1
+  grep -E "^C[123] " "$OUT/groups.log" | tail -n 8
+  rm -f "$OUT/$mode/env.json"
+done
+if [ -n "$PROFILE_CELL" ]; then
+  echo "== profile $PROFILE_CELL" | tee -a "$OUT/groups.log"
+  PYTHONPATH=/tmp/fbg_site:$PYTHONPATH CUDA_MODULE_LOADING=LAZY timeout 60 python3 .anchor/bench_tbe.py \
+    --configs "${PROFILE_CELL%%:*}" --opts "${PROFILE_CELL##*:}" --systems fbgemm,tbegen --fast-init --profile --iters 10 \
+    --out "$OUT/profile" >> "$OUT/groups.log" 2>&1 || echo "profile failed"
+  mv "$OUT/profile/profiles.json" "$OUT/on/profiles.json" 2>/dev/null; rm -rf "$OUT/profile"
+fi
+exit $status
