@@ -9,8 +9,8 @@ set -u
 OUT=${OUT:-/tmp/tbegen-gpu-out}
 mkdir -p "$OUT"
 export TORCH_CUDA_ARCH_LIST=9.0 TBEGEN_BUILD_DIR=$PWD/build/tbegen-cache PYTHONPATH=$PWD PYTHONUNBUFFERED=1
-SPECS=${SPECS:-"sgd rowwise_adagrad adagrad adam lamb rowwise_adagrad_with_counter"}
-TESTS=${TESTS:-"lane_groups or (test_cuda_matches_reference and (adam- or lamb- or sgd- or rowwise_adagrad-))"}
+SPECS=${SPECS:-"sgd rowwise_adagrad adagrad adam lamb"}
+TESTS=${TESTS:-"(lane_groups and (-sgd] or rowwise_adagrad] or -adagrad] or -adam] or -lamb])) or (test_cuda_matches_reference and ([sgd- or [rowwise_adagrad- or [adagrad- or [adam- or [lamb-))"}
 CONFIGS=${CONFIGS:-C3}
 PROFILE_CELL=${PROFILE_CELL:-C3:ADAM}
 status=0
@@ -28,15 +28,23 @@ import sys; from tbegen import build; from tbegen.spec import find_spec
 build.prebuild([find_spec(n) for n in sys.argv[1:]], with_cuda=True)" $SPECS > "$OUT/groups.log" 2>&1 || { status=1; echo "build failed"; }
 echo "== build: $(( $(date +%s) - t0 )) s" | tee -a "$OUT/groups.log"
 xdist=$(python3 -c "import xdist" 2>/dev/null && echo "-n 12")
-OMP_NUM_THREADS=2 timeout ${TESTS_TIMEOUT:-150} python3 -m pytest -q -p no:cacheprovider $xdist tests/test_cuda.py \
-  -k "$TESTS" > "$OUT/pytest.tmp" 2>&1 || status=1
-grep -E "^(FAILED|ERROR)|passed|failed|Error" "$OUT/pytest.tmp" | tail -n 30 | tee -a "$OUT/groups.log"
+if ! OMP_NUM_THREADS=2 timeout ${TESTS_TIMEOUT:-150} python3 -m pytest -q -p no:cacheprovider $xdist tests/test_cuda.py \
+  -k "$TESTS" -rf --tb=short --maxfail=10 > "$OUT/pytest.tmp" 2>&1; then
+  status=1
+  head -c 20000 "$OUT/pytest.tmp" >> "$OUT/groups.log"
+  # where the first bad access is, if any
+  echo "== compute-sanitizer memcheck" >> "$OUT/groups.log"
+  PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout 60 compute-sanitizer --tool memcheck --print-limit 5 \
+    python3 benchmarks/sanitize_cases.py sgd 2>&1 | tail -n 60 >> "$OUT/groups.log"
+fi
+grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/pytest.tmp" | tail -n 12
 rm -f "$OUT/pytest.tmp"
 for mode in on off; do
   flag=1; [ $mode = off ] && flag=0
   echo "== bench_tbe.py, TBEGEN_LANE_GROUPS=$flag" | tee -a "$OUT/groups.log"
   TBEGEN_LANE_GROUPS=$flag PYTHONPATH=/tmp/fbg_site:$PYTHONPATH CUDA_MODULE_LOADING=LAZY timeout ${BENCH_TIMEOUT:-120} \
-    python3 .anchor/bench_tbe.py --configs "$CONFIGS" --systems fbgemm,tbegen --fast-init --out "$OUT/$mode" \
+    python3 .anchor/bench_tbe.py --configs "$CONFIGS" --opts "${OPTS:-EXACT_SGD,EXACT_ROWWISE_ADAGRAD,EXACT_ADAGRAD,ADAM}" \
+    --systems fbgemm,tbegen --fast-init --out "$OUT/$mode" \
     >> "$OUT/groups.log" 2>&1 || status=1
   grep -E "^C[123] " "$OUT/groups.log" | tail -n 8
   rm -f "$OUT/$mode/env.json"

@@ -808,7 +808,9 @@ __global__ void __launch_bounds__(256) backward_group_kernel(BackwardArgs a, Run
       GroupRow<kVecs, Opt::kElementStates + Opt::kTemporaries, Opt::kRowStates, Opt::kIntRowStates> row;
       row.lanes = lanes;
       row.lane = lane % lanes;
-      const int32_t len = active ? __shfl_sync(kFullMask, my_len, from) : 0;
+      // (every lane shuffles, a group without a run too: a shuffle needs all 32 lanes)
+      const int32_t run_len = __shfl_sync(kFullMask, my_len, from);
+      const int32_t len = active ? run_len : 0;
       const int32_t start = __shfl_sync(kFullMask, my_start, from);
       const int64_t key = __shfl_sync(kFullMask, my_key, from);
       const OccurrenceInfo first = my_first.from_lane(from);
