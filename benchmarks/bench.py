@@ -8,7 +8,8 @@ C1: T=32, E=1e6, D=128, B=16384, L=20, uniform, fp32, sum.   C2: C1 with Zipf(1.
 (rank k drawn with probability ~ (k+1)^-1.1, mapped through a fixed random permutation per table).
 C3: T=16, D cycling 32/64/128/256, fp16 weights, per-sample weights, uniform.
 C4 (not run by default): C1 with D = 127, the any-width kernels; `--configs C1,C4` measures them
-beside the 4-wide kernels on the same batch shape.
+beside the 4-wide kernels on the same batch shape. C5 (not run by default): C1 with D = 32, narrow
+tables only (the backward's lane-group kernel; TBEGEN_LANE_GROUPS=0 times the whole-warp kernel).
 
 Medians of CUDA-event timings over `--iters` iterations after `--warmup`, rotating over `--nsets`
 input sets so that the L2 cache does not hold the batch. Ideal bytes = grad_output and the pooled
@@ -45,6 +46,7 @@ CONFIGS = {
     "C2": dict(T=32, Ds=[128] * 32, B=16384, L=20, dist="zipf", dtype=torch.float32, weighted=False),
     "C3": dict(T=16, Ds=[32, 64, 128, 256] * 4, B=16384, L=20, dist="uniform", dtype=torch.float16, weighted=True),
     "C4": dict(T=32, Ds=[127] * 32, B=16384, L=20, dist="uniform", dtype=torch.float32, weighted=False),
+    "C5": dict(T=32, Ds=[32] * 32, B=16384, L=20, dist="uniform", dtype=torch.float32, weighted=False),
 }
 HYPER = {
     "sgd": dict(learning_rate=0.01),

@@ -25,7 +25,8 @@ import sys; from tbegen import build; from tbegen.spec import find_spec
 build.prebuild([find_spec(n) for n in sys.argv[1:]], with_cuda=True)" "$@"
 }
 {
-  date -u +"date: %Y-%m-%d %H:%M UTC"; git rev-parse --short HEAD 2>/dev/null | sed 's/^/commit: /'
+  date -u +"date: %Y-%m-%d %H:%M UTC"; git rev-parse --short HEAD 2>/dev/null | sed 's/^/commit (the .git sent to the device, may be stale): /'
+  echo "tree: ${TREE:-not given (TREE=<commit> names the tree sent)}"
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | sed 's/^/gpu: /'
   python3 -c "import torch, sys; print('python:', sys.version.split()[0]); print('torch:', torch.__version__, 'cuda', torch.version.cuda)"
   nvcc --version | tail -n 2 | head -n 1 | sed 's/^/nvcc: /'
@@ -47,10 +48,10 @@ PYTHONPATH=/tmp/fbg_site:$PYTHONPATH CUDA_MODULE_LOADING=LAZY timeout ${BENCH_TI
 grep -vi "compat table" "$OUT/fbgemm.log" | grep -E "^C[123] " | tail -n 24
 rm -f "$OUT/fbgemm/env.json" "$OUT/fbgemm/profiles.json"  # (profiles.json: the PROFILE step below)
 # where the time goes, kernel by kernel, in the cells named by PROFILE (config:OPT,...; default the
-# three worst backward cells of run N, about 60 s; PROFILE= skips):
+# worst backward cells of run N and P, about 40 s; PROFILE= skips):
 # bench_tbe.py --profile, FBGEMM and tbegen, into fbgemm/profiles.json
-if [ -n "${PROFILE-C2:EXACT_ADAGRAD,C1:EXACT_ADAGRAD,C3:ADAM}" ]; then
-  for cell in $(echo "${PROFILE-C2:EXACT_ADAGRAD,C1:EXACT_ADAGRAD,C3:ADAM}" | tr ',' ' '); do
+if [ -n "${PROFILE-C1:EXACT_ADAGRAD,C3:ADAM}" ]; then
+  for cell in $(echo "${PROFILE-C1:EXACT_ADAGRAD,C3:ADAM}" | tr ',' ' '); do
     PYTHONPATH=/tmp/fbg_site:$PYTHONPATH CUDA_MODULE_LOADING=LAZY timeout ${PROFILE_TIMEOUT:-60} python3 .anchor/bench_tbe.py \
       --configs "${cell%%:*}" --opts "${cell##*:}" --systems fbgemm,tbegen --fast-init --profile --iters 10 \
       --out "$OUT/profile" >> "$OUT/fbgemm.log" 2>&1 || log "profile of $cell failed or timed out"
@@ -63,6 +64,17 @@ json.dump(old, open(sys.argv[2], "w"), indent=1)
 PY
   done
   rm -rf "$OUT/profile"
+fi
+# the backward's lane-group kernel against the whole-warp kernel (TBEGEN_LANE_GROUPS=0), tbegen
+# alone (benchmarks/bench.py): C3 and C5 (32 tables of 32 columns), optimizers without per-element
+# state (the others take the whole-warp kernel either way); GROUPS_AB=0 skips
+if [ "${GROUPS_AB:-1}" = 1 ]; then
+  for flag in 1 0; do
+    echo "== benchmarks/bench.py, TBEGEN_LANE_GROUPS=$flag" >> "$OUT/fbgemm.log"
+    TBEGEN_LANE_GROUPS=$flag CUDA_MODULE_LOADING=LAZY timeout ${GROUPS_TIMEOUT:-45} python3 benchmarks/bench.py --configs C3,C5 \
+      --opts sgd,rowwise_adagrad --out /tmp/groups_ab_$flag >> "$OUT/fbgemm.log" 2>&1 || log "lane-group A/B ($flag) failed or timed out"
+  done
+  grep -E "TBEGEN_LANE_GROUPS=|^C[35] " "$OUT/fbgemm.log" | tail -n 10
 fi
 # the backward against max_segment_length_per_warp (benchmarks/sweep_segment_length.py; run N: the
 # default 32 is best, so SWEEP=1 runs it again only on request)

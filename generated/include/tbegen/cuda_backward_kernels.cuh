@@ -30,7 +30,7 @@ struct BackwardLaunch {
   int segment_blocks = 0, finish_blocks = 0, warp_blocks = 0, threads = 0;
   cudaStream_t side = nullptr;    // the long runs' kernels (segment, then finish)
   cudaStream_t stream = nullptr;  // the short runs' kernel (warp, or group)
-  bool lane_groups = false;       // some table is at most 64 columns wide (kVecs <= 2: the group kernel)
+  bool lane_groups = false;       // some table is at most 64 columns wide (the group kernel, where it exists)
 };
 
 using BackwardLaunchFn = cudaError_t (*)(const BackwardLaunch&);
@@ -98,9 +98,12 @@ cudaError_t launch_backward(const BackwardLaunch& l) {
       l.a, l.runs, l.occurrences, p, l.ctx, weights, l.partial);
   err = cudaGetLastError();
   if (err != cudaSuccess) return err;
-  // (the group kernel only for rows of up to 256 columns: a table of at most 64 columns among
-  // wider ones is rare, and each variant is compiled for every optimizer and weight dtype)
-  if constexpr (kVecs <= 2) {
+  // The group kernel only for rows of up to 256 columns (a table of at most 64 columns among
+  // wider ones is rare, and each variant is compiled for every optimizer and weight dtype) and
+  // optimizers without per-element state: measured on C3 (benchmarks/NOTES-gpu.md, runs O and P),
+  // it made sgd 2% and rowwise_adagrad 3% faster, but adagrad 4% and adam 7% slower (its extra
+  // registers, 96 against 80 for adam, cost the wide rows more than the narrow rows gain).
+  if constexpr (kVecs <= 2 && Opt::kElementStates == 0) {
     if (l.lane_groups) {
       backward_group_kernel<Opt, W, kVecs><<<l.warp_blocks, l.threads, 0, l.stream>>>(
           l.a, l.runs, l.occurrences, p, l.ctx, weights);
@@ -149,8 +152,9 @@ bool vector_states_fit(const void* params) {
   return true;
 }
 
-// The table of optimizer Opt's kernels (instantiates all 42 4-wide ones, 3 dtypes x 4 widths x 3
-// kernels plus the group kernel for 3 dtypes x 2 widths, and the 9 any-width ones).
+// The table of optimizer Opt's kernels (instantiates all 36 4-wide ones, 3 dtypes x 4 widths x 3
+// kernels, plus, without per-element state, the group kernel for 3 dtypes x 2 widths, and the 9
+// any-width ones).
 template <class Opt>
 const BackwardKernels& backward_kernels_for() {
   static const BackwardKernels table = {{

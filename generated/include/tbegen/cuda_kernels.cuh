@@ -766,8 +766,8 @@ __global__ void __launch_bounds__(256) backward_warp_kernel(BackwardArgs a, Runs
 // columns go one per round over the whole warp, as in the warp kernel. A row's gradient is summed
 // in the same order and updated by the same code as there, with reductions over its group
 // (GroupRow): the same bits. The host takes this kernel when the narrowest table has at most 64
-// columns and rows are at most 256 wide (kVecs <= 2), else backward_warp_kernel
-// (cuda_backward_kernels.cuh, launch_backward). Measured: benchmarks/NOTES-gpu.md, run O.
+// columns, rows are at most 256 wide (kVecs <= 2) and the optimizer has no per-element state,
+// else backward_warp_kernel (cuda_backward_kernels.cuh, launch_backward, says why).
 template <class Opt, typename W, int kVecs>
 __global__ void __launch_bounds__(256) backward_group_kernel(BackwardArgs a, Runs r, Occurrences o, typename Opt::Params p,
                                                              RowUpdateContext ctx, W* weights) {
