@@ -271,6 +271,9 @@ def test_narrow_states_cuda_deterministic_and_agree_with_cpu(load_ops, name, nar
 # step is run with the group kernel and with TBEGEN_LANE_GROUPS=0, which makes the host launch
 # the whole-warp kernel instead. Tables of several widths, so that a warp's runs change width
 # within its 32 (rounds of different group sizes), hot rows (the segment kernel beside it).
+# (Optimizers with per-element state take the whole-warp kernel both times: cuda_backward_kernels.cuh,
+# launch_backward. Run P, before that restriction, passed this test with the group kernel for
+# sgd, rowwise_adagrad, adagrad, adam and lamb.)
 GROUP_CASES = [
     harness.Case(tables=((300, 8), (100, 16), (50, 256), (80, 128)), B=32, pooling="sum", weighted=True, hot=100, seed=41),
     harness.Case(tables=((300, 36), (100, 64), (50, 60)), B=32, pooling="mean", weights_dtype=torch.float16,
