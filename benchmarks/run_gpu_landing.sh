@@ -76,6 +76,16 @@ if [ "${GROUPS_AB:-1}" = 1 ]; then
   done
   grep -E "TBEGEN_LANE_GROUPS=|^C[35] " "$OUT/fbgemm.log" | tail -n 10
 fi
+# what bounds C3's update kernel (runs O/P: not rows in flight per warp): ncu's memory and
+# scheduler sections on two launches of the sgd kernel (benchmarks/bench.py, tbegen alone), into
+# fbgemm.log; NCU=0 skips
+if [ "${NCU:-1}" = 1 ] && command -v ncu >/dev/null; then
+  echo "== ncu, C3 sgd update kernel" >> "$OUT/fbgemm.log"
+  CUDA_MODULE_LOADING=LAZY timeout ${NCU_TIMEOUT:-90} ncu --clock-control none -k "regex:backward_(group|warp)_kernel" \
+    --launch-skip 2 --launch-count 1 --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats \
+    --section Occupancy --section LaunchStats python3 benchmarks/bench.py --configs C3 --opts sgd --warmup 1 --iters 2 \
+    --nsets 1 --out /tmp/ncu_bench >> "$OUT/fbgemm.log" 2>&1 || log "ncu failed or timed out"
+fi
 # the backward against max_segment_length_per_warp (benchmarks/sweep_segment_length.py; run N: the
 # default 32 is best, so SWEEP=1 runs it again only on request)
 if [ "${SWEEP:-0}" = 1 ]; then
