@@ -711,8 +711,11 @@ GUARD_OPS = frozenset({"(", ")", "<", ">", "<=", ">=", "==", "!=", "&&", "||", "
                        ":"})
 
 
-def check_guard(source: Source, declared: Declared, used: Set[str]) -> List[Finding]:
-    """A stage's `when:` condition: hyperparameters, `step`, numbers, true/false and operators only."""
+def check_guard(source: Source, declared: Declared, used: Set[str], table: bool = False) -> List[Finding]:
+    """A stage's `when:` condition: hyperparameters, `step`, numbers, true/false and operators only.
+    `table`: a whole-table stage's guard (evaluated once per step, on the host)."""
+    decides = ("once per step, on the host, whether the whole-table stage runs" if table else
+               "once per row and the same on every lane, whether the stage runs")
     findings: List[Finding] = []
     tokens, bad = tokenize(source.code)
     for line, col, text in bad:
@@ -726,8 +729,8 @@ def check_guard(source: Source, declared: Declared, used: Set[str]) -> List[Find
             elif t.text not in ("true", "false", "step"):
                 findings.append(Finding(
                     file_line, file_col, source.field,
-                    f"{t.text!r}: a guard may read hyperparameters and `step` only (it decides, once per row "
-                    f"and the same on every lane, whether the stage runs){_suggest(t.text, declared.hyperparameters)}"))
+                    f"{t.text!r}: a guard may read hyperparameters and `step` only (it decides, {decides})"
+                    f"{_suggest(t.text, declared.hyperparameters)}"))
         elif t.kind == "number":
             continue
         elif t.kind != "op" or t.text not in GUARD_OPS:
@@ -747,7 +750,7 @@ def check_stages(stages: Sequence[StageSource], declared: Declared) -> List[Find
         if stage.kind == "table":
             # a whole-table stage stands alone: its own guard, no locals of other stages
             if stage.when is not None:
-                findings.extend(check_guard(stage.when, declared, used))
+                findings.extend(check_guard(stage.when, declared, used, table=True))
             _StageChecker(stage, declared, {}, set(), findings, used).run()
             continue
         when = stage.when.code if stage.when is not None else None

@@ -673,6 +673,65 @@ def test_rowwise_adagrad_with_counter_matches_fbgemm_cpu(config):
                     (ours.split_embedding_weights()[t] - theirs.split_embedding_weights()[t]).abs().max())
 
 
+# ---- emainplace_rowwise_adagrad against FBGEMM's CPU module ----------------------------------------
+# FBGEMM's EMAINPLACE_ROWWISE_ADAGRAD (rowwise Adagrad, plus the in-place average of each row's second
+# half towards its first half before the forward of every step_ema-th step) runs on the CPU;
+# ENSEMBLE_ROWWISE_ADAGRAD does not (FBGEMM refuses it in CPU mode), so ensemble_rowwise_adagrad
+# rests on its independent reference (tests/test_table_stages.py, the numerical grid).
+EMAINPLACE_CONFIGS = [
+    # (step_ema, step_start, step_ema_coef)
+    (2, 0, 0.6),
+    (2, 3, 0.3),
+    (1, 0, 1.0),
+    (3, 2, 0.5),
+]
+
+
+def _emainplace_mode(**kwargs):
+    try:
+        from fbgemm_gpu.tbe.config.optimizer_config import EmainplaceModeDefinition
+    except ImportError:  # defined in the training module (FBGEMM_GPU 1.6, fbgemm-gpu-cpu 1.9)
+        from fbgemm_gpu.split_table_batched_embeddings_ops_training import EmainplaceModeDefinition
+    return EmainplaceModeDefinition(**kwargs)
+
+
+@pytest.mark.parametrize("config", EMAINPLACE_CONFIGS, ids=lambda c: "ema{}-start{}-coef{}".format(*c))
+def test_emainplace_rowwise_adagrad_matches_fbgemm_cpu(config):
+    """Both trained side by side for 7 steps from the same weights, through both averaging steps and
+    the steps between: the same outputs (so the average ran before the same forwards), weights and
+    momentum after every step."""
+    fb = import_fbgemm()
+    from tbegen.module import TableBatchedEmbeddingBags
+
+    step_ema, step_start, coef = config
+    tables = [(40, 8), (25, 12)]
+    theirs = fb["TBE"]([(E, D, fb["Location"].HOST, fb["Compute"].CPU) for E, D in tables],
+                       optimizer=fb["Opt"].EMAINPLACE_ROWWISE_ADAGRAD, learning_rate=0.05, eps=1e-8,
+                       emainplace_mode=_emainplace_mode(step_ema=step_ema, step_start=step_start, step_ema_coef=coef))
+    ours = TableBatchedEmbeddingBags(tables, optimizer="emainplace_rowwise_adagrad", learning_rate=0.05, eps=1e-8,
+                                     step_ema=step_ema, step_start=step_start, step_ema_coef=coef)
+    for mine, their in zip(ours.split_embedding_weights(), theirs.split_embedding_weights()):
+        mine.copy_(their)
+    gen = torch.Generator().manual_seed(step_ema * 10 + step_start)
+    averaged = 0
+    for step in range(1, 8):
+        idx, off, go = _counter_batch(tables, 6, gen)
+        out_theirs = theirs(idx, off)
+        out_ours = ours(idx, off)
+        torch.testing.assert_close(out_ours, out_theirs, rtol=1e-5, atol=1e-6, msg=lambda m: f"step {step} output: {m}")
+        out_theirs.backward(go)
+        out_ours.backward(go)
+        averaged += step % step_ema == 0 and step >= step_start
+        their_states = theirs.split_optimizer_states()
+        for t, mine in enumerate(ours.split_optimizer_states()):
+            torch.testing.assert_close(ours.split_embedding_weights()[t], theirs.split_embedding_weights()[t],
+                                       rtol=1e-5, atol=1e-6, msg=lambda m: f"step {step} weights table {t}: {m}")
+            torch.testing.assert_close(mine["momentum"], their_states[t][0].view(-1), rtol=1e-5, atol=1e-7)
+            _record("cpu", "emainplace_rowwise_adagrad", "ema{}-start{}-coef{}".format(*config), "weights",
+                    (ours.split_embedding_weights()[t] - theirs.split_embedding_weights()[t]).abs().max())
+    assert averaged >= 2  # the configurations reach the whole-table stage at least twice
+
+
 # ---- weight_decay_mode COUNTER / COWCLIP through the FBGEMM-compatible class -----------------------
 
 
