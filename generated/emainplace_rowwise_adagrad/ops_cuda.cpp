@@ -13,8 +13,6 @@
 #include "tbegen/cuda_backward.h"
 #include "tbegen/cuda_forward.h"
 #include "tbegen/managed_memory.h"
-#include <ATen/cuda/CUDAContext.h>
-
 #include "tbegen/cuda_table_stage.h"
 #include "tbegen/table_stage_host.h"
 #include "optimizer.h"
@@ -38,7 +36,7 @@ int launch_table_stages(const cuda::TableLaunch& launch);  // kernels_cuda.cu
 
 // The whole-table stages of one step on the GPU (the CPU's table_update_cpu, ops.cpp): the guard
 // on the host; only when it holds is the small layout table read back to find the tables, and one
-// kernel per table launched on the current stream.
+// kernel per table launched on the weights' device and its current stream.
 bool table_update_cuda(const at::Tensor& weights, const at::Tensor& features, int64_t total_hash_size, bool stochastic_rounding, int64_t seed, const at::Tensor& momentum, double learning_rate, double eps, int64_t step_ema, int64_t step_start, double step_ema_coef, int64_t step) {
   const Params tbegen_params = make_params(weights, total_hash_size, momentum, learning_rate, eps, step_ema, step_start, step_ema_coef);
   TBEGEN_CHECK(weights.is_cuda(), "tbegen: weights must be on a CUDA device for the CUDA operator");
@@ -48,9 +46,8 @@ bool table_update_cuda(const at::Tensor& weights, const at::Tensor& features, in
   const auto wt = weights.scalar_type();
   cuda::TableLaunch launch{&tbegen_params, weights.data_ptr(), wt == at::kFloat ? 0 : wt == at::kHalf ? 1 : 2,
                            tables.data(), static_cast<int64_t>(tables.size()),
-                           RowUpdateContext{stochastic_rounding, table_stage_seed(seed), step},
-                           at::cuda::getCurrentCUDAStream().stream()};
-  const int err = launch_table_stages(launch);
+                           RowUpdateContext{stochastic_rounding, table_stage_seed(seed), step}, nullptr};
+  const int err = cuda::launch_table_stages_on(weights.get_device(), launch, &launch_table_stages);
   TBEGEN_CHECK(err == 0, "tbegen: emainplace_rowwise_adagrad: the whole-table stages' kernel failed to launch (CUDA error ",
               err, ")");
   return true;
