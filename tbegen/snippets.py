@@ -573,7 +573,7 @@ class _StageChecker:
             return "as a temporary"
         if name in BOUND_NAMES:
             return f"by the generator ({BOUND_NAMES[name]})"
-        if name in MATH_FUNCTIONS or name in CONSTANTS or name in ROW_REDUCTIONS:
+        if name in MATH_FUNCTIONS or name in CONSTANTS or name in ROW_REDUCTIONS or name == "partner":
             return "as a function or constant of the language"
         if name.startswith("tbegen") or name.startswith("_"):
             return "by the generator (names starting with 'tbegen' or '_' are reserved)"

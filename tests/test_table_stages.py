@@ -82,6 +82,8 @@ def test_a_table_stage_loads_with_its_guard_and_reference():
                         "only (of `update`), not in a whole-table stage"),
     ("w = coeff * avg;", "toy.yaml:20:11: table[0].element: unknown name 'coeff' (did you mean 'coef'?)"),
     ("col = 1;", "toy.yaml:20:7: table[0].element: 'col' is read-only"),
+    ("float partner = w;", "toy.yaml:20:13: table[0].element: 'partner' is already declared as a function or "
+                           "constant of the language"),
 ])
 def test_the_checker_rejects_misuse_in_a_table_stage(code, message):
     found = problems(code)
