@@ -620,10 +620,12 @@ class TableBatchedEmbeddingBags(nn.Module):
         step = state["step"]
         if not _is_int(step) or step < 0:
             raise RuntimeError(f"tbegen: the state_dict's step counter must be a non-negative int, got {step!r}")
+        # (the last step whose whole-table stages ran: at most the next one; behind the step when
+        # the spec has none, or when they have not run yet for the next step)
         table_step = state.get("table_step", step)
-        if not _is_int(table_step) or not step <= table_step <= step + 1:
-            raise RuntimeError(f"tbegen: the state_dict's table_step must be the step or the step + 1 "
-                               f"({step} or {step + 1}), got {table_step!r}")
+        if not _is_int(table_step) or not 0 <= table_step <= step + 1:
+            raise RuntimeError(f"tbegen: the state_dict's table_step must be an int from 0 to the step + 1 "
+                               f"({step + 1}), got {table_step!r}")
         self._hyperparameters.update(hyper)
         self._step = int(step)
         self._table_step = int(table_step)

@@ -227,7 +227,7 @@ def test_the_module_keeps_the_table_step_in_its_state_dict_and_refuses_odd_width
     assert torch.equal(fresh.split_embedding_weights()[0], weights)
     bad = dict(state)
     bad["_extra_state"] = dict(state["_extra_state"], table_step=5)
-    with pytest.raises(RuntimeError, match="table_step must be the step or the step \\+ 1"):
+    with pytest.raises(RuntimeError, match="table_step must be an int from 0 to the step \\+ 1 \\(1\\), got 5"):
         fresh.load_state_dict(bad)
     with pytest.raises(ValueError, match="every table needs an even dim; table\\(s\\) \\[1\\] have dims \\[5\\]"):
         TableBatchedEmbeddingBags([(6, 4), (3, 5)], optimizer="emainplace_rowwise_adagrad")
