@@ -176,10 +176,12 @@ def test_the_operator_refuses_odd_widths_when_its_stage_pairs_columns(load_ops):
     layout = harness.make_layout(((10, 4), (6, 3)), None)
     weights = torch.zeros(layout.weights_numel)
     momentum = torch.zeros(layout.total_hash_size)
-    args = (weights, layout.features_tensor("cpu"), layout.total_hash_size, False, 0, momentum, 0.01, 1e-8)
-    assert ops.table_update(*args, 2, 0, 0.6, 1) is False  # step 1: the guard does not hold
+    hyper = dict(harness.default_hyperparameters(spec, {}), step_ema=2)
+    args = (weights, layout.features_tensor("cpu"), layout.total_hash_size, False, 0, momentum,
+            *[hyper[h.name] for h in spec.hyperparameters])
+    assert ops.table_update(*args, 1) is False  # step 1: the guard does not hold
     with pytest.raises(RuntimeError, match="odd width 3; the spec's whole-table stage pairs column j"):
-        ops.table_update(*args, 2, 0, 0.6, 2)
+        ops.table_update(*args, 2)
 
 
 # ---- the module -----------------------------------------------------------------------------------------

@@ -16,6 +16,9 @@ SUMMARY = "Row-wise Adagrad whose rows hold a fast and a slow half; every step_e
 HYPERPARAMETERS = {
     "learning_rate": ('float', 0.01, 'Step size.'),
     "eps": ('float', 1e-08, 'Added to the square root of the accumulator.'),
+    "weight_decay": ('float', 0.0, 'Weight decay factor.'),
+    "weight_decay_mode": ('int', 0, '0 none, 1 L2 (added to the gradient), 2 decoupled (w *= 1 - learning_rate * weight_decay).'),
+    "max_norm": ('float', 0.0, 'If positive, rescale each updated row to L2 norm <= max_norm.'),
     "step_ema": ('int', 10, 'Average every step_ema steps (<= 0: never).'),
     "step_start": ('int', 0, 'The first step that may average.'),
     "step_ema_coef": ('float', 0.6, 'How far the slow half moves towards the fast half (1: copy).'),
@@ -30,7 +33,7 @@ STATES = {
 SCHEMAS = {
     "forward": 'forward(Tensor weights, Tensor features, int total_D, int max_D, Tensor indices, Tensor offsets, Tensor? per_sample_weights, int pooling, Tensor? error_record=None, bool skip_bad_indices=False) -> Tensor',
     "grad_per_sample_weights": 'grad_per_sample_weights(Tensor grad_output, Tensor weights, Tensor features, int total_D, int max_D, Tensor indices, Tensor offsets, int pooling, Tensor? error_record=None, bool skip_bad_indices=False) -> Tensor',
-    "backward": 'backward(Tensor grad_output, Tensor(a!) weights, Tensor features, int total_D, int max_D, int total_hash_size, Tensor indices, Tensor offsets, Tensor? per_sample_weights, int pooling, int max_segment_length_per_warp, bool stochastic_rounding, int seed, Tensor(b!) momentum, float learning_rate, float eps, int step_ema, int step_start, float step_ema_coef, int step, Tensor? error_record=None, bool skip_bad_indices=False, bool check_finite=True) -> ()',
+    "backward": 'backward(Tensor grad_output, Tensor(a!) weights, Tensor features, int total_D, int max_D, int total_hash_size, Tensor indices, Tensor offsets, Tensor? per_sample_weights, int pooling, int max_segment_length_per_warp, bool stochastic_rounding, int seed, Tensor(b!) momentum, float learning_rate, float eps, float weight_decay, int weight_decay_mode, float max_norm, int step_ema, int step_start, float step_ema_coef, int step, Tensor? error_record=None, bool skip_bad_indices=False, bool check_finite=True) -> ()',
 }
 
 SOURCES = ("ops.cpp",)  # plus include/tbegen/cpu_ops.cpp, shared by every optimizer

@@ -16,6 +16,9 @@ namespace opt_emainplace_rowwise_adagrad {
 struct Params {
   float learning_rate;  // Step size.
   float eps;  // Added to the square root of the accumulator.
+  float weight_decay;  // Weight decay factor.
+  int64_t weight_decay_mode;  // 0 none, 1 L2 (added to the gradient), 2 decoupled (w *= 1 - learning_rate * weight_decay).
+  float max_norm;  // If positive, rescale each updated row to L2 norm <= max_norm.
   int64_t step_ema;  // Average every step_ema steps (<= 0: never).
   int64_t step_start;  // The first step that may average.
   float step_ema_coef;  // How far the slow half moves towards the fast half (1: copy).
@@ -45,29 +48,65 @@ struct Optimizer {
   static TBEGEN_HD TBEGEN_INLINE void update_row(Row& tbegen_row, const Params& tbegen_p, int64_t tbegen_step) {
     const float learning_rate = tbegen_p.learning_rate;
     const float eps = tbegen_p.eps;
+    const float weight_decay = tbegen_p.weight_decay;
+    const int64_t weight_decay_mode = tbegen_p.weight_decay_mode;
+    const float max_norm = tbegen_p.max_norm;
     const int D = tbegen_row.dim();
     float& momentum = tbegen_row.row_state(0);
-    // stage 1: row (optimizers/emainplace_rowwise_adagrad.yaml:20)
-    float tbegen_red_0 = 0.0f;  // row_mean(g * g)
+    // stage 1: row (optimizers/emainplace_rowwise_adagrad.yaml:29)
+#line 29 "optimizers/emainplace_rowwise_adagrad.yaml"
+    // L2 decay (mode 1) adds weight_decay * w to the gradient that feeds the accumulator.
+    float l2 = weight_decay_mode == 1 ? weight_decay : 0.0f;
+#line 61 "emainplace_rowwise_adagrad/optimizer.h"
+    // stage 2: row (optimizers/emainplace_rowwise_adagrad.yaml:32)
+    float tbegen_red_0 = 0.0f;  // row_mean((g + l2 * w) * (g + l2 * w))
     TBEGEN_FOR_ELEMENTS_SUM(tbegen_row, tbegen_i, tbegen_red_0) {
       const float g = tbegen_row.g(tbegen_i);
-#line 20 "optimizers/emainplace_rowwise_adagrad.yaml"
-      tbegen_red_0 += (g * g);
-#line 57 "emainplace_rowwise_adagrad/optimizer.h"
+      const float w = tbegen_row.w(tbegen_i);
+#line 32 "optimizers/emainplace_rowwise_adagrad.yaml"
+      tbegen_red_0 += ((g + l2 * w) * (g + l2 * w));
+#line 69 "emainplace_rowwise_adagrad/optimizer.h"
     }
     tbegen_red_0 = tbegen_row.all_sum(tbegen_red_0) / static_cast<float>(D);
-#line 20 "optimizers/emainplace_rowwise_adagrad.yaml"
+#line 32 "optimizers/emainplace_rowwise_adagrad.yaml"
     momentum += tbegen_red_0;
     float multiplier = learning_rate / (sqrtf(momentum) + eps);
-#line 63 "emainplace_rowwise_adagrad/optimizer.h"
-    // stage 2: element (optimizers/emainplace_rowwise_adagrad.yaml:23)
+    float keep = 1.0f;
+    if (weight_decay_mode == 1) keep = 1.0f - multiplier * weight_decay;
+    if (weight_decay_mode == 2) keep = 1.0f - learning_rate * weight_decay;
+#line 78 "emainplace_rowwise_adagrad/optimizer.h"
+    // stage 3: element (optimizers/emainplace_rowwise_adagrad.yaml:38)
     TBEGEN_FOR_ELEMENTS(tbegen_row, tbegen_i) {
       const float g = tbegen_row.g(tbegen_i);
       float& w = tbegen_row.w(tbegen_i);
       {
-#line 23 "optimizers/emainplace_rowwise_adagrad.yaml"
-        w -= multiplier * g;
-#line 71 "emainplace_rowwise_adagrad/optimizer.h"
+#line 38 "optimizers/emainplace_rowwise_adagrad.yaml"
+        w = keep * w - multiplier * g;
+#line 86 "emainplace_rowwise_adagrad/optimizer.h"
+      }
+    }
+    if (max_norm > 0.0f) {  // the `when:` of the stages below (optimizers/emainplace_rowwise_adagrad.yaml)
+      // stage 4: row (optimizers/emainplace_rowwise_adagrad.yaml:42)
+      float tbegen_red_1 = 0.0f;  // row_sum(w * w)
+      TBEGEN_FOR_ELEMENTS_SUM(tbegen_row, tbegen_i, tbegen_red_1) {
+        const float w = tbegen_row.w(tbegen_i);
+#line 42 "optimizers/emainplace_rowwise_adagrad.yaml"
+        tbegen_red_1 += (w * w);
+#line 96 "emainplace_rowwise_adagrad/optimizer.h"
+      }
+      tbegen_red_1 = tbegen_row.all_sum(tbegen_red_1);
+#line 42 "optimizers/emainplace_rowwise_adagrad.yaml"
+      float norm = sqrtf(tbegen_red_1);
+      float clamp = norm > max_norm ? max_norm / norm : 1.0f;
+#line 102 "emainplace_rowwise_adagrad/optimizer.h"
+      // stage 5: element (optimizers/emainplace_rowwise_adagrad.yaml:46)
+      TBEGEN_FOR_ELEMENTS(tbegen_row, tbegen_i) {
+        float& w = tbegen_row.w(tbegen_i);
+        {
+#line 46 "optimizers/emainplace_rowwise_adagrad.yaml"
+          w *= clamp;
+#line 109 "emainplace_rowwise_adagrad/optimizer.h"
+        }
       }
     }
     (void)tbegen_step;
@@ -95,20 +134,20 @@ struct Optimizer {
     const float step_ema_coef = tbegen_p.step_ema_coef;
     const int64_t step = tbegen_step;
     const int D = tbegen_u.dim();
-    // whole-table stage 1 (optimizers/emainplace_rowwise_adagrad.yaml:29)
+    // whole-table stage 1 (optimizers/emainplace_rowwise_adagrad.yaml:52)
     if (step_ema > 0 && step % step_ema == 0 && step >= step_start) {  // its `when:`
       tbegen_u.snapshot();  // partner(...) reads the values from here
       for (int tbegen_e = 0; tbegen_e < tbegen_u.count(); ++tbegen_e) {
         float& w = tbegen_u.w(tbegen_e);
         const int col = tbegen_u.col(tbegen_e);
         {
-#line 29 "optimizers/emainplace_rowwise_adagrad.yaml"
+#line 52 "optimizers/emainplace_rowwise_adagrad.yaml"
           if (col >= D / 2) {
             // the two-sided form of torch's lerp (exact at both ends: a coefficient of 1 copies)
             float diff = tbegen_u.partner_w(tbegen_e) - w;
             w = step_ema_coef < 0.5f ? w + step_ema_coef * diff : tbegen_u.partner_w(tbegen_e) - diff * (1.0f - step_ema_coef);
           }
-#line 112 "emainplace_rowwise_adagrad/optimizer.h"
+#line 151 "emainplace_rowwise_adagrad/optimizer.h"
         }
       }
     }

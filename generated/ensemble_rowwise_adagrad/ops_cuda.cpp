@@ -23,8 +23,8 @@ namespace opt_ensemble_rowwise_adagrad {
 
 const cuda::BackwardKernels& backward_kernels();  // kernels_cuda.cu
 
-void backward_cuda(const at::Tensor& grad_output, const at::Tensor& weights, const at::Tensor& features, int64_t total_D, int64_t max_D, int64_t total_hash_size, const at::Tensor& indices, const at::Tensor& offsets, const c10::optional<at::Tensor>& per_sample_weights, int64_t pooling, int64_t max_segment_length_per_warp, bool stochastic_rounding, int64_t seed, const at::Tensor& momentum, const at::Tensor& sparse_ema, double learning_rate, double eps, int64_t step_ema, int64_t step_swap, int64_t step_start, double step_ema_coef, int64_t step_mode, int64_t step, const c10::optional<at::Tensor>& error_record, bool skip_bad_indices, bool check_finite) {
-  const Params tbegen_params = make_params(weights, total_hash_size, momentum, sparse_ema, learning_rate, eps, step_ema, step_swap, step_start, step_ema_coef, step_mode);
+void backward_cuda(const at::Tensor& grad_output, const at::Tensor& weights, const at::Tensor& features, int64_t total_D, int64_t max_D, int64_t total_hash_size, const at::Tensor& indices, const at::Tensor& offsets, const c10::optional<at::Tensor>& per_sample_weights, int64_t pooling, int64_t max_segment_length_per_warp, bool stochastic_rounding, int64_t seed, const at::Tensor& momentum, const at::Tensor& sparse_ema, double learning_rate, double eps, double weight_decay, int64_t weight_decay_mode, double max_norm, int64_t step_ema, int64_t step_swap, int64_t step_start, double step_ema_coef, int64_t step_mode, int64_t step, const c10::optional<at::Tensor>& error_record, bool skip_bad_indices, bool check_finite) {
+  const Params tbegen_params = make_params(weights, total_hash_size, momentum, sparse_ema, learning_rate, eps, weight_decay, weight_decay_mode, max_norm, step_ema, step_swap, step_start, step_ema_coef, step_mode);
   const RowUpdateContext tbegen_ctx{stochastic_rounding, seed, step};
   cuda::backward_cuda(grad_output, weights, features, total_D, max_D, total_hash_size, indices, offsets,
                       per_sample_weights, pooling, max_segment_length_per_warp, &tbegen_params, backward_kernels(),
@@ -37,8 +37,8 @@ int launch_table_stages(const cuda::TableLaunch& launch);  // kernels_cuda.cu
 // The whole-table stages of one step on the GPU (the CPU's table_update_cpu, ops.cpp): the guard
 // on the host; only when it holds is the small layout table read back to find the tables, and one
 // kernel per table launched on the weights' device and its current stream.
-bool table_update_cuda(const at::Tensor& weights, const at::Tensor& features, int64_t total_hash_size, bool stochastic_rounding, int64_t seed, const at::Tensor& momentum, const at::Tensor& sparse_ema, double learning_rate, double eps, int64_t step_ema, int64_t step_swap, int64_t step_start, double step_ema_coef, int64_t step_mode, int64_t step) {
-  const Params tbegen_params = make_params(weights, total_hash_size, momentum, sparse_ema, learning_rate, eps, step_ema, step_swap, step_start, step_ema_coef, step_mode);
+bool table_update_cuda(const at::Tensor& weights, const at::Tensor& features, int64_t total_hash_size, bool stochastic_rounding, int64_t seed, const at::Tensor& momentum, const at::Tensor& sparse_ema, double learning_rate, double eps, double weight_decay, int64_t weight_decay_mode, double max_norm, int64_t step_ema, int64_t step_swap, int64_t step_start, double step_ema_coef, int64_t step_mode, int64_t step) {
+  const Params tbegen_params = make_params(weights, total_hash_size, momentum, sparse_ema, learning_rate, eps, weight_decay, weight_decay_mode, max_norm, step_ema, step_swap, step_start, step_ema_coef, step_mode);
   TBEGEN_CHECK(weights.is_cuda(), "tbegen: weights must be on a CUDA device for the CUDA operator");
   if (!Optimizer::table_runs(tbegen_params, step)) return false;
   const std::vector<TableExtent> tables = table_extents(weights, features, total_hash_size,

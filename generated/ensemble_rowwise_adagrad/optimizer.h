@@ -16,6 +16,9 @@ namespace opt_ensemble_rowwise_adagrad {
 struct Params {
   float learning_rate;  // Step size.
   float eps;  // Added to the square root of the accumulator.
+  float weight_decay;  // Weight decay factor.
+  int64_t weight_decay_mode;  // 0 none, 1 L2 (added to the gradient), 2 decoupled (w *= 1 - learning_rate * weight_decay).
+  float max_norm;  // If positive, rescale each updated row to L2 norm <= max_norm.
   int64_t step_ema;  // Average every step_ema steps (<= 0: never).
   int64_t step_swap;  // Copy the average into the weights every step_swap steps (<= 0: never).
   int64_t step_start;  // Up to this step the average is a copy of the weights (coefficient 0).
@@ -47,29 +50,65 @@ struct Optimizer {
   static TBEGEN_HD TBEGEN_INLINE void update_row(Row& tbegen_row, const Params& tbegen_p, int64_t tbegen_step) {
     const float learning_rate = tbegen_p.learning_rate;
     const float eps = tbegen_p.eps;
+    const float weight_decay = tbegen_p.weight_decay;
+    const int64_t weight_decay_mode = tbegen_p.weight_decay_mode;
+    const float max_norm = tbegen_p.max_norm;
     const int D = tbegen_row.dim();
     float& momentum = tbegen_row.row_state(0);
-    // stage 1: row (optimizers/ensemble_rowwise_adagrad.yaml:28)
-    float tbegen_red_0 = 0.0f;  // row_mean(g * g)
+    // stage 1: row (optimizers/ensemble_rowwise_adagrad.yaml:37)
+#line 37 "optimizers/ensemble_rowwise_adagrad.yaml"
+    // L2 decay (mode 1) adds weight_decay * w to the gradient that feeds the accumulator.
+    float l2 = weight_decay_mode == 1 ? weight_decay : 0.0f;
+#line 63 "ensemble_rowwise_adagrad/optimizer.h"
+    // stage 2: row (optimizers/ensemble_rowwise_adagrad.yaml:40)
+    float tbegen_red_0 = 0.0f;  // row_mean((g + l2 * w) * (g + l2 * w))
     TBEGEN_FOR_ELEMENTS_SUM(tbegen_row, tbegen_i, tbegen_red_0) {
       const float g = tbegen_row.g(tbegen_i);
-#line 28 "optimizers/ensemble_rowwise_adagrad.yaml"
-      tbegen_red_0 += (g * g);
-#line 59 "ensemble_rowwise_adagrad/optimizer.h"
+      const float w = tbegen_row.w(tbegen_i);
+#line 40 "optimizers/ensemble_rowwise_adagrad.yaml"
+      tbegen_red_0 += ((g + l2 * w) * (g + l2 * w));
+#line 71 "ensemble_rowwise_adagrad/optimizer.h"
     }
     tbegen_red_0 = tbegen_row.all_sum(tbegen_red_0) / static_cast<float>(D);
-#line 28 "optimizers/ensemble_rowwise_adagrad.yaml"
+#line 40 "optimizers/ensemble_rowwise_adagrad.yaml"
     momentum += tbegen_red_0;
     float multiplier = learning_rate / (sqrtf(momentum) + eps);
-#line 65 "ensemble_rowwise_adagrad/optimizer.h"
-    // stage 2: element (optimizers/ensemble_rowwise_adagrad.yaml:31)
+    float keep = 1.0f;
+    if (weight_decay_mode == 1) keep = 1.0f - multiplier * weight_decay;
+    if (weight_decay_mode == 2) keep = 1.0f - learning_rate * weight_decay;
+#line 80 "ensemble_rowwise_adagrad/optimizer.h"
+    // stage 3: element (optimizers/ensemble_rowwise_adagrad.yaml:46)
     TBEGEN_FOR_ELEMENTS(tbegen_row, tbegen_i) {
       const float g = tbegen_row.g(tbegen_i);
       float& w = tbegen_row.w(tbegen_i);
       {
-#line 31 "optimizers/ensemble_rowwise_adagrad.yaml"
-        w -= multiplier * g;
-#line 73 "ensemble_rowwise_adagrad/optimizer.h"
+#line 46 "optimizers/ensemble_rowwise_adagrad.yaml"
+        w = keep * w - multiplier * g;
+#line 88 "ensemble_rowwise_adagrad/optimizer.h"
+      }
+    }
+    if (max_norm > 0.0f) {  // the `when:` of the stages below (optimizers/ensemble_rowwise_adagrad.yaml)
+      // stage 4: row (optimizers/ensemble_rowwise_adagrad.yaml:50)
+      float tbegen_red_1 = 0.0f;  // row_sum(w * w)
+      TBEGEN_FOR_ELEMENTS_SUM(tbegen_row, tbegen_i, tbegen_red_1) {
+        const float w = tbegen_row.w(tbegen_i);
+#line 50 "optimizers/ensemble_rowwise_adagrad.yaml"
+        tbegen_red_1 += (w * w);
+#line 98 "ensemble_rowwise_adagrad/optimizer.h"
+      }
+      tbegen_red_1 = tbegen_row.all_sum(tbegen_red_1);
+#line 50 "optimizers/ensemble_rowwise_adagrad.yaml"
+      float norm = sqrtf(tbegen_red_1);
+      float clamp = norm > max_norm ? max_norm / norm : 1.0f;
+#line 104 "ensemble_rowwise_adagrad/optimizer.h"
+      // stage 5: element (optimizers/ensemble_rowwise_adagrad.yaml:54)
+      TBEGEN_FOR_ELEMENTS(tbegen_row, tbegen_i) {
+        float& w = tbegen_row.w(tbegen_i);
+        {
+#line 54 "optimizers/ensemble_rowwise_adagrad.yaml"
+          w *= clamp;
+#line 111 "ensemble_rowwise_adagrad/optimizer.h"
+        }
       }
     }
     (void)tbegen_step;
@@ -98,13 +137,13 @@ struct Optimizer {
     const float step_ema_coef = tbegen_p.step_ema_coef;
     const int64_t step_mode = tbegen_p.step_mode;
     const int64_t step = tbegen_step;
-    // whole-table stage 1 (optimizers/ensemble_rowwise_adagrad.yaml:35)
+    // whole-table stage 1 (optimizers/ensemble_rowwise_adagrad.yaml:58)
     if ((step_ema > 0 && step % step_ema == 0) || (step_swap > 0 && step % step_swap == 0)) {  // its `when:`
       for (int tbegen_e = 0; tbegen_e < tbegen_u.count(); ++tbegen_e) {
         float& w = tbegen_u.w(tbegen_e);
         float& sparse_ema = tbegen_u.element(0, tbegen_e);
         {
-#line 35 "optimizers/ensemble_rowwise_adagrad.yaml"
+#line 58 "optimizers/ensemble_rowwise_adagrad.yaml"
           bool average = step_ema > 0 && step % step_ema == 0;
           bool swap = step_swap > 0 && step % step_swap == 0;
           float keep = step <= step_start ? 0.0f : step_ema_coef;
@@ -121,7 +160,7 @@ struct Optimizer {
           if (average && step_mode == 0) {
             sparse_ema = 0.0f;
           }
-#line 125 "ensemble_rowwise_adagrad/optimizer.h"
+#line 164 "ensemble_rowwise_adagrad/optimizer.h"
         }
       }
     }

@@ -11,10 +11,15 @@
 namespace tbegen {
 namespace opt_ensemble_rowwise_adagrad {
 
-inline Params make_params(const at::Tensor& weights, int64_t total_hash_size, const at::Tensor& momentum, const at::Tensor& sparse_ema, double learning_rate, double eps, int64_t step_ema, int64_t step_swap, int64_t step_start, double step_ema_coef, int64_t step_mode) {
+inline Params make_params(const at::Tensor& weights, int64_t total_hash_size, const at::Tensor& momentum, const at::Tensor& sparse_ema, double learning_rate, double eps, double weight_decay, int64_t weight_decay_mode, double max_norm, int64_t step_ema, int64_t step_swap, int64_t step_start, double step_ema_coef, int64_t step_mode) {
   Params tbegen_params{};
   tbegen_params.learning_rate = static_cast<float>(learning_rate);
   tbegen_params.eps = static_cast<float>(eps);
+  tbegen_params.weight_decay = static_cast<float>(weight_decay);
+  TBEGEN_CHECK(weight_decay_mode == 0 || weight_decay_mode == 1 || weight_decay_mode == 2,
+              "tbegen: ensemble_rowwise_adagrad: weight_decay_mode must be one of 0, 1, 2, got ", weight_decay_mode);
+  tbegen_params.weight_decay_mode = static_cast<int64_t>(weight_decay_mode);
+  tbegen_params.max_norm = static_cast<float>(max_norm);
   tbegen_params.step_ema = static_cast<int64_t>(step_ema);
   tbegen_params.step_swap = static_cast<int64_t>(step_swap);
   tbegen_params.step_start = static_cast<int64_t>(step_start);
