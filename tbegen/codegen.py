@@ -21,8 +21,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
-from .model import OptimizerSpec, Stage
-from .spec import REDUCTION_CALL_RE, WORD_RE, blank_comments, matching_paren
+import re
+
+from .model import OptimizerSpec, Stage, TableStage
+from .spec import PARTNER_CALL_RE, REDUCTION_CALL_RE, WORD_RE, blank_comments, matching_paren
 
 LINE_RESTORE = "#line TBEGEN_RESTORE"
 
@@ -195,6 +197,109 @@ def emit_update_body(spec: OptimizerSpec, spec_path: str) -> str:
 
 
 # ---------------------------------------------------------------------------------------------
+# Whole-table stages (`table:`): the bodies of the Optimizer's `table_runs` (the guard, on the
+# host) and `table_unit` (one element, or a pair of columns j, j + D/2, through the unit view
+# tbegen::TableUnit of templates/include/tbegen/table_stage.h).
+
+_PARTNER_ARG_RE = re.compile(r"\s*([A-Za-z_][A-Za-z0-9_]*)\s*\)")
+
+
+def rewrite_partner(code: str, element_states: Sequence[str]) -> str:
+    """`partner(w)` -> the unit's partner weight, `partner(STATE)` -> its partner state (the
+    checker has made sure that the argument is w or a per-element state)."""
+    text = blank_comments(code)
+    out: List[str] = []
+    pos = 0
+    for m in PARTNER_CALL_RE.finditer(text):
+        arg = _PARTNER_ARG_RE.match(text, m.end())
+        if arg is None:
+            raise ValueError("partner(...) takes one name")
+        name = arg.group(1)
+        if name == "w":
+            call = "tbegen_u.partner_w(tbegen_e)"
+        else:
+            call = f"tbegen_u.partner_element({list(element_states).index(name)}, tbegen_e)"
+        out.append(code[pos : m.start()])
+        out.append(call)
+        pos = arg.end()
+    out.append(code[pos:])
+    return "".join(out)
+
+
+def _bind_hyperparameters(spec: OptimizerSpec, names: set, lines: List[str], indent: str = "  ") -> None:
+    for h in spec.hyperparameters:
+        if h.name in names:
+            lines.append(f"{indent}const {h.type.cpp} {h.name} = tbegen_p.{h.name};")
+    if "step" in names:
+        lines.append(f"{indent}const int64_t step = tbegen_step;")
+
+
+def emit_table_guard(spec: OptimizerSpec) -> str:
+    """The body of `table_runs`: whether any whole-table stage runs at this step."""
+    guards = [t.when for t in spec.table_stages]
+    lines: List[str] = []
+    if any(not g for g in guards):
+        lines.append("  (void)tbegen_p;")
+        lines.append("  (void)tbegen_step;")
+        lines.append("  return true;  // a stage without a guard runs every step")
+    else:
+        names = used_names("\n".join(guards))
+        _bind_hyperparameters(spec, names, lines)
+        if "step" not in names:
+            lines.append("  (void)tbegen_step;")
+        lines.append("  return " + " ||\n         ".join(f"({g})" for g in guards) + ";")
+    return "\n".join("  " + l if l else l for l in lines)
+
+
+def emit_table_body(spec: OptimizerSpec, spec_path: str) -> str:
+    """The body of `table_unit`: every whole-table stage, in order, each under its guard."""
+    stages = spec.table_stages
+    element_states = [s.name for s in spec.element_states]
+    names = used_names("\n".join([t.code for t in stages] + [t.when for t in stages]))
+    lines: List[str] = []
+    _bind_hyperparameters(spec, names, lines)
+    if "step" not in names:
+        lines.append("  (void)tbegen_step;")
+    if "D" in names:
+        lines.append("  const int D = tbegen_u.dim();")
+    for k, s in enumerate(spec.row_states):
+        if s.name in names:
+            lines.append(f"  const float {s.name} = tbegen_u.row_state({k});  // per-row state, read-only here")
+    for k, s in enumerate(spec.int_row_states):
+        if s.name in names:
+            lines.append(f"  const int64_t {s.name} = tbegen_u.int_row_state({k});  // per-row state, read-only here")
+    for number, stage in enumerate(stages, start=1):
+        lines.append(f"  // whole-table stage {number} ({spec_path}:{stage.loc.line})")
+        indent = "  "
+        if stage.when:
+            lines.append(f"  if ({stage.when}) {{  // its `when:`")
+            indent = "    "
+        if stage.pairs:
+            lines.append(f"{indent}tbegen_u.snapshot();  // partner(...) reads the values from here")
+        lines.append(f"{indent}for (int tbegen_e = 0; tbegen_e < tbegen_u.count(); ++tbegen_e) {{")
+        stage_names = used_names(stage.code)
+        inner = indent + "  "
+        if "w" in stage_names:
+            lines.append(f"{inner}float& w = tbegen_u.w(tbegen_e);")
+        for k, name in enumerate(element_states):
+            if name in stage_names:
+                lines.append(f"{inner}float& {name} = tbegen_u.element({k}, tbegen_e);")
+        if "col" in stage_names:
+            lines.append(f"{inner}const int col = tbegen_u.col(tbegen_e);")
+        lines.append(f"{inner}{{")
+        lines.append(f'#line {stage.loc.line} "{spec_path}"')
+        code = rewrite_partner(stage.code, element_states).rstrip("\n")
+        for line in code.splitlines():
+            lines.append((inner + "  " + line) if line.strip() else "")
+        lines.append(LINE_RESTORE)
+        lines.append(f"{inner}}}")
+        lines.append(f"{indent}}}")
+        if stage.when:
+            lines.append("  }")
+    return "\n".join("  " + l if l and not l.startswith("#") else l for l in lines)
+
+
+# ---------------------------------------------------------------------------------------------
 # Operator signatures: one description, rendered as the TORCH_LIBRARY schema, the C++ parameter
 # list and the Python call.
 
@@ -324,6 +429,26 @@ def backward_signature(spec: OptimizerSpec) -> OpSignature:
         Arg("check_finite", "bool", "raise on NaN/Inf in per_sample_weights or grad_output", default="True"),
     )
     return OpSignature("backward", args, "()")
+
+
+def table_signature(spec: OptimizerSpec) -> OpSignature:
+    """`table_update`: the whole-table stages of one step (specs with `table:` only); returns
+    whether any stage ran."""
+    args = (
+        Arg("weights", "Tensor", "flat weights buffer, updated in place", mutable=True),
+        Arg("features", "Tensor", "int64 [F, 5]: the layout (each table is updated once)"),
+        Arg("total_hash_size", "int", "number of linear keys (rows of all tables)"),
+        Arg("stochastic_rounding", "bool", "round fp16/bf16 weights stochastically"),
+        Arg("seed", "int", "seed of the stochastic rounding"),
+    )
+    for s in spec.states:
+        layout = "like the weights" if s.per == "element" else "one per linear key"
+        kind = "int64" if s.is_int else "float32, float16 or bfloat16"
+        args += (Arg(s.name, "Tensor", f"state, {kind}, {layout}", mutable=True),)
+    for h in spec.hyperparameters:
+        args += (Arg(h.name, h.type, h.doc),)
+    args += (Arg("step", "int", "the step whose forward follows (1-based)"),)
+    return OpSignature("table_update", args, "bool")
 
 
 def lane_split_signature(spec: OptimizerSpec) -> OpSignature:

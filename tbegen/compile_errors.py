@@ -114,7 +114,8 @@ def _stages_of(spec_file: str, spec_root: Path):
     if not path.is_absolute():
         path = spec_root / path
     try:
-        return load_spec_text(path.read_text(encoding="utf-8"), str(path), check_snippets=False).stages
+        spec = load_spec_text(path.read_text(encoding="utf-8"), str(path), check_snippets=False)
+        return spec.stages + spec.table_stages  # (both carry source_field, code and starts)
     except (OSError, SpecError, UnicodeDecodeError):
         return None
 

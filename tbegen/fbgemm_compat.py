@@ -63,6 +63,8 @@ class EmbOptimType(enum.Enum):
     LARS_SGD = "lars_sgd"
     PARTIAL_ROWWISE_ADAM = "partial_row_wise_adam"
     PARTIAL_ROWWISE_LAMB = "partial_row_wise_lamb"
+    ENSEMBLE_ROWWISE_ADAGRAD = "ensemble_row_wise_adagrad"
+    EMAINPLACE_ROWWISE_ADAGRAD = "ema_in_place_row_wise_adagrad"
     NONE = "none"
 
 
@@ -155,6 +157,10 @@ FBGEMM_OPTIMIZERS = {
     "LARS_SGD": "lars_sgd",
     "PARTIAL_ROWWISE_ADAM": "partial_rowwise_adam",
     "PARTIAL_ROWWISE_LAMB": "partial_rowwise_lamb",
+    # rowwise Adagrad plus a whole-table operation before the forward (FBGEMM's ensemble_mode /
+    # emainplace_mode arguments become the spec's hyperparameters: _whole_table_hyperparameters)
+    "ENSEMBLE_ROWWISE_ADAGRAD": "ensemble_rowwise_adagrad",
+    "EMAINPLACE_ROWWISE_ADAGRAD": "emainplace_rowwise_adagrad",
 }
 
 # FBGEMM's names for each optimizer's states in get_optimizer_state() (torch.optim's names).
@@ -166,6 +172,8 @@ _OPTIMIZER_STATE_NAMES = {
     "partial_rowwise_adam": ("exp_avg", "exp_avg_sq"),
     "lamb": ("exp_avg", "exp_avg_sq"),
     "partial_rowwise_lamb": ("exp_avg", "exp_avg_sq"),
+    "ensemble_rowwise_adagrad": ("sum", "sparse_ema"),
+    "emainplace_rowwise_adagrad": ("sum",),
 }
 
 
@@ -258,8 +266,6 @@ _NO_EFFECT = {
 # default (None or False), otherwise an error naming the argument.
 _UNSUPPORTED_UNLESS_DEFAULT = {
     "gradient_clipping": "gradient clipping of the summed row gradient",
-    "ensemble_mode": "ENSEMBLE_ROWWISE_ADAGRAD",
-    "emainplace_mode": "EMAINPLACE_ROWWISE_ADAGRAD",
     "counter_based_regularization": "read with weight_decay_mode COUNTER only",
     "cowclip_regularization": "read with weight_decay_mode COWCLIP only",
     "global_weight_decay": "global weight decay (WeightDecayMode.DECOUPLE_GLOBAL)",
@@ -355,6 +361,32 @@ def _counter_hyperparameters(mode: str, counter, cowclip) -> Tuple[Dict[str, Any
         lower_bound=float(cowclip.lower_bound),
     )
     return hyper, -1
+
+
+# FBGEMM's EnsembleModeDefinition / EmainplaceModeDefinition fields -> the specs' hyperparameters
+# (FBGEMM keeps them as floats and truncates the step counts to ints where it uses them).
+_ENSEMBLE_FIELDS = {"step_ema": int, "step_swap": int, "step_start": int, "step_ema_coef": float, "step_mode": int}
+_EMAINPLACE_FIELDS = {"step_ema": int, "step_start": int, "step_ema_coef": float}
+
+
+def _whole_table_hyperparameters(spec: OptimizerSpec, ensemble_mode: Any, emainplace_mode: Any) -> Dict[str, Any]:
+    """The hyperparameters of ensemble_rowwise_adagrad / emainplace_rowwise_adagrad from FBGEMM's
+    mode definitions (None: FBGEMM's defaults, which are the specs' defaults). As in FBGEMM, a
+    definition is read by its own optimizer only."""
+    definition, fields = {
+        "ensemble_rowwise_adagrad": (ensemble_mode, _ENSEMBLE_FIELDS),
+        "emainplace_rowwise_adagrad": (emainplace_mode, _EMAINPLACE_FIELDS),
+    }.get(spec.name, (None, {}))
+    if definition is None:
+        return {}
+    hyper = {}
+    for name, convert in fields.items():
+        if not hasattr(definition, name):
+            raise TypeError(f"tbegen: {type(definition).__name__} has no field {name!r} (FBGEMM's "
+                            f"{'EnsembleModeDefinition' if spec.name.startswith('ensemble') else 'EmainplaceModeDefinition'} has)")
+        value = getattr(definition, name)
+        hyper[name] = convert(value.value if isinstance(value, enum.Enum) else value)
+    return hyper
 
 
 def _spec_hyperparameters(spec: OptimizerSpec, fbgemm_values: Dict[str, Any], others: Dict[str, Any]) -> Dict[str, Any]:
@@ -511,6 +543,9 @@ class SplitTableBatchedEmbeddingBagsCodegen(nn.Module):
         fbgemm_values.update({k: v for k, v in kwargs.items() if k in FBGEMM_HYPERPARAMETERS})
         others = {k: v for k, v in kwargs.items() if k not in FBGEMM_HYPERPARAMETERS}
         mode = _enum_member(fbgemm_values["weight_decay_mode"], WeightDecayMode, "weight_decay_mode")
+        # ensemble_mode / emainplace_mode: read by their own optimizer only, as in FBGEMM
+        whole_table = _whole_table_hyperparameters(spec, others.pop("ensemble_mode", None),
+                                                   others.pop("emainplace_mode", None))
         self._max_counter_update_freq = -1
         if mode in ("COUNTER", "COWCLIP"):
             if fbgemm_name != "EXACT_ROWWISE_ADAGRAD":
@@ -527,6 +562,9 @@ class SplitTableBatchedEmbeddingBagsCodegen(nn.Module):
             check_hyperparameters(spec, hyper)
         else:
             hyper = _spec_hyperparameters(spec, fbgemm_values, others)
+            if whole_table:
+                hyper.update(whole_table)
+                check_hyperparameters(spec, hyper)
         module_args = _check_other_arguments(spec, others)
 
         inner = TableBatchedEmbeddingBags(

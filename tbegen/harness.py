@@ -299,6 +299,46 @@ def reference_step(spec, layout, B, pooling, weights, states, batch, grad_output
     return w, st, touched_w
 
 
+def reference_table_step(spec, layout, weights, states, hyper, step):
+    """The whole-table stages of one step in float64: the spec's `table_reference` run once per
+    table (each table once, however many features read it) over all of its rows. Returns
+    (weights, states) as float64 copies; unchanged when the spec has no `table` stages."""
+    w = weights.to(torch.float64).clone()
+    st = {k: v.to(torch.float64).clone() for k, v in states.items()}
+    if not spec.table_stages:
+        return w, st
+    code = compile(spec.table_reference.code, f"{spec.path}:table_reference", "exec")
+    for t, (E, D) in enumerate(layout.tables):
+        base, kb = layout.table_offsets[t], layout.table_key_base[t]
+        ns = dict(hyper)
+        ns.update(torch=torch, math=math, step=step, D=D, w=w[base : base + E * D].view(E, D).clone())
+        for s in spec.states:
+            view = st[s.name][base : base + E * D].view(E, D) if s.per == "element" else st[s.name][kb : kb + E]
+            ns[s.name] = view.clone()
+        exec(code, ns)
+        w[base : base + E * D] = torch.as_tensor(ns["w"], dtype=torch.float64).reshape(-1)
+        for s in spec.states:
+            value = torch.as_tensor(ns[s.name], dtype=torch.float64).reshape(-1)
+            if s.is_int:
+                value = value.round()
+            if s.per == "element":
+                st[s.name][base : base + E * D] = value
+            else:
+                st[s.name][kb : kb + E] = value
+    return w, st
+
+
+def call_table_update(spec: OptimizerSpec, ops, case: "Case", layout: Layout, feats: torch.Tensor,
+                      hyper: Dict[str, object], weights: torch.Tensor, states: Dict[str, torch.Tensor],
+                      step: int) -> bool:
+    """The whole-table stages of `step` through the extension's `table_update` operator, in place;
+    whether a stage ran."""
+    return ops.table_update(
+        weights, feats, layout.total_hash_size, case.stochastic_rounding, case.seed,
+        *[states[s.name] for s in spec.states], *[hyper[h.name] for h in spec.hyperparameters], step,
+    )
+
+
 # ---- comparison --------------------------------------------------------------------------------
 
 
@@ -380,6 +420,8 @@ def run_case(spec: OptimizerSpec, ops, case: Case, device: str = "cpu") -> Resul
     result = Result(case)
     tol_w = TOLERANCE[case.weights_dtype]
     for step in range(1, case.steps + 1):
+        if spec.table_stages:
+            _check_table_step(spec, ops, case, layout, feats, hyper, weights, states, step, result)
         batch = random_batch(case, layout, gen)
         dev_psw = batch.per_sample_weights.to(device) if batch.per_sample_weights is not None else None
         ind, off = batch.indices.to(device), batch.offsets.to(device)
@@ -436,6 +478,32 @@ def run_case(spec: OptimizerSpec, ops, case: Case, device: str = "cpu") -> Resul
         for err, (name, *_, tol) in zip(errors, compared):
             result.note(name, err, tol, step)
     return result
+
+
+def _check_table_step(spec, ops, case, layout, feats, hyper, weights, states, step, result) -> None:
+    """The whole-table stages of `step` (before its forward, as the module runs them) against the
+    spec's `table_reference`, over every row of every table; `weights` and `states` are updated
+    in place by the kernel. A step at which the reference changes nothing must change nothing."""
+    before_w = weights.cpu().clone()
+    before_states = {k: v.cpu().clone() for k, v in states.items()}
+    ref_w, ref_states = reference_table_step(spec, layout, before_w, before_states, hyper, step)
+    ran = call_table_update(spec, ops, case, layout, feats, hyper, weights, states, step)
+    changed = not torch.equal(ref_w, before_w.to(torch.float64)) or any(
+        not torch.equal(ref_states[k], before_states[k].to(torch.float64)) for k in ref_states)
+    if changed and not ran:
+        result.failures.append(f"step {step}: table: the reference changed the tables but no whole-table stage ran")
+    narrow_w = case.weights_dtype != torch.float32
+    compared = [("table weights", weights.cpu(), ref_w, None if narrow_w else before_w, TOLERANCE[case.weights_dtype])]
+    for name, ref in ref_states.items():
+        dt = states[name].dtype
+        if dt == torch.int64:
+            if not torch.equal(states[name].cpu().to(torch.float64), ref):
+                result.failures.append(f"step {step}: table: int state {name} differs from the reference")
+            continue
+        compared.append((f"table {name}", states[name].cpu(), ref,
+                         before_states[name] if dt == torch.float32 else None, TOLERANCE[dt]))
+    for name, actual, ref, before, tol in compared:
+        result.note(name, _err(actual, ref, before), tol, step)
 
 
 # ---- lane-split mode ------------------------------------------------------------------------------
@@ -510,6 +578,8 @@ WIDE_TABLES = ((40, VECTOR_MAX_DIM), (25, 516))  # the widest rows the 4-wide ke
 # any-width kernels), and one row wider than the 4-wide kernels take
 ODD_TABLES = ((30, 1), (20, 3), (10, 5), (9, 33), (4, 1031))
 NONE_TABLES = ((80, 32), (40, 32))
+# for specs that need even widths (a whole-table stage reading partner): widths 2 mod 4
+EVEN_ODD_TABLES = ((30, 2), (20, 6), (10, 10), (9, 34), (4, 1030))
 
 
 def standard_cases(spec: OptimizerSpec, dtypes: Sequence[torch.dtype] = (torch.float32, torch.float16)) -> List[Case]:
@@ -541,12 +611,15 @@ def standard_cases(spec: OptimizerSpec, dtypes: Sequence[torch.dtype] = (torch.f
             seed += 1
             cases.append(Case(tables=MIXED_TABLES, pooling=pooling, weighted=True, weights_dtype=wdt, seed=seed,
                               state_dtypes=tuple((name, narrow) for name in floats)))
-    # (last, with its own seed, so that the cases above keep theirs)
-    cases.append(Case(tables=ODD_TABLES, B=8, max_L=4, pooling="mean", weighted=True, weights_dtype=dtypes[-1], seed=700))
+    # (last, with its own seed, so that the cases above keep theirs). A spec whose whole-table
+    # stage pairs columns (partner) needs even widths: it gets widths that are even but not
+    # multiples of 4 (on CUDA still the any-width kernels)
+    odd_tables = EVEN_ODD_TABLES if spec.table_pairs else ODD_TABLES
+    cases.append(Case(tables=odd_tables, B=8, max_L=4, pooling="mean", weighted=True, weights_dtype=dtypes[-1], seed=700))
     # odd widths with every float state bf16 (on CUDA: the any-width kernels' narrow-state path)
     floats = [s.name for s in spec.states if not s.is_int]
     if floats:
-        cases.append(Case(tables=ODD_TABLES, B=8, max_L=4, pooling="sum", weighted=True, seed=701,
+        cases.append(Case(tables=odd_tables, B=8, max_L=4, pooling="sum", weighted=True, seed=701,
                           state_dtypes=tuple((name, torch.bfloat16) for name in floats)))
     return cases
 

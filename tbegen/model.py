@@ -18,7 +18,7 @@ from typing import Any, Optional, Tuple, Union
 # (hyperparameters and states become its other arguments); a spec may not declare them. The
 # generator's own identifiers start with `tbegen`, which is reserved too (tbegen/spec.py).
 RESERVED_NAMES = frozenset(
-    {"g", "w", "step", "D", "row_sum", "row_mean", "row_max", "row_min"}
+    {"g", "w", "step", "D", "row_sum", "row_mean", "row_max", "row_min", "col", "partner"}
     | {"grad_output", "weights", "features", "total_D", "max_D", "total_hash_size", "indices", "offsets",
        "per_sample_weights", "pooling", "max_segment_length_per_warp", "stochastic_rounding", "seed",
        "error_record", "skip_bad_indices", "check_finite"}
@@ -228,6 +228,25 @@ class Stage:
 
 
 @dataclass(frozen=True)
+class TableStage:
+    """A whole-table stage (`table:` in a spec): element code run over every element of every row
+    of every table of the module, once per step at which its guard holds, before that step's
+    forward (and so before the step's fused row updates). See docs/spec-language.md."""
+
+    # the C-like snippet, verbatim
+    code: str
+    # line in the spec file of the snippet's first line
+    loc: Loc
+    source_field: str = field(default="", compare=False)
+    starts: Tuple[Tuple[int, int], ...] = field(default=(), compare=False)
+    # a C condition over hyperparameters and `step` ("" = every step)
+    when: str = ""
+    # whether the code reads `partner(...)`: element j of a row is then updated together with
+    # element j + D/2 (and j + D/2 with j), which needs even row widths
+    pairs: bool = False
+
+
+@dataclass(frozen=True)
 class Reference:
     # float64 torch code updating g/w/states over the touched rows (see docs)
     code: str
@@ -251,6 +270,14 @@ class OptimizerSpec:
     # runs the update on a zeroed buffer, which the update turns into the weights' gradient
     # (optimizers/none.yaml: `w = g`); autograd then hands it to any torch.optim optimizer.
     dense_gradient: bool = False
+    # whole-table stages, in order, and their float64 reference (Python run once per table and step)
+    table_stages: Tuple["TableStage", ...] = ()
+    table_reference: Optional[Reference] = None
+
+    @property
+    def table_pairs(self) -> bool:
+        """Whether a whole-table stage pairs element j with j +- D/2 (tables need even widths)."""
+        return any(t.pairs for t in self.table_stages)
 
     @property
     def element_states(self) -> Tuple[State, ...]:

@@ -416,6 +416,13 @@ class TableBatchedEmbeddingBags(nn.Module):
             raise TypeError(f"tbegen: check_finite must be a bool, got {check_finite!r}")
         placements = placement_.check_placements(placements, len(layout.tables), dense_gradient=spec.dense_gradient,
                                                  optimizer=spec.name)
+        if spec.table_pairs:
+            odd = [t for t, (_, D) in enumerate(layout.tables) if D % 2]
+            if odd:
+                raise ValueError(
+                    f"tbegen: optimizer {spec.name!r} pairs column j of each row with column j + D/2 in its "
+                    f"whole-table stage, so every table needs an even dim; table(s) {odd} have dims "
+                    f"{[layout.tables[t][1] for t in odd]}")
 
         self.spec: OptimizerSpec = spec
         self.layout: Layout = layout
@@ -429,6 +436,9 @@ class TableBatchedEmbeddingBags(nn.Module):
         self.max_segment_length_per_warp: int = int(max_segment_length_per_warp)
         self._hyperparameters: Dict[str, Any] = hyper
         self._step: int = 0
+        # the last step whose whole-table stages (the spec's `table:`) have been run (or found not
+        # to run): they run once per step, before its first forward in training mode
+        self._table_step: int = 0
         self._pooling_id = POOLING[pooling]
         self.placements: Tuple[str, ...] = placements
 
@@ -584,6 +594,7 @@ class TableBatchedEmbeddingBags(nn.Module):
         return {
             "optimizer": self.spec.name,
             "step": self._step,
+            "table_step": self._table_step,
             "hyperparameters": dict(self._hyperparameters),
             "seed": self.seed,
             "tables": [list(t) for t in self.layout.tables],
@@ -609,8 +620,15 @@ class TableBatchedEmbeddingBags(nn.Module):
         step = state["step"]
         if not _is_int(step) or step < 0:
             raise RuntimeError(f"tbegen: the state_dict's step counter must be a non-negative int, got {step!r}")
+        # (the last step whose whole-table stages ran: at most the next one; behind the step when
+        # the spec has none, or when they have not run yet for the next step)
+        table_step = state.get("table_step", step)
+        if not _is_int(table_step) or not 0 <= table_step <= step + 1:
+            raise RuntimeError(f"tbegen: the state_dict's table_step must be an int from 0 to the step + 1 "
+                               f"({step + 1}), got {table_step!r}")
         self._hyperparameters.update(hyper)
         self._step = int(step)
+        self._table_step = int(table_step)
         if "seed" in state:
             self.seed = int(state["seed"])
 
@@ -688,6 +706,8 @@ class TableBatchedEmbeddingBags(nn.Module):
         self._check_buffers()
         self._errors.poll()
         indices, offsets, per_sample_weights = self._check_input(indices, offsets, per_sample_weights)
+        if self.training:
+            self.run_table_stages()
         if self.dense_gradient:
             first = self.weights
         else:
@@ -696,6 +716,30 @@ class TableBatchedEmbeddingBags(nn.Module):
         out = _Lookup.apply(self, first, indices, offsets, per_sample_weights)
         # A narrow output: the float32 sums rounded to nearest (autograd widens the gradient back).
         return out if self.output_dtype == torch.float32 else out.to(self.output_dtype)
+
+    def run_table_stages(self) -> bool:
+        """Runs the spec's whole-table stages (`table:`) for the next step, step + 1, over every row
+        of every table, if they have not run for it yet; returns whether a stage's guard held.
+
+        `forward` calls this in training mode, so the stages of a step run once, before its first
+        forward (FBGEMM's module runs its whole-table operations there too); a later forward of
+        the same step (say, an evaluation pass) does not run them again. Optimizers without
+        whole-table stages: nothing to do (False)."""
+        if not self.spec.table_stages or self._table_step > self._step:
+            return False
+        self._check_buffers()
+        step = self._step + 1
+        states = [getattr(self.states, s.name) for s in self.spec.states]
+        hyper = [self._hyperparameters[h.name] for h in self.spec.hyperparameters]
+        with torch.no_grad():
+            ran = bool(self._ops.table_update(
+                self.weights.detach(), self.features, self.layout.total_hash_size, self.stochastic_rounding,
+                self.seed, *states, *hyper, step))
+        self._table_step = step
+        if ran:
+            # written in place without autograd knowing, like the backward's update
+            increment_version([self.weights, *states])
+        return ran
 
     def _run_backward(self, grad_output, weights, indices, offsets, per_sample_weights) -> None:
         step = self._step + 1

@@ -120,6 +120,9 @@ def render_spec(spec: OptimizerSpec) -> Dict[str, str]:
         grad_psw=codegen.grad_psw_signature(),
         backward=backward,
         backward_lane_split=codegen.lane_split_signature(spec),
+        table=codegen.table_signature(spec) if spec.table_stages else None,
+        table_guard=codegen.emit_table_guard(spec) if spec.table_stages else "",
+        table_body=codegen.emit_table_body(spec, src) if spec.table_stages else "",
         make_params_params=make_params_params,
         param_args=", ".join(["weights", "total_hash_size"] + state_args + hyper_args),
     )

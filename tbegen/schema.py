@@ -113,6 +113,17 @@ def spec_schema() -> Dict[str, Any]:
         "additionalProperties": False,
         "oneOf": [{"required": [kind]} for kind in sp.STAGE_KINDS],
     }
+    table_stage = {
+        "type": "object",
+        "description": "One whole-table stage: element code run over every element of every row of every "
+                       "table before the forward of a step at which `when` holds.",
+        "properties": {
+            **{kind: _code(f"C-like code run per {kind} of every row") for kind in sp.TABLE_STAGE_KINDS},
+            "when": _code("a C condition over hyperparameters and step; the stage runs at the steps where it holds"),
+        },
+        "required": list(sp.TABLE_STAGE_KINDS),
+        "additionalProperties": False,
+    }
     properties = {
         "name": {"type": "string", "pattern": _anchored(sp.OPTIMIZER_NAME_RE.pattern),
                  "description": "the optimizer's name; equals the file's stem"},
@@ -126,6 +137,9 @@ def spec_schema() -> Dict[str, Any]:
         "reference": _code("float64 torch code: the update of the touched rows, for the tests"),
         "dense_gradient": {"type": "boolean",
                            "description": "no optimizer step: the update writes the weights' gradient"},
+        "table": {"type": "array", "minItems": 1, "items": table_stage,
+                  "description": "whole-table stages, run in order before a step's forward"},
+        "table_reference": _code("float64 torch code: the whole-table stages of one step, once per table"),
     }
     return {
         "$schema": "https://json-schema.org/draft/2020-12/schema",
@@ -138,7 +152,9 @@ def spec_schema() -> Dict[str, Any]:
         "additionalProperties": False,
         # the stages come as `update`, or as the row/element shorthand, never both
         "anyOf": [{"required": ["update"]}, {"required": ["row"]}, {"required": ["element"]}],
-        "dependentSchemas": {"update": {"not": {"anyOf": [{"required": ["row"]}, {"required": ["element"]}]}}},
+        "dependentSchemas": {"update": {"not": {"anyOf": [{"required": ["row"]}, {"required": ["element"]}]}},
+                             "table": {"required": ["table_reference"]},
+                             "table_reference": {"required": ["table"]}},
     }
 
 

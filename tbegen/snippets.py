@@ -52,8 +52,9 @@ BOUND_NAMES = {
     "w": "the weight element",
     "step": "the step counter",
     "D": "the row width",
+    "col": "the element's column, 0 to D - 1 (whole-table stages)",
 }
-READ_ONLY_BOUND = {"g", "step", "D"}
+READ_ONLY_BOUND = {"g", "step", "D", "col"}
 ELEMENT_BOUND = {"g", "w"}
 
 # Math functions available, with the same meaning, in host C++ (<cmath>) and CUDA device code.
@@ -142,7 +143,7 @@ class Source:
 
 @dataclass(frozen=True)
 class StageSource:
-    kind: str  # "row" | "element"
+    kind: str  # "row" | "element" | "table" (a whole-table stage's element code)
     source: Source
     when: Optional[Source] = None  # the stage's guard (a condition over hyperparameters)
 
@@ -331,7 +332,8 @@ class _StageChecker:
         self._names(structure=True)
         self._statements()
         self._assignments()
-        self._temporaries()
+        if self.kind != "table":
+            self._temporaries()
 
     def _brackets(self) -> bool:
         stack: List[int] = []
@@ -436,8 +438,9 @@ class _StageChecker:
         for i, t in enumerate(self.tokens):
             if t.kind != "name" or t.text not in ROW_REDUCTIONS:
                 continue
-            if self.kind == "element":
-                self.error(t, f"{t.text}(...) is a row reduction; use it in a row stage only")
+            if self.kind in ("element", "table"):
+                where = " (of `update`), not in a whole-table stage" if self.kind == "table" else ""
+                self.error(t, f"{t.text}(...) is a row reduction; use it in a row stage only{where}")
                 continue
             if self._text(i + 1) != "(":
                 self.error(t, f"{t.text} is a row reduction: call it as {t.text}(EXPR)")
@@ -485,9 +488,28 @@ class _StageChecker:
                 continue
             if self._text(i - 1) in (".", "->", "::") or self._text(i + 1) == "::":
                 continue  # reported as not part of the language
-            self.used.add(name)
             if any(name in s for s in scopes) or name in self.row_locals:
+                self.used.add(name)
                 continue
+            if name == "partner":
+                self._partner(i)
+                continue
+            if self.kind == "table" and self._is_partner_argument(i):
+                self.used.add(name)
+                continue  # checked by _partner
+            if self.kind == "table":
+                if name == "g":
+                    self.error(t, "'g': a whole-table stage has no gradient (it runs over every row before the "
+                                  "step's forward); read `w` and the states")
+                    continue
+                if name in decl.temporaries:
+                    self.error(t, f"{name!r} is a temporary: temporaries carry values between the stages of "
+                                  f"`update`; a whole-table stage uses locals")
+                    continue
+            elif name == "col":
+                self.error(t, "'col' (the element's column) is bound in whole-table stages (`table:`) only")
+                continue
+            self.used.add(name)
             if name in element_values:
                 if self.kind == "row" and not self._in_reduction(i) and structure:
                     self.error(t, f"{name!r} has one value per element; in a row stage use it only inside a "
@@ -510,6 +532,27 @@ class _StageChecker:
                 visible |= set(s)
             self.error(t, f"unknown name {name!r}{_suggest(name, visible)}")
 
+    def _is_partner_argument(self, i: int) -> bool:
+        return self._text(i - 1) == "(" and self._text(i - 2) == "partner"
+
+    def _partner(self, i: int) -> None:
+        """`partner(X)`: X at the element paired with this one (whole-table stages only)."""
+        t = self.tokens[i]
+        if self.kind != "table":
+            self.error(t, "partner(...) reads the paired element of the row; it exists in whole-table stages "
+                          "(`table:`) only")
+            return
+        if self._text(i + 1) != "(" or self._text(i + 3) != ")":
+            self.error(t, "call partner with one name: partner(w) or partner(STATE) for a per-element state")
+            return
+        arg = self.tokens[i + 2]
+        element_states = {n for n, (per, _) in self.declared.states.items() if per == "element"}
+        if arg.kind == "name" and (arg.text == "w" or arg.text in element_states):
+            return
+        self.error(arg, f"partner({arg.text}): only `w` and per-element states have a partner element"
+                        + (" (temporaries exist in `update` stages only)" if arg.text in self.declared.temporaries
+                           else ""))
+
     def _paren_depth(self, i: int) -> int:
         depth = 0
         for k in range(i):
@@ -530,7 +573,7 @@ class _StageChecker:
             return "as a temporary"
         if name in BOUND_NAMES:
             return f"by the generator ({BOUND_NAMES[name]})"
-        if name in MATH_FUNCTIONS or name in CONSTANTS or name in ROW_REDUCTIONS:
+        if name in MATH_FUNCTIONS or name in CONSTANTS or name in ROW_REDUCTIONS or name == "partner":
             return "as a function or constant of the language"
         if name.startswith("tbegen") or name.startswith("_"):
             return "by the generator (names starting with 'tbegen' or '_' are reserved)"
@@ -582,7 +625,12 @@ class _StageChecker:
                 name = self._text(k)
                 assigned_before.setdefault(name, k)
                 tok = self.tokens[k]
-                if name in decl.hyperparameters:
+                if name == "partner":
+                    self.error(tok, "partner(...) is read-only: a whole-table stage writes its own element only")
+                elif self.kind == "table" and name in row_states:
+                    self.error(tok, f"{name!r} is a per-row state: a whole-table stage reads it but may not "
+                                    f"assign it (the stage runs once per element)")
+                elif name in decl.hyperparameters:
                     self.error(tok, f"{name!r} is a hyperparameter: read-only")
                 elif name in READ_ONLY_BOUND:
                     self.error(tok, f"{name!r} is read-only ({BOUND_NAMES[name]})")
@@ -659,11 +707,15 @@ def _is_cpp_keyword(name: str) -> bool:
 # What a `when:` guard may contain besides hyperparameters and the step: it is evaluated once per
 # row, the same on every lane of a warp and in every kernel, so it may not read anything that
 # varies by row or element (no states, no g/w, no D, no locals).
-GUARD_OPS = frozenset({"(", ")", "<", ">", "<=", ">=", "==", "!=", "&&", "||", "!", "+", "-", "*", "/", "?", ":"})
+GUARD_OPS = frozenset({"(", ")", "<", ">", "<=", ">=", "==", "!=", "&&", "||", "!", "+", "-", "*", "/", "%", "?",
+                       ":"})
 
 
-def check_guard(source: Source, declared: Declared, used: Set[str]) -> List[Finding]:
-    """A stage's `when:` condition: hyperparameters, `step`, numbers, true/false and operators only."""
+def check_guard(source: Source, declared: Declared, used: Set[str], table: bool = False) -> List[Finding]:
+    """A stage's `when:` condition: hyperparameters, `step`, numbers, true/false and operators only.
+    `table`: a whole-table stage's guard (evaluated once per step, on the host)."""
+    decides = ("once per step, on the host, whether the whole-table stage runs" if table else
+               "once per row and the same on every lane, whether the stage runs")
     findings: List[Finding] = []
     tokens, bad = tokenize(source.code)
     for line, col, text in bad:
@@ -677,8 +729,8 @@ def check_guard(source: Source, declared: Declared, used: Set[str]) -> List[Find
             elif t.text not in ("true", "false", "step"):
                 findings.append(Finding(
                     file_line, file_col, source.field,
-                    f"{t.text!r}: a guard may read hyperparameters and `step` only (it decides, once per row "
-                    f"and the same on every lane, whether the stage runs){_suggest(t.text, declared.hyperparameters)}"))
+                    f"{t.text!r}: a guard may read hyperparameters and `step` only (it decides, {decides})"
+                    f"{_suggest(t.text, declared.hyperparameters)}"))
         elif t.kind == "number":
             continue
         elif t.kind != "op" or t.text not in GUARD_OPS:
@@ -695,6 +747,12 @@ def check_stages(stages: Sequence[StageSource], declared: Declared) -> List[Find
     guard: Optional[str] = None  # the current run of stages' guard (None: unguarded)
     before_guard: Dict[str, Tuple[int, int]] = {}
     for stage in stages:
+        if stage.kind == "table":
+            # a whole-table stage stands alone: its own guard, no locals of other stages
+            if stage.when is not None:
+                findings.extend(check_guard(stage.when, declared, used, table=True))
+            _StageChecker(stage, declared, {}, set(), findings, used).run()
+            continue
         when = stage.when.code if stage.when is not None else None
         if when != guard:
             # a guarded run's locals end with it (the generated code closes its `if` there)
@@ -723,9 +781,10 @@ def check_stages(stages: Sequence[StageSource], declared: Declared) -> List[Find
 REFERENCE_BOUND = frozenset({"g", "w", "step", "D", "torch", "math"})
 
 
-def check_reference(source: Source, declared: Declared) -> List[Finding]:
+def check_reference(source: Source, declared: Declared, table: bool = False) -> List[Finding]:
     """Names the reference reads must exist: the bound names, hyperparameters, states, Python's
-    built-ins, or a name the reference itself assigns somewhere."""
+    built-ins, or a name the reference itself assigns somewhere. `table`: the `table_reference`,
+    which has no gradient `g` (it runs over whole tables before a step's forward)."""
     try:
         tree = ast.parse(source.code)
     except SyntaxError:
@@ -744,7 +803,8 @@ def check_reference(source: Source, declared: Declared) -> List[Finding]:
             assigned.update((a.asname or a.name).split(".")[0] for a in node.names)
         elif isinstance(node, ast.ExceptHandler) and node.name:
             assigned.add(node.name)
-    known = REFERENCE_BOUND | set(declared.hyperparameters) | set(declared.states) | assigned | set(dir(builtins))
+    bound = REFERENCE_BOUND - {"g"} if table else REFERENCE_BOUND
+    known = bound | set(declared.hyperparameters) | set(declared.states) | assigned | set(dir(builtins))
     lines = source.code.splitlines()
     findings = []
     for node in ast.walk(tree):

@@ -48,6 +48,7 @@ from tbegen.model import (
     State,
     StatePer,
     StateType,
+    TableStage,
     Temporary,
 )
 
@@ -87,7 +88,10 @@ TOP_KEYS = (
     "element",
     "reference",
     "dense_gradient",
+    "table",
+    "table_reference",
 )
+TABLE_STAGE_KINDS = ("element",)  # a whole-table stage runs once per element of every row
 HYPERPARAMETER_KEYS = ("type", "default", "doc", "choices", "test", "test_base")
 STATE_KEYS = ("per", "type", "init", "dtype", "doc")
 STATE_TYPES = tuple(t.value for t in StateType)  # int: an exact int64 per-row value (counters, step numbers)
@@ -173,6 +177,7 @@ class _Problems:
         # code found while parsing, for the snippet checker (tbegen/snippets.py)
         self.stage_sources: List[snippets.StageSource] = []
         self.reference_source: Optional[snippets.Source] = None
+        self.table_reference_source: Optional[snippets.Source] = None
 
     def add(self, line: int, field: str, message: str, col: Optional[int] = None) -> None:
         self.items.append(SpecProblem(self.path, line, field, message, col))
@@ -860,6 +865,62 @@ def _parse_stages(fields: _Fields) -> Tuple[Stage, ...]:
 
 
 # --------------------------------------------------------------------------
+# Whole-table stages
+# --------------------------------------------------------------------------
+
+PARTNER_CALL_RE = re.compile(r"\bpartner\s*\(")
+
+
+def _parse_table_item(problems: _Problems, item: Any, field: str, line: int) -> Optional[TableStage]:
+    """One `table` list item: {element: CODE} with an optional `when: COND`."""
+    mapping = _as_mapping(problems, item, field, line, "{element: CODE, when: COND}")
+    if mapping is None:
+        return None
+    fields = _Fields(problems, mapping, field, line, TABLE_STAGE_KINDS + ("when",))
+    when = _parse_when(fields)
+    if "row" in mapping:
+        fields.pop("row")
+        problems.add(mapping.key_lines["row"], _join(field, "row"),
+                     "a whole-table stage is `element:` code (run once per element of every row); row "
+                     "reductions and per-row updates belong in `update`")
+    if "element" not in mapping:
+        if "row" not in mapping:
+            problems.add(line, field, "a whole-table stage needs `element: CODE`")
+        fields.finish()
+        return None
+    parsed = _parse_snippet(fields, "element", "code")
+    fields.finish()
+    if parsed is None:
+        return None
+    code, loc = parsed
+    source = fields.source("element", code)
+    problems.stage_sources.append(snippets.StageSource("table", source, when))
+    pairs = PARTNER_CALL_RE.search(blank_comments(code)) is not None
+    return TableStage(code, loc, source_field=source.field, starts=source.starts,
+                      when=when.code.strip() if when is not None else "", pairs=pairs)
+
+
+def _parse_table(fields: _Fields) -> Tuple[TableStage, ...]:
+    """`table`: an optional non-empty list of whole-table stages, run in order."""
+    if not fields.has("table"):
+        return ()
+    problems = fields.problems
+    value = fields.pop("table")
+    line, field = fields.value_line("table"), fields.path("table")
+    if not isinstance(value, list) or not value:
+        problems.add(line, field, f"must be a non-empty list of {{element: CODE, when: COND}}, got {_describe(value)}")
+        return ()
+    item_lines = getattr(value, "item_lines", [])
+    stages = []
+    for i, item in enumerate(value):
+        item_line = item_lines[i] if i < len(item_lines) else line
+        stage = _parse_table_item(problems, item, f"{field}[{i}]", item_line)
+        if stage is not None:
+            stages.append(stage)
+    return tuple(stages)
+
+
+# --------------------------------------------------------------------------
 # Reference
 # --------------------------------------------------------------------------
 
@@ -880,6 +941,36 @@ def _parse_reference(fields: _Fields) -> Optional[Reference]:
         fields.problems.add(loc.line, fields.path("reference"), f"not valid Python: {e}")
         return None
     fields.problems.reference_source = fields.source("reference", code)
+    return Reference(code, loc)
+
+
+def _parse_table_reference(fields: _Fields, has_table: bool) -> Optional[Reference]:
+    """`table_reference`: Python for the whole-table stages; required with `table`, only with it."""
+    problems = fields.problems
+    if not fields.has("table_reference"):
+        if has_table:
+            problems.add(fields.key_line("table"), "table_reference",
+                         "missing: a spec with `table` stages needs a `table_reference` (Python run once per "
+                         "table and step, before the step's forward)")
+        return None
+    if not has_table:
+        fields.pop("table_reference")
+        problems.add(fields.key_line("table_reference"), "table_reference",
+                     "only with `table` stages (it is their reference)")
+        return None
+    parsed = _parse_snippet(fields, "table_reference", "Python code")
+    if parsed is None:
+        return None
+    code, loc = parsed
+    try:
+        compile(code, loc.file, "exec", dont_inherit=True)
+    except SyntaxError as e:
+        problems.add(loc.line + (e.lineno or 1) - 1, "table_reference", f"not valid Python: {e.msg}")
+        return None
+    except ValueError as e:
+        problems.add(loc.line, "table_reference", f"not valid Python: {e}")
+        return None
+    problems.table_reference_source = fields.source("table_reference", code)
     return Reference(code, loc)
 
 
@@ -932,6 +1023,9 @@ def _check_code(problems: _Problems, doc: _Mapping) -> None:
     if problems.reference_source is not None:
         for finding in snippets.check_reference(problems.reference_source, declared):
             problems.add_finding(finding)
+    if problems.table_reference_source is not None:
+        for finding in snippets.check_reference(problems.table_reference_source, declared, table=True):
+            problems.add_finding(finding)
 
 
 def _parse_document(doc: Any, problems: _Problems, stem: Optional[str],
@@ -951,7 +1045,12 @@ def _parse_document(doc: Any, problems: _Problems, stem: Optional[str],
     temporaries = _parse_section(fields, "temporaries", "{per: element}", _parse_temporary)
     stages = _parse_stages(fields)
     reference = _parse_reference(fields)
+    table_stages = _parse_table(fields)
+    table_reference = _parse_table_reference(fields, fields.has("table"))
     dense_gradient = _parse_dense_gradient(fields, states)
+    if dense_gradient and fields.has("table"):
+        problems.add(fields.key_line("table"), "table", "a dense-gradient spec has no optimizer step, so no "
+                     "whole-table stages")
     fields.finish()
     _check_unique_names(problems, doc)
     if check_snippets:
@@ -969,6 +1068,8 @@ def _parse_document(doc: Any, problems: _Problems, stem: Optional[str],
         reference=reference,
         loc=problems.loc(fields.key_line("name")),
         dense_gradient=dense_gradient,
+        table_stages=table_stages,
+        table_reference=table_reference,
     )
 
 

@@ -142,7 +142,7 @@ def test_enum_spellings(optimizer):
         (dict(gradient_clipping=True), NotImplementedError, r"gradient_clipping"),
         (dict(optimizer=EmbOptimType.EXACT_ADAGRAD, weight_decay_mode=WeightDecayMode.COUNTER),
          NotImplementedError, r"weight_decay_mode COUNTER is EXACT_ROWWISE_ADAGRAD's"),
-        (dict(optimizer="ENSEMBLE_ROWWISE_ADAGRAD"), ValueError, r"optimizer 'ENSEMBLE_ROWWISE_ADAGRAD'"),
+        (dict(optimizer="MADGRAD"), ValueError, r"optimizer 'MADGRAD'"),
         (dict(optimizer=EmbOptimType.NONE), NotImplementedError, r"EmbOptimType.NONE"),
         (dict(prefetch_pipeline=True), NotImplementedError, r"prefetch_pipeline"),
         (dict(cache_load_fator=0.2), TypeError, r"unknown argument\(s\) 'cache_load_fator'"),
@@ -671,6 +671,125 @@ def test_rowwise_adagrad_with_counter_matches_fbgemm_cpu(config):
             torch.testing.assert_close(mine["row_counter"], their_states[t][2].view(-1), rtol=1e-6, atol=0)
             _record("cpu", "rowwise_adagrad_with_counter", "wd{}-hl{}-lr{}-adj{}-ub{}".format(*config), "weights",
                     (ours.split_embedding_weights()[t] - theirs.split_embedding_weights()[t]).abs().max())
+
+
+# ---- emainplace_rowwise_adagrad against FBGEMM's CPU module ----------------------------------------
+# FBGEMM's EMAINPLACE_ROWWISE_ADAGRAD (rowwise Adagrad, plus the in-place average of each row's second
+# half towards its first half before the forward of every step_ema-th step) runs on the CPU;
+# ENSEMBLE_ROWWISE_ADAGRAD does not (FBGEMM refuses it in CPU mode), so ensemble_rowwise_adagrad
+# rests on its independent reference (tests/test_table_stages.py, the numerical grid).
+EMAINPLACE_CONFIGS = [
+    # (step_ema, step_start, step_ema_coef)
+    (2, 0, 0.6),
+    (2, 3, 0.3),
+    (1, 0, 1.0),
+    (3, 2, 0.5),
+]
+
+
+def _emainplace_mode(**kwargs):
+    try:
+        from fbgemm_gpu.tbe.config.optimizer_config import EmainplaceModeDefinition
+    except ImportError:  # defined in the training module (FBGEMM_GPU 1.6, fbgemm-gpu-cpu 1.9)
+        from fbgemm_gpu.split_table_batched_embeddings_ops_training import EmainplaceModeDefinition
+    return EmainplaceModeDefinition(**kwargs)
+
+
+@pytest.mark.parametrize("config", EMAINPLACE_CONFIGS, ids=lambda c: "ema{}-start{}-coef{}".format(*c))
+def test_emainplace_rowwise_adagrad_matches_fbgemm_cpu(config):
+    """Both trained side by side for 7 steps from the same weights, through both averaging steps and
+    the steps between: the same outputs (so the average ran before the same forwards), weights and
+    momentum after every step."""
+    fb = import_fbgemm()
+    from tbegen.module import TableBatchedEmbeddingBags
+
+    step_ema, step_start, coef = config
+    tables = [(40, 8), (25, 12)]
+    theirs = fb["TBE"]([(E, D, fb["Location"].HOST, fb["Compute"].CPU) for E, D in tables],
+                       optimizer=fb["Opt"].EMAINPLACE_ROWWISE_ADAGRAD, learning_rate=0.05, eps=1e-8,
+                       emainplace_mode=_emainplace_mode(step_ema=step_ema, step_start=step_start, step_ema_coef=coef))
+    ours = TableBatchedEmbeddingBags(tables, optimizer="emainplace_rowwise_adagrad", learning_rate=0.05, eps=1e-8,
+                                     step_ema=step_ema, step_start=step_start, step_ema_coef=coef)
+    for mine, their in zip(ours.split_embedding_weights(), theirs.split_embedding_weights()):
+        mine.copy_(their)
+    gen = torch.Generator().manual_seed(step_ema * 10 + step_start)
+    averaged = 0
+    for step in range(1, 8):
+        idx, off, go = _counter_batch(tables, 6, gen)
+        out_theirs = theirs(idx, off)
+        out_ours = ours(idx, off)
+        torch.testing.assert_close(out_ours, out_theirs, rtol=1e-5, atol=1e-6, msg=lambda m: f"step {step} output: {m}")
+        out_theirs.backward(go)
+        out_ours.backward(go)
+        averaged += step % step_ema == 0 and step >= step_start
+        their_states = theirs.split_optimizer_states()
+        for t, mine in enumerate(ours.split_optimizer_states()):
+            torch.testing.assert_close(ours.split_embedding_weights()[t], theirs.split_embedding_weights()[t],
+                                       rtol=1e-5, atol=1e-6, msg=lambda m: f"step {step} weights table {t}: {m}")
+            torch.testing.assert_close(mine["momentum"], their_states[t][0].view(-1), rtol=1e-5, atol=1e-7)
+            _record("cpu", "emainplace_rowwise_adagrad", "ema{}-start{}-coef{}".format(*config), "weights",
+                    (ours.split_embedding_weights()[t] - theirs.split_embedding_weights()[t]).abs().max())
+    assert averaged >= 2  # the configurations reach the whole-table stage at least twice
+
+
+def test_emainplace_matches_fbgemm_through_the_class(fbgemm_cpu):
+    """EMAINPLACE_ROWWISE_ADAGRAD as a user of FBGEMM writes it (the optimizer type and its
+    EmainplaceModeDefinition): the same outputs, weights and momentum1 after each of 5 steps, an
+    average at steps 2 and 4; then FBGEMM's state_dict (iter, momentum1) loads into a fresh module,
+    which goes on like FBGEMM's (the average of step 6 before the forward of step 6)."""
+    tables = [(30, 8), (20, 12)]
+    specs = [(E, D, fbgemm_cpu["Location"].HOST, fbgemm_cpu["Compute"].CPU) for E, D in tables]
+    args = dict(optimizer=fbgemm_cpu["Opt"].EMAINPLACE_ROWWISE_ADAGRAD, learning_rate=0.05, eps=1e-8,
+                emainplace_mode=_emainplace_mode(step_ema=2.0, step_start=1.0, step_ema_coef=0.4))
+    theirs, ours = fbgemm_cpu["TBE"](specs, **args), Compat(specs, **args)
+    assert ours.optimizer_name == "emainplace_rowwise_adagrad" and ours.fbgemm_optimizer == "EMAINPLACE_ROWWISE_ADAGRAD"
+    assert {k: ours._tbe.hyperparameters[k] for k in ("step_ema", "step_start", "step_ema_coef")} == dict(
+        step_ema=2, step_start=1, step_ema_coef=0.4)
+    with torch.no_grad():
+        for a, b in zip(ours.split_embedding_weights(), theirs.split_embedding_weights()):
+            a.copy_(b)
+    gen = torch.Generator().manual_seed(42)
+
+    def step_both(models):
+        idx, off, go = _counter_batch(tables, 5, gen)
+        outs = [m(idx, off) for m in models]
+        torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-6)
+        for out in outs:
+            out.backward(go)
+        for a, b in zip(models[1].split_embedding_weights(), models[0].split_embedding_weights()):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        for mine, their in zip(models[1].split_optimizer_states(), models[0].split_optimizer_states()):
+            torch.testing.assert_close(mine[0], their[0].view(-1), rtol=1e-5, atol=1e-7)
+
+    for _ in range(5):
+        step_both([theirs, ours])
+    assert ours.get_optimizer_state()[0].keys() == {"sum"}
+    fresh = Compat(specs, **args)
+    fresh.load_state_dict(theirs.state_dict(), strict=False)
+    assert fresh._tbe.step == 5
+    step_both([theirs, fresh])  # step 6 averages first
+
+
+def test_ensemble_mode_becomes_the_specs_hyperparameters():
+    """FBGEMM runs ENSEMBLE_ROWWISE_ADAGRAD on the GPU only; here its definition's mapping (the
+    numbers are checked against the spec's reference in the numerical grid)."""
+
+    class Ensemble:  # FBGEMM's EnsembleModeDefinition's fields (floats, step_mode an IntEnum there)
+        step_ema, step_swap, step_start, step_ema_coef, step_mode = 3.0, 7.9, 2.0, 0.25, 0
+
+    m = Compat([(10, 4, EmbeddingLocation.HOST, ComputeDevice.CPU)],
+               optimizer=EmbOptimType.ENSEMBLE_ROWWISE_ADAGRAD, ensemble_mode=Ensemble())
+    assert m.optimizer_name == "ensemble_rowwise_adagrad"
+    assert {k: m._tbe.hyperparameters[k] for k in _ENSEMBLE_KEYS} == dict(
+        step_ema=3, step_swap=7, step_start=2, step_ema_coef=0.25, step_mode=0)
+    assert list(m.get_optimizer_state()[0]) == ["sum", "sparse_ema"]
+    # a definition is read by its own optimizer only (FBGEMM's other optimizers ignore it)
+    plain = Compat([(10, 4, EmbeddingLocation.HOST, ComputeDevice.CPU)],
+                   optimizer=EmbOptimType.EXACT_ROWWISE_ADAGRAD, ensemble_mode=Ensemble())
+    assert plain.optimizer_name == "rowwise_adagrad"
+
+
+_ENSEMBLE_KEYS = ("step_ema", "step_swap", "step_start", "step_ema_coef", "step_mode")
 
 
 # ---- weight_decay_mode COUNTER / COWCLIP through the FBGEMM-compatible class -----------------------

@@ -1,0 +1,109 @@
+// tbegen runtime: whole-table stages (a spec's `table:`), shared by the CPU and CUDA kernels.
+//
+// A whole-table stage is element code run over every element of every row of every table of the
+// module, at the steps where its guard holds, before that step's forward (docs/spec-language.md,
+// "Whole-table stages"). The work is split into units: one element, or, when a stage reads
+// `partner(...)`, the pair of columns (j, j + D/2) of a row, so that one thread owns both
+// elements of a pair and the stage needs no communication between threads. A stage reads its own
+// element's current values and its partner's values from the start of the stage (a snapshot), so
+// the result does not depend on the order in which the two elements of a pair, or rows, or
+// threads run: it is deterministic and the same on every device.
+#pragma once
+
+#include "tbegen/common.h"
+
+namespace tbegen {
+
+// One table as the whole-table stages see it (deduplicated from the features: several features
+// may read one table, which is still updated once).
+struct TableExtent {
+  int64_t weights_offset;  // where the table starts in the flat weights (and per-element states)
+  int64_t rows;
+  int64_t dim;
+  int64_t key_base;        // the linear key of its row 0 (per-row states)
+};
+
+// The seed of the whole-table stages' stochastic rounding: the call's seed moved, so that the bits
+// differ from those of the same step's fused backward.
+TBEGEN_HD TBEGEN_INLINE int64_t table_stage_seed(int64_t seed) {
+  return static_cast<int64_t>(static_cast<uint64_t>(seed) ^ 0xA24BAED4963EE407ull);
+}
+
+// Units per row: the row's elements, or its column pairs.
+template <class Opt>
+TBEGEN_HD TBEGEN_INLINE int64_t table_units_per_row(int64_t dim) {
+  return Opt::kTablePairs ? dim / 2 : dim;
+}
+
+// The values of one unit, in float, as the generated Opt::table_unit reads and writes them.
+template <class Opt>
+struct TableUnit {
+  static constexpr int kN = Opt::kTablePairs ? 2 : 1;
+  static constexpr int kSlots = Opt::kElementStates > 0 ? Opt::kElementStates : 1;
+  static constexpr int kRows = Opt::kRowStates > 0 ? Opt::kRowStates : 1;
+  static constexpr int kIntRows = Opt::kIntRowStates > 0 ? Opt::kIntRowStates : 1;
+
+  int dim_;
+  int cols_[kN];
+  float w_[kN];
+  float el_[kSlots][kN];
+  // the values at the start of the current stage (partner reads)
+  float old_w_[kN];
+  float old_el_[kSlots][kN];
+  float row_[kRows];
+  int64_t int_row_[kIntRows];
+
+  TBEGEN_HD TBEGEN_INLINE int count() const { return kN; }
+  TBEGEN_HD TBEGEN_INLINE int dim() const { return dim_; }
+  TBEGEN_HD TBEGEN_INLINE int col(int e) const { return cols_[e]; }
+  TBEGEN_HD TBEGEN_INLINE float& w(int e) { return w_[e]; }
+  TBEGEN_HD TBEGEN_INLINE float& element(int k, int e) { return el_[k][e]; }
+  // The partner's value as it was when the stage started (element e's partner is the other one).
+  TBEGEN_HD TBEGEN_INLINE float partner_w(int e) const { return old_w_[kN - 1 - e]; }
+  TBEGEN_HD TBEGEN_INLINE float partner_element(int k, int e) const { return old_el_[k][kN - 1 - e]; }
+  TBEGEN_HD TBEGEN_INLINE float row_state(int k) const { return row_[k]; }
+  TBEGEN_HD TBEGEN_INLINE int64_t int_row_state(int k) const { return int_row_[k]; }
+  // Called at the start of each stage that reads partner(...).
+  TBEGEN_HD TBEGEN_INLINE void snapshot() {
+    for (int e = 0; e < kN; ++e) {
+      old_w_[e] = w_[e];
+      for (int k = 0; k < Opt::kElementStates; ++k) old_el_[k][e] = el_[k][e];
+    }
+  }
+};
+
+// Runs the whole-table stages on unit `u` of row `row` of table `t`: loads the unit's weights
+// and states, calls the generated Opt::table_unit, and stores them back (weights rounded like the
+// backward's, stochastically when asked; narrow states stochastically, always: common.h).
+// `ctx.seed` is already table_stage_seed(seed).
+template <class Opt, typename W>
+TBEGEN_HD TBEGEN_INLINE void run_table_unit(const typename Opt::Params& p, W* weights, const TableExtent& t,
+                                            int64_t row, int64_t u, const RowUpdateContext& ctx) {
+  TableUnit<Opt> unit;
+  const int64_t D = t.dim;
+  unit.dim_ = static_cast<int>(D);
+  unit.cols_[0] = static_cast<int>(u);
+  if (TableUnit<Opt>::kN == 2) unit.cols_[TableUnit<Opt>::kN - 1] = static_cast<int>(u + D / 2);
+  const int64_t base = t.weights_offset + row * D;
+  const int64_t key = t.key_base + row;
+  for (int e = 0; e < TableUnit<Opt>::kN; ++e) {
+    const int64_t i = base + unit.cols_[e];
+    unit.w_[e] = WeightTraits<W>::load(weights[i]);
+    for (int k = 0; k < Opt::kElementStates; ++k) {
+      unit.el_[k][e] = load_state(p.element_states[k], p.element_state_dtypes[k], i);
+    }
+  }
+  for (int k = 0; k < Opt::kRowStates; ++k) unit.row_[k] = load_state(p.row_states[k], p.row_state_dtypes[k], key);
+  for (int k = 0; k < Opt::kIntRowStates; ++k) unit.int_row_[k] = p.int_row_states[k][key];
+  Opt::table_unit(unit, p, ctx.step);
+  for (int e = 0; e < TableUnit<Opt>::kN; ++e) {
+    const int32_t d = unit.cols_[e];
+    const int64_t i = base + d;
+    weights[i] = WeightTraits<W>::round(unit.w_[e], random_bits(ctx.seed, ctx.step, key, d), ctx.stochastic_rounding);
+    for (int k = 0; k < Opt::kElementStates; ++k) {
+      store_state(p.element_states[k], p.element_state_dtypes[k], i, unit.el_[k][e], ctx, k, key, d);
+    }
+  }
+}
+
+}  // namespace tbegen
