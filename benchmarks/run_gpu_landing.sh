@@ -5,10 +5,12 @@
 #   2. the benchmark beside FBGEMM_GPU (the referee, .anchor/bench_tbe.py --check), while the other
 #      eleven extensions build at low priority (the benchmark's timed work is on the GPU), then the
 #      kernel profiles of the worst cells (PROFILE) and, with SWEEP=1, the segment-length sweep;
-#   3. every CUDA test (test_cuda, test_module, test_bad_input, the lane-split CPU/CUDA comparison),
-#      FBGEMM_GPU differential tests (test_fbgemm_compat -m cuda), TorchRec over NCCL on one rank
-#      (test_torchrec -m cuda and examples/torchrec_training.py, with the wheels in .whl/);
-#   4. compute-sanitizer memcheck and racecheck over benchmarks/sanitize_cases.py (into extras.log).
+#   3. every CUDA test (test_cuda, test_module, test_bad_input, the lane-split CPU/CUDA comparison,
+#      placements, state dtypes, int states, whole-table stages);
+#   4. compute-sanitizer memcheck and racecheck over benchmarks/sanitize_cases.py (into extras.log);
+#   5. FBGEMM_GPU differential tests (test_fbgemm_compat -m cuda), TorchRec over NCCL on one rank
+#      (test_torchrec -m cuda and examples/torchrec_training.py, with the wheels in .whl/).
+# Every step's timeout is capped by DEADLINE (below), so the later steps may be cut short.
 # Carry .anchor (FBGEMM bundle and referee) and .whl (TorchRec 1.6.1 and its pure-Python wheels:
 # benchmarks/fetch_gpu_wheels.sh). Output: at
 # most 8 files under $OUT (the device tool's limit).
@@ -18,6 +20,10 @@ mkdir -p "$OUT/fbgemm"
 export TORCH_CUDA_ARCH_LIST=9.0 TBEGEN_BUILD_DIR=$PWD/build/tbegen-cache PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 status=0
+# every step's timeout is capped so that the whole script ends DEADLINE seconds after it starts
+# (default 570: inside the device's 10-minute limit per call), the later steps getting what is left
+t_start=$(date +%s)
+cap() { local left=$(( ${DEADLINE:-570} - ($(date +%s) - t_start) )); [ $left -lt 5 ] && left=5; echo $(( $1 < left ? $1 : left )); }
 log() { echo "== $*" | tee -a "$OUT/extras.log"; }
 build() {  # build the named specs' CUDA extensions into the cache
   python3 -c "
@@ -43,7 +49,7 @@ REST=$(python3 -c "from tbegen.spec import list_specs; print(' '.join(p.stem for
 ( nice -n 19 bash -c "$(declare -f build); build $REST" >> "$OUT/extras.log" 2>&1 ) &
 rest_pid=$!
 
-PYTHONPATH=/tmp/fbg_site:$PYTHONPATH CUDA_MODULE_LOADING=LAZY timeout ${BENCH_TIMEOUT:-200} python3 .anchor/bench_tbe.py --check \
+PYTHONPATH=/tmp/fbg_site:$PYTHONPATH CUDA_MODULE_LOADING=LAZY timeout $(cap ${BENCH_TIMEOUT:-200}) python3 .anchor/bench_tbe.py --check \
   --systems fbgemm,tbegen --fast-init --budget-s ${BENCH_BUDGET:-150} --out "$OUT/fbgemm" > "$OUT/fbgemm.log" 2>&1 || status=1
 grep -vi "compat table" "$OUT/fbgemm.log" | grep -E "^C[123] " | tail -n 24
 rm -f "$OUT/fbgemm/env.json" "$OUT/fbgemm/profiles.json"  # (profiles.json: the PROFILE step below)
@@ -52,7 +58,7 @@ rm -f "$OUT/fbgemm/env.json" "$OUT/fbgemm/profiles.json"  # (profiles.json: the 
 # bench_tbe.py --profile, FBGEMM and tbegen, into fbgemm/profiles.json
 if [ -n "${PROFILE-C1:EXACT_ADAGRAD,C3:ADAM}" ]; then
   for cell in $(echo "${PROFILE-C1:EXACT_ADAGRAD,C3:ADAM}" | tr ',' ' '); do
-    PYTHONPATH=/tmp/fbg_site:$PYTHONPATH CUDA_MODULE_LOADING=LAZY timeout ${PROFILE_TIMEOUT:-60} python3 .anchor/bench_tbe.py \
+    PYTHONPATH=/tmp/fbg_site:$PYTHONPATH CUDA_MODULE_LOADING=LAZY timeout $(cap ${PROFILE_TIMEOUT:-60}) python3 .anchor/bench_tbe.py \
       --configs "${cell%%:*}" --opts "${cell##*:}" --systems fbgemm,tbegen --fast-init --profile --iters 10 \
       --out "$OUT/profile" >> "$OUT/fbgemm.log" 2>&1 || log "profile of $cell failed or timed out"
     python3 - "$OUT/profile/profiles.json" "$OUT/fbgemm/profiles.json" <<'PY' || log "profile of $cell not kept"
@@ -66,12 +72,13 @@ PY
   rm -rf "$OUT/profile"
 fi
 # the backward's lane-group kernel against the whole-warp kernel (TBEGEN_LANE_GROUPS=0), tbegen
-# alone (benchmarks/bench.py): C3 and C5 (32 tables of 32 columns), optimizers without per-element
+# alone (benchmarks/bench.py): GROUPS_CONFIGS (default C5, 32 tables of 32 columns; the referee
+# above times C3 with it), optimizers without per-element
 # state (the others take the whole-warp kernel either way); GROUPS_AB=0 skips
 if [ "${GROUPS_AB:-1}" = 1 ]; then
   for flag in 1 0; do
     echo "== benchmarks/bench.py, TBEGEN_LANE_GROUPS=$flag" >> "$OUT/fbgemm.log"
-    TBEGEN_LANE_GROUPS=$flag CUDA_MODULE_LOADING=LAZY timeout ${GROUPS_TIMEOUT:-45} python3 benchmarks/bench.py --configs C3,C5 \
+    TBEGEN_LANE_GROUPS=$flag CUDA_MODULE_LOADING=LAZY timeout $(cap ${GROUPS_TIMEOUT:-45}) python3 benchmarks/bench.py --configs ${GROUPS_CONFIGS:-C5} \
       --opts sgd,rowwise_adagrad --out /tmp/groups_ab_$flag >> "$OUT/fbgemm.log" 2>&1 || log "lane-group A/B ($flag) failed or timed out"
   done
   grep -E "TBEGEN_LANE_GROUPS=|^C[35] " "$OUT/fbgemm.log" | tail -n 10
@@ -81,7 +88,7 @@ fi
 # fbgemm.log; NCU=0 skips
 if [ "${NCU:-1}" = 1 ] && command -v ncu >/dev/null; then
   echo "== ncu, C3 sgd update kernel" >> "$OUT/fbgemm.log"
-  CUDA_MODULE_LOADING=LAZY timeout ${NCU_TIMEOUT:-90} ncu --clock-control none -k "regex:backward_(group|warp)_kernel" \
+  CUDA_MODULE_LOADING=LAZY timeout $(cap ${NCU_TIMEOUT:-90}) ncu --clock-control none -k "regex:backward_(group|warp)_kernel" \
     --launch-skip 2 --launch-count 1 --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats \
     --section Occupancy --section LaunchStats python3 benchmarks/bench.py --configs C3 --opts sgd --warmup 1 --iters 2 \
     --nsets 1 --out /tmp/ncu_bench >> "$OUT/fbgemm.log" 2>&1 || log "ncu failed or timed out"
@@ -90,7 +97,7 @@ fi
 # default 32 is best, so SWEEP=1 runs it again only on request)
 if [ "${SWEEP:-0}" = 1 ]; then
   echo "== max_segment_length_per_warp sweep" >> "$OUT/fbgemm.log"
-  PYTHONPATH=.anchor:$PYTHONPATH timeout ${SWEEP_TIMEOUT:-100} python3 benchmarks/sweep_segment_length.py \
+  PYTHONPATH=.anchor:$PYTHONPATH timeout $(cap ${SWEEP_TIMEOUT:-100}) python3 benchmarks/sweep_segment_length.py \
     >> "$OUT/fbgemm.log" 2>&1 || log "sweep failed or timed out"
   grep "max_segment_length_per_warp=" "$OUT/fbgemm.log" | tail -n 24
 fi
@@ -98,22 +105,30 @@ wait $rest_pid || { status=1; log "build of the other extensions failed"; }
 log "all extensions built: $(( $(date +%s) - t0 )) s"
 
 xdist=$(python3 -c "import xdist" 2>/dev/null && echo "-n 12")
-OMP_NUM_THREADS=2 TBEGEN_RESULTS_DIR="$OUT" timeout ${TESTS_TIMEOUT:-200} python3 -m pytest -q -p no:cacheprovider $xdist \
+OMP_NUM_THREADS=2 TBEGEN_RESULTS_DIR="$OUT" timeout $(cap ${TESTS_TIMEOUT:-200}) python3 -m pytest -q -p no:cacheprovider $xdist \
   tests/test_cuda.py tests/test_module.py tests/test_bad_input.py tests/test_cuda_lane_split.py \
-  tests/test_any_width.py tests/test_placements.py tests/test_state_dtypes.py tests/test_int_states.py > "$OUT/pytest_cuda.log" 2>&1 || status=1
+  tests/test_any_width.py tests/test_placements.py tests/test_state_dtypes.py tests/test_int_states.py \
+  tests/test_table_stages.py > "$OUT/pytest_cuda.log" 2>&1 || status=1
 # a test whose xdist worker crashed: again, alone, with Python's fault handler (its stack, if any)
 for t in $(grep -oE "crashed while running '[^']+'" "$OUT/pytest_cuda.log" | sed -E "s/.*'(.*)'/\1/"); do
   echo "== alone: $t" >> "$OUT/pytest_cuda.log"
-  OMP_NUM_THREADS=2 timeout 60 python3 -X faulthandler -m pytest -q -p no:cacheprovider -p no:xdist "$t" >> "$OUT/pytest_cuda.log" 2>&1
+  OMP_NUM_THREADS=2 timeout $(cap 60) python3 -X faulthandler -m pytest -q -p no:cacheprovider -p no:xdist "$t" >> "$OUT/pytest_cuda.log" 2>&1
   echo "== exit status $?" >> "$OUT/pytest_cuda.log"
 done
 grep -E "^(FAILED|ERROR)|passed|failed|^== (alone|exit)" "$OUT/pytest_cuda.log" | tail -n 15
 python3 benchmarks/summarize_results.py "$OUT" > "$OUT/numerics_table.md" 2>&1
 rm -f "$OUT"/harness_results_*.jsonl "$OUT"/*.jsonl
 
+for tool in memcheck racecheck; do
+  log "compute-sanitizer --tool $tool"
+  PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout $(cap ${SANITIZE_TIMEOUT:-70}) compute-sanitizer --tool $tool --print-limit 20 \
+    python3 benchmarks/sanitize_cases.py rowwise_adagrad adam > "$OUT/sanitize.tmp" 2>&1 || status=1
+  { echo "== $tool"; tail -n 60 "$OUT/sanitize.tmp"; } >> "$OUT/extras.log"
+  grep -E "ERROR SUMMARY|RACECHECK SUMMARY" "$OUT/sanitize.tmp" | tail -n 1; rm -f "$OUT/sanitize.tmp"
+done
 log "FBGEMM_GPU differential tests"
 # (FBGEMM's per-call "TBE B200 optimization" warnings left out; a failure's short traceback kept)
-TBEGEN_RESULTS_DIR="$OUT/fbgemm" PYTHONPATH=/tmp/fbg_site:$PYTHONPATH timeout 120 python3 -m pytest -q -p no:cacheprovider \
+TBEGEN_RESULTS_DIR="$OUT/fbgemm" PYTHONPATH=/tmp/fbg_site:$PYTHONPATH timeout $(cap 120) python3 -m pytest -q -p no:cacheprovider \
   -rf --tb=short -m cuda tests/test_fbgemm_compat.py 2>&1 \
   | grep -v "TBE B200 optimization\|return Variable._execution_engine\|^tests/test_fbgemm_compat.py::test_gpu_matches_fbgemm\|^ *$" \
   | tail -n 40 >> "$OUT/extras.log"
@@ -123,17 +138,10 @@ log "TorchRec over NCCL, one rank"
 TRC_PATH=$PWD/benchmarks/fbgemm_subset:/tmp/site:/tmp/fbg_site:$PYTHONPATH
 # FBGEMM's per-library "compat table has no entry" warnings and TorchRec's planner warnings left out
 quiet() { grep -v "compat_table\|cannot determine\|\[0m\|\[33m\|^WARNING:root:$\|^WARNING:torchrec\|^ *$"; }
-PYTHONPATH=$TRC_PATH timeout 150 python3 -m pytest -q -p no:cacheprovider -m cuda tests/test_torchrec.py 2>&1 \
+PYTHONPATH=$TRC_PATH timeout $(cap 150) python3 -m pytest -q -p no:cacheprovider -m cuda tests/test_torchrec.py 2>&1 \
   | quiet | tail -n 25 >> "$OUT/extras.log"
-PYTHONPATH=$TRC_PATH timeout 150 torchrun --nproc_per_node=1 examples/torchrec_training.py 2>&1 \
+PYTHONPATH=$TRC_PATH timeout $(cap 150) torchrun --nproc_per_node=1 examples/torchrec_training.py 2>&1 \
   | quiet | tail -n 40 >> "$OUT/extras.log"
 tail -n 30 "$OUT/extras.log"
 
-for tool in memcheck racecheck; do
-  log "compute-sanitizer --tool $tool"
-  PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout ${SANITIZE_TIMEOUT:-70} compute-sanitizer --tool $tool --print-limit 20 \
-    python3 benchmarks/sanitize_cases.py rowwise_adagrad adam > "$OUT/sanitize.tmp" 2>&1 || status=1
-  { echo "== $tool"; tail -n 60 "$OUT/sanitize.tmp"; } >> "$OUT/extras.log"
-  grep -E "ERROR SUMMARY|RACECHECK SUMMARY" "$OUT/sanitize.tmp" | tail -n 1; rm -f "$OUT/sanitize.tmp"
-done
 exit $status
