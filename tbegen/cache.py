@@ -1,0 +1,388 @@
+"""The row cache of placement "managed_caching": host-resident tables behind a cache of hot rows.
+
+Design (docs/placements.md, "managed_caching"): the kernels are not changed. Every flat buffer
+(the weights and each optimizer state) is allocated with a *cache region* after the module's
+tables: table t's full rows stay at their usual offsets (in managed memory on a GPU, preferred in
+host memory: the backing store), and its `cache_rows[t]` cache slots sit in the region (preferred
+in GPU memory). The kernels' feature table (`features`) points a cached table's features at its
+slots: weights offset = its slots' offset, rows = its number of slots, key base = its first slot's
+key after the tables' keys (so per-row states are cached with the rows). Before the kernels run,
+`RowCache.prepare` makes every row a batch touches resident (loading missing rows with their
+states, evicting the coldest rows, writing back dirty ones) and rewrites the batch's indices of
+cached tables into slot numbers. The forward and the fused backward then read and update the
+cached rows in place, exactly as they update a device table's rows.
+
+The cache is fully associative per table, with exact LRU or LFU replacement: a table's map from
+row to slot is a dense int32 array (4 bytes per row of the table, on the module's device), so a
+lookup is a gather, there are no conflict misses, and the victims are the globally coldest slots
+(a stable sort of the slots' scores, ties broken by slot number: deterministic). Everything is
+torch tensor operations on the module's device, so the same code serves CUDA and the CPU (where
+CI exercises it).
+
+A batch needs all of its distinct rows of a table in that table's cache at once: a batch with
+more distinct rows than `cache_rows[t]` raises an error naming the table, the rows needed and the
+cache size, before anything changes.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence, Tuple, Union
+
+import torch
+
+__all__ = ["CACHE_ALGORITHMS", "cache_sizes", "RowCache", "Ticket"]
+
+CACHE_ALGORITHMS = ("lru", "lfu")
+
+# Moved rows are copied in chunks of at most this many elements (bounds the index tensors).
+_CHUNK_ELEMENTS = 1 << 24
+_NEVER = torch.iinfo(torch.int64).max  # the score of a slot that may not be evicted
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def cache_sizes(tables: Sequence[Tuple[int, int]], placements: Sequence[str],
+                cache_rows: Union[None, int, Sequence[Optional[int]]], cache_load_factor: float) -> List[int]:
+    """Cache slots of each table (0 for tables that are not "managed_caching").
+
+    `cache_rows`: one int for every cached table, or a list with one entry per table (None or
+    ignored for tables that are not cached); at most the table's rows (larger is capped). Without
+    it, `cache_load_factor` (0 < f <= 1) of each cached table's rows, rounded up."""
+    if isinstance(cache_load_factor, bool) or not isinstance(cache_load_factor, numbers.Real) or not (
+        0.0 < float(cache_load_factor) <= 1.0
+    ):
+        raise ValueError(f"tbegen: cache_load_factor must be a number in (0, 1] (the fraction of a cached table's rows "
+                         f"its cache holds), got {cache_load_factor!r}")
+    n = len(tables)
+    if cache_rows is None:
+        per_table: List[Optional[int]] = [None] * n
+    elif _is_int(cache_rows):
+        per_table = [int(cache_rows)] * n
+    elif isinstance(cache_rows, Sequence) and not isinstance(cache_rows, (str, bytes)):
+        if len(cache_rows) != n:
+            raise ValueError(f"tbegen: cache_rows has {len(cache_rows)} entries but the module has {n} table(s); "
+                             f"give one int for every cached table, or one entry per table")
+        per_table = list(cache_rows)
+    else:
+        raise TypeError(f"tbegen: cache_rows must be an int or a list with one entry per table, got {cache_rows!r}")
+    out = []
+    for t, ((E, _), p) in enumerate(zip(tables, placements)):
+        if p != "managed_caching":
+            out.append(0)
+            continue
+        c = per_table[t]
+        if c is None:
+            c = max(1, math.ceil(E * float(cache_load_factor)))
+        elif not _is_int(c) or c < 1:
+            raise ValueError(f"tbegen: cache_rows for table {t} must be a positive int, got {c!r}")
+        out.append(min(int(c), E))
+    return out
+
+
+@dataclass
+class Ticket:
+    """What `prepare` did for one batch: the indices the kernels read (cached tables' rows
+    rewritten into slot numbers), the batch's slots (marked dirty by a backward), and the cache's
+    epoch then (the slot numbers stay valid while no row has been evicted since)."""
+
+    indices: torch.Tensor
+    slots: torch.Tensor
+    epoch: int
+    original: torch.Tensor  # the indices as given (to prepare again if the epoch moved on)
+    offsets: torch.Tensor
+
+
+class RowCache:
+    """The cache state of a module's managed_caching tables, on the module's device.
+
+    Geometry: the cached tables c = 0..nc-1 (module tables `tables[c]`, in table order) have
+    E[c] rows of D[c] columns and C[c] slots. In the flat buffers their backing rows start at
+    `layout.table_offsets` / `layout.table_key_base` and their slots at `slot_woff[c]` (elements,
+    after every table) / `slot_kbase[c]` (row keys, after every table's keys). Global numbering:
+    cached row g = rbase[c] + row, slot s = sbase[c] + local slot.
+    """
+
+    def __init__(self, layout, placements: Sequence[str], sizes: Sequence[int], algorithm: str,
+                 element_sizes: Sequence[int], row_sizes: Sequence[int], device: torch.device):
+        if algorithm not in CACHE_ALGORITHMS:
+            raise ValueError(f"tbegen: cache_algorithm must be one of {list(CACHE_ALGORITHMS)}, got {algorithm!r}")
+        self.algorithm = algorithm
+        self.tables = [t for t, p in enumerate(placements) if p == "managed_caching"]
+        if not self.tables:
+            raise ValueError("tbegen: a row cache needs at least one 'managed_caching' table")
+        self.rows = [layout.tables[t][0] for t in self.tables]
+        self.dims = [layout.tables[t][1] for t in self.tables]
+        self.slots = [int(sizes[t]) for t in self.tables]
+        self.weights_tail = sum(C * D for C, D in zip(self.slots, self.dims))  # elements after the tables
+        self.num_slots = sum(self.slots)  # row keys after the tables' keys
+        self.num_rows = sum(self.rows)
+        slot_woff, sbase, rbase = [], [], []
+        w, s, r = layout.weights_numel, 0, 0
+        for E, D, C in zip(self.rows, self.dims, self.slots):
+            slot_woff.append(w)
+            sbase.append(s)
+            rbase.append(r)
+            w, s, r = w + C * D, s + C, r + E
+        self._host = dict(
+            E=self.rows, D=self.dims, C=self.slots,
+            back_woff=[layout.table_offsets[t] for t in self.tables],
+            back_kbase=[layout.table_key_base[t] for t in self.tables],
+            slot_woff=slot_woff, slot_kbase=[layout.total_hash_size + b for b in sbase],
+            sbase=sbase, rbase=rbase,
+        )
+        # bytes a row moves with (weights, element states, row states), per cached table
+        self.row_bytes = [D * sum(element_sizes) + sum(row_sizes) for D in self.dims]
+        cached_of_table = {t: c for c, t in enumerate(self.tables)}
+        # per feature, its cached table (or -1); padded with -1 at both ends (see prepare)
+        self._feature_cached = [-1] + [cached_of_table.get(t, -1) for t in layout.feature_table_map] + [-1]
+        self.epoch = 0
+        self.tick = 0
+        self.stats = self._zero_stats()
+        self._allocate(device)
+
+    # ---- the kernels' view: a cached table's features point at its slots ----
+
+    def compute_features(self, features: torch.Tensor, layout) -> torch.Tensor:
+        """The kernels' feature table: `features` (layout.features_tensor) with each cached
+        table's features pointed at its slots."""
+        out = features.clone()
+        h = self._host
+        for f, t in enumerate(layout.feature_table_map):
+            c = self._feature_cached[f + 1]
+            if c >= 0:
+                out[f, 0] = h["slot_woff"][c]  # kFeatWeightsOffset
+                out[f, 1] = h["C"][c]  # kFeatRows
+                out[f, 4] = h["slot_kbase"][c]  # kFeatKeyBase
+        return out
+
+    # ---- state ----
+
+    def _allocate(self, device: torch.device) -> None:
+        self.device = device
+        h = self._host
+
+        def t(values):
+            return torch.tensor(values, dtype=torch.int64, device=device)
+
+        self._t = {k: t(v) for k, v in h.items()}
+        self._feature_cached_t = t(self._feature_cached)
+        self._slot_table = torch.repeat_interleave(torch.arange(len(self.tables), device=device), self._t["C"])
+        self._row_slot = torch.full((self.num_rows,), -1, dtype=torch.int32, device=device)  # local slot of a row
+        self._slot_row = torch.full((self.num_slots,), -1, dtype=torch.int64, device=device)  # local row in a slot
+        self._last_used = torch.zeros(self.num_slots, dtype=torch.int64, device=device)
+        self._dirty = torch.zeros(self.num_slots, dtype=torch.bool, device=device)
+        if self.algorithm == "lfu":
+            old = getattr(self, "_counts", None)
+            self._counts = (old.to(device) if old is not None else
+                            torch.zeros(self.num_rows, dtype=torch.int64, device=device))
+        self._dims = sorted(set(self.dims))
+
+    def to(self, device: torch.device) -> None:
+        """Moves the cache's bookkeeping to `device`, empty (flush first: the slots' contents are
+        not carried). The LFU access counts are kept."""
+        self._allocate(device)
+        self.epoch += 1
+
+    def _zero_stats(self) -> Dict[str, int]:
+        return dict(prepares=0, lookups=0, hits=0, unique_rows=0, unique_hits=0, rows_loaded=0,
+                    rows_written_back=0, bytes_loaded=0, bytes_written_back=0, evictions=0)
+
+    def reset_stats(self) -> None:
+        self.stats = self._zero_stats()
+
+    def report(self) -> Dict[str, object]:
+        s = dict(self.stats)
+        s["hit_rate"] = s["hits"] / s["lookups"] if s["lookups"] else float("nan")
+        s["unique_hit_rate"] = s["unique_hits"] / s["unique_rows"] if s["unique_rows"] else float("nan")
+        s["resident_rows"] = int((self._slot_row >= 0).sum())
+        s["dirty_rows"] = int(self._dirty.sum())
+        s["cache_rows"] = {t: C for t, C in zip(self.tables, self.slots)}
+        s["algorithm"] = self.algorithm
+        return s
+
+    # ---- moving rows between the backing store and the slots ----
+
+    def _move(self, buffers, c: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor, to_slots: bool) -> None:
+        """Copies rows (and their states) of cached tables `c` between backing row `rows` and local
+        slot `slots`, in every buffer: `buffers` is [(flat tensor, "element" | "row")]."""
+        if rows.numel() == 0:
+            return
+        T = self._t
+        for D in self._dims:
+            sel = None if len(self._dims) == 1 else (T["D"][c] == D).nonzero().squeeze(1)
+            cc, rr, ss = (c, rows, slots) if sel is None else (c[sel], rows[sel], slots[sel])
+            back = T["back_woff"][cc] + rr * D
+            slot = T["slot_woff"][cc] + ss * D
+            src, dst = (back, slot) if to_slots else (slot, back)
+            cols = torch.arange(D, device=self.device)
+            step = max(1, _CHUNK_ELEMENTS // D)
+            for lo in range(0, src.numel(), step):
+                si = (src[lo:lo + step, None] + cols).reshape(-1)
+                di = (dst[lo:lo + step, None] + cols).reshape(-1)
+                for buf, per in buffers:
+                    if per == "element":
+                        buf[di] = buf[si]
+        back = T["back_kbase"][c] + rows
+        slot = T["slot_kbase"][c] + slots
+        src, dst = (back, slot) if to_slots else (slot, back)
+        for buf, per in buffers:
+            if per == "row":
+                buf[dst] = buf[src]
+
+    def _bytes(self, per_table: Sequence[int]) -> int:
+        return sum(n * b for n, b in zip(per_table, self.row_bytes))
+
+    def flush(self, buffers) -> int:
+        """Writes every dirty slot back to its row; the rows stay resident (clean). Returns the rows written."""
+        dirty = self._dirty.nonzero().squeeze(1)
+        n = dirty.numel()
+        if n:
+            c = self._slot_table[dirty]
+            self._move(buffers, c, self._slot_row[dirty], dirty - self._t["sbase"][c], to_slots=False)
+            self._dirty[dirty] = False
+            per_table = torch.bincount(c, minlength=len(self.tables)).tolist()
+            self.stats["rows_written_back"] += n
+            self.stats["bytes_written_back"] += self._bytes(per_table)
+        return n
+
+    def invalidate(self) -> None:
+        """Empties the cache without writing anything back (after the backing rows were replaced,
+        or after a flush)."""
+        self._row_slot.fill_(-1)
+        self._slot_row.fill_(-1)
+        self._last_used.zero_()
+        self._dirty.zero_()
+        self.epoch += 1
+
+    def mark_dirty(self, slots: torch.Tensor) -> None:
+        if slots.numel():
+            self._dirty[slots] = True
+
+    # ---- a batch ----
+
+    def prepare(self, indices: torch.Tensor, offsets: torch.Tensor, batch: int, buffers, *,
+                bad_index_error: Optional[callable] = None) -> Ticket:
+        """Makes every row that `indices` reads of a cached table resident and returns the
+        indices the kernels read (see Ticket). `offsets` has F * batch + 1 entries (checked by the
+        caller). Out-of-range indices of cached tables are left as they are (they are out of range
+        for the slots too, so the kernels treat them per bounds_check_mode); with
+        `bad_index_error`, the first one is passed to it (which raises) before anything changes."""
+        T = self._t
+        dev = self.device
+        N = indices.numel()
+        idx = indices.to(torch.int64)
+        # each index's feature (-1 / F outside every bag), then its cached table (or -1)
+        bounds = (offsets[::batch] if batch > 0 else offsets[:1]).to(torch.int64).contiguous()
+        feature = torch.searchsorted(bounds, torch.arange(N, device=dev), right=True) - 1
+        c = self._feature_cached_t[(feature + 1).clamp(0, len(self._feature_cached) - 1)]
+        cached = c >= 0
+        c0 = c.clamp(min=0)
+        valid = cached & (idx >= 0) & (idx < T["E"][c0])
+        if bad_index_error is not None:
+            bad = (cached & ~valid).nonzero()
+            if bad.numel():
+                i = int(bad[0, 0])
+                bad_index_error(i, int(idx[i]), int(feature[i]), self.tables[int(c[i])], self.rows[int(c[i])])
+        pos = valid.nonzero().squeeze(1)
+        empty = torch.empty(0, dtype=torch.int64, device=dev)
+        if pos.numel() == 0:
+            return Ticket(indices, empty, self.epoch, indices, offsets)
+        cv = c[pos]
+        keys = T["rbase"][cv] + idx[pos]
+        U, inverse, counts = torch.unique(keys, sorted=True, return_inverse=True, return_counts=True)
+        tU = torch.searchsorted(T["rbase"], U, right=True) - 1  # cached table of each distinct row
+        local_row = U - T["rbase"][tU]
+        slot = self._row_slot[U].to(torch.int64)
+        hit = slot >= 0
+        nc = len(self.tables)
+        need = torch.bincount(tU, minlength=nc)
+        miss = torch.bincount(tU[~hit], minlength=nc)
+        summary = torch.cat([need, miss, torch.stack([hit.sum(), counts[hit].sum(), counts.sum()])]).tolist()
+        need_h, miss_h = summary[:nc], summary[nc:2 * nc]
+        unique_hits, index_hits, lookups = summary[2 * nc:]
+        for k in range(nc):
+            if need_h[k] > self.slots[k]:
+                raise ValueError(
+                    f"tbegen: the batch reads {need_h[k]} distinct rows of table {self.tables[k]} (placement "
+                    f"'managed_caching'), but that table's cache holds {self.slots[k]} rows: every row a batch "
+                    f"reads must be cached at once. Give the table a larger cache (cache_rows or "
+                    f"cache_load_factor) or use smaller batches; nothing was changed"
+                )
+        self.tick += 1
+        tick = self.tick
+        hit_slots = T["sbase"][tU[hit]] + slot[hit]
+        self._last_used[hit_slots] = tick
+        if self.algorithm == "lfu":
+            self._counts[U] += counts
+        n_miss = sum(miss_h)
+        if n_miss:
+            self._fill(buffers, U, tU, local_row, hit, hit_slots, miss_h, tick)
+        slot = self._row_slot[U].to(torch.int64)  # every row is resident now
+        out = indices.clone()
+        out[pos] = slot[inverse].to(indices.dtype)
+        st = self.stats
+        st["prepares"] += 1
+        st["lookups"] += lookups
+        st["hits"] += index_hits
+        st["unique_rows"] += len(U)
+        st["unique_hits"] += unique_hits
+        return Ticket(out, T["sbase"][tU] + slot, self.epoch, indices, offsets)
+
+    def _victim_order(self, protected: torch.Tensor) -> torch.Tensor:
+        """All slots, grouped by table (each table's C slots at its sbase) and, within a table,
+        coldest first: empty slots, then by last use (LRU) or by access count, then last use
+        (LFU); ties by slot number. Protected slots (rows of the batch) come last."""
+        occupied = self._slot_row >= 0
+        recency = torch.where(occupied, self._last_used, torch.full_like(self._last_used, -1))
+        recency = torch.where(protected, torch.full_like(recency, _NEVER), recency)
+        order = torch.argsort(recency, stable=True)
+        if self.algorithm == "lfu":
+            rows = self._t["rbase"][self._slot_table] + self._slot_row.clamp(min=0)
+            freq = torch.where(occupied, self._counts[rows], torch.full_like(recency, -1))
+            freq = torch.where(protected, torch.full_like(freq, _NEVER), freq)
+            order = order[torch.argsort(freq[order], stable=True)]
+        return order[torch.argsort(self._slot_table[order], stable=True)]
+
+    def _fill(self, buffers, U, tU, local_row, hit, hit_slots, miss_h, tick) -> None:
+        """Loads the batch's missing rows into the coldest slots of their tables."""
+        T = self._t
+        dev = self.device
+        protected = torch.zeros(self.num_slots, dtype=torch.bool, device=dev)
+        protected[hit_slots] = True
+        order = self._victim_order(protected)
+        missing = ~hit
+        mU, mT, mRow = U[missing], tU[missing], local_row[missing]
+        miss_t = torch.tensor(miss_h, dtype=torch.int64, device=dev)
+        first = torch.cumsum(miss_t, 0) - miss_t
+        rank = torch.arange(mU.numel(), device=dev) - first[mT]  # j-th missing row of its table
+        victims = order[T["sbase"][mT] + rank]  # its j-th coldest slot (never a protected one)
+        local_slot = victims - T["sbase"][mT]
+        old = self._slot_row[victims]
+        had = old >= 0
+        write = had & self._dirty[victims]
+        nc = len(self.tables)
+        counts = torch.cat([torch.bincount(mT[write], minlength=nc), had.sum().reshape(1)]).tolist()
+        written, evicted = counts[:nc], counts[nc]
+        if sum(written):
+            w = write.nonzero().squeeze(1)
+            self._move(buffers, mT[w], old[w], local_slot[w], to_slots=False)
+        if evicted:
+            e = had.nonzero().squeeze(1)
+            self._row_slot[T["rbase"][mT[e]] + old[e]] = -1
+            self.epoch += 1  # some row's slot number is no longer valid
+        self._move(buffers, mT, mRow, local_slot, to_slots=True)
+        self._row_slot[mU] = local_slot.to(torch.int32)
+        self._slot_row[victims] = mRow
+        self._last_used[victims] = tick
+        self._dirty[victims] = False
+        st = self.stats
+        st["rows_loaded"] += mU.numel()
+        st["bytes_loaded"] += self._bytes(miss_h)
+        st["rows_written_back"] += sum(written)
+        st["bytes_written_back"] += self._bytes(written)
+        st["evictions"] += evicted
