@@ -19,15 +19,18 @@ lookup is a gather, there are no conflict misses, and the victims are the global
 torch tensor operations on the module's device, so the same code serves CUDA and the CPU (where
 CI exercises it).
 
-A batch needs all of its distinct rows of a table in that table's cache at once: a batch with
-more distinct rows than `cache_rows[t]` raises an error naming the table, the rows needed and the
-cache size, before anything changes.
+A batch whose distinct rows of a table outnumber that table's cache slots ("overflow") is not
+refused: for that batch the table *bypasses* its cache. Its cached rows are written back and its
+cache emptied, and the batch's feature table points that table's features at its backing rows
+(as for placement "managed"), so the kernels read and update them in managed memory directly, with
+the indices as given. The module warns once per table; `cache_stats()` counts the bypasses.
 """
 
 from __future__ import annotations
 
 import math
 import numbers
+import warnings
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple, Union
 
@@ -95,6 +98,8 @@ class Ticket:
     epoch: int
     original: torch.Tensor  # the indices as given (to prepare again if the epoch moved on)
     offsets: torch.Tensor
+    features: torch.Tensor  # the kernels' feature table for this batch
+    bypass: Tuple[int, ...] = ()  # cached tables (0..nc-1) this batch reads in their backing rows
 
 
 class RowCache:
@@ -142,6 +147,7 @@ class RowCache:
         self._feature_cached = [-1] + [cached_of_table.get(t, -1) for t in layout.feature_table_map] + [-1]
         self.epoch = 0
         self.tick = 0
+        self._warned = set()
         self.stats = self._zero_stats()
         self._allocate(device)
 
@@ -158,6 +164,16 @@ class RowCache:
                 out[f, 0] = h["slot_woff"][c]  # kFeatWeightsOffset
                 out[f, 1] = h["C"][c]  # kFeatRows
                 out[f, 4] = h["slot_kbase"][c]  # kFeatKeyBase
+        self._features = {(): out, "tables": features.clone()}
+        return out
+
+    def _features_for(self, bypass: Tuple[int, ...]) -> torch.Tensor:
+        """The feature table of a batch whose cached tables `bypass` read their backing rows."""
+        out = self._features.get(bypass)
+        if out is None:
+            mask = torch.tensor([c in bypass for c in self._feature_cached[1:-1]], device=self.device)
+            out = torch.where(mask[:, None], self._features["tables"], self._features[()])
+            self._features[bypass] = out
         return out
 
     # ---- state ----
@@ -165,6 +181,8 @@ class RowCache:
     def _allocate(self, device: torch.device) -> None:
         self.device = device
         h = self._host
+        if hasattr(self, "_features"):
+            self._features = {k: v.to(device) for k, v in self._features.items() if k in ((), "tables")}
 
         def t(values):
             return torch.tensor(values, dtype=torch.int64, device=device)
@@ -190,7 +208,8 @@ class RowCache:
 
     def _zero_stats(self) -> Dict[str, int]:
         return dict(prepares=0, lookups=0, hits=0, unique_rows=0, unique_hits=0, rows_loaded=0,
-                    rows_written_back=0, bytes_loaded=0, bytes_written_back=0, evictions=0)
+                    rows_written_back=0, bytes_loaded=0, bytes_written_back=0, evictions=0,
+                    bypasses=0, bypassed_lookups=0, bypassed_rows=0)
 
     def reset_stats(self) -> None:
         self.stats = self._zero_stats()
@@ -237,9 +256,11 @@ class RowCache:
     def _bytes(self, per_table: Sequence[int]) -> int:
         return sum(n * b for n, b in zip(per_table, self.row_bytes))
 
-    def flush(self, buffers) -> int:
-        """Writes every dirty slot back to its row; the rows stay resident (clean). Returns the rows written."""
-        dirty = self._dirty.nonzero().squeeze(1)
+    def flush(self, buffers, tables: Optional[Sequence[int]] = None) -> int:
+        """Writes every dirty slot (of cached tables `tables`, default all) back to its row; the
+        rows stay resident (clean). Returns the rows written."""
+        dirty = self._dirty if tables is None else self._dirty & self._of_tables(tables)
+        dirty = dirty.nonzero().squeeze(1)
         n = dirty.numel()
         if n:
             c = self._slot_table[dirty]
@@ -249,6 +270,21 @@ class RowCache:
             self.stats["rows_written_back"] += n
             self.stats["bytes_written_back"] += self._bytes(per_table)
         return n
+
+    def _of_tables(self, tables: Sequence[int]) -> torch.Tensor:
+        return torch.isin(self._slot_table, torch.tensor(list(tables), dtype=torch.int64, device=self.device))
+
+    def drop(self, buffers, tables: Sequence[int]) -> None:
+        """Writes back and empties the caches of cached tables `tables` (before a batch reads
+        and updates their backing rows directly)."""
+        self.flush(buffers, tables)
+        slots = ((self._slot_row >= 0) & self._of_tables(tables)).nonzero().squeeze(1)
+        if slots.numel():
+            c = self._slot_table[slots]
+            self._row_slot[self._t["rbase"][c] + self._slot_row[slots]] = -1
+            self._slot_row[slots] = -1
+            self._last_used[slots] = 0
+            self.epoch += 1
 
     def invalidate(self) -> None:
         """Empties the cache without writing anything back (after the backing rows were replaced,
@@ -291,28 +327,42 @@ class RowCache:
         pos = valid.nonzero().squeeze(1)
         empty = torch.empty(0, dtype=torch.int64, device=dev)
         if pos.numel() == 0:
-            return Ticket(indices, empty, self.epoch, indices, offsets)
-        cv = c[pos]
-        keys = T["rbase"][cv] + idx[pos]
-        U, inverse, counts = torch.unique(keys, sorted=True, return_inverse=True, return_counts=True)
-        tU = torch.searchsorted(T["rbase"], U, right=True) - 1  # cached table of each distinct row
-        local_row = U - T["rbase"][tU]
-        slot = self._row_slot[U].to(torch.int64)
-        hit = slot >= 0
+            return Ticket(indices, empty, self.epoch, indices, offsets, self._features[()])
         nc = len(self.tables)
-        need = torch.bincount(tU, minlength=nc)
-        miss = torch.bincount(tU[~hit], minlength=nc)
-        summary = torch.cat([need, miss, torch.stack([hit.sum(), counts[hit].sum(), counts.sum()])]).tolist()
-        need_h, miss_h = summary[:nc], summary[nc:2 * nc]
-        unique_hits, index_hits, lookups = summary[2 * nc:]
-        for k in range(nc):
-            if need_h[k] > self.slots[k]:
-                raise ValueError(
-                    f"tbegen: the batch reads {need_h[k]} distinct rows of table {self.tables[k]} (placement "
-                    f"'managed_caching'), but that table's cache holds {self.slots[k]} rows: every row a batch "
-                    f"reads must be cached at once. Give the table a larger cache (cache_rows or "
-                    f"cache_load_factor) or use smaller batches; nothing was changed"
-                )
+        st = self.stats
+        bypass: Tuple[int, ...] = ()
+        while True:  # (twice when some table overflows its cache: then without that table's indices)
+            cv = c[pos]
+            keys = T["rbase"][cv] + idx[pos]
+            U, inverse, counts = torch.unique(keys, sorted=True, return_inverse=True, return_counts=True)
+            tU = torch.searchsorted(T["rbase"], U, right=True) - 1  # cached table of each distinct row
+            local_row = U - T["rbase"][tU]
+            slot = self._row_slot[U].to(torch.int64)
+            hit = slot >= 0
+            need = torch.bincount(tU, minlength=nc)
+            miss = torch.bincount(tU[~hit], minlength=nc)
+            looked = torch.bincount(cv, minlength=nc)
+            summary = torch.cat([need, miss, looked, torch.stack([hit.sum(), counts[hit].sum()])]).tolist()
+            need_h, miss_h, looked_h = summary[:nc], summary[nc:2 * nc], summary[2 * nc:3 * nc]
+            unique_hits, index_hits = summary[3 * nc:]
+            over = tuple(k for k in range(nc) if need_h[k] > self.slots[k])
+            if not over:
+                break
+            self._overflow(buffers, over, need_h)
+            st["bypasses"] += len(over)
+            st["bypassed_lookups"] += sum(looked_h[k] for k in over)
+            st["bypassed_rows"] += sum(need_h[k] for k in over)
+            st["lookups"] += sum(looked_h[k] for k in over)
+            st["unique_rows"] += sum(need_h[k] for k in over)
+            if self.algorithm == "lfu":
+                bypassed = torch.isin(tU, torch.tensor(over, device=dev))
+                self._counts[U[bypassed]] += counts[bypassed]
+            bypass = over
+            pos = pos[~torch.isin(cv, torch.tensor(over, device=dev))]
+            if pos.numel() == 0:
+                st["prepares"] += 1
+                return Ticket(indices, empty, self.epoch, indices, offsets, self._features_for(bypass), bypass)
+        lookups = sum(looked_h)
         self.tick += 1
         tick = self.tick
         hit_slots = T["sbase"][tU[hit]] + slot[hit]
@@ -325,13 +375,28 @@ class RowCache:
         slot = self._row_slot[U].to(torch.int64)  # every row is resident now
         out = indices.clone()
         out[pos] = slot[inverse].to(indices.dtype)
-        st = self.stats
         st["prepares"] += 1
         st["lookups"] += lookups
         st["hits"] += index_hits
         st["unique_rows"] += len(U)
         st["unique_hits"] += unique_hits
-        return Ticket(out, T["sbase"][tU] + slot, self.epoch, indices, offsets)
+        return Ticket(out, T["sbase"][tU] + slot, self.epoch, indices, offsets, self._features_for(bypass), bypass)
+
+    def _overflow(self, buffers, over: Tuple[int, ...], need: Sequence[int]) -> None:
+        """Cached tables `over` have more distinct rows in the batch than cache slots: the batch
+        reads and updates their backing rows directly (see the module docstring)."""
+        for k in over:
+            if k not in self._warned:
+                self._warned.add(k)
+                warnings.warn(
+                    f"tbegen: a batch reads {need[k]} distinct rows of table {self.tables[k]} (placement "
+                    f"'managed_caching'), more than its cache's {self.slots[k]} rows: such batches read and "
+                    f"update that table in managed memory directly, bypassing its cache (correct, but "
+                    f"without the cache's benefit; cache_stats() counts them). A larger cache (cache_rows, "
+                    f"cache_load_factor) or smaller batches avoid it. (Warned once per table.)",
+                    RuntimeWarning, stacklevel=5,
+                )
+        self.drop(buffers, over)
 
     def _victim_order(self, protected: torch.Tensor) -> torch.Tensor:
         """All slots, grouped by table (each table's C slots at its sbase) and, within a table,

@@ -283,8 +283,9 @@ class _Lookup(torch.autograd.Function):
         ctx.ticket = ticket
         ctx.save_for_backward(indices, offsets, per_sample_weights)
         errors = module._errors
+        features = module.features if ticket is None else ticket.features
         out = module._ops.forward(
-            module._buffer("weights").detach(), module.features, module.layout.total_D, module.layout.max_D,
+            module._buffer("weights").detach(), features, module.layout.total_D, module.layout.max_D,
             indices, offsets, per_sample_weights, module._pooling_id, errors.record, errors.skip_bad_indices,
         )
         errors.after_call()
@@ -299,13 +300,15 @@ class _Lookup(torch.autograd.Function):
         grad_psw = None
         errors = module._errors
         errors.poll()
+        features = module.features
         if ctx.ticket is not None:
             # the batch's rows must be in the slots its indices name (a later prefetch may have
             # evicted some), and the slots it updates are dirty
-            indices = module._ticket_for_backward(ctx.ticket).indices
+            ticket = module._ticket_for_backward(ctx.ticket)
+            indices, features = ticket.indices, ticket.features
         if per_sample_weights is not None and ctx.needs_input_grad[4]:
             grad_psw = module._ops.grad_per_sample_weights(
-                grad_output, module._buffer("weights").detach(), module.features, module.layout.total_D,
+                grad_output, module._buffer("weights").detach(), features, module.layout.total_D,
                 module.layout.max_D, indices, offsets, module._pooling_id, errors.record, errors.skip_bad_indices,
             )
         grad_weights = None
@@ -314,7 +317,8 @@ class _Lookup(torch.autograd.Function):
                 grad_weights = torch.zeros_like(module.weights, memory_format=torch.contiguous_format)
                 module._run_backward(grad_output, grad_weights, indices, offsets, per_sample_weights)
         else:
-            module._run_backward(grad_output, module._buffer("weights"), indices, offsets, per_sample_weights)
+            module._run_backward(grad_output, module._buffer("weights"), indices, offsets, per_sample_weights,
+                                 features=features)
         return None, grad_weights, None, None, grad_psw, None
 
 
@@ -372,8 +376,9 @@ class TableBatchedEmbeddingBags(nn.Module):
             cache holds (0 < f <= 1, default 0.2, rounded up); `cache_rows` overrides it.
         cache_rows: for "managed_caching" tables, cache slots per table: one int for every cached
             table, or a list with one entry per table (entries of other tables are ignored).
-            Every distinct row a batch reads of a table must fit in its cache at once (else an
-            error names the table).
+            A batch reading more distinct rows of a table than its cache holds reads and updates
+            that table in managed memory directly for that batch (bypassing its cache; warned
+            once per table, counted by `cache_stats()`).
         cache_algorithm: "lru" (default: evict the least recently used rows) or "lfu" (the least
             frequently used: access counts kept per row since construction; ties by recency).
         **hyperparameters: the optimizer's hyperparameters by name (e.g. learning_rate=0.05);
@@ -609,9 +614,12 @@ class TableBatchedEmbeddingBags(nn.Module):
         return None
 
     def _ticket_for_backward(self, ticket: cache_.Ticket) -> cache_.Ticket:
-        """The batch's ticket, prepared again if rows were evicted since; its slots marked dirty."""
+        """The batch's ticket, prepared again if rows were evicted since; its slots marked dirty;
+        the tables it reads in their backing rows (overflow) hold no cached copies."""
         if ticket.epoch != self._cache.epoch:
             ticket = self._prepare(ticket.original, ticket.offsets)
+        if ticket.bypass:  # (a prefetch since may have cached some of their rows)
+            self._cache.drop(self._cache_buffers(), ticket.bypass)
         self._cache.mark_dirty(ticket.slots)
         return ticket
 
@@ -648,6 +656,8 @@ class TableBatchedEmbeddingBags(nn.Module):
         whose row was cached), `hit_rate`; `unique_rows`, `unique_hits`, `unique_hit_rate` (the
         same per batch's distinct rows); `rows_loaded`, `bytes_loaded`, `rows_written_back`,
         `bytes_written_back` (weights and states), `evictions`, `prepares` (batches looked up);
+        `bypasses` (table-batches with more distinct rows than the table's cache, which read
+        and update the table in managed memory directly), `bypassed_lookups`, `bypassed_rows`;
         `resident_rows`, `dirty_rows`, `cache_rows` ({table: slots}) and `algorithm`. An empty
         dict without cached tables."""
         return {} if self._cache is None else self._cache.report()
@@ -916,14 +926,14 @@ class TableBatchedEmbeddingBags(nn.Module):
         # A narrow output: the float32 sums rounded to nearest (autograd widens the gradient back).
         return out if self.output_dtype == torch.float32 else out.to(self.output_dtype)
 
-    def _run_backward(self, grad_output, weights, indices, offsets, per_sample_weights) -> None:
+    def _run_backward(self, grad_output, weights, indices, offsets, per_sample_weights, features=None) -> None:
         step = self._step + 1
         states = [self._buffer(s.name) for s in self.spec.states]
         hyper = [self._hyperparameters[h.name] for h in self.spec.hyperparameters]
         # (cached tables' per-row states are keyed after every table's rows: see tbegen/cache.py)
         total_keys = self.layout.total_hash_size + (0 if self._cache is None else self._cache.num_slots)
         self._ops.backward(
-            grad_output, weights, self.features, self.layout.total_D, self.layout.max_D,
+            grad_output, weights, self.features if features is None else features, self.layout.total_D, self.layout.max_D,
             total_keys, indices, offsets, per_sample_weights, self._pooling_id,
             self.max_segment_length_per_warp,
             # the dense gradient of mode "none" is rounded to nearest

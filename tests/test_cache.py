@@ -254,17 +254,35 @@ def test_replacement_matches_a_reference_over_skewed_batches(algorithm):
 # ---- limits and errors ----------------------------------------------------------------------------
 
 
-def test_batch_larger_than_the_cache_is_an_error_that_changes_nothing():
-    emb = TableBatchedEmbeddingBags(TABLES, optimizer="sgd", placements=MIXED, cache_rows=[3, None, 4])
-    offsets = torch.tensor([0, 0, 4, 4, 5, 5, 6], dtype=torch.int64)  # B = 2: table 0 reads 5 6 7 1
-    idx = torch.tensor([5, 6, 7, 1, 0, 1], dtype=torch.int64)
-    before = [w.clone() for w in emb.split_embedding_weights()]
-    with pytest.raises(ValueError, match=r"the batch reads 4 distinct rows of table 0 \(placement 'managed_caching'\), "
-                                         r"but that table's cache holds 3 rows"):
-        emb(idx, offsets)
-    assert emb.cache_stats()["prepares"] == 0 and emb.cache_stats()["resident_rows"] == 0
-    assert all(torch.equal(a, b) for a, b in zip(before, emb.split_embedding_weights()))
-    emb(torch.tensor([5, 6, 7, 5, 0, 1]), offsets).backward(torch.ones(2, 24))  # 3 distinct rows fit
+@pytest.mark.parametrize("optimizer", ["adam", "rowwise_adagrad"])
+def test_batches_larger_than_the_cache_bypass_it(optimizer):
+    """A batch with more distinct rows of a table than its cache holds reads and updates that
+    table's backing rows directly (its cache written back and emptied first): same numbers, also
+    when such batches alternate with cached ones and with prefetching ahead."""
+    small = batches(TABLES, 6, seed=15, weighted=True)  # up to 12 distinct rows per table
+    large = batches(TABLES, 3, B=8, L=4, seed=16, weighted=True)  # up to 56: overflows 12 slots
+    data = [small[0], small[1], large[0], small[2], large[1], large[2], small[3], small[4], small[5]]
+    kw = dict(optimizer=optimizer, learning_rate=0.05)
+    device = TableBatchedEmbeddingBags(TABLES, **kw)
+    cached = TableBatchedEmbeddingBags(TABLES, placements=MIXED, cache_rows=12, **kw)
+    with pytest.warns(RuntimeWarning, match=r"a batch reads \d+ distinct rows of table 0 \(placement 'managed_caching'\), "
+                                            r"more than its cache's 12 rows: such batches read and update that table in "
+                                            r"managed memory directly"):
+        train_both(device, cached, data)
+    assert_same_tables(device, cached)
+    stats = cached.cache_stats()
+    assert stats["bypasses"] >= 3 and stats["bypassed_lookups"] > 0 and stats["hits"] > 0
+    # pipelined: prefetches of overflowing and fitting batches between forward and backward
+    device = TableBatchedEmbeddingBags(TABLES, **kw)
+    cached = TableBatchedEmbeddingBags(TABLES, placements=MIXED, cache_rows=12, **kw)
+    train(device, data)
+    with pytest.warns(RuntimeWarning):
+        for k, (idx, offsets, psw, grad) in enumerate(data):
+            out = cached(idx, offsets, psw)
+            if k + 1 < len(data):
+                cached.prefetch(data[k + 1][0], data[k + 1][1])
+            out.backward(grad)
+    assert_same_tables(device, cached)
 
 
 @pytest.mark.parametrize("kwargs,error,message", [
