@@ -123,25 +123,49 @@ class RowCache:
         self.rows = [layout.tables[t][0] for t in self.tables]
         self.dims = [layout.tables[t][1] for t in self.tables]
         self.slots = [int(sizes[t]) for t in self.tables]
-        self.weights_tail = sum(C * D for C, D in zip(self.slots, self.dims))  # elements after the tables
-        self.num_slots = sum(self.slots)  # row keys after the tables' keys
+        self.num_slots = sum(self.slots)
         self.num_rows = sum(self.rows)
-        slot_woff, sbase, rbase = [], [], []
-        w, s, r = layout.weights_numel, 0, 0
-        for E, D, C in zip(self.rows, self.dims, self.slots):
-            slot_woff.append(w)
-            sbase.append(s)
-            rbase.append(r)
-            w, s, r = w + C * D, s + C, r + E
-        self._host = dict(
-            E=self.rows, D=self.dims, C=self.slots,
-            back_woff=[layout.table_offsets[t] for t in self.tables],
-            back_kbase=[layout.table_key_base[t] for t in self.tables],
-            slot_woff=slot_woff, slot_kbase=[layout.total_hash_size + b for b in sbase],
-            sbase=sbase, rbase=rbase,
-        )
         # bytes a row moves with (weights, element states, row states), per cached table
         self.row_bytes = [D * sum(element_sizes) + sum(row_sizes) for D in self.dims]
+        back_woff = [layout.table_offsets[t] for t in self.tables]
+        back_kbase = [layout.table_key_base[t] for t in self.tables]
+        # Where each table's slots go, after every table (w: elements, k: row keys). A "direct"
+        # table's slots sit where its rows would continue: slot s is virtual row vbase + s of the
+        # table (slot_woff = back_woff + vbase * D, slot_kbase = back_kbase + vbase), so that one
+        # feature table reaches its backing rows (0..E-1) and its slots (vbase..vbase+C-1): a
+        # batch then reads rows that did not fit in the cache from the backing store (see
+        # prepare). That needs padding where the widths of the tables after it differ from its
+        # own; a table whose padding would cost more than its cache region is "compact" (slots
+        # packed, features pointed at the slots only; rows that do not fit: bypass).
+        slot_woff, slot_kbase, vbase, direct, sbase, rbase = [], [], [], [], [], []
+        w, k, s, r = layout.weights_numel, layout.total_hash_size, 0, 0
+        elem_bytes, key_bytes = sum(element_sizes), sum(row_sizes)
+        for E, D, C, bw, bk, rb in zip(self.rows, self.dims, self.slots, back_woff, back_kbase, self.row_bytes):
+            v = max(-(-(w - bw) // D), k - bk)
+            pad_w, pad_k = bw + v * D - w, bk + v - k
+            if pad_w * elem_bytes + pad_k * key_bytes <= C * rb:
+                direct.append(True)
+                vbase.append(v)
+                slot_woff.append(bw + v * D)
+                slot_kbase.append(bk + v)
+            else:
+                direct.append(False)
+                vbase.append(0)
+                slot_woff.append(w)
+                slot_kbase.append(k)
+            sbase.append(s)
+            rbase.append(r)
+            w, k, s, r = slot_woff[-1] + C * D, slot_kbase[-1] + C, s + C, r + E
+        self.weights_tail = w - layout.weights_numel  # elements after the tables
+        self.keys_tail = k - layout.total_hash_size  # row keys after the tables' keys
+        self.direct = direct
+        self._host = dict(
+            E=self.rows, D=self.dims, C=self.slots, back_woff=back_woff, back_kbase=back_kbase,
+            slot_woff=slot_woff, slot_kbase=slot_kbase, sbase=sbase, rbase=rbase,
+            # what a resident row's index becomes: its slot plus this
+            index_base=[v if d else 0 for v, d in zip(vbase, direct)],
+            direct=[int(d) for d in direct],
+        )
         cached_of_table = {t: c for c, t in enumerate(self.tables)}
         # per feature, its cached table (or -1); padded with -1 at both ends (see prepare)
         self._feature_cached = [-1] + [cached_of_table.get(t, -1) for t in layout.feature_table_map] + [-1]
@@ -160,7 +184,9 @@ class RowCache:
         h = self._host
         for f, t in enumerate(layout.feature_table_map):
             c = self._feature_cached[f + 1]
-            if c >= 0:
+            if c >= 0 and self.direct[c]:  # backing rows, then (after padding) the slots
+                out[f, 1] = h["index_base"][c] + h["C"][c]  # kFeatRows
+            elif c >= 0:
                 out[f, 0] = h["slot_woff"][c]  # kFeatWeightsOffset
                 out[f, 1] = h["C"][c]  # kFeatRows
                 out[f, 4] = h["slot_kbase"][c]  # kFeatKeyBase
@@ -209,7 +235,7 @@ class RowCache:
     def _zero_stats(self) -> Dict[str, int]:
         return dict(prepares=0, lookups=0, hits=0, unique_rows=0, unique_hits=0, rows_loaded=0,
                     rows_written_back=0, bytes_loaded=0, bytes_written_back=0, evictions=0,
-                    bypasses=0, bypassed_lookups=0, bypassed_rows=0)
+                    bypasses=0, backing_lookups=0, backing_rows=0)
 
     def reset_stats(self) -> None:
         self.stats = self._zero_stats()
@@ -221,6 +247,7 @@ class RowCache:
         s["resident_rows"] = int((self._slot_row >= 0).sum())
         s["dirty_rows"] = int(self._dirty.sum())
         s["cache_rows"] = {t: C for t, C in zip(self.tables, self.slots)}
+        s["direct"] = {t: d for t, d in zip(self.tables, self.direct)}
         s["algorithm"] = self.algorithm
         return s
 
@@ -331,7 +358,7 @@ class RowCache:
         nc = len(self.tables)
         st = self.stats
         bypass: Tuple[int, ...] = ()
-        while True:  # (twice when some table overflows its cache: then without that table's indices)
+        while True:  # (twice when a compact table overflows its cache: then without its indices)
             cv = c[pos]
             keys = T["rbase"][cv] + idx[pos]
             U, inverse, counts = torch.unique(keys, sorted=True, return_inverse=True, return_counts=True)
@@ -345,13 +372,13 @@ class RowCache:
             summary = torch.cat([need, miss, looked, torch.stack([hit.sum(), counts[hit].sum()])]).tolist()
             need_h, miss_h, looked_h = summary[:nc], summary[nc:2 * nc], summary[2 * nc:3 * nc]
             unique_hits, index_hits = summary[3 * nc:]
-            over = tuple(k for k in range(nc) if need_h[k] > self.slots[k])
+            over = tuple(k for k in range(nc) if need_h[k] > self.slots[k] and not self.direct[k])
             if not over:
                 break
             self._overflow(buffers, over, need_h)
             st["bypasses"] += len(over)
-            st["bypassed_lookups"] += sum(looked_h[k] for k in over)
-            st["bypassed_rows"] += sum(need_h[k] for k in over)
+            st["backing_lookups"] += sum(looked_h[k] for k in over)
+            st["backing_rows"] += sum(need_h[k] for k in over)
             st["lookups"] += sum(looked_h[k] for k in over)
             st["unique_rows"] += sum(need_h[k] for k in over)
             if self.algorithm == "lfu":
@@ -361,26 +388,55 @@ class RowCache:
             pos = pos[~torch.isin(cv, torch.tensor(over, device=dev))]
             if pos.numel() == 0:
                 st["prepares"] += 1
-                return Ticket(indices, empty, self.epoch, indices, offsets, self._features_for(bypass), bypass)
-        lookups = sum(looked_h)
+                return Ticket(self._skip_bad(indices, c, valid), empty, self.epoch, indices, offsets,
+                              self._features_for(bypass), bypass)
         self.tick += 1
         tick = self.tick
         hit_slots = T["sbase"][tU[hit]] + slot[hit]
         self._last_used[hit_slots] = tick
         if self.algorithm == "lfu":
             self._counts[U] += counts
-        n_miss = sum(miss_h)
-        if n_miss:
-            self._fill(buffers, U, tU, local_row, hit, hit_slots, miss_h, tick)
-        slot = self._row_slot[U].to(torch.int64)  # every row is resident now
-        out = indices.clone()
-        out[pos] = slot[inverse].to(indices.dtype)
+        # rows to load: every missing one, except where a direct table has more than its slots
+        # (then the slots not holding a hit take the batch's most read missing rows; the others
+        # are read from the backing store in place)
+        admit = [min(m, C - (n - m)) for m, n, C in zip(miss_h, need_h, self.slots)]
+        if sum(admit):
+            missing = (~hit).nonzero().squeeze(1)
+            if admit != miss_h:
+                order = torch.argsort(-counts[missing], stable=True)  # most read first, then by row
+                order = order[torch.argsort(tU[missing][order], stable=True)]
+                missing = missing[order]
+                first = torch.tensor([sum(miss_h[:k]) for k in range(nc)], dtype=torch.int64, device=dev)
+                cap = torch.tensor(admit, dtype=torch.int64, device=dev)
+                mt = tU[missing]
+                missing = missing[torch.arange(missing.numel(), device=dev) - first[mt] < cap[mt]]
+            self._fill(buffers, U[missing], tU[missing], local_row[missing], hit_slots, admit, tick)
+        slot = self._row_slot[U].to(torch.int64)
+        resident = slot >= 0
+        n_backing = [n - a - (n - m) for n, a, m in zip(need_h, admit, miss_h)]  # (direct tables only)
+        out = self._skip_bad(indices, c, valid)
+        at = resident[inverse]
+        out[pos[at]] = (slot + T["index_base"][tU])[inverse[at]].to(indices.dtype)
         st["prepares"] += 1
-        st["lookups"] += lookups
+        st["lookups"] += sum(looked_h)
         st["hits"] += index_hits
         st["unique_rows"] += len(U)
         st["unique_hits"] += unique_hits
-        return Ticket(out, T["sbase"][tU] + slot, self.epoch, indices, offsets, self._features_for(bypass), bypass)
+        if sum(n_backing):
+            st["backing_rows"] += sum(n_backing)
+            st["backing_lookups"] += int(counts[~resident].sum())
+        return Ticket(out, (T["sbase"][tU] + slot)[resident], self.epoch, indices, offsets,
+                      self._features_for(bypass), bypass)
+
+    def _skip_bad(self, indices: torch.Tensor, c: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        """A copy of the indices, where out-of-range ones of direct tables are -1 (their features
+        reach past the table's rows, into its slots: -1 is out of range for the kernels, which
+        skip or report it per bounds_check_mode). Out-of-range indices of compact tables stay."""
+        out = indices.clone()
+        if any(self.direct):
+            bad = (c >= 0) & ~valid & (self._t["direct"][c.clamp(min=0)] > 0)
+            out[bad] = -1
+        return out
 
     def _overflow(self, buffers, over: Tuple[int, ...], need: Sequence[int]) -> None:
         """Cached tables `over` have more distinct rows in the batch than cache slots: the batch
@@ -413,18 +469,17 @@ class RowCache:
             order = order[torch.argsort(freq[order], stable=True)]
         return order[torch.argsort(self._slot_table[order], stable=True)]
 
-    def _fill(self, buffers, U, tU, local_row, hit, hit_slots, miss_h, tick) -> None:
-        """Loads the batch's missing rows into the coldest slots of their tables."""
+    def _fill(self, buffers, mU, mT, mRow, hit_slots, count_h, tick) -> None:
+        """Loads rows (cached keys mU of tables mT, grouped by table: count_h[c] of table c) into
+        the coldest slots of their tables (the j-th row of a table into its j-th coldest slot)."""
         T = self._t
         dev = self.device
         protected = torch.zeros(self.num_slots, dtype=torch.bool, device=dev)
         protected[hit_slots] = True
         order = self._victim_order(protected)
-        missing = ~hit
-        mU, mT, mRow = U[missing], tU[missing], local_row[missing]
-        miss_t = torch.tensor(miss_h, dtype=torch.int64, device=dev)
+        miss_t = torch.tensor(count_h, dtype=torch.int64, device=dev)
         first = torch.cumsum(miss_t, 0) - miss_t
-        rank = torch.arange(mU.numel(), device=dev) - first[mT]  # j-th missing row of its table
+        rank = torch.arange(mU.numel(), device=dev) - first[mT]  # j-th row of its table
         victims = order[T["sbase"][mT] + rank]  # its j-th coldest slot (never a protected one)
         local_slot = victims - T["sbase"][mT]
         old = self._slot_row[victims]
@@ -439,7 +494,9 @@ class RowCache:
         if evicted:
             e = had.nonzero().squeeze(1)
             self._row_slot[T["rbase"][mT[e]] + old[e]] = -1
-            self.epoch += 1  # some row's slot number is no longer valid
+        # Some row's slot number is no longer valid, or a row that an earlier batch of a direct
+        # table read in its backing row is now cached: batches prepared before are prepared again.
+        self.epoch += 1
         self._move(buffers, mT, mRow, local_slot, to_slots=True)
         self._row_slot[mU] = local_slot.to(torch.int32)
         self._slot_row[victims] = mRow
@@ -447,7 +504,7 @@ class RowCache:
         self._dirty[victims] = False
         st = self.stats
         st["rows_loaded"] += mU.numel()
-        st["bytes_loaded"] += self._bytes(miss_h)
+        st["bytes_loaded"] += self._bytes(count_h)
         st["rows_written_back"] += sum(written)
         st["bytes_written_back"] += self._bytes(written)
         st["evictions"] += evicted

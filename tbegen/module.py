@@ -530,7 +530,7 @@ class TableBatchedEmbeddingBags(nn.Module):
         numel, dtype, per = self._buffer_shape(what)
         ranges, placements = self._buffer_ranges(per), list(self.placements)
         if self._cache is not None:
-            tail = self._cache.weights_tail if per == "element" else self._cache.num_slots
+            tail = self._cache.weights_tail if per == "element" else self._cache.keys_tail
             ranges.append((numel, tail))
             placements.append("device")
             numel += tail
@@ -931,7 +931,7 @@ class TableBatchedEmbeddingBags(nn.Module):
         states = [self._buffer(s.name) for s in self.spec.states]
         hyper = [self._hyperparameters[h.name] for h in self.spec.hyperparameters]
         # (cached tables' per-row states are keyed after every table's rows: see tbegen/cache.py)
-        total_keys = self.layout.total_hash_size + (0 if self._cache is None else self._cache.num_slots)
+        total_keys = self.layout.total_hash_size + (0 if self._cache is None else self._cache.keys_tail)
         self._ops.backward(
             grad_output, weights, self.features if features is None else features, self.layout.total_D, self.layout.max_D,
             total_keys, indices, offsets, per_sample_weights, self._pooling_id,

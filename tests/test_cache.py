@@ -10,6 +10,7 @@ placement. The `cuda` tests check the same on a GPU, with the tables in managed 
 from __future__ import annotations
 
 import io
+import warnings
 
 import pytest
 import torch
@@ -254,29 +255,45 @@ def test_replacement_matches_a_reference_over_skewed_batches(algorithm):
 # ---- limits and errors ----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("optimizer", ["adam", "rowwise_adagrad"])
-def test_batches_larger_than_the_cache_bypass_it(optimizer):
-    """A batch with more distinct rows of a table than its cache holds reads and updates that
-    table's backing rows directly (its cache written back and emptied first): same numbers, also
-    when such batches alternate with cached ones and with prefetching ahead."""
-    small = batches(TABLES, 6, seed=15, weighted=True)  # up to 12 distinct rows per table
-    large = batches(TABLES, 3, B=8, L=4, seed=16, weighted=True)  # up to 56: overflows 12 slots
+# A wide cached table before a large narrow one: its slots cannot continue its rows without
+# padding larger than its cache ("compact": an overflowing batch bypasses the cache); the last
+# table is "direct" with adam (no per-row state to pad), compact with rowwise_adagrad.
+COMPACT_TABLES = [(40, 64), (2000, 4), (16, 4)]
+
+
+@pytest.mark.parametrize("optimizer,tables,direct", [
+    ("adam", TABLES, {0: True, 2: True}),
+    ("rowwise_adagrad", TABLES, {0: True, 2: True}),
+    ("adam", COMPACT_TABLES, {0: False, 2: True}),
+    ("rowwise_adagrad", COMPACT_TABLES, {0: False, 2: False}),
+])
+def test_batches_larger_than_the_cache(optimizer, tables, direct):
+    """A batch with more distinct rows of a table than its cache holds: a "direct" table caches
+    the batch's most read rows and reads the others in the backing store in place; a "compact"
+    table is written back and emptied, and the batch reads all of it in the backing store
+    (warned). Same numbers either way, also with such batches alternating with fitting ones and
+    with prefetching ahead."""
+    small = batches(tables, 6, seed=15, weighted=True)  # up to 12 distinct rows per table
+    large = batches(tables, 3, B=8, L=4, seed=16, weighted=True)  # up to 56: more than 12 slots
     data = [small[0], small[1], large[0], small[2], large[1], large[2], small[3], small[4], small[5]]
     kw = dict(optimizer=optimizer, learning_rate=0.05)
-    device = TableBatchedEmbeddingBags(TABLES, **kw)
-    cached = TableBatchedEmbeddingBags(TABLES, placements=MIXED, cache_rows=12, **kw)
-    with pytest.warns(RuntimeWarning, match=r"a batch reads \d+ distinct rows of table 0 \(placement 'managed_caching'\), "
-                                            r"more than its cache's 12 rows: such batches read and update that table in "
-                                            r"managed memory directly"):
+    device = TableBatchedEmbeddingBags(tables, **kw)
+    cached = TableBatchedEmbeddingBags(tables, placements=MIXED, cache_rows=12, **kw)
+    assert cached.cache_stats()["direct"] == direct
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         train_both(device, cached, data)
+    bypass_warnings = [w for w in caught if "bypassing its cache" in str(w.message)]
+    assert len(bypass_warnings) == sum(not d for d in direct.values())  # once per compact table
     assert_same_tables(device, cached)
     stats = cached.cache_stats()
-    assert stats["bypasses"] >= 3 and stats["bypassed_lookups"] > 0 and stats["hits"] > 0
+    assert stats["backing_lookups"] > 0 and stats["hits"] > 0
+    assert (stats["bypasses"] > 0) == (not all(direct.values()))
     # pipelined: prefetches of overflowing and fitting batches between forward and backward
-    device = TableBatchedEmbeddingBags(TABLES, **kw)
-    cached = TableBatchedEmbeddingBags(TABLES, placements=MIXED, cache_rows=12, **kw)
-    train(device, data)
-    with pytest.warns(RuntimeWarning):
+    device = train(TableBatchedEmbeddingBags(tables, **kw), data)
+    cached = TableBatchedEmbeddingBags(tables, placements=MIXED, cache_rows=12, **kw)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
         for k, (idx, offsets, psw, grad) in enumerate(data):
             out = cached(idx, offsets, psw)
             if k + 1 < len(data):
