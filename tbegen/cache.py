@@ -151,7 +151,7 @@ class RowCache:
             else:
                 direct.append(False)
                 vbase.append(0)
-                slot_woff.append(w)
+                slot_woff.append(-(-w // 4) * 4)  # (a multiple of 4, as the CUDA 4-wide kernels want)
                 slot_kbase.append(k)
             sbase.append(s)
             rbase.append(r)
@@ -199,6 +199,8 @@ class RowCache:
         if out is None:
             mask = torch.tensor([c in bypass for c in self._feature_cached[1:-1]], device=self.device)
             out = torch.where(mask[:, None], self._features["tables"], self._features[()])
+            if len(self._features) >= 18:  # (kept: the two base tables and the 16 latest)
+                del self._features[next(k for k in self._features if k not in ((), "tables"))]
             self._features[bypass] = out
         return out
 

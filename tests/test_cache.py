@@ -437,13 +437,14 @@ def test_cuda_buffers_managed_with_a_device_cache_region():
     ops = emb._ops
     full = emb._buffer("weights")
     assert placement.memory_kind(ops, full) == "managed"
-    assert full.numel() == emb.weights.numel() + 8192 * 128 * 2 and full.data_ptr() == emb.weights.data_ptr()
-    margin = (2 << 20) // 4
-    start0, n0 = 0, 20000 * 128
     tail = emb.weights.numel()
-    got = placement.preferred_locations(ops, full, [(start0 + margin, n0 - 2 * margin),
+    assert full.numel() == tail + emb._cache.weights_tail and full.data_ptr() == emb.weights.data_ptr()
+    assert emb._cache.weights_tail >= 2 * 8192 * 128
+    margin = (2 << 20) // 4
+    n0 = 20000 * 128
+    got = placement.preferred_locations(ops, full, [(margin, n0 - 2 * margin),
                                                     (n0 + margin, 24000 * 64 - 2 * margin),
-                                                    (tail + margin, 2 * 8192 * 128 - 2 * margin)])
+                                                    (tail + margin, emb._cache.weights_tail - 2 * margin)])
     assert got == ["host", "device", "device"]
     assert placement.memory_kind(ops, emb._buffer("exp_avg")) == "managed"
 
