@@ -317,8 +317,11 @@ class _Lookup(torch.autograd.Function):
                 grad_weights = torch.zeros_like(module.weights, memory_format=torch.contiguous_format)
                 module._run_backward(grad_output, grad_weights, indices, offsets, per_sample_weights)
         else:
-            module._run_backward(grad_output, module._buffer("weights"), indices, offsets, per_sample_weights,
-                                 features=features)
+            if ctx.ticket is None:  # (subclasses, e.g. TorchRec's, override the five-argument form)
+                module._run_backward(grad_output, module._buffer("weights"), indices, offsets, per_sample_weights)
+            else:
+                module._run_backward(grad_output, module._buffer("weights"), indices, offsets, per_sample_weights,
+                                     features=features)
         return None, grad_weights, None, None, grad_psw, None
 
 
