@@ -159,6 +159,8 @@ class RowCache:
         self.weights_tail = w - layout.weights_numel  # elements after the tables
         self.keys_tail = k - layout.total_hash_size  # row keys after the tables' keys
         self.direct = direct
+        # a direct table's slots are indices past its rows: int32 indices may not reach them
+        self.needs_int64 = max(v + C for v, C in zip(vbase, self.slots)) >= 2 ** 31
         self._host = dict(
             E=self.rows, D=self.dims, C=self.slots, back_woff=back_woff, back_kbase=back_kbase,
             slot_woff=slot_woff, slot_kbase=slot_kbase, sbase=sbase, rbase=rbase,
@@ -434,11 +436,10 @@ class RowCache:
         """A copy of the indices, where out-of-range ones of direct tables are -1 (their features
         reach past the table's rows, into its slots: -1 is out of range for the kernels, which
         skip or report it per bounds_check_mode). Out-of-range indices of compact tables stay."""
-        out = indices.clone()
         if any(self.direct):
             bad = (c >= 0) & ~valid & (self._t["direct"][c.clamp(min=0)] > 0)
-            out[bad] = -1
-        return out
+            return torch.where(bad, torch.full_like(indices, -1), indices)
+        return indices.clone()
 
     def _overflow(self, buffers, over: Tuple[int, ...], need: Sequence[int]) -> None:
         """Cached tables `over` have more distinct rows in the batch than cache slots: the batch

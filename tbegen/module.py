@@ -602,6 +602,8 @@ class TableBatchedEmbeddingBags(nn.Module):
                            f"(table {table}, placement 'managed_caching') has {rows} rows (nothing was updated)")
 
     def _prepare(self, indices: torch.Tensor, offsets: torch.Tensor) -> cache_.Ticket:
+        if self._cache.needs_int64 and indices.dtype != torch.int64:
+            indices, offsets = indices.to(torch.int64), offsets.to(torch.int64)
         batch = (offsets.numel() - 1) // self.layout.num_features
         bad = self._bad_cached_index if self._errors.mode == "raise" else None
         return self._cache.prepare(indices, offsets, batch, self._cache_buffers(), bad_index_error=bad)
@@ -919,6 +921,7 @@ class TableBatchedEmbeddingBags(nn.Module):
         if self._cache is not None:
             # the batch's rows of cached tables made resident, its indices rewritten into slots
             ticket = self._take_prefetched(*given) or self._prepare(indices, offsets)
+            offsets = ticket.offsets  # (int64 where the slots' indices need it)
         if self.dense_gradient:
             first = self.weights
         else:

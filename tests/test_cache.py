@@ -109,6 +109,15 @@ def test_shared_cached_table_narrow_and_int_states():
         assert cached.cache_stats()["evictions"] > 0
 
 
+def test_int32_indices():
+    data = [[i.to(torch.int32), o.to(torch.int32), p, g] for i, o, p, g in batches(TABLES, 5, seed=6)]
+    kw = dict(optimizer="rowwise_adagrad", learning_rate=0.05)
+    device = TableBatchedEmbeddingBags(TABLES, **kw)
+    cached = TableBatchedEmbeddingBags(TABLES, placements=MIXED, cache_rows=12, **kw)
+    train_both(device, cached, data)
+    assert_same_tables(device, cached)
+
+
 def test_fp16_stochastic_rounding_is_deterministic():
     """With stochastic rounding a cached row's random bits are keyed by its slot: two runs agree
     bitwise, and the result stays within rounding of device placement's."""
