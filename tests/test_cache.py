@@ -137,13 +137,7 @@ def test_prefetch_ahead_with_evictions_in_between():
     data = batches(TABLES, 6, seed=7, weighted=True)
     kw = dict(optimizer="adam", learning_rate=0.05)
     device = train(TableBatchedEmbeddingBags(TABLES, **kw), data)
-    cached = TableBatchedEmbeddingBags(TABLES, placements=MIXED, cache_rows=12, **kw)
-    cached.prefetch(data[0][0], data[0][1])
-    for k, (idx, offsets, psw, grad) in enumerate(data):
-        out = cached(idx, offsets, psw)
-        if k + 1 < len(data):
-            cached.prefetch(data[k + 1][0], data[k + 1][1])
-        out.backward(grad)
+    cached = _train_prefetching_ahead(TableBatchedEmbeddingBags(TABLES, placements=MIXED, cache_rows=12, **kw), data)
     assert_same_tables(device, cached)
 
 
@@ -458,30 +452,32 @@ def test_cuda_buffers_managed_with_a_device_cache_region():
     assert placement.memory_kind(ops, emb._buffer("exp_avg")) == "managed"
 
 
+def _train_prefetching_ahead(emb, data):
+    """Trains with each next batch prefetched between a batch's forward and its backward."""
+    emb.prefetch(data[0][0], data[0][1])
+    for k, (idx, offsets, psw, grad) in enumerate(data):
+        out = emb(idx, offsets, psw)
+        if k + 1 < len(data):
+            emb.prefetch(data[k + 1][0], data[k + 1][1])
+        out.backward(grad)
+    return emb
+
+
 @cuda
 def test_cuda_fp16_stochastic_rounding_deterministic_and_prefetch_ahead():
+    """fp16 with stochastic rounding: two runs agree bitwise (without prefetching, and with it:
+    prefetching changes which slots rows get, hence the bits, so each is compared with its own
+    kind); fp32 prefetching ahead trains bitwise like device placement."""
     data = batches(BIG, 6, B=64, L=8, seed=4, device="cuda", weighted=True)
     kw = dict(optimizer="rowwise_adagrad", weights_dtype=torch.float16, device="cuda", learning_rate=0.05)
-    a = train(TableBatchedEmbeddingBags(BIG, placements=GPU_MIXED, cache_rows=1000, **kw), data)
-    b = TableBatchedEmbeddingBags(BIG, placements=GPU_MIXED, cache_rows=1000, **kw)
-    b.prefetch(data[0][0], data[0][1])
-    for k, (idx, offsets, psw, grad) in enumerate(data):  # prefetching ahead changes nothing
-        out = b(idx, offsets, psw)
-        if k + 1 < len(data):
-            b.prefetch(data[k + 1][0], data[k + 1][1])
-        out.backward(grad)
+    def make(**extra):
+        return TableBatchedEmbeddingBags(BIG, placements=GPU_MIXED, cache_rows=1000, **dict(kw, **extra))
+
+    assert_same_tables(train(make(), data), train(make(), data))
+    assert_same_tables(_train_prefetching_ahead(make(), data), _train_prefetching_ahead(make(), data))
     torch.cuda.synchronize()
-    assert_same_tables(a, b)
-    kw32 = dict(kw, weights_dtype=torch.float32)
-    device = train(TableBatchedEmbeddingBags(BIG, **kw32), data)
-    c = TableBatchedEmbeddingBags(BIG, placements=GPU_MIXED, cache_rows=1000, **kw32)
-    c.prefetch(data[0][0], data[0][1])
-    for k, (idx, offsets, psw, grad) in enumerate(data):
-        out = c(idx, offsets, psw)
-        if k + 1 < len(data):
-            c.prefetch(data[k + 1][0], data[k + 1][1])
-        out.backward(grad)
-    assert_same_tables(device, c)
+    device = train(TableBatchedEmbeddingBags(BIG, **dict(kw, weights_dtype=torch.float32)), data)
+    assert_same_tables(device, _train_prefetching_ahead(make(weights_dtype=torch.float32), data))
 
 
 @cuda
