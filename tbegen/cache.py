@@ -336,9 +336,9 @@ class RowCache:
                 bad_index_error: Optional[callable] = None) -> Ticket:
         """Makes every row that `indices` reads of a cached table resident and returns the
         indices the kernels read (see Ticket). `offsets` has F * batch + 1 entries (checked by the
-        caller). Out-of-range indices of cached tables are left as they are (they are out of range
-        for the slots too, so the kernels treat them per bounds_check_mode); with
-        `bad_index_error`, the first one is passed to it (which raises) before anything changes."""
+        caller). Out-of-range indices of cached tables stay out of range for the kernels, which
+        treat them per bounds_check_mode (see _skip_bad); with `bad_index_error`, the first one
+        is passed to it (which raises) before anything changes."""
         T = self._t
         dev = self.device
         N = indices.numel()
@@ -358,7 +358,7 @@ class RowCache:
         pos = valid.nonzero().squeeze(1)
         empty = torch.empty(0, dtype=torch.int64, device=dev)
         if pos.numel() == 0:
-            return Ticket(indices, empty, self.epoch, indices, offsets, self._features[()])
+            return Ticket(self._skip_bad(indices, c, valid), empty, self.epoch, indices, offsets, self._features[()])
         nc = len(self.tables)
         st = self.stats
         bypass: Tuple[int, ...] = ()

@@ -336,15 +336,18 @@ def test_bad_index_of_a_cached_table():
     with pytest.raises(RuntimeError, match=r"indices\[1\] = 40 is out of range for feature 0, whose table \(table 0, "
                                            r"placement 'managed_caching'\) has 40 rows"):
         emb(torch.tensor([3, 40, 7]), offsets)
-    # bounds_check_mode "warn": skipped, as with device placement
-    data = [[torch.tensor([3, 40, 7]), offsets, None, torch.ones(1, 24)],
-            [torch.tensor([-1, 3, 7]), offsets, None, torch.ones(1, 24)]]
+    # bounds_check_mode "warn": skipped, as with device placement; the last batch has no index
+    # of table 0 in range, and one of table 2 out of range (direct and compact tables)
     kw = dict(optimizer="sgd", bounds_check_mode="warn", learning_rate=0.5)
-    with pytest.warns(RuntimeWarning, match="skipped"):
-        device = train(TableBatchedEmbeddingBags(TABLES, **kw), data)
-    with pytest.warns(RuntimeWarning, match="skipped"):
-        cached = train(TableBatchedEmbeddingBags(TABLES, placements=MIXED, cache_rows=12, **kw), data)
-    assert_same_tables(device, cached)
+    for tables in (TABLES, COMPACT_TABLES):
+        width = sum(D for _, D in tables)
+        data = [[torch.tensor(i), offsets, None, torch.ones(1, width)] for i in ([3, 40, 7], [-1, 3, 7], [40, -1, 16])]
+        with pytest.warns(RuntimeWarning, match="skipped"):
+            device = train(TableBatchedEmbeddingBags(tables, **kw), data)
+        with pytest.warns(RuntimeWarning, match="skipped"):
+            cached = train(TableBatchedEmbeddingBags(tables, placements=MIXED, cache_rows=12, **kw), data)
+        assert_same_tables(device, cached)
+        assert list(cached.cache_stats()["direct"].values()) == ([True, True] if tables is TABLES else [False, True])
 
 
 # ---- state_dict, views, moves ----------------------------------------------------------------------
