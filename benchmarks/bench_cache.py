@@ -291,7 +291,8 @@ def markdown(args, results, env) -> str:
     lines += ["", "tbegen's hit rate (indices): indices of cached tables whose row was cached before the batch; "
               "(distinct rows): the same per batch's distinct rows (FBGEMM's: 1 - unique misses / distinct rows). "
               "Rows read in place: indices served from the tables' managed memory because the batch had more "
-              "distinct rows of a table than its cache holds (docs/placements.md)."]
+              "distinct rows of a table than its cache holds (docs/placements.md). With prefetch ahead, a batch whose rows "
+              "a later prefetch moved is looked up again by its backward, and counted again."]
     return "\n".join(lines) + "\n"
 
 
