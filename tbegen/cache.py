@@ -284,6 +284,16 @@ class RowCache:
             if per == "row":
                 buf[dst] = buf[src]
 
+    def _per_table(self, tables: torch.Tensor, weights: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Per cached table, how many entries of the ascending `tables` it has (or the sum of
+        their `weights`): bincount without atomics (deterministic, as torch's deterministic mode
+        wants)."""
+        edges = torch.searchsorted(tables, torch.arange(len(self.tables) + 1, device=self.device))
+        if weights is None:
+            return edges[1:] - edges[:-1]
+        sums = torch.cat([torch.zeros(1, dtype=weights.dtype, device=self.device), torch.cumsum(weights, 0)])
+        return sums[edges[1:]] - sums[edges[:-1]]
+
     def _bytes(self, per_table: Sequence[int]) -> int:
         return sum(n * b for n, b in zip(per_table, self.row_bytes))
 
@@ -297,7 +307,7 @@ class RowCache:
             c = self._slot_table[dirty]
             self._move(buffers, c, self._slot_row[dirty], dirty - self._t["sbase"][c], to_slots=False)
             self._dirty[dirty] = False
-            per_table = torch.bincount(c, minlength=len(self.tables)).tolist()
+            per_table = self._per_table(c).tolist()  # (slots ascend, so their tables do)
             self.stats["rows_written_back"] += n
             self.stats["bytes_written_back"] += self._bytes(per_table)
         return n
@@ -370,9 +380,9 @@ class RowCache:
             local_row = U - T["rbase"][tU]
             slot = self._row_slot[U].to(torch.int64)
             hit = slot >= 0
-            need = torch.bincount(tU, minlength=nc)
-            miss = torch.bincount(tU[~hit], minlength=nc)
-            looked = torch.bincount(cv, minlength=nc)
+            need = self._per_table(tU)  # (U ascends, so its tables do)
+            miss = self._per_table(tU[~hit])
+            looked = self._per_table(tU, counts)
             summary = torch.cat([need, miss, looked, torch.stack([hit.sum(), counts[hit].sum()])]).tolist()
             need_h, miss_h, looked_h = summary[:nc], summary[nc:2 * nc], summary[2 * nc:3 * nc]
             unique_hits, index_hits = summary[3 * nc:]
@@ -489,7 +499,7 @@ class RowCache:
         had = old >= 0
         write = had & self._dirty[victims]
         nc = len(self.tables)
-        counts = torch.cat([torch.bincount(mT[write], minlength=nc), had.sum().reshape(1)]).tolist()
+        counts = torch.cat([self._per_table(mT[write]), had.sum().reshape(1)]).tolist()  # (mT ascends)
         written, evicted = counts[:nc], counts[nc]
         if sum(written):
             w = write.nonzero().squeeze(1)
