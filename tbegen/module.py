@@ -661,10 +661,12 @@ class TableBatchedEmbeddingBags(nn.Module):
         whose row was cached), `hit_rate`; `unique_rows`, `unique_hits`, `unique_hit_rate` (the
         same per batch's distinct rows); `rows_loaded`, `bytes_loaded`, `rows_written_back`,
         `bytes_written_back` (weights and states), `evictions`, `prepares` (batches looked up);
-        `bypasses` (table-batches with more distinct rows than the table's cache, which read
-        and update the table in managed memory directly), `bypassed_lookups`, `bypassed_rows`;
-        `resident_rows`, `dirty_rows`, `cache_rows` ({table: slots}) and `algorithm`. An empty
-        dict without cached tables."""
+        `backing_lookups`, `backing_rows` (indices and distinct rows read and updated in managed
+        memory in place, because a batch had more distinct rows of a table than its cache holds),
+        `bypasses` (of those, table-batches of "compact" tables, whose cache was emptied for
+        them); `resident_rows`, `dirty_rows`, `cache_rows` ({table: slots}), `direct` ({table:
+        whether its slots continue its rows}, docs/placements.md) and `algorithm`. An empty dict
+        without cached tables."""
         return {} if self._cache is None else self._cache.report()
 
     def reset_cache_stats(self) -> None:
