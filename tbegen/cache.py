@@ -43,6 +43,7 @@ CACHE_ALGORITHMS = ("lru", "lfu")
 # Moved rows are copied in chunks of at most this many elements (bounds the index tensors).
 _CHUNK_ELEMENTS = 1 << 24
 _NEVER = torch.iinfo(torch.int64).max  # the score of a slot that may not be evicted
+_TICK_LIMIT = 1 << 40  # LRU sorts (table, last use) as one int64 while fewer batches were seen
 
 
 def _is_int(x) -> bool:
@@ -375,7 +376,10 @@ class RowCache:
         while True:  # (twice when a compact table overflows its cache: then without its indices)
             cv = c[pos]
             keys = T["rbase"][cv] + idx[pos]
+            if self.num_rows < 2 ** 31:  # (32-bit keys sort in half the passes)
+                keys = keys.to(torch.int32)
             U, inverse, counts = torch.unique(keys, sorted=True, return_inverse=True, return_counts=True)
+            U = U.to(torch.int64)
             tU = torch.searchsorted(T["rbase"], U, right=True) - 1  # cached table of each distinct row
             local_row = U - T["rbase"][tU]
             slot = self._row_slot[U].to(torch.int64)
@@ -472,6 +476,11 @@ class RowCache:
         coldest first: empty slots, then by last use (LRU) or by access count, then last use
         (LFU); ties by slot number. Protected slots (rows of the batch) come last."""
         occupied = self._slot_row >= 0
+        if self.algorithm == "lru" and self.tick < _TICK_LIMIT:
+            # one sort: table in the high bits, then empty (0) < last use (1 + tick) < protected
+            score = torch.where(occupied, self._last_used + 1, torch.zeros_like(self._last_used))
+            score = torch.where(protected, torch.full_like(score, _TICK_LIMIT + 1), score)
+            return torch.argsort(self._slot_table * (_TICK_LIMIT + 2) + score, stable=True)
         recency = torch.where(occupied, self._last_used, torch.full_like(self._last_used, -1))
         recency = torch.where(protected, torch.full_like(recency, _NEVER), recency)
         order = torch.argsort(recency, stable=True)
