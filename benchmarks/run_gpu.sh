@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything the GPU machine checks, in one command (the device tool runs it from the repo root):
-#   benchmarks/run_gpu.sh [build] [diag] [tests] [sanitize] [bench] [profile] [fbgemm] [placements]
-#   (default: all but profile and placements). Narrower runs: BUILD_SPECS="sgd adam" builds only those;
+#   benchmarks/run_gpu.sh [build] [diag] [tests] [sanitize] [bench] [profile] [fbgemm] [placements] [cache]
+#   (default: all but profile, placements and cache). Narrower runs: BUILD_SPECS="sgd adam" builds only those;
 #   TEST_FILES and TBEGEN_TEST_OPTIMIZERS="sgd adam" (see tests/conftest.py) narrow the tests step;
 #   BENCH_OPTS=sgd,adam the bench step.
 # Logs and results go to $OUT (default /tmp/tbegen-gpu-out). See docs/gpu-results.md.
@@ -47,7 +47,7 @@ if has tests; then
   xdist=$(python3 -c "import xdist" 2>/dev/null && echo "-n ${XDIST:-12}")
   timeout_opt=$(python3 -c "import pytest_timeout" 2>/dev/null && echo "--timeout 300")
   OMP_NUM_THREADS=2 TBEGEN_RESULTS_DIR="$OUT" timeout ${TESTS_TIMEOUT:-480} python3 -m pytest \
-    ${TEST_FILES:-tests/test_cuda.py tests/test_module.py tests/test_placements.py tests/test_any_width.py tests/test_state_dtypes.py tests/test_int_states.py tests/test_bad_input.py tests/test_cuda_lane_split.py} -q -p no:cacheprovider $xdist $timeout_opt \
+    ${TEST_FILES:-tests/test_cuda.py tests/test_module.py tests/test_placements.py tests/test_cache.py tests/test_any_width.py tests/test_state_dtypes.py tests/test_int_states.py tests/test_bad_input.py tests/test_cuda_lane_split.py} -q -p no:cacheprovider $xdist $timeout_opt \
     > "$OUT/pytest_cuda.log" 2>&1 || status=1
   grep -E "^(FAILED|ERROR)|passed|failed|crashed" "$OUT/pytest_cuda.log" | tail -n 30
   python3 benchmarks/summarize_results.py "$OUT" | tee "$OUT/numerics_table.md"
@@ -86,6 +86,19 @@ if has placements; then
   else
     echo "placements: .anchor/bundle not carried; FBGEMM's MANAGED skipped" | tee -a "$OUT/placements.log"
   fi
+fi
+if has cache; then
+  # managed_caching (docs/placements.md): C2's shape with caches of 1%, 5%, 20% of each table's
+  # rows against all-device placement, and FBGEMM's MANAGED_CACHING when the bundle is carried.
+  # CACHE_OPTS: more bench_cache.py options (e.g. "--optimizer sgd --prefetch-ahead").
+  fbg_path=""
+  if [ -d .anchor/bundle ] && python3 .anchor/unpack_bundle.py .anchor/bundle /tmp/fbg_site > /dev/null 2>&1; then
+    fbg_path=/tmp/fbg_site:
+  fi
+  PYTHONPATH=$fbg_path$PYTHONPATH CUDA_MODULE_LOADING=LAZY python3 benchmarks/bench_cache.py --tables 32 \
+    --rows 1000000 --dim 128 --batch 16384 --pooling-factor 20 ${CACHE_OPTS:-} --out "$OUT/cache" \
+    > "$OUT/cache.log" 2>&1 || status=1
+  tail -n 14 "$OUT/cache.log"
 fi
 if has fbgemm; then
   if [ -d .anchor/bundle ]; then

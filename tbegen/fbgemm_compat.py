@@ -47,6 +47,7 @@ __all__ = [
     "SparseType",
     "BoundsCheckMode",
     "WeightDecayMode",
+    "CacheAlgorithm",
     "FBGEMM_OPTIMIZERS",
 ]
 
@@ -74,6 +75,11 @@ class EmbeddingLocation(enum.IntEnum):
     MANAGED_CACHING = 2
     HOST = 3
     MTIA = 4
+
+
+class CacheAlgorithm(enum.Enum):
+    LRU = 0
+    LFU = 1
 
 
 class ComputeDevice(enum.IntEnum):
@@ -249,13 +255,15 @@ FBGEMM_HYPERPARAMETERS = {
     "min_shrinkage": 0.1,
 }
 
-# FBGEMM's other constructor arguments that have no effect here: cache settings (only
-# MANAGED_CACHING tables read them, and that location is refused), uvm_host_mapped (FBGEMM's
+# FBGEMM's other constructor arguments that have no effect here: cache settings other than
+# cache_load_factor and cache_algorithm (tbegen's caches are fully associative per table, in the
+# weights' precision; prefetch_pipeline: prefetching ahead is always safe here, see
+# docs/placements.md), uvm_host_mapped (FBGEMM's
 # page-locked host memory in place of managed memory for MANAGED tables: tbegen's MANAGED tables
 # are always managed memory, preferred on the host), statistics and logging, index dtypes (tbegen
 # takes int32 and int64 indices either way), shard bookkeeping.
 _NO_EFFECT = {
-    "cache_algorithm", "cache_load_factor", "cache_sets", "cache_reserved_memory", "cache_precision",
+    "cache_sets", "cache_reserved_memory", "cache_precision", "prefetch_pipeline",
     "enforce_hbm", "record_cache_metrics", "gather_uvm_cache_stats", "stats_reporter_config",
     "table_names", "uvm_host_mapped", "embedding_table_index_type", "embedding_table_offset_type",
     "embedding_shard_info", "use_experimental_tbe",
@@ -270,7 +278,6 @@ _UNSUPPORTED_UNLESS_DEFAULT = {
     "cowclip_regularization": "read with weight_decay_mode COWCLIP only",
     "global_weight_decay": "global weight decay (WeightDecayMode.DECOUPLE_GLOBAL)",
     "uvm_non_rowwise_momentum": "optimizer states in unified memory",
-    "prefetch_pipeline": "cache prefetching",
     "multipass_prefetch_config": "cache prefetching",
     "optimizer_state_dtypes": "optimizer states other than float32",
     "tbe_input_multiplexer_config": "input multiplexing",
@@ -434,9 +441,9 @@ def _check_other_arguments(spec: OptimizerSpec, others: Dict[str, Any]) -> Dict[
     return {k: v for k, v in others.items() if k in _TBEGEN_ARGS}
 
 
-# FBGEMM's EmbeddingLocation of a CUDA table -> tbegen's placement (tbegen/placement.py). HOST and
-# MANAGED_CACHING tables have no tbegen placement yet.
-_CUDA_PLACEMENTS = {"DEVICE": "device", "MANAGED": "managed"}
+# FBGEMM's EmbeddingLocation of a CUDA table -> tbegen's placement (tbegen/placement.py). HOST
+# tables have no tbegen placement yet.
+_CUDA_PLACEMENTS = {"DEVICE": "device", "MANAGED": "managed", "MANAGED_CACHING": "managed_caching"}
 
 
 def _devices(embedding_specs, device) -> Tuple[List[Tuple[int, int]], List[str], torch.device]:
@@ -462,7 +469,7 @@ def _devices(embedding_specs, device) -> Tuple[List[Tuple[int, int]], List[str],
             raise NotImplementedError(
                 f"tbegen: embedding_specs[{t}] location {location} with compute_device CUDA is not supported yet: "
                 f"the locations tbegen has for CUDA tables are {', '.join(_CUDA_PLACEMENTS)} "
-                f"(MANAGED_CACHING and HOST are planned; docs/placements.md)"
+                f"(HOST is planned; docs/placements.md)"
             )
         tables.append((rows, dim))
         placements.append(_CUDA_PLACEMENTS.get(location, "device"))
@@ -516,6 +523,8 @@ class SplitTableBatchedEmbeddingBagsCodegen(nn.Module):
         pooling_mode: Any = PoolingMode.SUM,
         device: Any = None,
         bounds_check_mode: Any = BoundsCheckMode.WARNING,
+        cache_load_factor: float = 0.2,
+        cache_algorithm: Any = CacheAlgorithm.LRU,
         **kwargs,
     ):
         super().__init__()
@@ -535,6 +544,9 @@ class SplitTableBatchedEmbeddingBagsCodegen(nn.Module):
             )
         pooling = _enum_member(pooling_mode, PoolingMode, "pooling_mode")
         bounds = _enum_member(bounds_check_mode, BoundsCheckMode, "bounds_check_mode").replace("V2_", "")
+        # (read by MANAGED_CACHING tables: the fraction of each such table's rows its cache holds)
+        cache_args = dict(cache_load_factor=cache_load_factor,
+                          cache_algorithm=_enum_member(cache_algorithm, CacheAlgorithm, "cache_algorithm").lower())
 
         fbgemm_values = dict(
             learning_rate=learning_rate, eps=eps, momentum=momentum, weight_decay=weight_decay,
@@ -571,7 +583,7 @@ class SplitTableBatchedEmbeddingBagsCodegen(nn.Module):
             tables, optimizer=spec, pooling=pooling.lower(), weights_dtype=_PRECISIONS[precision],
             output_dtype=_PRECISIONS[out_precision],
             stochastic_rounding=stochastic_rounding, device=dev, feature_table_map=feature_table_map,
-            placements=placements, **module_args, **hyper,
+            placements=placements, **cache_args, **module_args, **hyper,
         )
         # Held outside nn.Module's registry so that state_dict() is this class's FBGEMM-shaped one
         # (see _save_to_state_dict); _apply below moves it with .to()/.cuda()/.cpu().
@@ -768,23 +780,46 @@ class SplitTableBatchedEmbeddingBagsCodegen(nn.Module):
         self._tbe._step = int(step)  # the module's counter; no public setter by design
 
     def flush(self) -> None:
-        """No cache to write back: every table lives in the memory of its compute device."""
+        """Writes the MANAGED_CACHING tables' changed cached rows back to their managed memory
+        (nothing to do without such tables)."""
+        self._tbe.flush()
+
+    def prefetch(self, indices: torch.Tensor, offsets: torch.Tensor, forward_stream: Any = None,
+                 batch_size_per_feature_per_rank: Optional[List[List[int]]] = None) -> None:
+        """FBGEMM's prefetch: loads the rows a batch reads of MANAGED_CACHING tables into their
+        caches ahead of `forward` with the same tensors (on the current stream; `forward_stream` is
+        accepted and not needed). Out-of-range indices are treated as `forward` treats them."""
+        if batch_size_per_feature_per_rank is not None:
+            raise NotImplementedError("tbegen: batch_size_per_feature_per_rank (variable batch size, VBE) is not supported")
+        if self._bounds_check in ("WARNING", "IGNORE") and isinstance(indices, torch.Tensor):
+            # (the same tensor forward will make of them, so the prefetch is the forward's)
+            indices = self._zero_out_of_range(indices, offsets)
+        self._tbe.prefetch(indices, offsets)
+
+    def cache_stats(self) -> Dict[str, Any]:
+        """The MANAGED_CACHING tables' cache counters (tbegen's `cache_stats`)."""
+        return self._tbe.cache_stats()
 
     # ---- state_dict: FBGEMM's keys ----
 
-    def _state_keys(self) -> Tuple[str, int]:
-        """FBGEMM's buffer suffix and placement code for where the tensors live. With a MANAGED
-        table the whole flat buffer is one managed allocation (tbegen/placement.py), so every
-        feature is recorded in FBGEMM's unified-memory buffer ("uvm", MANAGED), DEVICE tables too."""
+    def _state_keys(self) -> Tuple[str, List[int]]:
+        """FBGEMM's buffer suffix and each table's placement code for where the tensors live.
+        With a MANAGED or MANAGED_CACHING table the whole flat buffer is one managed allocation
+        (tbegen/placement.py), so every feature is recorded in FBGEMM's unified-memory buffer
+        ("uvm"), DEVICE tables too (as MANAGED); MANAGED_CACHING tables keep their code (the
+        cached rows are written back first)."""
         tbe = self._tbe
+        T = len(tbe.layout.tables)
         if not tbe.weights.is_cuda:
-            return "host", EmbeddingLocation.HOST.value
-        if "managed" in tbe.placements:
-            return "uvm", EmbeddingLocation.MANAGED.value
-        return "dev", EmbeddingLocation.DEVICE.value
+            return "host", [EmbeddingLocation.HOST.value] * T
+        if "managed" in tbe.placements or "managed_caching" in tbe.placements:
+            return "uvm", [EmbeddingLocation.MANAGED_CACHING.value if p == "managed_caching" else
+                           EmbeddingLocation.MANAGED.value for p in tbe.placements]
+        return "dev", [EmbeddingLocation.DEVICE.value] * T
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         tbe = self._tbe
+        tbe.flush()  # (MANAGED_CACHING tables: the rows changed in their caches)
         suffix, placement = self._state_keys()
         layout = tbe.layout
         F = layout.num_features
@@ -793,7 +828,7 @@ class SplitTableBatchedEmbeddingBagsCodegen(nn.Module):
         def per_feature(values):
             return torch.tensor([values[t] for t in layout.feature_table_map], dtype=torch.int64, device=device)
 
-        placements = torch.full((F,), placement, dtype=torch.int32, device=device)
+        placements = torch.tensor([placement[t] for t in layout.feature_table_map], dtype=torch.int32, device=device)
         destination[prefix + "weights_" + suffix] = tbe.weights if keep_vars else tbe.weights.detach()
         destination[prefix + "weights_offsets"] = per_feature(layout.table_offsets)
         destination[prefix + "weights_placements"] = placements

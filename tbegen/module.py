@@ -31,6 +31,7 @@ from torch import nn
 from torch.autograd.graph import increment_version
 
 from . import build
+from . import cache as cache_
 from . import placement as placement_
 from .errors import BOUNDS_CHECK_MODES, ErrorRecord
 from .init import fill_uniform_
@@ -69,6 +70,9 @@ _MODULE_ARGS = (
     "check_finite",
     "state_dtypes",
     "placements",
+    "cache_load_factor",
+    "cache_rows",
+    "cache_algorithm",
 )
 
 from .model import INT64_MAX as _INT64_MAX, INT64_MIN as _INT64_MIN
@@ -272,12 +276,16 @@ class _Lookup(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, module: "TableBatchedEmbeddingBags", anchor_or_weights, indices, offsets, per_sample_weights):
+    def forward(ctx, module: "TableBatchedEmbeddingBags", anchor_or_weights, indices, offsets, per_sample_weights,
+                ticket=None):
+        # (with cached tables, `indices` are the kernels' indices: see TableBatchedEmbeddingBags._prepare)
         ctx.module = module
+        ctx.ticket = ticket
         ctx.save_for_backward(indices, offsets, per_sample_weights)
         errors = module._errors
+        features = module.features if ticket is None else ticket.features
         out = module._ops.forward(
-            module.weights.detach(), module.features, module.layout.total_D, module.layout.max_D,
+            module._buffer("weights").detach(), features, module.layout.total_D, module.layout.max_D,
             indices, offsets, per_sample_weights, module._pooling_id, errors.record, errors.skip_bad_indices,
         )
         errors.after_call()
@@ -292,9 +300,15 @@ class _Lookup(torch.autograd.Function):
         grad_psw = None
         errors = module._errors
         errors.poll()
+        features = module.features
+        if ctx.ticket is not None:
+            # the batch's rows must be in the slots its indices name (a later prefetch may have
+            # evicted some), and the slots it updates are dirty
+            ticket = module._ticket_for_backward(ctx.ticket)
+            indices, features = ticket.indices, ticket.features
         if per_sample_weights is not None and ctx.needs_input_grad[4]:
             grad_psw = module._ops.grad_per_sample_weights(
-                grad_output, module.weights.detach(), module.features, module.layout.total_D,
+                grad_output, module._buffer("weights").detach(), features, module.layout.total_D,
                 module.layout.max_D, indices, offsets, module._pooling_id, errors.record, errors.skip_bad_indices,
             )
         grad_weights = None
@@ -303,8 +317,12 @@ class _Lookup(torch.autograd.Function):
                 grad_weights = torch.zeros_like(module.weights, memory_format=torch.contiguous_format)
                 module._run_backward(grad_output, grad_weights, indices, offsets, per_sample_weights)
         else:
-            module._run_backward(grad_output, module.weights, indices, offsets, per_sample_weights)
-        return None, grad_weights, None, None, grad_psw
+            if ctx.ticket is None:  # (subclasses, e.g. TorchRec's, override the five-argument form)
+                module._run_backward(grad_output, module._buffer("weights"), indices, offsets, per_sample_weights)
+            else:
+                module._run_backward(grad_output, module._buffer("weights"), indices, offsets, per_sample_weights,
+                                     features=features)
+        return None, grad_weights, None, None, grad_psw, None
 
 
 # ---- the module -------------------------------------------------------------------------------
@@ -347,8 +365,25 @@ class TableBatchedEmbeddingBags(nn.Module):
             or "managed" (CUDA managed memory, preferred in host memory and read and written in
             place by the GPU kernels, so a table may exceed GPU memory; on the CPU, ordinary host
             memory). One string for every table, or a list with one per table; results are
-            bitwise the same for every placement. "managed_caching" and "host" are not built yet
+            bitwise the same for every placement, "managed_caching" included where no stochastic
+            rounding is involved (below). "managed_caching": the table lives in managed memory as
+            with "managed" (host memory on the CPU) behind a cache of hot rows in GPU memory (on the
+            CPU, in the module's host buffers: the same logic); the batch's rows are loaded into
+            the cache before the kernels run (automatically in forward, or ahead with
+            `prefetch`), and the fused backward updates them there; `flush()` writes them back,
+            `cache_stats()` reports hits and bytes moved. With fp16/bf16 weights (stochastic
+            rounding) or narrow states, a cached row's random bits are keyed by its cache slot, so
+            such runs are reproducible but not bitwise those of "device". "host" is not built yet
             (an error says so). See docs/placements.md.
+        cache_load_factor: for "managed_caching" tables, the fraction of each table's rows its
+            cache holds (0 < f <= 1, default 0.2, rounded up); `cache_rows` overrides it.
+        cache_rows: for "managed_caching" tables, cache slots per table: one int for every cached
+            table, or a list with one entry per table (entries of other tables are ignored).
+            A batch reading more distinct rows of a table than its cache holds reads and updates
+            that table in managed memory directly for that batch (bypassing its cache; warned
+            once per table, counted by `cache_stats()`).
+        cache_algorithm: "lru" (default: evict the least recently used rows) or "lfu" (the least
+            frequently used: access counts kept per row since construction; ties by recency).
         **hyperparameters: the optimizer's hyperparameters by name (e.g. learning_rate=0.05);
             the spec's defaults for those not given. Unknown names, wrong types, values outside a
             hyperparameter's `choices`, and missing required ones are errors.
@@ -375,6 +410,9 @@ class TableBatchedEmbeddingBags(nn.Module):
         state_dtypes: Optional[Mapping[str, Union[torch.dtype, str]]] = None,
         placements: Union[None, str, Sequence[str]] = None,
         output_dtype: Union[torch.dtype, str] = torch.float32,
+        cache_load_factor: float = 0.2,
+        cache_rows: Union[None, int, Sequence[Optional[int]]] = None,
+        cache_algorithm: str = "lru",
         **hyperparameters,
     ):
         super().__init__()
@@ -423,6 +461,15 @@ class TableBatchedEmbeddingBags(nn.Module):
                     f"tbegen: optimizer {spec.name!r} pairs column j of each row with column j + D/2 in its "
                     f"whole-table stage, so every table needs an even dim; table(s) {odd} have dims "
                     f"{[layout.tables[t][1] for t in odd]}")
+        sizes = cache_.cache_sizes(layout.tables, placements, cache_rows, cache_load_factor)
+        if cache_algorithm not in cache_.CACHE_ALGORITHMS:
+            raise ValueError(f"tbegen: cache_algorithm must be one of {list(cache_.CACHE_ALGORITHMS)}, got {cache_algorithm!r}")
+        if spec.table_stages and "managed_caching" in placements:
+            # (a whole-table stage changes every row, which a cached copy would not see)
+            raise NotImplementedError(
+                f"tbegen: optimizer {spec.name!r} has whole-table stages, which managed_caching tables do not "
+                f"support yet (table(s) {[t for t, p in enumerate(placements) if p == 'managed_caching']}); "
+                f"place them 'managed' or 'device'")
 
         self.spec: OptimizerSpec = spec
         self.layout: Layout = layout
@@ -445,17 +492,37 @@ class TableBatchedEmbeddingBags(nn.Module):
         # Builds the extension on first use of this optimizer (cached on disk by content hash).
         self._ops = _ops_for(spec)
 
+        # The row cache of the managed_caching tables (tbegen/cache.py), or None. With one, every
+        # flat buffer has a cache region after the tables: `weights` and the states are views of
+        # the tables' part, self._full holds the whole buffers the kernels see.
+        self._cache: Optional[cache_.RowCache] = None
+        self._full: Dict[str, torch.Tensor] = {}
+        self._prefetched: List[Tuple[torch.Tensor, torch.Tensor, int, int, cache_.Ticket]] = []
+        if "managed_caching" in placements:
+            self._cache = cache_.RowCache(
+                layout, placements, sizes, cache_algorithm,
+                element_sizes=[torch.empty(0, dtype=dtype).element_size()] + [
+                    torch.empty(0, dtype=self_state_dtypes[s.name]).element_size() for s in spec.states if s.per == "element"],
+                row_sizes=[torch.empty(0, dtype=self_state_dtypes[s.name]).element_size() for s in spec.states if s.per == "row"],
+                device=dev,
+            )
+
         weights = self._initial_weights(dev)
         if self.dense_gradient:
             self.weights = nn.Parameter(weights)
         else:
-            self.register_buffer("weights", weights)
+            self.register_buffer("weights", self._tables_part("weights", weights))
         self.states = nn.Module()
         for s in spec.states:
             # (in the state's storage dtype, self.state_dtypes; int states are int64)
             state = self._allocate("state " + s.name, dev)
-            self.states.register_buffer(s.name, state.fill_(int(s.init) if s.is_int else float(s.init)))
-        self.register_buffer("features", layout.features_tensor(dev), persistent=False)
+            state.fill_(int(s.init) if s.is_int else float(s.init))
+            self.states.register_buffer(s.name, self._tables_part(s.name, state))
+        features = layout.features_tensor(dev)
+        if self._cache is not None:
+            # the kernels' feature table: a cached table's features read its cache slots
+            features = self._cache.compute_features(features, layout)
+        self.register_buffer("features", features, persistent=False)
         self.check_finite: bool = check_finite
         self._errors = ErrorRecord(dev, self._ops, bounds_check_mode)
 
@@ -477,13 +544,175 @@ class TableBatchedEmbeddingBags(nn.Module):
         return n, self.state_dtypes[s.name], s.per
 
     def _allocate(self, what: str, device: torch.device) -> torch.Tensor:
-        """An uninitialised buffer for "weights" or "state NAME", in the memory the placements ask for."""
+        """An uninitialised buffer for "weights" or "state NAME", in the memory the placements ask
+        for; with cached tables, followed by the cache region (preferred in GPU memory)."""
         numel, dtype, per = self._buffer_shape(what)
-        return placement_.allocate(self._ops, numel, dtype, device, self.placements, self._buffer_ranges(per))
+        ranges, placements = self._buffer_ranges(per), list(self.placements)
+        if self._cache is not None:
+            tail = self._cache.weights_tail if per == "element" else self._cache.keys_tail
+            ranges.append((numel, tail))
+            placements.append("device")
+            numel += tail
+        return placement_.allocate(self._ops, numel, dtype, device, placements, ranges)
+
+    # ---- the cache region (managed_caching tables) ----
+
+    def _tables_part(self, name: str, full: torch.Tensor) -> torch.Tensor:
+        """What is registered as buffer `name` ("weights" or a state's name): `full` itself, or
+        with cached tables its tables' part (the kernels get `full`, cache region and all)."""
+        if self._cache is None:
+            return full
+        self._full[name] = full
+        numel, _, _ = self._buffer_shape("weights" if name == "weights" else "state " + name)
+        return full[:numel]
+
+    def _registered(self, name: str) -> torch.Tensor:
+        return self.weights if name == "weights" else getattr(self.states, name)
+
+    def _buffer(self, name: str) -> torch.Tensor:
+        """The flat buffer the kernels read for "weights" or a state: with cached tables the whole
+        buffer (the registered one is a view of its tables' part)."""
+        reg = self._registered(name)
+        if self._cache is None:
+            return reg
+        full = self._full.get(name)
+        if full is None or full.device != reg.device or full.dtype != reg.dtype or full.data_ptr() != reg.data_ptr():
+            self._rebuild_full()  # the registered buffers were replaced (moved, or loaded with assign=True)
+            full = self._full[name]
+        return full
+
+    def _buffer_names(self) -> List[str]:
+        return ["weights"] + [s.name for s in self.spec.states]
+
+    def _rebuild_full(self) -> None:
+        """Reallocates the whole buffers around the registered ones (which hold the truth: the
+        cache was flushed before they were replaced) and empties the cache."""
+        for name in self._buffer_names():
+            reg = self._registered(name)
+            full = self._full.get(name)
+            if full is not None and full.device == reg.device and full.dtype == reg.dtype and full.data_ptr() == reg.data_ptr():
+                continue
+            what = "weights" if name == "weights" else "state " + name
+            full = self._allocate(what, reg.device)
+            if full.dtype == reg.dtype:
+                full[: reg.numel()].copy_(reg)
+            else:  # a buffer converted to another dtype: left for _check_buffers to refuse
+                self._full.pop(name, None)
+                continue
+            view = self._tables_part(name, full)
+            if name == "weights":
+                self.weights = view
+            else:
+                setattr(self.states, name, view)
+        self._cache.to(self.weights.device)
+        self._prefetched.clear()
+
+    def _cache_buffers(self) -> List[Tuple[torch.Tensor, str]]:
+        """[(whole flat buffer, "element" | "row")] for the weights and every state: what rows move with."""
+        out = [(self._buffer("weights"), "element")]
+        out += [(self._buffer(s.name), s.per) for s in self.spec.states]
+        return out
+
+    def _bad_cached_index(self, i: int, value: int, feature: int, table: int, rows: int) -> None:
+        raise RuntimeError(f"tbegen: indices[{i}] = {value} is out of range for feature {feature}, whose table "
+                           f"(table {table}, placement 'managed_caching') has {rows} rows (nothing was updated)")
+
+    def _prepare(self, indices: torch.Tensor, offsets: torch.Tensor) -> cache_.Ticket:
+        if self._cache.needs_int64 and indices.dtype != torch.int64:
+            indices, offsets = indices.to(torch.int64), offsets.to(torch.int64)
+        batch = (offsets.numel() - 1) // self.layout.num_features
+        bad = self._bad_cached_index if self._errors.mode == "raise" else None
+        return self._cache.prepare(indices, offsets, batch, self._cache_buffers(), bad_index_error=bad)
+
+    def _take_prefetched(self, indices: torch.Tensor, offsets: torch.Tensor) -> Optional[cache_.Ticket]:
+        """The ticket `prefetch` made for these very tensors (unchanged since), if its slot
+        numbers are still valid; that entry and older ones are dropped."""
+        for k, (i, o, iv, ov, ticket) in enumerate(self._prefetched):
+            if i is indices and o is offsets:
+                del self._prefetched[: k + 1]
+                same = iv == indices._version and ov == offsets._version
+                return ticket if same and ticket.epoch == self._cache.epoch else None
+        return None
+
+    def _ticket_for_backward(self, ticket: cache_.Ticket) -> cache_.Ticket:
+        """The batch's ticket, prepared again if rows were evicted since; its slots marked dirty;
+        the tables it reads in their backing rows (overflow) hold no cached copies."""
+        if ticket.epoch != self._cache.epoch:
+            ticket = self._prepare(ticket.original, ticket.offsets)
+        if ticket.bypass:  # (a prefetch since may have cached some of their rows)
+            self._cache.drop(self._cache_buffers(), ticket.bypass)
+        self._cache.mark_dirty(ticket.slots)
+        return ticket
+
+    def prefetch(self, indices: torch.Tensor, offsets: torch.Tensor) -> None:
+        """Loads the rows a batch will read of the managed_caching tables into their caches now,
+        ahead of `forward(indices, offsets)` with these same tensors (which then skips its own
+        lookup while no row was evicted in between; FBGEMM's prefetch). Several batches may be
+        prefetched ahead, in the order of their forwards. Does nothing without cached tables."""
+        self._check_buffers()
+        checked_indices, checked_offsets, _ = self._check_input(indices, offsets, None)
+        if self._cache is None:
+            return
+        ticket = self._prepare(checked_indices, checked_offsets)
+        self._prefetched.append((indices, offsets, indices._version, offsets._version, ticket))
+        del self._prefetched[:-8]  # (prefetches never consumed by a forward are forgotten)
+
+    def flush(self) -> None:
+        """Writes the cached rows that the backward has changed (and their states) back to their
+        tables' managed memory; they stay cached. Does nothing without cached tables."""
+        if self._cache is not None:
+            self._cache.flush(self._cache_buffers())
+
+    def _flush_and_empty(self) -> None:
+        """Before the tables' memory is handed out (views, or a move): flushed, then emptied, so
+        that what is written through the views is what the next batch loads."""
+        if self._cache is not None:
+            self._cache.flush(self._cache_buffers())
+            self._cache.invalidate()
+            self._prefetched.clear()
+
+    def cache_stats(self) -> Dict[str, Any]:
+        """Counters of the managed_caching tables' caches since construction (or
+        `reset_cache_stats`): `lookups` (indices of cached tables read), `hits` (of them, indices
+        whose row was cached), `hit_rate`; `unique_rows`, `unique_hits`, `unique_hit_rate` (the
+        same per batch's distinct rows); `rows_loaded`, `bytes_loaded`, `rows_written_back`,
+        `bytes_written_back` (weights and states), `evictions`, `prepares` (batches looked up);
+        `backing_lookups`, `backing_rows` (indices and distinct rows read and updated in managed
+        memory in place, because a batch had more distinct rows of a table than its cache holds),
+        `bypasses` (of those, table-batches of "compact" tables, whose cache was emptied for
+        them); `resident_rows`, `dirty_rows`, `cache_rows` ({table: slots}), `direct` ({table:
+        whether its slots continue its rows}, docs/placements.md) and `algorithm`. An empty dict
+        without cached tables."""
+        return {} if self._cache is None else self._cache.report()
+
+    def reset_cache_stats(self) -> None:
+        if self._cache is not None:
+            self._cache.reset_stats()
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        self.flush()  # (the tables' part then holds every row; states follow, in self.states)
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        if self._cache is not None:
+            # flushed first (a load that fails keeps the training so far), emptied after: the
+            # loaded rows are the truth (the states, loaded next by self.states, likewise)
+            self._cache.flush(self._cache_buffers())
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        if self._cache is not None:
+            self._cache.invalidate()
+            self._prefetched.clear()
 
     def _apply(self, fn, *args, **kwargs):
         # .to() / .cuda() / .cpu() move the buffers as ordinary tensors; a module with managed
         # tables that lands on a GPU moves its buffers back into managed memory (a copy each).
+        if self._cache is not None:
+            # only the tables' parts move: the cache is written back and emptied first, and the
+            # whole buffers (cache region included) are allocated again where they land
+            self._flush_and_empty()
+            super()._apply(fn, *args, **kwargs)
+            self._rebuild_full()
+            return self
         super()._apply(fn, *args, **kwargs)
         w = self.weights
         if placement_.needs_managed(self.placements, w.device) and not self.dense_gradient:
@@ -499,7 +728,7 @@ class TableBatchedEmbeddingBags(nn.Module):
     def _initial_weights(self, device: torch.device) -> torch.Tensor:
         """uniform(-sqrt(1/dim), sqrt(1/dim)) per table, computed on `device` by a counter-based
         generator (tbegen/init.py): bitwise the same on every device for the same seed."""
-        weights = self._allocate("weights", device)
+        weights = self._allocate("weights", device)  # (with cached tables, the cache region follows)
         for t, (E, D) in enumerate(self.layout.tables):
             start = self.layout.table_offsets[t]
             fill_uniform_(weights[start : start + E * D], self.seed, t, D)
@@ -559,14 +788,19 @@ class TableBatchedEmbeddingBags(nn.Module):
     # ---- per-table views ----
 
     def split_embedding_weights(self) -> List[torch.Tensor]:
-        """Per table, a [rows, dim] view into the flat weights (writable; detached from autograd)."""
+        """Per table, a [rows, dim] view into the flat weights (writable; detached from autograd).
+        With cached tables, the caches are written back and emptied first, so that the views hold
+        every row and what is written through them is what the next batch reads."""
+        self._flush_and_empty()
         w = self.weights.detach()
         return [
             w[off : off + E * D].view(E, D) for (E, D), off in zip(self.layout.tables, self.layout.table_offsets)
         ]
 
     def split_optimizer_states(self) -> List[Dict[str, torch.Tensor]]:
-        """Per table, {state name: view}: per-element states [rows, dim], per-row states [rows]."""
+        """Per table, {state name: view}: per-element states [rows, dim], per-row states [rows].
+        With cached tables, written back and emptied first (as split_embedding_weights)."""
+        self._flush_and_empty()
         out = []
         for t, (E, D) in enumerate(self.layout.tables):
             views = {}
@@ -582,10 +816,12 @@ class TableBatchedEmbeddingBags(nn.Module):
         return out
 
     def optimizer_state(self, name: str) -> torch.Tensor:
-        """The flat buffer of one optimizer state."""
+        """The flat buffer of one optimizer state (with cached tables: written back and emptied
+        first, as split_embedding_weights)."""
         if name not in {s.name for s in self.spec.states}:
             raise KeyError(f"tbegen: optimizer {self.spec.name!r} has no state {name!r}; "
                            f"its states are {[s.name for s in self.spec.states]}")
+        self._flush_and_empty()
         return getattr(self.states, name)
 
     # ---- state_dict: weights and states are buffers; the rest travels as extra state ----
@@ -705,15 +941,22 @@ class TableBatchedEmbeddingBags(nn.Module):
         """
         self._check_buffers()
         self._errors.poll()
+        given = (indices, offsets)
         indices, offsets, per_sample_weights = self._check_input(indices, offsets, per_sample_weights)
         if self.training:
             self.run_table_stages()
+        ticket = None
+        if self._cache is not None:
+            # the batch's rows of cached tables made resident, its indices rewritten into slots
+            ticket = self._take_prefetched(*given) or self._prepare(indices, offsets)
+            offsets = ticket.offsets  # (int64 where the slots' indices need it)
         if self.dense_gradient:
             first = self.weights
         else:
             # The anchor: see _Lookup. Created per call so that it lives with this graph only.
             first = torch.empty(0, device=self.weights.device, requires_grad=torch.is_grad_enabled())
-        out = _Lookup.apply(self, first, indices, offsets, per_sample_weights)
+        out = _Lookup.apply(self, first, indices if ticket is None else ticket.indices, offsets, per_sample_weights,
+                            ticket)
         # A narrow output: the float32 sums rounded to nearest (autograd widens the gradient back).
         return out if self.output_dtype == torch.float32 else out.to(self.output_dtype)
 
@@ -741,13 +984,15 @@ class TableBatchedEmbeddingBags(nn.Module):
             increment_version([self.weights, *states])
         return ran
 
-    def _run_backward(self, grad_output, weights, indices, offsets, per_sample_weights) -> None:
+    def _run_backward(self, grad_output, weights, indices, offsets, per_sample_weights, features=None) -> None:
         step = self._step + 1
-        states = [getattr(self.states, s.name) for s in self.spec.states]
+        states = [self._buffer(s.name) for s in self.spec.states]
         hyper = [self._hyperparameters[h.name] for h in self.spec.hyperparameters]
+        # (cached tables' per-row states are keyed after every table's rows: see tbegen/cache.py)
+        total_keys = self.layout.total_hash_size + (0 if self._cache is None else self._cache.keys_tail)
         self._ops.backward(
-            grad_output, weights, self.features, self.layout.total_D, self.layout.max_D,
-            self.layout.total_hash_size, indices, offsets, per_sample_weights, self._pooling_id,
+            grad_output, weights, self.features if features is None else features, self.layout.total_D, self.layout.max_D,
+            total_keys, indices, offsets, per_sample_weights, self._pooling_id,
             self.max_segment_length_per_warp,
             # the dense gradient of mode "none" is rounded to nearest
             self.stochastic_rounding and not self.dense_gradient,
@@ -771,5 +1016,7 @@ class TableBatchedEmbeddingBags(nn.Module):
             + ("" if self.output_dtype == torch.float32 else f", output_dtype={self.output_dtype}")
             + (f", {hyper}" if hyper else "")
             + ("" if set(self.placements) == {"device"} else f", placements={list(self.placements)}")
+            + ("" if self._cache is None else
+               f", cache_rows={list(self._cache.slots)}, cache_algorithm={self._cache.algorithm!r}")
             + f", step={self._step}"
         )

@@ -4,7 +4,9 @@
     "managed"          weights and optimizer states in CUDA managed (unified) memory, preferred in
                        host memory and mapped for the GPU, which reads and writes them in place:
                        the table may be larger than GPU memory
-    "managed_caching"  (not built yet) host-resident tables behind a GPU cache of hot rows
+    "managed_caching"  weights and optimizer states in managed memory as with "managed" (the
+                       backing store), behind a cache of hot rows in GPU memory that the kernels
+                       read and update (tbegen/cache.py)
     "host"             (not built yet) tables in ordinary host memory in a GPU module
 
 How managed tables meet the kernels (docs/placements.md): the GPU kernels take one flat weights
@@ -16,8 +18,13 @@ preferred in GPU memory (and prefetched there). The kernels, unchanged, see one 
 per buffer; which memory a table's pages sit in is the driver's business. A module whose tables
 are all "device" allocates exactly as before (ordinary device tensors).
 
+A module with managed_caching tables adds a cache region after the tables in every buffer,
+hinted like a device table (tbegen/cache.py); its tables' ranges are hinted like managed ones.
+
 On the CPU every buffer is host memory already: "managed" is accepted there and means just that,
 so that a model configured with placements runs unchanged (and bitwise the same) on the CPU.
+"managed_caching" runs its cache logic over the host buffers (the cache region is host memory
+too): the same code and the same numbers as on a GPU, so CI exercises it.
 """
 
 from __future__ import annotations
@@ -29,10 +36,11 @@ import torch
 __all__ = ["PLACEMENTS", "BUILT_PLACEMENTS", "check_placements", "allocate", "memory_kind"]
 
 PLACEMENTS = ("device", "managed", "managed_caching", "host")
-BUILT_PLACEMENTS = ("device", "managed")
+BUILT_PLACEMENTS = ("device", "managed", "managed_caching")
+# Placements whose tables live in managed memory preferred on the host (on a GPU).
+HOST_PREFERRED = ("managed", "managed_caching")
 # Placements that are planned (issue 12) but not built: what each would be.
 _NOT_BUILT = {
-    "managed_caching": "host-resident tables behind a GPU cache of hot rows",
     "host": "tables in ordinary host memory in a GPU module",
 }
 
@@ -60,25 +68,28 @@ def check_placements(placements: Union[None, str, Sequence[str]], num_tables: in
         if not isinstance(p, str) or p not in PLACEMENTS:
             raise ValueError(
                 f"tbegen: placements[{t}] must be one of {list(BUILT_PLACEMENTS)} "
-                f"({' and '.join(map(repr, _NOT_BUILT))} are planned, not built yet), got {p!r}"
+                f"({' and '.join(map(repr, _NOT_BUILT))} {'is' if len(_NOT_BUILT) == 1 else 'are'} planned, "
+                f"not built yet), got {p!r}"
             )
         if p in _NOT_BUILT:
             raise NotImplementedError(
                 f"tbegen: placements[{t}] = {p!r} ({_NOT_BUILT[p]}) is not built yet; the placements that "
                 f"exist are {list(BUILT_PLACEMENTS)} (docs/placements.md)"
             )
-    if dense_gradient and "managed" in placements:
-        raise ValueError(
-            f"tbegen: placement 'managed' with optimizer {optimizer!r} (dense gradients): the dense weight "
-            f"gradient would be an ordinary device tensor as large as every table, which defeats a managed "
-            f"table; use a fused optimizer, or placement 'device'"
-        )
+    for p in HOST_PREFERRED:
+        if dense_gradient and p in placements:
+            raise ValueError(
+                f"tbegen: placement {p!r} with optimizer {optimizer!r} (dense gradients): the dense weight "
+                f"gradient would be an ordinary device tensor as large as every table, which defeats a "
+                f"host-resident table; use a fused optimizer, or placement 'device'"
+            )
     return tuple(placements)
 
 
 def needs_managed(placements: Sequence[str], device: torch.device) -> bool:
-    """Whether the module's buffers go to managed memory: some table is managed, on a GPU."""
-    return device.type == "cuda" and "managed" in placements
+    """Whether the module's buffers go to managed memory: some table is managed (or
+    managed_caching), on a GPU."""
+    return device.type == "cuda" and any(p in HOST_PREFERRED for p in placements)
 
 
 def _managed_ops(ops):
@@ -105,7 +116,7 @@ def allocate(ops, numel: int, dtype: torch.dtype, device: torch.device, placemen
     buffer = ops.managed_empty(numel, dtype, device)
     for location in ("host", "device"):
         for placement, (start, count) in zip(placements, ranges):
-            if (placement == "managed") == (location == "host"):
+            if (placement in HOST_PREFERRED) == (location == "host"):
                 ops.managed_advise(buffer, start, count, location)
     return buffer
 

@@ -126,11 +126,11 @@ def test_enum_spellings(optimizer):
 @pytest.mark.parametrize(
     "kwargs,error,message",
     [
-        (dict(embedding_specs=[(10, 4, EmbeddingLocation.MANAGED_CACHING, ComputeDevice.CUDA)]), NotImplementedError,
-         r"embedding_specs\[0\] location MANAGED_CACHING with compute_device CUDA is not supported yet: the "
-         r"locations tbegen has for CUDA tables are DEVICE, MANAGED"),
         (dict(embedding_specs=[(10, 4, "DEVICE", "CUDA"), (10, 4, EmbeddingLocation.HOST, ComputeDevice.CUDA)]),
-         NotImplementedError, r"embedding_specs\[1\] location HOST with compute_device CUDA is not supported yet"),
+         NotImplementedError, r"embedding_specs\[1\] location HOST with compute_device CUDA is not supported yet: the "
+         r"locations tbegen has for CUDA tables are DEVICE, MANAGED, MANAGED_CACHING"),
+        (dict(cache_algorithm="FIFO"), ValueError, r"cache_algorithm must be a CacheAlgorithm \(one of \['LRU', 'LFU'\]\)"),
+        (dict(cache_load_factor=0.0), ValueError, r"cache_load_factor must be a number in \(0, 1\]"),
         (dict(embedding_specs=[(10, 4, EmbeddingLocation.MANAGED, ComputeDevice.CPU)]), NotImplementedError,
          r"embedding_specs\[0\] location MANAGED with compute_device CPU"),
         (dict(embedding_specs=[(10, 4, EmbeddingLocation.DEVICE, ComputeDevice.CPU)]), NotImplementedError,
@@ -144,7 +144,7 @@ def test_enum_spellings(optimizer):
          NotImplementedError, r"weight_decay_mode COUNTER is EXACT_ROWWISE_ADAGRAD's"),
         (dict(optimizer="MADGRAD"), ValueError, r"optimizer 'MADGRAD'"),
         (dict(optimizer=EmbOptimType.NONE), NotImplementedError, r"EmbOptimType.NONE"),
-        (dict(prefetch_pipeline=True), NotImplementedError, r"prefetch_pipeline"),
+        (dict(multipass_prefetch_config=object()), NotImplementedError, r"multipass_prefetch_config"),
         (dict(cache_load_fator=0.2), TypeError, r"unknown argument\(s\) 'cache_load_fator'"),
         (dict(learning_rate="0.1"), TypeError, r"'learning_rate'"),
         (dict(pooling_mode="max"), ValueError, r"pooling_mode must be a PoolingMode"),

@@ -77,14 +77,12 @@ def test_default_is_device_and_one_string_means_every_table():
     "placements,error,message",
     [
         (["device", "hbm", "device"], ValueError,
-         r"placements\[1\] must be one of \['device', 'managed'\] \('managed_caching' and 'host' are planned, "
+         r"placements\[1\] must be one of \['device', 'managed', 'managed_caching'\] \('host' is planned, "
          r"not built yet\), got 'hbm'"),
         (["device", "managed"], ValueError, r"placements has 2 entries but the module has 3 table\(s\)"),
-        ("managed_caching", NotImplementedError,
-         r"placements\[0\] = 'managed_caching' \(host-resident tables behind a GPU cache of hot rows\) is not built "
-         r"yet; the placements that exist are \['device', 'managed'\]"),
         (["device", "device", "host"], NotImplementedError,
-         r"placements\[2\] = 'host' .* is not built yet; the placements that exist are \['device', 'managed'\]"),
+         r"placements\[2\] = 'host' .* is not built yet; the placements that exist are \['device', 'managed', "
+         r"'managed_caching'\]"),
         (3, TypeError, r"placements must be a list with one placement per table"),
         ([None, "device", "device"], ValueError, r"placements\[0\] must be one of"),
     ],
@@ -160,19 +158,21 @@ def test_managed_operators_missing_from_a_cpu_build_are_named():
 
 
 def test_fbgemm_locations_map_onto_placements():
-    specs = [(10, 4, EmbeddingLocation.MANAGED, ComputeDevice.CUDA), (7, 8, "DEVICE", "CUDA"), (5, 4, 1, 1)]
+    specs = [(10, 4, EmbeddingLocation.MANAGED, ComputeDevice.CUDA), (7, 8, "DEVICE", "CUDA"), (5, 4, 1, 1),
+             (6, 4, EmbeddingLocation.MANAGED_CACHING, ComputeDevice.CUDA)]
     tables, placements, dev = _devices(specs, "cuda:0")
-    assert tables == [(10, 4), (7, 8), (5, 4)]
-    assert placements == ["managed", "device", "managed"]
+    assert tables == [(10, 4), (7, 8), (5, 4), (6, 4)]
+    assert placements == ["managed", "device", "managed", "managed_caching"]
     assert dev == torch.device("cuda", 0)
     tables, placements, dev = _devices([(10, 4, EmbeddingLocation.HOST, ComputeDevice.CPU)], None)
     assert placements == ["device"] and dev.type == "cpu"  # a CPU module's "device" memory is host memory
 
 
-@pytest.mark.parametrize("location", [EmbeddingLocation.MANAGED_CACHING, EmbeddingLocation.HOST])
+@pytest.mark.parametrize("location", [EmbeddingLocation.HOST])
 def test_fbgemm_locations_not_built_are_refused(location):
     with pytest.raises(NotImplementedError, match=rf"location {location.name} with compute_device CUDA is not supported "
-                                                  r"yet: the locations tbegen has for CUDA tables are DEVICE, MANAGED"):
+                                                  r"yet: the locations tbegen has for CUDA tables are DEVICE, MANAGED, "
+                                                  r"MANAGED_CACHING"):
         SplitTableBatchedEmbeddingBagsCodegen([(10, 4, EmbeddingLocation.DEVICE, ComputeDevice.CUDA),
                                                (10, 4, location, ComputeDevice.CUDA)], device="cuda")
 

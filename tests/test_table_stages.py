@@ -235,6 +235,17 @@ def test_the_module_keeps_the_table_step_in_its_state_dict_and_refuses_odd_width
         TableBatchedEmbeddingBags([(6, 4), (3, 5)], optimizer="emainplace_rowwise_adagrad")
 
 
+def test_managed_caching_tables_refuse_whole_table_stages():
+    """A whole-table stage rewrites every row; a cached copy of a row would not see it, so the
+    combination is refused (by name) rather than trained wrong."""
+    with pytest.raises(NotImplementedError, match="whole-table stages, which managed_caching tables do not support yet "
+                                                  "\\(table\\(s\\) \\[1\\]\\)"):
+        TableBatchedEmbeddingBags([(6, 4), (8, 4)], optimizer="emainplace_rowwise_adagrad",
+                                  placements=["device", "managed_caching"])
+    # without whole-table stages, the same placements are accepted
+    TableBatchedEmbeddingBags([(6, 4), (8, 4)], optimizer="rowwise_adagrad", placements=["device", "managed_caching"])
+
+
 def test_ensemble_swaps_the_average_into_the_weights():
     emb = TableBatchedEmbeddingBags([(5, 4)], optimizer="ensemble_rowwise_adagrad", learning_rate=0.1,
                                     step_ema=1, step_swap=2, step_start=0, step_ema_coef=0.5, step_mode=2)
