@@ -108,7 +108,7 @@ xdist=$(python3 -c "import xdist" 2>/dev/null && echo "-n 12")
 OMP_NUM_THREADS=2 TBEGEN_RESULTS_DIR="$OUT" timeout $(cap ${TESTS_TIMEOUT:-200}) python3 -m pytest -q -p no:cacheprovider $xdist \
   tests/test_cuda.py tests/test_module.py tests/test_bad_input.py tests/test_cuda_lane_split.py \
   tests/test_any_width.py tests/test_placements.py tests/test_state_dtypes.py tests/test_int_states.py \
-  tests/test_table_stages.py > "$OUT/pytest_cuda.log" 2>&1 || status=1
+  tests/test_table_stages.py tests/test_cache.py > "$OUT/pytest_cuda.log" 2>&1 || status=1
 # a test whose xdist worker crashed: again, alone, with Python's fault handler (its stack, if any)
 for t in $(grep -oE "crashed while running '[^']+'" "$OUT/pytest_cuda.log" | sed -E "s/.*'(.*)'/\1/"); do
   echo "== alone: $t" >> "$OUT/pytest_cuda.log"
@@ -126,6 +126,14 @@ for tool in memcheck racecheck; do
   { echo "== $tool"; tail -n 60 "$OUT/sanitize.tmp"; } >> "$OUT/extras.log"
   grep -E "ERROR SUMMARY|RACECHECK SUMMARY" "$OUT/sanitize.tmp" | tail -n 1; rm -f "$OUT/sanitize.tmp"
 done
+# managed_caching beside all-device placement and FBGEMM's MANAGED_CACHING (benchmarks/bench_cache.py,
+# its default shape: a quarter of C2), its table into extras.log; CACHE_BENCH=0 skips
+if [ "${CACHE_BENCH:-1}" = 1 ]; then
+  log "benchmarks/bench_cache.py"
+  PYTHONPATH=/tmp/fbg_site:$PYTHONPATH CUDA_MODULE_LOADING=LAZY timeout $(cap ${CACHE_TIMEOUT:-90}) python3 benchmarks/bench_cache.py \
+    ${CACHE_OPTS:-} --out /tmp/cache_bench > /tmp/cache_bench.log 2>&1 || log "bench_cache.py failed or timed out"
+  { tail -n 5 /tmp/cache_bench.log; cat /tmp/cache_bench/results.md 2>/dev/null; } >> "$OUT/extras.log"
+fi
 log "FBGEMM_GPU differential tests"
 # (FBGEMM's per-call "TBE B200 optimization" warnings left out; a failure's short traceback kept)
 TBEGEN_RESULTS_DIR="$OUT/fbgemm" PYTHONPATH=/tmp/fbg_site:$PYTHONPATH timeout $(cap 120) python3 -m pytest -q -p no:cacheprovider \
