@@ -3,7 +3,8 @@
 # device call: build a few optimizers, run the CUDA tests that take the group kernel for them
 # (TESTS: a pytest -k expression), then the referee (.anchor/bench_tbe.py, FBGEMM and tbegen in
 # one process) on the configurations in CONFIGS, with the group kernel and again with
-# TBEGEN_LANE_GROUPS=0 (the whole-warp kernel), and a kernel profile of PROFILE_CELL.
+# TBEGEN_LANE_GROUPS=0 (the whole-warp kernel; MODES="on" skips that), and a kernel profile of
+# PROFILE_CELL.
 # Carry .anchor. Output under $OUT: env.txt, groups.log, on/ and off/ (the referee's results).
 set -u
 OUT=${OUT:-/tmp/tbegen-gpu-out}
@@ -39,7 +40,7 @@ if ! OMP_NUM_THREADS=2 timeout ${TESTS_TIMEOUT:-150} python3 -m pytest -q -p no:
 fi
 grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/pytest.tmp" | tail -n 12
 rm -f "$OUT/pytest.tmp"
-for mode in on off; do
+for mode in ${MODES:-on off}; do
   flag=1; [ $mode = off ] && flag=0
   echo "== bench_tbe.py, TBEGEN_LANE_GROUPS=$flag" | tee -a "$OUT/groups.log"
   TBEGEN_LANE_GROUPS=$flag PYTHONPATH=/tmp/fbg_site:$PYTHONPATH CUDA_MODULE_LOADING=LAZY timeout ${BENCH_TIMEOUT:-120} \

@@ -130,10 +130,11 @@ struct Half16Traits {
     const H other = step(nearest, n < x);
     const float o = static_cast<float>(other);
     if (!(fabsf(o) <= 3.0e38f)) return nearest;
-    // probability of taking `other` = |x - n| / |o - n|  (< 1/2: nearest is the closer one)
-    const float p = fabsf(x - n) / fabsf(o - n);
+    // take `other` with probability |x - n| / |o - n| (< 1/2: nearest is the closer one): u < that
+    // ratio, written without the division (|o - n|, the distance between neighbours, is a power
+    // of two, so u * |o - n| is exact wherever it does not underflow: the same decisions)
     const float u = static_cast<float>(random_bits >> 8) * (1.0f / 16777216.0f);
-    return u < p ? other : nearest;
+    return u * fabsf(o - n) < fabsf(x - n) ? other : nearest;
   }
 };
 
@@ -143,17 +144,31 @@ template <>
 struct WeightTraits<c10::BFloat16> : Half16Traits<c10::BFloat16> {};
 
 // Counter-based random bits for stochastic rounding: a pure function of (seed, step, key,
-// element), so a step is reproducible bit for bit and different steps draw different bits.
-TBEGEN_HD TBEGEN_INLINE uint32_t random_bits(int64_t seed, int64_t step, int64_t key, int32_t d) {
+// element), so a step is reproducible bit for bit and different steps draw different bits. Two
+// parts: a 64-bit mix of (seed, step, key), the same for every element of a row (inlined, it is
+// computed once per row and lane: the compiler shares it between the row's calls), and a cheap
+// 32-bit mix of the element number into it (murmur3's finaliser, a bijection, so a row's elements
+// never share bits). Measured: ncu found the C3 update kernels limited by instructions, not
+// memory (benchmarks/NOTES-gpu.md, run Q), and a 64-bit hash per element was the bulk of them.
+TBEGEN_HD TBEGEN_INLINE uint32_t random_row_bits(int64_t seed, int64_t step, int64_t key) {
   uint64_t z = static_cast<uint64_t>(seed) * 0x9E3779B97F4A7C15ull;
   z ^= static_cast<uint64_t>(step) + 0x632BE59BD9B4E019ull + (z << 6) + (z >> 2);
   z ^= static_cast<uint64_t>(key) * 0xBF58476D1CE4E5B9ull + (z << 6) + (z >> 2);
-  z ^= static_cast<uint64_t>(d) * 0x94D049BB133111EBull + (z << 6) + (z >> 2);
   // splitmix64 finaliser
   z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
   z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
   z ^= z >> 31;
-  return static_cast<uint32_t>(z >> 32);
+  return static_cast<uint32_t>(z >> 32) ^ static_cast<uint32_t>(z);
+}
+
+TBEGEN_HD TBEGEN_INLINE uint32_t random_bits(int64_t seed, int64_t step, int64_t key, int32_t d) {
+  uint32_t h = random_row_bits(seed, step, key) ^ (static_cast<uint32_t>(d) * 0x9E3779B9u);
+  h ^= h >> 16;
+  h *= 0x85EBCA6Bu;
+  h ^= h >> 13;
+  h *= 0xC2B2AE35u;
+  h ^= h >> 16;
+  return h;
 }
 
 // What every backward kernel needs besides the optimizer's own parameters.
