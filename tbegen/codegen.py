@@ -418,17 +418,25 @@ def backward_signature(spec: OptimizerSpec) -> OpSignature:
             Arg("seed", "int", "seed of the stochastic rounding"),
         )
     )
+    args += _state_and_hyperparameter_args(spec)
+    args += (Arg("step", "int", "1-based step counter"),)
+    args += ERROR_ARGS + (
+        Arg("check_finite", "bool", "raise on NaN/Inf in per_sample_weights or grad_output", default="True"),
+    )
+    return OpSignature("backward", args, "()")
+
+
+def _state_and_hyperparameter_args(spec: OptimizerSpec) -> Tuple[Arg, ...]:
+    """The spec's states (updated in place) and hyperparameters, in declaration order: the
+    arguments every operator that updates weights takes after its own."""
+    args: Tuple[Arg, ...] = ()
     for s in spec.states:
         layout = "like the weights" if s.per == "element" else "one per linear key"
         kind = "int64" if s.is_int else "float32, float16 or bfloat16"
         args += (Arg(s.name, "Tensor", f"state, {kind}, {layout}", mutable=True),)
     for h in spec.hyperparameters:
         args += (Arg(h.name, h.type, h.doc),)
-    args += (Arg("step", "int", "1-based step counter"),)
-    args += ERROR_ARGS + (
-        Arg("check_finite", "bool", "raise on NaN/Inf in per_sample_weights or grad_output", default="True"),
-    )
-    return OpSignature("backward", args, "()")
+    return args
 
 
 def table_signature(spec: OptimizerSpec) -> OpSignature:
@@ -441,12 +449,7 @@ def table_signature(spec: OptimizerSpec) -> OpSignature:
         Arg("stochastic_rounding", "bool", "round fp16/bf16 weights stochastically"),
         Arg("seed", "int", "seed of the stochastic rounding"),
     )
-    for s in spec.states:
-        layout = "like the weights" if s.per == "element" else "one per linear key"
-        kind = "int64" if s.is_int else "float32, float16 or bfloat16"
-        args += (Arg(s.name, "Tensor", f"state, {kind}, {layout}", mutable=True),)
-    for h in spec.hyperparameters:
-        args += (Arg(h.name, h.type, h.doc),)
+    args += _state_and_hyperparameter_args(spec)
     args += (Arg("step", "int", "the step whose forward follows (1-based)"),)
     return OpSignature("table_update", args, "bool")
 

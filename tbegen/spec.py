@@ -827,22 +827,28 @@ def _parse_update_item(problems: _Problems, item: Any, field: str, line: int) ->
     return stage
 
 
-def _parse_update(fields: _Fields) -> Tuple[Stage, ...]:
-    """`update`: a non-empty list of stages, run in order."""
+def _parse_stage_list(fields: _Fields, key: str, expected: str, parse_item) -> tuple:
+    """A non-empty list of stages under `key` (each item parsed by `parse_item(problems, item,
+    field, line)`, None for a bad one), in order."""
     problems = fields.problems
-    value = fields.pop("update")
-    line, field = fields.value_line("update"), fields.path("update")
+    value = fields.pop(key)
+    line, field = fields.value_line(key), fields.path(key)
     if not isinstance(value, list) or not value:
-        problems.add(line, field, f"must be a non-empty list of {{row: CODE}} / {{element: CODE}}, got {_describe(value)}")
+        problems.add(line, field, f"must be a non-empty list of {expected}, got {_describe(value)}")
         return ()
     item_lines = getattr(value, "item_lines", [])
     stages = []
     for i, item in enumerate(value):
         item_line = item_lines[i] if i < len(item_lines) else line
-        stage = _parse_update_item(problems, item, f"{field}[{i}]", item_line)
+        stage = parse_item(problems, item, f"{field}[{i}]", item_line)
         if stage is not None:
             stages.append(stage)
     return tuple(stages)
+
+
+def _parse_update(fields: _Fields) -> Tuple[Stage, ...]:
+    """`update`: a non-empty list of stages, run in order."""
+    return _parse_stage_list(fields, "update", "{row: CODE} / {element: CODE}", _parse_update_item)
 
 
 def _parse_stages(fields: _Fields) -> Tuple[Stage, ...]:
@@ -904,20 +910,7 @@ def _parse_table(fields: _Fields) -> Tuple[TableStage, ...]:
     """`table`: an optional non-empty list of whole-table stages, run in order."""
     if not fields.has("table"):
         return ()
-    problems = fields.problems
-    value = fields.pop("table")
-    line, field = fields.value_line("table"), fields.path("table")
-    if not isinstance(value, list) or not value:
-        problems.add(line, field, f"must be a non-empty list of {{element: CODE, when: COND}}, got {_describe(value)}")
-        return ()
-    item_lines = getattr(value, "item_lines", [])
-    stages = []
-    for i, item in enumerate(value):
-        item_line = item_lines[i] if i < len(item_lines) else line
-        stage = _parse_table_item(problems, item, f"{field}[{i}]", item_line)
-        if stage is not None:
-            stages.append(stage)
-    return tuple(stages)
+    return _parse_stage_list(fields, "table", "{element: CODE, when: COND}", _parse_table_item)
 
 
 # --------------------------------------------------------------------------
