@@ -188,11 +188,35 @@ def test_torchrec_kernels_map_onto_placements():
         return types.SimpleNamespace(embedding_tables=tables, compute_kernel=K.FUSED)
 
     assert _placements(group(K.FUSED, K.FUSED_UVM, K.FUSED)) == ["device", "managed", "device"]
-    with pytest.raises(ValueError, match=r"plan asks for 'fused_uvm_caching' \(host tables behind a GPU cache: not built "
-                                         r"yet\) for table 't1'"):
-        _placements(group(K.FUSED, K.FUSED_UVM_CACHING))
+    assert _placements(group(K.FUSED, K.FUSED_UVM_CACHING)) == ["device", "managed_caching"]
     with pytest.raises(ValueError, match=r"plan asks for 'dense' for table 't0'"):
         _placements(group(K.DENSE))
+
+
+def test_torchrec_cache_parameters_become_the_modules_cache_arguments():
+    """FUSED_UVM_CACHING tables: the plan's cache_load_factor and cache_algorithm (which TorchRec
+    copies into the group's fused_params) size and run tbegen's cache; TorchRec's default load
+    factor 0.2 where the plan has none."""
+    pytest.importorskip("torchrec")
+    from fbgemm_gpu.split_table_batched_embeddings_ops_common import CacheAlgorithm
+
+    from tbegen.torchrec.kernel import _cache_arguments
+
+    def group(fused_params):
+        return types.SimpleNamespace(fused_params=fused_params)
+
+    assert _cache_arguments(group({"cache_load_factor": 0.5}), ["device", "managed"]) == {}
+    assert _cache_arguments(group(None), ["managed_caching"]) == {"cache_load_factor": 0.2, "cache_algorithm": "lru"}
+    assert _cache_arguments(group({"cache_load_factor": 0.05, "cache_algorithm": CacheAlgorithm.LFU}),
+                            ["device", "managed_caching"]) == {"cache_load_factor": 0.05, "cache_algorithm": "lfu"}
+    with pytest.raises(ValueError, match="LRU or LFU"):
+        _cache_arguments(group({"cache_algorithm": "random"}), ["managed_caching"])
+    # the arguments are the module's own: a module with them caches as asked
+    from tbegen.module import TableBatchedEmbeddingBags
+
+    emb = TableBatchedEmbeddingBags([(40, 8), (30, 4)], optimizer="sgd", placements=["device", "managed_caching"],
+                                    **_cache_arguments(group({"cache_load_factor": 0.1}), ["device", "managed_caching"]))
+    assert emb.cache_stats()["cache_rows"] == {1: 3}  # 10% of table 1's 30 rows
 
 
 # ---- on the GPU ----------------------------------------------------------------------------------

@@ -248,6 +248,7 @@ def test_sharder_checks_its_arguments():
         with pytest.raises(ValueError, match="TorchRec 1.7"):
             TbegenEmbeddingBagCollectionSharder("adam", sharding_types=["data_parallel"])
     assert s.compute_kernels("row_wise", "cpu") == ["fused"]
-    # on GPUs also fused_uvm (tbegen's "managed" placement), for model-parallel shardings as TorchRec
-    assert s.compute_kernels("row_wise", "cuda") == ["fused", "fused_uvm"]
+    # on GPUs also fused_uvm and fused_uvm_caching (tbegen's "managed" and "managed_caching"
+    # placements), for model-parallel shardings as TorchRec
+    assert s.compute_kernels("row_wise", "cuda") == ["fused", "fused_uvm", "fused_uvm_caching"]
     assert s.compute_kernels("data_parallel", "cuda") == ["fused"]

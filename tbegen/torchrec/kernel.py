@@ -16,8 +16,9 @@ How it plugs in (the extension points NVIDIA's DynamicEmb uses as well; docs/tor
   (one tbegen `TableBatchedEmbeddingBags` over this rank's shards of one group of tables).
 - Plans carry TorchRec's compute kernel value "fused" (an optimizer fused into the backward,
   weights and states in device memory) or, on GPUs, "fused_uvm" (the same, in managed memory:
-  tbegen's placement "managed"; TorchRec groups both into one kernel, each table keeping its own
-  placement): TorchRec's planner estimates, its sharded state_dict and
+  tbegen's placement "managed") and "fused_uvm_caching" (managed memory behind a GPU cache of hot
+  rows: "managed_caching", sized by the plan's cache_load_factor per table); TorchRec groups them
+  into one kernel, each table keeping its own placement: TorchRec's planner estimates, its sharded state_dict and
   its optimizer plumbing key on that value, and `TbegenEmbeddingBag` provides what they read from
   a fused kernel (per-table weight views, `fused_optimizer` with sharded states,
   `named_parameters_by_table`).
@@ -343,6 +344,7 @@ class TbegenEmbeddingBag(BaseBatchedEmbeddingBag[torch.Tensor], FusedOptimizerMo
             seed=options.seed,
             max_segment_length_per_warp=options.max_segment_length_per_warp,
             placements=placements,
+            **_cache_arguments(config, placements),
             **dict(options.hyperparameters),
         )
         if self._emb_module.dense_gradient:
@@ -417,6 +419,7 @@ class TbegenEmbeddingBag(BaseBatchedEmbeddingBag[torch.Tensor], FusedOptimizerMo
 _PLACEMENT_OF_KERNEL = {
     EmbeddingComputeKernel.FUSED: "device",
     EmbeddingComputeKernel.FUSED_UVM: "managed",
+    EmbeddingComputeKernel.FUSED_UVM_CACHING: "managed_caching",
 }
 
 
@@ -426,14 +429,30 @@ def _placements(config: GroupedEmbeddingConfig) -> List[str]:
     for table in config.embedding_tables:
         kernel = table.compute_kernel
         if kernel not in _PLACEMENT_OF_KERNEL:
-            planned = " (host tables behind a GPU cache: not built yet)" if kernel == EmbeddingComputeKernel.FUSED_UVM_CACHING else ""
             raise ValueError(
                 f"tbegen: the tbegen sharder runs compute kernels "
-                f"{', '.join(repr(k.value) for k in _PLACEMENT_OF_KERNEL)}; the plan asks for {kernel.value!r}{planned} "
+                f"{', '.join(repr(k.value) for k in _PLACEMENT_OF_KERNEL)}; the plan asks for {kernel.value!r} "
                 f"for table {table.name!r}"
             )
         out.append(_PLACEMENT_OF_KERNEL[kernel])
     return out
+
+
+def _cache_arguments(config: GroupedEmbeddingConfig, placements: List[str]) -> Dict[str, object]:
+    """The module's cache arguments for a group with FUSED_UVM_CACHING tables, from the plan's
+    cache parameters (TorchRec copies them into the group's fused_params): `cache_load_factor`
+    (TorchRec's default 0.2 where the plan has none; here each cached table's cache holds that
+    fraction of its own rows, where FBGEMM sizes one cache for all of them) and `cache_algorithm`
+    (FBGEMM's CacheAlgorithm LRU or LFU). Empty when no table is cached."""
+    if "managed_caching" not in placements:
+        return {}
+    fused = getattr(config, "fused_params", None) or {}
+    factor = fused.get("cache_load_factor") or 0.2
+    algorithm = fused.get("cache_algorithm")
+    name = "lru" if algorithm is None else str(getattr(algorithm, "name", algorithm)).lower()
+    if name not in ("lru", "lfu"):
+        raise ValueError(f"tbegen: cache_algorithm {algorithm!r} in the plan: the tbegen kernel caches with LRU or LFU")
+    return {"cache_load_factor": float(factor), "cache_algorithm": name}
 
 
 class TbegenPooledEmbeddingsLookup(GroupedPooledEmbeddingsLookup):
@@ -569,10 +588,12 @@ class TbegenEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
         return list(self._tbegen_sharding_types)
 
     def compute_kernels(self, sharding_type: str, compute_device_type: str) -> List[str]:
-        # FUSED_UVM (tables in managed memory) on GPUs, for model-parallel shardings, as TorchRec
-        # offers it; FUSED_UVM_CACHING waits for tbegen's cached placement.
+        # FUSED_UVM (tables in managed memory) and FUSED_UVM_CACHING (the same behind a GPU cache
+        # of hot rows: tbegen's managed_caching placement) on GPUs, for model-parallel shardings,
+        # as TorchRec offers them
         if compute_device_type == "cuda" and sharding_type != ShardingType.DATA_PARALLEL.value:
-            return [EmbeddingComputeKernel.FUSED.value, EmbeddingComputeKernel.FUSED_UVM.value]
+            return [EmbeddingComputeKernel.FUSED.value, EmbeddingComputeKernel.FUSED_UVM.value,
+                    EmbeddingComputeKernel.FUSED_UVM_CACHING.value]
         return [EmbeddingComputeKernel.FUSED.value]
 
     def shard(self, module, params, env, device=None, module_fqn=None) -> TbegenShardedEmbeddingBagCollection:
