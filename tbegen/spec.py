@@ -918,20 +918,26 @@ def _parse_table(fields: _Fields) -> Tuple[TableStage, ...]:
 # --------------------------------------------------------------------------
 
 
+def _compiles_as_python(fields: _Fields, key: str, code: str, loc) -> bool:
+    """Whether the Python snippet under `key` compiles; if not, the problem at its line."""
+    try:
+        compile(code, loc.file, "exec", dont_inherit=True)
+    except SyntaxError as e:
+        fields.problems.add(loc.line + (e.lineno or 1) - 1, fields.path(key), f"not valid Python: {e.msg}")
+        return False
+    except ValueError as e:  # e.g. a NUL character
+        fields.problems.add(loc.line, fields.path(key), f"not valid Python: {e}")
+        return False
+    return True
+
+
 def _parse_reference(fields: _Fields) -> Optional[Reference]:
     """`reference`: Python code that must at least compile."""
     parsed = _parse_snippet(fields, "reference", "Python code")
     if parsed is None:
         return None
     code, loc = parsed
-    try:
-        compile(code, loc.file, "exec", dont_inherit=True)
-    except SyntaxError as e:
-        line = loc.line + (e.lineno or 1) - 1
-        fields.problems.add(line, fields.path("reference"), f"not valid Python: {e.msg}")
-        return None
-    except ValueError as e:  # e.g. a NUL character
-        fields.problems.add(loc.line, fields.path("reference"), f"not valid Python: {e}")
+    if not _compiles_as_python(fields, "reference", code, loc):
         return None
     fields.problems.reference_source = fields.source("reference", code)
     return Reference(code, loc)
@@ -955,13 +961,7 @@ def _parse_table_reference(fields: _Fields, has_table: bool) -> Optional[Referen
     if parsed is None:
         return None
     code, loc = parsed
-    try:
-        compile(code, loc.file, "exec", dont_inherit=True)
-    except SyntaxError as e:
-        problems.add(loc.line + (e.lineno or 1) - 1, "table_reference", f"not valid Python: {e.msg}")
-        return None
-    except ValueError as e:
-        problems.add(loc.line, "table_reference", f"not valid Python: {e}")
+    if not _compiles_as_python(fields, "table_reference", code, loc):
         return None
     problems.table_reference_source = fields.source("table_reference", code)
     return Reference(code, loc)

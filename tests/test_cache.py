@@ -20,6 +20,8 @@ from tbegen.fbgemm_compat import (CacheAlgorithm, ComputeDevice, EmbeddingLocati
                                   SplitTableBatchedEmbeddingBagsCodegen, _devices)
 from tbegen.module import TableBatchedEmbeddingBags
 
+from test_placements import train  # (one training loop for the placement tests)
+
 cuda = pytest.mark.cuda
 TABLES = [(40, 8), (25, 12), (16, 4)]
 MIXED = ["managed_caching", "device", "managed_caching"]
@@ -45,12 +47,6 @@ def batches(tables, steps, B=4, L=2, seed=1, device="cpu", weighted=False, featu
         grad = torch.randn(B, sum(tables[t][1] for t in features), generator=g)
         out.append([t.to(device) if t is not None else None for t in (idx, offsets, psw, grad)])
     return out
-
-
-def train(emb, data):
-    for idx, offsets, psw, grad in data:
-        emb(idx, offsets, psw).backward(grad)
-    return emb
 
 
 def train_both(device, cached, data):

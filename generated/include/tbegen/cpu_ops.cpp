@@ -35,6 +35,16 @@ std::string describe_error(const at::Tensor& record, bool with_index_errors) {
   return describe_error_record(record, with_index_errors);
 }
 
+// Checks the batch's indices and offsets (host.h, check_indices_host) and returns the positions of
+// the bad indices to skip (empty unless skip_bad_indices; otherwise a bad index raises).
+template <typename I>
+std::vector<int64_t> bad_indices(const Batch& b, const at::Tensor& features, const at::Tensor& indices,
+                                 const at::Tensor& offsets, const c10::optional<at::Tensor>& error_record,
+                                 bool skip_bad_indices) {
+  return check_indices_host<I>(b, features.data_ptr<int64_t>(), indices.data_ptr<I>(), offsets.data_ptr<I>(),
+                               skip_bad_indices, record_data(error_record));
+}
+
 at::Tensor forward_cpu(const at::Tensor& weights, const at::Tensor& features, int64_t total_D, int64_t max_D,
                        const at::Tensor& indices, const at::Tensor& offsets,
                        const c10::optional<at::Tensor>& per_sample_weights, int64_t pooling,
@@ -46,9 +56,7 @@ at::Tensor forward_cpu(const at::Tensor& weights, const at::Tensor& features, in
   dispatch_types(weights, indices, [&](auto w, auto i) {
     using W = decltype(w);
     using I = decltype(i);
-    const std::vector<int64_t> bad = check_indices_host<I>(b, features.data_ptr<int64_t>(), indices.data_ptr<I>(),
-                                                           offsets.data_ptr<I>(), skip_bad_indices,
-                                                           record_data(error_record));
+    const std::vector<int64_t> bad = bad_indices<I>(b, features, indices, offsets, error_record, skip_bad_indices);
     if (bad.empty()) {
       forward<W, I>(b, features.data_ptr<int64_t>(), weights.data_ptr<W>(), indices.data_ptr<I>(),
                     offsets.data_ptr<I>(), optional_data(per_sample_weights), out.data_ptr<float>());
@@ -77,9 +85,7 @@ at::Tensor grad_per_sample_weights_cpu(const at::Tensor& grad_output, const at::
   dispatch_types(weights, indices, [&](auto w, auto i) {
     using W = decltype(w);
     using I = decltype(i);
-    const std::vector<int64_t> bad = check_indices_host<I>(b, features.data_ptr<int64_t>(), indices.data_ptr<I>(),
-                                                           offsets.data_ptr<I>(), skip_bad_indices,
-                                                           record_data(error_record));
+    const std::vector<int64_t> bad = bad_indices<I>(b, features, indices, offsets, error_record, skip_bad_indices);
     const SkippedIndices<I> skip(bad, indices, c10::nullopt);
     grad_per_sample_weights<W, I>(b, features.data_ptr<int64_t>(), grad_output.data_ptr<float>(),
                                   weights.data_ptr<W>(), (bad.empty() ? indices : skip.indices).template data_ptr<I>(),
