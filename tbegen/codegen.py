@@ -25,6 +25,7 @@ import re
 
 from .model import OptimizerSpec, Stage, TableStage
 from .spec import PARTNER_CALL_RE, REDUCTION_CALL_RE, WORD_RE, blank_comments, matching_paren
+from .step_values import StepValue, find_step_values, rewrite_stage, statement_lines, values_by_stage
 
 LINE_RESTORE = "#line TBEGEN_RESTORE"
 
@@ -88,6 +89,8 @@ class UpdateEmitter:
         self.path = spec_path
         self.element_slots = [s.name for s in spec.element_states] + [t.name for t in spec.temporaries]
         self.lines: List[str] = []
+        # declarations computed once per step by `step_values` (tbegen/step_values.py)
+        self.step_values = find_step_values(spec)
 
     # -- helpers -------------------------------------------------------------------------------
     def _emit(self, text: str, indent: int) -> None:
@@ -112,8 +115,9 @@ class UpdateEmitter:
                 self.lines.append(f"{pad}{ref} {name} = tbegen_row.element({k}, tbegen_i);")
 
     # -- stages --------------------------------------------------------------------------------
-    def _row_stage(self, stage: Stage, number: int, counter: List[int]) -> None:
-        code, reductions = extract_reductions(stage.code, stage.loc.line, counter)
+    def _row_stage(self, stage: Stage, number: int, counter: List[int], lifted: Sequence[StepValue]) -> None:
+        code = rewrite_stage(stage.code, lifted, "tbegen_s") if lifted else stage.code
+        code, reductions = extract_reductions(code, stage.loc.line, counter)
         self.lines.append(f"  // stage {number}: row ({self.path}:{stage.loc.line})")
         for red in reductions:
             identity, _, _ = _REDUCTIONS[red.kind]
@@ -161,7 +165,7 @@ class UpdateEmitter:
             if h.name in names:
                 self.lines.append(f"  const {h.type.cpp} {h.name} = tbegen_p.{h.name};")
         if "step" in names:
-            self.lines.append("  const int64_t step = tbegen_step;")
+            self.lines.append("  const int64_t step = tbegen_s.step;")
         if "D" in names or "row_mean" in names:
             self.lines.append("  const int D = tbegen_row.dim();")
         for k, s in enumerate(spec.row_states):
@@ -170,6 +174,7 @@ class UpdateEmitter:
             self.lines.append(f"  int64_t& {s.name} = tbegen_row.int_row_state({k});")
         counter = [0]
         guard, guard_start = "", 0
+        lifted = values_by_stage(self.step_values)
         for number, stage in enumerate(spec.stages, start=1):
             if stage.when != guard:
                 if guard:
@@ -181,19 +186,51 @@ class UpdateEmitter:
                     self.lines.append(f"  if ({guard}) {{  // the `when:` of the stages below ({self.path})")
                     guard_start = len(self.lines)
             if stage.kind == "row":
-                self._row_stage(stage, number, counter)
+                self._row_stage(stage, number, counter, lifted.get(number - 1, []))
             else:
                 self._element_stage(stage, number)
         if guard:
             self._close_guard(guard_start)
-        if "step" not in names:
-            self.lines.append("  (void)tbegen_step;")
+        if "step" not in names and not self.step_values:
+            self.lines.append("  (void)tbegen_s;")
         # the body sits inside a member function: indent everything but preprocessor lines
         return "\n".join("  " + l if l and not l.startswith("#") else l for l in self.lines)
+
+    def emit_step_values(self) -> Tuple[str, str]:
+        """The members of `StepValues` after `step`, and the body of `step_values`."""
+        spec = self.spec
+        members = [f"    {v.ctype} {v.name};  // {self.path}:{spec.stages[v.stage].loc.line + v.first_line}"
+                   for v in self.step_values]
+        lines: List[str] = []
+        stages_code = "\n".join(spec.stages[v.stage].code[v.init_start:v.init_end] for v in self.step_values)
+        _bind_hyperparameters(spec, used_names(stages_code), lines)
+        next_line = None  # the spec line that follows the last statement emitted
+        for v in self.step_values:
+            stage = spec.stages[v.stage]
+            first, text = statement_lines(stage.code, v)
+            if stage.loc.line + first != next_line:
+                if next_line is not None:
+                    lines.append(LINE_RESTORE)
+                lines.append(f'#line {stage.loc.line + first} "{self.path}"')
+            lines.extend(("  " + l) if l.strip() else "" for l in text.splitlines())
+            next_line = stage.loc.line + first + len(text.splitlines())
+        if next_line is not None:
+            lines.append(LINE_RESTORE)
+        fields = ", ".join(["tbegen_step"] + [v.name for v in self.step_values])
+        if not self.step_values:
+            lines.append("  (void)tbegen_p;")
+        lines.append(f"  return StepValues{{{fields}}};")
+        body = "\n".join("  " + l if l and not l.startswith("#") else l for l in lines)
+        return "\n".join(members), body
 
 
 def emit_update_body(spec: OptimizerSpec, spec_path: str) -> str:
     return UpdateEmitter(spec, spec_path).emit()
+
+
+def emit_step_values(spec: OptimizerSpec, spec_path: str) -> Tuple[str, str]:
+    """(the extra members of StepValues, the body of step_values) for one spec."""
+    return UpdateEmitter(spec, spec_path).emit_step_values()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -116,6 +116,7 @@ def render_spec(spec: OptimizerSpec) -> Dict[str, str]:
     context = dict(
         spec=spec,
         body=codegen.emit_update_body(spec, src),
+        step_values=codegen.emit_step_values(spec, src),
         forward=codegen.forward_signature(),
         grad_psw=codegen.grad_psw_signature(),
         backward=backward,

@@ -37,11 +37,23 @@ struct Optimizer {
   static constexpr int kIntRowStates = 0;
   static constexpr int kTemporaries = 0;  // per-element scratch
 
+  // What the update of every row of one step shares: the step, and the spec's row-stage locals that
+  // depend on nothing but the step and the hyperparameters (tbegen/step_values.py), which a kernel
+  // computes once (step_values) instead of once per row.
+  struct StepValues {
+    int64_t step;
+  };
+
+  static TBEGEN_HD TBEGEN_INLINE StepValues step_values(const Params& tbegen_p, int64_t tbegen_step) {
+    (void)tbegen_p;
+    return StepValues{tbegen_step};
+  }
+
   // Applies the update to the row. Weights, element states and temporaries are accessed through
   // the row view; per-row states are references into it that the kernel writes back afterwards.
   // (The generator's own names start with `tbegen`, which specs may not use.)
   template <class Row>
-  static TBEGEN_HD TBEGEN_INLINE void update_row(Row& tbegen_row, const Params& tbegen_p, int64_t tbegen_step) {
+  static TBEGEN_HD TBEGEN_INLINE void update_row(Row& tbegen_row, const Params& tbegen_p, const StepValues& tbegen_s) {
     const float learning_rate = tbegen_p.learning_rate;
     const float momentum = tbegen_p.momentum;
     const float eps = tbegen_p.eps;
@@ -58,10 +70,10 @@ struct Optimizer {
         accumulator += gd * gd;
         momentum_buffer = momentum * momentum_buffer + gd / (sqrtf(accumulator) + eps);
         w -= learning_rate * momentum_buffer;
-#line 62 "adagrad_with_momentum/optimizer.h"
+#line 74 "adagrad_with_momentum/optimizer.h"
       }
     }
-    (void)tbegen_step;
+    (void)tbegen_s;
   }
 };
 

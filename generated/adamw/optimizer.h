@@ -38,24 +38,44 @@ struct Optimizer {
   static constexpr int kIntRowStates = 0;
   static constexpr int kTemporaries = 0;  // per-element scratch
 
+  // What the update of every row of one step shares: the step, and the spec's row-stage locals that
+  // depend on nothing but the step and the hyperparameters (tbegen/step_values.py), which a kernel
+  // computes once (step_values) instead of once per row.
+  struct StepValues {
+    int64_t step;
+    float bias1;  // optimizers/adamw.yaml:19
+    float bias2;  // optimizers/adamw.yaml:20
+  };
+
+  static TBEGEN_HD TBEGEN_INLINE StepValues step_values(const Params& tbegen_p, int64_t tbegen_step) {
+    const float beta1 = tbegen_p.beta1;
+    const float beta2 = tbegen_p.beta2;
+    const int64_t step = tbegen_step;
+#line 19 "optimizers/adamw.yaml"
+    float bias1 = static_cast<float>(1.0 - pow(static_cast<double>(beta1), static_cast<double>(step)));
+    float bias2 = static_cast<float>(1.0 - pow(static_cast<double>(beta2), static_cast<double>(step)));
+#line 58 "adamw/optimizer.h"
+    return StepValues{tbegen_step, bias1, bias2};
+  }
+
   // Applies the update to the row. Weights, element states and temporaries are accessed through
   // the row view; per-row states are references into it that the kernel writes back afterwards.
   // (The generator's own names start with `tbegen`, which specs may not use.)
   template <class Row>
-  static TBEGEN_HD TBEGEN_INLINE void update_row(Row& tbegen_row, const Params& tbegen_p, int64_t tbegen_step) {
+  static TBEGEN_HD TBEGEN_INLINE void update_row(Row& tbegen_row, const Params& tbegen_p, const StepValues& tbegen_s) {
     const float learning_rate = tbegen_p.learning_rate;
     const float beta1 = tbegen_p.beta1;
     const float beta2 = tbegen_p.beta2;
     const float eps = tbegen_p.eps;
     const float weight_decay = tbegen_p.weight_decay;
-    const int64_t step = tbegen_step;
+    const int64_t step = tbegen_s.step;
     // stage 1: row (optimizers/adamw.yaml:18)
 #line 18 "optimizers/adamw.yaml"
     // 1 - beta^step in double: in float it cancels badly for small steps (beta2 = 0.999).
-    float bias1 = static_cast<float>(1.0 - pow(static_cast<double>(beta1), static_cast<double>(step)));
-    float bias2 = static_cast<float>(1.0 - pow(static_cast<double>(beta2), static_cast<double>(step)));
+    float bias1 = tbegen_s.bias1;  // computed once per step (step_values)
+    float bias2 = tbegen_s.bias2;  // computed once per step (step_values)
     float keep = 1.0f - learning_rate * weight_decay;
-#line 59 "adamw/optimizer.h"
+#line 79 "adamw/optimizer.h"
     // stage 2: element (optimizers/adamw.yaml:23)
     TBEGEN_FOR_ELEMENTS(tbegen_row, tbegen_i) {
       const float g = tbegen_row.g(tbegen_i);
@@ -67,7 +87,7 @@ struct Optimizer {
         exp_avg = beta1 * exp_avg + (1.0f - beta1) * g;
         exp_avg_sq = beta2 * exp_avg_sq + (1.0f - beta2) * g * g;
         w = keep * w - learning_rate * (exp_avg / bias1) / (sqrtf(exp_avg_sq / bias2) + eps);
-#line 71 "adamw/optimizer.h"
+#line 91 "adamw/optimizer.h"
       }
     }
   }

@@ -43,11 +43,23 @@ struct Optimizer {
   static constexpr int kIntRowStates = 0;
   static constexpr int kTemporaries = 0;  // per-element scratch
 
+  // What the update of every row of one step shares: the step, and the spec's row-stage locals that
+  // depend on nothing but the step and the hyperparameters (tbegen/step_values.py), which a kernel
+  // computes once (step_values) instead of once per row.
+  struct StepValues {
+    int64_t step;
+  };
+
+  static TBEGEN_HD TBEGEN_INLINE StepValues step_values(const Params& tbegen_p, int64_t tbegen_step) {
+    (void)tbegen_p;
+    return StepValues{tbegen_step};
+  }
+
   // Applies the update to the row. Weights, element states and temporaries are accessed through
   // the row view; per-row states are references into it that the kernel writes back afterwards.
   // (The generator's own names start with `tbegen`, which specs may not use.)
   template <class Row>
-  static TBEGEN_HD TBEGEN_INLINE void update_row(Row& tbegen_row, const Params& tbegen_p, int64_t tbegen_step) {
+  static TBEGEN_HD TBEGEN_INLINE void update_row(Row& tbegen_row, const Params& tbegen_p, const StepValues& tbegen_s) {
     const float learning_rate = tbegen_p.learning_rate;
     const float eps = tbegen_p.eps;
     const float weight_decay = tbegen_p.weight_decay;
@@ -59,7 +71,7 @@ struct Optimizer {
 #line 37 "optimizers/ensemble_rowwise_adagrad.yaml"
     // L2 decay (mode 1) adds weight_decay * w to the gradient that feeds the accumulator.
     float l2 = weight_decay_mode == 1 ? weight_decay : 0.0f;
-#line 63 "ensemble_rowwise_adagrad/optimizer.h"
+#line 75 "ensemble_rowwise_adagrad/optimizer.h"
     // stage 2: row (optimizers/ensemble_rowwise_adagrad.yaml:40)
     float tbegen_red_0 = 0.0f;  // row_mean((g + l2 * w) * (g + l2 * w))
     TBEGEN_FOR_ELEMENTS_SUM(tbegen_row, tbegen_i, tbegen_red_0) {
@@ -67,7 +79,7 @@ struct Optimizer {
       const float w = tbegen_row.w(tbegen_i);
 #line 40 "optimizers/ensemble_rowwise_adagrad.yaml"
       tbegen_red_0 += ((g + l2 * w) * (g + l2 * w));
-#line 71 "ensemble_rowwise_adagrad/optimizer.h"
+#line 83 "ensemble_rowwise_adagrad/optimizer.h"
     }
     tbegen_red_0 = tbegen_row.all_sum(tbegen_red_0) / static_cast<float>(D);
 #line 40 "optimizers/ensemble_rowwise_adagrad.yaml"
@@ -76,7 +88,7 @@ struct Optimizer {
     float keep = 1.0f;
     if (weight_decay_mode == 1) keep = 1.0f - multiplier * weight_decay;
     if (weight_decay_mode == 2) keep = 1.0f - learning_rate * weight_decay;
-#line 80 "ensemble_rowwise_adagrad/optimizer.h"
+#line 92 "ensemble_rowwise_adagrad/optimizer.h"
     // stage 3: element (optimizers/ensemble_rowwise_adagrad.yaml:46)
     TBEGEN_FOR_ELEMENTS(tbegen_row, tbegen_i) {
       const float g = tbegen_row.g(tbegen_i);
@@ -84,7 +96,7 @@ struct Optimizer {
       {
 #line 46 "optimizers/ensemble_rowwise_adagrad.yaml"
         w = keep * w - multiplier * g;
-#line 88 "ensemble_rowwise_adagrad/optimizer.h"
+#line 100 "ensemble_rowwise_adagrad/optimizer.h"
       }
     }
     if (max_norm > 0.0f) {  // the `when:` of the stages below (optimizers/ensemble_rowwise_adagrad.yaml)
@@ -94,24 +106,24 @@ struct Optimizer {
         const float w = tbegen_row.w(tbegen_i);
 #line 50 "optimizers/ensemble_rowwise_adagrad.yaml"
         tbegen_red_1 += (w * w);
-#line 98 "ensemble_rowwise_adagrad/optimizer.h"
+#line 110 "ensemble_rowwise_adagrad/optimizer.h"
       }
       tbegen_red_1 = tbegen_row.all_sum(tbegen_red_1);
 #line 50 "optimizers/ensemble_rowwise_adagrad.yaml"
       float norm = sqrtf(tbegen_red_1);
       float clamp = norm > max_norm ? max_norm / norm : 1.0f;
-#line 104 "ensemble_rowwise_adagrad/optimizer.h"
+#line 116 "ensemble_rowwise_adagrad/optimizer.h"
       // stage 5: element (optimizers/ensemble_rowwise_adagrad.yaml:54)
       TBEGEN_FOR_ELEMENTS(tbegen_row, tbegen_i) {
         float& w = tbegen_row.w(tbegen_i);
         {
 #line 54 "optimizers/ensemble_rowwise_adagrad.yaml"
           w *= clamp;
-#line 111 "ensemble_rowwise_adagrad/optimizer.h"
+#line 123 "ensemble_rowwise_adagrad/optimizer.h"
         }
       }
     }
-    (void)tbegen_step;
+    (void)tbegen_s;
   }
 
   // ---- whole-table stages (the spec's `table:`) ----
@@ -160,7 +172,7 @@ struct Optimizer {
           if (average && step_mode == 0) {
             sparse_ema = 0.0f;
           }
-#line 164 "ensemble_rowwise_adagrad/optimizer.h"
+#line 176 "ensemble_rowwise_adagrad/optimizer.h"
         }
       }
     }

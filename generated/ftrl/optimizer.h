@@ -39,11 +39,23 @@ struct Optimizer {
   static constexpr int kIntRowStates = 0;
   static constexpr int kTemporaries = 0;  // per-element scratch
 
+  // What the update of every row of one step shares: the step, and the spec's row-stage locals that
+  // depend on nothing but the step and the hyperparameters (tbegen/step_values.py), which a kernel
+  // computes once (step_values) instead of once per row.
+  struct StepValues {
+    int64_t step;
+  };
+
+  static TBEGEN_HD TBEGEN_INLINE StepValues step_values(const Params& tbegen_p, int64_t tbegen_step) {
+    (void)tbegen_p;
+    return StepValues{tbegen_step};
+  }
+
   // Applies the update to the row. Weights, element states and temporaries are accessed through
   // the row view; per-row states are references into it that the kernel writes back afterwards.
   // (The generator's own names start with `tbegen`, which specs may not use.)
   template <class Row>
-  static TBEGEN_HD TBEGEN_INLINE void update_row(Row& tbegen_row, const Params& tbegen_p, int64_t tbegen_step) {
+  static TBEGEN_HD TBEGEN_INLINE void update_row(Row& tbegen_row, const Params& tbegen_p, const StepValues& tbegen_s) {
     const float learning_rate = tbegen_p.learning_rate;
     const float learning_rate_power = tbegen_p.learning_rate_power;
     const float l1 = tbegen_p.l1;
@@ -53,7 +65,7 @@ struct Optimizer {
     // stage 1: row (optimizers/ftrl.yaml:28)
 #line 28 "optimizers/ftrl.yaml"
     const float power = -learning_rate_power;
-#line 57 "ftrl/optimizer.h"
+#line 69 "ftrl/optimizer.h"
     // stage 2: element (optimizers/ftrl.yaml:30)
     TBEGEN_FOR_ELEMENTS(tbegen_row, tbegen_i) {
       const float g = tbegen_row.g(tbegen_i);
@@ -69,10 +81,10 @@ struct Optimizer {
         accumulator = n_new;
         float quadratic = (beta + powf(n_new, power)) / learning_rate + 2.0f * l2;
         w = (fabsf(linear) > l1 && quadratic > 0.0f) ? (copysignf(l1, linear) - linear) / quadratic : 0.0f;
-#line 73 "ftrl/optimizer.h"
+#line 85 "ftrl/optimizer.h"
       }
     }
-    (void)tbegen_step;
+    (void)tbegen_s;
   }
 };
 

@@ -38,23 +38,43 @@ struct Optimizer {
   static constexpr int kIntRowStates = 0;
   static constexpr int kTemporaries = 1;  // per-element scratch [2] r
 
+  // What the update of every row of one step shares: the step, and the spec's row-stage locals that
+  // depend on nothing but the step and the hyperparameters (tbegen/step_values.py), which a kernel
+  // computes once (step_values) instead of once per row.
+  struct StepValues {
+    int64_t step;
+    float bias1;  // optimizers/lamb.yaml:22
+    float bias2;  // optimizers/lamb.yaml:23
+  };
+
+  static TBEGEN_HD TBEGEN_INLINE StepValues step_values(const Params& tbegen_p, int64_t tbegen_step) {
+    const float beta1 = tbegen_p.beta1;
+    const float beta2 = tbegen_p.beta2;
+    const int64_t step = tbegen_step;
+#line 22 "optimizers/lamb.yaml"
+    float bias1 = static_cast<float>(1.0 - pow(static_cast<double>(beta1), static_cast<double>(step)));
+    float bias2 = static_cast<float>(1.0 - pow(static_cast<double>(beta2), static_cast<double>(step)));
+#line 58 "lamb/optimizer.h"
+    return StepValues{tbegen_step, bias1, bias2};
+  }
+
   // Applies the update to the row. Weights, element states and temporaries are accessed through
   // the row view; per-row states are references into it that the kernel writes back afterwards.
   // (The generator's own names start with `tbegen`, which specs may not use.)
   template <class Row>
-  static TBEGEN_HD TBEGEN_INLINE void update_row(Row& tbegen_row, const Params& tbegen_p, int64_t tbegen_step) {
+  static TBEGEN_HD TBEGEN_INLINE void update_row(Row& tbegen_row, const Params& tbegen_p, const StepValues& tbegen_s) {
     const float learning_rate = tbegen_p.learning_rate;
     const float beta1 = tbegen_p.beta1;
     const float beta2 = tbegen_p.beta2;
     const float eps = tbegen_p.eps;
     const float weight_decay = tbegen_p.weight_decay;
-    const int64_t step = tbegen_step;
+    const int64_t step = tbegen_s.step;
     // stage 1: row (optimizers/lamb.yaml:21)
 #line 21 "optimizers/lamb.yaml"
     // 1 - beta^step in double: in float it cancels badly for small steps (beta2 = 0.999).
-    float bias1 = static_cast<float>(1.0 - pow(static_cast<double>(beta1), static_cast<double>(step)));
-    float bias2 = static_cast<float>(1.0 - pow(static_cast<double>(beta2), static_cast<double>(step)));
-#line 58 "lamb/optimizer.h"
+    float bias1 = tbegen_s.bias1;  // computed once per step (step_values)
+    float bias2 = tbegen_s.bias2;  // computed once per step (step_values)
+#line 78 "lamb/optimizer.h"
     // stage 2: element (optimizers/lamb.yaml:25)
     TBEGEN_FOR_ELEMENTS(tbegen_row, tbegen_i) {
       const float g = tbegen_row.g(tbegen_i);
@@ -67,7 +87,7 @@ struct Optimizer {
         exp_avg = beta1 * exp_avg + (1.0f - beta1) * g;
         exp_avg_sq = beta2 * exp_avg_sq + (1.0f - beta2) * g * g;
         r = (exp_avg / bias1) / (sqrtf(exp_avg_sq / bias2) + eps) + weight_decay * w;
-#line 71 "lamb/optimizer.h"
+#line 91 "lamb/optimizer.h"
       }
     }
     // stage 3: row (optimizers/lamb.yaml:29)
@@ -78,10 +98,10 @@ struct Optimizer {
       const float r = tbegen_row.element(2, tbegen_i);
 #line 30 "optimizers/lamb.yaml"
       tbegen_red_0 += (w * w);
-#line 82 "lamb/optimizer.h"
+#line 102 "lamb/optimizer.h"
 #line 31 "optimizers/lamb.yaml"
       tbegen_red_1 += (r * r);
-#line 85 "lamb/optimizer.h"
+#line 105 "lamb/optimizer.h"
     }
     tbegen_red_0 = tbegen_row.all_sum(tbegen_red_0);
     tbegen_red_1 = tbegen_row.all_sum(tbegen_red_1);
@@ -91,7 +111,7 @@ struct Optimizer {
     float direction_norm = sqrtf(tbegen_red_1);
     float ratio = (weight_norm > 0.0f && direction_norm > 0.0f) ? weight_norm / direction_norm : 1.0f;
     float step_size = learning_rate * ratio;
-#line 95 "lamb/optimizer.h"
+#line 115 "lamb/optimizer.h"
     // stage 4: element (optimizers/lamb.yaml:35)
     TBEGEN_FOR_ELEMENTS(tbegen_row, tbegen_i) {
       float& w = tbegen_row.w(tbegen_i);
@@ -99,7 +119,7 @@ struct Optimizer {
       {
 #line 35 "optimizers/lamb.yaml"
         w -= step_size * r;
-#line 103 "lamb/optimizer.h"
+#line 123 "lamb/optimizer.h"
       }
     }
   }

@@ -37,11 +37,23 @@ struct Optimizer {
   static constexpr int kIntRowStates = 0;
   static constexpr int kTemporaries = 0;  // per-element scratch
 
+  // What the update of every row of one step shares: the step, and the spec's row-stage locals that
+  // depend on nothing but the step and the hyperparameters (tbegen/step_values.py), which a kernel
+  // computes once (step_values) instead of once per row.
+  struct StepValues {
+    int64_t step;
+  };
+
+  static TBEGEN_HD TBEGEN_INLINE StepValues step_values(const Params& tbegen_p, int64_t tbegen_step) {
+    (void)tbegen_p;
+    return StepValues{tbegen_step};
+  }
+
   // Applies the update to the row. Weights, element states and temporaries are accessed through
   // the row view; per-row states are references into it that the kernel writes back afterwards.
   // (The generator's own names start with `tbegen`, which specs may not use.)
   template <class Row>
-  static TBEGEN_HD TBEGEN_INLINE void update_row(Row& tbegen_row, const Params& tbegen_p, int64_t tbegen_step) {
+  static TBEGEN_HD TBEGEN_INLINE void update_row(Row& tbegen_row, const Params& tbegen_p, const StepValues& tbegen_s) {
     const float learning_rate = tbegen_p.learning_rate;
     const float eta = tbegen_p.eta;
     const float momentum = tbegen_p.momentum;
@@ -54,10 +66,10 @@ struct Optimizer {
       const float w = tbegen_row.w(tbegen_i);
 #line 19 "optimizers/lars_sgd.yaml"
       tbegen_red_0 += (w * w);
-#line 58 "lars_sgd/optimizer.h"
+#line 70 "lars_sgd/optimizer.h"
 #line 20 "optimizers/lars_sgd.yaml"
       tbegen_red_1 += (g * g);
-#line 61 "lars_sgd/optimizer.h"
+#line 73 "lars_sgd/optimizer.h"
     }
     tbegen_red_0 = tbegen_row.all_sum(tbegen_red_0);
     tbegen_red_1 = tbegen_row.all_sum(tbegen_red_1);
@@ -66,7 +78,7 @@ struct Optimizer {
     float grad_norm = sqrtf(tbegen_red_1);
     float denom = grad_norm + weight_decay * weight_norm;
     float local_lr = (weight_norm > 0.0f && denom > 0.0f) ? learning_rate * eta * weight_norm / denom : learning_rate;
-#line 70 "lars_sgd/optimizer.h"
+#line 82 "lars_sgd/optimizer.h"
     // stage 2: element (optimizers/lars_sgd.yaml:24)
     TBEGEN_FOR_ELEMENTS(tbegen_row, tbegen_i) {
       const float g = tbegen_row.g(tbegen_i);
@@ -76,10 +88,10 @@ struct Optimizer {
 #line 24 "optimizers/lars_sgd.yaml"
         momentum_buffer = momentum * momentum_buffer + local_lr * (g + weight_decay * w);
         w -= momentum_buffer;
-#line 80 "lars_sgd/optimizer.h"
+#line 92 "lars_sgd/optimizer.h"
       }
     }
-    (void)tbegen_step;
+    (void)tbegen_s;
   }
 };
 

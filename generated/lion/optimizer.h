@@ -37,11 +37,23 @@ struct Optimizer {
   static constexpr int kIntRowStates = 0;
   static constexpr int kTemporaries = 0;  // per-element scratch
 
+  // What the update of every row of one step shares: the step, and the spec's row-stage locals that
+  // depend on nothing but the step and the hyperparameters (tbegen/step_values.py), which a kernel
+  // computes once (step_values) instead of once per row.
+  struct StepValues {
+    int64_t step;
+  };
+
+  static TBEGEN_HD TBEGEN_INLINE StepValues step_values(const Params& tbegen_p, int64_t tbegen_step) {
+    (void)tbegen_p;
+    return StepValues{tbegen_step};
+  }
+
   // Applies the update to the row. Weights, element states and temporaries are accessed through
   // the row view; per-row states are references into it that the kernel writes back afterwards.
   // (The generator's own names start with `tbegen`, which specs may not use.)
   template <class Row>
-  static TBEGEN_HD TBEGEN_INLINE void update_row(Row& tbegen_row, const Params& tbegen_p, int64_t tbegen_step) {
+  static TBEGEN_HD TBEGEN_INLINE void update_row(Row& tbegen_row, const Params& tbegen_p, const StepValues& tbegen_s) {
     const float learning_rate = tbegen_p.learning_rate;
     const float beta1 = tbegen_p.beta1;
     const float beta2 = tbegen_p.beta2;
@@ -57,10 +69,10 @@ struct Optimizer {
         float direction = c > 0.0f ? 1.0f : (c < 0.0f ? -1.0f : 0.0f);
         w = w * (1.0f - learning_rate * weight_decay) - learning_rate * direction;
         exp_avg = beta2 * exp_avg + (1.0f - beta2) * g;
-#line 61 "lion/optimizer.h"
+#line 73 "lion/optimizer.h"
       }
     }
-    (void)tbegen_step;
+    (void)tbegen_s;
   }
 };
 

@@ -38,17 +38,37 @@ struct Optimizer {
   static constexpr int kIntRowStates = 0;
   static constexpr int kTemporaries = 1;  // per-element scratch [1] r
 
+  // What the update of every row of one step shares: the step, and the spec's row-stage locals that
+  // depend on nothing but the step and the hyperparameters (tbegen/step_values.py), which a kernel
+  // computes once (step_values) instead of once per row.
+  struct StepValues {
+    int64_t step;
+    float bias1;  // optimizers/partial_rowwise_lamb.yaml:23
+    float bias2;  // optimizers/partial_rowwise_lamb.yaml:24
+  };
+
+  static TBEGEN_HD TBEGEN_INLINE StepValues step_values(const Params& tbegen_p, int64_t tbegen_step) {
+    const float beta1 = tbegen_p.beta1;
+    const float beta2 = tbegen_p.beta2;
+    const int64_t step = tbegen_step;
+#line 23 "optimizers/partial_rowwise_lamb.yaml"
+    float bias1 = static_cast<float>(1.0 - pow(static_cast<double>(beta1), static_cast<double>(step)));
+    float bias2 = static_cast<float>(1.0 - pow(static_cast<double>(beta2), static_cast<double>(step)));
+#line 58 "partial_rowwise_lamb/optimizer.h"
+    return StepValues{tbegen_step, bias1, bias2};
+  }
+
   // Applies the update to the row. Weights, element states and temporaries are accessed through
   // the row view; per-row states are references into it that the kernel writes back afterwards.
   // (The generator's own names start with `tbegen`, which specs may not use.)
   template <class Row>
-  static TBEGEN_HD TBEGEN_INLINE void update_row(Row& tbegen_row, const Params& tbegen_p, int64_t tbegen_step) {
+  static TBEGEN_HD TBEGEN_INLINE void update_row(Row& tbegen_row, const Params& tbegen_p, const StepValues& tbegen_s) {
     const float learning_rate = tbegen_p.learning_rate;
     const float beta1 = tbegen_p.beta1;
     const float beta2 = tbegen_p.beta2;
     const float eps = tbegen_p.eps;
     const float weight_decay = tbegen_p.weight_decay;
-    const int64_t step = tbegen_step;
+    const int64_t step = tbegen_s.step;
     const int D = tbegen_row.dim();
     float& exp_avg_sq = tbegen_row.row_state(0);
     // stage 1: row (optimizers/partial_rowwise_lamb.yaml:22)
@@ -57,16 +77,16 @@ struct Optimizer {
       const float g = tbegen_row.g(tbegen_i);
 #line 25 "optimizers/partial_rowwise_lamb.yaml"
       tbegen_red_0 += (g * g);
-#line 61 "partial_rowwise_lamb/optimizer.h"
+#line 81 "partial_rowwise_lamb/optimizer.h"
     }
     tbegen_red_0 = tbegen_row.all_sum(tbegen_red_0) / static_cast<float>(D);
 #line 22 "optimizers/partial_rowwise_lamb.yaml"
     // 1 - beta^step in double: in float it cancels badly for small steps (beta2 = 0.999).
-    float bias1 = static_cast<float>(1.0 - pow(static_cast<double>(beta1), static_cast<double>(step)));
-    float bias2 = static_cast<float>(1.0 - pow(static_cast<double>(beta2), static_cast<double>(step)));
+    float bias1 = tbegen_s.bias1;  // computed once per step (step_values)
+    float bias2 = tbegen_s.bias2;  // computed once per step (step_values)
     exp_avg_sq = beta2 * exp_avg_sq + (1.0f - beta2) * tbegen_red_0;
     float denom = sqrtf(exp_avg_sq / bias2) + eps;
-#line 70 "partial_rowwise_lamb/optimizer.h"
+#line 90 "partial_rowwise_lamb/optimizer.h"
     // stage 2: element (optimizers/partial_rowwise_lamb.yaml:28)
     TBEGEN_FOR_ELEMENTS(tbegen_row, tbegen_i) {
       const float g = tbegen_row.g(tbegen_i);
@@ -77,7 +97,7 @@ struct Optimizer {
 #line 28 "optimizers/partial_rowwise_lamb.yaml"
         exp_avg = beta1 * exp_avg + (1.0f - beta1) * g;
         r = (exp_avg / bias1) / denom + weight_decay * w;
-#line 81 "partial_rowwise_lamb/optimizer.h"
+#line 101 "partial_rowwise_lamb/optimizer.h"
       }
     }
     // stage 3: row (optimizers/partial_rowwise_lamb.yaml:31)
@@ -88,10 +108,10 @@ struct Optimizer {
       const float r = tbegen_row.element(1, tbegen_i);
 #line 32 "optimizers/partial_rowwise_lamb.yaml"
       tbegen_red_1 += (w * w);
-#line 92 "partial_rowwise_lamb/optimizer.h"
+#line 112 "partial_rowwise_lamb/optimizer.h"
 #line 33 "optimizers/partial_rowwise_lamb.yaml"
       tbegen_red_2 += (r * r);
-#line 95 "partial_rowwise_lamb/optimizer.h"
+#line 115 "partial_rowwise_lamb/optimizer.h"
     }
     tbegen_red_1 = tbegen_row.all_sum(tbegen_red_1);
     tbegen_red_2 = tbegen_row.all_sum(tbegen_red_2);
@@ -101,7 +121,7 @@ struct Optimizer {
     float direction_norm = sqrtf(tbegen_red_2);
     float ratio = (weight_norm > 0.0f && direction_norm > 0.0f) ? weight_norm / direction_norm : 1.0f;
     float step_size = learning_rate * ratio;
-#line 105 "partial_rowwise_lamb/optimizer.h"
+#line 125 "partial_rowwise_lamb/optimizer.h"
     // stage 4: element (optimizers/partial_rowwise_lamb.yaml:37)
     TBEGEN_FOR_ELEMENTS(tbegen_row, tbegen_i) {
       float& w = tbegen_row.w(tbegen_i);
@@ -109,7 +129,7 @@ struct Optimizer {
       {
 #line 37 "optimizers/partial_rowwise_lamb.yaml"
         w -= step_size * r;
-#line 113 "partial_rowwise_lamb/optimizer.h"
+#line 133 "partial_rowwise_lamb/optimizer.h"
       }
     }
   }

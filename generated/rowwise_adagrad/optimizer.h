@@ -38,11 +38,23 @@ struct Optimizer {
   static constexpr int kIntRowStates = 0;
   static constexpr int kTemporaries = 0;  // per-element scratch
 
+  // What the update of every row of one step shares: the step, and the spec's row-stage locals that
+  // depend on nothing but the step and the hyperparameters (tbegen/step_values.py), which a kernel
+  // computes once (step_values) instead of once per row.
+  struct StepValues {
+    int64_t step;
+  };
+
+  static TBEGEN_HD TBEGEN_INLINE StepValues step_values(const Params& tbegen_p, int64_t tbegen_step) {
+    (void)tbegen_p;
+    return StepValues{tbegen_step};
+  }
+
   // Applies the update to the row. Weights, element states and temporaries are accessed through
   // the row view; per-row states are references into it that the kernel writes back afterwards.
   // (The generator's own names start with `tbegen`, which specs may not use.)
   template <class Row>
-  static TBEGEN_HD TBEGEN_INLINE void update_row(Row& tbegen_row, const Params& tbegen_p, int64_t tbegen_step) {
+  static TBEGEN_HD TBEGEN_INLINE void update_row(Row& tbegen_row, const Params& tbegen_p, const StepValues& tbegen_s) {
     const float learning_rate = tbegen_p.learning_rate;
     const float eps = tbegen_p.eps;
     const float weight_decay = tbegen_p.weight_decay;
@@ -54,7 +66,7 @@ struct Optimizer {
 #line 17 "optimizers/rowwise_adagrad.yaml"
     // L2 decay (mode 1) adds weight_decay * w to the gradient that feeds the accumulator.
     float l2 = weight_decay_mode == 1 ? weight_decay : 0.0f;
-#line 58 "rowwise_adagrad/optimizer.h"
+#line 70 "rowwise_adagrad/optimizer.h"
     // stage 2: row (optimizers/rowwise_adagrad.yaml:20)
     float tbegen_red_0 = 0.0f;  // row_mean((g + l2 * w) * (g + l2 * w))
     TBEGEN_FOR_ELEMENTS_SUM(tbegen_row, tbegen_i, tbegen_red_0) {
@@ -62,7 +74,7 @@ struct Optimizer {
       const float w = tbegen_row.w(tbegen_i);
 #line 20 "optimizers/rowwise_adagrad.yaml"
       tbegen_red_0 += ((g + l2 * w) * (g + l2 * w));
-#line 66 "rowwise_adagrad/optimizer.h"
+#line 78 "rowwise_adagrad/optimizer.h"
     }
     tbegen_red_0 = tbegen_row.all_sum(tbegen_red_0) / static_cast<float>(D);
 #line 20 "optimizers/rowwise_adagrad.yaml"
@@ -71,7 +83,7 @@ struct Optimizer {
     float keep = 1.0f;
     if (weight_decay_mode == 1) keep = 1.0f - multiplier * weight_decay;
     if (weight_decay_mode == 2) keep = 1.0f - learning_rate * weight_decay;
-#line 75 "rowwise_adagrad/optimizer.h"
+#line 87 "rowwise_adagrad/optimizer.h"
     // stage 3: element (optimizers/rowwise_adagrad.yaml:26)
     TBEGEN_FOR_ELEMENTS(tbegen_row, tbegen_i) {
       const float g = tbegen_row.g(tbegen_i);
@@ -79,7 +91,7 @@ struct Optimizer {
       {
 #line 26 "optimizers/rowwise_adagrad.yaml"
         w = keep * w - multiplier * g;
-#line 83 "rowwise_adagrad/optimizer.h"
+#line 95 "rowwise_adagrad/optimizer.h"
       }
     }
     if (max_norm > 0.0f) {  // the `when:` of the stages below (optimizers/rowwise_adagrad.yaml)
@@ -89,24 +101,24 @@ struct Optimizer {
         const float w = tbegen_row.w(tbegen_i);
 #line 30 "optimizers/rowwise_adagrad.yaml"
         tbegen_red_1 += (w * w);
-#line 93 "rowwise_adagrad/optimizer.h"
+#line 105 "rowwise_adagrad/optimizer.h"
       }
       tbegen_red_1 = tbegen_row.all_sum(tbegen_red_1);
 #line 30 "optimizers/rowwise_adagrad.yaml"
       float norm = sqrtf(tbegen_red_1);
       float clamp = norm > max_norm ? max_norm / norm : 1.0f;
-#line 99 "rowwise_adagrad/optimizer.h"
+#line 111 "rowwise_adagrad/optimizer.h"
       // stage 5: element (optimizers/rowwise_adagrad.yaml:34)
       TBEGEN_FOR_ELEMENTS(tbegen_row, tbegen_i) {
         float& w = tbegen_row.w(tbegen_i);
         {
 #line 34 "optimizers/rowwise_adagrad.yaml"
           w *= clamp;
-#line 106 "rowwise_adagrad/optimizer.h"
+#line 118 "rowwise_adagrad/optimizer.h"
         }
       }
     }
-    (void)tbegen_step;
+    (void)tbegen_s;
   }
 };
 

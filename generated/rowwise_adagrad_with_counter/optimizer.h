@@ -47,11 +47,29 @@ struct Optimizer {
   static constexpr int kIntRowStates = 1;
   static constexpr int kTemporaries = 0;  // per-element scratch
 
+  // What the update of every row of one step shares: the step, and the spec's row-stage locals that
+  // depend on nothing but the step and the hyperparameters (tbegen/step_values.py), which a kernel
+  // computes once (step_values) instead of once per row.
+  struct StepValues {
+    int64_t step;
+    float threshold;  // optimizers/rowwise_adagrad_with_counter.yaml:57
+  };
+
+  static TBEGEN_HD TBEGEN_INLINE StepValues step_values(const Params& tbegen_p, int64_t tbegen_step) {
+    const float max_counter = tbegen_p.max_counter;
+    const float tail_id_threshold = tbegen_p.tail_id_threshold;
+    const int64_t is_tail_id_thresh_ratio = tbegen_p.is_tail_id_thresh_ratio;
+#line 57 "optimizers/rowwise_adagrad_with_counter.yaml"
+    float threshold = is_tail_id_thresh_ratio != 0 ? floorf(tail_id_threshold * max_counter) : tail_id_threshold;
+#line 65 "rowwise_adagrad_with_counter/optimizer.h"
+    return StepValues{tbegen_step, threshold};
+  }
+
   // Applies the update to the row. Weights, element states and temporaries are accessed through
   // the row view; per-row states are references into it that the kernel writes back afterwards.
   // (The generator's own names start with `tbegen`, which specs may not use.)
   template <class Row>
-  static TBEGEN_HD TBEGEN_INLINE void update_row(Row& tbegen_row, const Params& tbegen_p, int64_t tbegen_step) {
+  static TBEGEN_HD TBEGEN_INLINE void update_row(Row& tbegen_row, const Params& tbegen_p, const StepValues& tbegen_s) {
     const float learning_rate = tbegen_p.learning_rate;
     const float eps = tbegen_p.eps;
     const float weight_decay = tbegen_p.weight_decay;
@@ -66,7 +84,7 @@ struct Optimizer {
     const int64_t is_tail_id_thresh_ratio = tbegen_p.is_tail_id_thresh_ratio;
     const float weight_norm_coefficient = tbegen_p.weight_norm_coefficient;
     const float lower_bound = tbegen_p.lower_bound;
-    const int64_t step = tbegen_step;
+    const int64_t step = tbegen_s.step;
     const int D = tbegen_row.dim();
     float& momentum = tbegen_row.row_state(0);
     float& row_counter = tbegen_row.row_state(1);
@@ -83,9 +101,9 @@ struct Optimizer {
       row_counter += 1.0f;
     }
     float freq = static_cast<float>(counter_halflife) / row_counter;
-    float threshold = is_tail_id_thresh_ratio != 0 ? floorf(tail_id_threshold * max_counter) : tail_id_threshold;
+    float threshold = tbegen_s.threshold;  // computed once per step (step_values)
     float l2 = weight_decay_mode == 1 ? weight_decay : 0.0f;
-#line 89 "rowwise_adagrad_with_counter/optimizer.h"
+#line 107 "rowwise_adagrad_with_counter/optimizer.h"
     // stage 2: row (optimizers/rowwise_adagrad_with_counter.yaml:60)
     float tbegen_red_0 = 0.0f;  // row_sum((g + l2 * w) * (g + l2 * w))
     float tbegen_red_1 = 0.0f;  // row_sum(w * w)
@@ -94,10 +112,10 @@ struct Optimizer {
       const float w = tbegen_row.w(tbegen_i);
 #line 61 "optimizers/rowwise_adagrad_with_counter.yaml"
       tbegen_red_0 += ((g + l2 * w) * (g + l2 * w));
-#line 98 "rowwise_adagrad_with_counter/optimizer.h"
+#line 116 "rowwise_adagrad_with_counter/optimizer.h"
 #line 62 "optimizers/rowwise_adagrad_with_counter.yaml"
       tbegen_red_1 += (w * w);
-#line 101 "rowwise_adagrad_with_counter/optimizer.h"
+#line 119 "rowwise_adagrad_with_counter/optimizer.h"
     }
     tbegen_red_0 = tbegen_row.all_sum(tbegen_red_0);
     tbegen_red_1 = tbegen_row.all_sum(tbegen_red_1);
@@ -150,7 +168,7 @@ struct Optimizer {
       }
     }
     prev_iter = step;
-#line 154 "rowwise_adagrad_with_counter/optimizer.h"
+#line 172 "rowwise_adagrad_with_counter/optimizer.h"
     // stage 3: element (optimizers/rowwise_adagrad_with_counter.yaml:109)
     TBEGEN_FOR_ELEMENTS(tbegen_row, tbegen_i) {
       const float g = tbegen_row.g(tbegen_i);
@@ -158,7 +176,7 @@ struct Optimizer {
       {
 #line 109 "optimizers/rowwise_adagrad_with_counter.yaml"
         w = correction * w - adjusted * g;
-#line 162 "rowwise_adagrad_with_counter/optimizer.h"
+#line 180 "rowwise_adagrad_with_counter/optimizer.h"
       }
     }
   }

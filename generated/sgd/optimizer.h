@@ -34,11 +34,23 @@ struct Optimizer {
   static constexpr int kIntRowStates = 0;
   static constexpr int kTemporaries = 0;  // per-element scratch
 
+  // What the update of every row of one step shares: the step, and the spec's row-stage locals that
+  // depend on nothing but the step and the hyperparameters (tbegen/step_values.py), which a kernel
+  // computes once (step_values) instead of once per row.
+  struct StepValues {
+    int64_t step;
+  };
+
+  static TBEGEN_HD TBEGEN_INLINE StepValues step_values(const Params& tbegen_p, int64_t tbegen_step) {
+    (void)tbegen_p;
+    return StepValues{tbegen_step};
+  }
+
   // Applies the update to the row. Weights, element states and temporaries are accessed through
   // the row view; per-row states are references into it that the kernel writes back afterwards.
   // (The generator's own names start with `tbegen`, which specs may not use.)
   template <class Row>
-  static TBEGEN_HD TBEGEN_INLINE void update_row(Row& tbegen_row, const Params& tbegen_p, int64_t tbegen_step) {
+  static TBEGEN_HD TBEGEN_INLINE void update_row(Row& tbegen_row, const Params& tbegen_p, const StepValues& tbegen_s) {
     const float learning_rate = tbegen_p.learning_rate;
     // stage 1: element (optimizers/sgd.yaml:6)
     TBEGEN_FOR_ELEMENTS(tbegen_row, tbegen_i) {
@@ -47,10 +59,10 @@ struct Optimizer {
       {
 #line 6 "optimizers/sgd.yaml"
         w -= learning_rate * g;
-#line 51 "sgd/optimizer.h"
+#line 63 "sgd/optimizer.h"
       }
     }
-    (void)tbegen_step;
+    (void)tbegen_s;
   }
 };
 

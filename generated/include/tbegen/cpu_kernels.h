@@ -211,19 +211,20 @@ void backward(const Batch& b, const int64_t* feat, int64_t total_hash_size, cons
   using Row = CpuRow<kElementSlots, Opt::kRowStates, Opt::kIntRowStates>;
   // Where the row at sorted position j lives: its key (per-row states) and its offset in the
   // weights buffer (element states share the offsets).
+  const FastDivisor by_B = FastDivisor::of(b.B);  // bag -> feature without a division
   auto row_at = [&](int64_t j, int64_t* key, int* D) {
     *key = key_at(j);
-    const int64_t* ft = feat + (bag_of[pos_at(j)] / b.B) * kFeatColumns;
+    const int64_t* ft = feat + by_B.quotient(bag_of[pos_at(j)]) * kFeatColumns;
     *D = int(ft[kFeatDim]);
     return ft[kFeatWeightsOffset] + (*key - ft[kFeatKeyBase]) * *D;
   };
   // Occurrence i's output-gradient row and the factor its forward applied to the weight row.
   // Features that share a table share its keys, but each has its own output columns.
   auto grad_row_of = [&](int64_t i) {
-    const int64_t bag = bag_of[i];
-    return b.pooling == kPoolNone ? grad_output + i * b.max_D
-                                  : grad_output + (bag % b.B) * b.total_D +
-                                        feat[(bag / b.B) * kFeatColumns + kFeatOutOffset];
+    if (b.pooling == kPoolNone) return grad_output + i * b.max_D;
+    const int32_t bag = bag_of[i];
+    const int32_t f = by_B.quotient(bag);
+    return grad_output + int64_t(bag - f * int32_t(b.B)) * b.total_D + feat[f * kFeatColumns + kFeatOutOffset];
   };
   auto scale_of = [&](int64_t i) {
     const int64_t bag = bag_of[i];
@@ -234,6 +235,8 @@ void backward(const Batch& b, const int64_t* feat, int64_t total_hash_size, cons
   const bool vector_split = vector_layout(feat, b.F, b.total_D, b.max_D);
   // float weights are updated in place; the others through a float copy of the row.
   constexpr bool kInPlace = std::is_same_v<W, float>;
+  // the values of the update that depend on the step only (Optimizer::StepValues), once per call
+  const typename Opt::StepValues step_values = Opt::step_values(params, ctx.step);
   // Each task updates the rows whose runs start at the sorted positions [begin, end): a run is
   // never split, so every row is summed and updated by one thread, in the same order whatever
   // the number of threads.
@@ -313,7 +316,7 @@ void backward(const Batch& b, const int64_t* feat, int64_t total_hash_size, cons
         }
       }
 
-      Opt::update_row(row, params, ctx.step);
+      Opt::update_row(row, params, step_values);
 
       for (int k = 0; k < Opt::kElementStates; ++k) {
         const int32_t dtype = params.element_state_dtypes[k];
@@ -442,9 +445,12 @@ struct LaneSplit {
   static constexpr int kRowStates = Opt::kRowStates;
   static constexpr int kTemporaries = Opt::kTemporaries;
   static constexpr int kIntRowStates = Opt::kIntRowStates;
+  using StepValues = typename Opt::StepValues;
+
+  static StepValues step_values(const Params& params, int64_t step) { return Opt::step_values(params, step); }
 
   template <class Row>
-  static void update_row(Row& row, const Params& params, int64_t step) {
+  static void update_row(Row& row, const Params& params, const StepValues& step) {
     constexpr int kSlots = kElementStates + kTemporaries;
     using Lane = LaneSplitRow<kSlots, kRowStates, kIntRowStates>;
     TBEGEN_CHECK(row.vector_split ? row.D <= kLaneMaxVecs * 128 : row.D <= kLanes * kLaneMaxValues,

@@ -247,8 +247,9 @@ __device__ __forceinline__ void begin_row(OptColumnRow<Opt>& row, const typename
 // states from lane 0).
 template <class Opt, typename W>
 __device__ __forceinline__ void update_and_store(OptColumnRow<Opt>& row, const typename Opt::Params& p,
-                                                 const RowUpdateContext& ctx, W* weights, int64_t key, int64_t woff) {
-  Opt::update_row(row, p, ctx.step);
+                                                 const RowUpdateContext& ctx, const typename Opt::StepValues& sv,
+                                                 W* weights, int64_t key, int64_t woff) {
+  Opt::update_row(row, p, sv);
   if constexpr (sizeof(W) != 4) {
     for (int d = row.lane; d < row.D; d += kWarpSize) {
       const uint32_t bits = ctx.stochastic_rounding ? random_bits(ctx.seed, ctx.step, key, d) : 0u;
@@ -283,6 +284,8 @@ template <class Opt, typename W>
 __global__ void __launch_bounds__(256) backward_warp_kernel(BackwardArgs a, Runs r, Occurrences o, typename Opt::Params p,
                                                             RowUpdateContext ctx, W* weights, float* scratch) {
   if (update_blocked(a)) return;
+  // the values of the update that depend on the step only (Optimizer::StepValues), once per thread
+  const typename Opt::StepValues sv = Opt::step_values(p, ctx.step);
   const int lane = threadIdx.x % kWarpSize;
   const int64_t warps = int64_t(gridDim.x) * blockDim.x / kWarpSize;
   const int32_t num_runs = r.counts[0];
@@ -299,7 +302,7 @@ __global__ void __launch_bounds__(256) backward_warp_kernel(BackwardArgs a, Runs
     locate_row(a, o.bag[start], key, &row.D, &woff);
     begin_row<Opt, W>(row, p, weights, key, woff, mine, a.max_D);
     add_occurrences(a, o, row.D, lane, start, int64_t(start) + len, row.g_);
-    update_and_store<Opt, W>(row, p, ctx, weights, key, woff);
+    update_and_store<Opt, W>(row, p, ctx, sv, weights, key, woff);
   }
 }
 
@@ -311,6 +314,8 @@ __global__ void __launch_bounds__(256) backward_segment_kernel(BackwardArgs a, R
                                                                RowUpdateContext ctx, W* weights, float* partial,
                                                                float* scratch) {
   if (update_blocked(a)) return;
+  // the values of the update that depend on the step only (Optimizer::StepValues), once per thread
+  const typename Opt::StepValues sv = Opt::step_values(p, ctx.step);
   const int lane = threadIdx.x % kWarpSize;
   const int64_t warps = int64_t(gridDim.x) * blockDim.x / kWarpSize;
   const int32_t num_runs = r.counts[0];
@@ -337,7 +342,7 @@ __global__ void __launch_bounds__(256) backward_segment_kernel(BackwardArgs a, R
     if (run.nseg == 1) {
       begin_row<Opt, W>(row, p, weights, run.key, woff, mine, a.max_D);
       add_occurrences(a, o, row.D, lane, int64_t(run.first) + begin, int64_t(run.first) + end, row.g_);
-      update_and_store<Opt, W>(row, p, ctx, weights, run.key, woff);
+      update_and_store<Opt, W>(row, p, ctx, sv, weights, run.key, woff);
     } else {
       float* out = partial + int64_t(run.segments.y + seg) * a.max_D;
       for (int d = lane; d < row.D; d += kWarpSize) out[d] = 0.0f;
@@ -353,6 +358,8 @@ __global__ void __launch_bounds__(256) backward_finish_kernel(BackwardArgs a, Ru
                                                               RowUpdateContext ctx, W* weights, const float* partial,
                                                               float* scratch) {
   if (update_blocked(a)) return;
+  // the values of the update that depend on the step only (Optimizer::StepValues), once per thread
+  const typename Opt::StepValues sv = Opt::step_values(p, ctx.step);
   const int lane = threadIdx.x % kWarpSize;
   const int64_t warps = int64_t(gridDim.x) * blockDim.x / kWarpSize;
   const int32_t num_runs = r.counts[0];
@@ -370,7 +377,7 @@ __global__ void __launch_bounds__(256) backward_finish_kernel(BackwardArgs a, Ru
     for (int32_t j = 0; j < run.nseg; ++j) {
       for (int d = lane; d < row.D; d += kWarpSize) row.g_[d] += in[int64_t(j) * a.max_D + d];
     }
-    update_and_store<Opt, W>(row, p, ctx, weights, run.key, woff);
+    update_and_store<Opt, W>(row, p, ctx, sv, weights, run.key, woff);
   }
 }
 

@@ -542,6 +542,7 @@ struct Occurrences {
 struct BackwardArgs {
   const int64_t* feat;
   int64_t B, total_D, max_D;
+  FastDivisor by_B;  // bag -> feature (bag / B) without a division
   int64_t pooling;
   const float* grad_output;
   const int64_t* error;
@@ -556,15 +557,15 @@ __device__ __forceinline__ bool update_blocked(const BackwardArgs& a) {
 // Where a run's row lives: its width and offset in the weights buffer, from the bag of any of its
 // occurrences (features sharing a table share the table's width and offset).
 __device__ __forceinline__ void locate_row(const BackwardArgs& a, int32_t bag, int64_t key, int* D, int64_t* woff) {
-  const int64_t* ft = a.feat + (bag / a.B) * kFeatColumns;
+  const int64_t* ft = a.feat + a.by_B.quotient(bag) * kFeatColumns;
   *D = int(ft[kFeatDim]);
   *woff = ft[kFeatWeightsOffset] + (key - ft[kFeatKeyBase]) * *D;
 }
 
 __device__ __forceinline__ const float* grad_row(const BackwardArgs& a, int32_t position, int32_t bag) {
-  return a.pooling == kPoolNone ? a.grad_output + int64_t(position) * a.max_D
-                                : a.grad_output + (bag % a.B) * a.total_D +
-                                      a.feat[(bag / a.B) * kFeatColumns + kFeatOutOffset];
+  if (a.pooling == kPoolNone) return a.grad_output + int64_t(position) * a.max_D;
+  const int32_t f = a.by_B.quotient(bag);
+  return a.grad_output + int64_t(bag - f * int32_t(a.B)) * a.total_D + a.feat[f * kFeatColumns + kFeatOutOffset];
 }
 
 // One occurrence's metadata, held by one lane and broadcast to the warp with shuffles.
@@ -667,8 +668,9 @@ __device__ __forceinline__ void store_row(Row& row, const typename Opt::Params& 
 // weights and states back.
 template <class Opt, typename W, class Row>
 __device__ __forceinline__ void update_and_store(Row& row, const typename Opt::Params& p, const RowUpdateContext& ctx,
-                                                 W* weights, int64_t key, int64_t woff) {
-  Opt::update_row(row, p, ctx.step);
+                                                 const typename Opt::StepValues& sv, W* weights, int64_t key,
+                                                 int64_t woff) {
+  Opt::update_row(row, p, sv);
   store_row<Opt, W>(row, p, ctx, weights, key, woff);
 }
 
@@ -697,6 +699,8 @@ template <class Opt, typename W, int kVecs>
 __global__ void __launch_bounds__(256) backward_warp_kernel(BackwardArgs a, Runs r, Occurrences o, typename Opt::Params p,
                                                             RowUpdateContext ctx, W* weights) {
   if (update_blocked(a)) return;
+  // the values of the update that depend on the step only (Optimizer::StepValues), once per thread
+  const typename Opt::StepValues sv = Opt::step_values(p, ctx.step);
   // (measured on the H200, run G: a gain for rows of <= 128 columns without per-element state; with
   // element states or wider rows the extra registers cost more than the overlap brings)
   constexpr bool kLoadAhead = kVecs == 1 && Opt::kElementStates == 0;
@@ -745,7 +749,7 @@ __global__ void __launch_bounds__(256) backward_warp_kernel(BackwardArgs a, Runs
         const int n = cur.len - base < kWarpSize ? cur.len - base : kWarpSize;
         add_chunk<kVecs>(a, o, cur.row.D, lane, cur.start + base, n, cur.row.g_);
       }
-      update_and_store<Opt, W>(cur.row, p, ctx, weights, cur.key, cur.woff);
+      update_and_store<Opt, W>(cur.row, p, ctx, sv, weights, cur.key, cur.woff);
       if (!more) break;
       if (kLoadAhead) {
         cur = next;
@@ -772,6 +776,8 @@ template <class Opt, typename W, int kVecs>
 __global__ void __launch_bounds__(256) backward_group_kernel(BackwardArgs a, Runs r, Occurrences o, typename Opt::Params p,
                                                              RowUpdateContext ctx, W* weights) {
   if (update_blocked(a)) return;
+  // the values of the update that depend on the step only (Optimizer::StepValues), once per thread
+  const typename Opt::StepValues sv = Opt::step_values(p, ctx.step);
   const int lane = threadIdx.x % kWarpSize;
   const int64_t warps = int64_t(gridDim.x) * blockDim.x / kWarpSize;
   const int32_t num_runs = r.counts[0];
@@ -789,7 +795,7 @@ __global__ void __launch_bounds__(256) backward_group_kernel(BackwardArgs a, Run
       my_len = r.end_of(group + lane, num_runs) - my_start;
       my_key = r.key_at(my_start);
       my_first.fetch(o, my_start, none_pooling);
-      my_lanes = lanes_for_row(int(a.feat[(my_first.bag / a.B) * kFeatColumns + kFeatDim]));
+      my_lanes = lanes_for_row(int(a.feat[a.by_B.quotient(my_first.bag) * kFeatColumns + kFeatDim]));
     }
     // (as in backward_warp_kernel: long runs and skipped bad indices are not this kernel's)
     unsigned todo = __ballot_sync(kFullMask, group + lane < num_runs && my_len < r.max_segment_length_per_warp &&
@@ -838,7 +844,7 @@ __global__ void __launch_bounds__(256) backward_group_kernel(BackwardArgs a, Run
         }
       }
       // every lane runs the update (its reductions are shuffles); a group without a run stores nothing
-      Opt::update_row(row, p, ctx.step);
+      Opt::update_row(row, p, sv);
       if (active) store_row<Opt, W>(row, p, ctx, weights, key, woff);
     }
   }
@@ -871,6 +877,8 @@ template <class Opt, typename W, int kVecs>
 __global__ void __launch_bounds__(256) backward_segment_kernel(BackwardArgs a, Runs r, Occurrences o, typename Opt::Params p,
                                                                RowUpdateContext ctx, W* weights, float* partial) {
   if (update_blocked(a)) return;
+  // the values of the update that depend on the step only (Optimizer::StepValues), once per thread
+  const typename Opt::StepValues sv = Opt::step_values(p, ctx.step);
   constexpr int kWidth = kVecs * 128;
   const int lane = threadIdx.x % kWarpSize;
   const int64_t warps = int64_t(gridDim.x) * blockDim.x / kWarpSize;
@@ -902,7 +910,7 @@ __global__ void __launch_bounds__(256) backward_segment_kernel(BackwardArgs a, R
       add_chunk<kVecs>(a, o, row.D, lane, run.first + base, n, row.g_);
     }
     if (run.nseg == 1) {
-      update_and_store<Opt, W>(row, p, ctx, weights, run.key, woff);
+      update_and_store<Opt, W>(row, p, ctx, sv, weights, run.key, woff);
     } else {
       float* out = partial + int64_t(run.segments.y + seg) * kWidth;
 #pragma unroll
@@ -917,6 +925,8 @@ template <class Opt, typename W, int kVecs>
 __global__ void __launch_bounds__(256) backward_finish_kernel(BackwardArgs a, Runs r, Occurrences o, typename Opt::Params p,
                                                               RowUpdateContext ctx, W* weights, const float* partial) {
   if (update_blocked(a)) return;
+  // the values of the update that depend on the step only (Optimizer::StepValues), once per thread
+  const typename Opt::StepValues sv = Opt::step_values(p, ctx.step);
   constexpr int kWidth = kVecs * 128;
   const int lane = threadIdx.x % kWarpSize;
   const int64_t warps = int64_t(gridDim.x) * blockDim.x / kWarpSize;
@@ -943,7 +953,7 @@ __global__ void __launch_bounds__(256) backward_finish_kernel(BackwardArgs a, Ru
         for (int c = 0; c < 4; ++c) row.g_[v * 4 + c] += x[c];
       }
     }
-    update_and_store<Opt, W>(row, p, ctx, weights, run.key, woff);
+    update_and_store<Opt, W>(row, p, ctx, sv, weights, run.key, woff);
   }
 }
 

@@ -278,6 +278,7 @@ __attribute__((visibility("hidden"))) void backward_cuda(
   BackwardArgs a;
   a.feat = features.data_ptr<int64_t>();
   a.B = b.B;
+  a.by_B = FastDivisor::of(b.B);
   a.total_D = b.total_D;
   a.max_D = b.max_D;
   a.pooling = pooling;
