@@ -4,7 +4,7 @@
 # (TESTS: a pytest -k expression), then the referee (.anchor/bench_tbe.py, FBGEMM and tbegen in
 # one process) on the configurations in CONFIGS, with the group kernel and again with
 # TBEGEN_LANE_GROUPS=0 (the whole-warp kernel; MODES="on" skips that), and a kernel profile of
-# PROFILE_CELL.
+# PROFILE_CELL, and ncu's view of NCU_CELL's update kernel.
 # Carry .anchor. Output under $OUT: env.txt, groups.log, on/ and off/ (the referee's results).
 set -u
 OUT=${OUT:-/tmp/tbegen-gpu-out}
@@ -58,5 +58,14 @@ if [ -n "$PROFILE_CELL" ]; then
     --configs "${PROFILE_CELL%%:*}" --opts "${PROFILE_CELL##*:}" --systems fbgemm,tbegen --fast-init --profile --iters 10 \
     --out "$OUT/profile" >> "$OUT/groups.log" 2>&1 || echo "profile failed"
   mv "$OUT/profile/profiles.json" "$OUT/on/profiles.json" 2>/dev/null; rm -rf "$OUT/profile"
+fi
+# ncu on one cell's short-run update kernel (tbegen alone, benchmarks/bench.py): NCU_CELL=C1:adagrad
+if [ -n "${NCU_CELL:-}" ] && command -v ncu >/dev/null; then
+  echo "== ncu ${NCU_CELL}" | tee -a "$OUT/groups.log"
+  CUDA_MODULE_LOADING=LAZY timeout ${NCU_TIMEOUT:-90} ncu --clock-control none -k "regex:backward_(group|warp)_kernel" \
+    --launch-skip 2 --launch-count 1 --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats \
+    --section Occupancy --section LaunchStats --section InstructionStats --section SchedulerStats \
+    python3 benchmarks/bench.py --configs "${NCU_CELL%%:*}" --opts "${NCU_CELL##*:}" --warmup 1 --iters 2 \
+    --nsets 1 --out /tmp/ncu_bench >> "$OUT/groups.log" 2>&1 || echo "ncu failed or timed out" | tee -a "$OUT/groups.log"
 fi
 exit $status
