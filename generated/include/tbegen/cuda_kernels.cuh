@@ -26,24 +26,44 @@ __device__ __forceinline__ void store4(float* p, const float* v) {
   *reinterpret_cast<float4*>(p) = make_float4(v[0], v[1], v[2], v[3]);
 }
 
-template <typename W>
+// The update kernels read and write each row's weights and states once per step; with kOnce their
+// loads and stores take the streaming cache policy (ld/st.global.cs: evict first), so that the
+// stream of rows (18 GB a step in C1 adagrad) does not push out of L2 the output-gradient rows,
+// each of which is read once per occurrence (20 times a step in C1). ncu on C1 adagrad's update
+// kernel (benchmarks/NOTES-gpu.md, run S) found 22 GB moved to or from DRAM for 18.6 GB of ideal bytes.
+template <bool kOnce>
+__device__ __forceinline__ void load4_row(const float* p, float* v) {
+  const float4 x = kOnce ? __ldcs(reinterpret_cast<const float4*>(p)) : *reinterpret_cast<const float4*>(p);
+  v[0] = x.x; v[1] = x.y; v[2] = x.z; v[3] = x.w;
+}
+template <bool kOnce>
+__device__ __forceinline__ void store4_row(float* p, const float* v) {
+  const float4 x = make_float4(v[0], v[1], v[2], v[3]);
+  if (kOnce) {
+    __stcs(reinterpret_cast<float4*>(p), x);
+  } else {
+    *reinterpret_cast<float4*>(p) = x;
+  }
+}
+
+template <typename W, bool kOnce = false>
 __device__ __forceinline__ void load_weights4(const W* p, float* v) {
   if constexpr (sizeof(W) == 4) {
-    load4(reinterpret_cast<const float*>(p), v);
+    load4_row<kOnce>(reinterpret_cast<const float*>(p), v);
   } else {
     // four 16-bit values in one 8-byte load
-    const uint2 raw = *reinterpret_cast<const uint2*>(p);
+    const uint2 raw = kOnce ? __ldcs(reinterpret_cast<const uint2*>(p)) : *reinterpret_cast<const uint2*>(p);
     const W* h = reinterpret_cast<const W*>(&raw);
 #pragma unroll
     for (int c = 0; c < 4; ++c) v[c] = WeightTraits<W>::load(h[c]);
   }
 }
 
-template <typename W>
+template <typename W, bool kOnce = false>
 __device__ __forceinline__ void store_weights4(W* p, const float* v, const RowUpdateContext& ctx,
                                                int64_t key, int d) {
   if constexpr (sizeof(W) == 4) {
-    store4(reinterpret_cast<float*>(p), v);
+    store4_row<kOnce>(reinterpret_cast<float*>(p), v);
   } else {
     uint2 raw;
     W* h = reinterpret_cast<W*>(&raw);
@@ -52,7 +72,11 @@ __device__ __forceinline__ void store_weights4(W* p, const float* v, const RowUp
       const uint32_t bits = ctx.stochastic_rounding ? random_bits(ctx.seed, ctx.step, key, d + c) : 0u;
       h[c] = WeightTraits<W>::round(v[c], bits, ctx.stochastic_rounding);
     }
-    *reinterpret_cast<uint2*>(p) = raw;
+    if (kOnce) {
+      __stcs(reinterpret_cast<uint2*>(p), raw);
+    } else {
+      *reinterpret_cast<uint2*>(p) = raw;
+    }
   }
 }
 
@@ -627,9 +651,9 @@ __device__ __forceinline__ void load_row(Row& row, const typename Opt::Params& p
   for (int v = 0; v < kVecs; ++v) {
     const int d = v * 128 + 4 * row.lane;
     if (d < row.D) {
-      load_weights4(weights + woff + d, &row.w_[v * 4]);
+      load_weights4<W, true>(weights + woff + d, &row.w_[v * 4]);
 #pragma unroll
-      for (int k = 0; k < Opt::kElementStates; ++k) load4(p.element_states[k] + woff + d, &row.element_[k][v * 4]);
+      for (int k = 0; k < Opt::kElementStates; ++k) load4_row<true>(p.element_states[k] + woff + d, &row.element_[k][v * 4]);
 #pragma unroll
       for (int k = Opt::kElementStates; k < Opt::kElementStates + Opt::kTemporaries; ++k)
 #pragma unroll
@@ -637,7 +661,7 @@ __device__ __forceinline__ void load_row(Row& row, const typename Opt::Params& p
     }
   }
 #pragma unroll
-  for (int k = 0; k < Opt::kRowStates; ++k) row.row_[k] = p.row_states[k][key];
+  for (int k = 0; k < Opt::kRowStates; ++k) row.row_[k] = __ldcs(p.row_states[k] + key);  // (streaming, as the rows)
 #pragma unroll
   for (int k = 0; k < Opt::kIntRowStates; ++k) row.int_row_[k] = p.int_row_states[k][key];
 }
@@ -651,14 +675,14 @@ __device__ __forceinline__ void store_row(Row& row, const typename Opt::Params& 
   for (int v = 0; v < kVecs; ++v) {
     const int d = v * 128 + 4 * row.lane;
     if (d < row.D) {
-      store_weights4(weights + woff + d, &row.w_[v * 4], ctx, key, d);
+      store_weights4<W, true>(weights + woff + d, &row.w_[v * 4], ctx, key, d);
 #pragma unroll
-      for (int k = 0; k < Opt::kElementStates; ++k) store4(p.element_states[k] + woff + d, &row.element_[k][v * 4]);
+      for (int k = 0; k < Opt::kElementStates; ++k) store4_row<true>(p.element_states[k] + woff + d, &row.element_[k][v * 4]);
     }
   }
   if (row.lane == 0) {
 #pragma unroll
-    for (int k = 0; k < Opt::kRowStates; ++k) p.row_states[k][key] = row.row_[k];
+    for (int k = 0; k < Opt::kRowStates; ++k) __stcs(p.row_states[k] + key, row.row_[k]);
 #pragma unroll
     for (int k = 0; k < Opt::kIntRowStates; ++k) p.int_row_states[k][key] = row.int_row_[k];
   }
