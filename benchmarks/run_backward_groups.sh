@@ -13,7 +13,7 @@ export TORCH_CUDA_ARCH_LIST=9.0 TBEGEN_BUILD_DIR=$PWD/build/tbegen-cache PYTHONP
 SPECS=${SPECS:-"sgd rowwise_adagrad adagrad adam lamb"}
 TESTS=${TESTS:-"(lane_groups and (-sgd] or rowwise_adagrad] or -adagrad] or -adam] or -lamb])) or (test_cuda_matches_reference and ([sgd- or [rowwise_adagrad- or [adagrad- or [adam- or [lamb-))"}
 CONFIGS=${CONFIGS:-C3}
-PROFILE_CELL=${PROFILE_CELL:-C3:ADAM}
+PROFILE_CELL=${PROFILE_CELL-C3:ADAM}
 status=0
 {
   date -u +"date: %Y-%m-%d %H:%M UTC"
