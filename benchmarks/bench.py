@@ -200,8 +200,8 @@ def main():
     args = ap.parse_args()
     placements = args.placements.split(",")
     for p in placements:
-        if p not in placement_.BUILT_PLACEMENTS:
-            raise SystemExit(f"--placements: {p!r} is not one of {list(placement_.BUILT_PLACEMENTS)}")
+        if p not in placement_.PLACEMENTS:
+            raise SystemExit(f"--placements: {p!r} is not one of {list(placement_.PLACEMENTS)}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     bw = copy_bandwidth()

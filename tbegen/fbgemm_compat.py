@@ -258,14 +258,13 @@ FBGEMM_HYPERPARAMETERS = {
 # FBGEMM's other constructor arguments that have no effect here: cache settings other than
 # cache_load_factor and cache_algorithm (tbegen's caches are fully associative per table, in the
 # weights' precision; prefetch_pipeline: prefetching ahead is always safe here, see
-# docs/placements.md), uvm_host_mapped (FBGEMM's
-# page-locked host memory in place of managed memory for MANAGED tables: tbegen's MANAGED tables
-# are always managed memory, preferred on the host), statistics and logging, index dtypes (tbegen
-# takes int32 and int64 indices either way), shard bookkeeping.
+# docs/placements.md), statistics and logging, index dtypes (tbegen takes int32 and int64 indices
+# either way), shard bookkeeping. (uvm_host_mapped is read: MANAGED tables then take placement
+# "host".)
 _NO_EFFECT = {
     "cache_sets", "cache_reserved_memory", "cache_precision", "prefetch_pipeline",
     "enforce_hbm", "record_cache_metrics", "gather_uvm_cache_stats", "stats_reporter_config",
-    "table_names", "uvm_host_mapped", "embedding_table_index_type", "embedding_table_offset_type",
+    "table_names", "embedding_table_index_type", "embedding_table_offset_type",
     "embedding_shard_info", "use_experimental_tbe",
     "max_gradient",  # read only with gradient_clipping, which is refused
 }
@@ -442,8 +441,8 @@ def _check_other_arguments(spec: OptimizerSpec, others: Dict[str, Any]) -> Dict[
 
 
 # FBGEMM's EmbeddingLocation of a CUDA table -> tbegen's placement (tbegen/placement.py). HOST
-# tables have no tbegen placement yet.
-_CUDA_PLACEMENTS = {"DEVICE": "device", "MANAGED": "managed", "MANAGED_CACHING": "managed_caching"}
+# with a CUDA compute device: the table in host memory that the GPU kernels read in place.
+_CUDA_PLACEMENTS = {"DEVICE": "device", "MANAGED": "managed", "MANAGED_CACHING": "managed_caching", "HOST": "host"}
 
 
 def _devices(embedding_specs, device) -> Tuple[List[Tuple[int, int]], List[str], torch.device]:
@@ -465,14 +464,9 @@ def _devices(embedding_specs, device) -> Tuple[List[Tuple[int, int]], List[str],
                 f"tbegen: embedding_specs[{t}] location {location} with compute_device CPU is not supported: "
                 f"CPU tables live in host memory (location HOST)"
             )
-        if compute == "CUDA" and location not in _CUDA_PLACEMENTS:
-            raise NotImplementedError(
-                f"tbegen: embedding_specs[{t}] location {location} with compute_device CUDA is not supported yet: "
-                f"the locations tbegen has for CUDA tables are {', '.join(_CUDA_PLACEMENTS)} "
-                f"(HOST is planned; docs/placements.md)"
-            )
         tables.append((rows, dim))
-        placements.append(_CUDA_PLACEMENTS.get(location, "device"))
+        # (a CPU module's tables are in host memory whatever their placement: "device" there)
+        placements.append(_CUDA_PLACEMENTS[location] if compute == "CUDA" else "device")
         computes.append(compute)
     if len(set(computes)) != 1:
         raise ValueError(f"tbegen: embedding_specs mixes compute devices {computes}; all tables need the same one")
@@ -530,6 +524,10 @@ class SplitTableBatchedEmbeddingBagsCodegen(nn.Module):
         super().__init__()
         spec, fbgemm_name = _resolve_optimizer(optimizer)
         tables, placements, dev = _devices(embedding_specs, device)
+        if kwargs.pop("uvm_host_mapped", False):
+            # FBGEMM's page-locked host memory mapped for the GPU in place of managed memory for
+            # MANAGED tables: tbegen's placement "host" (MANAGED_CACHING keeps its managed store)
+            placements = ["host" if p == "managed" else p for p in placements]
 
         precision = _enum_member(weights_precision, SparseType, "weights_precision")
         if precision not in _PRECISIONS:
@@ -812,7 +810,8 @@ class SplitTableBatchedEmbeddingBagsCodegen(nn.Module):
         T = len(tbe.layout.tables)
         if not tbe.weights.is_cuda:
             return "host", [EmbeddingLocation.HOST.value] * T
-        if "managed" in tbe.placements or "managed_caching" in tbe.placements:
+        if any(p in ("managed", "managed_caching", "host") for p in tbe.placements):
+            # ("host" tables: FBGEMM's MANAGED with uvm_host_mapped, recorded as MANAGED)
             return "uvm", [EmbeddingLocation.MANAGED_CACHING.value if p == "managed_caching" else
                            EmbeddingLocation.MANAGED.value for p in tbe.placements]
         return "dev", [EmbeddingLocation.DEVICE.value] * T

@@ -373,8 +373,10 @@ class TableBatchedEmbeddingBags(nn.Module):
             `prefetch`), and the fused backward updates them there; `flush()` writes them back,
             `cache_stats()` reports hits and bytes moved. With fp16/bf16 weights (stochastic
             rounding) or narrow states, a cached row's random bits are keyed by its cache slot, so
-            such runs are reproducible but not bitwise those of "device". "host" is not built yet
-            (an error says so). See docs/placements.md.
+            such runs are reproducible but not bitwise those of "device". "host": page-locked host
+            memory mapped for the GPU, read and written in place (when every table is "host";
+            mixed with other placements, a "host" table is hinted as a "managed" one). See
+            docs/placements.md.
         cache_load_factor: for "managed_caching" tables, the fraction of each table's rows its
             cache holds (0 < f <= 1, default 0.2, rounded up); `cache_rows` overrides it.
         cache_rows: for "managed_caching" tables, cache slots per table: one int for every cached
@@ -715,13 +717,14 @@ class TableBatchedEmbeddingBags(nn.Module):
             return self
         super()._apply(fn, *args, **kwargs)
         w = self.weights
-        if placement_.needs_managed(self.placements, w.device) and not self.dense_gradient:
+        memory = placement_.buffer_memory(self.placements, w.device)
+        if memory is not None and not self.dense_gradient:
             # (a buffer converted to another dtype is left as it is, for _check_buffers to refuse)
-            if w.dtype == self.weights_dtype and placement_.memory_kind(self._ops, w) != "managed":
+            if w.dtype == self.weights_dtype and placement_.memory_kind(self._ops, w) != memory:
                 self.weights = self._allocate("weights", w.device).copy_(w)
             for s in self.spec.states:
                 buf = getattr(self.states, s.name)
-                if buf.device == w.device and buf.dtype == self.state_dtypes[s.name] and placement_.memory_kind(self._ops, buf) != "managed":
+                if buf.device == w.device and buf.dtype == self.state_dtypes[s.name] and placement_.memory_kind(self._ops, buf) != memory:
                     setattr(self.states, s.name, self._allocate("state " + s.name, buf.device).copy_(buf))
         return self
 

@@ -7,7 +7,13 @@
     "managed_caching"  weights and optimizer states in managed memory as with "managed" (the
                        backing store), behind a cache of hot rows in GPU memory that the kernels
                        read and update (tbegen/cache.py)
-    "host"             (not built yet) tables in ordinary host memory in a GPU module
+    "host"             weights and optimizer states in page-locked host memory mapped for the
+                       GPU (FBGEMM's uvm_host_mapped): the kernels read and write them in place
+                       over the interconnect and the pages never move. When every table of a GPU
+                       module is "host", its buffers are such memory (host_empty); in a module
+                       that mixes "host" with other placements the buffers are managed memory and
+                       "host" tables are hinted exactly as "managed" ones (preferred in host
+                       memory, mapped for the GPU: the same access, only the allocator differs)
 
 How managed tables meet the kernels (docs/placements.md): the GPU kernels take one flat weights
 buffer and one buffer per optimizer state, with every table at its offset. A module with at least
@@ -33,16 +39,11 @@ from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
 
-__all__ = ["PLACEMENTS", "BUILT_PLACEMENTS", "check_placements", "allocate", "memory_kind"]
+__all__ = ["PLACEMENTS", "check_placements", "allocate", "memory_kind"]
 
 PLACEMENTS = ("device", "managed", "managed_caching", "host")
-BUILT_PLACEMENTS = ("device", "managed", "managed_caching")
-# Placements whose tables live in managed memory preferred on the host (on a GPU).
-HOST_PREFERRED = ("managed", "managed_caching")
-# Placements that are planned (issue 12) but not built: what each would be.
-_NOT_BUILT = {
-    "host": "tables in ordinary host memory in a GPU module",
-}
+# Placements whose tables live in host memory that the GPU maps (on a GPU).
+HOST_PREFERRED = ("managed", "managed_caching", "host")
 
 
 def check_placements(placements: Union[None, str, Sequence[str]], num_tables: int, *,
@@ -66,16 +67,7 @@ def check_placements(placements: Union[None, str, Sequence[str]], num_tables: in
         )
     for t, p in enumerate(placements):
         if not isinstance(p, str) or p not in PLACEMENTS:
-            raise ValueError(
-                f"tbegen: placements[{t}] must be one of {list(BUILT_PLACEMENTS)} "
-                f"({' and '.join(map(repr, _NOT_BUILT))} {'is' if len(_NOT_BUILT) == 1 else 'are'} planned, "
-                f"not built yet), got {p!r}"
-            )
-        if p in _NOT_BUILT:
-            raise NotImplementedError(
-                f"tbegen: placements[{t}] = {p!r} ({_NOT_BUILT[p]}) is not built yet; the placements that "
-                f"exist are {list(BUILT_PLACEMENTS)} (docs/placements.md)"
-            )
+            raise ValueError(f"tbegen: placements[{t}] must be one of {list(PLACEMENTS)}, got {p!r}")
     for p in HOST_PREFERRED:
         if dense_gradient and p in placements:
             raise ValueError(
@@ -86,10 +78,19 @@ def check_placements(placements: Union[None, str, Sequence[str]], num_tables: in
     return tuple(placements)
 
 
+def buffer_memory(placements: Sequence[str], device: torch.device) -> Optional[str]:
+    """What the module's buffers are allocated in (as memory_kind names it): "host" (page-locked,
+    mapped) when every table is "host" on a GPU, "managed" when some table lives in host memory
+    otherwise, on a GPU, and None for ordinary tensors."""
+    if device.type != "cuda" or not any(p in HOST_PREFERRED for p in placements):
+        return None
+    return "host" if all(p == "host" for p in placements) else "managed"
+
+
 def needs_managed(placements: Sequence[str], device: torch.device) -> bool:
-    """Whether the module's buffers go to managed memory: some table is managed (or
-    managed_caching), on a GPU."""
-    return device.type == "cuda" and any(p in HOST_PREFERRED for p in placements)
+    """Whether the module's buffers are allocated by tbegen (managed or mapped host memory) rather
+    than as ordinary tensors."""
+    return buffer_memory(placements, device) is not None
 
 
 def _managed_ops(ops):
@@ -110,9 +111,12 @@ def allocate(ops, numel: int, dtype: torch.dtype, device: torch.device, placemen
     Host-preferred ranges are hinted first and device-preferred ones last: the driver applies
     hints to whole pages, and a page shared by a managed and a device table is then preferred on
     the device (the few bytes of the managed table in it are read from GPU memory)."""
-    if not needs_managed(placements, device):
+    memory = buffer_memory(placements, device)
+    if memory is None:
         return torch.empty(numel, dtype=dtype, device=device)
     ops = _managed_ops(ops)
+    if memory == "host":
+        return ops.host_empty(numel, dtype, device)
     buffer = ops.managed_empty(numel, dtype, device)
     for location in ("host", "device"):
         for placement, (start, count) in zip(placements, ranges):

@@ -126,9 +126,6 @@ def test_enum_spellings(optimizer):
 @pytest.mark.parametrize(
     "kwargs,error,message",
     [
-        (dict(embedding_specs=[(10, 4, "DEVICE", "CUDA"), (10, 4, EmbeddingLocation.HOST, ComputeDevice.CUDA)]),
-         NotImplementedError, r"embedding_specs\[1\] location HOST with compute_device CUDA is not supported yet: the "
-         r"locations tbegen has for CUDA tables are DEVICE, MANAGED, MANAGED_CACHING"),
         (dict(cache_algorithm="FIFO"), ValueError, r"cache_algorithm must be a CacheAlgorithm \(one of \['LRU', 'LFU'\]\)"),
         (dict(cache_load_factor=0.0), ValueError, r"cache_load_factor must be a number in \(0, 1\]"),
         (dict(embedding_specs=[(10, 4, EmbeddingLocation.MANAGED, ComputeDevice.CPU)]), NotImplementedError,

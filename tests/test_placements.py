@@ -77,12 +77,8 @@ def test_default_is_device_and_one_string_means_every_table():
     "placements,error,message",
     [
         (["device", "hbm", "device"], ValueError,
-         r"placements\[1\] must be one of \['device', 'managed', 'managed_caching'\] \('host' is planned, "
-         r"not built yet\), got 'hbm'"),
+         r"placements\[1\] must be one of \['device', 'managed', 'managed_caching', 'host'\], got 'hbm'"),
         (["device", "managed"], ValueError, r"placements has 2 entries but the module has 3 table\(s\)"),
-        (["device", "device", "host"], NotImplementedError,
-         r"placements\[2\] = 'host' .* is not built yet; the placements that exist are \['device', 'managed', "
-         r"'managed_caching'\]"),
         (3, TypeError, r"placements must be a list with one placement per table"),
         ([None, "device", "device"], ValueError, r"placements\[0\] must be one of"),
     ],
@@ -141,6 +137,32 @@ def test_placements_with_narrow_and_int_states_on_the_cpu():
     assert int(b.optimizer_state("prev_iter").max()) == 3  # (the last step touched some row)
 
 
+def test_cpu_host_is_host_memory_and_trains_like_device():
+    """On the CPU "host" is ordinary host memory, as "managed" is: same buffers, same numbers."""
+    data = batches(TABLES, 4, weighted=True)
+    a = train(TableBatchedEmbeddingBags(TABLES, optimizer="adam", learning_rate=0.05), data)
+    b = train(TableBatchedEmbeddingBags(TABLES, optimizer="adam", learning_rate=0.05, placements="host"), data)
+    c = train(TableBatchedEmbeddingBags(TABLES, optimizer="adam", learning_rate=0.05,
+                                        placements=["host", "device", "managed"]), data)
+    assert placement.memory_kind(None, b.weights) == "cpu"
+    assert_same_training_state(a, b)
+    assert_same_training_state(a, c)
+
+
+def test_what_the_buffers_are_allocated_in():
+    gpu, cpu = torch.device("cuda", 0), torch.device("cpu")
+    assert placement.buffer_memory(["host", "host"], gpu) == "host"  # page-locked, mapped
+    assert placement.buffer_memory(["host", "device"], gpu) == "managed"  # host tables hinted as managed
+    assert placement.buffer_memory(["managed_caching", "host"], gpu) == "managed"
+    assert placement.buffer_memory(["device", "device"], gpu) is None
+    assert placement.buffer_memory(["host", "managed"], cpu) is None
+
+
+def test_host_refused_with_dense_gradients():
+    with pytest.raises(ValueError, match=r"placement 'host' with optimizer 'none'"):
+        TableBatchedEmbeddingBags(TABLES, optimizer="none", placements=["device", "host", "device"])
+
+
 def test_allocate_off_the_gpu_is_an_ordinary_tensor():
     t = placement.allocate(None, 10, torch.float16, torch.device("cpu"), ["managed"], [(0, 10)])
     assert t.shape == (10,) and t.dtype == torch.float16 and t.device.type == "cpu"
@@ -168,13 +190,9 @@ def test_fbgemm_locations_map_onto_placements():
     assert placements == ["device"] and dev.type == "cpu"  # a CPU module's "device" memory is host memory
 
 
-@pytest.mark.parametrize("location", [EmbeddingLocation.HOST])
-def test_fbgemm_locations_not_built_are_refused(location):
-    with pytest.raises(NotImplementedError, match=rf"location {location.name} with compute_device CUDA is not supported "
-                                                  r"yet: the locations tbegen has for CUDA tables are DEVICE, MANAGED, "
-                                                  r"MANAGED_CACHING"):
-        SplitTableBatchedEmbeddingBagsCodegen([(10, 4, EmbeddingLocation.DEVICE, ComputeDevice.CUDA),
-                                               (10, 4, location, ComputeDevice.CUDA)], device="cuda")
+def test_fbgemm_host_location_of_a_cuda_table_is_placement_host():
+    specs = [(10, 4, EmbeddingLocation.DEVICE, ComputeDevice.CUDA), (10, 4, EmbeddingLocation.HOST, ComputeDevice.CUDA)]
+    assert _devices(specs, "cuda:0")[1] == ["device", "host"]
 
 
 def test_torchrec_kernels_map_onto_placements():
@@ -365,3 +383,62 @@ def test_cuda_fbgemm_managed_location():
     assert sd["weights_placements"].tolist() == [EmbeddingLocation.MANAGED.value] * 2
     device.load_state_dict(sd)  # FBGEMM's keys: the uvm buffer read back into device memory
     assert_same_training_state(managed.tbe, device.tbe)
+
+
+@cuda
+def test_cuda_host_placement_is_mapped_host_memory_and_trains_bitwise_like_device():
+    """Every table "host": the buffers are page-locked host memory mapped for the GPU (host_empty),
+    read and written in place by the kernels; mixed with other placements, managed memory with the
+    host tables hinted to the host. Both train bitwise like "device", and moving the module keeps
+    the memory kind."""
+    data = batches(BIG, 4, B=64, L=8, seed=6, device="cuda", weighted=True)
+    kw = dict(optimizer="adam", device="cuda", learning_rate=0.05)
+    device = train(TableBatchedEmbeddingBags(BIG, **kw), data)
+    host = train(TableBatchedEmbeddingBags(BIG, placements="host", **kw), data)
+    mixed = train(TableBatchedEmbeddingBags(BIG, placements=["host", "device", "managed", "host"], **kw), data)
+    torch.cuda.synchronize()
+    ops = host._ops
+    for buf in [host.weights] + [host.optimizer_state(s.name) for s in host.spec.states]:
+        assert placement.memory_kind(ops, buf) == "host"
+    assert placement.memory_kind(ops, mixed.weights) == "managed"
+    assert_same_training_state(device, host)
+    assert_same_training_state(device, mixed)
+    idx, offsets, psw, _ = data[0]
+    with torch.no_grad():
+        assert torch.equal(device(idx, offsets, psw), host(idx, offsets, psw))
+    moved = host.cpu().cuda()
+    assert placement.memory_kind(ops, moved.weights) == "host"
+    assert placement.memory_kind(ops, moved.optimizer_state("exp_avg")) == "host"
+    assert_same_training_state(device, moved)
+
+
+@cuda
+def test_cuda_host_empty_checks_its_arguments():
+    emb = TableBatchedEmbeddingBags([(8, 4)], optimizer="sgd", device="cuda")
+    ops = emb._ops
+    t = ops.host_empty(16, torch.float32, torch.device("cuda"))
+    assert t.shape == (16,) and t.is_cuda and ops.memory_kind(t) == "host"
+    t.fill_(2.0)  # a kernel writes it in place
+    assert t.sum().item() == 32.0
+    with pytest.raises(RuntimeError, match="must be a CUDA device"):
+        ops.host_empty(4, torch.float32, torch.device("cpu"))
+    with pytest.raises(RuntimeError, match="numel must be >= 0"):
+        ops.host_empty(-1, torch.float32, torch.device("cuda"))
+    assert ops.host_empty(0, torch.float32, torch.device("cuda")).numel() == 0
+
+
+@cuda
+def test_cuda_fbgemm_uvm_host_mapped_is_placement_host():
+    specs = [(4096, 128, EmbeddingLocation.MANAGED, ComputeDevice.CUDA), (3000, 64, EmbeddingLocation.MANAGED, ComputeDevice.CUDA)]
+    kw = dict(optimizer="EXACT_ROWWISE_ADAGRAD", learning_rate=0.1, device="cuda")
+    mapped = SplitTableBatchedEmbeddingBagsCodegen(specs, uvm_host_mapped=True, **kw)
+    managed = SplitTableBatchedEmbeddingBagsCodegen(specs, **kw)
+    assert mapped.tbe.placements == ("host", "host")
+    assert placement.memory_kind(mapped.tbe._ops, mapped.tbe.weights) == "host"
+    tables = [(E, D) for E, D, _, _ in specs]
+    for idx, offsets, _, grad in batches(tables, 3, B=16, L=4, seed=4, device="cuda"):
+        mapped(idx, offsets).backward(grad)
+        managed(idx, offsets).backward(grad)
+    assert_same_training_state(mapped.tbe, managed.tbe)
+    sd = mapped.state_dict()
+    assert "weights_uvm" in sd and sd["weights_placements"].tolist() == [EmbeddingLocation.MANAGED.value] * 2

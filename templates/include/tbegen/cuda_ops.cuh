@@ -279,10 +279,6 @@ __attribute__((visibility("hidden"))) void backward_cuda(
   a.feat = features.data_ptr<int64_t>();
   a.B = b.B;
   a.by_B = FastDivisor::of(b.B);
-  {
-    const char* v = std::getenv("TBEGEN_GRAD_EVICT_LAST");
-    a.grad_evict_last = !(v != nullptr && v[0] == '0');
-  }
   a.total_D = b.total_D;
   a.max_D = b.max_D;
   a.pooling = pooling;

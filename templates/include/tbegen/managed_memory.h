@@ -9,6 +9,9 @@
 //   managed_empty(int numel, ScalarType dtype, Device device) -> Tensor
 //       a 1-D tensor of `numel` elements on `device` (a CUDA device), backed by cudaMallocManaged;
 //       freed with cudaFree when the last reference goes. Contents uninitialised.
+//   host_empty(int numel, ScalarType dtype, Device device) -> Tensor
+//       the same in page-locked host memory mapped for the GPU (cudaHostAlloc, mapped and
+//       portable), for modules whose tables are all placed "host"; freed with cudaFreeHost.
 //   managed_advise(Tensor tensor, int start, int count, str location) -> ()
 //       hints for elements [start, start + count) of a managed tensor: "host" (preferred location
 //       host memory, mapped for the GPU: the GPU reads and writes the pages there, without moving
@@ -30,7 +33,7 @@ class Library;
 namespace tbegen {
 namespace cuda {
 
-// m.def(...) of the four operators above, with their (device-independent) implementations, in a
+// m.def(...) of the five operators above, with their (device-independent) implementations, in a
 // TORCH_LIBRARY_FRAGMENT(ns, m) block.
 void define_managed_memory_ops(torch::Library& m);
 

@@ -66,13 +66,58 @@ inline std::string memory_kind(const at::Tensor& tensor) {
   }
 }
 
-inline at::Tensor managed_empty(int64_t numel, c10::ScalarType dtype, c10::Device device) {
-  TBEGEN_CHECK(device.is_cuda(), "tbegen: managed_empty: device must be a CUDA device, got ", device);
-  TBEGEN_CHECK(numel >= 0, "tbegen: managed_empty: numel must be >= 0, got ", numel);
+// The byte count of `numel` elements of `dtype` for an allocation on `device`, checked.
+inline size_t checked_bytes(const char* op, int64_t numel, c10::ScalarType dtype, c10::Device device) {
+  TBEGEN_CHECK(device.is_cuda(), "tbegen: ", op, ": device must be a CUDA device, got ", device);
+  TBEGEN_CHECK(numel >= 0, "tbegen: ", op, ": numel must be >= 0, got ", numel);
   const int64_t item = static_cast<int64_t>(c10::elementSize(dtype));
-  TBEGEN_CHECK(numel <= std::numeric_limits<int64_t>::max() / item, "tbegen: managed_empty: ", numel,
+  TBEGEN_CHECK(numel <= std::numeric_limits<int64_t>::max() / item, "tbegen: ", op, ": ", numel,
                " elements of ", dtype, " overflow the byte count");
-  const size_t bytes = static_cast<size_t>(numel * item);
+  return static_cast<size_t>(numel * item);
+}
+
+// Page-locked host memory mapped into the GPU's address space (cudaHostAlloc, mapped and
+// portable): the kernels read and write it in place over the interconnect; the pages never move.
+inline at::Tensor host_empty(int64_t numel, c10::ScalarType dtype, c10::Device device) {
+  const size_t bytes = checked_bytes("host_empty", numel, dtype, device);
+  const c10::Device target(c10::kCUDA, device.has_index() ? device.index() : c10::cuda::current_device());
+  const c10::cuda::CUDAGuard guard(target);
+  void* ptr = nullptr;
+  void* device_ptr = nullptr;
+  if (bytes > 0) {
+    cudaError_t err = cudaHostAlloc(&ptr, bytes, cudaHostAllocMapped | cudaHostAllocPortable);
+    if (err == cudaSuccess) {
+      err = cudaHostGetDevicePointer(&device_ptr, ptr, 0);
+      if (err != cudaSuccess) cudaFreeHost(ptr);
+    }
+    if (err != cudaSuccess) {
+      (void)cudaGetLastError();
+      TBEGEN_CHECK(false, "tbegen: cudaHostAlloc of ", bytes, " bytes (", numel, " x ", dtype,
+                   ") of mapped page-locked host memory failed: ", cudaGetErrorString(err));
+    }
+  }
+  // cudaFreeHost waits for the device, as cudaFree does (see managed_empty).
+  auto free_host = [ptr](void*) {
+    if (ptr == nullptr) {
+      return;
+    }
+    const cudaError_t err = cudaFreeHost(ptr);
+    if (err != cudaSuccess) {
+      (void)cudaGetLastError();
+      if (err != cudaErrorCudartUnloading) {
+        TORCH_WARN(::tbegen::message("tbegen: cudaFreeHost of a host-placed tensor failed: ", cudaGetErrorString(err)));
+      }
+    }
+  };
+  return at::for_blob(device_ptr, {numel})
+      .options(at::TensorOptions().dtype(dtype).device(target))
+      .target_device(target)
+      .deleter(free_host)
+      .make_tensor();
+}
+
+inline at::Tensor managed_empty(int64_t numel, c10::ScalarType dtype, c10::Device device) {
+  const size_t bytes = checked_bytes("managed_empty", numel, dtype, device);
   const c10::Device target(c10::kCUDA, device.has_index() ? device.index() : c10::cuda::current_device());
   const c10::cuda::CUDAGuard guard(target);
   void* ptr = nullptr;
@@ -152,9 +197,10 @@ inline int64_t managed_preferred_location(const at::Tensor& tensor, int64_t star
 }  // namespace managed
 
 void define_managed_memory_ops(torch::Library& m) {
-  // Catch-all kernels: managed_empty has no tensor argument to dispatch on, and the others check
+  // Catch-all kernels: managed_empty and host_empty have no tensor argument to dispatch on, and the others check
   // their tensor themselves.
   m.def("managed_empty(int numel, ScalarType dtype, Device device) -> Tensor", &managed::managed_empty);
+  m.def("host_empty(int numel, ScalarType dtype, Device device) -> Tensor", &managed::host_empty);
   m.def("managed_advise(Tensor tensor, int start, int count, str location) -> ()", &managed::managed_advise);
   m.def("memory_kind(Tensor tensor) -> str", &managed::memory_kind);
   m.def("managed_preferred_location(Tensor tensor, int start, int count) -> int", &managed::managed_preferred_location);
