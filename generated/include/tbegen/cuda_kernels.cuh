@@ -475,6 +475,7 @@ __global__ void __launch_bounds__(256) linearize_kernel(ForwardArgs a, const I* 
     // malformed offsets are a fatal error (nothing will be updated): leave these bags alone
     if (__any_sync(kFullMask, !ok)) continue;
     const float my_inv_len = (a.pooling == kPoolMean && end > start) ? 1.0f / float(end - start) : 1.0f;
+    const int32_t my_feature = my_bag < nbags ? int32_t(my_bag / a.B) : 0;  // (once per bag, not per index)
     const int64_t first = __shfl_sync(kFullMask, start, 0);
     const int64_t last = __shfl_sync(kFullMask, end, kWarpSize - 1);
     for (int64_t base = first; base < last; base += kWarpSize) {
@@ -486,9 +487,10 @@ __global__ void __launch_bounds__(256) linearize_kernel(ForwardArgs a, const I* 
         if (__shfl_sync(kFullMask, start, l + step) <= i) l += step;
       }
       const float inv_len = __shfl_sync(kFullMask, my_inv_len, l);
+      const int32_t feature = __shfl_sync(kFullMask, my_feature, l);
       if (i >= last) continue;
       const int64_t bag = bag0 + l;
-      const int64_t* ft = a.feat + (bag / a.B) * kFeatColumns;
+      const int64_t* ft = a.feat + int64_t(feature) * kFeatColumns;
       const int64_t idx = indices[i];
       int64_t key = total_hash_size;
       if (row_offset(ft, idx, i, a.weights_numel, a.error) >= 0) {
