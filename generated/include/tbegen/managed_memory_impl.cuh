@@ -13,6 +13,7 @@
 #include <torch/library.h>
 
 #include <cstdint>
+#include <functional>
 #include <limits>
 #include <string>
 
@@ -76,6 +77,32 @@ inline size_t checked_bytes(const char* op, int64_t numel, c10::ScalarType dtype
   return static_cast<size_t>(numel * item);
 }
 
+// Frees what managed_empty or host_empty allocated, when the tensor's last reference goes. cudaFree
+// and cudaFreeHost wait for the device, so no kernel still reads the memory when it goes. At
+// process exit the runtime may be unloaded before the last tensor: nothing to free then.
+inline void release(void* p, cudaError_t (*free_fn)(void*), const char* what) {
+  if (p == nullptr) {
+    return;
+  }
+  const cudaError_t err = free_fn(p);
+  if (err != cudaSuccess) {
+    (void)cudaGetLastError();
+    if (err != cudaErrorCudartUnloading) {
+      TORCH_WARN(::tbegen::message("tbegen: ", what, " of a table buffer failed: ", cudaGetErrorString(err)));
+    }
+  }
+}
+
+// A 1-D CUDA tensor over memory allocated here, freed by `deleter`.
+inline at::Tensor wrap(void* ptr, int64_t numel, c10::ScalarType dtype, c10::Device target,
+                       std::function<void(void*)> deleter) {
+  return at::for_blob(ptr, {numel})
+      .options(at::TensorOptions().dtype(dtype).device(target))
+      .target_device(target)
+      .deleter(std::move(deleter))
+      .make_tensor();
+}
+
 // Page-locked host memory mapped into the GPU's address space (cudaHostAlloc, mapped and
 // portable): the kernels read and write it in place over the interconnect; the pages never move.
 inline at::Tensor host_empty(int64_t numel, c10::ScalarType dtype, c10::Device device) {
@@ -96,24 +123,7 @@ inline at::Tensor host_empty(int64_t numel, c10::ScalarType dtype, c10::Device d
                    ") of mapped page-locked host memory failed: ", cudaGetErrorString(err));
     }
   }
-  // cudaFreeHost waits for the device, as cudaFree does (see managed_empty).
-  auto free_host = [ptr](void*) {
-    if (ptr == nullptr) {
-      return;
-    }
-    const cudaError_t err = cudaFreeHost(ptr);
-    if (err != cudaSuccess) {
-      (void)cudaGetLastError();
-      if (err != cudaErrorCudartUnloading) {
-        TORCH_WARN(::tbegen::message("tbegen: cudaFreeHost of a host-placed tensor failed: ", cudaGetErrorString(err)));
-      }
-    }
-  };
-  return at::for_blob(device_ptr, {numel})
-      .options(at::TensorOptions().dtype(dtype).device(target))
-      .target_device(target)
-      .deleter(free_host)
-      .make_tensor();
+  return wrap(device_ptr, numel, dtype, target, [ptr](void*) { release(ptr, cudaFreeHost, "cudaFreeHost"); });
 }
 
 inline at::Tensor managed_empty(int64_t numel, c10::ScalarType dtype, c10::Device device) {
@@ -129,25 +139,7 @@ inline at::Tensor managed_empty(int64_t numel, c10::ScalarType dtype, c10::Devic
                    ") failed: ", cudaGetErrorString(err));
     }
   }
-  // cudaFree waits for the device, so no kernel still reads the memory when it goes. At process
-  // exit the runtime may be unloaded before the last tensor: nothing to free then.
-  auto free_managed = [](void* p) {
-    if (p == nullptr) {
-      return;
-    }
-    const cudaError_t err = cudaFree(p);
-    if (err != cudaSuccess) {
-      (void)cudaGetLastError();
-      if (err != cudaErrorCudartUnloading) {
-        TORCH_WARN(::tbegen::message("tbegen: cudaFree of a managed tensor failed: ", cudaGetErrorString(err)));
-      }
-    }
-  };
-  return at::for_blob(ptr, {numel})
-      .options(at::TensorOptions().dtype(dtype).device(target))
-      .target_device(target)
-      .deleter(free_managed)
-      .make_tensor();
+  return wrap(ptr, numel, dtype, target, [](void* p) { release(p, cudaFree, "cudaFree"); });
 }
 
 inline void managed_advise(const at::Tensor& tensor, int64_t start, int64_t count, c10::string_view location) {
