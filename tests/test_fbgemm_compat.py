@@ -137,7 +137,7 @@ def test_enum_spellings(optimizer):
          r"embedding_specs\[0\] location DEVICE with compute_device CPU"),
         (dict(embedding_specs=[(10, 4, EmbeddingLocation.HOST, ComputeDevice.MTIA)]), NotImplementedError,
          r"compute_device MTIA"),
-        (dict(weights_precision=SparseType.INT8), NotImplementedError, r"weights_precision INT8"),
+        (dict(weights_precision=SparseType.INT4), NotImplementedError, r"weights_precision INT4"),
         (dict(output_dtype=SparseType.INT8), NotImplementedError, r"output_dtype INT8"),
         (dict(gradient_clipping=True), NotImplementedError, r"gradient_clipping"),
         (dict(optimizer=EmbOptimType.EXACT_ADAGRAD, weight_decay_mode=WeightDecayMode.COUNTER),
