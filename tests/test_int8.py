@@ -353,7 +353,8 @@ def test_cuda_equals_cpu(name):
         for rc, rg in zip(cpu.split_int8_rows(), gpu.split_int8_rows()):
             wc, wg = int8.dequantize_rows(rc, torch.float64), int8.dequantize_rows(rg.cpu(), torch.float64)
             steps = torch.maximum(int8.qparams(rc)[0], int8.qparams(rg.cpu())[0]).double()[:, None]
-            assert ((wc - wg).abs() <= steps * 1.0001 + 1e-6).all()
+            # (one code apart at most, plus the qparams' own float32 rounding differences)
+            assert ((wc - wg).abs() <= steps * 1.01 + 1e-5).all()
         # resynchronise, so that the next step compares one step's update again
         gpu.load_state_dict(cpu.state_dict())
 
