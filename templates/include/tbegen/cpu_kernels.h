@@ -58,12 +58,13 @@ inline void prefetch_bytes(const void* p, int64_t bytes) {
   for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off);
 }
 
-// Row `idx` of feature table `ft` in the weights buffer: its first element (an int8 row's qparams
-// follow its D codes; common.h, weights_row_start) and its qparams (unused for float weights).
+// Where row `idx` of feature table `ft` starts in the weights buffer (an int8 row starts 8 bytes
+// further on for every row before it, and its qparams follow its D codes: common.h).
 template <typename W>
 TBEGEN_INLINE const W* weights_row(const W* weights, const int64_t* ft, int64_t idx) {
   return weights + weights_row_start<W>(ft[kFeatWeightsOffset] + idx * ft[kFeatDim], ft[kFeatKeyBase] + idx);
 }
+// The qparams of an int8 row (for float weights nothing: load_weight ignores them).
 template <typename W>
 TBEGEN_INLINE Int8QParams row_qparams(const W* row, int64_t D) {
   if constexpr (std::is_same_v<W, uint8_t>) {
