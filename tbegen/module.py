@@ -355,7 +355,8 @@ class TableBatchedEmbeddingBags(nn.Module):
             "none", ...), a path to a YAML spec, or a loaded `OptimizerSpec`. "none" is the
             dense-gradient mode (no fused update; `weights` is an nn.Parameter with a dense .grad).
         pooling: "sum", "mean" or "none" (one output row per index; every table the same dim).
-        weights_dtype: torch.float32, torch.float16 or torch.bfloat16.
+        weights_dtype: torch.float32, torch.float16, torch.bfloat16, or "int8" (int8 rows with a
+            float32 scale and bias each, re-quantized after every update; docs/int8.md).
         output_dtype: the dtype of the pooled output (torch.float32, torch.float16 or
             torch.bfloat16). The lookup always sums in float32; a narrow output is that sum rounded
             to nearest, and its gradient is widened to float32 before the backward (FBGEMM's
@@ -785,9 +786,10 @@ class TableBatchedEmbeddingBags(nn.Module):
 
     def _int8_rows(self, weights: torch.Tensor, t: int) -> torch.Tensor:
         """Table t's rows in a flat int8-rows buffer: a uint8 [rows, dim + 8] view."""
-        (start, count), = self._buffer_ranges("int8 rows")[t : t + 1]
         E, D = self.layout.tables[t]
-        return weights[start : start + count].view(E, D + int8_.QPARAM_BYTES)
+        row = D + int8_.QPARAM_BYTES
+        start = self.layout.table_offsets[t] + int8_.QPARAM_BYTES * self.layout.table_key_base[t]
+        return weights[start : start + E * row].view(E, row)
 
     @property
     def int8(self) -> bool:
