@@ -273,7 +273,9 @@ def main(argv=None) -> int:
     ap.add_argument("--batch-size", type=int, default=1024)
     ap.add_argument("--lr", type=float, default=None, help="embedding learning rate (default: per optimizer)")
     ap.add_argument("--device", default="cpu", help="cpu (default) or cuda")
-    ap.add_argument("--weights-dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    ap.add_argument("--weights-dtype", default="float32", choices=["float32", "float16", "bfloat16", "int8"],
+                    help="int8: int8 rows, each with a float32 scale and bias (benchmarks/int8_loss_gap.py "
+                         "compares them with float32)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-compare", action="store_true", help="skip the pure-PyTorch run")
     ap.add_argument("--progress-every", type=int, default=250)
@@ -285,7 +287,7 @@ def main(argv=None) -> int:
         ap.error("--device cuda: CUDA is not available")
     name = Path(args.optimizer).stem
     lr = args.lr if args.lr is not None else DEFAULT_LR.get(name, 0.01)
-    dtype = getattr(torch, args.weights_dtype)
+    dtype = "int8" if args.weights_dtype == "int8" else getattr(torch, args.weights_dtype)
 
     # data: training batches, and held-out batches from the same world
     t0 = time.perf_counter()

@@ -293,6 +293,20 @@ _FORWARD_UNSUPPORTED = {"hash_zch_identities", "hash_zch_runtime_meta", "vbe_out
 _TBEGEN_ARGS = {"seed", "max_segment_length_per_warp"}
 
 _PRECISIONS = {"FP32": torch.float32, "FP16": torch.float16, "BF16": torch.bfloat16}
+# Weights only: INT8 is tbegen's int8 rows (uint8, each row D codes then a float32 scale and bias:
+# FBGEMM's own INT8 row layout, so split_embedding_weights() returns the same [rows, dim + 8] rows).
+_WEIGHT_PRECISIONS = {**_PRECISIONS, "INT8": torch.uint8}
+
+
+def _weights_layout(tbe) -> Tuple[List[int], List[int]]:
+    """Per table, (start, size) in the module's flat weights buffer, in its elements: for int8
+    rows in bytes (each row D codes + 8 bytes of qparams: tbegen/int8.py)."""
+    layout = tbe.layout
+    if tbe.weights_dtype != torch.uint8:
+        return list(layout.table_offsets), [E * D for E, D in layout.tables]
+    q = 8
+    return ([off + q * kb for off, kb in zip(layout.table_offsets, layout.table_key_base)],
+            [E * (D + q) for E, D in layout.tables])
 
 
 def _plain(value) -> Any:
@@ -530,10 +544,10 @@ class SplitTableBatchedEmbeddingBagsCodegen(nn.Module):
             placements = ["host" if p == "managed" else p for p in placements]
 
         precision = _enum_member(weights_precision, SparseType, "weights_precision")
-        if precision not in _PRECISIONS:
+        if precision not in _WEIGHT_PRECISIONS:
             raise NotImplementedError(
-                f"tbegen: weights_precision {precision} is not supported for training (FP32, FP16 or BF16); "
-                f"quantised types are FBGEMM's inference-only formats"
+                f"tbegen: weights_precision {precision} is not supported for training (FP32, FP16, BF16 or INT8); "
+                f"the other quantised types are FBGEMM's inference-only formats"
             )
         out_precision = _enum_member(output_dtype, SparseType, "output_dtype")
         if out_precision not in _PRECISIONS:
@@ -578,7 +592,7 @@ class SplitTableBatchedEmbeddingBagsCodegen(nn.Module):
         module_args = _check_other_arguments(spec, others)
 
         inner = TableBatchedEmbeddingBags(
-            tables, optimizer=spec, pooling=pooling.lower(), weights_dtype=_PRECISIONS[precision],
+            tables, optimizer=spec, pooling=pooling.lower(), weights_dtype=_WEIGHT_PRECISIONS[precision],
             output_dtype=_PRECISIONS[out_precision],
             stochastic_rounding=stochastic_rounding, device=dev, feature_table_map=feature_table_map,
             placements=placements, **cache_args, **module_args, **hyper,
@@ -734,7 +748,10 @@ class SplitTableBatchedEmbeddingBagsCodegen(nn.Module):
     # ---- weights, states, hyperparameters ----
 
     def split_embedding_weights(self) -> List[torch.Tensor]:
-        """Per table, a [rows, dim] view of the weights (writable)."""
+        """Per table, a [rows, dim] view of the weights (writable); for INT8, as FBGEMM, a uint8
+        [rows, dim + 8] view of the stored rows (codes, then float32 scale and bias)."""
+        if self._tbe.int8:
+            return self._tbe.split_int8_rows()
         return self._tbe.split_embedding_weights()
 
     def split_optimizer_states(self) -> List[List[torch.Tensor]]:
@@ -756,6 +773,10 @@ class SplitTableBatchedEmbeddingBagsCodegen(nn.Module):
     def init_embedding_weights_uniform(self, min_val: float, max_val: float) -> None:
         """Refills every table from uniform(min_val, max_val), drawn from torch's global generator."""
         with torch.no_grad():
+            if self._tbe.int8:  # (drawn in float32, then quantized row by row)
+                for t, (E, D) in enumerate(self._tbe.tables):
+                    self._tbe.load_table_weights(t, torch.empty(E, D).uniform_(min_val, max_val))
+                return
             for table in self.split_embedding_weights():
                 table.uniform_(min_val, max_val)
 
@@ -829,7 +850,7 @@ class SplitTableBatchedEmbeddingBagsCodegen(nn.Module):
 
         placements = torch.tensor([placement[t] for t in layout.feature_table_map], dtype=torch.int32, device=device)
         destination[prefix + "weights_" + suffix] = tbe.weights if keep_vars else tbe.weights.detach()
-        destination[prefix + "weights_offsets"] = per_feature(layout.table_offsets)
+        destination[prefix + "weights_offsets"] = per_feature(_weights_layout(tbe)[0])
         destination[prefix + "weights_placements"] = placements
         for k, s in enumerate(tbe.spec.states, start=1):
             buf = tbe.optimizer_state(s.name)
@@ -946,7 +967,7 @@ def _load_fbgemm_tensors(module: SplitTableBatchedEmbeddingBagsCodegen, entries:
             )
     first_feature = [layout.feature_table_map.index(t) for t in range(len(layout.tables))]
     sizes = [E * D for E, D in layout.tables]
-    weights = _flat_tensor(entries, "weights", first_feature, sizes)
+    weights = _flat_tensor(entries, "weights", first_feature, _weights_layout(tbe)[1])
     used |= {"weights_offsets", "weights_placements", "weights_dev", "weights_host", "weights_uvm"}
     for t, w in enumerate(weights):
         if w.dtype != tbe.weights_dtype:
@@ -978,7 +999,7 @@ def _load_fbgemm_tensors(module: SplitTableBatchedEmbeddingBagsCodegen, entries:
     if "_extra_state" in entries:
         tbe.set_extra_state(entries["_extra_state"]["tbegen"])
     with torch.no_grad():
-        for dst, src in zip(tbe.split_embedding_weights(), weights):
+        for dst, src in zip(tbe.split_int8_rows() if tbe.int8 else tbe.split_embedding_weights(), weights):
             dst.copy_(src.view(dst.shape))
         views = tbe.split_optimizer_states()
         for name, parts in states:

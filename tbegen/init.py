@@ -130,17 +130,27 @@ def _fill_chunk_(out: torch.Tensor, first: int, seed: int, table: int, scale: fl
     out.copy_(values)
 
 
-def fill_uniform_(out: torch.Tensor, seed: int, table: int, dim: int) -> torch.Tensor:
-    """Fills the flat tensor `out` (one table, dim columns) with its initial weights:
+def fill_uniform_(out: torch.Tensor, seed: int, table: int, dim: int, first: int = 0) -> torch.Tensor:
+    """Fills the flat tensor `out` (one table, dim columns; or its elements first, first + 1, ...:
+    int8 tables are filled a few rows at a time) with its initial weights:
     uniform(-sqrt(1/dim), sqrt(1/dim)), a pure function of (seed, table, element index).
 
     On the CPU the work is split over torch's intra-op thread count (numpy releases the GIL)."""
     n = out.numel()
     # float32(bound) * 2**-23 is exact, so the multiplication below rounds once, in float32
     scale = _float32(math.sqrt(1.0 / dim)) * 2.0**-23
-    chunk = _CHUNK.get(out.device.type, _CHUNK["cuda"])  # a power of two: never straddles a block
+    chunk = _CHUNK.get(out.device.type, _CHUNK["cuda"])  # a power of two below 2**32
     starts = range(0, n, chunk)
-    fill = lambda s: _fill_chunk_(out[s : min(s + chunk, n)], s, seed, table, scale)  # noqa: E731
+
+    def fill(s: int) -> None:
+        end = min(s + chunk, n)
+        # (a chunk that straddles a 2**32 block of element indices, possible when first > 0, is
+        # filled in its two parts)
+        cut = min(end, (((first + s) >> 32) + 1 << 32) - first)
+        _fill_chunk_(out[s:cut], first + s, seed, table, scale)
+        if cut < end:
+            _fill_chunk_(out[cut:end], first + cut, seed, table, scale)
+
     threads = torch.get_num_threads() if out.device.type == "cpu" else 1
     if threads > 1 and len(starts) > 1:
         with ThreadPoolExecutor(min(threads, len(starts))) as pool:

@@ -32,6 +32,7 @@ from torch.autograd.graph import increment_version
 
 from . import build
 from . import cache as cache_
+from . import int8 as int8_
 from . import placement as placement_
 from .errors import BOUNDS_CHECK_MODES, ErrorRecord
 from .init import fill_uniform_
@@ -52,6 +53,10 @@ DTYPES = {
     "bfloat16": torch.bfloat16,
     "bf16": torch.bfloat16,
 }
+# int8 rows (docs/layout.md): weights_dtype "int8" (or torch.int8 / torch.uint8, or "uint8"); the
+# buffer is uint8, each row its D codes followed by a float32 scale and bias. The module records
+# torch.uint8, the storage dtype, as its weights_dtype.
+INT8_NAMES = ("int8", "uint8")
 INDEX_DTYPES = (torch.int32, torch.int64)
 
 # Keyword arguments of the constructor other than hyperparameters (for error messages).
@@ -117,6 +122,19 @@ def _check_tables(tables) -> Tuple[Tuple[int, int], ...]:
             raise TypeError(f"tbegen: tables[{t}] must be a (rows, dim) pair of ints, got {entry!r}")
         out.append((int(entry[0]), int(entry[1])))
     return tuple(out)
+
+
+def _check_weights_dtype(dtype) -> torch.dtype:
+    """A float dtype (as _check_dtype), or torch.uint8 for int8 rows ("int8", torch.int8, ...)."""
+    if (isinstance(dtype, str) and dtype in INT8_NAMES) or dtype in (torch.int8, torch.uint8):
+        return torch.uint8
+    if (isinstance(dtype, str) and dtype in DTYPES) or (isinstance(dtype, torch.dtype) and dtype in DTYPES.values()):
+        return _check_dtype(dtype)
+    raise ValueError(
+        f"tbegen: weights_dtype must be torch.float32, torch.float16, torch.bfloat16 or \"int8\" (int8 rows "
+        f"with a float32 scale and bias each; torch.int8 and torch.uint8 mean the same) (or one of the names "
+        f"{sorted(DTYPES) + list(INT8_NAMES)}), got {dtype!r}"
+    )
 
 
 def _check_dtype(dtype, argument: str = "weights_dtype") -> torch.dtype:
@@ -337,7 +355,8 @@ class TableBatchedEmbeddingBags(nn.Module):
             "none", ...), a path to a YAML spec, or a loaded `OptimizerSpec`. "none" is the
             dense-gradient mode (no fused update; `weights` is an nn.Parameter with a dense .grad).
         pooling: "sum", "mean" or "none" (one output row per index; every table the same dim).
-        weights_dtype: torch.float32, torch.float16 or torch.bfloat16.
+        weights_dtype: torch.float32, torch.float16, torch.bfloat16, or "int8" (int8 rows with a
+            float32 scale and bias each, re-quantized after every update; docs/int8.md).
         output_dtype: the dtype of the pooled output (torch.float32, torch.float16 or
             torch.bfloat16). The lookup always sums in float32; a narrow output is that sum rounded
             to nearest, and its gradient is widened to float32 before the backward (FBGEMM's
@@ -435,7 +454,7 @@ class TableBatchedEmbeddingBags(nn.Module):
                 f"tbegen: pooling 'none' returns one [N, dim] block, so every table needs the same dim; "
                 f"got dims {[D for _, D in layout.tables]}"
             )
-        dtype = _check_dtype(weights_dtype)
+        dtype = _check_weights_dtype(weights_dtype)
         out_dtype = _check_dtype(output_dtype, "output_dtype")
         self_state_dtypes = _check_state_dtypes(spec, state_dtypes)
         dev = _check_device(device)
@@ -466,6 +485,21 @@ class TableBatchedEmbeddingBags(nn.Module):
         sizes = cache_.cache_sizes(layout.tables, placements, cache_rows, cache_load_factor)
         if cache_algorithm not in cache_.CACHE_ALGORITHMS:
             raise ValueError(f"tbegen: cache_algorithm must be one of {list(cache_.CACHE_ALGORITHMS)}, got {cache_algorithm!r}")
+        if dtype == torch.uint8:
+            # int8 rows: what is not built for them is refused here, naming what to change
+            if spec.dense_gradient:
+                raise NotImplementedError(
+                    f"tbegen: optimizer {spec.name!r} (dense-gradient mode) needs float weights to hold a "
+                    f"gradient; int8 rows are for the fused optimizers")
+            if spec.table_stages:
+                raise NotImplementedError(
+                    f"tbegen: optimizer {spec.name!r} has whole-table stages, which int8 rows do not support yet; "
+                    f"use float32, float16 or bfloat16 weights")
+            cached = [t for t, p in enumerate(placements) if p == "managed_caching"]
+            if cached:
+                raise NotImplementedError(
+                    f"tbegen: int8 rows are not supported in 'managed_caching' tables yet (table(s) {cached}); "
+                    f"place them 'device' or 'managed', or use float weights")
         if spec.table_stages and "managed_caching" in placements:
             # (a whole-table stage changes every row, which a cached copy would not see)
             raise NotImplementedError(
@@ -533,12 +567,17 @@ class TableBatchedEmbeddingBags(nn.Module):
     def _buffer_ranges(self, per: str) -> List[Tuple[int, int]]:
         """(start, count) of each table in a buffer laid out per "element" (the weights and
         per-element states) or per "row" (per-row states)."""
+        if per == "int8 rows":  # (bytes: D codes + 8 bytes of qparams per row)
+            return [(off + int8_.QPARAM_BYTES * kb, E * (D + int8_.QPARAM_BYTES))
+                    for (E, D), off, kb in zip(self.layout.tables, self.layout.table_offsets, self.layout.table_key_base)]
         if per == "element":
             return [(off, E * D) for (E, D), off in zip(self.layout.tables, self.layout.table_offsets)]
         return [(kb, E) for (E, _), kb in zip(self.layout.tables, self.layout.table_key_base)]
 
     def _buffer_shape(self, what: str) -> Tuple[int, torch.dtype, str]:
         """numel, dtype and layout ("element" or "row") of "weights" or "state NAME"."""
+        if what == "weights" and self.int8:
+            return self.layout.weights_numel + int8_.QPARAM_BYTES * self.layout.total_hash_size, torch.uint8, "int8 rows"
         if what == "weights":
             return self.layout.weights_numel, self.weights_dtype, "element"
         s = next(s for s in self.spec.states if s.name == what[len("state "):])
@@ -734,8 +773,31 @@ class TableBatchedEmbeddingBags(nn.Module):
         weights = self._allocate("weights", device)  # (with cached tables, the cache region follows)
         for t, (E, D) in enumerate(self.layout.tables):
             start = self.layout.table_offsets[t]
+            if self.int8:
+                # the same float32 values, quantized row by row as the kernels quantize (in chunks
+                # of rows, so that a large table needs no float copy of itself)
+                rows = self._int8_rows(weights, t)
+                chunk = max(1, (1 << 22) // D)
+                for r in range(0, E, chunk):
+                    n = min(chunk, E - r)
+                    w = torch.empty(n * D, dtype=torch.float32, device=device)
+                    fill_uniform_(w, self.seed, t, D, first=r * D)
+                    rows[r : r + n].copy_(int8_.quantize_rows(w.view(n, D)))
+                continue
             fill_uniform_(weights[start : start + E * D], self.seed, t, D)
         return weights
+
+    def _int8_rows(self, weights: torch.Tensor, t: int) -> torch.Tensor:
+        """Table t's rows in a flat int8-rows buffer: a uint8 [rows, dim + 8] view."""
+        E, D = self.layout.tables[t]
+        row = D + int8_.QPARAM_BYTES
+        start = self.layout.table_offsets[t] + int8_.QPARAM_BYTES * self.layout.table_key_base[t]
+        return weights[start : start + E * row].view(E, row)
+
+    @property
+    def int8(self) -> bool:
+        """Whether the tables are int8 rows (weights_dtype "int8": a uint8 buffer, docs/layout.md)."""
+        return self.weights_dtype == torch.uint8
 
     # ---- properties ----
 
@@ -796,9 +858,40 @@ class TableBatchedEmbeddingBags(nn.Module):
         every row and what is written through them is what the next batch reads."""
         self._flush_and_empty()
         w = self.weights.detach()
+        if self.int8:
+            # (int8 rows: a dequantized float32 copy per table; writing to it changes nothing:
+            # split_int8_rows() gives the stored rows, load_table_weights() quantizes new values)
+            return [int8_.dequantize_rows(self._int8_rows(w, t)) for t in range(len(self.layout.tables))]
         return [
             w[off : off + E * D].view(E, D) for (E, D), off in zip(self.layout.tables, self.layout.table_offsets)
         ]
+
+    def split_int8_rows(self) -> List[torch.Tensor]:
+        """int8 rows only: per table, a writable uint8 [rows, dim + 8] view of the stored rows (each
+        row's codes, then its float32 scale and bias; tbegen.int8.dequantize_rows reads them)."""
+        if not self.int8:
+            raise TypeError(f"tbegen: split_int8_rows() is for int8 rows; this module's weights are {self.weights_dtype}")
+        w = self.weights.detach()
+        return [self._int8_rows(w, t) for t in range(len(self.layout.tables))]
+
+    def load_table_weights(self, table: int, values: torch.Tensor) -> None:
+        """Sets table `table`'s weights to `values` ([rows, dim], any float dtype), rounded to the
+        weights dtype (int8 rows: quantized row by row as the kernels quantize). Works for every
+        weights dtype; with float weights it is split_embedding_weights()[table].copy_(values)."""
+        if not _is_int(table) or not 0 <= table < len(self.layout.tables):
+            raise ValueError(f"tbegen: table must be from 0 to {len(self.layout.tables) - 1}, got {table!r}")
+        E, D = self.layout.tables[table]
+        if not isinstance(values, torch.Tensor) or tuple(values.shape) != (E, D) or not values.is_floating_point():
+            raise ValueError(f"tbegen: table {table} takes a float tensor of shape [{E}, {D}], got "
+                             f"{getattr(values, 'dtype', type(values).__name__)} {tuple(getattr(values, 'shape', ()))}")
+        if not self.int8:
+            with torch.no_grad():
+                self.split_embedding_weights()[table].copy_(values)
+            return
+        self._flush_and_empty()
+        with torch.no_grad():
+            rows = self._int8_rows(self.weights.detach(), table)
+            rows.copy_(int8_.quantize_rows(values.to(device=rows.device, dtype=torch.float32)))
 
     def split_optimizer_states(self) -> List[Dict[str, torch.Tensor]]:
         """Per table, {state name: view}: per-element states [rows, dim], per-row states [rows].

@@ -15,7 +15,7 @@ inline Params make_params(const at::Tensor& weights, int64_t total_hash_size, co
   Params tbegen_params{};
   tbegen_params.learning_rate = static_cast<float>(learning_rate);
   tbegen_params.eps = static_cast<float>(eps);
-  tbegen_params.element_states[0] = state_data(accumulator, "adagrad", "accumulator", weights, weights.numel(), "one per weight element", &tbegen_params.element_state_dtypes[0]);
+  tbegen_params.element_states[0] = state_data(accumulator, "adagrad", "accumulator", weights, weight_elements(weights, total_hash_size), "one per weight element", &tbegen_params.element_state_dtypes[0]);
   return tbegen_params;
 }
 

@@ -17,8 +17,8 @@ inline Params make_params(const at::Tensor& weights, int64_t total_hash_size, co
   tbegen_params.momentum = static_cast<float>(momentum);
   tbegen_params.eps = static_cast<float>(eps);
   tbegen_params.weight_decay = static_cast<float>(weight_decay);
-  tbegen_params.element_states[0] = state_data(accumulator, "adagrad_with_momentum", "accumulator", weights, weights.numel(), "one per weight element", &tbegen_params.element_state_dtypes[0]);
-  tbegen_params.element_states[1] = state_data(momentum_buffer, "adagrad_with_momentum", "momentum_buffer", weights, weights.numel(), "one per weight element", &tbegen_params.element_state_dtypes[1]);
+  tbegen_params.element_states[0] = state_data(accumulator, "adagrad_with_momentum", "accumulator", weights, weight_elements(weights, total_hash_size), "one per weight element", &tbegen_params.element_state_dtypes[0]);
+  tbegen_params.element_states[1] = state_data(momentum_buffer, "adagrad_with_momentum", "momentum_buffer", weights, weight_elements(weights, total_hash_size), "one per weight element", &tbegen_params.element_state_dtypes[1]);
   return tbegen_params;
 }
 

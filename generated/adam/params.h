@@ -18,8 +18,8 @@ inline Params make_params(const at::Tensor& weights, int64_t total_hash_size, co
   tbegen_params.beta2 = static_cast<float>(beta2);
   tbegen_params.eps = static_cast<float>(eps);
   tbegen_params.weight_decay = static_cast<float>(weight_decay);
-  tbegen_params.element_states[0] = state_data(exp_avg, "adam", "exp_avg", weights, weights.numel(), "one per weight element", &tbegen_params.element_state_dtypes[0]);
-  tbegen_params.element_states[1] = state_data(exp_avg_sq, "adam", "exp_avg_sq", weights, weights.numel(), "one per weight element", &tbegen_params.element_state_dtypes[1]);
+  tbegen_params.element_states[0] = state_data(exp_avg, "adam", "exp_avg", weights, weight_elements(weights, total_hash_size), "one per weight element", &tbegen_params.element_state_dtypes[0]);
+  tbegen_params.element_states[1] = state_data(exp_avg_sq, "adam", "exp_avg_sq", weights, weight_elements(weights, total_hash_size), "one per weight element", &tbegen_params.element_state_dtypes[1]);
   return tbegen_params;
 }
 

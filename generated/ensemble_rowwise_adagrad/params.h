@@ -27,7 +27,7 @@ inline Params make_params(const at::Tensor& weights, int64_t total_hash_size, co
   TBEGEN_CHECK(step_mode == 0 || step_mode == 1 || step_mode == 2,
               "tbegen: ensemble_rowwise_adagrad: step_mode must be one of 0, 1, 2, got ", step_mode);
   tbegen_params.step_mode = static_cast<int64_t>(step_mode);
-  tbegen_params.element_states[0] = state_data(sparse_ema, "ensemble_rowwise_adagrad", "sparse_ema", weights, weights.numel(), "one per weight element", &tbegen_params.element_state_dtypes[0]);
+  tbegen_params.element_states[0] = state_data(sparse_ema, "ensemble_rowwise_adagrad", "sparse_ema", weights, weight_elements(weights, total_hash_size), "one per weight element", &tbegen_params.element_state_dtypes[0]);
   tbegen_params.row_states[0] = state_data(momentum, "ensemble_rowwise_adagrad", "momentum", weights, total_hash_size, "one per row of all tables", &tbegen_params.row_state_dtypes[0]);
   return tbegen_params;
 }

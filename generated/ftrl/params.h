@@ -19,8 +19,8 @@ inline Params make_params(const at::Tensor& weights, int64_t total_hash_size, co
   tbegen_params.l2 = static_cast<float>(l2);
   tbegen_params.l2_shrinkage = static_cast<float>(l2_shrinkage);
   tbegen_params.beta = static_cast<float>(beta);
-  tbegen_params.element_states[0] = state_data(accumulator, "ftrl", "accumulator", weights, weights.numel(), "one per weight element", &tbegen_params.element_state_dtypes[0]);
-  tbegen_params.element_states[1] = state_data(linear, "ftrl", "linear", weights, weights.numel(), "one per weight element", &tbegen_params.element_state_dtypes[1]);
+  tbegen_params.element_states[0] = state_data(accumulator, "ftrl", "accumulator", weights, weight_elements(weights, total_hash_size), "one per weight element", &tbegen_params.element_state_dtypes[0]);
+  tbegen_params.element_states[1] = state_data(linear, "ftrl", "linear", weights, weight_elements(weights, total_hash_size), "one per weight element", &tbegen_params.element_state_dtypes[1]);
   return tbegen_params;
 }
 

@@ -17,7 +17,7 @@ inline Params make_params(const at::Tensor& weights, int64_t total_hash_size, co
   tbegen_params.beta1 = static_cast<float>(beta1);
   tbegen_params.beta2 = static_cast<float>(beta2);
   tbegen_params.weight_decay = static_cast<float>(weight_decay);
-  tbegen_params.element_states[0] = state_data(exp_avg, "lion", "exp_avg", weights, weights.numel(), "one per weight element", &tbegen_params.element_state_dtypes[0]);
+  tbegen_params.element_states[0] = state_data(exp_avg, "lion", "exp_avg", weights, weight_elements(weights, total_hash_size), "one per weight element", &tbegen_params.element_state_dtypes[0]);
   return tbegen_params;
 }
 

@@ -18,7 +18,7 @@ inline Params make_params(const at::Tensor& weights, int64_t total_hash_size, co
   tbegen_params.beta2 = static_cast<float>(beta2);
   tbegen_params.eps = static_cast<float>(eps);
   tbegen_params.weight_decay = static_cast<float>(weight_decay);
-  tbegen_params.element_states[0] = state_data(exp_avg, "partial_rowwise_lamb", "exp_avg", weights, weights.numel(), "one per weight element", &tbegen_params.element_state_dtypes[0]);
+  tbegen_params.element_states[0] = state_data(exp_avg, "partial_rowwise_lamb", "exp_avg", weights, weight_elements(weights, total_hash_size), "one per weight element", &tbegen_params.element_state_dtypes[0]);
   tbegen_params.row_states[0] = state_data(exp_avg_sq, "partial_rowwise_lamb", "exp_avg_sq", weights, total_hash_size, "one per row of all tables", &tbegen_params.row_state_dtypes[0]);
   return tbegen_params;
 }

@@ -18,7 +18,7 @@ inline Params make_params(const at::Tensor& weights, int64_t total_hash_size, co
   tbegen_params.dampening = static_cast<float>(dampening);
   tbegen_params.weight_decay = static_cast<float>(weight_decay);
   tbegen_params.nesterov = static_cast<bool>(nesterov);
-  tbegen_params.element_states[0] = state_data(momentum_buffer, "sgd_momentum", "momentum_buffer", weights, weights.numel(), "one per weight element", &tbegen_params.element_state_dtypes[0]);
+  tbegen_params.element_states[0] = state_data(momentum_buffer, "sgd_momentum", "momentum_buffer", weights, weight_elements(weights, total_hash_size), "one per weight element", &tbegen_params.element_state_dtypes[0]);
   return tbegen_params;
 }
 

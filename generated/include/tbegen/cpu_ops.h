@@ -25,6 +25,7 @@ void dispatch_types(const at::Tensor& weights, const at::Tensor& indices, Body&&
     case at::kFloat: with_index(float{}); break;
     case at::kHalf: with_index(c10::Half{}); break;
     case at::kBFloat16: with_index(c10::BFloat16{}); break;
+    case at::kByte: with_index(uint8_t{}); break;  // int8 rows (common.h)
     default: TBEGEN_CHECK(false, "tbegen: unsupported weights dtype ", weights.scalar_type());
   }
 }

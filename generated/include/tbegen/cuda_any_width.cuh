@@ -18,6 +18,11 @@
 //    narrow copies are stored back with stochastic rounding (store_state), as in the 4-wide path;
 //  - per-row states (float, read through load_state, and int) are a register copy per lane, as
 //    in WarpRow; lane 0 writes them back.
+// int8 rows (uint8 weights, common.h) are taken only here: a row is dequantized into a float copy
+// in scratch (as 16-bit weights are), updated, and quantized again with the qparams of its updated
+// min and max (a butterfly min/max over the warp; lane 0 stores the qparams). The forward kernels
+// dequantize each code with its row's qparams, which the lane that fetched the row's index reads
+// and passes around with the row's offset.
 // Sums are taken in the same order as in the 4-wide path (occurrences in sorted order, fp32,
 // per column); only the split of the row reductions over lanes differs, so results agree with
 // the 4-wide path to rounding, and are deterministic (bitwise) for a given layout.
@@ -66,7 +71,7 @@ struct ColumnRow {
 template <class Opt>
 using OptColumnRow = ColumnRow<Opt::kElementStates + Opt::kTemporaries, Opt::kRowStates, Opt::kIntRowStates>;
 
-// Scratch rows per warp: the gradient, the temporaries, a float copy of 16-bit weights, and a
+// Scratch rows per warp: the gradient, the temporaries, a float copy of 16-bit or int8 weights, and a
 // float copy of each narrow (fp16/bf16) per-element state. The states' dtypes are known only at
 // run time (Params), so the count is computed from them, the same way on the host (to size the
 // area) and in the kernels (to find a warp's share).
@@ -112,27 +117,40 @@ __global__ void __launch_bounds__(256) forward_kernel(ForwardArgs a, const W* __
         const int64_t my_i = base + lane;
         int64_t my_off = -1;
         float my_scale = 0.0f;
+        Int8QParams my_q{0.0f, 0.0f};  // (int8 rows only)
         if (my_i < end) {
-          my_off = row_offset(ft, int64_t(indices[my_i]), my_i, a.weights_numel, a.error);
+          const int64_t idx = int64_t(indices[my_i]);
+          my_off = row_offset(ft, idx, my_i, a.weights_numel, a.error);
           my_scale = a.psw ? a.psw[my_i] : 1.0f;
+          if constexpr (std::is_same<W, uint8_t>::value) {
+            if (my_off >= 0) {
+              my_off = weights_row_start<W>(my_off, ft[kFeatKeyBase] + idx);
+              my_q = load_qparams(weights + my_off, D);
+            }
+          }
         }
         const int n = end - base < kWarpSize ? int(end - base) : kWarpSize;
         for (int j = 0; j < n; ++j) {
           const int64_t off = __shfl_sync(kFullMask, my_off, j);
           const float s = __shfl_sync(kFullMask, my_scale, j);
+          Int8QParams q{0.0f, 0.0f};
+          if constexpr (std::is_same<W, uint8_t>::value) {
+            q.scale = __shfl_sync(kFullMask, my_q.scale, j);
+            q.bias = __shfl_sync(kFullMask, my_q.bias, j);
+          }
           if (off < 0) continue;
           if (a.pooling == kPoolNone) {
             float* o = a.out + (base + j) * a.max_D;
 #pragma unroll
             for (int c = 0; c < kCols; ++c) {
               const int d = c0 + c * kWarpSize + lane;
-              if (d < D) o[d] = s * WeightTraits<W>::load(weights[off + d]);
+              if (d < D) o[d] = s * load_weight(weights[off + d], q);
             }
           } else {
 #pragma unroll
             for (int c = 0; c < kCols; ++c) {
               const int d = c0 + c * kWarpSize + lane;
-              if (d < D) acc[c] += s * WeightTraits<W>::load(weights[off + d]);
+              if (d < D) acc[c] += s * load_weight(weights[off + d], q);
             }
           }
         }
@@ -165,12 +183,18 @@ __global__ void __launch_bounds__(256) grad_psw_kernel(ForwardArgs a, const floa
     const int D = int(ft[kFeatDim]);
     const float scale = a.pooling == kPoolMean ? 1.0f / float(end > start ? end - start : 1) : 1.0f;
     for (int64_t i = start; i < end; ++i) {
-      const int64_t off = row_offset(ft, int64_t(indices[i]), i, a.weights_numel, a.error);
+      const int64_t idx = int64_t(indices[i]);
+      int64_t off = row_offset(ft, idx, i, a.weights_numel, a.error);
       if (off < 0) continue;
+      Int8QParams q{0.0f, 0.0f};  // (int8 rows only)
+      if constexpr (std::is_same<W, uint8_t>::value) {
+        off = weights_row_start<W>(off, ft[kFeatKeyBase] + idx);
+        q = load_qparams(weights + off, D);
+      }
       const float* go = a.pooling == kPoolNone ? grad_output + i * a.max_D
                                                : grad_output + b * a.total_D + ft[kFeatOutOffset];
       float dot = 0.0f;
-      for (int d = lane; d < D; d += kWarpSize) dot += WeightTraits<W>::load(weights[off + d]) * go[d];
+      for (int d = lane; d < D; d += kWarpSize) dot += load_weight(weights[off + d], q) * go[d];
       dot = warp_sum(dot);
       if (lane == 0) grad[i] = dot * scale;
     }
@@ -213,7 +237,11 @@ __device__ __forceinline__ void begin_row(OptColumnRow<Opt>& row, const typename
   } else {
     row.w_ = next;
     next += max_D;
-    for (int d = row.lane; d < row.D; d += kWarpSize) row.w_[d] = WeightTraits<W>::load(weights[woff + d]);
+    // (an int8 row starts further on, and its qparams follow its codes: common.h)
+    const W* wrow = weights + weights_row_start<W>(woff, key);
+    Int8QParams q{0.0f, 0.0f};
+    if constexpr (std::is_same<W, uint8_t>::value) q = load_qparams(wrow, row.D);
+    for (int d = row.lane; d < row.D; d += kWarpSize) row.w_[d] = load_weight(wrow[d], q);
   }
 #pragma unroll
   for (int k = Opt::kElementStates; k < Opt::kElementStates + Opt::kTemporaries; ++k) {
@@ -250,7 +278,20 @@ __device__ __forceinline__ void update_and_store(OptColumnRow<Opt>& row, const t
                                                  const RowUpdateContext& ctx, const typename Opt::StepValues& sv,
                                                  W* weights, int64_t key, int64_t woff) {
   Opt::update_row(row, p, sv);
-  if constexpr (sizeof(W) != 4) {
+  if constexpr (std::is_same<W, uint8_t>::value) {
+    // int8 row: fresh qparams from the updated row's min and max over the warp (every lane gets
+    // the same values), then each lane quantizes its columns and lane 0 stores the qparams
+    uint8_t* wrow = weights + weights_row_start<W>(woff, key);
+    float lo = INFINITY, hi = -INFINITY;
+    for (int d = row.lane; d < row.D; d += kWarpSize) {
+      lo = fminf(lo, row.w_[d]);
+      hi = fmaxf(hi, row.w_[d]);
+    }
+    const Int8QParams q = int8_qparams(OptColumnRow<Opt>::all_min(lo), OptColumnRow<Opt>::all_max(hi));
+    for (int d = row.lane; d < row.D; d += kWarpSize) wrow[d] = quantize(row.w_[d], q);
+    __syncwarp();  // (every lane has read the old qparams in begin_row long before; made explicit)
+    if (row.lane == 0) store_qparams(wrow, row.D, q);
+  } else if constexpr (sizeof(W) != 4) {
     for (int d = row.lane; d < row.D; d += kWarpSize) {
       const uint32_t bits = ctx.stochastic_rounding ? random_bits(ctx.seed, ctx.step, key, d) : 0u;
       weights[woff + d] = WeightTraits<W>::round(row.w_[d], bits, ctx.stochastic_rounding);

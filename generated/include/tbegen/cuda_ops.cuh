@@ -59,6 +59,18 @@ void dispatch_weights(const at::Tensor& weights, Body&& body) {
   }
 }
 
+// The weight dtypes of the any-width kernels: those of dispatch_weights and uint8 (int8 rows,
+// common.h), which only the any-width kernels take (check_layout_and_choose), so that the 4-wide
+// kernels are never instantiated for them.
+template <typename Body>
+void dispatch_any_width_weights(const at::Tensor& weights, Body&& body) {
+  if (weights.scalar_type() == at::kByte) {
+    body(uint8_t{});
+  } else {
+    dispatch_weights(weights, body);
+  }
+}
+
 template <typename Body>
 void dispatch_index(const at::Tensor& indices, Body&& body) {
   if (indices.scalar_type() == at::kInt) {
@@ -167,6 +179,9 @@ inline bool check_layout_and_choose(const Batch& b, const at::Tensor& features, 
     for (int64_t f = 0; f < b.F; ++f) *narrowest_D = std::min(*narrowest_D, (*feat)[f * kFeatColumns + kFeatDim]);
   }
   if (!vector_layout(feat->data(), b.F, b.total_D, b.max_D)) return false;
+  // int8 rows (uint8 weights) always take the any-width kernels, which dequantize and quantize
+  // a row column by column; the 4-wide kernels have no int8 code (and no run-time dtype branch)
+  if (weights.scalar_type() == at::kByte) return false;
   if (!aligned_to(weights.data_ptr(), 4 * weights.element_size())) return false;
   for (const void* p : float_buffers) {
     if (p != nullptr && !aligned_to(p, 16)) return false;
@@ -206,7 +221,7 @@ inline void backward_any_width(const Batch& b, const BackwardArgs& a, const Prep
                                const void* params, const BackwardKernels& kernels, const RowUpdateContext& ctx,
                                const at::cuda::CUDAStream& stream, const at::cuda::CUDAStream& side,
                                at::cuda::CUDAEvent& joined, int sms) {
-  dispatch_weights(weights, [&](auto w) {
+  dispatch_any_width_weights(weights, [&](auto w) {
     using W = decltype(w);
     const AnyWidthKernels& k = kernels.any_width_for<W>();
     // (the narrow element states' float copies count: computed from the Params' state dtypes)

@@ -10,6 +10,8 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
+#include <type_traits>
 
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
@@ -167,6 +169,66 @@ template <>
 struct WeightTraits<c10::Half> : Half16Traits<c10::Half> {};
 template <>
 struct WeightTraits<c10::BFloat16> : Half16Traits<c10::BFloat16> {};
+
+// ---- int8 rows (weights dtype uint8; docs/layout.md, "int8 rows") ---------------------------------
+//
+// An int8 table stores each row as D code bytes q followed by its quantization parameters, a
+// float32 scale and a float32 bias (kInt8QparamBytes = 8 bytes, unaligned in general); the row's
+// value is w = scale * q + bias. Rows are packed, D + 8 bytes each, so the row whose
+// per-element states start at element offset `woff` (the features table's offsets, shared with
+// the states) and whose linear key is `key` starts at byte woff + 8 * key: every earlier row of
+// every table adds its 8 bytes. The kernels read codes and qparams bytewise (memcpy), so no row
+// needs more than byte alignment. The update dequantizes a row into float32, runs the optimizer
+// and quantizes it again with fresh parameters from the updated row's min and max.
+constexpr int64_t kInt8QparamBytes = 8;
+
+// Bytes after a row's D elements: the qparams of an int8 row, nothing for float weights.
+template <typename W>
+TBEGEN_HD TBEGEN_INLINE constexpr int64_t row_extra_bytes() {
+  return std::is_same<W, uint8_t>::value ? kInt8QparamBytes : 0;
+}
+
+// Where (in elements of W) the row with element offset `woff` and linear key `key` starts.
+template <typename W>
+TBEGEN_HD TBEGEN_INLINE int64_t weights_row_start(int64_t woff, int64_t key) {
+  return woff + row_extra_bytes<W>() * key;
+}
+
+struct Int8QParams {
+  float scale;
+  float bias;
+};
+
+TBEGEN_HD TBEGEN_INLINE Int8QParams load_qparams(const uint8_t* row, int64_t D) {
+  Int8QParams q;
+  memcpy(&q.scale, row + D, 4);
+  memcpy(&q.bias, row + D + 4, 4);
+  return q;
+}
+
+TBEGEN_HD TBEGEN_INLINE void store_qparams(uint8_t* row, int64_t D, const Int8QParams& q) {
+  memcpy(row + D, &q.scale, 4);
+  memcpy(row + D + 4, &q.bias, 4);
+}
+
+// One weight as a float: float/fp16/bf16 converted, an int8 code dequantized with its row's
+// qparams as one fused multiply-add (a single rounding, the same on the CPU and the GPU).
+template <typename W>
+TBEGEN_HD TBEGEN_INLINE float load_weight(W x, const Int8QParams& /*q*/) { return WeightTraits<W>::load(x); }
+TBEGEN_HD TBEGEN_INLINE float load_weight(uint8_t x, const Int8QParams& q) {
+  return fmaf(q.scale, static_cast<float>(x), q.bias);
+}
+
+// The qparams of a row whose values lie in [lo, hi] (its min and max): 256 levels from lo to hi.
+TBEGEN_HD TBEGEN_INLINE Int8QParams int8_qparams(float lo, float hi) { return Int8QParams{(hi - lo) / 255.0f, lo}; }
+
+// The code of x: (x - bias) / scale rounded to nearest (ties to even), clamped to 0..255. A row
+// whose min equals its max (scale 0) is all bias: code 0.
+TBEGEN_HD TBEGEN_INLINE uint8_t quantize(float x, const Int8QParams& q) {
+  if (!(q.scale > 0.0f)) return 0;
+  const float c = rintf((x - q.bias) / q.scale);
+  return static_cast<uint8_t>(fminf(fmaxf(c, 0.0f), 255.0f));
+}
 
 // Counter-based random bits for stochastic rounding: a pure function of (seed, step, key,
 // element), so a step is reproducible bit for bit and different steps draw different bits. Two

@@ -58,6 +58,22 @@ inline void prefetch_bytes(const void* p, int64_t bytes) {
   for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off);
 }
 
+// Where row `idx` of feature table `ft` starts in the weights buffer (an int8 row starts 8 bytes
+// further on for every row before it, and its qparams follow its D codes: common.h).
+template <typename W>
+TBEGEN_INLINE const W* weights_row(const W* weights, const int64_t* ft, int64_t idx) {
+  return weights + weights_row_start<W>(ft[kFeatWeightsOffset] + idx * ft[kFeatDim], ft[kFeatKeyBase] + idx);
+}
+// The qparams of an int8 row (for float weights nothing: load_weight ignores them).
+template <typename W>
+TBEGEN_INLINE Int8QParams row_qparams(const W* row, int64_t D) {
+  if constexpr (std::is_same_v<W, uint8_t>) {
+    return load_qparams(row, D);
+  } else {
+    return Int8QParams{0.0f, 0.0f};
+  }
+}
+
 template <typename W, typename I>
 void forward(const Batch& b, const int64_t* feat, const W* weights, const I* indices,
              const I* offsets, const float* psw, float* out) {
@@ -67,10 +83,11 @@ void forward(const Batch& b, const int64_t* feat, const W* weights, const I* ind
         const int64_t* ft = feat + (bag / b.B) * kFeatColumns;
         const int64_t D = ft[kFeatDim];
         for (int64_t i = offsets[bag]; i < offsets[bag + 1]; ++i) {
-          const W* row = weights + ft[kFeatWeightsOffset] + int64_t(indices[i]) * D;
+          const W* row = weights_row(weights, ft, int64_t(indices[i]));
+          const Int8QParams q = row_qparams(row, D);
           const float s = psw ? psw[i] : 1.0f;
           float* o = out + i * b.max_D;
-          for (int64_t d = 0; d < D; ++d) o[d] = s * WeightTraits<W>::load(row[d]);
+          for (int64_t d = 0; d < D; ++d) o[d] = s * load_weight(row[d], q);
         }
       }
     });
@@ -88,7 +105,7 @@ void forward(const Batch& b, const int64_t* feat, const W* weights, const I* ind
       const I* bag_offsets = offsets + f * b.B;
       const int64_t limit = bag_offsets[end];
       auto prefetch_row = [&](int64_t i) {
-        if (i < limit) prefetch_bytes(table + int64_t(indices[i]) * D, D * int64_t(sizeof(W)));
+        if (i < limit) prefetch_bytes(weights_row(weights, ft, int64_t(indices[i])), D * int64_t(sizeof(W)) + row_extra_bytes<W>());
       };
       for (int64_t i = bag_offsets[begin]; i < bag_offsets[begin] + kAhead; ++i) prefetch_row(i);
       for (int64_t bi = begin; bi < end; ++bi) {
@@ -111,9 +128,10 @@ void forward(const Batch& b, const int64_t* feat, const W* weights, const I* ind
         std::fill(acc.begin(), acc.begin() + D, 0.0f);
         for (int64_t i = start; i < stop; ++i) {
           prefetch_row(i + kAhead);
-          const W* row = table + int64_t(indices[i]) * D;
+          const W* row = weights_row(weights, ft, int64_t(indices[i]));
+          const Int8QParams q = row_qparams(row, D);
           const float s = psw ? psw[i] : 1.0f;
-          for (int64_t d = 0; d < D; ++d) acc[d] += s * WeightTraits<W>::load(row[d]);
+          for (int64_t d = 0; d < D; ++d) acc[d] += s * load_weight(row[d], q);
         }
         for (int64_t d = 0; d < D; ++d) o[d] = acc[d] * scale;
       }
@@ -133,11 +151,12 @@ void grad_per_sample_weights(const Batch& b, const int64_t* feat, const float* g
       const int64_t start = offsets[bag], stop = offsets[bag + 1];
       const float scale = b.pooling == kPoolMean ? 1.0f / float(std::max<int64_t>(stop - start, 1)) : 1.0f;
       for (int64_t i = start; i < stop; ++i) {
-        const W* row = weights + ft[kFeatWeightsOffset] + int64_t(indices[i]) * D;
+        const W* row = weights_row(weights, ft, int64_t(indices[i]));
+        const Int8QParams q = row_qparams(row, D);
         const float* go = b.pooling == kPoolNone ? grad_output + i * b.max_D
                                                  : grad_output + bi * b.total_D + ft[kFeatOutOffset];
         float dot = 0.0f;
-        for (int64_t d = 0; d < D; ++d) dot += go[d] * WeightTraits<W>::load(row[d]);
+        for (int64_t d = 0; d < D; ++d) dot += go[d] * load_weight(row[d], q);
         grad[i] = dot * scale;
       }
     }
@@ -233,7 +252,7 @@ void backward(const Batch& b, const int64_t* feat, int64_t total_hash_size, cons
     return scale;
   };
   const bool vector_split = vector_layout(feat, b.F, b.total_D, b.max_D);
-  // float weights are updated in place; the others through a float copy of the row.
+  // float weights are updated in place; the others (fp16, bf16, int8 rows) through a float copy of the row.
   constexpr bool kInPlace = std::is_same_v<W, float>;
   // the values of the update that depend on the step only (Optimizer::StepValues), once per call
   const typename Opt::StepValues step_values = Opt::step_values(params, ctx.step);
@@ -256,7 +275,7 @@ void backward(const Batch& b, const int64_t* feat, int64_t total_hash_size, cons
         int Dn;
         int64_t key_n;
         const int64_t off = row_at(last + kAhead, &key_n, &Dn);
-        prefetch_bytes(weights + off, Dn * int64_t(sizeof(W)));
+        prefetch_bytes(weights + weights_row_start<W>(off, key_n), Dn * int64_t(sizeof(W)) + row_extra_bytes<W>());
         for (int k = 0; k < Opt::kElementStates; ++k) {
           const int size = state_element_size(params.element_state_dtypes[k]);
           prefetch_bytes(reinterpret_cast<const char*>(params.element_states[k]) + off * size, Dn * size);
@@ -286,12 +305,13 @@ void backward(const Batch& b, const int64_t* feat, int64_t total_hash_size, cons
           for (int d = 0; d < D; ++d) row.g_[d] += scale * go[d];
         }
       }
-      W* wrow = weights + woff;
+      W* wrow = weights + weights_row_start<W>(woff, key);
       if constexpr (kInPlace) {
         row.w_ = wrow;
       } else {
         row.w_ = buf.data() + b.max_D;
-        for (int d = 0; d < D; ++d) row.w_[d] = WeightTraits<W>::load(wrow[d]);
+        const Int8QParams q = row_qparams(wrow, D);
+        for (int d = 0; d < D; ++d) row.w_[d] = load_weight(wrow[d], q);
       }
       // float32 states are updated in place; narrow (fp16/bf16) ones through a float copy
       float row_copy[Opt::kRowStates > 0 ? Opt::kRowStates : 1];
@@ -328,7 +348,17 @@ void backward(const Batch& b, const int64_t* feat, int64_t total_hash_size, cons
         if (dtype != kStateFloat32) store_state(params.row_states[k], dtype, key, row_copy[k], ctx, Opt::kElementStates + k, key, 0);
       }
 
-      if constexpr (!kInPlace) {
+      if constexpr (std::is_same_v<W, uint8_t>) {
+        // int8 rows: quantized again with the updated row's min and max (common.h)
+        float lo = INFINITY, hi = -INFINITY;
+        for (int d = 0; d < D; ++d) {
+          lo = fminf(lo, row.w_[d]);
+          hi = fmaxf(hi, row.w_[d]);
+        }
+        const Int8QParams q = int8_qparams(lo, hi);
+        for (int d = 0; d < D; ++d) wrow[d] = quantize(row.w_[d], q);
+        store_qparams(wrow, D, q);
+      } else if constexpr (!kInPlace) {
         for (int d = 0; d < D; ++d) {
           const uint32_t bits = ctx.stochastic_rounding ? random_bits(ctx.seed, ctx.step, key, d) : 0u;
           wrow[d] = WeightTraits<W>::round(row.w_[d], bits, ctx.stochastic_rounding);

@@ -63,8 +63,8 @@ struct AnyWidthKernels {
 struct BackwardKernels {
   // [weights: float, c10::Half, c10::BFloat16][kVecs: 1, 2, 4, 8]
   BackwardLaunchFn launch[3][4];
-  // [weights: float, c10::Half, c10::BFloat16]
-  AnyWidthKernels any_width[3];
+  // [weights: float, c10::Half, c10::BFloat16, uint8_t (int8 rows: any-width kernels only)]
+  AnyWidthKernels any_width[4];
   // whether these Params' states suit the 4-wide kernels: every state float32 (the 4-wide kernels
   // have no narrow-state branches, cuda_kernels.cuh load_row) and every per-element state 16-byte
   // aligned (their 16-byte loads)
@@ -72,7 +72,10 @@ struct BackwardKernels {
 
   template <typename W>
   const AnyWidthKernels& any_width_for() const {
-    return any_width[std::is_same<W, float>::value ? 0 : std::is_same<W, c10::Half>::value ? 1 : 2];
+    return any_width[std::is_same<W, float>::value       ? 0
+                     : std::is_same<W, c10::Half>::value ? 1
+                     : std::is_same<W, uint8_t>::value   ? 3
+                                                         : 2];
   }
 
   template <typename W, int kVecs>
@@ -153,8 +156,8 @@ bool vector_states_fit(const void* params) {
 }
 
 // The table of optimizer Opt's kernels (instantiates all 36 4-wide ones, 3 dtypes x 4 widths x 3
-// kernels, plus, without per-element state, the group kernel for 3 dtypes x 2 widths, and the 9
-// any-width ones).
+// kernels, plus, without per-element state, the group kernel for 3 dtypes x 2 widths, and the 12
+// any-width ones: 3 kernels for each of the 3 float dtypes and int8 rows).
 template <class Opt>
 const BackwardKernels& backward_kernels_for() {
   static const BackwardKernels table = {{
@@ -168,6 +171,7 @@ const BackwardKernels& backward_kernels_for() {
       {&launch_any_width<Opt, float>, &any_width_scratch_slots<Opt, float>},
       {&launch_any_width<Opt, c10::Half>, &any_width_scratch_slots<Opt, c10::Half>},
       {&launch_any_width<Opt, c10::BFloat16>, &any_width_scratch_slots<Opt, c10::BFloat16>},
+      {&launch_any_width<Opt, uint8_t>, &any_width_scratch_slots<Opt, uint8_t>},
   }, &vector_states_fit<Opt>};
   return table;
 }

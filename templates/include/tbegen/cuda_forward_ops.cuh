@@ -24,7 +24,7 @@ inline at::Tensor forward_cuda(const at::Tensor& weights, const at::Tensor& feat
   const bool vector_path = check_layout_and_choose(b, features, weights, {out.data_ptr()}, &narrowest_D);
   const auto stream = at::cuda::getCurrentCUDAStream();
   if (b.F * b.B > 0 && !vector_path) {
-    dispatch_weights(weights, [&](auto w) {
+    dispatch_any_width_weights(weights, [&](auto w) {
       using W = decltype(w);
       dispatch_index(indices, [&](auto i) {
         using I = decltype(i);
@@ -93,7 +93,7 @@ inline at::Tensor grad_per_sample_weights_cuda(const at::Tensor& grad_output, co
   const bool vector_path = check_layout_and_choose(b, features, weights, {grad_output.data_ptr()});
   const auto stream = at::cuda::getCurrentCUDAStream();
   if (b.F * b.B > 0 && !vector_path) {
-    dispatch_weights(weights, [&](auto w) {
+    dispatch_any_width_weights(weights, [&](auto w) {
       using W = decltype(w);
       dispatch_index(indices, [&](auto i) {
         using I = decltype(i);

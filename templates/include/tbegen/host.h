@@ -91,11 +91,14 @@ inline void check_features(const Batch& b, const int64_t* feat, const at::Tensor
     TBEGEN_CHECK(D <= max_D, "tbegen: feature ", f, " has D = ", D, " > max_D = ", max_D);
     TBEGEN_CHECK(pooling != kPoolNone || D == max_D, "tbegen: pooling none needs every table to "
                 "have the same D, but feature ", f, " has D = ", D, " and max_D = ", max_D);
-    TBEGEN_CHECK(rows >= 0 && ft[kFeatWeightsOffset] >= 0 &&
-                    ft[kFeatWeightsOffset] + rows * D <= weights.numel(),
+    // (an int8 table's rows also hold their qparams: its last row ends kInt8QparamBytes per row
+    // of it and of every earlier table further on, common.h weights_row_start)
+    const int64_t qparams = weights.scalar_type() == at::kByte ? kInt8QparamBytes * (ft[kFeatKeyBase] + rows) : 0;
+    TBEGEN_CHECK(rows >= 0 && ft[kFeatWeightsOffset] >= 0 && ft[kFeatKeyBase] >= 0 &&
+                    ft[kFeatWeightsOffset] + rows * D + qparams <= weights.numel(),
                 "tbegen: feature ", f, "'s table (", rows, " x ", D, " at offset ",
                 ft[kFeatWeightsOffset], ") does not fit in the weights buffer of ",
-                weights.numel(), " elements");
+                weights.numel(), " elements", qparams ? " (int8 rows: D code bytes + 8 bytes of scale and bias each)" : "");
     TBEGEN_CHECK(pooling == kPoolNone || (ft[kFeatOutOffset] >= 0 &&
                                          ft[kFeatOutOffset] + D <= total_D),
                 "tbegen: feature ", f, "'s output columns do not fit in total_D = ", total_D);
@@ -109,8 +112,8 @@ inline Batch check_batch(const at::Tensor& weights, const at::Tensor& features, 
   TBEGEN_CHECK(weights.dim() == 1, "tbegen: weights must be a flat 1-D buffer, got ", weights.dim(),
               " dimensions");
   const auto wt = weights.scalar_type();
-  TBEGEN_CHECK(wt == at::kFloat || wt == at::kHalf || wt == at::kBFloat16,
-              "tbegen: weights must be float32, float16 or bfloat16, got ", dtype_name(wt));
+  TBEGEN_CHECK(wt == at::kFloat || wt == at::kHalf || wt == at::kBFloat16 || wt == at::kByte,
+              "tbegen: weights must be float32, float16, bfloat16 or uint8 (int8 rows), got ", dtype_name(wt));
   TBEGEN_CHECK(weights.is_contiguous(), "tbegen: weights must be contiguous");
   check_tensor(features, "features", weights);
   TBEGEN_CHECK(features.scalar_type() == at::kLong && features.dim() == 2 &&
@@ -281,7 +284,13 @@ inline void check_finite_host(const float* x, int64_t n, int code) {
   }
 }
 
-// Checks a state tensor passed to a backward operator before the kernels take its pointer.
+// The number of weight elements (the columns of all rows) in a weights buffer: its numel, less the
+// qparams of int8 rows (kInt8QparamBytes for each of the total_hash_size rows). Per-element states
+// have this many elements.
+inline int64_t weight_elements(const at::Tensor& weights, int64_t total_hash_size) {
+  return weights.scalar_type() == at::kByte ? weights.numel() - kInt8QparamBytes * total_hash_size : weights.numel();
+}
+
 // Checks a state tensor and returns its storage, setting *dtype (float32, float16 or bfloat16
 // storage; common.h, StateDtype). A narrow state's pointer is only read through load_state /
 // store_state, which reinterpret it.
