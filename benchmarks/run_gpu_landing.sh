@@ -6,7 +6,7 @@
 #      eleven extensions build at low priority (the benchmark's timed work is on the GPU), then the
 #      kernel profiles of the worst cells (PROFILE) and, with SWEEP=1, the segment-length sweep;
 #   3. every CUDA test (test_cuda, test_module, test_bad_input, the lane-split CPU/CUDA comparison,
-#      placements, state dtypes, int states, whole-table stages);
+#      placements, state dtypes, int states, whole-table stages, int8 rows; EXTRA_TESTS adds files);
 #   4. compute-sanitizer memcheck and racecheck over benchmarks/sanitize_cases.py (into extras.log);
 #   5. FBGEMM_GPU differential tests (test_fbgemm_compat -m cuda), TorchRec over NCCL on one rank
 #      (test_torchrec -m cuda and examples/torchrec_training.py, with the wheels in .whl/).
@@ -108,7 +108,7 @@ xdist=$(python3 -c "import xdist" 2>/dev/null && echo "-n 12")
 OMP_NUM_THREADS=2 TBEGEN_RESULTS_DIR="$OUT" timeout $(cap ${TESTS_TIMEOUT:-200}) python3 -m pytest -q -p no:cacheprovider $xdist \
   tests/test_cuda.py tests/test_module.py tests/test_bad_input.py tests/test_cuda_lane_split.py \
   tests/test_any_width.py tests/test_placements.py tests/test_state_dtypes.py tests/test_int_states.py \
-  tests/test_table_stages.py tests/test_cache.py > "$OUT/pytest_cuda.log" 2>&1 || status=1
+  tests/test_table_stages.py tests/test_cache.py tests/test_int8.py ${EXTRA_TESTS:-} > "$OUT/pytest_cuda.log" 2>&1 || status=1
 # a test whose xdist worker crashed: again, alone, with Python's fault handler (its stack, if any)
 for t in $(grep -oE "crashed while running '[^']+'" "$OUT/pytest_cuda.log" | sed -E "s/.*'(.*)'/\1/"); do
   echo "== alone: $t" >> "$OUT/pytest_cuda.log"
