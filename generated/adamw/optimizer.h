@@ -36,6 +36,8 @@ struct Optimizer {
   static constexpr int kElementStates = 2;
   static constexpr int kRowStates = 0;
   static constexpr int kIntRowStates = 0;
+  // per-table states (constants during the update; 0: the kernels compile no trace of them)
+  static constexpr int kTableStates = 0;
   static constexpr int kTemporaries = 0;  // per-element scratch
 
   // Applies the update to the row. Weights, element states and temporaries are accessed through
@@ -55,7 +57,7 @@ struct Optimizer {
     float bias1 = static_cast<float>(1.0 - pow(static_cast<double>(beta1), static_cast<double>(step)));
     float bias2 = static_cast<float>(1.0 - pow(static_cast<double>(beta2), static_cast<double>(step)));
     float keep = 1.0f - learning_rate * weight_decay;
-#line 59 "adamw/optimizer.h"
+#line 61 "adamw/optimizer.h"
     // stage 2: element (optimizers/adamw.yaml:23)
     TBEGEN_FOR_ELEMENTS(tbegen_row, tbegen_i) {
       const float g = tbegen_row.g(tbegen_i);
@@ -67,7 +69,7 @@ struct Optimizer {
         exp_avg = beta1 * exp_avg + (1.0f - beta1) * g;
         exp_avg_sq = beta2 * exp_avg_sq + (1.0f - beta2) * g * g;
         w = keep * w - learning_rate * (exp_avg / bias1) / (sqrtf(exp_avg_sq / bias2) + eps);
-#line 71 "adamw/optimizer.h"
+#line 73 "adamw/optimizer.h"
       }
     }
   }

@@ -31,6 +31,8 @@ struct Optimizer {
   static constexpr int kElementStates = 0;
   static constexpr int kRowStates = 0;
   static constexpr int kIntRowStates = 0;
+  // per-table states (constants during the update; 0: the kernels compile no trace of them)
+  static constexpr int kTableStates = 0;
   static constexpr int kTemporaries = 0;  // per-element scratch
 
   // Applies the update to the row. Weights, element states and temporaries are accessed through
@@ -46,7 +48,7 @@ struct Optimizer {
 #line 7 "optimizers/none.yaml"
         // The caller passes a zeroed gradient buffer as the weights, so w becomes the weight gradient.
         w = g;
-#line 50 "none/optimizer.h"
+#line 52 "none/optimizer.h"
       }
     }
     (void)tbegen_step;

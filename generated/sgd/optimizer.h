@@ -32,6 +32,8 @@ struct Optimizer {
   static constexpr int kElementStates = 0;
   static constexpr int kRowStates = 0;
   static constexpr int kIntRowStates = 0;
+  // per-table states (constants during the update; 0: the kernels compile no trace of them)
+  static constexpr int kTableStates = 0;
   static constexpr int kTemporaries = 0;  // per-element scratch
 
   // Applies the update to the row. Weights, element states and temporaries are accessed through
@@ -47,7 +49,7 @@ struct Optimizer {
       {
 #line 6 "optimizers/sgd.yaml"
         w -= learning_rate * g;
-#line 51 "sgd/optimizer.h"
+#line 53 "sgd/optimizer.h"
       }
     }
     (void)tbegen_step;
