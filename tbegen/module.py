@@ -464,12 +464,11 @@ class TableBatchedEmbeddingBags(nn.Module):
         sizes = cache_.cache_sizes(layout.tables, placements, cache_rows, cache_load_factor)
         if cache_algorithm not in cache_.CACHE_ALGORITHMS:
             raise ValueError(f"tbegen: cache_algorithm must be one of {list(cache_.CACHE_ALGORITHMS)}, got {cache_algorithm!r}")
-        if (spec.table_stages or spec.table_reductions or spec.table_states) and "managed_caching" in placements:
-            # (a whole-table stage changes or reads every row, which a cached copy would not see;
-            # the cache's feature table has no per-table states' table index)
-            what = "per-table states" if spec.table_states else "whole-table stages"
+        if spec.table_stages and "managed_caching" in placements:
+            # (a whole-table element stage changes every row, which a cached copy would not see;
+            # reduce stages only read rows: run_table_stages writes the cached rows back first)
             raise NotImplementedError(
-                f"tbegen: optimizer {spec.name!r} has {what}, which managed_caching tables do not "
+                f"tbegen: optimizer {spec.name!r} has whole-table stages, which managed_caching tables do not "
                 f"support yet (table(s) {[t for t, p in enumerate(placements) if p == 'managed_caching']}); "
                 f"place them 'managed' or 'device'")
 
@@ -992,9 +991,16 @@ class TableBatchedEmbeddingBags(nn.Module):
         step = self._step + 1
         states = [getattr(self.states, s.name) for s in self.spec.states]
         hyper = [self._hyperparameters[h.name] for h in self.spec.hyperparameters]
+        features = self.features
+        if self._cache is not None:
+            # (only reduce stages get here: they read the per-row states of every row, so the rows
+            # the backward changed in the caches are written back first (they stay cached), and
+            # the stages walk the tables themselves, not their cache slots)
+            self.flush()
+            features = self._cache.table_features()
         with torch.no_grad():
             ran = bool(self._ops.table_update(
-                self.weights.detach(), self.features, self.layout.total_hash_size, self.stochastic_rounding,
+                self.weights.detach(), features, self.layout.total_hash_size, self.stochastic_rounding,
                 self.seed, *states, *self._table_state_args(), *hyper, step))
         self._table_step = step
         if ran:

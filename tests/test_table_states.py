@@ -224,10 +224,20 @@ def test_counter_spec_refreshes_max_counter_as_fbgemm_orders_it():
         TableBatchedEmbeddingBags(tables, optimizer="rowwise_adagrad_with_counter", max_counter=3.0)
 
 
-def test_managed_caching_tables_refuse_per_table_states():
-    with pytest.raises(NotImplementedError, match="per-table states, which managed_caching tables do not support"):
-        TableBatchedEmbeddingBags([(6, 4), (8, 4)], optimizer="rowwise_adagrad_with_counter",
-                                  placements=["device", "managed_caching"])
+def test_managed_caching_tables_refresh_max_counter_from_their_cached_rows():
+    """With managed_caching tables the reduce stage sees the counters of the rows the caches hold
+    (written back before it runs): the same max_counter and tables as device placement."""
+    tables = [(40, 8), (25, 12)]
+    kw = dict(optimizer="rowwise_adagrad_with_counter", max_counter_update_freq=2, learning_rate_mode=0)
+    device = TableBatchedEmbeddingBags(tables, **kw)
+    cached = TableBatchedEmbeddingBags(tables, placements="managed_caching", cache_rows=[8, 6], **kw)
+    for idx, off, go in _batches(tables, 5, seed=4):
+        for emb in (device, cached):
+            emb(idx, off).backward(go)
+        assert torch.equal(cached.optimizer_state("max_counter"), device.optimizer_state("max_counter"))
+    assert float(device.optimizer_state("max_counter")[0]) > 1
+    for a, b in zip(cached.split_embedding_weights(), device.split_embedding_weights()):
+        assert torch.equal(a, b)
 
 
 @pytest.mark.cuda
