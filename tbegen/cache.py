@@ -196,6 +196,11 @@ class RowCache:
         self._features = {(): out, "tables": features.clone()}
         return out
 
+    def table_features(self) -> torch.Tensor:
+        """The feature table of the tables themselves (every feature reading its table's rows,
+        none its cache slots): what the whole-table reduce stages walk."""
+        return self._features["tables"]
+
     def _features_for(self, bypass: Tuple[int, ...]) -> torch.Tensor:
         """The feature table of a batch whose cached tables `bypass` read their backing rows."""
         out = self._features.get(bypass)

@@ -172,6 +172,10 @@ class UpdateEmitter:
             self.lines.append(f"  float& {s.name} = tbegen_row.row_state({k});")
         for k, s in enumerate(spec.int_row_states):
             self.lines.append(f"  int64_t& {s.name} = tbegen_row.int_row_state({k});")
+        for k, s in enumerate(spec.table_states):
+            if s.name in names:
+                self.lines.append(f"  const float {s.name} = tbegen_row.table_state({k});  // per-table state: a constant "
+                                  f"during the step")
         counter = [0]
         guard, guard_start = "", 0
         lifted = values_by_stage(self.step_values)
@@ -272,10 +276,14 @@ def _bind_hyperparameters(spec: OptimizerSpec, names: set, lines: List[str], ind
 
 
 def emit_table_guard(spec: OptimizerSpec) -> str:
-    """The body of `table_runs`: whether any whole-table stage runs at this step."""
+    """The body of `table_runs`: whether any whole-table element stage runs at this step."""
     guards = [t.when for t in spec.table_stages]
     lines: List[str] = []
-    if any(not g for g in guards):
+    if not guards:
+        lines.append("  (void)tbegen_p;")
+        lines.append("  (void)tbegen_step;")
+        lines.append("  return false;  // no whole-table element stages (only reduce stages)")
+    elif any(not g for g in guards):
         lines.append("  (void)tbegen_p;")
         lines.append("  (void)tbegen_step;")
         lines.append("  return true;  // a stage without a guard runs every step")
@@ -286,6 +294,62 @@ def emit_table_guard(spec: OptimizerSpec) -> str:
             lines.append("  (void)tbegen_step;")
         lines.append("  return " + " ||\n         ".join(f"({g})" for g in guards) + ";")
     return "\n".join("  " + l if l else l for l in lines)
+
+
+def emit_table_reductions(spec: OptimizerSpec, spec_path: str) -> Tuple[str, str, str]:
+    """The bodies of `table_reduction` (what each reduce stage is), `table_reduction_runs` (its
+    guard, on the host) and `table_reduction_value` (its `of:` for one row, through the view
+    tbegen::TableRowValues of templates/include/tbegen/table_stage.h)."""
+    reductions = spec.table_reductions
+    table_index = {s.name: k for k, s in enumerate(spec.table_states)}
+    info = ["  switch (tbegen_r) {"]
+    runs = ["  switch (tbegen_r) {"]
+    value: List[str] = []
+    if len(reductions) > 32:
+        raise ValueError(f"{spec.name}: at most 32 reduce stages (the CUDA launch marks them in a 32-bit mask)")
+    names = used_names("\n".join(r.of for r in reductions))
+    _bind_hyperparameters(spec, names, value)
+    if not any(h.name in names for h in spec.hyperparameters):
+        value.append("  (void)tbegen_p;")
+    if "step" not in names:
+        value.append("  (void)tbegen_step;")
+    if "D" in names:
+        value.append("  const int D = tbegen_v.dim();")
+    for k, s in enumerate(spec.row_states):
+        if s.name in names:
+            value.append(f"  const float {s.name} = tbegen_v.row_state({k});")
+    for k, s in enumerate(spec.int_row_states):
+        if s.name in names:
+            value.append(f"  const int64_t {s.name} = tbegen_v.int_row_state({k});")
+    for k, s in enumerate(spec.table_states):
+        if s.name in names:
+            value.append(f"  const float {s.name} = tbegen_v.table_state({k});  // its value before the stage")
+    value.append("  switch (tbegen_r) {")
+    guard_names = used_names("\n".join(r.when for r in reductions))
+    guard_lines: List[str] = []
+    _bind_hyperparameters(spec, guard_names, guard_lines)
+    for r, red in enumerate(reductions):
+        over_all = "true" if red.over == "all" else "false"
+        info.append(f"    case {r}:  // {spec_path}:{red.loc.line}: {red.op} of `{red.of}` into {red.into}, over {red.over}")
+        info.append(f"      return TableReductionInfo{{{'true' if red.op == 'max' else 'false'}, {over_all}, "
+                    f"{table_index[red.into]}}};")
+        runs.append(f"    case {r}:")
+        runs.append(f"      return {red.when or 'true'};")
+        value.append(f"    case {r}:")
+        value.append(f"      return static_cast<float>(")
+        value.append(f'#line {red.starts[0][0] if red.starts else red.loc.line} "{spec_path}"')
+        value.append(f"          {red.of}")
+        value.append(LINE_RESTORE)
+        value.append("      );")
+    for block in (info, runs, value):
+        block.append("  }")
+    info.append("  return TableReductionInfo{true, false, 0};")
+    runs.append("  return false;")
+    value.append("  return 0.0f;")
+    runs = guard_lines + (["  (void)tbegen_step;"] if "step" not in guard_names else []) + \
+        (["  (void)tbegen_p;"] if not guard_lines else []) + runs
+    indent = lambda lines: "\n".join("  " + l if l and not l.startswith("#") else l for l in lines)
+    return indent(info), indent(runs), indent(value)
 
 
 def emit_table_body(spec: OptimizerSpec, spec_path: str) -> str:
@@ -471,6 +535,10 @@ def _state_and_hyperparameter_args(spec: OptimizerSpec) -> Tuple[Arg, ...]:
         layout = "like the weights" if s.per == "element" else "one per linear key"
         kind = "int64" if s.is_int else "float32, float16 or bfloat16"
         args += (Arg(s.name, "Tensor", f"state, {kind}, {layout}", mutable=True),)
+    for s in spec.table_states:
+        args += (Arg(s.name, "Tensor", "per-table state, float32, one per table", mutable=True),)
+    if spec.table_states:
+        args += (Arg("feature_table", "Tensor", "int64 [F]: the table each feature reads (indexes the per-table states)"),)
     for h in spec.hyperparameters:
         args += (Arg(h.name, h.type, h.doc),)
     return args

@@ -115,7 +115,8 @@ def _stages_of(spec_file: str, spec_root: Path):
         path = spec_root / path
     try:
         spec = load_spec_text(path.read_text(encoding="utf-8"), str(path), check_snippets=False)
-        return spec.stages + spec.table_stages  # (both carry source_field, code and starts)
+        # (all carry source_field, code and starts)
+        return spec.stages + spec.table_stages + spec.table_reductions
     except (OSError, SpecError, UnicodeDecodeError):
         return None
 

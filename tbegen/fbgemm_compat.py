@@ -582,7 +582,12 @@ class SplitTableBatchedEmbeddingBagsCodegen(nn.Module):
                 mode, others.pop("counter_based_regularization", None), others.pop("cowclip_regularization", None))
             fbgemm_values["weight_decay_mode"] = WeightDecayMode.NONE  # the spec's own mode comes from the definition
             hyper = _spec_hyperparameters(spec, fbgemm_values, others)
-            hyper.update(counter_hyper, max_counter=1.0)
+            # max_counter is the spec's per-table state (initially 1, as FBGEMM's), refreshed by its
+            # reduce stage every max_counter_update_freq steps. FBGEMM takes the max over its
+            # device copy of the counters, which is empty for tables on the CPU: there its
+            # max_counter stays 1, so on the CPU the refresh is switched off here.
+            on_gpu = torch.device(dev).type == "cuda"
+            hyper.update(counter_hyper, max_counter_update_freq=self._max_counter_update_freq if on_gpu else 0)
             check_hyperparameters(spec, hyper)
         else:
             hyper = _spec_hyperparameters(spec, fbgemm_values, others)
@@ -683,17 +688,14 @@ class SplitTableBatchedEmbeddingBagsCodegen(nn.Module):
             indices = self._zero_out_of_range(indices, offsets)
         if per_sample_weights is not None and feature_requires_grad is not None:
             per_sample_weights = self._mask_weight_gradient(per_sample_weights, offsets, feature_requires_grad)
-        if self._max_counter_update_freq > 0 and (self._tbe.step + 1) % self._max_counter_update_freq == 0:
-            self._refresh_max_counter()
+        # (FBGEMM's periodic max_counter refresh is the spec's own reduce stage, run by the module
+        # before the forward of the steps that max_counter_update_freq divides)
         return self._tbe(indices, offsets, per_sample_weights)
 
-    def _refresh_max_counter(self) -> None:
-        """FBGEMM's periodic max_counter = max(row_counter) + 1, before the step that divides
-        max_counter_update_freq. FBGEMM reads its device buffer of the counters, which is empty
-        for CPU tables: there max_counter stays 1, and so it does here."""
-        counters = self._tbe.optimizer_state("row_counter")
-        value = float(counters.max().item()) + 1.0 if counters.is_cuda and counters.numel() else 1.0
-        self._tbe.set_hyperparameters(max_counter=value)
+    @property
+    def max_counter(self) -> torch.Tensor:
+        """FBGEMM's max_counter buffer: float32 [1] (the spec keeps it per table, all entries equal)."""
+        return self._tbe.optimizer_state("max_counter")[:1].clone()
 
     def _feature_of_each_index(self, offsets: torch.Tensor, n: int) -> Optional[torch.Tensor]:
         """The feature each index belongs to, or None when the offsets are malformed (the
@@ -861,6 +863,9 @@ class SplitTableBatchedEmbeddingBagsCodegen(nn.Module):
             bases = layout.table_offsets if s.per == "element" else layout.table_key_base
             destination[prefix + f"{name}_offsets"] = per_feature(bases)
             destination[prefix + f"{name}_placements"] = placements.clone()
+        if "max_counter" in [s.name for s in tbe.spec.table_states]:
+            # FBGEMM's one max_counter (the spec's per-table copies are all equal: `over: all`)
+            destination[prefix + "max_counter"] = tbe.optimizer_state("max_counter")[:1].detach().clone()
         destination[prefix + "iter"] = torch.tensor([tbe.step], dtype=torch.int64, device=device)
         destination[prefix + "_extra_state"] = self.get_extra_state()
 
@@ -988,6 +993,13 @@ def _load_fbgemm_tensors(module: SplitTableBatchedEmbeddingBagsCodegen, entries:
                 raise ValueError(
                     f"tbegen: the state_dict holds FBGEMM's {key} (counter-based or global weight decay): this module's optimizer has no such state (weight_decay_mode COUNTER or COWCLIP builds one that does)"
                 )
+    max_counter = None
+    if "max_counter" in entries and "max_counter" in [s.name for s in tbe.spec.table_states]:
+        value = entries["max_counter"]
+        if value.numel() != 1 or not value.dtype.is_floating_point:
+            raise ValueError(f"tbegen: the state_dict's max_counter must be one float, got {value.dtype} {list(value.shape)}")
+        max_counter = float(value.reshape(-1)[0])
+        used.add("max_counter")
     step = None
     if "iter" in entries:
         step = int(entries["iter"].reshape(-1)[0])
@@ -1005,6 +1017,8 @@ def _load_fbgemm_tensors(module: SplitTableBatchedEmbeddingBagsCodegen, entries:
         for name, parts in states:
             for t, src in enumerate(parts):
                 views[t][name].copy_(src.view(views[t][name].shape))
+        if max_counter is not None:
+            tbe.optimizer_state("max_counter").fill_(max_counter)
     if step is not None:
         tbe._step = step
     return used

@@ -177,6 +177,9 @@ def initial_state(spec: OptimizerSpec, layout: Layout, case: Case, gen: torch.Ge
             continue
         value = torch.rand(n, generator=gen, dtype=torch.float32) * 0.1 + float(s.init)
         states[s.name] = value.to(state_dtype(spec, case, s.name))
+    for s in spec.table_states:
+        # one float32 per table, different per table (a reduce stage over all tables equalises them)
+        states[s.name] = torch.rand(len(layout.tables), generator=gen, dtype=torch.float32) * 0.5 + float(s.init)
     return weights, states
 
 
@@ -285,6 +288,8 @@ def reference_step(spec, layout, B, pooling, weights, states, batch, grad_output
             else:
                 kb = layout.table_key_base[t]
                 ns[s.name] = st[s.name][kb + rows].clone()
+        for s in spec.table_states:  # read-only: this table's value for each of its touched rows
+            ns[s.name] = torch.full((len(rows),), float(st[s.name][t]), dtype=torch.float64)
         exec(compile(spec.reference.code, f"{spec.path}:reference", "exec"), ns)
         wt[rows] = ns["w"].to(torch.float64)
         touched_w.view(-1)[base : base + E * D].view(E, D)[rows] = True
@@ -305,8 +310,28 @@ def reference_table_step(spec, layout, weights, states, hyper, step):
     (weights, states) as float64 copies; unchanged when the spec has no `table` stages."""
     w = weights.to(torch.float64).clone()
     st = {k: v.to(torch.float64).clone() for k, v in states.items()}
-    if not spec.table_stages:
-        return w, st
+    if spec.table_stages:
+        _reference_table_elements(spec, layout, w, st, hyper, step)
+    if spec.table_reductions:
+        # then the reduce stages: `table_state_reference`, once over all tables, with each per-row
+        # state as a list of [E] tensors (one per table) and each per-table state as a [T] tensor
+        ns = dict(hyper)
+        ns.update(torch=torch, math=math, step=step)
+        for s in spec.states:
+            if s.per == "row":
+                ns[s.name] = [st[s.name][kb : kb + E].clone()
+                              for (E, _), kb in zip(layout.tables, layout.table_key_base)]
+        for s in spec.table_states:
+            ns[s.name] = st[s.name].clone()
+        exec(compile(spec.table_state_reference.code, f"{spec.path}:table_state_reference", "exec"), ns)
+        for s in spec.table_states:
+            st[s.name] = torch.as_tensor(ns[s.name], dtype=torch.float64).reshape(-1).clone()
+    return w, st
+
+
+def _reference_table_elements(spec, layout, w, st, hyper, step) -> None:
+    """The `table_reference` of the whole-table element stages, once per table, on `w` and `st`
+    (float64) in place."""
     code = compile(spec.table_reference.code, f"{spec.path}:table_reference", "exec")
     for t, (E, D) in enumerate(layout.tables):
         base, kb = layout.table_offsets[t], layout.table_key_base[t]
@@ -325,7 +350,6 @@ def reference_table_step(spec, layout, weights, states, hyper, step):
                 st[s.name][base : base + E * D] = value
             else:
                 st[s.name][kb : kb + E] = value
-    return w, st
 
 
 def call_table_update(spec: OptimizerSpec, ops, case: "Case", layout: Layout, feats: torch.Tensor,
@@ -335,8 +359,17 @@ def call_table_update(spec: OptimizerSpec, ops, case: "Case", layout: Layout, fe
     whether a stage ran."""
     return ops.table_update(
         weights, feats, layout.total_hash_size, case.stochastic_rounding, case.seed,
-        *[states[s.name] for s in spec.states], *[hyper[h.name] for h in spec.hyperparameters], step,
+        *state_args(spec, layout, states, feats.device), *[hyper[h.name] for h in spec.hyperparameters], step,
     )
+
+
+def state_args(spec: OptimizerSpec, layout: Layout, states: Dict[str, torch.Tensor], device) -> list:
+    """The operators' state arguments: the element and row states, then the per-table states and
+    the table of each feature (specs with per-table states)."""
+    args = [states[s.name] for s in spec.states] + [states[s.name] for s in spec.table_states]
+    if spec.table_states:
+        args.append(torch.tensor(layout.feature_table_map, dtype=torch.int64, device=device))
+    return args
 
 
 # ---- comparison --------------------------------------------------------------------------------
@@ -402,7 +435,7 @@ def call_backward(spec: OptimizerSpec, ops, op: str, case: "Case", layout: Layou
     getattr(ops, op)(
         grad_output, weights, feats, layout.total_D, layout.max_D, layout.total_hash_size, indices, offsets, psw,
         POOLING[case.pooling], case.max_segment_length_per_warp, case.stochastic_rounding, case.seed,
-        *[states[s.name] for s in spec.states], *[hyper[h.name] for h in spec.hyperparameters], step,
+        *state_args(spec, layout, states, feats.device), *[hyper[h.name] for h in spec.hyperparameters], step,
     )
 
 
@@ -420,7 +453,7 @@ def run_case(spec: OptimizerSpec, ops, case: Case, device: str = "cpu") -> Resul
     result = Result(case)
     tol_w = TOLERANCE[case.weights_dtype]
     for step in range(1, case.steps + 1):
-        if spec.table_stages:
+        if spec.table_stages or spec.table_reductions:
             _check_table_step(spec, ops, case, layout, feats, hyper, weights, states, step, result)
         batch = random_batch(case, layout, gen)
         dev_psw = batch.per_sample_weights.to(device) if batch.per_sample_weights is not None else None

@@ -21,7 +21,7 @@ RESERVED_NAMES = frozenset(
     {"g", "w", "step", "D", "row_sum", "row_mean", "row_max", "row_min", "col", "partner"}
     | {"grad_output", "weights", "features", "total_D", "max_D", "total_hash_size", "indices", "offsets",
        "per_sample_weights", "pooling", "max_segment_length_per_warp", "stochastic_rounding", "seed",
-       "error_record", "skip_bad_indices", "check_finite"}
+       "error_record", "skip_bad_indices", "check_finite", "feature_table"}
 )
 
 # Row reductions usable inside `row` stages, with their identity and combine op.
@@ -95,6 +95,9 @@ class StatePer(_Word):
 
     ELEMENT = "element"
     ROW = "row"
+    # one float per table: a per-table scalar, read-only in the update (a constant during the
+    # step) and written by the `reduce` stages of `table:` (TableReduction)
+    TABLE = "table"
 
 
 class StateType(_Word):
@@ -185,6 +188,8 @@ class State:
             raise ValueError(f"state {self.name}: dtype must be one of {list(STATE_DTYPE_NAMES)}, got {self.dtype!r}")
         if self.is_int and self.per is not StatePer.ROW:
             raise ValueError(f"state {self.name}: int states are per row only")
+        if self.per is StatePer.TABLE and self.dtype != "fp32":
+            raise ValueError(f"state {self.name}: per-table states are float32")
 
     @property
     def is_int(self) -> bool:
@@ -246,6 +251,50 @@ class TableStage:
     pairs: bool = False
 
 
+class ReduceOp(_Word):
+    """How a `reduce` stage combines the rows' values: exact and independent of the order in
+    which rows, threads or tables are visited (NaN values are skipped, as fmaxf/fminf do)."""
+
+    MAX = "max"
+    MIN = "min"
+
+
+class ReduceOver(_Word):
+    """What one value of a `reduce` stage covers: each table's own rows (the value goes to that
+    table's entry), or the rows of all tables together (the value goes to every table's entry:
+    FBGEMM's module-wide max_counter)."""
+
+    TABLE = "table"
+    ALL = "all"
+
+
+@dataclass(frozen=True)
+class TableReduction:
+    """A `reduce` stage of `table:`: at the steps where its guard holds, before that step's
+    forward (after the step's whole-table element stages), sets per-table state `into` to the
+    max (or min) over the rows of each table (or of all tables) of the row expression `of`."""
+
+    op: ReduceOp
+    # the row expression (C): per-row states, per-table states, hyperparameters, step, D
+    of: str
+    # the per-table state written
+    into: str
+    over: ReduceOver
+    loc: Loc
+    source_field: str = field(default="", compare=False)
+    starts: Tuple[Tuple[int, int], ...] = field(default=(), compare=False)
+    when: str = ""
+
+    @property
+    def code(self) -> str:
+        """The C code of the stage (its `of:`), as stages have it (compiler errors map through it)."""
+        return self.of
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "op", ReduceOp(self.op))
+        object.__setattr__(self, "over", ReduceOver(self.over))
+
+
 @dataclass(frozen=True)
 class Reference:
     # float64 torch code updating g/w/states over the touched rows (see docs)
@@ -273,6 +322,13 @@ class OptimizerSpec:
     # whole-table stages, in order, and their float64 reference (Python run once per table and step)
     table_stages: Tuple["TableStage", ...] = ()
     table_reference: Optional[Reference] = None
+    # the `reduce` stages of `table:` (after its element stages), and their float64 reference
+    # (Python run once per step over all tables)
+    table_reductions: Tuple["TableReduction", ...] = ()
+    table_state_reference: Optional[Reference] = None
+    # the per-table states (`per: table` in `states:`; kept apart from `states`, which are the
+    # element and row states the fused update's operators take in declaration order)
+    table_states: Tuple[State, ...] = ()
 
     @property
     def table_pairs(self) -> bool:

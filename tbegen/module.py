@@ -501,7 +501,8 @@ class TableBatchedEmbeddingBags(nn.Module):
                     f"tbegen: int8 rows are not supported in 'managed_caching' tables yet (table(s) {cached}); "
                     f"place them 'device' or 'managed', or use float weights")
         if spec.table_stages and "managed_caching" in placements:
-            # (a whole-table stage changes every row, which a cached copy would not see)
+            # (a whole-table element stage changes every row, which a cached copy would not see;
+            # reduce stages only read rows: run_table_stages writes the cached rows back first)
             raise NotImplementedError(
                 f"tbegen: optimizer {spec.name!r} has whole-table stages, which managed_caching tables do not "
                 f"support yet (table(s) {[t for t, p in enumerate(placements) if p == 'managed_caching']}); "
@@ -554,6 +555,15 @@ class TableBatchedEmbeddingBags(nn.Module):
             state = self._allocate("state " + s.name, dev)
             state.fill_(int(s.init) if s.is_int else float(s.init))
             self.states.register_buffer(s.name, self._tables_part(s.name, state))
+        # per-table states (`per: table`): one float32 per table, on the module's device for every
+        # placement (small; the kernels read them), saved in state_dict as table_states.NAME
+        self.table_states = nn.Module()
+        for s in spec.table_states:
+            self.table_states.register_buffer(
+                s.name, torch.full((len(layout.tables),), float(s.init), dtype=torch.float32, device=dev))
+        # the table of each feature, which indexes the per-table states (specs with some only)
+        self.register_buffer("feature_table", torch.tensor(layout.feature_table_map, dtype=torch.int64, device=dev)
+                             if spec.table_states else None, persistent=False)
         features = layout.features_tensor(dev)
         if self._cache is not None:
             # the kernels' feature table: a cached table's features read its cache slots
@@ -914,9 +924,11 @@ class TableBatchedEmbeddingBags(nn.Module):
     def optimizer_state(self, name: str) -> torch.Tensor:
         """The flat buffer of one optimizer state (with cached tables: written back and emptied
         first, as split_embedding_weights)."""
+        if name in {s.name for s in self.spec.table_states}:
+            return getattr(self.table_states, name)  # a per-table state: float32 [tables]
         if name not in {s.name for s in self.spec.states}:
             raise KeyError(f"tbegen: optimizer {self.spec.name!r} has no state {name!r}; "
-                           f"its states are {[s.name for s in self.spec.states]}")
+                           f"its states are {[s.name for s in self.spec.states + self.spec.table_states]}")
         self._flush_and_empty()
         return getattr(self.states, name)
 
@@ -985,6 +997,11 @@ class TableBatchedEmbeddingBags(nn.Module):
                 f"tbegen: the weights are {w.dtype} but the module was built for {self.weights_dtype} "
                 f"(module.half()/.to(dtype) converts buffers; choose weights_dtype at construction instead)"
             )
+        for s in self.spec.table_states:
+            buf = getattr(self.table_states, s.name)
+            if buf.dtype != torch.float32 or buf.device != w.device:
+                raise RuntimeError(f"tbegen: per-table state {s.name!r} is {buf.dtype} on {buf.device}; it must be "
+                                   f"float32 on the weights' device ({w.device})")
         for s in self.spec.states:
             have, want = getattr(self.states, s.name).dtype, self.state_dtypes[s.name]
             if have != want:
@@ -1064,21 +1081,35 @@ class TableBatchedEmbeddingBags(nn.Module):
         forward (FBGEMM's module runs its whole-table operations there too); a later forward of
         the same step (say, an evaluation pass) does not run them again. Optimizers without
         whole-table stages: nothing to do (False)."""
-        if not self.spec.table_stages or self._table_step > self._step:
+        if not (self.spec.table_stages or self.spec.table_reductions) or self._table_step > self._step:
             return False
         self._check_buffers()
         step = self._step + 1
         states = [getattr(self.states, s.name) for s in self.spec.states]
         hyper = [self._hyperparameters[h.name] for h in self.spec.hyperparameters]
+        features = self.features
+        if self._cache is not None:
+            # (only reduce stages get here: they read the per-row states of every row, so the rows
+            # the backward changed in the caches are written back first (they stay cached), and
+            # the stages walk the tables themselves, not their cache slots)
+            self.flush()
+            features = self._cache.table_features()
         with torch.no_grad():
             ran = bool(self._ops.table_update(
-                self.weights.detach(), self.features, self.layout.total_hash_size, self.stochastic_rounding,
-                self.seed, *states, *hyper, step))
+                self.weights.detach(), features, self.layout.total_hash_size, self.stochastic_rounding,
+                self.seed, *states, *self._table_state_args(), *hyper, step))
         self._table_step = step
         if ran:
             # written in place without autograd knowing, like the backward's update
-            increment_version([self.weights, *states])
+            increment_version([self.weights, *states, *self._table_state_args()[:len(self.spec.table_states)]])
         return ran
+
+    def _table_state_args(self) -> list:
+        """The operators' per-table arguments: each per-table state, then the table of each feature
+        (nothing for specs without per-table states)."""
+        if not self.spec.table_states:
+            return []
+        return [getattr(self.table_states, s.name) for s in self.spec.table_states] + [self.feature_table]
 
     def _run_backward(self, grad_output, weights, indices, offsets, per_sample_weights, features=None) -> None:
         step = self._step + 1
@@ -1092,7 +1123,7 @@ class TableBatchedEmbeddingBags(nn.Module):
             self.max_segment_length_per_warp,
             # the dense gradient of mode "none" is rounded to nearest
             self.stochastic_rounding and not self.dense_gradient,
-            self.seed, *states, *hyper, step,
+            self.seed, *states, *self._table_state_args(), *hyper, step,
             self._errors.record, self._errors.skip_bad_indices, self.check_finite,
         )
         self._errors.after_call()

@@ -107,12 +107,16 @@ def render_spec(spec: OptimizerSpec) -> Dict[str, str]:
     src = display_path(spec.path)
     backward = codegen.backward_signature(spec)
     state_args = [s.name for s in spec.states]
+    # per-table states, and the table of each feature (with the layout it belongs to)
+    table_state_args = [s.name for s in spec.table_states] + (["feature_table", "features"] if spec.table_states else [])
     hyper_args = [h.name for h in spec.hyperparameters]
     make_params_params = ", ".join(
         ["const at::Tensor& weights", "int64_t total_hash_size"]
-        + [f"const at::Tensor& {n}" for n in state_args]
+        + [f"const at::Tensor& {n}" for n in state_args + table_state_args]
         + [a.cpp for a in backward.args if a.name in hyper_args]
     )
+    has_table_update = bool(spec.table_stages or spec.table_reductions)
+    reductions = codegen.emit_table_reductions(spec, src) if has_table_update else ("", "", "")
     context = dict(
         spec=spec,
         body=codegen.emit_update_body(spec, src),
@@ -121,11 +125,15 @@ def render_spec(spec: OptimizerSpec) -> Dict[str, str]:
         grad_psw=codegen.grad_psw_signature(),
         backward=backward,
         backward_lane_split=codegen.lane_split_signature(spec),
-        table=codegen.table_signature(spec) if spec.table_stages else None,
-        table_guard=codegen.emit_table_guard(spec) if spec.table_stages else "",
+        table=codegen.table_signature(spec) if has_table_update else None,
+        has_table_update=has_table_update,
+        table_guard=codegen.emit_table_guard(spec) if has_table_update else "",
         table_body=codegen.emit_table_body(spec, src) if spec.table_stages else "",
+        table_reduction_info=reductions[0],
+        table_reduction_runs=reductions[1],
+        table_reduction_value=reductions[2],
         make_params_params=make_params_params,
-        param_args=", ".join(["weights", "total_hash_size"] + state_args + hyper_args),
+        param_args=", ".join(["weights", "total_hash_size"] + state_args + table_state_args + hyper_args),
     )
     files = {}
     for template, out_name in OPTIMIZER_FILES.items():

@@ -68,7 +68,9 @@ def _state() -> Dict[str, Any]:
         "type": "object",
         "description": "Optimizer state saved between steps.",
         "properties": {
-            "per": {"enum": list(sp.STATE_PERS), "description": "element: one value per weight; row: one per table row"},
+            "per": {"enum": list(sp.STATE_PERS), "description": "element: one value per weight; row: one per table row; "
+                                                             "table: one float per table (read-only in `update`, "
+                                                             "set by `reduce` stages of `table`)"},
             "type": {"enum": list(sp.STATE_TYPES), "default": "float",
                      "description": "float, or int: an exact int64 per-row value (counters, step numbers)"},
             "init": {"type": "number", "description": "initial value (default 0)"},
@@ -124,6 +126,22 @@ def spec_schema() -> Dict[str, Any]:
         "required": list(sp.TABLE_STAGE_KINDS),
         "additionalProperties": False,
     }
+    reduce_stage = {
+        "type": "object",
+        "description": "One reduce stage: sets a per-table state to the max or min over the rows of each table "
+                       "(over: table) or of all tables (over: all) of a row expression, before the forward of a "
+                       "step at which `when` holds, after that step's whole-table element stages.",
+        "properties": {
+            "reduce": {"enum": list(sp.REDUCE_OPS)},
+            "of": _code("a C expression over per-row and per-table states, hyperparameters, step and D"),
+            "into": {"type": "string", "pattern": _anchored(sp.IDENTIFIER_RE.pattern),
+                     "description": "the per-table state it sets"},
+            "over": {"enum": list(sp.REDUCE_OVERS), "default": "table"},
+            "when": _code("a C condition over hyperparameters and step; the stage runs at the steps where it holds"),
+        },
+        "required": ["reduce", "of", "into"],
+        "additionalProperties": False,
+    }
     properties = {
         "name": {"type": "string", "pattern": _anchored(sp.OPTIMIZER_NAME_RE.pattern),
                  "description": "the optimizer's name; equals the file's stem"},
@@ -137,9 +155,11 @@ def spec_schema() -> Dict[str, Any]:
         "reference": _code("float64 torch code: the update of the touched rows, for the tests"),
         "dense_gradient": {"type": "boolean",
                            "description": "no optimizer step: the update writes the weights' gradient"},
-        "table": {"type": "array", "minItems": 1, "items": table_stage,
-                  "description": "whole-table stages, run in order before a step's forward"},
-        "table_reference": _code("float64 torch code: the whole-table stages of one step, once per table"),
+        "table": {"type": "array", "minItems": 1, "items": {"oneOf": [table_stage, reduce_stage]},
+                  "description": "whole-table stages (element stages, then reduce stages), run in order before "
+                                 "a step's forward"},
+        "table_reference": _code("float64 torch code: the whole-table element stages of one step, once per table"),
+        "table_state_reference": _code("float64 torch code: the reduce stages of one step, once over all tables"),
     }
     return {
         "$schema": "https://json-schema.org/draft/2020-12/schema",
@@ -153,8 +173,8 @@ def spec_schema() -> Dict[str, Any]:
         # the stages come as `update`, or as the row/element shorthand, never both
         "anyOf": [{"required": ["update"]}, {"required": ["row"]}, {"required": ["element"]}],
         "dependentSchemas": {"update": {"not": {"anyOf": [{"required": ["row"]}, {"required": ["element"]}]}},
-                             "table": {"required": ["table_reference"]},
-                             "table_reference": {"required": ["table"]}},
+                             "table_reference": {"required": ["table"]},
+                             "table_state_reference": {"required": ["table"]}},
     }
 
 

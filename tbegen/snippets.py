@@ -143,7 +143,7 @@ class Source:
 
 @dataclass(frozen=True)
 class StageSource:
-    kind: str  # "row" | "element" | "table" (a whole-table stage's element code)
+    kind: str  # "row" | "element" | "table" (a whole-table stage's element code) | "reduce" (a reduce stage's `of:`)
     source: Source
     when: Optional[Source] = None  # the stage's guard (a condition over hyperparameters)
 
@@ -159,6 +159,9 @@ class Declared:
 
     def row_states(self) -> Set[str]:
         return {n for n, (per, _) in self.states.items() if per == "row"}
+
+    def table_states(self) -> Set[str]:
+        return {n for n, (per, _) in self.states.items() if per == "table"}
 
     def element_values(self) -> Set[str]:
         """Names with one value per element: g, w, element states and temporaries."""
@@ -506,6 +509,10 @@ class _StageChecker:
                     self.error(t, f"{name!r} is a temporary: temporaries carry values between the stages of "
                                   f"`update`; a whole-table stage uses locals")
                     continue
+                if name in decl.table_states():
+                    self.error(t, f"{name!r} is a per-table state: whole-table element stages do not read "
+                                  f"per-table states (the `update` stages and the `of:` of reduce stages do)")
+                    continue
             elif name == "col":
                 self.error(t, "'col' (the element's column) is bound in whole-table stages (`table:`) only")
                 continue
@@ -630,6 +637,9 @@ class _StageChecker:
                 elif self.kind == "table" and name in row_states:
                     self.error(tok, f"{name!r} is a per-row state: a whole-table stage reads it but may not "
                                     f"assign it (the stage runs once per element)")
+                elif name in decl.table_states():
+                    self.error(tok, f"{name!r} is a per-table state: read-only here (a constant during the "
+                                    f"step); a `reduce` stage of `table:` sets it, before the step's forward")
                 elif name in decl.hyperparameters:
                     self.error(tok, f"{name!r} is a hyperparameter: read-only")
                 elif name in READ_ONLY_BOUND:
@@ -747,6 +757,11 @@ def check_stages(stages: Sequence[StageSource], declared: Declared) -> List[Find
     guard: Optional[str] = None  # the current run of stages' guard (None: unguarded)
     before_guard: Dict[str, Tuple[int, int]] = {}
     for stage in stages:
+        if stage.kind == "reduce":
+            if stage.when is not None:
+                findings.extend(check_guard(stage.when, declared, used, table=True))
+            findings.extend(check_reduce_expression(stage.source, declared, used))
+            continue
         if stage.kind == "table":
             # a whole-table stage stands alone: its own guard, no locals of other stages
             if stage.when is not None:
@@ -776,12 +791,91 @@ def check_stages(stages: Sequence[StageSource], declared: Declared) -> List[Find
     return findings
 
 
+def check_reduce_expression(source: Source, declared: Declared, used: Set[str]) -> List[Finding]:
+    """The `of:` of a reduce stage of `table:`: one C expression, evaluated once per row of a table,
+    over per-row states, per-table states (their values before the stage), hyperparameters, `step`,
+    `D`, numbers, the math functions and casts; it assigns nothing."""
+    findings: List[Finding] = []
+
+    def error(t: _Token, message: str) -> None:
+        line, col = source.at(t.line, t.col)
+        findings.append(Finding(line, col, source.field, message))
+
+    tokens, bad = tokenize(source.code)
+    for line, col, text in bad:
+        file_line, file_col = source.at(line, col)
+        findings.append(Finding(file_line, file_col, source.field, text))
+    row_values = declared.row_states() | declared.table_states()
+    element_values = declared.element_values()
+    reads = "per-row and per-table states, hyperparameters, step and D"
+    opened: List[int] = []  # indices of the open parentheses
+    cast_close: Set[int] = set()  # ')' closing a C-style cast: an operand may follow it
+    for i, t in enumerate(tokens):
+        prev = tokens[i - 1] if i > 0 else None
+        ends_operand = prev is not None and (prev.kind in ("name", "number") or (prev.text == ")" and i - 1 not in cast_close))
+        if prev is not None and prev.kind == "name" and prev.text in TYPE_WORDS | {"static_cast"}:
+            ends_operand = False
+        if t.kind == "string":
+            error(t, "string and character literals are not part of the snippet language")
+        elif t.kind == "other":
+            error(t, f"unexpected character {t.text!r}")
+        elif t.kind == "op":
+            if t.text in ASSIGN_OPS or t.text in INCREMENT_OPS:
+                error(t, f"{t.text!r}: `of:` is an expression evaluated once per row; it may not assign anything")
+            elif t.text in (";", "{", "}"):
+                error(t, f"{t.text!r}: `of:` is one C expression, not statements")
+            elif t.text in ("[", "]", "::", "->", ".", "#"):
+                error(t, f"{t.text!r} is not part of the snippet language")
+            elif t.text == "(":
+                if ends_operand and not (prev is not None and prev.kind == "name"):
+                    error(t, "expected an operator before '('")
+                opened.append(i)
+            elif t.text == ")":
+                if not opened:
+                    error(t, "unbalanced brackets: ')' closes nothing")
+                else:
+                    o = opened.pop()
+                    inside = [x.text for x in tokens[o + 1 : i]]
+                    if inside and all(x in TYPE_WORDS for x in inside):
+                        cast_close.add(i)
+            continue
+        if t.kind in ("name", "number") and ends_operand:
+            error(t, f"expected an operator before {t.text!r}")
+            continue
+        if t.kind != "name":
+            continue
+        name = t.text
+        if name in TYPE_WORDS or name in OTHER_WORDS or name in CONSTANTS or name in ("step", "D"):
+            continue
+        if name in MATH_FUNCTIONS:
+            if i + 1 >= len(tokens) or tokens[i + 1].text != "(":
+                error(t, f"{name!r} is a function: call it")
+            continue
+        if name in declared.hyperparameters or name in row_values:
+            used.add(name)
+            continue
+        if name in element_values or name in ("col", "partner") or name in declared.temporaries:
+            error(t, f"{name!r} has one value per element; a reduce stage's `of:` is evaluated once per row "
+                     f"(it reads {reads})")
+        elif name in ROW_REDUCTIONS:
+            error(t, f"{name}(...) is a row reduction of `update`; the reduce stage itself is the reduction "
+                     f"over the table's rows (`of:` is the value of one row)")
+        else:
+            known = set(declared.hyperparameters) | row_values | {"step", "D"}
+            error(t, f"unknown name {name!r}{_suggest(name, known | MATH_FUNCTIONS)}")
+    for o in opened:
+        error(tokens[o], "unbalanced brackets: '(' is never closed (missing ')')")
+    if tokens and not (tokens[-1].kind in ("name", "number") or tokens[-1].text == ")"):
+        error(tokens[-1], f"the expression ends with {tokens[-1].text!r}: an operand is missing")
+    return findings
+
+
 # ---- the reference -----------------------------------------------------------------------------
 
 REFERENCE_BOUND = frozenset({"g", "w", "step", "D", "torch", "math"})
 
 
-def check_reference(source: Source, declared: Declared, table: bool = False) -> List[Finding]:
+def check_reference(source: Source, declared: Declared, table: bool = False, reduce: bool = False) -> List[Finding]:
     """Names the reference reads must exist: the bound names, hyperparameters, states, Python's
     built-ins, or a name the reference itself assigns somewhere. `table`: the `table_reference`,
     which has no gradient `g` (it runs over whole tables before a step's forward)."""
@@ -804,7 +898,11 @@ def check_reference(source: Source, declared: Declared, table: bool = False) -> 
         elif isinstance(node, ast.ExceptHandler) and node.name:
             assigned.add(node.name)
     bound = REFERENCE_BOUND - {"g"} if table else REFERENCE_BOUND
-    known = bound | set(declared.hyperparameters) | set(declared.states) | assigned | set(dir(builtins))
+    states = set(declared.states)
+    if reduce:  # `table_state_reference`: the per-row and per-table states, over all tables
+        bound = {"step", "torch", "math"}
+        states = declared.row_states() | declared.table_states()
+    known = bound | set(declared.hyperparameters) | states | assigned | set(dir(builtins))
     lines = source.code.splitlines()
     findings = []
     for node in ast.walk(tree):

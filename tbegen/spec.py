@@ -46,8 +46,11 @@ from tbegen.model import (
     Stage,
     StageKind,
     State,
+    ReduceOp,
+    ReduceOver,
     StatePer,
     StateType,
+    TableReduction,
     TableStage,
     Temporary,
 )
@@ -90,8 +93,13 @@ TOP_KEYS = (
     "dense_gradient",
     "table",
     "table_reference",
+    "table_state_reference",
 )
-TABLE_STAGE_KINDS = ("element",)  # a whole-table stage runs once per element of every row
+TABLE_STAGE_KINDS = ("element",)
+# the keys of a `reduce` stage of `table:` (sets a per-table state from the table's rows)
+TABLE_REDUCE_KEYS = ("reduce", "of", "into", "over", "when")
+REDUCE_OPS = tuple(o.value for o in ReduceOp)
+REDUCE_OVERS = tuple(o.value for o in ReduceOver)  # a whole-table stage runs once per element of every row
 HYPERPARAMETER_KEYS = ("type", "default", "doc", "choices", "test", "test_base")
 STATE_KEYS = ("per", "type", "init", "dtype", "doc")
 STATE_TYPES = tuple(t.value for t in StateType)  # int: an exact int64 per-row value (counters, step numbers)
@@ -178,6 +186,9 @@ class _Problems:
         self.stage_sources: List[snippets.StageSource] = []
         self.reference_source: Optional[snippets.Source] = None
         self.table_reference_source: Optional[snippets.Source] = None
+        self.table_state_reference_source: Optional[snippets.Source] = None
+        # the `into:` of each reduce stage: (name, line, col, field), checked against the states
+        self.reduce_targets: List[Tuple[Any, int, Optional[int], str]] = []
 
     def add(self, line: int, field: str, message: str, col: Optional[int] = None) -> None:
         self.items.append(SpecProblem(self.path, line, field, message, col))
@@ -671,6 +682,9 @@ def _parse_state(problems: _Problems, name: Any, value: Any, field: str, line: i
     elif type_ == "int" and per not in (None, "row"):
         problems.add(fields.value_line("type"), fields.path("type"),
                      "int states are per row only (a counter or step number per row; use per: row)")
+    if per == "table" and fields.has("dtype"):
+        problems.add(fields.value_line("dtype"), fields.path("dtype"),
+                     "a per-table state is one float32 per table; dtype applies to element and row states only")
 
     init = fields.pop("init", 0.0)
     if isinstance(init, bool) or not isinstance(init, (int, float)):
@@ -877,11 +891,15 @@ def _parse_stages(fields: _Fields) -> Tuple[Stage, ...]:
 PARTNER_CALL_RE = re.compile(r"\bpartner\s*\(")
 
 
-def _parse_table_item(problems: _Problems, item: Any, field: str, line: int) -> Optional[TableStage]:
-    """One `table` list item: {element: CODE} with an optional `when: COND`."""
-    mapping = _as_mapping(problems, item, field, line, "{element: CODE, when: COND}")
+def _parse_table_item(problems: _Problems, item: Any, field: str, line: int):
+    """One `table` list item: {element: CODE} with an optional `when: COND}, or a reduce stage
+    {reduce: max|min, of: EXPR, into: STATE, over: table|all, when: COND}."""
+    mapping = _as_mapping(problems, item, field, line, "{element: CODE, when: COND} or {reduce: max|min, of: EXPR, "
+                                                       "into: STATE, over: table|all, when: COND}")
     if mapping is None:
         return None
+    if "reduce" in mapping:
+        return _parse_table_reduction(problems, mapping, field, line)
     fields = _Fields(problems, mapping, field, line, TABLE_STAGE_KINDS + ("when",))
     when = _parse_when(fields)
     if "row" in mapping:
@@ -891,7 +909,7 @@ def _parse_table_item(problems: _Problems, item: Any, field: str, line: int) -> 
                      "reductions and per-row updates belong in `update`")
     if "element" not in mapping:
         if "row" not in mapping:
-            problems.add(line, field, "a whole-table stage needs `element: CODE`")
+            problems.add(line, field, "a whole-table stage needs `element: CODE` (or `reduce:`, `of:` and `into:`)")
         fields.finish()
         return None
     parsed = _parse_snippet(fields, "element", "code")
@@ -906,11 +924,68 @@ def _parse_table_item(problems: _Problems, item: Any, field: str, line: int) -> 
                       when=when.code.strip() if when is not None else "", pairs=pairs)
 
 
-def _parse_table(fields: _Fields) -> Tuple[TableStage, ...]:
-    """`table`: an optional non-empty list of whole-table stages, run in order."""
+def _parse_table_reduction(problems: _Problems, mapping: _Mapping, field: str, line: int) -> Optional[TableReduction]:
+    """A reduce stage of `table:` (docs/spec-language.md, "Per-table states")."""
+    start = len(problems)
+    fields = _Fields(problems, mapping, field, line, TABLE_REDUCE_KEYS)
+    when = _parse_when(fields)
+    op = fields.pop("reduce")
+    if op == "sum":
+        problems.add(fields.value_line("reduce"), fields.path("reduce"),
+                     "must be max or min: a float sum's value depends on the order of its additions, which "
+                     "differs between the CPU and the GPU (max and min are exact in any order)")
+        op = None
+    elif op not in REDUCE_OPS:
+        problems.add(fields.value_line("reduce"), fields.path("reduce"),
+                     f"must be {' or '.join(REDUCE_OPS)}, got {_describe(op)}")
+        op = None
+    over = fields.pop("over", "table")
+    if over not in REDUCE_OVERS:
+        problems.add(fields.value_line("over"), fields.path("over"),
+                     f"must be {' or '.join(REDUCE_OVERS)} (each table's own rows, or the rows of all tables), "
+                     f"got {_describe(over)}")
+    into = fields.pop("into")
+    if into is not _MISSING:
+        if not isinstance(into, str):
+            problems.add(fields.value_line("into"), fields.path("into"),
+                         f"must be the name of a per-table state, got {_describe(into)}")
+        else:
+            style, vline, vcol = mapping.value_marks.get("into", (None, fields.value_line("into"), 0))
+            problems.reduce_targets.append((into, vline, vcol + 1, fields.path("into")))
+    parsed = _parse_snippet(fields, "of", "C expression")
+    source = None
+    if parsed is not None:
+        code, loc = parsed
+        if "\n" in code.strip():
+            problems.add(fields.value_line("of"), fields.path("of"), "must be one line (one C expression)")
+        else:
+            source = fields.source("of", code.strip())
+            problems.stage_sources.append(snippets.StageSource("reduce", source, when))
+    fields.finish()
+    if len(problems) > start or source is None:
+        return None
+    return TableReduction(op, source.code, into, over, loc, source_field=source.field, starts=source.starts,
+                          when=when.code.strip() if when is not None else "")
+
+
+def _parse_table(fields: _Fields) -> Tuple[Tuple[TableStage, ...], Tuple[TableReduction, ...]]:
+    """`table`: an optional non-empty list of whole-table stages, run in order: element stages
+    first, then reduce stages (the order in which a step runs them)."""
     if not fields.has("table"):
-        return ()
-    return _parse_stage_list(fields, "table", "{element: CODE, when: COND}", _parse_table_item)
+        return (), ()
+    items = _parse_stage_list(fields, "table", "{element: CODE, when: COND} / {reduce: ..., of: ..., into: ...}",
+                              _parse_table_item)
+    elements = tuple(i for i in items if isinstance(i, TableStage))
+    reductions = tuple(i for i in items if isinstance(i, TableReduction))
+    seen_reduce = None
+    for i, item in enumerate(items):
+        if isinstance(item, TableReduction):
+            seen_reduce = item
+        elif seen_reduce is not None:
+            fields.problems.add(item.loc.line, item.source_field,
+                                "an element stage after a reduce stage: at each step the whole-table element "
+                                "stages run first, then the reduce stages; list the reduce stages last")
+    return elements, reductions
 
 
 # --------------------------------------------------------------------------
@@ -944,7 +1019,7 @@ def _parse_reference(fields: _Fields) -> Optional[Reference]:
 
 
 def _parse_table_reference(fields: _Fields, has_table: bool) -> Optional[Reference]:
-    """`table_reference`: Python for the whole-table stages; required with `table`, only with it."""
+    """`table_reference`: Python for the whole-table element stages; required with them, only with them."""
     problems = fields.problems
     if not fields.has("table_reference"):
         if has_table:
@@ -955,7 +1030,7 @@ def _parse_table_reference(fields: _Fields, has_table: bool) -> Optional[Referen
     if not has_table:
         fields.pop("table_reference")
         problems.add(fields.key_line("table_reference"), "table_reference",
-                     "only with `table` stages (it is their reference)")
+                     "only with `table` element stages (it is their reference)")
         return None
     parsed = _parse_snippet(fields, "table_reference", "Python code")
     if parsed is None:
@@ -964,6 +1039,30 @@ def _parse_table_reference(fields: _Fields, has_table: bool) -> Optional[Referen
     if not _compiles_as_python(fields, "table_reference", code, loc):
         return None
     problems.table_reference_source = fields.source("table_reference", code)
+    return Reference(code, loc)
+
+
+def _parse_table_state_reference(fields: _Fields, has_reductions: bool) -> Optional[Reference]:
+    """`table_state_reference`: Python for the reduce stages of `table:`; required with them, only with them."""
+    problems = fields.problems
+    key = "table_state_reference"
+    if not fields.has(key):
+        if has_reductions:
+            problems.add(fields.key_line("table"), key,
+                         "missing: a spec with `reduce` stages in `table` needs a `table_state_reference` (Python "
+                         "run once per step over all tables, before the step's forward)")
+        return None
+    if not has_reductions:
+        fields.pop(key)
+        problems.add(fields.key_line(key), key, "only with `reduce` stages in `table` (it is their reference)")
+        return None
+    parsed = _parse_snippet(fields, key, "Python code")
+    if parsed is None:
+        return None
+    code, loc = parsed
+    if not _compiles_as_python(fields, key, code, loc):
+        return None
+    problems.table_state_reference_source = fields.source(key, code)
     return Reference(code, loc)
 
 
@@ -1019,6 +1118,17 @@ def _check_code(problems: _Problems, doc: _Mapping) -> None:
     if problems.table_reference_source is not None:
         for finding in snippets.check_reference(problems.table_reference_source, declared, table=True):
             problems.add_finding(finding)
+    if problems.table_state_reference_source is not None:
+        for finding in snippets.check_reference(problems.table_state_reference_source, declared, reduce=True):
+            problems.add_finding(finding)
+    for name, line, col, field in problems.reduce_targets:
+        per = declared.states.get(name, (None, None))[0]
+        if name not in declared.states:
+            known = declared.table_states()
+            problems.add(line, field, f"unknown per-table state {name!r}" + snippets._suggest(name, known), col)
+        elif per != "table" and per is not None:
+            problems.add(line, field, f"{name!r} is a per-{per} state: a reduce stage writes a per-table state "
+                                      f"(declare one with `per: table`)", col)
 
 
 def _parse_document(doc: Any, problems: _Problems, stem: Optional[str],
@@ -1038,8 +1148,14 @@ def _parse_document(doc: Any, problems: _Problems, stem: Optional[str],
     temporaries = _parse_section(fields, "temporaries", "{per: element}", _parse_temporary)
     stages = _parse_stages(fields)
     reference = _parse_reference(fields)
-    table_stages = _parse_table(fields)
-    table_reference = _parse_table_reference(fields, fields.has("table"))
+    raw_table = doc.get("table")
+    raw_items = raw_table if isinstance(raw_table, list) else []
+    has_reduce = any(isinstance(i, dict) and "reduce" in i for i in raw_items)
+    has_elements = fields.has("table") and (not has_reduce or any(
+        not (isinstance(i, dict) and "reduce" in i) for i in raw_items))
+    table_stages, table_reductions = _parse_table(fields)
+    table_reference = _parse_table_reference(fields, has_elements)
+    table_state_reference = _parse_table_state_reference(fields, has_reduce)
     dense_gradient = _parse_dense_gradient(fields, states)
     if dense_gradient and fields.has("table"):
         problems.add(fields.key_line("table"), "table", "a dense-gradient spec has no optimizer step, so no "
@@ -1055,7 +1171,7 @@ def _parse_document(doc: Any, problems: _Problems, stem: Optional[str],
         summary=summary,
         path=problems.path,
         hyperparameters=hyperparameters,
-        states=states,
+        states=tuple(s for s in states if s.per != "table"),
         temporaries=temporaries,
         stages=stages,
         reference=reference,
@@ -1063,6 +1179,9 @@ def _parse_document(doc: Any, problems: _Problems, stem: Optional[str],
         dense_gradient=dense_gradient,
         table_stages=table_stages,
         table_reference=table_reference,
+        table_reductions=table_reductions,
+        table_state_reference=table_state_reference,
+        table_states=tuple(s for s in states if s.per == "table"),
     )
 
 

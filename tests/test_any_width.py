@@ -417,7 +417,8 @@ def _train(ops, spec, case, device, misalign=False):
         go = torch.randn(outs[-1].shape, generator=gen).to(device)
         ops.backward(go, w, feats, layout.total_D, layout.max_D, layout.total_hash_size, ind, off, psw,
                      POOLING[case.pooling], case.max_segment_length_per_warp, False, case.seed,
-                     *[st[s.name] for s in spec.states], *[hyper[h.name] for h in spec.hyperparameters], step)
+                     *harness.state_args(spec, layout, st, device), *[hyper[h.name] for h in spec.hyperparameters],
+                     step)
     return outs, w.cpu(), {k: v.cpu() for k, v in st.items()}
 
 

@@ -186,7 +186,7 @@ def test_every_shipped_spec_satisfies_the_schema(path):
     (lambda d: d.pop("summary"), "'summary' is a required property"),
     (lambda d: d.update(colour="red"), "Additional properties are not allowed ('colour' was unexpected)"),
     (lambda d: d["hyperparameters"]["eps"].update(default="fast"), "'fast' is not of type 'number'"),
-    (lambda d: d["states"]["momentum"].update(per="table"), "'table' is not one of ['element', 'row']"),
+    (lambda d: d["states"]["momentum"].update(per="column"), "'column' is not one of ['element', 'row', 'table']"),
     (lambda d: d.update(row="x = 1.0f;"), "should not be valid"),
     (lambda d: d["update"].append({"row": "a;", "element": "b;"}), "is valid under each of"),
     (lambda d: d["update"].append({"when": "max_norm > 0.0f"}), "is not valid under any of the given schemas"),

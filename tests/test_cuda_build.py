@@ -37,7 +37,7 @@ def registered(prebuilt, request):
     for p in specs:
         spec = load_spec(str(p))
         # (table_update exists for specs with whole-table stages only)
-        ops = list(OPS) + (["table_update"] if spec.table_stages else [])
+        ops = list(OPS) + (["table_update"] if spec.table_stages or spec.table_reductions else [])
         libs[spec.name] = (str(build.build_files(spec.name, build.spec_files(spec, True), True, load=False)), ops)
     code = (
         "import json, sys, torch\n"
@@ -58,7 +58,7 @@ def registered(prebuilt, request):
 
 @pytest.mark.parametrize("name", sorted(SPECS))
 def test_cuda_extension_builds_and_registers_its_operators(registered, name):
-    ops = OPS + (("table_update",) if load_spec(str(SPECS[name])).table_stages else ())
+    ops = OPS + (("table_update",) if load_spec(str(SPECS[name])).table_stages or load_spec(str(SPECS[name])).table_reductions else ())
     assert registered[name] == {**{op: [True, True] for op in ops}, **{op: [True] for op in MANAGED_OPS}}
 
 

@@ -45,12 +45,12 @@ def test_step_numbers_beyond_float32_stay_exact(load_ops):
     step = 2**25 + 1
     w = torch.rand(80)
     states = {"momentum": torch.zeros(10), "prev_iter": torch.zeros(10, dtype=torch.int64),
-              "row_counter": torch.zeros(10)}
+              "row_counter": torch.zeros(10), "max_counter": torch.ones(1)}
     hyper = harness.default_hyperparameters(spec, {})
     idx = torch.tensor([3, 7, 3])
     off = torch.tensor([0, 2, 3])
     ops.backward(torch.randn(2, 8), w, layout.features_tensor("cpu"), 8, 8, 10, idx, off, None,
-                 POOLING["sum"], 32, False, 0, *[states[s.name] for s in spec.states],
+                 POOLING["sum"], 32, False, 0, *harness.state_args(spec, layout, states, "cpu"),
                  *[hyper[h.name] for h in spec.hyperparameters], step)
     assert states["prev_iter"].tolist() == [0, 0, 0, step, 0, 0, 0, step, 0, 0]
     assert float(step) != float(torch.tensor(step, dtype=torch.float32))  # (what float32 would have stored)
@@ -61,10 +61,11 @@ def test_operator_refuses_a_float_int_state(load_ops):
     spec, ops = load_ops(NAME)
     layout = make_layout([(10, 8)])
     hyper = harness.default_hyperparameters(spec, {})
-    states = {"momentum": torch.zeros(10), "prev_iter": torch.zeros(10), "row_counter": torch.zeros(10)}
+    states = {"momentum": torch.zeros(10), "prev_iter": torch.zeros(10), "row_counter": torch.zeros(10),
+              "max_counter": torch.ones(1)}
     with pytest.raises(RuntimeError, match="int state 'prev_iter' must be int64, got Float"):
         ops.backward(torch.randn(1, 8), torch.rand(80), layout.features_tensor("cpu"), 8, 8, 10, torch.tensor([1]),
-                     torch.tensor([0, 1]), None, 0, 32, False, 0, *[states[s.name] for s in spec.states],
+                     torch.tensor([0, 1]), None, 0, 32, False, 0, *harness.state_args(spec, layout, states, "cpu"),
                      *[hyper[h.name] for h in spec.hyperparameters], 1)
 
 

@@ -422,7 +422,7 @@ def state(entry: str) -> str:
 @pytest.mark.parametrize(
     "entry, field, message",
     [
-        ("{per: column}", "per", "must be element or row, got string 'column'"),
+        ("{per: column}", "per", "must be element or row or table, got string 'column'"),
         ("{init: 0.0}", "per", "missing required key"),
         ("{per: row, init: zero}", "init", "must be a number, got string 'zero'"),
         ("{per: row, init: true}", "init", "must be a number, got boolean true"),

@@ -107,7 +107,7 @@ def test_a_table_needs_its_reference_and_a_reference_its_table():
     with pytest.raises(SpecError, match="table_reference: missing: a spec with `table` stages needs"):
         load_spec_text(without, "toy.yaml")
     orphan = without[: without.index("table:")] + "table_reference: |\n  w = w\n"
-    with pytest.raises(SpecError, match="table_reference: only with `table` stages"):
+    with pytest.raises(SpecError, match="table_reference: only with `table` element stages"):
         load_spec_text(orphan, "toy.yaml")
     with pytest.raises(SpecError, match="'g'"):
         load_spec_text(text.replace("avg = avg + coef * (w - avg)", "avg = g"), "toy.yaml")

@@ -33,6 +33,8 @@ struct Optimizer {
   static constexpr int kElementStates = 1;
   static constexpr int kRowStates = 0;
   static constexpr int kIntRowStates = 0;
+  // per-table states (constants during the update; 0: the kernels compile no trace of them)
+  static constexpr int kTableStates = 0;
   static constexpr int kTemporaries = 0;  // per-element scratch
 
   // What the update of every row of one step shares: the step, and the spec's row-stage locals that
@@ -63,7 +65,7 @@ struct Optimizer {
 #line 9 "optimizers/adagrad.yaml"
         accumulator += g * g;
         w -= learning_rate * g / (sqrtf(accumulator) + eps);
-#line 67 "adagrad/optimizer.h"
+#line 69 "adagrad/optimizer.h"
       }
     }
     (void)tbegen_s;

@@ -35,6 +35,8 @@ struct Optimizer {
   static constexpr int kElementStates = 2;
   static constexpr int kRowStates = 0;
   static constexpr int kIntRowStates = 0;
+  // per-table states (constants during the update; 0: the kernels compile no trace of them)
+  static constexpr int kTableStates = 0;
   static constexpr int kTemporaries = 0;  // per-element scratch
 
   // What the update of every row of one step shares: the step, and the spec's row-stage locals that
@@ -70,7 +72,7 @@ struct Optimizer {
         accumulator += gd * gd;
         momentum_buffer = momentum * momentum_buffer + gd / (sqrtf(accumulator) + eps);
         w -= learning_rate * momentum_buffer;
-#line 74 "adagrad_with_momentum/optimizer.h"
+#line 76 "adagrad_with_momentum/optimizer.h"
       }
     }
     (void)tbegen_s;

@@ -36,6 +36,8 @@ struct Optimizer {
   static constexpr int kElementStates = 2;
   static constexpr int kRowStates = 0;
   static constexpr int kIntRowStates = 0;
+  // per-table states (constants during the update; 0: the kernels compile no trace of them)
+  static constexpr int kTableStates = 0;
   static constexpr int kTemporaries = 0;  // per-element scratch
 
   // What the update of every row of one step shares: the step, and the spec's row-stage locals that
@@ -54,7 +56,7 @@ struct Optimizer {
 #line 19 "optimizers/adamw.yaml"
     float bias1 = static_cast<float>(1.0 - pow(static_cast<double>(beta1), static_cast<double>(step)));
     float bias2 = static_cast<float>(1.0 - pow(static_cast<double>(beta2), static_cast<double>(step)));
-#line 58 "adamw/optimizer.h"
+#line 60 "adamw/optimizer.h"
     return StepValues{tbegen_step, bias1, bias2};
   }
 
@@ -75,7 +77,7 @@ struct Optimizer {
     float bias1 = tbegen_s.bias1;  // computed once per step (step_values)
     float bias2 = tbegen_s.bias2;  // computed once per step (step_values)
     float keep = 1.0f - learning_rate * weight_decay;
-#line 79 "adamw/optimizer.h"
+#line 81 "adamw/optimizer.h"
     // stage 2: element (optimizers/adamw.yaml:23)
     TBEGEN_FOR_ELEMENTS(tbegen_row, tbegen_i) {
       const float g = tbegen_row.g(tbegen_i);
@@ -87,7 +89,7 @@ struct Optimizer {
         exp_avg = beta1 * exp_avg + (1.0f - beta1) * g;
         exp_avg_sq = beta2 * exp_avg_sq + (1.0f - beta2) * g * g;
         w = keep * w - learning_rate * (exp_avg / bias1) / (sqrtf(exp_avg_sq / bias2) + eps);
-#line 91 "adamw/optimizer.h"
+#line 93 "adamw/optimizer.h"
       }
     }
   }

@@ -36,7 +36,8 @@ void backward_lane_split_cpu(const at::Tensor& grad_output, const at::Tensor& we
 
 
 // The whole-table stages of one step (the spec's `table:`), before that step's forward: true when
-// a stage's guard held and the stages ran over every row of every table (table_stage_host.h).
+// a stage's guard held and the stages ran over every row of every table (table_stage_host.h):
+// the element stages, then the reduce stages that set per-table states.
 bool table_update_cpu(const at::Tensor& weights, const at::Tensor& features, int64_t total_hash_size, bool stochastic_rounding, int64_t seed, const at::Tensor& momentum, double learning_rate, double eps, double weight_decay, int64_t weight_decay_mode, double max_norm, int64_t step_ema, int64_t step_start, double step_ema_coef, int64_t step) {
   const Params tbegen_params = make_params(weights, total_hash_size, momentum, learning_rate, eps, weight_decay, weight_decay_mode, max_norm, step_ema, step_start, step_ema_coef);
   return cpu::table_update_cpu<Optimizer>(weights, features, total_hash_size, tbegen_params,

@@ -40,13 +40,26 @@ int launch_table_stages(const cuda::TableLaunch& launch);  // kernels_cuda.cu
 bool table_update_cuda(const at::Tensor& weights, const at::Tensor& features, int64_t total_hash_size, bool stochastic_rounding, int64_t seed, const at::Tensor& momentum, double learning_rate, double eps, double weight_decay, int64_t weight_decay_mode, double max_norm, int64_t step_ema, int64_t step_start, double step_ema_coef, int64_t step) {
   const Params tbegen_params = make_params(weights, total_hash_size, momentum, learning_rate, eps, weight_decay, weight_decay_mode, max_norm, step_ema, step_start, step_ema_coef);
   TBEGEN_CHECK(weights.is_cuda(), "tbegen: weights must be on a CUDA device for the CUDA operator");
-  if (!Optimizer::table_runs(tbegen_params, step)) return false;
+  if (!cpu::any_table_stage_runs<Optimizer>(tbegen_params, step)) return false;
+  const int64_t num_tables = 0;
   const std::vector<TableExtent> tables = table_extents(weights, features, total_hash_size,
                                                         Optimizer::kTablePairs, "emainplace_rowwise_adagrad");
   const auto wt = weights.scalar_type();
   cuda::TableLaunch launch{&tbegen_params, weights.data_ptr(), wt == at::kFloat ? 0 : wt == at::kHalf ? 1 : 2,
                            tables.data(), static_cast<int64_t>(tables.size()),
                            RowUpdateContext{stochastic_rounding, table_stage_seed(seed), step}, nullptr};
+  launch.elements = Optimizer::table_runs(tbegen_params, step);
+  for (int r = 0; r < Optimizer::kTableReductions; ++r) {
+    if (Optimizer::table_reduction_runs(r, tbegen_params, step)) launch.reductions |= 1u << r;
+  }
+  // the reduce stages' scratch: one int32 per table, on the weights' device (kept alive until the
+  // kernels that use it ran: the caching allocator reuses it only on the same stream)
+  at::Tensor slots;
+  if (launch.reductions != 0) {
+    slots = at::empty({num_tables}, weights.options().dtype(at::kInt));
+    launch.slots = slots.data_ptr<int32_t>();
+    launch.num_tables = num_tables;
+  }
   const int err = cuda::launch_table_stages_on(weights.get_device(), launch, &launch_table_stages);
   TBEGEN_CHECK(err == 0, "tbegen: emainplace_rowwise_adagrad: the whole-table stages' kernel failed to launch (CUDA error ",
               err, ")");

@@ -8,6 +8,7 @@
 #pragma once
 
 #include "tbegen/common.h"
+#include "tbegen/table_stage.h"
 
 namespace tbegen {
 namespace opt_ensemble_rowwise_adagrad {
@@ -41,6 +42,8 @@ struct Optimizer {
   static constexpr int kElementStates = 1;
   static constexpr int kRowStates = 1;
   static constexpr int kIntRowStates = 0;
+  // per-table states (constants during the update; 0: the kernels compile no trace of them)
+  static constexpr int kTableStates = 0;
   static constexpr int kTemporaries = 0;  // per-element scratch
 
   // What the update of every row of one step shares: the step, and the spec's row-stage locals that
@@ -71,7 +74,7 @@ struct Optimizer {
 #line 37 "optimizers/ensemble_rowwise_adagrad.yaml"
     // L2 decay (mode 1) adds weight_decay * w to the gradient that feeds the accumulator.
     float l2 = weight_decay_mode == 1 ? weight_decay : 0.0f;
-#line 75 "ensemble_rowwise_adagrad/optimizer.h"
+#line 78 "ensemble_rowwise_adagrad/optimizer.h"
     // stage 2: row (optimizers/ensemble_rowwise_adagrad.yaml:40)
     float tbegen_red_0 = 0.0f;  // row_mean((g + l2 * w) * (g + l2 * w))
     TBEGEN_FOR_ELEMENTS_SUM(tbegen_row, tbegen_i, tbegen_red_0) {
@@ -79,7 +82,7 @@ struct Optimizer {
       const float w = tbegen_row.w(tbegen_i);
 #line 40 "optimizers/ensemble_rowwise_adagrad.yaml"
       tbegen_red_0 += ((g + l2 * w) * (g + l2 * w));
-#line 83 "ensemble_rowwise_adagrad/optimizer.h"
+#line 86 "ensemble_rowwise_adagrad/optimizer.h"
     }
     tbegen_red_0 = tbegen_row.all_sum(tbegen_red_0) / static_cast<float>(D);
 #line 40 "optimizers/ensemble_rowwise_adagrad.yaml"
@@ -88,7 +91,7 @@ struct Optimizer {
     float keep = 1.0f;
     if (weight_decay_mode == 1) keep = 1.0f - multiplier * weight_decay;
     if (weight_decay_mode == 2) keep = 1.0f - learning_rate * weight_decay;
-#line 92 "ensemble_rowwise_adagrad/optimizer.h"
+#line 95 "ensemble_rowwise_adagrad/optimizer.h"
     // stage 3: element (optimizers/ensemble_rowwise_adagrad.yaml:46)
     TBEGEN_FOR_ELEMENTS(tbegen_row, tbegen_i) {
       const float g = tbegen_row.g(tbegen_i);
@@ -96,7 +99,7 @@ struct Optimizer {
       {
 #line 46 "optimizers/ensemble_rowwise_adagrad.yaml"
         w = keep * w - multiplier * g;
-#line 100 "ensemble_rowwise_adagrad/optimizer.h"
+#line 103 "ensemble_rowwise_adagrad/optimizer.h"
       }
     }
     if (max_norm > 0.0f) {  // the `when:` of the stages below (optimizers/ensemble_rowwise_adagrad.yaml)
@@ -106,20 +109,20 @@ struct Optimizer {
         const float w = tbegen_row.w(tbegen_i);
 #line 50 "optimizers/ensemble_rowwise_adagrad.yaml"
         tbegen_red_1 += (w * w);
-#line 110 "ensemble_rowwise_adagrad/optimizer.h"
+#line 113 "ensemble_rowwise_adagrad/optimizer.h"
       }
       tbegen_red_1 = tbegen_row.all_sum(tbegen_red_1);
 #line 50 "optimizers/ensemble_rowwise_adagrad.yaml"
       float norm = sqrtf(tbegen_red_1);
       float clamp = norm > max_norm ? max_norm / norm : 1.0f;
-#line 116 "ensemble_rowwise_adagrad/optimizer.h"
+#line 119 "ensemble_rowwise_adagrad/optimizer.h"
       // stage 5: element (optimizers/ensemble_rowwise_adagrad.yaml:54)
       TBEGEN_FOR_ELEMENTS(tbegen_row, tbegen_i) {
         float& w = tbegen_row.w(tbegen_i);
         {
 #line 54 "optimizers/ensemble_rowwise_adagrad.yaml"
           w *= clamp;
-#line 123 "ensemble_rowwise_adagrad/optimizer.h"
+#line 126 "ensemble_rowwise_adagrad/optimizer.h"
         }
       }
     }
@@ -131,8 +134,9 @@ struct Optimizer {
   // stage's guard holds (tbegen/table_stage.h). With kTablePairs a unit is the pair of columns
   // (j, j + D/2) of a row, which partner(...) reads; otherwise one element.
   static constexpr bool kTablePairs = false;
+  static constexpr bool kTableElementStages = true;
 
-  // Whether any whole-table stage runs at this step (evaluated on the host, before any launch).
+  // Whether any whole-table element stage runs at this step (evaluated on the host, before any launch).
   static TBEGEN_HD TBEGEN_INLINE bool table_runs(const Params& tbegen_p, int64_t tbegen_step) {
     const int64_t step_ema = tbegen_p.step_ema;
     const int64_t step_swap = tbegen_p.step_swap;
@@ -172,10 +176,44 @@ struct Optimizer {
           if (average && step_mode == 0) {
             sparse_ema = 0.0f;
           }
-#line 176 "ensemble_rowwise_adagrad/optimizer.h"
+#line 180 "ensemble_rowwise_adagrad/optimizer.h"
         }
       }
     }
+  }
+
+  // ---- reduce stages of `table:` (after the element stages of the same step) ----
+  // Each sets a per-table state to the max (or min) of its `of:` over the rows of each table, or
+  // of all tables (the value then goes to every table's entry); NaN values are skipped, and a
+  // table (or module) without a value keeps its entry (tbegen/table_stage.h, table_stage_host.h).
+  static constexpr int kTableReductions = 0;
+
+  // What reduce stage tbegen_r is: {max?, over all tables?, the per-table state it sets}.
+  static TBEGEN_HD TBEGEN_INLINE TableReductionInfo table_reduction(int tbegen_r) {
+    switch (tbegen_r) {
+    }
+    return TableReductionInfo{true, false, 0};
+  }
+
+  // Whether reduce stage tbegen_r runs at this step (its `when:`, evaluated on the host).
+  static TBEGEN_HD TBEGEN_INLINE bool table_reduction_runs(int tbegen_r, const Params& tbegen_p, int64_t tbegen_step) {
+    (void)tbegen_step;
+    (void)tbegen_p;
+    switch (tbegen_r) {
+    }
+    return false;
+  }
+
+  // The `of:` of reduce stage tbegen_r for one row (tbegen::TableRowValues: its per-row states,
+  // its table's per-table states, its width).
+  template <class V>
+  static TBEGEN_HD TBEGEN_INLINE float table_reduction_value(int tbegen_r, const V& tbegen_v, const Params& tbegen_p,
+                                                             int64_t tbegen_step) {
+    (void)tbegen_p;
+    (void)tbegen_step;
+    switch (tbegen_r) {
+    }
+    return 0.0f;
   }
 };
 

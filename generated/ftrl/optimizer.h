@@ -37,6 +37,8 @@ struct Optimizer {
   static constexpr int kElementStates = 2;
   static constexpr int kRowStates = 0;
   static constexpr int kIntRowStates = 0;
+  // per-table states (constants during the update; 0: the kernels compile no trace of them)
+  static constexpr int kTableStates = 0;
   static constexpr int kTemporaries = 0;  // per-element scratch
 
   // What the update of every row of one step shares: the step, and the spec's row-stage locals that
@@ -65,7 +67,7 @@ struct Optimizer {
     // stage 1: row (optimizers/ftrl.yaml:28)
 #line 28 "optimizers/ftrl.yaml"
     const float power = -learning_rate_power;
-#line 69 "ftrl/optimizer.h"
+#line 71 "ftrl/optimizer.h"
     // stage 2: element (optimizers/ftrl.yaml:30)
     TBEGEN_FOR_ELEMENTS(tbegen_row, tbegen_i) {
       const float g = tbegen_row.g(tbegen_i);
@@ -81,7 +83,7 @@ struct Optimizer {
         accumulator = n_new;
         float quadratic = (beta + powf(n_new, power)) / learning_rate + 2.0f * l2;
         w = (fabsf(linear) > l1 && quadratic > 0.0f) ? (copysignf(l1, linear) - linear) / quadratic : 0.0f;
-#line 85 "ftrl/optimizer.h"
+#line 87 "ftrl/optimizer.h"
       }
     }
     (void)tbegen_s;

@@ -36,6 +36,8 @@ struct Optimizer {
   static constexpr int kElementStates = 2;
   static constexpr int kRowStates = 0;
   static constexpr int kIntRowStates = 0;
+  // per-table states (constants during the update; 0: the kernels compile no trace of them)
+  static constexpr int kTableStates = 0;
   static constexpr int kTemporaries = 1;  // per-element scratch [2] r
 
   // What the update of every row of one step shares: the step, and the spec's row-stage locals that
@@ -54,7 +56,7 @@ struct Optimizer {
 #line 22 "optimizers/lamb.yaml"
     float bias1 = static_cast<float>(1.0 - pow(static_cast<double>(beta1), static_cast<double>(step)));
     float bias2 = static_cast<float>(1.0 - pow(static_cast<double>(beta2), static_cast<double>(step)));
-#line 58 "lamb/optimizer.h"
+#line 60 "lamb/optimizer.h"
     return StepValues{tbegen_step, bias1, bias2};
   }
 
@@ -74,7 +76,7 @@ struct Optimizer {
     // 1 - beta^step in double: in float it cancels badly for small steps (beta2 = 0.999).
     float bias1 = tbegen_s.bias1;  // computed once per step (step_values)
     float bias2 = tbegen_s.bias2;  // computed once per step (step_values)
-#line 78 "lamb/optimizer.h"
+#line 80 "lamb/optimizer.h"
     // stage 2: element (optimizers/lamb.yaml:25)
     TBEGEN_FOR_ELEMENTS(tbegen_row, tbegen_i) {
       const float g = tbegen_row.g(tbegen_i);
@@ -87,7 +89,7 @@ struct Optimizer {
         exp_avg = beta1 * exp_avg + (1.0f - beta1) * g;
         exp_avg_sq = beta2 * exp_avg_sq + (1.0f - beta2) * g * g;
         r = (exp_avg / bias1) / (sqrtf(exp_avg_sq / bias2) + eps) + weight_decay * w;
-#line 91 "lamb/optimizer.h"
+#line 93 "lamb/optimizer.h"
       }
     }
     // stage 3: row (optimizers/lamb.yaml:29)
@@ -98,10 +100,10 @@ struct Optimizer {
       const float r = tbegen_row.element(2, tbegen_i);
 #line 30 "optimizers/lamb.yaml"
       tbegen_red_0 += (w * w);
-#line 102 "lamb/optimizer.h"
+#line 104 "lamb/optimizer.h"
 #line 31 "optimizers/lamb.yaml"
       tbegen_red_1 += (r * r);
-#line 105 "lamb/optimizer.h"
+#line 107 "lamb/optimizer.h"
     }
     tbegen_red_0 = tbegen_row.all_sum(tbegen_red_0);
     tbegen_red_1 = tbegen_row.all_sum(tbegen_red_1);
@@ -111,7 +113,7 @@ struct Optimizer {
     float direction_norm = sqrtf(tbegen_red_1);
     float ratio = (weight_norm > 0.0f && direction_norm > 0.0f) ? weight_norm / direction_norm : 1.0f;
     float step_size = learning_rate * ratio;
-#line 115 "lamb/optimizer.h"
+#line 117 "lamb/optimizer.h"
     // stage 4: element (optimizers/lamb.yaml:35)
     TBEGEN_FOR_ELEMENTS(tbegen_row, tbegen_i) {
       float& w = tbegen_row.w(tbegen_i);
@@ -119,7 +121,7 @@ struct Optimizer {
       {
 #line 35 "optimizers/lamb.yaml"
         w -= step_size * r;
-#line 123 "lamb/optimizer.h"
+#line 125 "lamb/optimizer.h"
       }
     }
   }

@@ -35,6 +35,8 @@ struct Optimizer {
   static constexpr int kElementStates = 1;
   static constexpr int kRowStates = 0;
   static constexpr int kIntRowStates = 0;
+  // per-table states (constants during the update; 0: the kernels compile no trace of them)
+  static constexpr int kTableStates = 0;
   static constexpr int kTemporaries = 0;  // per-element scratch
 
   // What the update of every row of one step shares: the step, and the spec's row-stage locals that
@@ -66,10 +68,10 @@ struct Optimizer {
       const float w = tbegen_row.w(tbegen_i);
 #line 19 "optimizers/lars_sgd.yaml"
       tbegen_red_0 += (w * w);
-#line 70 "lars_sgd/optimizer.h"
+#line 72 "lars_sgd/optimizer.h"
 #line 20 "optimizers/lars_sgd.yaml"
       tbegen_red_1 += (g * g);
-#line 73 "lars_sgd/optimizer.h"
+#line 75 "lars_sgd/optimizer.h"
     }
     tbegen_red_0 = tbegen_row.all_sum(tbegen_red_0);
     tbegen_red_1 = tbegen_row.all_sum(tbegen_red_1);
@@ -78,7 +80,7 @@ struct Optimizer {
     float grad_norm = sqrtf(tbegen_red_1);
     float denom = grad_norm + weight_decay * weight_norm;
     float local_lr = (weight_norm > 0.0f && denom > 0.0f) ? learning_rate * eta * weight_norm / denom : learning_rate;
-#line 82 "lars_sgd/optimizer.h"
+#line 84 "lars_sgd/optimizer.h"
     // stage 2: element (optimizers/lars_sgd.yaml:24)
     TBEGEN_FOR_ELEMENTS(tbegen_row, tbegen_i) {
       const float g = tbegen_row.g(tbegen_i);
@@ -88,7 +90,7 @@ struct Optimizer {
 #line 24 "optimizers/lars_sgd.yaml"
         momentum_buffer = momentum * momentum_buffer + local_lr * (g + weight_decay * w);
         w -= momentum_buffer;
-#line 92 "lars_sgd/optimizer.h"
+#line 94 "lars_sgd/optimizer.h"
       }
     }
     (void)tbegen_s;

@@ -35,6 +35,8 @@ struct Optimizer {
   static constexpr int kElementStates = 1;
   static constexpr int kRowStates = 0;
   static constexpr int kIntRowStates = 0;
+  // per-table states (constants during the update; 0: the kernels compile no trace of them)
+  static constexpr int kTableStates = 0;
   static constexpr int kTemporaries = 0;  // per-element scratch
 
   // What the update of every row of one step shares: the step, and the spec's row-stage locals that
@@ -69,7 +71,7 @@ struct Optimizer {
         float direction = c > 0.0f ? 1.0f : (c < 0.0f ? -1.0f : 0.0f);
         w = w * (1.0f - learning_rate * weight_decay) - learning_rate * direction;
         exp_avg = beta2 * exp_avg + (1.0f - beta2) * g;
-#line 73 "lion/optimizer.h"
+#line 75 "lion/optimizer.h"
       }
     }
     (void)tbegen_s;

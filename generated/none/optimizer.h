@@ -31,6 +31,8 @@ struct Optimizer {
   static constexpr int kElementStates = 0;
   static constexpr int kRowStates = 0;
   static constexpr int kIntRowStates = 0;
+  // per-table states (constants during the update; 0: the kernels compile no trace of them)
+  static constexpr int kTableStates = 0;
   static constexpr int kTemporaries = 0;  // per-element scratch
 
   // What the update of every row of one step shares: the step, and the spec's row-stage locals that
@@ -58,7 +60,7 @@ struct Optimizer {
 #line 7 "optimizers/none.yaml"
         // The caller passes a zeroed gradient buffer as the weights, so w becomes the weight gradient.
         w = g;
-#line 62 "none/optimizer.h"
+#line 64 "none/optimizer.h"
       }
     }
     (void)tbegen_s;

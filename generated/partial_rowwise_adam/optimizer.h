@@ -36,6 +36,8 @@ struct Optimizer {
   static constexpr int kElementStates = 1;
   static constexpr int kRowStates = 1;
   static constexpr int kIntRowStates = 0;
+  // per-table states (constants during the update; 0: the kernels compile no trace of them)
+  static constexpr int kTableStates = 0;
   static constexpr int kTemporaries = 0;  // per-element scratch
 
   // What the update of every row of one step shares: the step, and the spec's row-stage locals that
@@ -54,7 +56,7 @@ struct Optimizer {
 #line 19 "optimizers/partial_rowwise_adam.yaml"
     float bias1 = static_cast<float>(1.0 - pow(static_cast<double>(beta1), static_cast<double>(step)));
     float bias2 = static_cast<float>(1.0 - pow(static_cast<double>(beta2), static_cast<double>(step)));
-#line 58 "partial_rowwise_adam/optimizer.h"
+#line 60 "partial_rowwise_adam/optimizer.h"
     return StepValues{tbegen_step, bias1, bias2};
   }
 
@@ -77,7 +79,7 @@ struct Optimizer {
       const float g = tbegen_row.g(tbegen_i);
 #line 21 "optimizers/partial_rowwise_adam.yaml"
       tbegen_red_0 += (g * g);
-#line 81 "partial_rowwise_adam/optimizer.h"
+#line 83 "partial_rowwise_adam/optimizer.h"
     }
     tbegen_red_0 = tbegen_row.all_sum(tbegen_red_0) / static_cast<float>(D);
 #line 18 "optimizers/partial_rowwise_adam.yaml"
@@ -86,7 +88,7 @@ struct Optimizer {
     float bias2 = tbegen_s.bias2;  // computed once per step (step_values)
     exp_avg_sq = beta2 * exp_avg_sq + (1.0f - beta2) * tbegen_red_0;
     float denom = sqrtf(exp_avg_sq / bias2) + eps;
-#line 90 "partial_rowwise_adam/optimizer.h"
+#line 92 "partial_rowwise_adam/optimizer.h"
     // stage 2: element (optimizers/partial_rowwise_adam.yaml:24)
     TBEGEN_FOR_ELEMENTS(tbegen_row, tbegen_i) {
       const float g = tbegen_row.g(tbegen_i);
@@ -96,7 +98,7 @@ struct Optimizer {
 #line 24 "optimizers/partial_rowwise_adam.yaml"
         exp_avg = beta1 * exp_avg + (1.0f - beta1) * g;
         w -= learning_rate * ((exp_avg / bias1) / denom + weight_decay * w);
-#line 100 "partial_rowwise_adam/optimizer.h"
+#line 102 "partial_rowwise_adam/optimizer.h"
       }
     }
   }

@@ -36,6 +36,8 @@ struct Optimizer {
   static constexpr int kElementStates = 1;
   static constexpr int kRowStates = 1;
   static constexpr int kIntRowStates = 0;
+  // per-table states (constants during the update; 0: the kernels compile no trace of them)
+  static constexpr int kTableStates = 0;
   static constexpr int kTemporaries = 1;  // per-element scratch [1] r
 
   // What the update of every row of one step shares: the step, and the spec's row-stage locals that
@@ -54,7 +56,7 @@ struct Optimizer {
 #line 23 "optimizers/partial_rowwise_lamb.yaml"
     float bias1 = static_cast<float>(1.0 - pow(static_cast<double>(beta1), static_cast<double>(step)));
     float bias2 = static_cast<float>(1.0 - pow(static_cast<double>(beta2), static_cast<double>(step)));
-#line 58 "partial_rowwise_lamb/optimizer.h"
+#line 60 "partial_rowwise_lamb/optimizer.h"
     return StepValues{tbegen_step, bias1, bias2};
   }
 
@@ -77,7 +79,7 @@ struct Optimizer {
       const float g = tbegen_row.g(tbegen_i);
 #line 25 "optimizers/partial_rowwise_lamb.yaml"
       tbegen_red_0 += (g * g);
-#line 81 "partial_rowwise_lamb/optimizer.h"
+#line 83 "partial_rowwise_lamb/optimizer.h"
     }
     tbegen_red_0 = tbegen_row.all_sum(tbegen_red_0) / static_cast<float>(D);
 #line 22 "optimizers/partial_rowwise_lamb.yaml"
@@ -86,7 +88,7 @@ struct Optimizer {
     float bias2 = tbegen_s.bias2;  // computed once per step (step_values)
     exp_avg_sq = beta2 * exp_avg_sq + (1.0f - beta2) * tbegen_red_0;
     float denom = sqrtf(exp_avg_sq / bias2) + eps;
-#line 90 "partial_rowwise_lamb/optimizer.h"
+#line 92 "partial_rowwise_lamb/optimizer.h"
     // stage 2: element (optimizers/partial_rowwise_lamb.yaml:28)
     TBEGEN_FOR_ELEMENTS(tbegen_row, tbegen_i) {
       const float g = tbegen_row.g(tbegen_i);
@@ -97,7 +99,7 @@ struct Optimizer {
 #line 28 "optimizers/partial_rowwise_lamb.yaml"
         exp_avg = beta1 * exp_avg + (1.0f - beta1) * g;
         r = (exp_avg / bias1) / denom + weight_decay * w;
-#line 101 "partial_rowwise_lamb/optimizer.h"
+#line 103 "partial_rowwise_lamb/optimizer.h"
       }
     }
     // stage 3: row (optimizers/partial_rowwise_lamb.yaml:31)
@@ -108,10 +110,10 @@ struct Optimizer {
       const float r = tbegen_row.element(1, tbegen_i);
 #line 32 "optimizers/partial_rowwise_lamb.yaml"
       tbegen_red_1 += (w * w);
-#line 112 "partial_rowwise_lamb/optimizer.h"
+#line 114 "partial_rowwise_lamb/optimizer.h"
 #line 33 "optimizers/partial_rowwise_lamb.yaml"
       tbegen_red_2 += (r * r);
-#line 115 "partial_rowwise_lamb/optimizer.h"
+#line 117 "partial_rowwise_lamb/optimizer.h"
     }
     tbegen_red_1 = tbegen_row.all_sum(tbegen_red_1);
     tbegen_red_2 = tbegen_row.all_sum(tbegen_red_2);
@@ -121,7 +123,7 @@ struct Optimizer {
     float direction_norm = sqrtf(tbegen_red_2);
     float ratio = (weight_norm > 0.0f && direction_norm > 0.0f) ? weight_norm / direction_norm : 1.0f;
     float step_size = learning_rate * ratio;
-#line 125 "partial_rowwise_lamb/optimizer.h"
+#line 127 "partial_rowwise_lamb/optimizer.h"
     // stage 4: element (optimizers/partial_rowwise_lamb.yaml:37)
     TBEGEN_FOR_ELEMENTS(tbegen_row, tbegen_i) {
       float& w = tbegen_row.w(tbegen_i);
@@ -129,7 +131,7 @@ struct Optimizer {
       {
 #line 37 "optimizers/partial_rowwise_lamb.yaml"
         w -= step_size * r;
-#line 133 "partial_rowwise_lamb/optimizer.h"
+#line 135 "partial_rowwise_lamb/optimizer.h"
       }
     }
   }

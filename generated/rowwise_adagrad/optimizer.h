@@ -36,6 +36,8 @@ struct Optimizer {
   static constexpr int kElementStates = 0;
   static constexpr int kRowStates = 1;
   static constexpr int kIntRowStates = 0;
+  // per-table states (constants during the update; 0: the kernels compile no trace of them)
+  static constexpr int kTableStates = 0;
   static constexpr int kTemporaries = 0;  // per-element scratch
 
   // What the update of every row of one step shares: the step, and the spec's row-stage locals that
@@ -66,7 +68,7 @@ struct Optimizer {
 #line 17 "optimizers/rowwise_adagrad.yaml"
     // L2 decay (mode 1) adds weight_decay * w to the gradient that feeds the accumulator.
     float l2 = weight_decay_mode == 1 ? weight_decay : 0.0f;
-#line 70 "rowwise_adagrad/optimizer.h"
+#line 72 "rowwise_adagrad/optimizer.h"
     // stage 2: row (optimizers/rowwise_adagrad.yaml:20)
     float tbegen_red_0 = 0.0f;  // row_mean((g + l2 * w) * (g + l2 * w))
     TBEGEN_FOR_ELEMENTS_SUM(tbegen_row, tbegen_i, tbegen_red_0) {
@@ -74,7 +76,7 @@ struct Optimizer {
       const float w = tbegen_row.w(tbegen_i);
 #line 20 "optimizers/rowwise_adagrad.yaml"
       tbegen_red_0 += ((g + l2 * w) * (g + l2 * w));
-#line 78 "rowwise_adagrad/optimizer.h"
+#line 80 "rowwise_adagrad/optimizer.h"
     }
     tbegen_red_0 = tbegen_row.all_sum(tbegen_red_0) / static_cast<float>(D);
 #line 20 "optimizers/rowwise_adagrad.yaml"
@@ -83,7 +85,7 @@ struct Optimizer {
     float keep = 1.0f;
     if (weight_decay_mode == 1) keep = 1.0f - multiplier * weight_decay;
     if (weight_decay_mode == 2) keep = 1.0f - learning_rate * weight_decay;
-#line 87 "rowwise_adagrad/optimizer.h"
+#line 89 "rowwise_adagrad/optimizer.h"
     // stage 3: element (optimizers/rowwise_adagrad.yaml:26)
     TBEGEN_FOR_ELEMENTS(tbegen_row, tbegen_i) {
       const float g = tbegen_row.g(tbegen_i);
@@ -91,7 +93,7 @@ struct Optimizer {
       {
 #line 26 "optimizers/rowwise_adagrad.yaml"
         w = keep * w - multiplier * g;
-#line 95 "rowwise_adagrad/optimizer.h"
+#line 97 "rowwise_adagrad/optimizer.h"
       }
     }
     if (max_norm > 0.0f) {  // the `when:` of the stages below (optimizers/rowwise_adagrad.yaml)
@@ -101,20 +103,20 @@ struct Optimizer {
         const float w = tbegen_row.w(tbegen_i);
 #line 30 "optimizers/rowwise_adagrad.yaml"
         tbegen_red_1 += (w * w);
-#line 105 "rowwise_adagrad/optimizer.h"
+#line 107 "rowwise_adagrad/optimizer.h"
       }
       tbegen_red_1 = tbegen_row.all_sum(tbegen_red_1);
 #line 30 "optimizers/rowwise_adagrad.yaml"
       float norm = sqrtf(tbegen_red_1);
       float clamp = norm > max_norm ? max_norm / norm : 1.0f;
-#line 111 "rowwise_adagrad/optimizer.h"
+#line 113 "rowwise_adagrad/optimizer.h"
       // stage 5: element (optimizers/rowwise_adagrad.yaml:34)
       TBEGEN_FOR_ELEMENTS(tbegen_row, tbegen_i) {
         float& w = tbegen_row.w(tbegen_i);
         {
 #line 34 "optimizers/rowwise_adagrad.yaml"
           w *= clamp;
-#line 118 "rowwise_adagrad/optimizer.h"
+#line 120 "rowwise_adagrad/optimizer.h"
         }
       }
     }

@@ -7,12 +7,16 @@
 // them is shared by every optimizer (include/tbegen/cuda_ops.cuh); ops_cuda.cpp passes it this
 // table.
 #include "tbegen/cuda_backward_kernels.cuh"
+#include "tbegen/cuda_table_stage.cuh"
 #include "optimizer.h"
 
 namespace tbegen {
 namespace opt_rowwise_adagrad_with_counter {
 
 const cuda::BackwardKernels& backward_kernels() { return cuda::backward_kernels_for<Optimizer>(); }
+
+// The whole-table stages' kernel (cuda_table_stage.cuh); returns a cudaError_t.
+int launch_table_stages(const cuda::TableLaunch& launch) { return cuda::launch_table_stages<Optimizer>(launch); }
 
 }  // namespace opt_rowwise_adagrad_with_counter
 }  // namespace tbegen

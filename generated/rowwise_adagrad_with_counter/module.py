@@ -23,7 +23,7 @@ HYPERPARAMETERS = {
     "adjustment_iter": ('int', -1, 'Adjustments and decay start after this step (<= 0: from the first).'),
     "adjustment_ub": ('float', 1.0, 'Exponent (learning-rate modes 0, 1), scale (mode 2) or cap (AdagradW with halflife -2).'),
     "learning_rate_mode": ('int', -1, '-1 none, 0 raise the rate of rare rows, 1 lower the rate of rare rows, 2 counter-based SGD rate.'),
-    "max_counter": ('float', 10.0, 'The largest counter (FBGEMM: max(row_counter) + 1, refreshed periodically by the module).'),
+    "max_counter_update_freq": ('int', 1000, 'Refresh max_counter before the forward of the steps this divides (<= 0: never).'),
     "tail_id_threshold": ('float', 0.0, 'Rows whose counter is at most this keep the plain rate.'),
     "is_tail_id_thresh_ratio": ('int', 0, '1: the threshold is tail_id_threshold * max_counter (floored).'),
     "weight_norm_coefficient": ('float', 0.0, 'Cow-clip: clip the gradient norm at row_counter * max(this * |w|, lower_bound).'),
@@ -41,7 +41,7 @@ STATES = {
 SCHEMAS = {
     "forward": 'forward(Tensor weights, Tensor features, int total_D, int max_D, Tensor indices, Tensor offsets, Tensor? per_sample_weights, int pooling, Tensor? error_record=None, bool skip_bad_indices=False) -> Tensor',
     "grad_per_sample_weights": 'grad_per_sample_weights(Tensor grad_output, Tensor weights, Tensor features, int total_D, int max_D, Tensor indices, Tensor offsets, int pooling, Tensor? error_record=None, bool skip_bad_indices=False) -> Tensor',
-    "backward": 'backward(Tensor grad_output, Tensor(a!) weights, Tensor features, int total_D, int max_D, int total_hash_size, Tensor indices, Tensor offsets, Tensor? per_sample_weights, int pooling, int max_segment_length_per_warp, bool stochastic_rounding, int seed, Tensor(b!) momentum, Tensor(c!) prev_iter, Tensor(d!) row_counter, float learning_rate, float eps, float weight_decay, int weight_decay_mode, int regularization_mode, int counter_halflife, int adjustment_iter, float adjustment_ub, int learning_rate_mode, float max_counter, float tail_id_threshold, int is_tail_id_thresh_ratio, float weight_norm_coefficient, float lower_bound, int step, Tensor? error_record=None, bool skip_bad_indices=False, bool check_finite=True) -> ()',
+    "backward": 'backward(Tensor grad_output, Tensor(a!) weights, Tensor features, int total_D, int max_D, int total_hash_size, Tensor indices, Tensor offsets, Tensor? per_sample_weights, int pooling, int max_segment_length_per_warp, bool stochastic_rounding, int seed, Tensor(b!) momentum, Tensor(c!) prev_iter, Tensor(d!) row_counter, Tensor(e!) max_counter, Tensor feature_table, float learning_rate, float eps, float weight_decay, int weight_decay_mode, int regularization_mode, int counter_halflife, int adjustment_iter, float adjustment_ub, int learning_rate_mode, int max_counter_update_freq, float tail_id_threshold, int is_tail_id_thresh_ratio, float weight_norm_coefficient, float lower_bound, int step, Tensor? error_record=None, bool skip_bad_indices=False, bool check_finite=True) -> ()',
 }
 
 SOURCES = ("ops.cpp",)  # plus include/tbegen/cpu_ops.cpp, shared by every optimizer

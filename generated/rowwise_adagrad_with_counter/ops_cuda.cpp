@@ -13,6 +13,8 @@
 #include "tbegen/cuda_backward.h"
 #include "tbegen/cuda_forward.h"
 #include "tbegen/managed_memory.h"
+#include "tbegen/cuda_table_stage.h"
+#include "tbegen/table_stage_host.h"
 #include "optimizer.h"
 #include "params.h"
 
@@ -21,19 +23,55 @@ namespace opt_rowwise_adagrad_with_counter {
 
 const cuda::BackwardKernels& backward_kernels();  // kernels_cuda.cu
 
-void backward_cuda(const at::Tensor& grad_output, const at::Tensor& weights, const at::Tensor& features, int64_t total_D, int64_t max_D, int64_t total_hash_size, const at::Tensor& indices, const at::Tensor& offsets, const c10::optional<at::Tensor>& per_sample_weights, int64_t pooling, int64_t max_segment_length_per_warp, bool stochastic_rounding, int64_t seed, const at::Tensor& momentum, const at::Tensor& prev_iter, const at::Tensor& row_counter, double learning_rate, double eps, double weight_decay, int64_t weight_decay_mode, int64_t regularization_mode, int64_t counter_halflife, int64_t adjustment_iter, double adjustment_ub, int64_t learning_rate_mode, double max_counter, double tail_id_threshold, int64_t is_tail_id_thresh_ratio, double weight_norm_coefficient, double lower_bound, int64_t step, const c10::optional<at::Tensor>& error_record, bool skip_bad_indices, bool check_finite) {
-  const Params tbegen_params = make_params(weights, total_hash_size, momentum, prev_iter, row_counter, learning_rate, eps, weight_decay, weight_decay_mode, regularization_mode, counter_halflife, adjustment_iter, adjustment_ub, learning_rate_mode, max_counter, tail_id_threshold, is_tail_id_thresh_ratio, weight_norm_coefficient, lower_bound);
+void backward_cuda(const at::Tensor& grad_output, const at::Tensor& weights, const at::Tensor& features, int64_t total_D, int64_t max_D, int64_t total_hash_size, const at::Tensor& indices, const at::Tensor& offsets, const c10::optional<at::Tensor>& per_sample_weights, int64_t pooling, int64_t max_segment_length_per_warp, bool stochastic_rounding, int64_t seed, const at::Tensor& momentum, const at::Tensor& prev_iter, const at::Tensor& row_counter, const at::Tensor& max_counter, const at::Tensor& feature_table, double learning_rate, double eps, double weight_decay, int64_t weight_decay_mode, int64_t regularization_mode, int64_t counter_halflife, int64_t adjustment_iter, double adjustment_ub, int64_t learning_rate_mode, int64_t max_counter_update_freq, double tail_id_threshold, int64_t is_tail_id_thresh_ratio, double weight_norm_coefficient, double lower_bound, int64_t step, const c10::optional<at::Tensor>& error_record, bool skip_bad_indices, bool check_finite) {
+  const Params tbegen_params = make_params(weights, total_hash_size, momentum, prev_iter, row_counter, max_counter, feature_table, features, learning_rate, eps, weight_decay, weight_decay_mode, regularization_mode, counter_halflife, adjustment_iter, adjustment_ub, learning_rate_mode, max_counter_update_freq, tail_id_threshold, is_tail_id_thresh_ratio, weight_norm_coefficient, lower_bound);
   const RowUpdateContext tbegen_ctx{stochastic_rounding, seed, step};
   cuda::backward_cuda(grad_output, weights, features, total_D, max_D, total_hash_size, indices, offsets,
                       per_sample_weights, pooling, max_segment_length_per_warp, &tbegen_params, backward_kernels(),
                       tbegen_ctx, error_record, skip_bad_indices, check_finite);
 }
 
+
+int launch_table_stages(const cuda::TableLaunch& launch);  // kernels_cuda.cu
+
+// The whole-table stages of one step on the GPU (the CPU's table_update_cpu, ops.cpp): the guard
+// on the host; only when it holds is the small layout table read back to find the tables, and one
+// kernel per table launched on the weights' device and its current stream.
+bool table_update_cuda(const at::Tensor& weights, const at::Tensor& features, int64_t total_hash_size, bool stochastic_rounding, int64_t seed, const at::Tensor& momentum, const at::Tensor& prev_iter, const at::Tensor& row_counter, const at::Tensor& max_counter, const at::Tensor& feature_table, double learning_rate, double eps, double weight_decay, int64_t weight_decay_mode, int64_t regularization_mode, int64_t counter_halflife, int64_t adjustment_iter, double adjustment_ub, int64_t learning_rate_mode, int64_t max_counter_update_freq, double tail_id_threshold, int64_t is_tail_id_thresh_ratio, double weight_norm_coefficient, double lower_bound, int64_t step) {
+  const Params tbegen_params = make_params(weights, total_hash_size, momentum, prev_iter, row_counter, max_counter, feature_table, features, learning_rate, eps, weight_decay, weight_decay_mode, regularization_mode, counter_halflife, adjustment_iter, adjustment_ub, learning_rate_mode, max_counter_update_freq, tail_id_threshold, is_tail_id_thresh_ratio, weight_norm_coefficient, lower_bound);
+  TBEGEN_CHECK(weights.is_cuda(), "tbegen: weights must be on a CUDA device for the CUDA operator");
+  if (!cpu::any_table_stage_runs<Optimizer>(tbegen_params, step)) return false;
+  const int64_t num_tables = tbegen_params.num_tables;
+  const std::vector<TableExtent> tables = table_extents(weights, features, total_hash_size,
+                                                        Optimizer::kTablePairs, "rowwise_adagrad_with_counter", feature_table,
+                                                        num_tables);
+  const auto wt = weights.scalar_type();
+  cuda::TableLaunch launch{&tbegen_params, weights.data_ptr(), wt == at::kFloat ? 0 : wt == at::kHalf ? 1 : 2,
+                           tables.data(), static_cast<int64_t>(tables.size()),
+                           RowUpdateContext{stochastic_rounding, table_stage_seed(seed), step}, nullptr};
+  launch.elements = Optimizer::table_runs(tbegen_params, step);
+  for (int r = 0; r < Optimizer::kTableReductions; ++r) {
+    if (Optimizer::table_reduction_runs(r, tbegen_params, step)) launch.reductions |= 1u << r;
+  }
+  // the reduce stages' scratch: one int32 per table, on the weights' device (kept alive until the
+  // kernels that use it ran: the caching allocator reuses it only on the same stream)
+  at::Tensor slots;
+  if (launch.reductions != 0) {
+    slots = at::empty({num_tables}, weights.options().dtype(at::kInt));
+    launch.slots = slots.data_ptr<int32_t>();
+    launch.num_tables = num_tables;
+  }
+  const int err = cuda::launch_table_stages_on(weights.get_device(), launch, &launch_table_stages);
+  TBEGEN_CHECK(err == 0, "tbegen: rowwise_adagrad_with_counter: the whole-table stages' kernel failed to launch (CUDA error ",
+              err, ")");
+  return true;
+}
 }  // namespace opt_rowwise_adagrad_with_counter
 }  // namespace tbegen
 
 TORCH_LIBRARY_IMPL(tbegen_rowwise_adagrad_with_counter, CUDA, m) {
   m.impl("backward", &tbegen::opt_rowwise_adagrad_with_counter::backward_cuda);
+  m.impl("table_update", &tbegen::opt_rowwise_adagrad_with_counter::table_update_cuda);
   tbegen::cuda::register_forward_cuda(m);
 }
 

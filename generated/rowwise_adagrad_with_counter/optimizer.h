@@ -8,6 +8,7 @@
 #pragma once
 
 #include "tbegen/common.h"
+#include "tbegen/table_stage.h"
 
 namespace tbegen {
 namespace opt_rowwise_adagrad_with_counter {
@@ -23,7 +24,7 @@ struct Params {
   int64_t adjustment_iter;  // Adjustments and decay start after this step (<= 0: from the first).
   float adjustment_ub;  // Exponent (learning-rate modes 0, 1), scale (mode 2) or cap (AdagradW with halflife -2).
   int64_t learning_rate_mode;  // -1 none, 0 raise the rate of rare rows, 1 lower the rate of rare rows, 2 counter-based SGD rate.
-  float max_counter;  // The largest counter (FBGEMM: max(row_counter) + 1, refreshed periodically by the module).
+  int64_t max_counter_update_freq;  // Refresh max_counter before the forward of the steps this divides (<= 0: never).
   float tail_id_threshold;  // Rows whose counter is at most this keep the plain rate.
   int64_t is_tail_id_thresh_ratio;  // 1: the threshold is tail_id_threshold * max_counter (floored).
   float weight_norm_coefficient;  // Cow-clip: clip the gradient norm at row_counter * max(this * |w|, lower_bound).
@@ -38,6 +39,11 @@ struct Params {
   int32_t row_state_dtypes[2];
   // int per-row states, one int64 per linear key: [0] prev_iter
   int64_t* int_row_states[1];
+  // per-table states, one float32 per table (num_tables entries): [0] max_counter
+  float* table_states[1];
+  int64_t num_tables;
+  // the table each feature reads (int64 [F]): a row's per-table values are its feature's table's
+  const int64_t* feature_table;
 };
 
 struct Optimizer {
@@ -45,6 +51,8 @@ struct Optimizer {
   static constexpr int kElementStates = 0;
   static constexpr int kRowStates = 2;
   static constexpr int kIntRowStates = 1;
+  // per-table states (constants during the update; 0: the kernels compile no trace of them)
+  static constexpr int kTableStates = 1;
   static constexpr int kTemporaries = 0;  // per-element scratch
 
   // What the update of every row of one step shares: the step, and the spec's row-stage locals that
@@ -52,17 +60,11 @@ struct Optimizer {
   // computes once (step_values) instead of once per row.
   struct StepValues {
     int64_t step;
-    float threshold;  // optimizers/rowwise_adagrad_with_counter.yaml:57
   };
 
   static TBEGEN_HD TBEGEN_INLINE StepValues step_values(const Params& tbegen_p, int64_t tbegen_step) {
-    const float max_counter = tbegen_p.max_counter;
-    const float tail_id_threshold = tbegen_p.tail_id_threshold;
-    const int64_t is_tail_id_thresh_ratio = tbegen_p.is_tail_id_thresh_ratio;
-#line 57 "optimizers/rowwise_adagrad_with_counter.yaml"
-    float threshold = is_tail_id_thresh_ratio != 0 ? floorf(tail_id_threshold * max_counter) : tail_id_threshold;
-#line 65 "rowwise_adagrad_with_counter/optimizer.h"
-    return StepValues{tbegen_step, threshold};
+    (void)tbegen_p;
+    return StepValues{tbegen_step};
   }
 
   // Applies the update to the row. Weights, element states and temporaries are accessed through
@@ -79,7 +81,6 @@ struct Optimizer {
     const int64_t adjustment_iter = tbegen_p.adjustment_iter;
     const float adjustment_ub = tbegen_p.adjustment_ub;
     const int64_t learning_rate_mode = tbegen_p.learning_rate_mode;
-    const float max_counter = tbegen_p.max_counter;
     const float tail_id_threshold = tbegen_p.tail_id_threshold;
     const int64_t is_tail_id_thresh_ratio = tbegen_p.is_tail_id_thresh_ratio;
     const float weight_norm_coefficient = tbegen_p.weight_norm_coefficient;
@@ -89,8 +90,9 @@ struct Optimizer {
     float& momentum = tbegen_row.row_state(0);
     float& row_counter = tbegen_row.row_state(1);
     int64_t& prev_iter = tbegen_row.int_row_state(0);
-    // stage 1: row (optimizers/rowwise_adagrad_with_counter.yaml:47)
-#line 47 "optimizers/rowwise_adagrad_with_counter.yaml"
+    const float max_counter = tbegen_row.table_state(0);  // per-table state: a constant during the step
+    // stage 1: row (optimizers/rowwise_adagrad_with_counter.yaml:50)
+#line 50 "optimizers/rowwise_adagrad_with_counter.yaml"
     // 1. the row's counter
     float since = prev_iter == 0 ? 1.0f : static_cast<float>(step - prev_iter);
     if (counter_halflife > 0) {
@@ -101,25 +103,25 @@ struct Optimizer {
       row_counter += 1.0f;
     }
     float freq = static_cast<float>(counter_halflife) / row_counter;
-    float threshold = tbegen_s.threshold;  // computed once per step (step_values)
+    float threshold = is_tail_id_thresh_ratio != 0 ? floorf(tail_id_threshold * max_counter) : tail_id_threshold;
     float l2 = weight_decay_mode == 1 ? weight_decay : 0.0f;
-#line 107 "rowwise_adagrad_with_counter/optimizer.h"
-    // stage 2: row (optimizers/rowwise_adagrad_with_counter.yaml:60)
+#line 109 "rowwise_adagrad_with_counter/optimizer.h"
+    // stage 2: row (optimizers/rowwise_adagrad_with_counter.yaml:63)
     float tbegen_red_0 = 0.0f;  // row_sum((g + l2 * w) * (g + l2 * w))
     float tbegen_red_1 = 0.0f;  // row_sum(w * w)
     TBEGEN_FOR_ELEMENTS_SUM(tbegen_row, tbegen_i, tbegen_red_0, tbegen_red_1) {
       const float g = tbegen_row.g(tbegen_i);
       const float w = tbegen_row.w(tbegen_i);
-#line 61 "optimizers/rowwise_adagrad_with_counter.yaml"
+#line 64 "optimizers/rowwise_adagrad_with_counter.yaml"
       tbegen_red_0 += ((g + l2 * w) * (g + l2 * w));
-#line 116 "rowwise_adagrad_with_counter/optimizer.h"
-#line 62 "optimizers/rowwise_adagrad_with_counter.yaml"
+#line 118 "rowwise_adagrad_with_counter/optimizer.h"
+#line 65 "optimizers/rowwise_adagrad_with_counter.yaml"
       tbegen_red_1 += (w * w);
-#line 119 "rowwise_adagrad_with_counter/optimizer.h"
+#line 121 "rowwise_adagrad_with_counter/optimizer.h"
     }
     tbegen_red_0 = tbegen_row.all_sum(tbegen_red_0);
     tbegen_red_1 = tbegen_row.all_sum(tbegen_red_1);
-#line 60 "optimizers/rowwise_adagrad_with_counter.yaml"
+#line 63 "optimizers/rowwise_adagrad_with_counter.yaml"
     // 2. the accumulator and the plain multiplier
     float g_sum_square = tbegen_red_0;
     float w_sum_square = tbegen_red_1;
@@ -168,17 +170,76 @@ struct Optimizer {
       }
     }
     prev_iter = step;
-#line 172 "rowwise_adagrad_with_counter/optimizer.h"
-    // stage 3: element (optimizers/rowwise_adagrad_with_counter.yaml:109)
+#line 174 "rowwise_adagrad_with_counter/optimizer.h"
+    // stage 3: element (optimizers/rowwise_adagrad_with_counter.yaml:112)
     TBEGEN_FOR_ELEMENTS(tbegen_row, tbegen_i) {
       const float g = tbegen_row.g(tbegen_i);
       float& w = tbegen_row.w(tbegen_i);
       {
-#line 109 "optimizers/rowwise_adagrad_with_counter.yaml"
+#line 112 "optimizers/rowwise_adagrad_with_counter.yaml"
         w = correction * w - adjusted * g;
-#line 180 "rowwise_adagrad_with_counter/optimizer.h"
+#line 182 "rowwise_adagrad_with_counter/optimizer.h"
       }
     }
+  }
+
+  // ---- whole-table stages (the spec's `table:`) ----
+  // Run over every element of every row of every table, before the forward of a step at which a
+  // stage's guard holds (tbegen/table_stage.h). With kTablePairs a unit is the pair of columns
+  // (j, j + D/2) of a row, which partner(...) reads; otherwise one element.
+  static constexpr bool kTablePairs = false;
+  static constexpr bool kTableElementStages = false;
+
+  // Whether any whole-table element stage runs at this step (evaluated on the host, before any launch).
+  static TBEGEN_HD TBEGEN_INLINE bool table_runs(const Params& tbegen_p, int64_t tbegen_step) {
+    (void)tbegen_p;
+    (void)tbegen_step;
+    return false;  // no whole-table element stages (only reduce stages)
+  }
+
+  // ---- reduce stages of `table:` (after the element stages of the same step) ----
+  // Each sets a per-table state to the max (or min) of its `of:` over the rows of each table, or
+  // of all tables (the value then goes to every table's entry); NaN values are skipped, and a
+  // table (or module) without a value keeps its entry (tbegen/table_stage.h, table_stage_host.h).
+  static constexpr int kTableReductions = 1;
+
+  // What reduce stage tbegen_r is: {max?, over all tables?, the per-table state it sets}.
+  static TBEGEN_HD TBEGEN_INLINE TableReductionInfo table_reduction(int tbegen_r) {
+    switch (tbegen_r) {
+      case 0:  // optimizers/rowwise_adagrad_with_counter.yaml:117: max of `row_counter + 1.0f` into max_counter, over all
+        return TableReductionInfo{true, true, 0};
+    }
+    return TableReductionInfo{true, false, 0};
+  }
+
+  // Whether reduce stage tbegen_r runs at this step (its `when:`, evaluated on the host).
+  static TBEGEN_HD TBEGEN_INLINE bool table_reduction_runs(int tbegen_r, const Params& tbegen_p, int64_t tbegen_step) {
+    const int64_t max_counter_update_freq = tbegen_p.max_counter_update_freq;
+    const int64_t step = tbegen_step;
+    switch (tbegen_r) {
+      case 0:
+        return max_counter_update_freq > 0 && step % max_counter_update_freq == 0;
+    }
+    return false;
+  }
+
+  // The `of:` of reduce stage tbegen_r for one row (tbegen::TableRowValues: its per-row states,
+  // its table's per-table states, its width).
+  template <class V>
+  static TBEGEN_HD TBEGEN_INLINE float table_reduction_value(int tbegen_r, const V& tbegen_v, const Params& tbegen_p,
+                                                             int64_t tbegen_step) {
+    (void)tbegen_p;
+    (void)tbegen_step;
+    const float row_counter = tbegen_v.row_state(1);
+    switch (tbegen_r) {
+      case 0:
+        return static_cast<float>(
+#line 117 "optimizers/rowwise_adagrad_with_counter.yaml"
+            row_counter + 1.0f
+#line 240 "rowwise_adagrad_with_counter/optimizer.h"
+        );
+    }
+    return 0.0f;
   }
 };
 

@@ -11,7 +11,7 @@
 namespace tbegen {
 namespace opt_rowwise_adagrad_with_counter {
 
-inline Params make_params(const at::Tensor& weights, int64_t total_hash_size, const at::Tensor& momentum, const at::Tensor& prev_iter, const at::Tensor& row_counter, double learning_rate, double eps, double weight_decay, int64_t weight_decay_mode, int64_t regularization_mode, int64_t counter_halflife, int64_t adjustment_iter, double adjustment_ub, int64_t learning_rate_mode, double max_counter, double tail_id_threshold, int64_t is_tail_id_thresh_ratio, double weight_norm_coefficient, double lower_bound) {
+inline Params make_params(const at::Tensor& weights, int64_t total_hash_size, const at::Tensor& momentum, const at::Tensor& prev_iter, const at::Tensor& row_counter, const at::Tensor& max_counter, const at::Tensor& feature_table, const at::Tensor& features, double learning_rate, double eps, double weight_decay, int64_t weight_decay_mode, int64_t regularization_mode, int64_t counter_halflife, int64_t adjustment_iter, double adjustment_ub, int64_t learning_rate_mode, int64_t max_counter_update_freq, double tail_id_threshold, int64_t is_tail_id_thresh_ratio, double weight_norm_coefficient, double lower_bound) {
   Params tbegen_params{};
   tbegen_params.learning_rate = static_cast<float>(learning_rate);
   tbegen_params.eps = static_cast<float>(eps);
@@ -28,7 +28,7 @@ inline Params make_params(const at::Tensor& weights, int64_t total_hash_size, co
   TBEGEN_CHECK(learning_rate_mode == -1 || learning_rate_mode == 0 || learning_rate_mode == 1 || learning_rate_mode == 2,
               "tbegen: rowwise_adagrad_with_counter: learning_rate_mode must be one of -1, 0, 1, 2, got ", learning_rate_mode);
   tbegen_params.learning_rate_mode = static_cast<int64_t>(learning_rate_mode);
-  tbegen_params.max_counter = static_cast<float>(max_counter);
+  tbegen_params.max_counter_update_freq = static_cast<int64_t>(max_counter_update_freq);
   tbegen_params.tail_id_threshold = static_cast<float>(tail_id_threshold);
   TBEGEN_CHECK(is_tail_id_thresh_ratio == 0 || is_tail_id_thresh_ratio == 1,
               "tbegen: rowwise_adagrad_with_counter: is_tail_id_thresh_ratio must be one of 0, 1, got ", is_tail_id_thresh_ratio);
@@ -38,6 +38,9 @@ inline Params make_params(const at::Tensor& weights, int64_t total_hash_size, co
   tbegen_params.row_states[0] = state_data(momentum, "rowwise_adagrad_with_counter", "momentum", weights, total_hash_size, "one per row of all tables", &tbegen_params.row_state_dtypes[0]);
   tbegen_params.row_states[1] = state_data(row_counter, "rowwise_adagrad_with_counter", "row_counter", weights, total_hash_size, "one per row of all tables", &tbegen_params.row_state_dtypes[1]);
   tbegen_params.int_row_states[0] = int_state_data(prev_iter, "rowwise_adagrad_with_counter", "prev_iter", weights, total_hash_size, "one per row of all tables");
+  tbegen_params.num_tables = -1;
+  tbegen_params.table_states[0] = table_state_data(max_counter, "rowwise_adagrad_with_counter", "max_counter", weights, &tbegen_params.num_tables);
+  tbegen_params.feature_table = feature_table_data(feature_table, features, "rowwise_adagrad_with_counter", weights, tbegen_params.num_tables);
   return tbegen_params;
 }
 

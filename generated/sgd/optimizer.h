@@ -32,6 +32,8 @@ struct Optimizer {
   static constexpr int kElementStates = 0;
   static constexpr int kRowStates = 0;
   static constexpr int kIntRowStates = 0;
+  // per-table states (constants during the update; 0: the kernels compile no trace of them)
+  static constexpr int kTableStates = 0;
   static constexpr int kTemporaries = 0;  // per-element scratch
 
   // What the update of every row of one step shares: the step, and the spec's row-stage locals that
@@ -59,7 +61,7 @@ struct Optimizer {
       {
 #line 6 "optimizers/sgd.yaml"
         w -= learning_rate * g;
-#line 63 "sgd/optimizer.h"
+#line 65 "sgd/optimizer.h"
       }
     }
     (void)tbegen_s;

@@ -36,6 +36,8 @@ struct Optimizer {
   static constexpr int kElementStates = 1;
   static constexpr int kRowStates = 0;
   static constexpr int kIntRowStates = 0;
+  // per-table states (constants during the update; 0: the kernels compile no trace of them)
+  static constexpr int kTableStates = 0;
   static constexpr int kTemporaries = 0;  // per-element scratch
 
   // What the update of every row of one step shares: the step, and the spec's row-stage locals that
@@ -70,7 +72,7 @@ struct Optimizer {
         float d = g + weight_decay * w;
         momentum_buffer = momentum * momentum_buffer + (1.0f - dampening) * d;
         w -= learning_rate * (nesterov ? d + momentum * momentum_buffer : momentum_buffer);
-#line 74 "sgd_momentum/optimizer.h"
+#line 76 "sgd_momentum/optimizer.h"
       }
     }
     (void)tbegen_s;

@@ -265,6 +265,36 @@ struct RowUpdateContext {
   int64_t step;
 };
 
+// The per-table state values a row view holds (filled by load_table_states): nothing at all for
+// optimizers without per-table states. An empty base adds no member to the row view, so their
+// kernels are the same instruction for instruction as before per-table states existed (a member
+// left unused still moved the scheduling of a copied row view: benchmarks/compare_sass.py).
+template <int kTableSlots>
+struct TableSlots {
+  float table_[kTableSlots];
+  TBEGEN_HD TBEGEN_INLINE float table_state(int k) const { return table_[k]; }
+};
+template <>
+struct TableSlots<0> {};
+
+// The values of the per-table states (a spec's `per: table`) for a row of feature `feature` (the
+// bag's feature: bag / B), copied into the row view's table_ before the update; constants during
+// the step. Compiled only for optimizers that declare per-table states (Opt::kTableStates > 0):
+// for the others this is nothing at all, so their kernels are the same instruction for
+// instruction as before per-table states existed.
+template <class Opt, class Row>
+TBEGEN_HD TBEGEN_INLINE void load_table_states(Row& row, const typename Opt::Params& p, int64_t bag, int64_t B) {
+  if constexpr (Opt::kTableStates > 0) {
+    const int64_t t = p.feature_table[bag / B];
+    for (int k = 0; k < Opt::kTableStates; ++k) row.table_[k] = p.table_states[k][t];
+  } else {
+    (void)row;
+    (void)p;
+    (void)bag;
+    (void)B;
+  }
+}
+
 // ---- optimizer state storage ----------------------------------------------------------------
 //
 // A state is stored as float32 (the default), float16 or bfloat16 (a spec's `dtype`, or the

@@ -24,8 +24,8 @@ namespace cpu {
 
 // A row seen by the optimizer on the CPU: the whole row, with each per-element value in a
 // contiguous float array and each per-row state referenced in place.
-template <int kElementSlots, int kRowSlots, int kIntRowSlots = 0>
-struct CpuRow {
+template <int kElementSlots, int kRowSlots, int kIntRowSlots = 0, int kTableSlots = 0>
+struct CpuRow : TableSlots<kTableSlots> {  // (the per-table states of the row's table, if any)
   int D;
   // How the CUDA kernels would split this call's rows over a warp (host.h, vector_layout): in
   // 4-wide slices (true) or column by column (the any-width kernels). Only the lane-split mode
@@ -227,7 +227,7 @@ void backward(const Batch& b, const int64_t* feat, int64_t total_hash_size, cons
 
   // 3. Sum each unique row's gradient and apply the optimizer to it.
   constexpr int kElementSlots = Opt::kElementStates + Opt::kTemporaries;
-  using Row = CpuRow<kElementSlots, Opt::kRowStates, Opt::kIntRowStates>;
+  using Row = CpuRow<kElementSlots, Opt::kRowStates, Opt::kIntRowStates, Opt::kTableStates>;
   // Where the row at sorted position j lives: its key (per-row states) and its offset in the
   // weights buffer (element states share the offsets).
   const FastDivisor by_B = FastDivisor::of(b.B);  // bag -> feature without a division
@@ -336,6 +336,7 @@ void backward(const Batch& b, const int64_t* feat, int64_t total_hash_size, cons
         }
       }
 
+      load_table_states<Opt>(row, params, bag_of[pos_at(first)], b.B);
       Opt::update_row(row, params, step_values);
 
       for (int k = 0; k < Opt::kElementStates; ++k) {
@@ -437,8 +438,8 @@ struct LaneReductions {
 // the column split, any_width::ColumnRow): this lane's slices of the weights, element states and
 // temporaries, a private copy of each per-row state (float and int), and reductions across the
 // 32 lanes.
-template <int kElementSlots, int kRowSlots, int kIntRowSlots>
-struct LaneSplitRow {
+template <int kElementSlots, int kRowSlots, int kIntRowSlots, int kTableSlots = 0>
+struct LaneSplitRow : TableSlots<kTableSlots> {
   static constexpr int kN = kLaneMaxValues;
   int D;
   int lane;
@@ -475,6 +476,7 @@ struct LaneSplit {
   static constexpr int kRowStates = Opt::kRowStates;
   static constexpr int kTemporaries = Opt::kTemporaries;
   static constexpr int kIntRowStates = Opt::kIntRowStates;
+  static constexpr int kTableStates = Opt::kTableStates;
   using StepValues = typename Opt::StepValues;
 
   static StepValues step_values(const Params& params, int64_t step) { return Opt::step_values(params, step); }
@@ -482,7 +484,7 @@ struct LaneSplit {
   template <class Row>
   static void update_row(Row& row, const Params& params, const StepValues& step) {
     constexpr int kSlots = kElementStates + kTemporaries;
-    using Lane = LaneSplitRow<kSlots, kRowStates, kIntRowStates>;
+    using Lane = LaneSplitRow<kSlots, kRowStates, kIntRowStates, kTableStates>;
     TBEGEN_CHECK(row.vector_split ? row.D <= kLaneMaxVecs * 128 : row.D <= kLanes * kLaneMaxValues,
                  "tbegen: lane-split mode: row width ", row.D, " is wider than the emulated split covers");
     std::vector<Lane> lanes(kLanes);
@@ -506,6 +508,9 @@ struct LaneSplit {
         }
         for (int k = 0; k < kRowStates; ++k) lane.row_[k] = *row.row_[k];
         for (int k = 0; k < kIntRowStates; ++k) lane.int_row_[k] = *row.int_row_[k];
+        if constexpr (kTableStates > 0) {
+          for (int k = 0; k < kTableStates; ++k) lane.table_[k] = row.table_[k];
+        }
         Opt::update_row(lane, params, step);
       }
       bool final_pass = reductions.reached == 0;

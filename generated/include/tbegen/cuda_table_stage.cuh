@@ -26,6 +26,80 @@ __global__ void table_stage_kernel(const typename Opt::Params p, W* weights, con
   }
 }
 
+// ---- reduce stages (table_stage.h): one value per table in `slots`, as order-preserving int32
+// images combined with atomicMax / atomicMin (exact in any order), then stored by one thread ----
+
+template <class Opt>
+__global__ void table_reduce_init_kernel(int32_t* slots, int64_t n, int32_t none) {
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    slots[i] = none;
+  }
+}
+
+template <class Opt>
+__global__ void table_reduce_kernel(const typename Opt::Params p, int r, bool max, const TableExtent t, int64_t step,
+                                    int32_t* slots) {
+  int32_t acc = reduce_none(max);
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t row = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; row < t.rows; row += stride) {
+    acc = reduce_combine(max, acc, table_reduction_image<Opt>(p, r, max, t, row, step));
+  }
+  // (the warp's lanes first: one atomic per warp; blocks are whole warps)
+  for (int o = 16; o > 0; o >>= 1) acc = reduce_combine(max, acc, __shfl_xor_sync(0xffffffffu, acc, o));
+  if ((threadIdx.x & 31) == 0 && acc != reduce_none(max)) {
+    if (max) {
+      atomicMax(slots + t.table, acc);
+    } else {
+      atomicMin(slots + t.table, acc);
+    }
+  }
+}
+
+// Stores reduce stage r's values (one thread: num_tables entries), after every table was read.
+template <class Opt>
+__global__ void table_reduce_finish_kernel(const typename Opt::Params p, int r, const int32_t* slots, int64_t n) {
+  if constexpr (Opt::kTableStates > 0) {
+    const TableReductionInfo info = Opt::table_reduction(r);
+    const int32_t none = reduce_none(info.max);
+    float* out = p.table_states[info.state];
+    if (info.all) {
+      int32_t all = none;
+      for (int64_t i = 0; i < n; ++i) all = reduce_combine(info.max, all, slots[i]);
+      if (all != none) {
+        for (int64_t i = 0; i < n; ++i) out[i] = ordered_to_float(all);
+      }
+    } else {
+      for (int64_t i = 0; i < n; ++i) {
+        if (slots[i] != none) out[i] = ordered_to_float(slots[i]);
+      }
+    }
+  }
+}
+
+template <class Opt>
+cudaError_t launch_table_reductions(const TableLaunch& l) {
+  const typename Opt::Params& p = *static_cast<const typename Opt::Params*>(l.params);
+  cudaStream_t stream = static_cast<cudaStream_t>(l.stream);
+  constexpr int kThreads = 256;
+  for (int r = 0; r < Opt::kTableReductions; ++r) {
+    if (!((l.reductions >> r) & 1u)) continue;
+    const TableReductionInfo info = Opt::table_reduction(r);
+    table_reduce_init_kernel<Opt><<<1, kThreads, 0, stream>>>(l.slots, l.num_tables, reduce_none(info.max));
+    for (int64_t k = 0; k < l.n_tables; ++k) {
+      const TableExtent& t = l.tables[k];
+      if (t.rows == 0) continue;
+      const int64_t blocks = (t.rows + kThreads - 1) / kThreads;
+      const int grid = static_cast<int>(blocks < 4096 ? blocks : 4096);
+      table_reduce_kernel<Opt><<<grid, kThreads, 0, stream>>>(p, r, info.max, t, l.ctx.step, l.slots);
+    }
+    table_reduce_finish_kernel<Opt><<<1, 1, 0, stream>>>(p, r, l.slots, l.num_tables);
+    const cudaError_t err = cudaGetLastError();
+    if (err != cudaSuccess) return err;
+  }
+  return cudaSuccess;
+}
+
 template <class Opt, typename W>
 cudaError_t launch_table_stages_typed(const TableLaunch& l) {
   const typename Opt::Params& p = *static_cast<const typename Opt::Params*>(l.params);
@@ -45,12 +119,27 @@ cudaError_t launch_table_stages_typed(const TableLaunch& l) {
   return cudaSuccess;
 }
 
-// Launches optimizer Opt's whole-table stages (every table, in order); returns the first launch error.
+// Launches optimizer Opt's whole-table stages (every table, in order: the element stages, then
+// the reduce stages); returns the first launch error.
 template <class Opt>
 cudaError_t launch_table_stages(const TableLaunch& l) {
-  if (l.weights_dtype == 0) return launch_table_stages_typed<Opt, float>(l);
-  if (l.weights_dtype == 1) return launch_table_stages_typed<Opt, c10::Half>(l);
-  return launch_table_stages_typed<Opt, c10::BFloat16>(l);
+  if constexpr (Opt::kTableElementStages) {
+    if (l.elements) {
+      cudaError_t err;
+      if (l.weights_dtype == 0) {
+        err = launch_table_stages_typed<Opt, float>(l);
+      } else if (l.weights_dtype == 1) {
+        err = launch_table_stages_typed<Opt, c10::Half>(l);
+      } else {
+        err = launch_table_stages_typed<Opt, c10::BFloat16>(l);
+      }
+      if (err != cudaSuccess) return err;
+    }
+  }
+  if constexpr (Opt::kTableStates > 0) {
+    return launch_table_reductions<Opt>(l);
+  }
+  return cudaSuccess;
 }
 
 }  // namespace cuda

@@ -22,6 +22,10 @@ struct TableLaunch {
   int64_t n_tables;
   RowUpdateContext ctx;      // ctx.seed already table_stage_seed(seed)
   void* stream;              // cudaStream_t (set by launch_table_stages_on)
+  bool elements = true;      // whether the element stages run (their guard held)
+  uint32_t reductions = 0;   // bit r: reduce stage r runs (its guard held), after the element stages
+  int32_t* slots = nullptr;  // device scratch of num_tables int32 for the reduce stages
+  int64_t num_tables = 0;    // entries of each per-table state
 };
 
 // An optimizer's launch of its whole-table stages (NAME/kernels_cuda.cu); returns a cudaError_t.

@@ -39,8 +39,8 @@ namespace any_width {
 // One lane's share of a row in the column layout. Element i of this lane is column
 // i * 32 + lane; extent() is the same on every lane, so every lane runs the optimizer's loops the
 // same number of times and reaches the same reductions.
-template <int kElementSlots, int kRowSlots, int kIntRowSlots = 0>
-struct ColumnRow {
+template <int kElementSlots, int kRowSlots, int kIntRowSlots = 0, int kTableSlots = 0>
+struct ColumnRow : TableSlots<kTableSlots> {  // (the per-table states of the row's table, if any)
   float* g_;                                            // summed gradient (scratch)
   float* w_;                                            // weights (in place, or a scratch copy)
   // element states (fp32 in place, narrow ones a scratch copy), then temporaries (scratch)
@@ -69,7 +69,8 @@ struct ColumnRow {
 };
 
 template <class Opt>
-using OptColumnRow = ColumnRow<Opt::kElementStates + Opt::kTemporaries, Opt::kRowStates, Opt::kIntRowStates>;
+using OptColumnRow = ColumnRow<Opt::kElementStates + Opt::kTemporaries, Opt::kRowStates, Opt::kIntRowStates,
+                               Opt::kTableStates>;
 
 // Scratch rows per warp: the gradient, the temporaries, a float copy of 16-bit or int8 weights, and a
 // float copy of each narrow (fp16/bf16) per-element state. The states' dtypes are known only at
@@ -341,6 +342,7 @@ __global__ void __launch_bounds__(256) backward_warp_kernel(BackwardArgs a, Runs
     row.lane = lane;
     int64_t woff;
     locate_row(a, o.bag[start], key, &row.D, &woff);
+    load_table_states<Opt>(row, p, o.bag[start], a.B);
     begin_row<Opt, W>(row, p, weights, key, woff, mine, a.max_D);
     add_occurrences(a, o, row.D, lane, start, int64_t(start) + len, row.g_);
     update_and_store<Opt, W>(row, p, ctx, sv, weights, key, woff);
@@ -380,6 +382,7 @@ __global__ void __launch_bounds__(256) backward_segment_kernel(BackwardArgs a, R
     row.lane = lane;
     int64_t woff;
     locate_row(a, o.bag[run.first], run.key, &row.D, &woff);
+    load_table_states<Opt>(row, p, o.bag[run.first], a.B);
     if (run.nseg == 1) {
       begin_row<Opt, W>(row, p, weights, run.key, woff, mine, a.max_D);
       add_occurrences(a, o, row.D, lane, int64_t(run.first) + begin, int64_t(run.first) + end, row.g_);
@@ -413,6 +416,7 @@ __global__ void __launch_bounds__(256) backward_finish_kernel(BackwardArgs a, Ru
     row.lane = lane;
     int64_t woff;
     locate_row(a, o.bag[run.first], run.key, &row.D, &woff);
+    load_table_states<Opt>(row, p, o.bag[run.first], a.B);
     begin_row<Opt, W>(row, p, weights, run.key, woff, mine, a.max_D);
     const float* in = partial + int64_t(run.segments.y) * a.max_D;
     for (int32_t j = 0; j < run.nseg; ++j) {

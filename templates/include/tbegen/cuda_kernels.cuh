@@ -102,8 +102,8 @@ __device__ __forceinline__ void record_error(int64_t* error, int64_t code, int64
 // One lane's share of a row: kVecs 4-wide slices of the gradient, the weights, each per-element
 // state and temporary, all in registers (every index is a compile-time constant once the
 // optimizer's loops are unrolled), plus a register copy of each per-row state.
-template <int kVecs, int kElementSlots, int kRowSlots, int kIntRowSlots = 0>
-struct WarpRow {
+template <int kVecs, int kElementSlots, int kRowSlots, int kIntRowSlots = 0, int kTableSlots = 0>
+struct WarpRow : TableSlots<kTableSlots> {  // (the per-table states of the row's table, if any)
   static constexpr int kN = kVecs * 4;
   float g_[kN];
   float w_[kN];
@@ -142,8 +142,8 @@ struct WarpRow {
 // row hold, the reductions' identity (0, -inf, +inf), so a row gets the bits the whole warp would
 // give it (tests/test_cuda.py, test_lane_groups_give_the_whole_warp_bits). `lanes` is the same in
 // every group of the warp at a time, so the shuffles stay convergent.
-template <int kVecs, int kElementSlots, int kRowSlots, int kIntRowSlots = 0>
-struct GroupRow : WarpRow<kVecs, kElementSlots, kRowSlots, kIntRowSlots> {
+template <int kVecs, int kElementSlots, int kRowSlots, int kIntRowSlots = 0, int kTableSlots = 0>
+struct GroupRow : WarpRow<kVecs, kElementSlots, kRowSlots, kIntRowSlots, kTableSlots> {
   int lanes;
 
   __device__ __forceinline__ float all_sum(float x) const {
@@ -714,7 +714,8 @@ __device__ __forceinline__ void update_and_store(Row& row, const typename Opt::P
 }
 
 template <class Opt, int kVecs>
-using OptRow = WarpRow<kVecs, Opt::kElementStates + Opt::kTemporaries, Opt::kRowStates, Opt::kIntRowStates>;
+using OptRow = WarpRow<kVecs, Opt::kElementStates + Opt::kTemporaries, Opt::kRowStates, Opt::kIntRowStates,
+                       Opt::kTableStates>;
 
 // One short run's row as the warp kernel holds it: the row view, where it lives, and the run.
 template <class Opt, int kVecs>
@@ -773,6 +774,7 @@ __global__ void __launch_bounds__(256) backward_warp_kernel(BackwardArgs a, Runs
       x.first = my_first.from_lane(k);
       x.row.lane = lane;
       locate_row(a, x.first.bag, x.key, &x.row.D, &x.woff);
+      load_table_states<Opt>(x.row, p, x.first.bag, a.B);
       load_row<Opt, W>(x.row, p, weights, x.key, x.woff);
     };
     ShortRun<Opt, kVecs> cur;
@@ -850,7 +852,7 @@ __global__ void __launch_bounds__(256) backward_group_kernel(BackwardArgs a, Run
       const unsigned src = __fns(round, 0, lane / lanes + 1);
       const bool active = src < unsigned(kWarpSize);
       const int from = active ? int(src) : 0;
-      GroupRow<kVecs, Opt::kElementStates + Opt::kTemporaries, Opt::kRowStates, Opt::kIntRowStates> row;
+      GroupRow<kVecs, Opt::kElementStates + Opt::kTemporaries, Opt::kRowStates, Opt::kIntRowStates, Opt::kTableStates> row;
       row.lanes = lanes;
       row.lane = lane % lanes;
       // (every lane shuffles, a group without a run too: a shuffle needs all 32 lanes)
@@ -863,6 +865,7 @@ __global__ void __launch_bounds__(256) backward_group_kernel(BackwardArgs a, Run
       row.D = 0;  // (a group without a run: no columns)
       if (active) {
         locate_row(a, first.bag, key, &row.D, &woff);
+        load_table_states<Opt>(row, p, first.bag, a.B);
         load_row<Opt, W>(row, p, weights, key, woff);
       }
 #pragma unroll
@@ -941,6 +944,7 @@ __global__ void __launch_bounds__(256) backward_segment_kernel(BackwardArgs a, R
     row.lane = lane;
     int64_t woff;
     locate_row(a, o.bag[run.first], run.key, &row.D, &woff);
+    if (run.nseg == 1) load_table_states<Opt>(row, p, o.bag[run.first], a.B);
     if (run.nseg == 1) load_row<Opt, W>(row, p, weights, run.key, woff);
 #pragma unroll
     for (int i = 0; i < row.kN; ++i) row.g_[i] = 0.0f;
@@ -978,6 +982,7 @@ __global__ void __launch_bounds__(256) backward_finish_kernel(BackwardArgs a, Ru
     row.lane = lane;
     int64_t woff;
     locate_row(a, o.bag[run.first], run.key, &row.D, &woff);
+    load_table_states<Opt>(row, p, o.bag[run.first], a.B);
     load_row<Opt, W>(row, p, weights, run.key, woff);
 #pragma unroll
     for (int i = 0; i < row.kN; ++i) row.g_[i] = 0.0f;

@@ -321,4 +321,45 @@ inline int64_t* int_state_data(const at::Tensor& state, const char* optimizer, c
   return state.data_ptr<int64_t>();
 }
 
+// A per-table state (a spec's `per: table`): float32, 1-D, contiguous, on the weights' device, one
+// entry per table of the module. The first one checked sets *num_tables (-1: not yet), the others
+// must agree with it.
+inline float* table_state_data(const at::Tensor& state, const char* optimizer, const char* name,
+                               const at::Tensor& weights, int64_t* num_tables) {
+  TBEGEN_CHECK(state.scalar_type() == at::kFloat, "tbegen: ", optimizer, ": per-table state '", name,
+               "' must be float32, got ", dtype_name(state.scalar_type()));
+  TBEGEN_CHECK(state.device() == weights.device(), "tbegen: ", optimizer, ": state '", name,
+              "' is on ", state.device(), " but the weights are on ", weights.device());
+  TBEGEN_CHECK(state.dim() == 1 && state.is_contiguous() && state.numel() >= 1, "tbegen: ", optimizer,
+              ": per-table state '", name, "' must be a contiguous 1-D tensor with one entry per table, got shape ",
+              state.sizes());
+  TBEGEN_CHECK(*num_tables < 0 || state.numel() == *num_tables, "tbegen: ", optimizer, ": per-table state '", name,
+              "' has ", state.numel(), " entries, the one before it ", *num_tables, " (one per table)");
+  *num_tables = state.numel();
+  return state.data_ptr<float>();
+}
+
+// feature_table (specs with per-table states): int64 [F], the table each feature reads, on the
+// weights' device. Its values index the per-table states: checked here for tensors on the CPU;
+// on CUDA they are not read back (the module builds them from its layout).
+inline const int64_t* feature_table_data(const at::Tensor& feature_table, const at::Tensor& features,
+                                         const char* optimizer, const at::Tensor& weights, int64_t num_tables) {
+  TBEGEN_CHECK(feature_table.scalar_type() == at::kLong && feature_table.dim() == 1 && feature_table.is_contiguous(),
+              "tbegen: ", optimizer, ": feature_table must be a contiguous int64 1-D tensor, got ",
+              dtype_name(feature_table.scalar_type()), " ", feature_table.sizes());
+  TBEGEN_CHECK(feature_table.device() == weights.device(), "tbegen: ", optimizer, ": feature_table is on ",
+              feature_table.device(), " but the weights are on ", weights.device());
+  TBEGEN_CHECK(features.dim() == 2 && feature_table.numel() == features.size(0), "tbegen: ", optimizer,
+              ": feature_table must have one entry per feature (", features.dim() == 2 ? features.size(0) : -1,
+              "), got ", feature_table.numel());
+  const int64_t* t = feature_table.data_ptr<int64_t>();
+  if (feature_table.is_cpu()) {
+    for (int64_t f = 0; f < feature_table.numel(); ++f) {
+      TBEGEN_CHECK(t[f] >= 0 && t[f] < num_tables, "tbegen: ", optimizer, ": feature_table[", f, "] = ", t[f],
+                  " is not a table (the per-table states have ", num_tables, " entries)");
+    }
+  }
+  return t;
+}
+
 }  // namespace tbegen

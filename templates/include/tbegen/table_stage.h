@@ -8,7 +8,15 @@
 // element's current values and its partner's values from the start of the stage (a snapshot), so
 // the result does not depend on the order in which the two elements of a pair, or rows, or
 // threads run: it is deterministic and the same on every device.
+//
+// Reduce stages (a spec's `table:` items with `reduce:`) run after the element stages of the same
+// step: each sets a per-table state to the max (or min) over the rows of each table, or of all
+// tables, of a row expression. Max and min are exact whatever the order of the rows, threads or
+// tables, so the CPU loop and the CUDA kernels (atomics on order-preserving integer images of the
+// floats) give the same value, bit for bit (up to the sign of a zero).
 #pragma once
+
+#include <cstring>
 
 #include "tbegen/common.h"
 
@@ -21,7 +29,66 @@ struct TableExtent {
   int64_t rows;
   int64_t dim;
   int64_t key_base;        // the linear key of its row 0 (per-row states)
+  int64_t table;           // the module's table index (its per-table states' entry), -1 if not given
 };
+
+// What a reduce stage is (the generated Opt::table_reduction).
+struct TableReductionInfo {
+  bool max;    // max (else min)
+  bool all;    // one value over all tables, stored in every table's entry (else one per table)
+  int state;   // the per-table state it sets
+};
+
+// A float as an int32 whose order is the float's (for non-NaN values); its own inverse. The
+// sentinels kReduceNone(max/min) are images of NaNs, which reductions skip, so they mean "no
+// value yet".
+TBEGEN_HD TBEGEN_INLINE int32_t ordered_image(int32_t bits) { return bits >= 0 ? bits : bits ^ 0x7fffffff; }
+TBEGEN_HD TBEGEN_INLINE int32_t float_to_ordered(float x) {
+  int32_t bits;
+  memcpy(&bits, &x, sizeof(bits));
+  return ordered_image(bits);
+}
+TBEGEN_HD TBEGEN_INLINE float ordered_to_float(int32_t image) {
+  const int32_t bits = ordered_image(image);
+  float x;
+  memcpy(&x, &bits, sizeof(x));
+  return x;
+}
+TBEGEN_HD TBEGEN_INLINE int32_t reduce_none(bool max) { return max ? INT32_MIN : INT32_MAX; }
+
+// What a reduce stage's `of:` sees of one row (the generated Opt::table_reduction_value): its
+// per-row states (read-only), the per-table states of its table, its width.
+template <class Opt>
+struct TableRowValues {
+  const typename Opt::Params* p;
+  int64_t key;
+  int64_t table;
+  int dim_;
+
+  TBEGEN_HD TBEGEN_INLINE int dim() const { return dim_; }
+  TBEGEN_HD TBEGEN_INLINE float row_state(int k) const { return load_state(p->row_states[k], p->row_state_dtypes[k], key); }
+  TBEGEN_HD TBEGEN_INLINE int64_t int_row_state(int k) const { return p->int_row_states[k][key]; }
+  TBEGEN_HD TBEGEN_INLINE float table_state(int k) const {
+    if constexpr (Opt::kTableStates > 0) {
+      return p->table_states[k][table];
+    } else {
+      return 0.0f;
+    }
+  }
+};
+
+// The image of reduce stage r's value for row `row` of table t, or reduce_none when it is NaN.
+template <class Opt>
+TBEGEN_HD TBEGEN_INLINE int32_t table_reduction_image(const typename Opt::Params& p, int r, bool max,
+                                                      const TableExtent& t, int64_t row, int64_t step) {
+  const TableRowValues<Opt> v{&p, t.key_base + row, t.table, static_cast<int>(t.dim)};
+  const float x = Opt::table_reduction_value(r, v, p, step);
+  return x == x ? float_to_ordered(x) : reduce_none(max);
+}
+
+TBEGEN_HD TBEGEN_INLINE int32_t reduce_combine(bool max, int32_t a, int32_t b) {
+  return max ? (a > b ? a : b) : (a < b ? a : b);
+}
 
 // The seed of the whole-table stages' stochastic rounding: the call's seed moved, so that the bits
 // differ from those of the same step's fused backward.
