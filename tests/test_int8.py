@@ -81,7 +81,9 @@ def dequantized_flat(emb) -> torch.Tensor:
 
 
 def states_of(emb):
-    return {s.name: emb.optimizer_state(s.name).detach().cpu().clone() for s in emb.spec.states}
+    """Every optimizer state, per-table ones included (the reference reads them)."""
+    names = [s.name for s in emb.spec.states] + [s.name for s in emb.spec.table_states]
+    return {n: emb.optimizer_state(n).detach().cpu().clone() for n in names}
 
 
 # ---- layout and quantization ------------------------------------------------------------------
