@@ -27,7 +27,9 @@ def quantize_rows(w: torch.Tensor) -> torch.Tensor:
     w = w.to(torch.float32)
     lo = w.amin(dim=1, keepdim=True) if w.size(0) else w[:, :1]
     hi = w.amax(dim=1, keepdim=True) if w.size(0) else w[:, :1]
-    scale = (hi - lo) / 255.0
+    # (divided by a tensor, not the number 255: torch on CUDA divides by a Python number as a
+    # multiplication by its reciprocal, which can differ from the kernels' division by one ulp)
+    scale = (hi - lo) / torch.full_like(hi, 255.0)
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))
     codes = torch.round((w - lo) / safe).clamp_(0, 255)  # torch.round: ties to even
     codes = torch.where(scale > 0, codes, torch.zeros_like(codes))

@@ -16,7 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tbegen import TableBatchedEmbeddingBags, build, harness, int8
+from tbegen import TableBatchedEmbeddingBags, harness, int8
 from tbegen.layout import make_layout
 from tbegen.spec import load_spec
 
@@ -305,7 +305,7 @@ def test_bad_int8_calls_raise():
     with pytest.raises(RuntimeError, match=r"out of range"):
         emb(torch.tensor([30]), torch.tensor([0, 1, 1, 1, 1]))
     # the operator checks that an int8 buffer holds every row's qparams
-    ops = build.load_ops(emb.spec, with_cuda=False)
+    ops = emb._ops  # (the build this process loaded: CPU-only, or CPU + CUDA on a GPU machine)
     short = emb.weights[: emb.layout.weights_numel]  # codes' worth of bytes only
     with pytest.raises(RuntimeError, match=r"does not fit in the weights buffer .*int8 rows"):
         ops.forward(short, emb.features, emb.layout.total_D, emb.layout.max_D, torch.tensor([0]),
