@@ -275,6 +275,19 @@ def _bind_hyperparameters(spec: OptimizerSpec, names: set, lines: List[str], ind
         lines.append(f"{indent}const int64_t step = tbegen_step;")
 
 
+def _bind_row_values(spec: OptimizerSpec, names: set, lines: List[str], view: str, comment: str) -> None:
+    """Read-only locals for the row width and the per-row states (float and int) that `names`
+    uses, from the row view `view` of a whole-table stage."""
+    if "D" in names:
+        lines.append(f"  const int D = {view}.dim();")
+    for k, s in enumerate(spec.row_states):
+        if s.name in names:
+            lines.append(f"  const float {s.name} = {view}.row_state({k});{comment}")
+    for k, s in enumerate(spec.int_row_states):
+        if s.name in names:
+            lines.append(f"  const int64_t {s.name} = {view}.int_row_state({k});{comment}")
+
+
 def emit_table_guard(spec: OptimizerSpec) -> str:
     """The body of `table_runs`: whether any whole-table element stage runs at this step."""
     guards = [t.when for t in spec.table_stages]
@@ -313,14 +326,7 @@ def emit_table_reductions(spec: OptimizerSpec, spec_path: str) -> Tuple[str, str
         value.append("  (void)tbegen_p;")
     if "step" not in names:
         value.append("  (void)tbegen_step;")
-    if "D" in names:
-        value.append("  const int D = tbegen_v.dim();")
-    for k, s in enumerate(spec.row_states):
-        if s.name in names:
-            value.append(f"  const float {s.name} = tbegen_v.row_state({k});")
-    for k, s in enumerate(spec.int_row_states):
-        if s.name in names:
-            value.append(f"  const int64_t {s.name} = tbegen_v.int_row_state({k});")
+    _bind_row_values(spec, names, value, "tbegen_v", "")
     for k, s in enumerate(spec.table_states):
         if s.name in names:
             value.append(f"  const float {s.name} = tbegen_v.table_state({k});  // its value before the stage")
@@ -361,14 +367,7 @@ def emit_table_body(spec: OptimizerSpec, spec_path: str) -> str:
     _bind_hyperparameters(spec, names, lines)
     if "step" not in names:
         lines.append("  (void)tbegen_step;")
-    if "D" in names:
-        lines.append("  const int D = tbegen_u.dim();")
-    for k, s in enumerate(spec.row_states):
-        if s.name in names:
-            lines.append(f"  const float {s.name} = tbegen_u.row_state({k});  // per-row state, read-only here")
-    for k, s in enumerate(spec.int_row_states):
-        if s.name in names:
-            lines.append(f"  const int64_t {s.name} = tbegen_u.int_row_state({k});  // per-row state, read-only here")
+    _bind_row_values(spec, names, lines, "tbegen_u", "  // per-row state, read-only here")
     for number, stage in enumerate(stages, start=1):
         lines.append(f"  // whole-table stage {number} ({spec_path}:{stage.loc.line})")
         indent = "  "
