@@ -1006,64 +1006,54 @@ def _compiles_as_python(fields: _Fields, key: str, code: str, loc) -> bool:
     return True
 
 
-def _parse_reference(fields: _Fields) -> Optional[Reference]:
-    """`reference`: Python code that must at least compile."""
-    parsed = _parse_snippet(fields, "reference", "Python code")
-    if parsed is None:
-        return None
-    code, loc = parsed
-    if not _compiles_as_python(fields, "reference", code, loc):
-        return None
-    fields.problems.reference_source = fields.source("reference", code)
-    return Reference(code, loc)
-
-
-def _parse_table_reference(fields: _Fields, has_table: bool) -> Optional[Reference]:
-    """`table_reference`: Python for the whole-table element stages; required with them, only with them."""
-    problems = fields.problems
-    if not fields.has("table_reference"):
-        if has_table:
-            problems.add(fields.key_line("table"), "table_reference",
-                         "missing: a spec with `table` stages needs a `table_reference` (Python run once per "
-                         "table and step, before the step's forward)")
-        return None
-    if not has_table:
-        fields.pop("table_reference")
-        problems.add(fields.key_line("table_reference"), "table_reference",
-                     "only with `table` element stages (it is their reference)")
-        return None
-    parsed = _parse_snippet(fields, "table_reference", "Python code")
-    if parsed is None:
-        return None
-    code, loc = parsed
-    if not _compiles_as_python(fields, "table_reference", code, loc):
-        return None
-    problems.table_reference_source = fields.source("table_reference", code)
-    return Reference(code, loc)
-
-
-def _parse_table_state_reference(fields: _Fields, has_reductions: bool) -> Optional[Reference]:
-    """`table_state_reference`: Python for the reduce stages of `table:`; required with them, only with them."""
-    problems = fields.problems
-    key = "table_state_reference"
-    if not fields.has(key):
-        if has_reductions:
-            problems.add(fields.key_line("table"), key,
-                         "missing: a spec with `reduce` stages in `table` needs a `table_state_reference` (Python "
-                         "run once per step over all tables, before the step's forward)")
-        return None
-    if not has_reductions:
-        fields.pop(key)
-        problems.add(fields.key_line(key), key, "only with `reduce` stages in `table` (it is their reference)")
-        return None
+def _python_snippet(fields: _Fields, key: str) -> Optional[Reference]:
+    """A Python snippet under `key` that must at least compile; its source is kept for the
+    problems' positions (`<key>_source`)."""
     parsed = _parse_snippet(fields, key, "Python code")
     if parsed is None:
         return None
     code, loc = parsed
     if not _compiles_as_python(fields, key, code, loc):
         return None
-    problems.table_state_reference_source = fields.source(key, code)
+    setattr(fields.problems, f"{key}_source", fields.source(key, code))
     return Reference(code, loc)
+
+
+def _parse_reference(fields: _Fields) -> Optional[Reference]:
+    """`reference`: Python code that must at least compile."""
+    return _python_snippet(fields, "reference")
+
+
+def _parse_stage_reference(fields: _Fields, key: str, wanted: bool, missing: str, only: str) -> Optional[Reference]:
+    """A reference that some `table` stages require and nothing else allows: `missing` is the
+    problem without it where `wanted`, `only` the problem with it where not."""
+    if not fields.has(key):
+        if wanted:
+            fields.problems.add(fields.key_line("table"), key, missing)
+        return None
+    if not wanted:
+        fields.pop(key)
+        fields.problems.add(fields.key_line(key), key, only)
+        return None
+    return _python_snippet(fields, key)
+
+
+def _parse_table_reference(fields: _Fields, has_table: bool) -> Optional[Reference]:
+    """`table_reference`: Python for the whole-table element stages; required with them, only with them."""
+    return _parse_stage_reference(
+        fields, "table_reference", has_table,
+        "missing: a spec with `table` stages needs a `table_reference` (Python run once per table and step, "
+        "before the step's forward)",
+        "only with `table` element stages (it is their reference)")
+
+
+def _parse_table_state_reference(fields: _Fields, has_reductions: bool) -> Optional[Reference]:
+    """`table_state_reference`: Python for the reduce stages of `table:`; required with them, only with them."""
+    return _parse_stage_reference(
+        fields, "table_state_reference", has_reductions,
+        "missing: a spec with `reduce` stages in `table` needs a `table_state_reference` (Python run once per "
+        "step over all tables, before the step's forward)",
+        "only with `reduce` stages in `table` (it is their reference)")
 
 
 def _parse_dense_gradient(fields: _Fields, states: Any) -> bool:
