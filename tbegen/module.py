@@ -1101,15 +1101,19 @@ class TableBatchedEmbeddingBags(nn.Module):
         self._table_step = step
         if ran:
             # written in place without autograd knowing, like the backward's update
-            increment_version([self.weights, *states, *self._table_state_args()[:len(self.spec.table_states)]])
+            increment_version([self.weights, *states, *self._table_state_buffers()])
         return ran
+
+    def _table_state_buffers(self) -> list:
+        """Each per-table state's buffer, in spec order."""
+        return [getattr(self.table_states, s.name) for s in self.spec.table_states]
 
     def _table_state_args(self) -> list:
         """The operators' per-table arguments: each per-table state, then the table of each feature
         (nothing for specs without per-table states)."""
         if not self.spec.table_states:
             return []
-        return [getattr(self.table_states, s.name) for s in self.spec.table_states] + [self.feature_table]
+        return self._table_state_buffers() + [self.feature_table]
 
     def _run_backward(self, grad_output, weights, indices, offsets, per_sample_weights, features=None) -> None:
         step = self._step + 1
