@@ -117,10 +117,11 @@ def render_spec(spec: OptimizerSpec) -> Dict[str, str]:
     )
     has_table_update = bool(spec.table_stages or spec.table_reductions)
     reductions = codegen.emit_table_reductions(spec, src) if has_table_update else ("", "", "")
+    emitter = codegen.UpdateEmitter(spec, src)  # (finds the step values once for both)
     context = dict(
         spec=spec,
-        body=codegen.emit_update_body(spec, src),
-        step_values=codegen.emit_step_values(spec, src),
+        body=emitter.emit(),
+        step_values=emitter.emit_step_values(),
         forward=codegen.forward_signature(),
         grad_psw=codegen.grad_psw_signature(),
         backward=backward,
