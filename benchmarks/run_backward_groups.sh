@@ -4,7 +4,7 @@
 # (TESTS: a pytest -k expression), then the referee (.anchor/bench_tbe.py, FBGEMM and tbegen in
 # one process) on the configurations in CONFIGS, with the group kernel and again with
 # TBEGEN_LANE_GROUPS=0 (the whole-warp kernel; MODES="on" skips that), and a kernel profile of
-# PROFILE_CELL, and ncu's view of NCU_CELL's update kernel.
+# PROFILE_CELL (CONFIGS:OPTS, e.g. C1,C2:EXACT_SGD,ADAM), and ncu's view of NCU_CELL's update kernel.
 # Carry .anchor. Output under $OUT: env.txt, groups.log, on/ and off/ (the referee's results).
 set -u
 OUT=${OUT:-/tmp/tbegen-gpu-out}
@@ -42,7 +42,7 @@ if ! TBEGEN_TEST_OPTIMIZERS="$SPECS" OMP_NUM_THREADS=2 timeout ${TESTS_TIMEOUT:-
 fi
 grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/pytest.tmp" | tail -n 12
 rm -f "$OUT/pytest.tmp"
-for mode in ${MODES:-on off}; do
+for mode in ${MODES-on off}; do  # (MODES= skips the timing)
   flag=1; [ $mode = off ] && flag=0
   echo "== bench_tbe.py, TBEGEN_LANE_GROUPS=$flag" | tee -a "$OUT/groups.log"
   TBEGEN_LANE_GROUPS=$flag PYTHONPATH=/tmp/fbg_site:$PYTHONPATH CUDA_MODULE_LOADING=LAZY timeout ${BENCH_TIMEOUT:-120} \
