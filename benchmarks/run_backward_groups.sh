@@ -54,7 +54,7 @@ for mode in ${MODES-on off}; do  # (MODES= skips the timing)
 done
 if [ -n "$PROFILE_CELL" ]; then
   echo "== profile $PROFILE_CELL" | tee -a "$OUT/groups.log"
-  PYTHONPATH=/tmp/fbg_site:$PYTHONPATH CUDA_MODULE_LOADING=LAZY timeout 60 python3 .anchor/bench_tbe.py \
+  PYTHONPATH=/tmp/fbg_site:$PYTHONPATH CUDA_MODULE_LOADING=LAZY timeout ${PROFILE_TIMEOUT:-60} python3 .anchor/bench_tbe.py \
     --configs "${PROFILE_CELL%%:*}" --opts "${PROFILE_CELL##*:}" --systems fbgemm,tbegen --fast-init --profile --iters 10 \
     --out "$OUT/profile" >> "$OUT/groups.log" 2>&1 || echo "profile failed"
   mv "$OUT/profile/profiles.json" "$OUT/on/profiles.json" 2>/dev/null; rm -rf "$OUT/profile"
