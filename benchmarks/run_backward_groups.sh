@@ -57,7 +57,8 @@ if [ -n "$PROFILE_CELL" ]; then
   PYTHONPATH=/tmp/fbg_site:$PYTHONPATH CUDA_MODULE_LOADING=LAZY timeout ${PROFILE_TIMEOUT:-60} python3 .anchor/bench_tbe.py \
     --configs "${PROFILE_CELL%%:*}" --opts "${PROFILE_CELL##*:}" --systems fbgemm,tbegen --fast-init --profile --iters 10 \
     --out "$OUT/profile" >> "$OUT/groups.log" 2>&1 || echo "profile failed"
-  mv "$OUT/profile/profiles.json" "$OUT/on/profiles.json" 2>/dev/null; rm -rf "$OUT/profile"
+  mkdir -p "$OUT/on"; mv "$OUT/profile/profiles.json" "$OUT/on/profiles.json" 2>/dev/null
+  mv "$OUT/profile/results.jsonl" "$OUT/on/profile_results.jsonl" 2>/dev/null; rm -rf "$OUT/profile"
 fi
 # ncu on one cell's short-run update kernel (tbegen alone, benchmarks/bench.py): NCU_CELL=C1:adagrad
 if [ -n "${NCU_CELL:-}" ] && command -v ncu >/dev/null; then
