@@ -271,9 +271,9 @@ def test_narrow_states_cuda_deterministic_and_agree_with_cpu(load_ops, name, nar
 # step is run with the group kernel and with TBEGEN_LANE_GROUPS=0, which makes the host launch
 # the whole-warp kernel instead. Tables of several widths, so that a warp's runs change width
 # within its 32 (rounds of different group sizes), hot rows (the segment kernel beside it).
-# (Optimizers with per-element state take the whole-warp kernel both times: cuda_backward_kernels.cuh,
-# launch_backward. Run P, before that restriction, passed this test with the group kernel for
-# sgd, rowwise_adagrad, adagrad, adam and lamb.)
+# (Optimizers with per-element state take the group kernel for rows of up to 128 columns only
+# (kVecs = 1): in the first case, the 256-column table's width class goes to the whole-warp kernel
+# for them. cuda_backward_kernels.cuh, launch_backward.)
 GROUP_CASES = [
     harness.Case(tables=((300, 8), (100, 16), (50, 256), (80, 128)), B=32, pooling="sum", weighted=True, hot=100, seed=41),
     harness.Case(tables=((300, 36), (100, 64), (50, 60)), B=32, pooling="mean", weights_dtype=torch.float16,
@@ -295,3 +295,57 @@ def test_lane_groups_give_the_whole_warp_bits(load_ops, monkeypatch, name, case)
     assert torch.equal(grouped[0], whole[0]), "weights differ"
     for k in states:
         assert torch.equal(grouped[1][k], whole[1][k]), f"state {k} differs"
+
+
+# Width classes (cuda_ops.cuh, backward_cuda): a batch whose rows need different numbers of 4-wide
+# slices per lane (kVecs: 128, 256, 512 and 1024 columns) has its short runs updated by one launch
+# per class, each at its own kVecs. A row must get the bits of the single launch at the widest
+# row's kVecs (TBEGEN_WIDTH_CLASSES=0), with and without lane groups. Tables of every class, hot
+# rows (the long runs' kernels go with the widest class's launch), a shared table.
+WIDTH_CASES = [
+    harness.Case(tables=((300, 8), (100, 256), (50, 128), (80, 512), (40, 36)), B=32, pooling="sum", weighted=True,
+                 hot=100, seed=51),
+    harness.Case(tables=((200, 64), (60, 1024), (90, 200)), B=32, max_L=12, pooling="mean",
+                 weights_dtype=torch.float16, stochastic_rounding=True, hot=300, seed=52),
+    harness.Case(tables=((300, 128), (100, 132)), feature_table_map=(0, 1, 0), B=48, pooling="sum",
+                 weights_dtype=torch.bfloat16, seed=53),
+]
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("case", WIDTH_CASES, ids=lambda c: c.id)
+@pytest.mark.parametrize("lane_groups", ["1", "0"], ids=["groups", "whole_warp"])
+def test_width_classes_give_the_single_launch_bits(load_ops, monkeypatch, name, case, lane_groups):
+    spec, ops = load_ops(name)
+    monkeypatch.setenv("TBEGEN_LANE_GROUPS", lane_groups)
+    weights, states, batch, go = _problem(spec, case)
+    split = _one_step(spec, ops, case, "cuda", weights, states, batch, go)
+    monkeypatch.setenv("TBEGEN_WIDTH_CLASSES", "0")
+    single = _one_step(spec, ops, case, "cuda", weights, states, batch, go)
+    assert not torch.equal(split[0], weights), "the step changed nothing"
+    assert torch.equal(split[0], single[0]), "weights differ"
+    for k in states:
+        assert torch.equal(split[1][k], single[1][k]), f"state {k} differs"
+
+
+# The sort's digit width (cuda_sort.cuh): keys of 25 to 27 bits are sorted with 9-bit digits (three
+# passes, not four). A stable sort has one result, so the step must give the bits of CUB's 8-bit
+# sort (TBEGEN_SORT_DIGIT_BITS=8). A table of 20 million rows makes the keys 25 bits wide; 1024
+# bags of up to 20 indices put the batch past CUB's single-tile sort; the hot row makes a long run.
+SORT_CASES = [
+    harness.Case(tables=((20_000_000, 4), (300, 8)), B=1024, max_L=20, hot=2000, seed=61),
+]
+
+
+@pytest.mark.parametrize("name", [n for n in ("sgd", "rowwise_adagrad", "adam") if n in NAMES])
+@pytest.mark.parametrize("case", SORT_CASES, ids=lambda c: c.id)
+def test_nine_bit_sort_gives_the_eight_bit_bits(load_ops, monkeypatch, name, case):
+    spec, ops = load_ops(name)
+    weights, states, batch, go = _problem(spec, case)
+    nine = _one_step(spec, ops, case, "cuda", weights, states, batch, go)
+    monkeypatch.setenv("TBEGEN_SORT_DIGIT_BITS", "8")
+    eight = _one_step(spec, ops, case, "cuda", weights, states, batch, go)
+    assert not torch.equal(nine[0], weights), "the step changed nothing"
+    assert torch.equal(nine[0], eight[0]), "weights differ"
+    for k in states:
+        assert torch.equal(nine[1][k], eight[1][k]), f"state {k} differs"

@@ -5,6 +5,7 @@
 #include <thrust/iterator/transform_iterator.h>
 
 #include "tbegen/cuda_ops.cuh"
+#include "tbegen/cuda_sort.cuh"
 
 namespace tbegen {
 namespace cuda {
@@ -86,11 +87,13 @@ void linearize_and_sort(const Batch& b, const ForwardArgs& fa, const at::Tensor&
   //    sort is stable, so occurrences of a row stay in index order and the sums are deterministic
   at::Tensor sorted_keys = at::empty_like(keys);
   at::Tensor sorted_values = at::empty_like(values);
+  //    (cuda_sort.cuh: 9-bit digits where they save a pass)
   const int end_bit = bits_for(total_hash_size + 1);
+  const int digit_bits = sort_digit_bits(end_bit);
   run_cub(weights, [&](void* tmp, size_t& bytes) {
-    return cub::DeviceRadixSort::SortPairs(tmp, bytes, reinterpret_cast<const K*>(keys.data_ptr()),
-                                           reinterpret_cast<K*>(sorted_keys.data_ptr()), values.data_ptr<int32_t>(),
-                                           sorted_values.data_ptr<int32_t>(), n, 0, end_bit, stream);
+    return sort_pairs<K>(tmp, bytes, reinterpret_cast<const K*>(keys.data_ptr()),
+                         reinterpret_cast<K*>(sorted_keys.data_ptr()), values.data_ptr<int32_t>(),
+                         sorted_values.data_ptr<int32_t>(), n, end_bit, digit_bits, stream);
   });
   keys.reset();
   values.reset();

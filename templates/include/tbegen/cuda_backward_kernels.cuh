@@ -2,7 +2,8 @@
 //
 // The only CUDA code that depends on the optimizer is the update kernels of cuda_kernels.cuh
 // (backward_segment_kernel, backward_finish_kernel, and backward_warp_kernel or, with a table of
-// at most 64 columns, backward_group_kernel), for each weight dtype and each row width class kVecs. NAME/kernels_cuda.cu instantiates them with
+// at most 64 columns, backward_group_kernel), for each weight dtype and each row width class
+// kVecs. NAME/kernels_cuda.cu instantiates them with
 // backward_kernels_for<Optimizer>(), in a translation unit that includes no torch headers (so nvcc
 // compiles little besides the kernels); backward_cuda (cuda_ops.cuh, compiled once for every
 // optimizer) computes the launch sizes and streams and calls the table's entry for the call.
@@ -31,6 +32,8 @@ struct BackwardLaunch {
   cudaStream_t side = nullptr;    // the long runs' kernels (segment, then finish)
   cudaStream_t stream = nullptr;  // the short runs' kernel (warp, or group)
   bool lane_groups = false;       // some table is at most 64 columns wide (the group kernel, where it exists)
+  bool element_lane_groups = true;  // the group kernel also for optimizers with per-element state (kVecs = 1)
+  bool long_runs = true;          // launch the long runs' kernels (one launch per call does: the widest class's)
 };
 
 using BackwardLaunchFn = cudaError_t (*)(const BackwardLaunch&);
@@ -86,6 +89,12 @@ struct BackwardKernels {
     constexpr int v = kVecs == 1 ? 0 : kVecs == 2 ? 1 : kVecs == 4 ? 2 : 3;
     return launch[w][v];
   }
+  // The same for kVecs = 1 << width_class (width_class 0..3), chosen at run time.
+  template <typename W>
+  BackwardLaunchFn get(int width_class) const {
+    constexpr int w = std::is_same<W, float>::value ? 0 : std::is_same<W, c10::Half>::value ? 1 : 2;
+    return launch[w][width_class];
+  }
 };
 
 // Launches the three update kernels for optimizer Opt; returns the first launch error.
@@ -93,21 +102,26 @@ template <class Opt, typename W, int kVecs>
 cudaError_t launch_backward(const BackwardLaunch& l) {
   const typename Opt::Params& p = *static_cast<const typename Opt::Params*>(l.params);
   W* weights = static_cast<W*>(l.weights);
-  backward_segment_kernel<Opt, W, kVecs><<<l.segment_blocks, l.threads, 0, l.side>>>(
-      l.a, l.runs, l.occurrences, p, l.ctx, weights, l.partial);
-  cudaError_t err = cudaGetLastError();
-  if (err != cudaSuccess) return err;
-  backward_finish_kernel<Opt, W, kVecs><<<l.finish_blocks, l.threads, 0, l.side>>>(
-      l.a, l.runs, l.occurrences, p, l.ctx, weights, l.partial);
-  err = cudaGetLastError();
-  if (err != cudaSuccess) return err;
+  if (l.long_runs) {
+    backward_segment_kernel<Opt, W, kVecs><<<l.segment_blocks, l.threads, 0, l.side>>>(
+        l.a, l.runs, l.occurrences, p, l.ctx, weights, l.partial);
+    cudaError_t err = cudaGetLastError();
+    if (err != cudaSuccess) return err;
+    backward_finish_kernel<Opt, W, kVecs><<<l.finish_blocks, l.threads, 0, l.side>>>(
+        l.a, l.runs, l.occurrences, p, l.ctx, weights, l.partial);
+    err = cudaGetLastError();
+    if (err != cudaSuccess) return err;
+  }
   // The group kernel only for rows of up to 256 columns (a table of at most 64 columns among
-  // wider ones is rare, and each variant is compiled for every optimizer and weight dtype) and
-  // optimizers without per-element state: measured on C3 (benchmarks/NOTES-gpu.md, runs O and P),
-  // it made sgd 2% and rowwise_adagrad 3% faster, but adagrad 4% and adam 7% slower (its extra
-  // registers, 96 against 80 for adam, cost the wide rows more than the narrow rows gain).
-  if constexpr (kVecs <= 2 && Opt::kElementStates == 0) {
-    if (l.lane_groups) {
+  // wider ones is rare, and each variant is compiled for every optimizer and weight dtype), and
+  // at 256 columns (kVecs = 2) only for optimizers without per-element state: measured on C3
+  // (benchmarks/NOTES-gpu.md, runs O and P), there it made sgd 2% and rowwise_adagrad 3% faster,
+  // but adagrad 4% and adam 7% slower (its extra registers, 96 against 80 for adam, cost the wide
+  // rows more than the narrow rows gain). At kVecs = 1 (a batch of narrow rows, or the narrow
+  // width class of a mixed one, backward_cuda) every optimizer may take it, unless
+  // TBEGEN_ELEMENT_LANE_GROUPS=0 (l.element_lane_groups).
+  if constexpr (kVecs == 1 || (kVecs == 2 && Opt::kElementStates == 0)) {
+    if (l.lane_groups && (Opt::kElementStates == 0 || l.element_lane_groups)) {
       backward_group_kernel<Opt, W, kVecs><<<l.warp_blocks, l.threads, 0, l.stream>>>(
           l.a, l.runs, l.occurrences, p, l.ctx, weights);
       return cudaGetLastError();
@@ -156,7 +170,7 @@ bool vector_states_fit(const void* params) {
 }
 
 // The table of optimizer Opt's kernels (instantiates all 36 4-wide ones, 3 dtypes x 4 widths x 3
-// kernels, plus, without per-element state, the group kernel for 3 dtypes x 2 widths, and the 12
+// kernels, plus the group kernel for 3 dtypes x 1 width (x 2 without per-element state), and the 12
 // any-width ones: 3 kernels for each of the 3 float dtypes and int8 rows).
 template <class Opt>
 const BackwardKernels& backward_kernels_for() {

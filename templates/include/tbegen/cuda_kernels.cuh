@@ -573,7 +573,24 @@ struct BackwardArgs {
   const float* grad_output;
   const int64_t* error;
   bool skip_bad_indices;  // else a bad index anywhere in the batch blocks every update
+  // Width classes (backward_cuda): when a batch mixes rows of several 4-wide slice counts, the
+  // short runs are updated by one launch per class, each taking the runs whose rows are wider
+  // than short_min_D columns and at most its kVecs * 128 (short_run_fits); else one launch takes
+  // them all.
+  bool split_widths = false;
+  int32_t short_min_D = 0;
 };
+
+// The width of the row of the run whose first occurrence is in `bag`.
+__device__ __forceinline__ int run_width(const BackwardArgs& a, int32_t bag) {
+  return int(a.feat[a.by_B.quotient(bag) * kFeatColumns + kFeatDim]);
+}
+
+// Whether a short-run kernel with kVecs slices per lane takes a row of D columns.
+template <int kVecs>
+__device__ __forceinline__ bool short_run_fits(const BackwardArgs& a, int D) {
+  return !a.split_widths || (D > a.short_min_D && D <= kVecs * 128);
+}
 
 // Whether the error record forbids writing weights and states.
 __device__ __forceinline__ bool update_blocked(const BackwardArgs& a) {
@@ -759,10 +776,12 @@ __global__ void __launch_bounds__(256) backward_warp_kernel(BackwardArgs a, Runs
       my_key = r.key_at(my_start);
       my_first.fetch(o, my_start, none_pooling);
     }
-    // the runs of this group that are this kernel's: long runs are backward_segment_kernel's, and
-    // skipped bad indices update nothing
-    unsigned todo = __ballot_sync(kFullMask, group + lane < num_runs && my_len < r.max_segment_length_per_warp &&
-                                                 my_key < r.skipped_key);
+    // the runs of this group that are this kernel's: long runs are backward_segment_kernel's,
+    // skipped bad indices update nothing, and with split widths, rows of another width class are
+    // another launch's
+    bool mine = group + lane < num_runs && my_len < r.max_segment_length_per_warp && my_key < r.skipped_key;
+    if (a.split_widths && mine) mine = short_run_fits<kVecs>(a, run_width(a, my_first.bag));
+    unsigned todo = __ballot_sync(kFullMask, mine);
     if (todo == 0) continue;
     // takes the next run of `todo` into `x` and issues the loads of its row
     auto begin_run = [&](ShortRun<Opt, kVecs>& x) {
@@ -810,9 +829,10 @@ __global__ void __launch_bounds__(256) backward_warp_kernel(BackwardArgs a, Runs
 // are neighbours in key order, so rounds are full but at a table's edge); rows wider than 64
 // columns go one per round over the whole warp, as in the warp kernel. A row's gradient is summed
 // in the same order and updated by the same code as there, with reductions over its group
-// (GroupRow): the same bits. The host takes this kernel when the narrowest table has at most 64
-// columns, rows are at most 256 wide (kVecs <= 2) and the optimizer has no per-element state,
-// else backward_warp_kernel (cuda_backward_kernels.cuh, launch_backward, says why).
+// (GroupRow): the same bits. The host takes this kernel when the narrowest table (of the launch's
+// width class) has at most 64 columns and rows are at most 128 wide (kVecs = 1), or 256 wide for
+// optimizers without per-element state, else backward_warp_kernel (cuda_backward_kernels.cuh,
+// launch_backward, says why).
 template <class Opt, typename W, int kVecs>
 __global__ void __launch_bounds__(256) backward_group_kernel(BackwardArgs a, Runs r, Occurrences o, typename Opt::Params p,
                                                              RowUpdateContext ctx, W* weights) {
@@ -829,18 +849,20 @@ __global__ void __launch_bounds__(256) backward_group_kernel(BackwardArgs a, Run
     // how many lanes its row needs
     int32_t my_len = 0, my_start = 0;
     int64_t my_key = 0;
-    int my_lanes = 0;
+    int my_lanes = 0, my_D = 0;
     OccurrenceInfo my_first;
     if (group + lane < num_runs) {
       my_start = r.starts[group + lane];
       my_len = r.end_of(group + lane, num_runs) - my_start;
       my_key = r.key_at(my_start);
       my_first.fetch(o, my_start, none_pooling);
-      my_lanes = lanes_for_row(int(a.feat[a.by_B.quotient(my_first.bag) * kFeatColumns + kFeatDim]));
+      my_D = run_width(a, my_first.bag);
+      my_lanes = lanes_for_row(my_D);
     }
-    // (as in backward_warp_kernel: long runs and skipped bad indices are not this kernel's)
+    // (as in backward_warp_kernel: long runs, skipped bad indices and, with split widths, rows of
+    // another width class are not this kernel's)
     unsigned todo = __ballot_sync(kFullMask, group + lane < num_runs && my_len < r.max_segment_length_per_warp &&
-                                                 my_key < r.skipped_key);
+                                                 my_key < r.skipped_key && short_run_fits<kVecs>(a, my_D));
     while (todo != 0) {
       // this round's runs: `lanes` lanes each, at most 32 / lanes of them, taken in key order
       const int lanes = __shfl_sync(kFullMask, my_lanes, __ffs(todo) - 1);

@@ -49,6 +49,20 @@ void dispatch_vecs(int64_t max_D, Body&& body) {
   }
 }
 
+// The width class of a row of D columns: log2 of the kVecs dispatch_vecs gives it (0 to 3).
+inline int width_class(int64_t D) { return D <= 128 ? 0 : D <= 256 ? 1 : D <= 512 ? 2 : 3; }
+
+// The narrowest feature width of each width class in a call (0: no feature of that class).
+struct WidthClasses {
+  int64_t narrowest[4] = {0, 0, 0, 0};
+
+  void add(int64_t D) {
+    int64_t& n = narrowest[width_class(D)];
+    if (n == 0 || D < n) n = D;
+  }
+  int count() const { return (narrowest[0] > 0) + (narrowest[1] > 0) + (narrowest[2] > 0) + (narrowest[3] > 0); }
+};
+
 template <typename Body>
 void dispatch_weights(const at::Tensor& weights, Body&& body) {
   switch (weights.scalar_type()) {
@@ -170,13 +184,16 @@ inline bool aligned_to(const void* p, size_t bytes) { return reinterpret_cast<ui
 // feature width (the forward picks its loop by it).
 inline bool check_layout_and_choose(const Batch& b, const at::Tensor& features, const at::Tensor& weights,
                                     std::initializer_list<const void*> float_buffers,
-                                    int64_t* narrowest_D = nullptr) {
+                                    int64_t* narrowest_D = nullptr, WidthClasses* classes = nullptr) {
   static HostFeaturesCache cache;
   const HostFeaturesCache::Copy feat = cache.get(features);
   check_features(b, feat->data(), weights);
   if (narrowest_D != nullptr) {
     *narrowest_D = kMaxD;
     for (int64_t f = 0; f < b.F; ++f) *narrowest_D = std::min(*narrowest_D, (*feat)[f * kFeatColumns + kFeatDim]);
+  }
+  if (classes != nullptr) {
+    for (int64_t f = 0; f < b.F; ++f) classes->add((*feat)[f * kFeatColumns + kFeatDim]);
   }
   if (!vector_layout(feat->data(), b.F, b.total_D, b.max_D)) return false;
   // int8 rows (uint8 weights) always take the any-width kernels, which dequantize and quantize
@@ -252,14 +269,23 @@ inline void backward_any_width(const Batch& b, const BackwardArgs& a, const Prep
   });
 }
 
+// Whether the environment variable `name` is set to "0".
+inline bool env_is_zero(const char* name) {
+  const char* v = std::getenv(name);
+  return v != nullptr && std::strcmp(v, "0") == 0;
+}
+
 // Whether the backward may take the lane-group kernel (backward_group_kernel) for tables of at
 // most 64 columns: yes unless the environment sets TBEGEN_LANE_GROUPS=0, which launches the
 // whole-warp kernel instead (the same bits, tests/test_cuda.py; benchmarks time the two in one
 // process). Read at every call, so that a test or benchmark can switch it between calls.
-inline bool lane_groups_enabled() {
-  const char* v = std::getenv("TBEGEN_LANE_GROUPS");
-  return v == nullptr || std::strcmp(v, "0") != 0;
-}
+inline bool lane_groups_enabled() { return !env_is_zero("TBEGEN_LANE_GROUPS"); }
+
+// Whether a batch whose rows fall in several width classes has its short runs updated by one
+// launch per class (each at its own kVecs: a 128-column row then takes the registers and lanes of
+// a 128-column kernel, not those of the widest row's), unless TBEGEN_WIDTH_CLASSES=0, which keeps
+// one launch at the widest row's kVecs (the same bits either way; read at every call).
+inline bool width_classes_enabled() { return !env_is_zero("TBEGEN_WIDTH_CLASSES"); }
 
 // The backward pass with an optimizer fused in (docs/algorithm.md): prepare_backward sorts and
 // segments the batch, then the optimizer's update kernels (`kernels`, launched with its `params`:
@@ -281,7 +307,8 @@ __attribute__((visibility("hidden"))) void backward_cuda(
   TBEGEN_CHECK(max_segment_length_per_warp >= 1, "tbegen: max_segment_length_per_warp must be >= 1");
   // the 4-wide kernels, or the any-width ones (above)
   int64_t narrowest_D = 0;
-  bool vector_path = check_layout_and_choose(b, features, weights, {grad_output.data_ptr()}, &narrowest_D);
+  WidthClasses classes;
+  bool vector_path = check_layout_and_choose(b, features, weights, {grad_output.data_ptr()}, &narrowest_D, &classes);
   vector_path = vector_path && kernels.vector_states_fit(params);
   if (b.N == 0) return;
   const auto stream = at::cuda::getCurrentCUDAStream();
@@ -329,11 +356,21 @@ __attribute__((visibility("hidden"))) void backward_cuda(
       l.threads = kThreads;
       l.side = side.stream();
       l.stream = stream.stream();
-      l.lane_groups = narrowest_D <= 64 && lane_groups_enabled();
-      // the segment and finish kernels on `side`, the warp kernel on `stream`, as launched before
-      // the update kernels moved to the optimizer's own translation unit (cuda_backward_kernels.cuh)
-      const BackwardLaunchFn launch = kernels.get<W, kVecs>();
-      TBEGEN_CUDA_CHECK(launch(l));
+      // the segment and finish kernels on `side`, the warp (or group) kernel on `stream`; with
+      // several width classes, one short-run launch per class, the widest first (it also launches
+      // the long runs' kernels, at the widest kVecs), each taking its class's rows only
+      const int top = width_class(b.max_D);
+      const bool split = classes.count() > 1 && width_classes_enabled();
+      for (int c = top; c >= (split ? 0 : top); --c) {
+        if (split && classes.narrowest[c] == 0) continue;
+        BackwardLaunch lc = l;
+        lc.a.split_widths = split;
+        lc.a.short_min_D = split && c > 0 ? int32_t(64) << c : 0;
+        lc.long_runs = c == top;
+        lc.lane_groups = (split ? classes.narrowest[c] : narrowest_D) <= 64 && lane_groups_enabled();
+        lc.element_lane_groups = !env_is_zero("TBEGEN_ELEMENT_LANE_GROUPS");
+        TBEGEN_CUDA_CHECK(kernels.get<W>(c)(lc));
+      }
       joined.record(side);
       joined.block(stream);
     });

@@ -1,0 +1,76 @@
+#!/usr/bin/env bash
+# An A/B (or A/B/C) experiment on the GPU in one device call: build a few optimizers, run the CUDA
+# tests that cover the change (TESTS, a pytest -k expression over tests/test_cuda.py), then the
+# referee (.anchor/bench_tbe.py) once per variant, each in its own process with its own
+# environment switches, so that the variants are timed in the same call on the same machine.
+#
+#   VARIANTS   one variant per line: NAME|SYSTEMS|CONFIGS|OPTS|ENV, e.g.
+#                new|fbgemm,tbegen|C1,C2,C3|EXACT_SGD,ADAM|
+#                old|tbegen|C1,C2,C3|EXACT_SGD,ADAM|TBEGEN_WIDTH_CLASSES=0 TBEGEN_SORT_DIGIT_BITS=8
+#              (the speedup over FBGEMM counts only for a variant that ran FBGEMM in its process)
+#   SPECS      optimizers to build (default: the four benchmarked and lamb)
+#   PROFILE_CELL  CONFIGS:OPTS of a kernel profile (bench_tbe.py --profile) with the first
+#              variant's environment; empty: none
+#   NCU_CELL, NCU_KERNEL  ncu's view of one cell's kernel (benchmarks/bench.py, tbegen alone), e.g.
+#              NCU_CELL=C2:sgd NCU_KERNEL="regex:backward_segment_kernel"; empty: none
+# Carry .anchor. Output under $OUT: env.txt, variants.log, and <NAME>/results.jsonl per variant.
+set -u
+OUT=${OUT:-/tmp/tbegen-gpu-out}
+mkdir -p "$OUT"
+export TORCH_CUDA_ARCH_LIST=9.0 TBEGEN_BUILD_DIR=$PWD/build/tbegen-cache PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+SPECS=${SPECS:-"sgd rowwise_adagrad adagrad adam lamb"}
+LOG="$OUT/variants.log"
+status=0
+{
+  date -u +"date: %Y-%m-%d %H:%M UTC"
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | sed 's/^/gpu: /'
+  python3 -c "import torch, sys; print('python:', sys.version.split()[0]); print('torch:', torch.__version__, 'cuda', torch.version.cuda)"
+  nvcc --version | tail -n 2 | head -n 1 | sed 's/^/nvcc: /'
+  echo "tree: ${TREE:-unknown}"
+} | tee "$OUT/env.txt"
+python3 .anchor/unpack_bundle.py .anchor/bundle /tmp/fbg_site > /dev/null 2>&1 || echo "FBGEMM bundle did not unpack"
+t0=$(date +%s)
+python3 -c "
+import sys; from tbegen import build; from tbegen.spec import find_spec
+build.prebuild([find_spec(n) for n in sys.argv[1:]], with_cuda=True)" $SPECS > "$LOG" 2>&1 || { status=1; echo "build failed"; }
+echo "== build: $(( $(date +%s) - t0 )) s" | tee -a "$LOG"
+if [ -n "${TESTS:-}" ]; then
+  xdist=$(python3 -c "import xdist" 2>/dev/null && echo "-n 12")
+  t0=$(date +%s)
+  if ! TBEGEN_TEST_OPTIMIZERS="$SPECS" OMP_NUM_THREADS=2 timeout ${TESTS_TIMEOUT:-150} python3 -m pytest -q -p no:cacheprovider \
+      $xdist tests/test_cuda.py -k "$TESTS" -rf --tb=short --maxfail=10 > "$OUT/pytest.tmp" 2>&1; then
+    status=1
+    head -c 20000 "$OUT/pytest.tmp" >> "$LOG"
+  fi
+  grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/pytest.tmp" | tail -n 12 | tee -a "$LOG"
+  echo "== tests: $(( $(date +%s) - t0 )) s" | tee -a "$LOG"
+  rm -f "$OUT/pytest.tmp"
+fi
+first_env=""
+while IFS='|' read -r name systems configs opts envs; do
+  [ -z "$name" ] && continue
+  [ -z "$first_env" ] && first_env="$envs "
+  echo "== variant $name ($systems; $configs; $opts; env: ${envs:-none})" | tee -a "$LOG"
+  env $envs PYTHONPATH=/tmp/fbg_site:$PYTHONPATH CUDA_MODULE_LOADING=LAZY timeout ${BENCH_TIMEOUT:-150} \
+    python3 .anchor/bench_tbe.py --configs "$configs" --opts "$opts" --systems "$systems" --fast-init \
+    --out "$OUT/$name" >> "$LOG" 2>&1 || status=1
+  grep -E "^C[0-9] " "$LOG" | tail -n 24 | grep -E "tbegen" | tail -n 12
+  rm -f "$OUT/$name/env.json"
+done <<< "${VARIANTS:?VARIANTS: one NAME|SYSTEMS|CONFIGS|OPTS|ENV per line}"
+if [ -n "${PROFILE_CELL:-}" ]; then
+  echo "== profile $PROFILE_CELL (env: ${first_env:-none})" | tee -a "$LOG"
+  env $first_env PYTHONPATH=/tmp/fbg_site:$PYTHONPATH CUDA_MODULE_LOADING=LAZY timeout ${PROFILE_TIMEOUT:-90} \
+    python3 .anchor/bench_tbe.py --configs "${PROFILE_CELL%%:*}" --opts "${PROFILE_CELL##*:}" --systems tbegen \
+    --fast-init --profile --iters 10 --out "$OUT/profile" >> "$LOG" 2>&1 || echo "profile failed" | tee -a "$LOG"
+  rm -f "$OUT/profile/env.json"
+fi
+if [ -n "${NCU_CELL:-}" ] && command -v ncu >/dev/null; then
+  echo "== ncu ${NCU_CELL} ${NCU_KERNEL:-regex:backward_(group|warp)_kernel}" | tee -a "$LOG"
+  env $first_env CUDA_MODULE_LOADING=LAZY timeout ${NCU_TIMEOUT:-90} ncu --clock-control none \
+    -k "${NCU_KERNEL:-regex:backward_(group|warp)_kernel}" --launch-skip 2 --launch-count 1 --section SpeedOfLight \
+    --section MemoryWorkloadAnalysis --section WarpStateStats --section Occupancy --section LaunchStats \
+    --section InstructionStats --section SchedulerStats \
+    python3 benchmarks/bench.py --configs "${NCU_CELL%%:*}" --opts "${NCU_CELL##*:}" --warmup 1 --iters 2 \
+    --nsets 1 --out /tmp/ncu_bench >> "$LOG" 2>&1 || echo "ncu failed or timed out" | tee -a "$LOG"
+fi
+exit $status
