@@ -11,6 +11,7 @@
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <type_traits>
 
 #include "tbegen/cuda_any_width.cuh"
@@ -29,6 +30,7 @@ struct BackwardLaunch {
   void* weights;       // W*, the dtype the table entry was chosen for
   float* partial;      // kVecs * 128 floats per partial sum of a run of several segments
   int segment_blocks = 0, finish_blocks = 0, warp_blocks = 0, threads = 0;
+  int sms = 0;                    // the device's multiprocessors
   cudaStream_t side = nullptr;    // the long runs' kernels (segment, then finish)
   cudaStream_t stream = nullptr;  // the short runs' kernel (warp, or group)
   bool lane_groups = false;       // some table is at most 64 columns wide (the group kernel, where it exists)
@@ -97,13 +99,29 @@ struct BackwardKernels {
   }
 };
 
+// How many blocks of `threads` threads of `kernel` fit on one multiprocessor at once (0 if CUDA
+// cannot say).
+template <typename Kernel>
+int resident_blocks_per_sm(Kernel kernel, int threads) {
+  int blocks = 0;
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, threads, 0) != cudaSuccess) {
+    (void)cudaGetLastError();  // (cleared: the launch goes on with the bound it was given)
+    return 0;
+  }
+  return blocks;
+}
+
 // Launches the three update kernels for optimizer Opt; returns the first launch error.
 template <class Opt, typename W, int kVecs>
 cudaError_t launch_backward(const BackwardLaunch& l) {
   const typename Opt::Params& p = *static_cast<const typename Opt::Params*>(l.params);
   W* weights = static_cast<W*>(l.weights);
   if (l.long_runs) {
-    backward_segment_kernel<Opt, W, kVecs><<<l.segment_blocks, l.threads, 0, l.side>>>(
+    // at most one resident wave of segment blocks: each block strides over the segments, so a
+    // block that starts late (a second, partial wave: 1.6 waves in C2, ncu of run Y) ends late
+    static const int resident_per_sm = resident_blocks_per_sm(backward_segment_kernel<Opt, W, kVecs>, l.threads);
+    const int segment_blocks = resident_per_sm > 0 ? std::min(l.segment_blocks, resident_per_sm * l.sms) : l.segment_blocks;
+    backward_segment_kernel<Opt, W, kVecs><<<segment_blocks, l.threads, 0, l.side>>>(
         l.a, l.runs, l.occurrences, p, l.ctx, weights, l.partial);
     cudaError_t err = cudaGetLastError();
     if (err != cudaSuccess) return err;

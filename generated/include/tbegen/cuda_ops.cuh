@@ -354,6 +354,7 @@ __attribute__((visibility("hidden"))) void backward_cuda(
       l.finish_blocks = int(std::min<int64_t>(prep.max_long_runs / (kThreads / kWarpSize) + 1, int64_t(sms) * 4));
       l.warp_blocks = grid_for(b.N / kWarpSize + 1);
       l.threads = kThreads;
+      l.sms = sms;
       l.side = side.stream();
       l.stream = stream.stream();
       // the segment and finish kernels on `side`, the warp (or group) kernel on `stream`; with

@@ -660,14 +660,44 @@ __device__ __forceinline__ void add_gradient(const BackwardArgs& a, const Occurr
 }
 
 // Adds the scaled output-gradient rows of occurrences [first, first + n), n <= 32, in order: the
-// lanes fetch the n occurrences' metadata at once, then the rows are loaded several at a time.
+// lanes fetch the n occurrences' metadata at once, then the rows are loaded kAhead at a time, all
+// of a batch's loads issued before the first is added, so that a warp summing a long run keeps
+// kAhead rows in flight (it is latency-bound: ncu of C2's segment kernel, run Y). The sum is
+// taken in occurrence order, one row after another, as before the batching: the same bits.
 template <int kVecs>
 __device__ __forceinline__ void add_chunk(const BackwardArgs& a, const Occurrences& o, int D, int lane, int64_t first,
                                           int n, float* g) {
+  constexpr int kAhead = kVecs == 1 ? 8 : kVecs == 2 ? 4 : 2;  // (rows in flight: 32 registers of them)
   OccurrenceInfo mine;
   if (lane < n) mine.fetch(o, first + lane, a.pooling == kPoolNone);
-#pragma unroll 4
-  for (int k = 0; k < n; ++k) add_gradient<kVecs>(a, mine.from_lane(k), D, lane, g);
+  for (int k0 = 0; k0 < n; k0 += kAhead) {
+    float x[kAhead][kVecs * 4];
+    float scale[kAhead];
+#pragma unroll
+    for (int j = 0; j < kAhead; ++j) {
+      // (every lane shuffles, for occurrences past n too: their values are not used)
+      const OccurrenceInfo occ = mine.from_lane((k0 + j) & (kWarpSize - 1));
+      scale[j] = occ.scale;
+      const float* go = grad_row(a, occ.position, occ.bag);
+#pragma unroll
+      for (int v = 0; v < kVecs; ++v) {
+        const int d = v * 128 + 4 * lane;
+        if (k0 + j < n && d < D) load4_keep(go + d, &x[j][v * 4]);
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < kAhead; ++j) {
+      if (k0 + j < n) {
+#pragma unroll
+        for (int v = 0; v < kVecs; ++v) {
+          if (v * 128 + 4 * lane < D) {
+#pragma unroll
+            for (int c = 0; c < 4; ++c) g[v * 4 + c] += scale[j] * x[j][v * 4 + c];
+          }
+        }
+      }
+    }
+  }
 }
 
 // Loads the row's weights and states into `row` (issued before the gradient is summed, so that
