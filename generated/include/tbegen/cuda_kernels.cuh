@@ -660,25 +660,45 @@ __device__ __forceinline__ void add_gradient(const BackwardArgs& a, const Occurr
 }
 
 // Adds the scaled output-gradient rows of occurrences [first, first + n), n <= 32, in order: the
-// lanes fetch the n occurrences' metadata at once, then the rows are loaded kAhead at a time, all
-// of a batch's loads issued before the first is added, so that a warp summing a long run keeps
-// kAhead rows in flight (it is latency-bound: ncu of C2's segment kernel, run Y). The sum is
-// taken in occurrence order, one row after another, as before the batching: the same bits.
+// lanes fetch the n occurrences' metadata at once, then the rows are loaded several at a time.
 template <int kVecs>
 __device__ __forceinline__ void add_chunk(const BackwardArgs& a, const Occurrences& o, int D, int lane, int64_t first,
                                           int n, float* g) {
-  constexpr int kAhead = kVecs == 1 ? 8 : kVecs == 2 ? 4 : 2;  // (rows in flight: 32 registers of them)
   OccurrenceInfo mine;
   if (lane < n) mine.fetch(o, first + lane, a.pooling == kPoolNone);
+#pragma unroll 4
+  for (int k = 0; k < n; ++k) add_gradient<kVecs>(a, mine.from_lane(k), D, lane, g);
+}
+
+// add_chunk for the long runs' segment kernel, which does nothing but sum rows and is
+// latency-bound (ncu of C2's segment kernel, run Y: 74% of its stalls wait for loads): the rows
+// are loaded kAhead at a time, all of a batch's loads issued before the first is added. The sum is
+// taken in occurrence order, one row after another, as add_chunk takes it: the same bits. (Not
+// for the short runs' kernels: the batch's registers would cost them occupancy.)
+template <int kVecs>
+__device__ __forceinline__ void add_chunk_batched(const BackwardArgs& a, const Occurrences& o, int D, int lane,
+                                                  int64_t first, int n, float* g) {
+  constexpr int kAhead = kVecs == 1 ? 8 : kVecs == 2 ? 4 : 2;  // (32 registers of rows in flight)
+  // lane l finds occurrence l's output-gradient row and scale, so that a batch needs only shuffles
+  const float* my_row = a.grad_output;
+  float my_scale = 0.0f;
+  if (lane < n) {
+    OccurrenceInfo mine;
+    mine.fetch(o, first + lane, a.pooling == kPoolNone);
+    my_row = grad_row(a, mine.position, mine.bag);
+    my_scale = mine.scale;
+  }
+#pragma unroll 1
   for (int k0 = 0; k0 < n; k0 += kAhead) {
     float x[kAhead][kVecs * 4];
     float scale[kAhead];
 #pragma unroll
     for (int j = 0; j < kAhead; ++j) {
       // (every lane shuffles, for occurrences past n too: their values are not used)
-      const OccurrenceInfo occ = mine.from_lane((k0 + j) & (kWarpSize - 1));
-      scale[j] = occ.scale;
-      const float* go = grad_row(a, occ.position, occ.bag);
+      const int src = (k0 + j) & (kWarpSize - 1);
+      scale[j] = __shfl_sync(kFullMask, my_scale, src);
+      const float* go = reinterpret_cast<const float*>(
+          __shfl_sync(kFullMask, reinterpret_cast<unsigned long long>(my_row), src));
 #pragma unroll
       for (int v = 0; v < kVecs; ++v) {
         const int d = v * 128 + 4 * lane;
@@ -967,8 +987,10 @@ __device__ __forceinline__ LongRun long_run(const Runs& r, int32_t k, int32_t nu
 // Long runs, first pass: one warp per segment of kSegmentLength occurrences (so that the work is
 // cut into equal pieces however skewed the batch is). A run of one segment is summed and updated
 // here; a run of several leaves each segment's sum in `partial` for backward_finish_kernel.
+// (At least 3 blocks per multiprocessor, 80 registers: the batched sum's rows in flight would
+// otherwise take about 100, leaving room for 2 blocks, 16 warps.)
 template <class Opt, typename W, int kVecs>
-__global__ void __launch_bounds__(256) backward_segment_kernel(BackwardArgs a, Runs r, Occurrences o, typename Opt::Params p,
+__global__ void __launch_bounds__(256, 3) backward_segment_kernel(BackwardArgs a, Runs r, Occurrences o, typename Opt::Params p,
                                                                RowUpdateContext ctx, W* weights, float* partial) {
   if (update_blocked(a)) return;
   // the values of the update that depend on the step only (Optimizer::StepValues), once per thread
@@ -1002,7 +1024,7 @@ __global__ void __launch_bounds__(256) backward_segment_kernel(BackwardArgs a, R
     for (int i = 0; i < row.kN; ++i) row.g_[i] = 0.0f;
     for (int32_t base = begin; base < end; base += kWarpSize) {
       const int n = end - base < kWarpSize ? int(end - base) : kWarpSize;
-      add_chunk<kVecs>(a, o, row.D, lane, run.first + base, n, row.g_);
+      add_chunk_batched<kVecs>(a, o, row.D, lane, run.first + base, n, row.g_);
     }
     if (run.nseg == 1) {
       update_and_store<Opt, W>(row, p, ctx, sv, weights, run.key, woff);
