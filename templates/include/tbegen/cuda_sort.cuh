@@ -1,10 +1,10 @@
 // tbegen runtime: the radix sort of the backward's (key, value) pairs (cuda_backward_prep_impl.cuh).
 //
 // CUB's onesweep sort takes 8 bits of the key per pass over the data, so keys of 25 to 27 bits
-// (32 tables of a million rows: 25) take four passes. With 9-bit digits they take three, and a
-// pass over the pairs (read and written once each) costs about 80 us for 10 million pairs on the
-// H200, which is more than the wider digit adds to each of the three (benchmarks/NOTES-gpu.md,
-// run Y). SortDigitHub<K, 9> is CUB's own sm_90 policy with that one change; sort_pairs picks 9
+// (32 tables of a million rows: 25) take four passes. With 9-bit digits they take three; a pass
+// over 10 million pairs costs about 80 us on the H200, of which the wider digits give back about
+// half (measured: C1's backward 25 us faster, benchmarks/NOTES-gpu.md, run Y).
+// SortDigitHub<K, 9> is CUB's own sm_90 policy with that one change; sort_pairs picks 9
 // bits only where it saves a pass, so the bits per pass never change the result: a stable sort of
 // the same pairs is the same sequence however it is computed.
 #pragma once
