@@ -43,6 +43,15 @@ CASES = {
     ],
 }
 CASES["cuda"] = CASES[2]
+# On the GPU, TorchRec's FUSED_UVM (tbegen placement "managed") and FUSED_UVM_CACHING
+# ("managed_caching": a GPU cache of a fifth of the rows, TorchRec's default) tables beside FUSED
+# ones, so that one group mixes placements; the checkpoint flushes the cached rows.
+CASES["cuda_uvm"] = [
+    {"name": "adam, UVM and UVM caching", "optimizer": "adam", "hyper": {"learning_rate": 0.02},
+     "types": ["table_wise", "row_wise", "column_wise", "table_wise"],
+     "kernels": {"t0": "fused_uvm_caching", "t1": "fused_uvm", "t2": "fused_uvm_caching"},
+     "checkpoint": True},
+]
 # TorchRec before 1.7 cannot hold tbegen's data-parallel tables (see DATA_PARALLEL_SUPPORTED): the
 # cases then train the other sharding types
 for _cases in CASES.values():
@@ -97,11 +106,15 @@ def _run_case(case, rank, world, outdir, key, device):
         ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
         for b in batches:
             dlrm.train_step(ref, ref_opt, b.to(device))
-    dmp, plan = dlrm.shard(model, sharder, types, dist.group.WORLD, device, device.type, min_partition=4)
+    dmp, plan = dlrm.shard(model, sharder, types, dist.group.WORLD, device, device.type, min_partition=4,
+                           compute_kernels=case.get("kernels"))
     planned = {name: ps.sharding_type for name, ps in plan.plan["sparse"].items()}
     kernels = {type(k).__name__ for k in _kernels(dmp)}
     opt = _dense_optimizer(dmp)
-    result = {"planned": planned, "kernels": sorted(kernels)}
+    # the placements the kernels' tbegen modules were built with, table by table
+    placements = {t.name: p for k in _kernels(dmp) for t, p in zip(k.config.embedding_tables, k.emb_module.placements)}
+    result = {"planned": planned, "kernels": sorted(kernels), "placements": placements,
+              "compute_kernels": {name: ps.compute_kernel for name, ps in plan.plan["sparse"].items()}}
     if case["checkpoint"]:
         _train(dmp, opt, batches[:CHECKPOINT_AFTER], rank, world, device)
         path = os.path.join(outdir, "checkpoint")
@@ -110,7 +123,7 @@ def _run_case(case, rank, world, outdir, key, device):
         result["got"] = dlrm.sharded_state(dmp)
         # a fresh model with other weights, restored from the checkpoint, trains the remaining steps
         fresh, _ = dlrm.shard(dlrm.build_model(tables, NUM_DENSE, seed=5, weighted=weighted), sharder, types, dist.group.WORLD, device,
-                              device.type, min_partition=4)
+                              device.type, min_partition=4, compute_kernels=case.get("kernels"))
         state = {"model": fresh.state_dict(), "optim": fresh.fused_optimizer.state_dict()}
         dcp.load(state, checkpoint_id=path)
         fresh.load_state_dict(state["model"])
@@ -136,12 +149,13 @@ def _worker(rank, world, port, outdir, key):
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)  # also keeps the forked ranks out of the parent's OpenMP thread pool
-    if key == "cuda":
+    on_gpu = str(key).startswith("cuda")
+    if on_gpu:
         device = torch.device("cuda", rank)
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
-    dist.init_process_group("nccl" if key == "cuda" else "gloo", rank=rank, world_size=world)
+    dist.init_process_group("nccl" if on_gpu else "gloo", rank=rank, world_size=world)
     try:
         for case in CASES[key]:
             _run_case(case, rank, world, outdir, key, device)
@@ -229,6 +243,26 @@ def test_nccl_one_gpu_equals_single_process(tmp_path):
     results = _launch("cuda", 1, tmp_path, "spawn")
     _check_equal_to_single_process("cuda", results)
     assert _check_checkpoint("cuda", results) == 1
+
+
+@pytest.mark.cuda
+def test_nccl_uvm_and_uvm_caching_equal_single_process(tmp_path):
+    """TorchRec's FUSED_UVM and FUSED_UVM_CACHING compute kernels on the GPU (one NCCL rank) run as
+    tbegen's managed and managed_caching placements, train like single-process tbegen, and keep
+    their cached rows through a checkpoint."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    for k, v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"), ("NVSHMEM_DISABLE_NVLS", "1")):
+        os.environ[k] = v
+    results = _launch("cuda_uvm", 1, tmp_path, "spawn")
+    case = CASES["cuda_uvm"][0]
+    r = results[case["name"]]
+    want = {t: {"fused": "device", "fused_uvm": "managed", "fused_uvm_caching": "managed_caching"}[case["kernels"].get(t, "fused")]
+            for t in r["planned"]}
+    assert r["compute_kernels"] == {t: case["kernels"].get(t, "fused") for t in r["planned"]}
+    assert r["placements"] == want, r["placements"]
+    _check_equal_to_single_process("cuda_uvm", results)
+    assert _check_checkpoint("cuda_uvm", results) == 1
 
 
 def test_sharder_checks_its_arguments():

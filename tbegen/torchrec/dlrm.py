@@ -179,18 +179,23 @@ def train_step(model: nn.Module, dense_opt: torch.optim.Optimizer, b: Batch) -> 
 
 
 def shard(model: DLRM, sharder, sharding_types: Dict[str, str], env_pg, device: torch.device,
-          compute_device: str, min_partition: Optional[int] = None):
+          compute_device: str, min_partition: Optional[int] = None,
+          compute_kernels: Optional[Dict[str, str]] = None):
     """DistributedModelParallel over `model` with a plan from TorchRec's planner; each table is
-    constrained to the sharding type `sharding_types[name]`. Returns (dmp, plan)."""
+    constrained to the sharding type `sharding_types[name]` and to the compute kernel
+    `compute_kernels[name]` ("fused" where not given; "fused_uvm" and "fused_uvm_caching" on a
+    GPU). Returns (dmp, plan)."""
     from torchrec.distributed.model_parallel import DistributedModelParallel
     from torchrec.distributed.planner import EmbeddingShardingPlanner, Topology
     from torchrec.distributed.planner.types import ParameterConstraints
 
     world_size = dist.get_world_size(env_pg)
-    # compute kernel "fused" (device memory) for every table, so that TorchRec's FBGEMM sharder is
-    # not moved to its UVM or caching kernels where memory looks tight: both systems run alike
+    # compute kernel "fused" (device memory) unless asked otherwise, so that TorchRec's FBGEMM
+    # sharder is not moved to its UVM or caching kernels where memory looks tight: both systems run alike
+    kernels = compute_kernels or {}
     constraints = {
-        name: ParameterConstraints(sharding_types=[st], compute_kernels=["fused"], min_partition=min_partition)
+        name: ParameterConstraints(sharding_types=[st], compute_kernels=[kernels.get(name, "fused")],
+                                   min_partition=min_partition)
         for name, st in sharding_types.items()
     }
     topology = Topology(world_size=world_size, compute_device=compute_device, local_world_size=world_size)
