@@ -269,10 +269,14 @@ inline void backward_any_width(const Batch& b, const BackwardArgs& a, const Prep
   });
 }
 
-// Whether the environment variable `name` is set to "0".
+// Whether the environment variable `name` is set to "0" (or, env_is_one, to "1").
 inline bool env_is_zero(const char* name) {
   const char* v = std::getenv(name);
   return v != nullptr && std::strcmp(v, "0") == 0;
+}
+inline bool env_is_one(const char* name) {
+  const char* v = std::getenv(name);
+  return v != nullptr && std::strcmp(v, "1") == 0;
 }
 
 // Whether the backward may take the lane-group kernel (backward_group_kernel) for tables of at
@@ -327,6 +331,7 @@ __attribute__((visibility("hidden"))) void backward_cuda(
   a.grad_output = grad_output.data_ptr<float>();
   a.error = error.data_ptr<int64_t>();
   a.skip_bad_indices = skip_bad_indices;
+  a.long_run_l2_hint = env_is_one("TBEGEN_LONG_RUN_L2_HINT");
 
   // The long runs' kernels run on a side stream, concurrently with the short runs' kernel (they
   // touch disjoint rows), forked here and joined back before anything else runs on the caller's
