@@ -4,7 +4,8 @@
 #   1. build the four benchmarked optimizers' CUDA extensions;
 #   2. the benchmark beside FBGEMM_GPU (the referee, .anchor/bench_tbe.py --check), while the other
 #      eleven extensions build at low priority (the benchmark's timed work is on the GPU), then the
-#      kernel profiles of the worst cells (PROFILE) and, with SWEEP=1, the segment-length sweep;
+#      kernel profiles of the worst cells (PROFILE), an environment switch's A/B (AB_ENV) and, with
+#      SWEEP=1, the segment-length sweep;
 #   3. every CUDA test (test_cuda, test_module, test_bad_input, the lane-split CPU/CUDA comparison,
 #      placements, state dtypes, int states, whole-table stages, int8 rows; EXTRA_TESTS adds files);
 #   4. compute-sanitizer memcheck and racecheck over benchmarks/sanitize_cases.py (into extras.log);
@@ -70,6 +71,16 @@ json.dump(old, open(sys.argv[2], "w"), indent=1)
 PY
   done
   rm -rf "$OUT/profile"
+fi
+# an A/B of an environment switch beside the referee run above: AB_ENV (e.g.
+# "TBEGEN_LONG_RUN_L2_HINT=1") set, tbegen alone through the referee on AB_CONFIGS (default C2),
+# into fbgemm.log and fbgemm/ab_results.jsonl; compare with the defaults' rows of the run above
+if [ -n "${AB_ENV:-}" ]; then
+  echo "== A/B: bench_tbe.py with $AB_ENV" >> "$OUT/fbgemm.log"
+  env $AB_ENV PYTHONPATH=/tmp/fbg_site:$PYTHONPATH CUDA_MODULE_LOADING=LAZY timeout $(cap ${AB_TIMEOUT:-60}) python3 .anchor/bench_tbe.py \
+    --configs ${AB_CONFIGS:-C2} --systems tbegen --fast-init --out /tmp/ab >> "$OUT/fbgemm.log" 2>&1 || log "A/B ($AB_ENV) failed or timed out"
+  cp /tmp/ab/results.jsonl "$OUT/fbgemm/ab_results.jsonl" 2>/dev/null
+  grep -E "^== A/B|^C[123] " "$OUT/fbgemm.log" | tail -n 5
 fi
 # the backward's lane-group kernel against the whole-warp kernel (TBEGEN_LANE_GROUPS=0), tbegen
 # alone (benchmarks/bench.py): GROUPS_CONFIGS (default C5, 32 tables of 32 columns; the referee
