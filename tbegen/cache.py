@@ -12,6 +12,11 @@ states, evicting the coldest rows, writing back dirty ones) and rewrites the bat
 cached tables into slot numbers. The forward and the fused backward then read and update the
 cached rows in place, exactly as they update a device table's rows.
 
+int8 rows (weights_dtype "int8"): the weights buffer is bytes, the row of element offset o and
+key k being the D + 8 bytes (codes, float32 scale and bias) from byte o + 8k. The slots follow the
+same rule (their element offsets and keys are those above), so the cache region of the weights
+holds 8 more bytes per slot key, and a row moves as its D + 8 bytes ("int8 rows" buffers, _move).
+
 The cache is fully associative per table, with exact LRU or LFU replacement: a table's map from
 row to slot is a dense int32 array (4 bytes per row of the table, on the module's device), so a
 lookup is a gather, there are no conflict misses, and the victims are the globally coldest slots
