@@ -75,6 +75,7 @@ __global__ void table_stage_int8_kernel(const typename Opt::Params p, uint8_t* w
 // Shared memory per block for the int8 kernel: within the 48 KiB that needs no opt-in, so a
 // block has from 3 warps (D = 4096) to 8.
 constexpr int64_t kTableInt8SharedFloats = 12288;
+static_assert(kMaxD <= kTableInt8SharedFloats, "a block of the int8 table-stage kernel holds at least one row");
 
 // ---- reduce stages (table_stage.h): one value per table in `slots`, as order-preserving int32
 // images combined with atomicMax / atomicMin (exact in any order), then stored by one thread ----
