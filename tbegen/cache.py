@@ -12,6 +12,11 @@ states, evicting the coldest rows, writing back dirty ones) and rewrites the bat
 cached tables into slot numbers. The forward and the fused backward then read and update the
 cached rows in place, exactly as they update a device table's rows.
 
+int8 rows (weights_dtype "int8"): the weights buffer is bytes, the row of element offset o and
+key k being the D + 8 bytes (codes, float32 scale and bias) from byte o + 8k. The slots follow the
+same rule (their element offsets and keys are those above), so the cache region of the weights
+holds 8 more bytes per slot key, and a row moves as its D + 8 bytes ("int8 rows" buffers, _move).
+
 The cache is fully associative per table, with exact LRU or LFU replacement: a table's map from
 row to slot is a dense int32 array (4 bytes per row of the table, on the module's device), so a
 lookup is a gather, there are no conflict misses, and the victims are the globally coldest slots
@@ -35,6 +40,8 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
+
+from .int8 import QPARAM_BYTES
 
 __all__ = ["CACHE_ALGORITHMS", "cache_sizes", "RowCache", "Ticket"]
 
@@ -265,30 +272,45 @@ class RowCache:
 
     def _move(self, buffers, c: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor, to_slots: bool) -> None:
         """Copies rows (and their states) of cached tables `c` between backing row `rows` and local
-        slot `slots`, in every buffer: `buffers` is [(flat tensor, "element" | "row")]."""
+        slot `slots`, in every buffer: `buffers` is [(flat tensor, "element" | "row" | "int8 rows")]
+        ("int8 rows": the weights of weights_dtype int8, a byte buffer in which the row of element
+        offset o and key k is the D + 8 bytes from o + 8k: codes and qparams move together)."""
         if rows.numel() == 0:
             return
         T = self._t
+        int8_rows = any(per == "int8 rows" for _, per in buffers)
         for D in self._dims:
             sel = None if len(self._dims) == 1 else (T["D"][c] == D).nonzero().squeeze(1)
             cc, rr, ss = (c, rows, slots) if sel is None else (c[sel], rows[sel], slots[sel])
             back = T["back_woff"][cc] + rr * D
             slot = T["slot_woff"][cc] + ss * D
-            src, dst = (back, slot) if to_slots else (slot, back)
-            cols = torch.arange(D, device=self.device)
-            step = max(1, _CHUNK_ELEMENTS // D)
-            for lo in range(0, src.numel(), step):
-                si = (src[lo:lo + step, None] + cols).reshape(-1)
-                di = (dst[lo:lo + step, None] + cols).reshape(-1)
-                for buf, per in buffers:
-                    if per == "element":
-                        buf[di] = buf[si]
+            self._copy_runs(buffers, "element", back, slot, D, to_slots)
+            if int8_rows:
+                back_bytes = back + QPARAM_BYTES * (T["back_kbase"][cc] + rr)
+                slot_bytes = slot + QPARAM_BYTES * (T["slot_kbase"][cc] + ss)
+                self._copy_runs(buffers, "int8 rows", back_bytes, slot_bytes, D + QPARAM_BYTES, to_slots)
         back = T["back_kbase"][c] + rows
         slot = T["slot_kbase"][c] + slots
         src, dst = (back, slot) if to_slots else (slot, back)
         for buf, per in buffers:
             if per == "row":
                 buf[dst] = buf[src]
+
+    def _copy_runs(self, buffers, kind: str, back: torch.Tensor, slot: torch.Tensor, width: int,
+                   to_slots: bool) -> None:
+        """In every buffer of layout `kind`, copies the runs of `width` entries starting at `back`
+        to those starting at `slot` (or the other way round), in chunks."""
+        targets = [buf for buf, per in buffers if per == kind]
+        if not targets:
+            return
+        src, dst = (back, slot) if to_slots else (slot, back)
+        cols = torch.arange(width, device=self.device)
+        step = max(1, _CHUNK_ELEMENTS // width)
+        for lo in range(0, src.numel(), step):
+            si = (src[lo:lo + step, None] + cols).reshape(-1)
+            di = (dst[lo:lo + step, None] + cols).reshape(-1)
+            for buf in targets:
+                buf[di] = buf[si]
 
     def _per_table(self, tables: torch.Tensor, weights: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Per cached table, how many entries of the ascending `tables` it has (or the sum of

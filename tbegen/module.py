@@ -489,17 +489,10 @@ class TableBatchedEmbeddingBags(nn.Module):
             # int8 rows: what is not built for them is refused here, naming what to change
             if spec.dense_gradient:
                 raise NotImplementedError(
-                    f"tbegen: optimizer {spec.name!r} (dense-gradient mode) needs float weights to hold a "
-                    f"gradient; int8 rows are for the fused optimizers")
-            if spec.table_stages:
-                raise NotImplementedError(
-                    f"tbegen: optimizer {spec.name!r} has whole-table stages, which int8 rows do not support yet; "
-                    f"use float32, float16 or bfloat16 weights")
-            cached = [t for t, p in enumerate(placements) if p == "managed_caching"]
-            if cached:
-                raise NotImplementedError(
-                    f"tbegen: int8 rows are not supported in 'managed_caching' tables yet (table(s) {cached}); "
-                    f"place them 'device' or 'managed', or use float weights")
+                    f"tbegen: optimizer {spec.name!r} (dense-gradient mode) cannot take int8 rows: it applies "
+                    f"no update of its own, so there is no step after which to re-quantize the rows, and the "
+                    f"weights are an autograd parameter whose gradient (and whatever optimizer steps it) needs "
+                    f"float weights; use weights_dtype float32, float16 or bfloat16, or a fused optimizer")
         if spec.table_stages and "managed_caching" in placements:
             # (a whole-table element stage changes every row, which a cached copy would not see;
             # reduce stages only read rows: run_table_stages writes the cached rows back first)
@@ -540,7 +533,9 @@ class TableBatchedEmbeddingBags(nn.Module):
                 layout, placements, sizes, cache_algorithm,
                 element_sizes=[torch.empty(0, dtype=dtype).element_size()] + [
                     torch.empty(0, dtype=self_state_dtypes[s.name]).element_size() for s in spec.states if s.per == "element"],
-                row_sizes=[torch.empty(0, dtype=self_state_dtypes[s.name]).element_size() for s in spec.states if s.per == "row"],
+                # (per row: its per-row states, and an int8 row's 8 bytes of qparams)
+                row_sizes=[torch.empty(0, dtype=self_state_dtypes[s.name]).element_size() for s in spec.states if s.per == "row"]
+                + ([int8_.QPARAM_BYTES] if dtype == torch.uint8 else []),
                 device=dev,
             )
 
@@ -600,7 +595,9 @@ class TableBatchedEmbeddingBags(nn.Module):
         numel, dtype, per = self._buffer_shape(what)
         ranges, placements = self._buffer_ranges(per), list(self.placements)
         if self._cache is not None:
-            tail = self._cache.weights_tail if per == "element" else self._cache.keys_tail
+            tail = {"element": self._cache.weights_tail, "row": self._cache.keys_tail,
+                    # (the slots' int8 rows: their codes and their qparams, D + 8 bytes each)
+                    "int8 rows": self._cache.weights_tail + int8_.QPARAM_BYTES * self._cache.keys_tail}[per]
             ranges.append((numel, tail))
             placements.append("device")
             numel += tail
@@ -659,8 +656,9 @@ class TableBatchedEmbeddingBags(nn.Module):
         self._prefetched.clear()
 
     def _cache_buffers(self) -> List[Tuple[torch.Tensor, str]]:
-        """[(whole flat buffer, "element" | "row")] for the weights and every state: what rows move with."""
-        out = [(self._buffer("weights"), "element")]
+        """[(whole flat buffer, "element" | "row" | "int8 rows")] for the weights and every state:
+        what rows move with."""
+        out = [(self._buffer("weights"), "int8 rows" if self.int8 else "element")]
         out += [(self._buffer(s.name), s.per) for s in self.spec.states]
         return out
 
@@ -881,6 +879,7 @@ class TableBatchedEmbeddingBags(nn.Module):
         row's codes, then its float32 scale and bias; tbegen.int8.dequantize_rows reads them)."""
         if not self.int8:
             raise TypeError(f"tbegen: split_int8_rows() is for int8 rows; this module's weights are {self.weights_dtype}")
+        self._flush_and_empty()  # (cached tables: the views then hold every row, as split_embedding_weights)
         w = self.weights.detach()
         return [self._int8_rows(w, t) for t in range(len(self.layout.tables))]
 

@@ -13,6 +13,9 @@ hot rows through the segment kernels, CUDA against CPU, bitwise determinism on t
 
 from __future__ import annotations
 
+import io
+import warnings
+
 import pytest
 import torch
 
@@ -24,13 +27,25 @@ from conftest import SPECS
 
 HAS_CUDA = torch.cuda.is_available()
 ALL = {name: load_spec(str(path)) for name, path in SPECS.items()}
-# every fused optimizer without whole-table stages takes int8 rows (the others are refused: below)
-FUSED = sorted(n for n, s in ALL.items() if not s.dense_gradient and not s.table_stages)
+# every fused optimizer takes int8 rows (the dense-gradient mode is refused: below)
+FUSED = sorted(n for n, s in ALL.items() if not s.dense_gradient)
 # a few for the slower variants (where TBEGEN_TEST_OPTIMIZERS leaves them)
 FEW = [n for n in ("sgd", "rowwise_adagrad", "adam", "lamb") if n in ALL]
+# the fallback where it leaves none of them: an optimizer without whole-table stages (the cached
+# tests need one: whole-table stages and managed_caching tables do not go together)
+PLAIN = FEW or sorted(n for n in FUSED if not ALL[n].table_stages)
+
+
+def plain(k: int = 0) -> str:
+    """PLAIN[k] (or its last), or the test is skipped when TBEGEN_TEST_OPTIMIZERS leaves none."""
+    if not PLAIN:
+        pytest.skip("TBEGEN_TEST_OPTIMIZERS leaves no optimizer without whole-table stages")
+    return PLAIN[min(k, len(PLAIN) - 1)]
 # odd widths, a column offset that is not a multiple of 4, a shared table (feature 3 reads table 0)
 TABLES = ((30, 8), (20, 5), (12, 33))
 FTM = (0, 1, 2, 0)
+# even widths (emainplace pairs column j with j + D/2), two of them 2 mod 4
+EVEN_TABLES = ((30, 8), (20, 6), (12, 34))
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -46,8 +61,10 @@ def hyper_for(spec):
     return hyper
 
 
-def make(name, device="cpu", tables=TABLES, ftm=FTM, pooling="sum", seed=5, **kw):
+def make(name, device="cpu", tables=None, ftm=FTM, pooling="sum", seed=5, **kw):
     spec = ALL[name]
+    if tables is None:  # (a spec that pairs columns j and j + D/2 needs even widths)
+        tables = EVEN_TABLES if spec.table_pairs else TABLES
     return TableBatchedEmbeddingBags(tables, optimizer=spec, pooling=pooling, weights_dtype="int8", device=device,
                                      feature_table_map=ftm, seed=seed, **{**hyper_for(spec), **kw})
 
@@ -90,7 +107,7 @@ def states_of(emb):
 
 
 def test_buffer_layout_and_initial_rows():
-    emb = make("sgd") if "sgd" in ALL else make(FUSED[0])
+    emb = make("sgd") if "sgd" in ALL else make(plain())
     layout = emb.layout
     assert emb.weights.dtype == torch.uint8 and emb.int8
     assert emb.weights.numel() == layout.weights_numel + 8 * layout.total_hash_size
@@ -124,7 +141,7 @@ def test_quantize_rows_rounds_to_nearest_even_and_handles_constant_rows():
 @pytest.mark.parametrize("pooling,weighted,index_dtype", [
     ("sum", False, torch.int64), ("sum", True, torch.int32), ("mean", True, torch.int64), ("none", True, torch.int64)])
 def test_forward_equals_dequantize_then_pool(pooling, weighted, index_dtype):
-    name = FEW[0] if FEW else FUSED[0]
+    name = plain()
     tables = ((30, 7), (20, 7), (12, 7)) if pooling == "none" else TABLES
     emb = make(name, tables=tables, pooling=pooling)
     gen = torch.Generator().manual_seed(11)
@@ -146,17 +163,56 @@ def test_forward_equals_dequantize_then_pool(pooling, weighted, index_dtype):
 # ---- one fused step against the float64 reference ------------------------------------------------
 
 
+def assert_requantized(t, after, r, what="updated"):
+    """The int8 rows `after` (uint8 [n, D + 8]) are the float64 rows `r` quantized, up to the float32
+    rounding of the update: fresh qparams from each row's min and max, codes at most one apart from
+    the reference's (95% identical), every element within one quantization step of `r`."""
+    D = r.size(1)
+    scale, bias = int8.qparams(after)
+    lo, hi = r.min(1).values, r.max(1).values
+    # fresh qparams from the updated row: bias its min, scale (max - min) / 255 (to float32 rounding
+    # of the update: 1e-5 of the row's magnitude)
+    mag = r.abs().max(1).values + 1e-30
+    assert ((bias.double() - lo).abs() <= 1e-5 * mag).all(), f"table {t}: bias is not the {what} row's min"
+    assert ((scale.double() - (hi - lo) / 255).abs() <= 1e-5 * mag / 255 + 1e-5 * scale.double()).all(), \
+        f"table {t}: scale is not the {what} row's range / 255"
+    # the codes are the reference row quantized (round to nearest even): up to float32 rounding
+    # of the update, which can move a value across a rounding boundary, by one code at most
+    codes, ref_codes = after[:, :D].int(), int8.quantize_rows(r.float())[:, :D].int()
+    assert (codes - ref_codes).abs().max() <= 1, f"table {t}: a code is more than one from the reference's"
+    assert (codes == ref_codes).double().mean() >= 0.95, f"table {t}: codes differ from the reference's"
+    # every element within one quantization step of the reference's updated value
+    err = (int8.dequantize_rows(after, torch.float64) - r).abs()
+    step_size = scale.double()[:, None] * (1 + 1e-4) + 1e-6 * mag[:, None]
+    assert (err <= step_size).all(), (
+        f"table {t}: {int((err > step_size).sum())} element(s) further than one quantization step from the "
+        f"reference (worst {float((err / step_size).max()):.3f} steps)")
+
+
+def assert_states_close(spec, after_states, ref_states):
+    for s in spec.states + spec.table_states:
+        a, r = after_states[s.name], ref_states[s.name]
+        if a.dtype == torch.int64:
+            assert torch.equal(a, r.to(torch.int64)), f"state {s.name}"
+        else:
+            torch.testing.assert_close(a.double(), r, rtol=1e-4, atol=1e-6 * (1 + float(r.abs().max())),
+                                       msg=lambda m: f"state {s.name}: {m}")
+
+
 def check_step(emb, batch, B, gen, device="cpu"):
-    """One step of `emb` against dequantize -> the spec's reference -> quantize (float64)."""
+    """One step of `emb` against dequantize -> the spec's reference -> quantize (float64). (Its
+    whole-table stages, if any run at this step, must have run already: check_table_stages.)"""
     spec, layout = emb.spec, emb.layout
     rows_before = [r.cpu().clone() for r in emb.split_int8_rows()]
     w = dequantized_flat(emb)
     states = states_of(emb)
+    step = emb.step + 1
     out = emb(*on(batch, device))
+    assert not emb.run_table_stages(), "check_step: the step's whole-table stages ran in its forward"
     g = torch.randn(out.shape, generator=gen)
     out.backward(g.to(device))
     hyper = emb.hyperparameters
-    ref_w, ref_states, touched = harness.reference_step(spec, layout, B, emb.pooling, w, states, batch, g, hyper, 1)
+    ref_w, ref_states, touched = harness.reference_step(spec, layout, B, emb.pooling, w, states, batch, g, hyper, step)
     rows_after = [r.cpu() for r in emb.split_int8_rows()]
     for t, (E, D) in enumerate(layout.tables):
         base = layout.table_offsets[t]
@@ -165,36 +221,34 @@ def check_step(emb, batch, B, gen, device="cpu"):
         after = rows_after[t]
         # rows not in the batch: bitwise unchanged, codes and qparams
         assert torch.equal(after[~hit], rows_before[t][~hit]), f"table {t}: an untouched row changed"
-        if not hit.any():
-            continue
-        scale, bias = int8.qparams(after[hit])
-        r = ref[hit]
-        lo, hi = r.min(1).values, r.max(1).values
-        # fresh qparams from the updated row: bias its min, scale (max - min) / 255 (to float32 rounding
-        # of the update: 1e-5 of the row's magnitude)
-        mag = r.abs().max(1).values + 1e-30
-        assert ((bias.double() - lo).abs() <= 1e-5 * mag).all(), f"table {t}: bias is not the updated row's min"
-        assert ((scale.double() - (hi - lo) / 255).abs() <= 1e-5 * mag / 255 + 1e-5 * scale.double()).all(), \
-            f"table {t}: scale is not the updated row's range / 255"
-        # the codes are the reference row quantized (round to nearest even): up to float32 rounding
-        # of the update, which can move a value across a rounding boundary, by one code at most
-        codes, ref_codes = after[hit][:, :D].int(), int8.quantize_rows(r.float())[:, :D].int()
-        assert (codes - ref_codes).abs().max() <= 1, f"table {t}: a code is more than one from the reference's"
-        assert (codes == ref_codes).double().mean() >= 0.95, f"table {t}: codes differ from the reference's"
-        # every element within one quantization step of the reference's updated value
-        err = (int8.dequantize_rows(after[hit], torch.float64) - r).abs()
-        step_size = scale.double()[:, None] * (1 + 1e-4) + 1e-6 * mag[:, None]
-        assert (err <= step_size).all(), (
-            f"table {t}: {int((err > step_size).sum())} element(s) further than one quantization step from the "
-            f"reference (worst {float((err / step_size).max()):.3f} steps)")
-    after_states = states_of(emb)
-    for s in spec.states:
-        a, r = after_states[s.name], ref_states[s.name]
-        if a.dtype == torch.int64:
-            assert torch.equal(a, r.to(torch.int64)), f"state {s.name}"
-        else:
-            torch.testing.assert_close(a.double(), r, rtol=1e-4, atol=1e-6 * (1 + float(r.abs().max())),
-                                       msg=lambda m: f"state {s.name}: {m}")
+        if hit.any():
+            assert_requantized(t, after[hit], ref[hit])
+    assert_states_close(spec, states_of(emb), ref_states)
+
+
+def check_table_stages(emb, device="cpu") -> bool:
+    """The whole-table stages of the next step (run_table_stages, as the next forward would run
+    them) against dequantize -> the spec's `table_reference` -> quantize (float64): every row the
+    reference changes is quantized again; the others keep their bytes. Whether a stage ran."""
+    spec, layout = emb.spec, emb.layout
+    rows_before = [r.cpu().clone() for r in emb.split_int8_rows()]
+    w = dequantized_flat(emb)
+    states = states_of(emb)
+    step = emb.step + 1
+    if not emb.run_table_stages():
+        return False
+    ref_w, ref_states = harness.reference_table_step(spec, layout, w, states, emb.hyperparameters, step)
+    rows_after = [r.cpu() for r in emb.split_int8_rows()]
+    for t, (E, D) in enumerate(layout.tables):
+        base = layout.table_offsets[t]
+        ref = ref_w[base : base + E * D].view(E, D)
+        moved = (ref != w[base : base + E * D].view(E, D)).any(1)
+        assert torch.equal(rows_after[t][~moved], rows_before[t][~moved]), \
+            f"table {t}: a row that the whole-table stages leave unchanged changed"
+        if moved.any():
+            assert_requantized(t, rows_after[t][moved], ref[moved], what="whole-table stages'")
+    assert_states_close(spec, states_of(emb), ref_states)
+    return True
 
 
 @pytest.mark.parametrize("name", FUSED)
@@ -205,14 +259,73 @@ def test_one_step_equals_dequantize_reference_requantize(name, pooling, weighted
     check_step(emb, random_batch(emb, 6, gen, weighted=weighted, hot=3), 6, gen)
 
 
-def test_update_is_bitwise_deterministic_across_runs_and_threads():
-    name = "adam" if "adam" in ALL else FUSED[0]
+# ---- whole-table stages (`table:`) on int8 rows ------------------------------------------------------
+
+# (optimizer, hyperparameters, tables): each case's stages run at every step of the test
+TABLE_STAGE_CASES = [
+    c for c in [
+        ("emainplace_rowwise_adagrad", dict(step_ema=1, step_start=0, step_ema_coef=0.25), EVEN_TABLES),
+        ("emainplace_rowwise_adagrad", dict(step_ema=1, step_start=2, step_ema_coef=1.0, max_norm=0.3), EVEN_TABLES),
+        # averaging at every step (which leaves the weights alone: rows keep their bytes), the
+        # average swapped into the weights at every second one
+        ("ensemble_rowwise_adagrad", dict(step_ema=1, step_swap=2, step_start=0, step_ema_coef=0.6), TABLES),
+        ("ensemble_rowwise_adagrad", dict(step_ema=1, step_swap=1, step_start=1, step_ema_coef=0.25, step_mode=0),
+         TABLES),
+        # a reduce stage only (max_counter from the per-row counters; it reads no weights, and
+        # leaves the int8 rows alone)
+        ("rowwise_adagrad_with_counter", dict(max_counter_update_freq=1), TABLES),
+    ] if c[0] in ALL
+]
+
+
+@pytest.mark.parametrize("name,hyper,tables", TABLE_STAGE_CASES,
+                         ids=[f"{n}-{i}" for i, (n, _, _) in enumerate(TABLE_STAGE_CASES)])
+def test_table_stages_and_step_equal_dequantize_reference_requantize(name, hyper, tables):
+    """Three steps, each: the whole-table stages against the float64 `table_reference` of the
+    dequantized rows, quantized; then the fused step against the float64 `reference`, quantized."""
+    emb = make(name, tables=tables, **hyper)
+    gen = torch.Generator().manual_seed(23)
+    ran = []
+    for _ in range(3):
+        ran.append(check_table_stages(emb))
+        check_step(emb, random_batch(emb, 6, gen, weighted=True, hot=3), 6, gen)
+    assert ran[1:] == [True, True], f"the whole-table stages ran at steps {ran} only"  # (step_start 2: not at 1)
+
+
+def test_table_stages_keep_unchanged_rows_and_change_the_others():
+    """ensemble_rowwise_adagrad at a step that only averages: the weights keep every byte; at a
+    step that swaps the average in, rows change (and are valid int8 rows of the average)."""
+    if "ensemble_rowwise_adagrad" not in ALL:
+        pytest.skip("TBEGEN_TEST_OPTIMIZERS leaves out ensemble_rowwise_adagrad")
+    emb = make("ensemble_rowwise_adagrad", step_ema=1, step_swap=2, step_start=0, step_ema_coef=0.5)
+    before = emb.weights.clone()
+    assert emb.run_table_stages()  # step 1: averages only
+    assert torch.equal(emb.weights, before)
+    ema = emb.optimizer_state("sparse_ema")
+    assert ema.abs().sum() > 0
+    gen = torch.Generator().manual_seed(4)
+    batch = random_batch(emb, 4, gen)
+    out = emb(batch.indices, batch.offsets)
+    out.backward(torch.randn(out.shape, generator=gen))  # (step 1's update)
+    assert emb.run_table_stages()  # step 2: averages, then swaps the average in
+    assert not torch.equal(emb.weights, before)
+    ema = emb.optimizer_state("sparse_ema")
+    for t, (E, D) in enumerate(TABLES):
+        off = emb.layout.table_offsets[t]
+        ref = ema[off : off + E * D].view(E, D).double()
+        assert_requantized(t, emb.split_int8_rows()[t], ref, what="swapped")
+
+
+@pytest.mark.parametrize("name,hyper,width", [("adam", {}, 33), ("emainplace_rowwise_adagrad", dict(step_ema=1), 34)])
+def test_update_is_bitwise_deterministic_across_runs_and_threads(name, hyper, width):
+    if name not in ALL:
+        pytest.skip(f"TBEGEN_TEST_OPTIMIZERS leaves out {name}")
     results = []
     threads = torch.get_num_threads()
     try:
         for n in (1, max(2, threads), 1):
             torch.set_num_threads(n)
-            emb = make(name, tables=((400, 33), (300, 16)), ftm=None)
+            emb = make(name, tables=((400, width), (300, 16)), ftm=None, **hyper)
             gen = torch.Generator().manual_seed(3)
             for _ in range(3):
                 batch = random_batch(emb, 64, gen, weighted=True, hot=20)
@@ -230,7 +343,7 @@ def test_update_is_bitwise_deterministic_across_runs_and_threads():
 
 
 def test_state_dict_round_trip_and_training_continues_identically():
-    name = "rowwise_adagrad" if "rowwise_adagrad" in ALL else FUSED[0]
+    name = "rowwise_adagrad" if "rowwise_adagrad" in ALL else plain()
     a = make(name)
     gen = torch.Generator().manual_seed(8)
     batches = [random_batch(a, 5, gen, weighted=True) for _ in range(3)]
@@ -253,7 +366,7 @@ def test_state_dict_round_trip_and_training_continues_identically():
 
 
 def test_load_table_weights_quantizes_and_split_views():
-    emb = make(FEW[0] if FEW else FUSED[0])
+    emb = make(plain())
     values = torch.randn(20, 5, dtype=torch.float64)
     emb.load_table_weights(1, values)
     assert torch.equal(emb.split_int8_rows()[1], int8.quantize_rows(values.float()))
@@ -272,7 +385,7 @@ def test_load_table_weights_quantizes_and_split_views():
 
 
 def test_weights_dtype_names():
-    spec = ALL[FUSED[0]]
+    spec = next(ALL[n] for n in FUSED if not ALL[n].table_pairs)
     for dt in ("int8", "uint8", torch.int8, torch.uint8):
         emb = TableBatchedEmbeddingBags([(4, 3)], optimizer=spec, weights_dtype=dt)
         assert emb.weights_dtype == torch.uint8 and emb.weights.numel() == 4 * (3 + 8)
@@ -282,20 +395,50 @@ def test_weights_dtype_names():
         TableBatchedEmbeddingBags([(4, 3)], optimizer=spec, weights_dtype="int8", output_dtype="int8")
 
 
-@pytest.mark.parametrize("optimizer,kw,message", [
-    ("none", {}, r"optimizer 'none' \(dense-gradient mode\) needs float weights"),
-    ("emainplace_rowwise_adagrad", {}, r"whole-table stages, which int8 rows do not support yet"),
-    ("ensemble_rowwise_adagrad", {}, r"whole-table stages, which int8 rows do not support yet"),
-    ("rowwise_adagrad", dict(placements=["device", "managed_caching"]),
-     r"int8 rows are not supported in 'managed_caching' tables yet \(table\(s\) \[1\]\)"),
+@pytest.mark.parametrize("optimizer,kw,error,message", [
+    # the dense-gradient mode: no update after which to re-quantize, and a float gradient to hold
+    ("none", {}, NotImplementedError,
+     r"optimizer 'none' \(dense-gradient mode\) cannot take int8 rows: it applies no update of its own, so "
+     r"there is no step after which to re-quantize the rows, and the weights are an autograd parameter"),
+    # (these two are refused whatever the weights dtype; int8 rows change nothing about it)
+    ("emainplace_rowwise_adagrad", dict(tables=[(10, 4), (10, 5)]), ValueError,
+     r"needs an even dim; table\(s\) \[1\] have dims \[5\]"),
+    ("ensemble_rowwise_adagrad", dict(placements=["device", "managed_caching"]), NotImplementedError,
+     r"whole-table stages, which managed_caching tables do not support yet"),
 ])
-def test_unsupported_combinations_are_refused(optimizer, kw, message):
-    with pytest.raises(NotImplementedError, match=message):
-        TableBatchedEmbeddingBags([(10, 4), (10, 8)], optimizer=optimizer, weights_dtype="int8", **kw)
+def test_unsupported_combinations_are_refused(optimizer, kw, error, message):
+    if optimizer not in ALL:
+        pytest.skip(f"TBEGEN_TEST_OPTIMIZERS leaves out {optimizer}")
+    tables = kw.pop("tables", [(10, 4), (10, 8)])
+    with pytest.raises(error, match=message):
+        TableBatchedEmbeddingBags(tables, optimizer=optimizer, weights_dtype="int8", **kw)
+
+
+@pytest.mark.parametrize("name", [n for n in ("emainplace_rowwise_adagrad", "ensemble_rowwise_adagrad") if n in ALL])
+def test_bad_int8_table_update_calls_raise(name):
+    """The whole-table stages' operator checks an int8 buffer as the forward does: every row's
+    qparams must fit, and int8 rows are uint8 (a signed int8 tensor is no weights buffer)."""
+    emb = make(name, tables=EVEN_TABLES, step_ema=1)
+    states = [getattr(emb.states, s.name) for s in emb.spec.states]
+    hyper = [emb.hyperparameters[h.name] for h in emb.spec.hyperparameters]
+
+    def call(weights):
+        return emb._ops.table_update(weights, emb.features, emb.layout.total_hash_size, False, 0, *states, *hyper, 1)
+
+    # codes' worth of bytes only: the tables do not fit (with per-element states, whose size the
+    # operator derives from the buffer's, the states' check says it first)
+    short = r"does not fit in the weights buffer of \d+ elements \(int8 rows: D \+ 8 bytes"
+    if any(s.per == "element" for s in emb.spec.states):
+        short = r"must have \d+ elements \(one per weight element\)"
+    with pytest.raises(RuntimeError, match=short):
+        call(emb.weights[: emb.layout.weights_numel])
+    with pytest.raises(RuntimeError, match=r"weights must be float32, float16, bfloat16 or uint8 \(int8 rows\), got"):
+        call(emb.weights.view(torch.int8))
+    assert call(emb.weights)  # (the same call with the module's own buffer runs)
 
 
 def test_bad_int8_calls_raise():
-    emb = make(FEW[0] if FEW else FUSED[0])
+    emb = make(plain())
     with pytest.raises(ValueError, match=r"table 1 takes a float tensor of shape \[20, 5\]"):
         emb.load_table_weights(1, torch.zeros(20, 6))
     with pytest.raises(ValueError, match="table must be from 0 to 2"):
@@ -314,6 +457,141 @@ def test_bad_int8_calls_raise():
     with pytest.raises(RuntimeError, match=r"weights must be float32, float16, bfloat16 or uint8 \(int8 rows\)"):
         ops.forward(emb.weights.view(torch.int8), emb.features, emb.layout.total_D, emb.layout.max_D,
                     torch.tensor([0]), torch.tensor([0, 1, 1, 1, 1]), None, 0, None, False)
+
+
+# ---- managed_caching tables of int8 rows ------------------------------------------------------------
+#
+# The cache logic is torch operations on the module's device, so the CPU runs all of it: rows
+# (codes and qparams, D + 8 bytes) loaded into slots, evicted, written back, read in the backing
+# store when a batch overflows a cache. An int8 row's update depends on nothing but its values
+# (no key-dependent random bits: int8 rows round to nearest), so cached training must be bitwise
+# that of device placement.
+
+CACHE_TABLES = ((40, 8), (25, 5), (16, 33))
+CACHE_PLACEMENTS = ["managed_caching", "device", "managed_caching"]
+# a cached table that is "compact" (its slots packed after every table) beside a "direct" one
+# (slots continuing its rows): tbegen/cache.py
+COMPACT_TABLES = ((40, 64), (2000, 4), (16, 4))
+
+
+def int8_data(emb, steps, B, seed, max_L=3, device="cpu"):
+    """`steps` batches for `emb`'s features, each with its output gradient: (indices, offsets, psw, grad)."""
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(steps):
+        batch = random_batch(emb, B, gen, max_L=max_L, weighted=True)
+        grad = torch.randn(B, emb.layout.total_D, generator=gen)
+        out.append((*on(batch, device), grad.to(device)))
+    return out
+
+
+def train_int8(emb, data, other=None, prefetch=False):
+    """Trains `emb` on `data` (prefetching each next batch between a forward and its backward);
+    with `other`, trains it alongside, the forward outputs bitwise equal at every step."""
+    for k, (idx, offsets, psw, grad) in enumerate(data):
+        out = emb(idx, offsets, psw)
+        if other is not None:
+            out_other = other(idx, offsets, psw)
+            assert torch.equal(out, out_other), f"step {k + 1}: the forwards differ"
+            out_other.backward(grad)
+        if prefetch and k + 1 < len(data):
+            emb.prefetch(data[k + 1][0], data[k + 1][1])
+        out.backward(grad)
+    return emb
+
+
+def assert_same_int8_training(a, b):
+    """Every int8 row (codes and qparams) and every state bitwise equal (caches written back first)."""
+    for t, (x, y) in enumerate(zip(a.split_int8_rows(), b.split_int8_rows())):
+        assert torch.equal(x.cpu(), y.cpu()), f"table {t}: the rows differ"
+    for s in a.spec.states:
+        assert torch.equal(a.optimizer_state(s.name).cpu(), b.optimizer_state(s.name).cpu()), f"state {s.name}"
+    assert a.step == b.step
+
+
+@pytest.mark.parametrize("name,algorithm,ftm,prefetch", [
+    ("sgd", "lru", None, False),
+    ("rowwise_adagrad", "lfu", FTM, False),   # a per-row state moves with its row; a shared cached table
+    ("adam", "lru", None, True),              # per-element states move with their row; prefetching ahead
+])
+def test_cached_int8_tables_train_bitwise_like_device(name, algorithm, ftm, prefetch):
+    if name not in ALL:
+        pytest.skip(f"TBEGEN_TEST_OPTIMIZERS leaves out {name}")
+    device = make(name, tables=CACHE_TABLES, ftm=ftm)
+    # 12 slots for 40 and 16 rows, a batch reading up to 12 (18 with the shared table) rows of each:
+    # evictions every batch
+    cached = make(name, tables=CACHE_TABLES, ftm=ftm, placements=CACHE_PLACEMENTS, cache_rows=12,
+                  cache_algorithm=algorithm)
+    assert torch.equal(device.weights, cached.weights)
+    data = int8_data(device, 8, B=4, seed=17)
+    train_int8(cached, data, other=device, prefetch=prefetch)
+    stats = cached.cache_stats()
+    assert stats["evictions"] > 0 and stats["rows_written_back"] > 0 and 0 < stats["hits"] < stats["lookups"]
+    # (a row moves with its codes and qparams: D + 8 bytes, besides its states)
+    state_bytes = [sum(D * 4 if s.per == "element" else 4 for s in device.spec.states) for _, D in CACHE_TABLES]
+    assert cached._cache.row_bytes == [D + 8 + state_bytes[t] for t, (_, D) in enumerate(CACHE_TABLES) if t != 1]
+    assert_same_int8_training(device, cached)
+
+
+@pytest.mark.parametrize("tables", [CACHE_TABLES, COMPACT_TABLES])
+def test_cached_int8_batches_larger_than_the_cache(tables):
+    """Batches with more distinct rows of a table than its cache holds: a direct table reads the
+    rows that do not fit in its backing store, a compact one is written back and bypassed; the same
+    bits as device placement either way, alternating with batches that fit."""
+    name = plain(1)
+    device = make(name, tables=tables, ftm=None)
+    cached = make(name, tables=tables, ftm=None, placements=CACHE_PLACEMENTS, cache_rows=12)
+    small = int8_data(device, 4, B=3, seed=19)
+    large = int8_data(device, 3, B=8, max_L=6, seed=20)  # up to 48 distinct rows: more than 12 slots
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (the bypass warning: test_cache.py checks it)
+        train_int8(cached, [small[0], large[0], small[1], large[1], small[2], large[2], small[3]], other=device)
+    stats = cached.cache_stats()
+    assert stats["backing_lookups"] > 0 and stats["hits"] > 0
+    assert (stats["bypasses"] > 0) == (not all(stats["direct"].values()))
+    assert_same_int8_training(device, cached)
+
+
+def test_cached_int8_state_dict_round_trip_with_dirty_rows():
+    """state_dict of a cached int8 module with dirty cached rows (written back first): loaded into
+    a device-placed and into a cached module, training continues bitwise as without the round
+    trip; loading into a cached module with dirty rows of its own: the loaded rows win."""
+    name = plain(1)
+    kw = dict(tables=CACHE_TABLES, ftm=FTM)
+    cached = make(name, placements=CACHE_PLACEMENTS, cache_rows=12, **kw)
+    data = int8_data(cached, 6, B=3, seed=27)
+    train_int8(cached, data[:3])
+    assert cached.cache_stats()["dirty_rows"] > 0  # (no flush before saving: state_dict does it)
+    buf = io.BytesIO()
+    torch.save(cached.state_dict(), buf)
+    reference = train_int8(make(name, **kw), data)
+    for target in (make(name, seed=9, **kw), make(name, seed=9, placements=CACHE_PLACEMENTS, cache_rows=12, **kw)):
+        buf.seek(0)
+        target.load_state_dict(torch.load(buf))
+        assert_same_int8_training(reference, train_int8(target, data[3:]))
+    stale = train_int8(make(name, seed=4, placements=CACHE_PLACEMENTS, cache_rows=12, **kw), data[3:])
+    assert stale.cache_stats()["dirty_rows"] > 0
+    buf.seek(0)
+    stale.load_state_dict(torch.load(buf))
+    assert_same_int8_training(reference, train_int8(stale, data[3:]))
+    assert_same_int8_training(reference, train_int8(cached, data[3:]))
+
+
+def test_cached_int8_rows_read_and_written_through_the_views():
+    """split_int8_rows and load_table_weights see and set every row of a cached table: the
+    caches are written back and emptied first, so a write is what the next batch reads."""
+    name = plain()
+    emb = make(name, tables=CACHE_TABLES, ftm=None, placements=CACHE_PLACEMENTS, cache_rows=12)
+    train_int8(emb, int8_data(emb, 2, B=3, seed=31))
+    assert emb.cache_stats()["resident_rows"] > 0
+    rows = emb.split_int8_rows()[0]  # (written back and emptied)
+    assert emb.cache_stats()["resident_rows"] == 0
+    rows[5].copy_(int8.quantize_rows(torch.full((1, 8), 0.5))[0])
+    out = emb(torch.tensor([5]), torch.tensor([0, 1, 1, 1]))
+    assert torch.equal(out[0, :8], torch.full((8,), 0.5))
+    values = torch.randn(16, 33)
+    emb.load_table_weights(2, values)
+    assert torch.equal(emb.split_int8_rows()[2], int8.quantize_rows(values))
 
 
 # ---- CUDA -----------------------------------------------------------------------------------------
@@ -363,7 +641,7 @@ def test_cuda_equals_cpu(name):
 
 @cuda
 def test_cuda_update_is_bitwise_deterministic():
-    name = "adam" if "adam" in ALL else FUSED[0]
+    name = "adam" if "adam" in ALL else plain()
     results = []
     for _ in range(2):
         emb = make(name, device="cuda", tables=((400, 33), (300, 16), (20, 1000)), ftm=None, max_segment_length_per_warp=8)
@@ -378,7 +656,7 @@ def test_cuda_update_is_bitwise_deterministic():
 
 @cuda
 def test_cuda_managed_placement_trains_like_device():
-    name = FEW[0] if FEW else FUSED[0]
+    name = plain()
     dev = make(name, device="cuda")
     man = make(name, device="cuda", placements="managed")
     gen = torch.Generator().manual_seed(5)
@@ -387,3 +665,107 @@ def test_cuda_managed_placement_trains_like_device():
     for emb in (dev, man):
         emb(*on(batch, "cuda")).backward(g)
     assert torch.equal(dev.weights.cpu(), man.weights.cpu())
+
+
+@cuda
+@pytest.mark.parametrize("name,hyper,tables", TABLE_STAGE_CASES,
+                         ids=[f"{n}-{i}" for i, (n, _, _) in enumerate(TABLE_STAGE_CASES)])
+def test_cuda_table_stages_and_step_equal_dequantize_reference_requantize(name, hyper, tables):
+    """The whole-table stages' int8 kernel (a warp per row) and the fused step on the GPU, each
+    against its float64 reference, quantized (as the CPU test)."""
+    emb = make(name, device="cuda", tables=tables, **hyper)
+    gen = torch.Generator().manual_seed(23)
+    ran = []
+    for _ in range(3):
+        ran.append(check_table_stages(emb, device="cuda"))
+        check_step(emb, random_batch(emb, 6, gen, weighted=True, hot=3), 6, gen, device="cuda")
+    assert ran[1:] == [True, True], f"the whole-table stages ran at steps {ran} only"
+
+
+@cuda
+@pytest.mark.parametrize("name,hyper", [(n, h) for n, h, _ in TABLE_STAGE_CASES[::2]])
+def test_cuda_table_stages_equal_cpu(name, hyper):
+    """CPU and GPU modules from the same rows, stages of one step: rows within one quantization
+    step of each other (the stage's float32 arithmetic may round differently near a code
+    boundary), states to float32 rounding; wide rows (D = 1000: 8 warps a block, 32 columns a
+    lane)."""
+    tables = ((300, 64), (200, 34), (50, 1000))
+    cpu = make(name, tables=tables, ftm=None, **hyper)
+    gpu = make(name, device="cuda", tables=tables, ftm=None, **hyper)
+    gen = torch.Generator().manual_seed(43)
+    for _ in range(3):
+        assert cpu.run_table_stages() and gpu.run_table_stages()
+        for rc, rg in zip(cpu.split_int8_rows(), gpu.split_int8_rows()):
+            rg = rg.cpu()
+            wc, wg = int8.dequantize_rows(rc, torch.float64), int8.dequantize_rows(rg, torch.float64)
+            steps = torch.maximum(int8.qparams(rc)[0], int8.qparams(rg)[0]).double()[:, None]
+            assert ((wc - wg).abs() <= steps * 1.01 + 1e-5).all()
+        for s in cpu.spec.states:
+            torch.testing.assert_close(gpu.optimizer_state(s.name).cpu(), cpu.optimizer_state(s.name), rtol=1e-5, atol=1e-6)
+        batch = random_batch(cpu, 16, gen, weighted=True)
+        g = torch.randn(16, cpu.layout.total_D, generator=gen)
+        cpu(*on(batch, "cpu")).backward(g)
+        gpu(*on(batch, "cuda")).backward(g.cuda())
+        gpu.load_state_dict(cpu.state_dict())  # (resynchronised: each step compares one step's stages)
+
+
+@cuda
+def test_cuda_table_stages_are_bitwise_deterministic():
+    name = next((n for n, _, _ in TABLE_STAGE_CASES), None)
+    if name is None:
+        pytest.skip("TBEGEN_TEST_OPTIMIZERS leaves out the optimizers with whole-table stages")
+    hyper = TABLE_STAGE_CASES[0][1]
+    results = []
+    for _ in range(2):
+        emb = make(name, device="cuda", tables=((4000, 34), (300, 512)), ftm=None, **hyper)
+        train_int8(emb, int8_data(emb, 3, B=64, seed=7, device="cuda"))
+        results.append((emb.weights.cpu(), states_of(emb)))
+    assert torch.equal(results[0][0], results[1][0])
+    assert all(torch.equal(results[0][1][k], results[1][1][k]) for k in results[0][1])
+
+
+# cached tables in managed memory, a device table, a managed one; rows of 2 mod 4 and odd widths
+CUDA_CACHE_TABLES = ((4096, 128), (3000, 66), (2048, 33), (1000, 32))
+CUDA_CACHE_PLACEMENTS = ["managed_caching", "device", "managed", "managed_caching"]
+
+
+@cuda
+@pytest.mark.parametrize("name,algorithm,prefetch", [(n, a, p) for n, a, p in
+                                                      [("sgd", "lru", False), ("rowwise_adagrad", "lfu", True),
+                                                       ("adam", "lru", True)] if n in ALL])
+def test_cuda_cached_int8_tables_train_bitwise_like_device(name, algorithm, prefetch):
+    """int8 rows in managed_caching tables on the GPU: bitwise the training of device placement
+    (the kernels read and update the slots' rows as device rows; codes and qparams move together),
+    with evictions, write-backs and, with prefetching ahead, rows loaded between a batch's
+    forward and backward."""
+    kw = dict(tables=CUDA_CACHE_TABLES, ftm=None, device="cuda")
+    device = make(name, **kw)
+    cached = make(name, placements=CUDA_CACHE_PLACEMENTS, cache_rows=1000, cache_algorithm=algorithm, **kw)
+    # 64 bags of up to 8 rows per feature: at most 512 distinct rows of a table per batch
+    data = int8_data(device, 6, B=64, max_L=8, seed=3, device="cuda")
+    train_int8(cached, data, other=device, prefetch=prefetch)
+    torch.cuda.synchronize()
+    stats = cached.cache_stats()
+    assert stats["evictions"] > 0 and stats["rows_written_back"] > 0 and 0 < stats["hit_rate"] < 1
+    assert_same_int8_training(device, cached)
+
+
+@cuda
+def test_cuda_cached_int8_state_dict_round_trip_with_dirty_rows():
+    name = plain(1)
+    kw = dict(tables=CUDA_CACHE_TABLES, ftm=None, device="cuda")
+    cached = make(name, placements=CUDA_CACHE_PLACEMENTS, cache_rows=600, **kw)
+    data = int8_data(cached, 5, B=32, max_L=4, seed=5, device="cuda")
+    train_int8(cached, data[:2])
+    assert cached.cache_stats()["dirty_rows"] > 0
+    buf = io.BytesIO()
+    torch.save(cached.state_dict(), buf)
+    reference = train_int8(make(name, **kw), data)
+    for target in (make(name, seed=3, **kw), make(name, seed=3, placements=CUDA_CACHE_PLACEMENTS, cache_rows=600, **kw)):
+        buf.seek(0)
+        target.load_state_dict(torch.load(buf))
+        assert_same_int8_training(reference, train_int8(target, data[2:]))
+    # and the module itself, moved to the CPU and back (its cache written back and rebuilt)
+    cached.cpu()
+    cached.cuda()
+    assert_same_int8_training(reference, train_int8(cached, data[2:]))

@@ -45,7 +45,8 @@ bool table_update_cuda(const at::Tensor& weights, const at::Tensor& features, in
   const std::vector<TableExtent> tables = table_extents(weights, features, total_hash_size,
                                                         Optimizer::kTablePairs, "emainplace_rowwise_adagrad");
   const auto wt = weights.scalar_type();
-  cuda::TableLaunch launch{&tbegen_params, weights.data_ptr(), wt == at::kFloat ? 0 : wt == at::kHalf ? 1 : 2,
+  cuda::TableLaunch launch{&tbegen_params, weights.data_ptr(),
+                           wt == at::kFloat ? 0 : wt == at::kHalf ? 1 : wt == at::kByte ? 3 : 2,
                            tables.data(), static_cast<int64_t>(tables.size()),
                            RowUpdateContext{stochastic_rounding, table_stage_seed(seed), step}, nullptr};
   launch.elements = Optimizer::table_runs(tbegen_params, step);

@@ -46,7 +46,8 @@ bool table_update_cuda(const at::Tensor& weights, const at::Tensor& features, in
                                                         Optimizer::kTablePairs, "rowwise_adagrad_with_counter", feature_table,
                                                         num_tables);
   const auto wt = weights.scalar_type();
-  cuda::TableLaunch launch{&tbegen_params, weights.data_ptr(), wt == at::kFloat ? 0 : wt == at::kHalf ? 1 : 2,
+  cuda::TableLaunch launch{&tbegen_params, weights.data_ptr(),
+                           wt == at::kFloat ? 0 : wt == at::kHalf ? 1 : wt == at::kByte ? 3 : 2,
                            tables.data(), static_cast<int64_t>(tables.size()),
                            RowUpdateContext{stochastic_rounding, table_stage_seed(seed), step}, nullptr};
   launch.elements = Optimizer::table_runs(tbegen_params, step);

@@ -230,6 +230,21 @@ TBEGEN_HD TBEGEN_INLINE uint8_t quantize(float x, const Int8QParams& q) {
   return static_cast<uint8_t>(fminf(fmaxf(c, 0.0f), 255.0f));
 }
 
+// Quantizes the float row `w` (D values) into the int8 row `wrow` (codes, then qparams from the
+// row's min and max), by one thread: what the CPU update does after each row's update and the
+// whole-table stages after theirs (the CUDA kernels take the min and max over a warp instead:
+// the same values, min and max being exact in any order).
+TBEGEN_HD TBEGEN_INLINE void quantize_row_int8(uint8_t* wrow, const float* w, int D) {
+  float lo = INFINITY, hi = -INFINITY;
+  for (int d = 0; d < D; ++d) {
+    lo = fminf(lo, w[d]);
+    hi = fmaxf(hi, w[d]);
+  }
+  const Int8QParams q = int8_qparams(lo, hi);
+  for (int d = 0; d < D; ++d) wrow[d] = quantize(w[d], q);
+  store_qparams(wrow, D, q);
+}
+
 // Counter-based random bits for stochastic rounding: a pure function of (seed, step, key,
 // element), so a step is reproducible bit for bit and different steps draw different bits. Two
 // parts: a 64-bit mix of (seed, step, key), the same for every element of a row (inlined, it is

@@ -17,7 +17,7 @@ namespace cuda {
 struct TableLaunch {
   const void* params;        // the optimizer's Params
   void* weights;             // W*, W given by weights_dtype
-  int weights_dtype;         // 0 float, 1 c10::Half, 2 c10::BFloat16
+  int weights_dtype;         // 0 float, 1 c10::Half, 2 c10::BFloat16, 3 uint8_t (int8 rows)
   const TableExtent* tables; // host array of n_tables
   int64_t n_tables;
   RowUpdateContext ctx;      // ctx.seed already table_stage_seed(seed)

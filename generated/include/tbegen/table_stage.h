@@ -139,23 +139,46 @@ struct TableUnit {
   }
 };
 
+// Where a whole-table stage reads and writes a unit's weights: in the weights buffer itself
+// (float, fp16, bf16), each element rounded back once at the end, as the backward rounds
+// (stochastically when asked).
+template <typename W>
+struct TableWeightsInPlace {
+  W* weights;
+  int64_t base;  // the row's first element
+
+  TBEGEN_HD TBEGEN_INLINE float load(int32_t col) const { return WeightTraits<W>::load(weights[base + col]); }
+  TBEGEN_HD TBEGEN_INLINE void store(int32_t col, float x, const RowUpdateContext& ctx, int64_t key) const {
+    weights[base + col] = WeightTraits<W>::round(x, random_bits(ctx.seed, ctx.step, key, col), ctx.stochastic_rounding);
+  }
+};
+
+// ... or in a float copy of the row (int8 rows: the row is dequantized into it before its units
+// run and quantized from it afterwards, run_table_row_int8).
+struct TableWeightsFloatRow {
+  float* row;
+
+  TBEGEN_HD TBEGEN_INLINE float load(int32_t col) const { return row[col]; }
+  TBEGEN_HD TBEGEN_INLINE void store(int32_t col, float x, const RowUpdateContext&, int64_t) const { row[col] = x; }
+};
+
 // Runs the whole-table stages on unit `u` of row `row` of table `t`: loads the unit's weights
-// and states, calls the generated Opt::table_unit, and stores them back (weights rounded like the
-// backward's, stochastically when asked; narrow states stochastically, always: common.h).
-// `ctx.seed` is already table_stage_seed(seed).
-template <class Opt, typename W>
-TBEGEN_HD TBEGEN_INLINE void run_table_unit(const typename Opt::Params& p, W* weights, const TableExtent& t,
-                                            int64_t row, int64_t u, const RowUpdateContext& ctx) {
+// (through `io`) and states, calls the generated Opt::table_unit, and stores them back (narrow
+// states rounded stochastically, always: common.h). `ctx.seed` is already table_stage_seed(seed).
+template <class Opt, class WeightsIO>
+TBEGEN_HD TBEGEN_INLINE void run_table_unit_with(const typename Opt::Params& p, const WeightsIO& io,
+                                                 const TableExtent& t, int64_t row, int64_t u,
+                                                 const RowUpdateContext& ctx) {
   TableUnit<Opt> unit;
   const int64_t D = t.dim;
   unit.dim_ = static_cast<int>(D);
   unit.cols_[0] = static_cast<int>(u);
   if (TableUnit<Opt>::kN == 2) unit.cols_[TableUnit<Opt>::kN - 1] = static_cast<int>(u + D / 2);
-  const int64_t base = t.weights_offset + row * D;
+  const int64_t base = t.weights_offset + row * D;  // (per-element states: the element layout)
   const int64_t key = t.key_base + row;
   for (int e = 0; e < TableUnit<Opt>::kN; ++e) {
     const int64_t i = base + unit.cols_[e];
-    unit.w_[e] = WeightTraits<W>::load(weights[i]);
+    unit.w_[e] = io.load(unit.cols_[e]);
     for (int k = 0; k < Opt::kElementStates; ++k) {
       unit.el_[k][e] = load_state(p.element_states[k], p.element_state_dtypes[k], i);
     }
@@ -166,11 +189,59 @@ TBEGEN_HD TBEGEN_INLINE void run_table_unit(const typename Opt::Params& p, W* we
   for (int e = 0; e < TableUnit<Opt>::kN; ++e) {
     const int32_t d = unit.cols_[e];
     const int64_t i = base + d;
-    weights[i] = WeightTraits<W>::round(unit.w_[e], random_bits(ctx.seed, ctx.step, key, d), ctx.stochastic_rounding);
+    io.store(d, unit.w_[e], ctx, key);
     for (int k = 0; k < Opt::kElementStates; ++k) {
       store_state(p.element_states[k], p.element_state_dtypes[k], i, unit.el_[k][e], ctx, k, key, d);
     }
   }
+}
+
+// The whole-table stages on one unit of float, fp16 or bf16 weights, in place.
+template <class Opt, typename W>
+TBEGEN_HD TBEGEN_INLINE void run_table_unit(const typename Opt::Params& p, W* weights, const TableExtent& t,
+                                            int64_t row, int64_t u, const RowUpdateContext& ctx) {
+  const TableWeightsInPlace<W> io{weights, t.weights_offset + row * t.dim};
+  run_table_unit_with<Opt>(p, io, t, row, u, ctx);
+}
+
+// ---- int8 rows (uint8 weights, common.h) ----
+//
+// A stage cannot update an int8 row element by element: the row is dequantized into a float copy
+// (`w = fmaf(scale, q, bias)`, as every kernel reads it), every unit of the row runs on the copy,
+// and the row is quantized again from the copy with fresh qparams from its min and max, as the
+// fused update quantizes (quantize_row_int8, common.h). A row whose values the stages left
+// bitwise unchanged (say, a stage that writes only an element state, or the first half of an
+// emainplace row moving towards itself) keeps its bytes: re-quantizing an unchanged row could
+// move its qparams by float32 rounding, step after step, without any update.
+
+// Where int8 row `row` of table `t` starts in the byte buffer (its codes, then its qparams).
+TBEGEN_HD TBEGEN_INLINE uint8_t* table_int8_row(uint8_t* weights, const TableExtent& t, int64_t row) {
+  return weights + weights_row_start<uint8_t>(t.weights_offset + row * t.dim, t.key_base + row);
+}
+
+// Whether the float value `x` is, bit for bit, the dequantized code `code`.
+TBEGEN_HD TBEGEN_INLINE bool same_as_code(float x, uint8_t code, const Int8QParams& q) {
+  const float old = load_weight(code, q);
+  uint32_t a, b;
+  memcpy(&a, &x, sizeof(a));
+  memcpy(&b, &old, sizeof(b));
+  return a == b;
+}
+
+// One int8 row's whole-table stages, by one thread (the CPU loop), through `scratch` (dim floats).
+template <class Opt>
+TBEGEN_HD TBEGEN_INLINE void run_table_row_int8(const typename Opt::Params& p, uint8_t* weights, const TableExtent& t,
+                                                int64_t row, const RowUpdateContext& ctx, float* scratch) {
+  const int D = static_cast<int>(t.dim);
+  uint8_t* wrow = table_int8_row(weights, t, row);
+  const Int8QParams q = load_qparams(wrow, D);
+  for (int d = 0; d < D; ++d) scratch[d] = load_weight(wrow[d], q);
+  const TableWeightsFloatRow io{scratch};
+  const int64_t units = table_units_per_row<Opt>(t.dim);
+  for (int64_t u = 0; u < units; ++u) run_table_unit_with<Opt>(p, io, t, row, u, ctx);
+  bool changed = false;
+  for (int d = 0; d < D; ++d) changed = changed || !same_as_code(scratch[d], wrow[d], q);
+  if (changed) quantize_row_int8(wrow, scratch, D);
 }
 
 }  // namespace tbegen

@@ -24,9 +24,10 @@ inline std::vector<TableExtent> table_extents(const at::Tensor& weights, const a
                                               const at::Tensor& feature_table = at::Tensor(),
                                               int64_t num_tables = 0) {
   TBEGEN_CHECK(weights.dim() == 1 && weights.is_contiguous(), "tbegen: weights must be a contiguous 1-D buffer");
+  check_weights_dtype(weights);
   const auto wt = weights.scalar_type();
-  TBEGEN_CHECK(wt == at::kFloat || wt == at::kHalf || wt == at::kBFloat16,
-              "tbegen: weights must be float32, float16 or bfloat16, got ", dtype_name(wt));
+  // (int8 rows: a byte buffer in which every row also carries its 8 bytes of qparams)
+  const int64_t extra = wt == at::kByte ? kInt8QparamBytes : 0;
   TBEGEN_CHECK(features.scalar_type() == at::kLong && features.dim() == 2 && features.size(1) == kFeatColumns,
               "tbegen: features must be an int64 tensor of shape [F, ", int64_t(kFeatColumns), "], got ",
               dtype_name(features.scalar_type()), " ", features.sizes());
@@ -49,9 +50,11 @@ inline std::vector<TableExtent> table_extents(const at::Tensor& weights, const a
                 "] = ", t.table, " is not a table (the per-table states have ", num_tables, " entries)");
     TBEGEN_CHECK(t.dim >= 1 && t.dim <= kMaxD, "tbegen: feature ", f, " has D = ", t.dim,
                 "; embedding dims must be from 1 to ", kMaxD);
-    TBEGEN_CHECK(t.rows >= 0 && t.weights_offset >= 0 && t.weights_offset + t.rows * t.dim <= weights.numel(),
+    TBEGEN_CHECK(t.rows >= 0 && t.weights_offset >= 0 && t.key_base >= 0 &&
+                    t.weights_offset + t.rows * t.dim + extra * (t.key_base + t.rows) <= weights.numel(),
                 "tbegen: feature ", f, "'s table (", t.rows, " x ", t.dim, " at offset ", t.weights_offset,
-                ") does not fit in the weights buffer of ", weights.numel(), " elements");
+                ") does not fit in the weights buffer of ", weights.numel(), " elements",
+                extra ? " (int8 rows: D + 8 bytes per row)" : "");
     TBEGEN_CHECK(t.key_base >= 0 && t.key_base + t.rows <= total_hash_size, "tbegen: feature ", f,
                 "'s rows (keys ", t.key_base, " to ", t.key_base + t.rows, ") exceed total_hash_size = ",
                 total_hash_size);
@@ -88,6 +91,19 @@ void table_stages_cpu(const typename Opt::Params& p, W* weights, const std::vect
       for (int64_t row = begin; row < end; ++row) {
         for (int64_t u = 0; u < units; ++u) run_table_unit<Opt, W>(p, weights, t, row, u, ctx);
       }
+    });
+  }
+}
+
+// The same over int8 rows (table_stage.h: each row through a float copy, then quantized again).
+template <class Opt>
+void table_stages_int8_cpu(const typename Opt::Params& p, uint8_t* weights, const std::vector<TableExtent>& tables,
+                           const RowUpdateContext& ctx) {
+  for (const TableExtent& t : tables) {
+    const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(1, t.dim));
+    at::parallel_for(0, t.rows, grain, [&](int64_t begin, int64_t end) {
+      std::vector<float> scratch(t.dim);
+      for (int64_t row = begin; row < end; ++row) run_table_row_int8<Opt>(p, weights, t, row, ctx, scratch.data());
     });
   }
 }
@@ -162,6 +178,8 @@ bool table_update_cpu(const at::Tensor& weights, const at::Tensor& features, int
         table_stages_cpu<Opt>(p, weights.data_ptr<float>(), tables, unit_ctx);
       } else if (wt == at::kHalf) {
         table_stages_cpu<Opt>(p, weights.data_ptr<c10::Half>(), tables, unit_ctx);
+      } else if (wt == at::kByte) {
+        table_stages_int8_cpu<Opt>(p, weights.data_ptr<uint8_t>(), tables, unit_ctx);
       } else {
         table_stages_cpu<Opt>(p, weights.data_ptr<c10::BFloat16>(), tables, unit_ctx);
       }

@@ -351,14 +351,7 @@ void backward(const Batch& b, const int64_t* feat, int64_t total_hash_size, cons
 
       if constexpr (std::is_same_v<W, uint8_t>) {
         // int8 rows: quantized again with the updated row's min and max (common.h)
-        float lo = INFINITY, hi = -INFINITY;
-        for (int d = 0; d < D; ++d) {
-          lo = fminf(lo, row.w_[d]);
-          hi = fmaxf(hi, row.w_[d]);
-        }
-        const Int8QParams q = int8_qparams(lo, hi);
-        for (int d = 0; d < D; ++d) wrow[d] = quantize(row.w_[d], q);
-        store_qparams(wrow, D, q);
+        quantize_row_int8(wrow, row.w_, D);
       } else if constexpr (!kInPlace) {
         for (int d = 0; d < D; ++d) {
           const uint32_t bits = ctx.stochastic_rounding ? random_bits(ctx.seed, ctx.step, key, d) : 0u;

@@ -105,15 +105,20 @@ inline void check_features(const Batch& b, const int64_t* feat, const at::Tensor
   }
 }
 
+// The weights dtypes the kernels take: float32, float16, bfloat16, and uint8 for int8 rows.
+inline void check_weights_dtype(const at::Tensor& weights) {
+  const auto wt = weights.scalar_type();
+  TBEGEN_CHECK(wt == at::kFloat || wt == at::kHalf || wt == at::kBFloat16 || wt == at::kByte,
+              "tbegen: weights must be float32, float16, bfloat16 or uint8 (int8 rows), got ", dtype_name(wt));
+}
+
 // Checks everything that can be checked without reading device memory, and returns the shapes.
 inline Batch check_batch(const at::Tensor& weights, const at::Tensor& features, int64_t total_D,
                          int64_t max_D, const at::Tensor& indices, const at::Tensor& offsets,
                          const c10::optional<at::Tensor>& per_sample_weights, int64_t pooling) {
   TBEGEN_CHECK(weights.dim() == 1, "tbegen: weights must be a flat 1-D buffer, got ", weights.dim(),
               " dimensions");
-  const auto wt = weights.scalar_type();
-  TBEGEN_CHECK(wt == at::kFloat || wt == at::kHalf || wt == at::kBFloat16 || wt == at::kByte,
-              "tbegen: weights must be float32, float16, bfloat16 or uint8 (int8 rows), got ", dtype_name(wt));
+  check_weights_dtype(weights);
   TBEGEN_CHECK(weights.is_contiguous(), "tbegen: weights must be contiguous");
   check_tensor(features, "features", weights);
   TBEGEN_CHECK(features.scalar_type() == at::kLong && features.dim() == 2 &&
@@ -287,7 +292,10 @@ inline void check_finite_host(const float* x, int64_t n, int code) {
 // The number of weight elements (the columns of all rows) in a weights buffer: its numel, less the
 // qparams of int8 rows (kInt8QparamBytes for each of the total_hash_size rows). Per-element states
 // have this many elements.
+// (The weights' dtype is checked first: the per-element states' sizes, checked against this
+// count, would otherwise be what a wrong dtype is reported as.)
 inline int64_t weight_elements(const at::Tensor& weights, int64_t total_hash_size) {
+  check_weights_dtype(weights);
   return weights.scalar_type() == at::kByte ? weights.numel() - kInt8QparamBytes * total_hash_size : weights.numel();
 }
 
