@@ -712,6 +712,14 @@ class TableBatchedEmbeddingBags(nn.Module):
         if self._cache is not None:
             self._cache.flush(self._cache_buffers())
 
+    def drop_cache(self) -> None:
+        """Empties the caches WITHOUT writing their changed rows back: for when the tables' rows
+        are about to be replaced through their views (TorchRec purges before it loads a
+        state_dict). Does nothing without cached tables."""
+        if self._cache is not None:
+            self._cache.invalidate()
+            self._prefetched.clear()
+
     def _flush_and_empty(self) -> None:
         """Before the tables' memory is handed out (views, or a move): flushed, then emptied, so
         that what is written through the views is what the next batch loads."""

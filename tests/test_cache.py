@@ -384,6 +384,29 @@ def test_writes_through_the_views_are_read():
     assert_same_tables(device, cached)
 
 
+def test_drop_cache_then_writes_to_the_tables_are_read():
+    """drop_cache (TorchRec's purge, before it loads a state_dict into the tables' memory) empties
+    the caches without writing back, so rows then written to the tables' memory (not through
+    split_embedding_weights, which flushes) are what the next batch reads; without it the stale
+    cached copies would be read."""
+    kw = dict(optimizer="sgd", learning_rate=0.05)
+    device = TableBatchedEmbeddingBags(TABLES, **kw)
+    cached = TableBatchedEmbeddingBags(TABLES, placements=MIXED, cache_rows=12, **kw)
+    data = batches(TABLES, 4, seed=15)
+    train(device, data[:2])
+    train(cached, data[:2])
+    assert cached.cache_stats()["resident_rows"] > 0
+    cached.drop_cache()  # (the changed cached rows are lost: every table is written below)
+    assert cached.cache_stats()["resident_rows"] == 0
+    for t, (E, D) in enumerate(TABLES):
+        rows = slice(cached.layout.table_offsets[t], cached.layout.table_offsets[t] + E * D)
+        for emb in (device, cached):
+            with torch.no_grad():
+                emb.weights[rows] = torch.linspace(-1, 1, E * D) + t  # (the buffer itself: no flush on the way)
+    train_both(device, cached, data[2:])
+    assert_same_tables(device, cached)
+
+
 def test_moving_a_cached_module():
     data = batches(TABLES, 6, seed=14)
     kw = dict(optimizer="rowwise_adagrad", learning_rate=0.05)

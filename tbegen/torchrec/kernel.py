@@ -196,6 +196,11 @@ class TbegenFusedOptimizer(FusedOptimizer):
         group.update(self._hyperparameters_for_group())
         super().__init__(params, state, [group])
 
+    def state_dict(self) -> Dict[str, Any]:
+        # the states of cached rows written back first, so that the views hold them
+        self._kernel.flush()
+        return super().state_dict()
+
     def _hyperparameters_for_group(self) -> Dict[str, Any]:
         values = self._kernel.emb_module.hyperparameters
         if "learning_rate" in values:
@@ -367,6 +372,16 @@ class TbegenEmbeddingBag(BaseBatchedEmbeddingBag[torch.Tensor], FusedOptimizerMo
     @property
     def fused_optimizer(self) -> FusedOptimizer:
         return self._optim
+
+    def flush(self) -> None:
+        # (TorchRec's sharded collection calls this before its state_dict: the FUSED_UVM_CACHING
+        # tables' changed cached rows and states are written back to the tables the views show)
+        self._emb_module.flush()
+
+    def purge(self) -> None:
+        # (called before a state_dict is loaded into the views: the cached copies are dropped, so
+        # that the next batch loads the loaded rows)
+        self._emb_module.drop_cache()
 
     def forward(self, features, *args, **kwargs) -> torch.Tensor:
         if features.variable_stride_per_key():
