@@ -92,6 +92,19 @@ def _problem(spec, case):
     return weights, states, batch, grad_output
 
 
+def _assert_switch_keeps_the_bits(spec, ops, case, monkeypatch, variable, value):
+    """One CUDA step of `case`, then the same step with the environment switch `variable`=`value`
+    (read by the host at every call): both must change the weights and give the same bits."""
+    weights, states, batch, go = _problem(spec, case)
+    default = _one_step(spec, ops, case, "cuda", weights, states, batch, go)
+    monkeypatch.setenv(variable, value)
+    switched = _one_step(spec, ops, case, "cuda", weights, states, batch, go)
+    assert not torch.equal(default[0], weights), "the step changed nothing"
+    assert torch.equal(default[0], switched[0]), "weights differ"
+    for k in states:
+        assert torch.equal(default[1][k], switched[1][k]), f"state {k} differs"
+
+
 AGREE_CASES = [
     harness.Case(pooling="sum", weighted=True, hot=200, seed=11),
     harness.Case(pooling="mean", seed=12, index_dtype=torch.int32),
@@ -287,14 +300,7 @@ GROUP_CASES = [
 @pytest.mark.parametrize("case", GROUP_CASES, ids=lambda c: c.id)
 def test_lane_groups_give_the_whole_warp_bits(load_ops, monkeypatch, name, case):
     spec, ops = load_ops(name)
-    weights, states, batch, go = _problem(spec, case)
-    grouped = _one_step(spec, ops, case, "cuda", weights, states, batch, go)
-    monkeypatch.setenv("TBEGEN_LANE_GROUPS", "0")
-    whole = _one_step(spec, ops, case, "cuda", weights, states, batch, go)
-    assert not torch.equal(grouped[0], weights), "the step changed nothing"
-    assert torch.equal(grouped[0], whole[0]), "weights differ"
-    for k in states:
-        assert torch.equal(grouped[1][k], whole[1][k]), f"state {k} differs"
+    _assert_switch_keeps_the_bits(spec, ops, case, monkeypatch, "TBEGEN_LANE_GROUPS", "0")
 
 
 # Width classes (cuda_ops.cuh, backward_cuda): a batch whose rows need different numbers of 4-wide
@@ -318,14 +324,7 @@ WIDTH_CASES = [
 def test_width_classes_give_the_single_launch_bits(load_ops, monkeypatch, name, case, lane_groups):
     spec, ops = load_ops(name)
     monkeypatch.setenv("TBEGEN_LANE_GROUPS", lane_groups)
-    weights, states, batch, go = _problem(spec, case)
-    split = _one_step(spec, ops, case, "cuda", weights, states, batch, go)
-    monkeypatch.setenv("TBEGEN_WIDTH_CLASSES", "0")
-    single = _one_step(spec, ops, case, "cuda", weights, states, batch, go)
-    assert not torch.equal(split[0], weights), "the step changed nothing"
-    assert torch.equal(split[0], single[0]), "weights differ"
-    for k in states:
-        assert torch.equal(split[1][k], single[1][k]), f"state {k} differs"
+    _assert_switch_keeps_the_bits(spec, ops, case, monkeypatch, "TBEGEN_WIDTH_CLASSES", "0")
 
 
 # The sort's digit width (cuda_sort.cuh): keys of 25 to 27 bits are sorted with 9-bit digits (three
@@ -341,11 +340,4 @@ SORT_CASES = [
 @pytest.mark.parametrize("case", SORT_CASES, ids=lambda c: c.id)
 def test_nine_bit_sort_gives_the_eight_bit_bits(load_ops, monkeypatch, name, case):
     spec, ops = load_ops(name)
-    weights, states, batch, go = _problem(spec, case)
-    nine = _one_step(spec, ops, case, "cuda", weights, states, batch, go)
-    monkeypatch.setenv("TBEGEN_SORT_DIGIT_BITS", "8")
-    eight = _one_step(spec, ops, case, "cuda", weights, states, batch, go)
-    assert not torch.equal(nine[0], weights), "the step changed nothing"
-    assert torch.equal(nine[0], eight[0]), "weights differ"
-    for k in states:
-        assert torch.equal(nine[1][k], eight[1][k]), f"state {k} differs"
+    _assert_switch_keeps_the_bits(spec, ops, case, monkeypatch, "TBEGEN_SORT_DIGIT_BITS", "8")
