@@ -15,19 +15,10 @@ TESTS=${TESTS:-"(lane_groups and (-sgd] or rowwise_adagrad] or -adagrad] or -ada
 CONFIGS=${CONFIGS:-C3}
 PROFILE_CELL=${PROFILE_CELL-C3:ADAM}
 status=0
-{
-  date -u +"date: %Y-%m-%d %H:%M UTC"
-  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | sed 's/^/gpu: /'
-  python3 -c "import torch, sys; print('python:', sys.version.split()[0]); print('torch:', torch.__version__, 'cuda', torch.version.cuda)"
-  nvcc --version | tail -n 2 | head -n 1 | sed 's/^/nvcc: /'
-  echo "tree: ${TREE:-unknown}"
-} | tee "$OUT/env.txt"
-python3 .anchor/unpack_bundle.py .anchor/bundle /tmp/fbg_site > /dev/null 2>&1 || echo "FBGEMM bundle did not unpack"
-t0=$(date +%s)
-python3 -c "
-import sys; from tbegen import build; from tbegen.spec import find_spec
-build.prebuild([find_spec(n) for n in sys.argv[1:]], with_cuda=True)" $SPECS > "$OUT/groups.log" 2>&1 || { status=1; echo "build failed"; }
-echo "== build: $(( $(date +%s) - t0 )) s" | tee -a "$OUT/groups.log"
+source benchmarks/gpu_common.sh
+gpu_env_header
+unpack_fbgemm
+build_specs "$OUT/groups.log" $SPECS || status=1
 xdist=$(python3 -c "import xdist" 2>/dev/null && echo "-n 12")
 # (TBEGEN_TEST_OPTIMIZERS: the test session builds and parametrizes these optimizers only; without
 # it, it builds every optimizer first, which took run R's whole test budget)
