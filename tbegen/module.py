@@ -723,10 +723,8 @@ class TableBatchedEmbeddingBags(nn.Module):
     def _flush_and_empty(self) -> None:
         """Before the tables' memory is handed out (views, or a move): flushed, then emptied, so
         that what is written through the views is what the next batch loads."""
-        if self._cache is not None:
-            self._cache.flush(self._cache_buffers())
-            self._cache.invalidate()
-            self._prefetched.clear()
+        self.flush()
+        self.drop_cache()
 
     def cache_stats(self) -> Dict[str, Any]:
         """Counters of the managed_caching tables' caches since construction (or
@@ -751,14 +749,11 @@ class TableBatchedEmbeddingBags(nn.Module):
         super()._save_to_state_dict(destination, prefix, keep_vars)
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
-        if self._cache is not None:
-            # flushed first (a load that fails keeps the training so far), emptied after: the
-            # loaded rows are the truth (the states, loaded next by self.states, likewise)
-            self._cache.flush(self._cache_buffers())
+        # flushed first (a load that fails keeps the training so far), emptied after: the loaded
+        # rows are the truth (the states, loaded next by self.states, likewise)
+        self.flush()
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
-        if self._cache is not None:
-            self._cache.invalidate()
-            self._prefetched.clear()
+        self.drop_cache()
 
     def _apply(self, fn, *args, **kwargs):
         # .to() / .cuda() / .cpu() move the buffers as ordinary tensors; a module with managed
