@@ -83,18 +83,11 @@ struct BackwardKernels {
                                                          : 2];
   }
 
-  template <typename W, int kVecs>
-  BackwardLaunchFn get() const {
-    static_assert(kVecs == 1 || kVecs == 2 || kVecs == 4 || kVecs == 8, "kVecs is 1, 2, 4 or 8");
-    constexpr int w = std::is_same<W, float>::value ? 0 : std::is_same<W, c10::Half>::value ? 1 : 2;
-    static_assert(w < 2 || std::is_same<W, c10::BFloat16>::value, "weights are float, Half or BFloat16");
-    constexpr int v = kVecs == 1 ? 0 : kVecs == 2 ? 1 : kVecs == 4 ? 2 : 3;
-    return launch[w][v];
-  }
-  // The same for kVecs = 1 << width_class (width_class 0..3), chosen at run time.
+  // The launch function for weights W and kVecs = 1 << width_class (width_class 0..3).
   template <typename W>
   BackwardLaunchFn get(int width_class) const {
     constexpr int w = std::is_same<W, float>::value ? 0 : std::is_same<W, c10::Half>::value ? 1 : 2;
+    static_assert(w < 2 || std::is_same<W, c10::BFloat16>::value, "weights are float, Half or BFloat16");
     return launch[w][width_class];
   }
 };

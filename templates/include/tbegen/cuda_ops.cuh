@@ -367,14 +367,15 @@ __attribute__((visibility("hidden"))) void backward_cuda(
       // the long runs' kernels, at the widest kVecs), each taking its class's rows only
       const int top = width_class(b.max_D);
       const bool split = classes.count() > 1 && width_classes_enabled();
+      const bool groups = lane_groups_enabled();
+      l.element_lane_groups = !env_is_zero("TBEGEN_ELEMENT_LANE_GROUPS");
       for (int c = top; c >= (split ? 0 : top); --c) {
         if (split && classes.narrowest[c] == 0) continue;
         BackwardLaunch lc = l;
         lc.a.split_widths = split;
         lc.a.short_min_D = split && c > 0 ? int32_t(64) << c : 0;
         lc.long_runs = c == top;
-        lc.lane_groups = (split ? classes.narrowest[c] : narrowest_D) <= 64 && lane_groups_enabled();
-        lc.element_lane_groups = !env_is_zero("TBEGEN_ELEMENT_LANE_GROUPS");
+        lc.lane_groups = groups && (split ? classes.narrowest[c] : narrowest_D) <= 64;
         TBEGEN_CUDA_CHECK(kernels.get<W>(c)(lc));
       }
       joined.record(side);
