@@ -8,6 +8,10 @@
 #                new|fbgemm,tbegen|C1,C2,C3|EXACT_SGD,ADAM|
 #                old|tbegen|C1,C2,C3|EXACT_SGD,ADAM|TBEGEN_WIDTH_CLASSES=0 TBEGEN_SORT_DIGIT_BITS=8
 #              (the speedup over FBGEMM counts only for a variant that ran FBGEMM in its process)
+#              a sixth field, `base`, runs the variant on BASE_TREE's code (below)
+#   BASE_TREE  another checkout inside the carried tree (e.g. build/ab-base, from `git worktree add`
+#              or `git archive`), built beside the working tree into its own cache, so that a
+#              variant can time the code before a change in the same call
 #   SPECS      optimizers to build (default: the four benchmarked and lamb)
 #   PROFILE_CELL  CONFIGS:OPTS of a kernel profile (bench_tbe.py --profile) with the first
 #              variant's environment; empty: none
@@ -24,7 +28,15 @@ status=0
 source benchmarks/gpu_common.sh
 gpu_env_header
 unpack_fbgemm
+if [ -n "${BASE_TREE:-}" ]; then
+  # (both builds at once: each is mostly one long nvcc process per extension)
+  (cd "$BASE_TREE" && TBEGEN_BUILD_DIR=$PWD/../base-cache PYTHONPATH=$PWD build_specs "$OUT/build-base.log" $SPECS) &
+  base_build=$!
+fi
 build_specs "$LOG" $SPECS || status=1
+if [ -n "${BASE_TREE:-}" ]; then
+  wait $base_build || { status=1; echo "base build failed" | tee -a "$LOG"; tail -n 30 "$OUT/build-base.log" >> "$LOG"; }
+fi
 if [ -n "${TESTS:-}" ]; then
   xdist=$(python3 -c "import xdist" 2>/dev/null && echo "-n 12")
   t0=$(date +%s)
@@ -38,11 +50,13 @@ if [ -n "${TESTS:-}" ]; then
   rm -f "$OUT/pytest.tmp"
 fi
 first_env=""
-while IFS='|' read -r name systems configs opts envs; do
+while IFS='|' read -r name systems configs opts envs tree; do
   [ -z "$name" ] && continue
   [ -z "$first_env" ] && first_env="$envs "
-  echo "== variant $name ($systems; $configs; $opts; env: ${envs:-none})" | tee -a "$LOG"
-  env $envs PYTHONPATH=/tmp/fbg_site:$PYTHONPATH CUDA_MODULE_LOADING=LAZY timeout ${BENCH_TIMEOUT:-150} \
+  code=$PWD build=$TBEGEN_BUILD_DIR
+  if [ "${tree:-}" = base ]; then code=$PWD/$BASE_TREE build=$(cd "$BASE_TREE/.." && pwd)/base-cache; fi
+  echo "== variant $name ($systems; $configs; $opts; env: ${envs:-none}; code: $code)" | tee -a "$LOG"
+  env $envs TBEGEN_BUILD_DIR=$build PYTHONPATH=/tmp/fbg_site:$code CUDA_MODULE_LOADING=LAZY timeout ${BENCH_TIMEOUT:-150} \
     python3 .anchor/bench_tbe.py --configs "$configs" --opts "$opts" --systems "$systems" --fast-init \
     --out "$OUT/$name" >> "$LOG" 2>&1 || status=1
   grep -E "^C[0-9] " "$LOG" | tail -n 24 | grep -E "tbegen" | tail -n 12

@@ -583,6 +583,12 @@ struct BackwardArgs {
   // short-run kernels do (load4_keep), or plainly (load4): TBEGEN_LONG_RUN_L2_HINT=1 / the default.
   // ncu of C2's segment kernel (run Z) found 39% L2 hits with the hint; the landing run times both.
   bool long_run_l2_hint = false;
+  // Whether the short-run kernels fetch each run's second occurrence with its description, so that
+  // a row seen twice loads both gradient rows in one round trip (RunSlot; off with
+  // TBEGEN_RUN_HEAD_TWO=0), and load the next group's run bounds one group ahead (RunBounds;
+  // off with TBEGEN_RUN_PREFETCH=0).
+  bool run_head_two = true;
+  bool run_prefetch = true;
 };
 
 // The width of the row of the run whose first occurrence is in `bag`.
@@ -659,6 +665,48 @@ __device__ __forceinline__ void add_gradient(const BackwardArgs& a, const Occurr
       load4_keep(go + d, x);
 #pragma unroll
       for (int c = 0; c < 4; ++c) g[v * 4 + c] += occ.scale * x[c];
+    }
+  }
+}
+
+// Adds the scaled output-gradient rows of a run's first occurrence and, when `two`, its second,
+// both rows' loads issued before either is added; the sum is taken in the same order as two
+// add_gradient calls take it (the same bits), in one round trip to memory instead of two.
+template <int kVecs>
+__device__ __forceinline__ void add_head(const BackwardArgs& a, const OccurrenceInfo& first, const OccurrenceInfo& second,
+                                         bool two, int D, int lane, float* g) {
+  if constexpr (kVecs > 2) {
+    // (rows wider than 256 columns: the loads one slice at a time, as add_gradient issues them;
+    // all of them at once took 128 registers where 80 did, at kVecs = 4)
+    add_gradient<kVecs>(a, first, D, lane, g);
+    if (two) add_gradient<kVecs>(a, second, D, lane, g);
+    return;
+  }
+  const float* go0 = grad_row(a, first.position, first.bag);
+  const float* go1 = grad_row(a, second.position, second.bag);
+  float x0[kVecs * 4], x1[kVecs * 4];
+#pragma unroll
+  for (int v = 0; v < kVecs; ++v) {
+    const int d = v * 128 + 4 * lane;
+    if (d < D) {
+      load4_keep(go0 + d, &x0[v * 4]);
+      if (two) load4_keep(go1 + d, &x1[v * 4]);
+    }
+  }
+#pragma unroll
+  for (int v = 0; v < kVecs; ++v) {
+    if (v * 128 + 4 * lane < D) {
+#pragma unroll
+      for (int c = 0; c < 4; ++c) g[v * 4 + c] += first.scale * x0[v * 4 + c];
+    }
+  }
+  if (two) {
+#pragma unroll
+    for (int v = 0; v < kVecs; ++v) {
+      if (v * 128 + 4 * lane < D) {
+#pragma unroll
+        for (int c = 0; c < 4; ++c) g[v * 4 + c] += second.scale * x1[v * 4 + c];
+      }
     }
   }
 }
@@ -794,23 +842,94 @@ template <class Opt, int kVecs>
 using OptRow = WarpRow<kVecs, Opt::kElementStates + Opt::kTemporaries, Opt::kRowStates, Opt::kIntRowStates,
                        Opt::kTableStates>;
 
+// The bounds [begin, end) of the run a lane describes. With a.run_prefetch the short-run kernels
+// load them one group of runs ahead, so that describing a group takes two round trips to memory
+// (keys and occurrences, then the rows) where it took three.
+struct RunBounds {
+  int32_t begin = 0;
+  int32_t end = 0;
+
+  __device__ __forceinline__ void load(const Runs& r, int64_t run, int32_t num_runs) {
+    if (run < num_runs) {
+      begin = r.starts[run];
+      end = r.end_of(run, num_runs);
+    }
+  }
+};
+
+// One run of a short-run kernel's group of 32, as the lane describing it holds it (lane l of a
+// warp describes run group + l): where it starts, its length and key, its first occurrence and,
+// with a.run_head_two and at least two occurrences, its second, so that a row seen twice (15% of
+// the rows in C1-C3) gets both gradient rows in one round trip (add_head).
+struct RunSlot {
+  int32_t start = 0;
+  int32_t len = 0;
+  int64_t key = 0;
+  OccurrenceInfo first, second;
+
+  __device__ __forceinline__ void fetch(const BackwardArgs& a, const Runs& r, const Occurrences& o, RunBounds b) {
+    start = b.begin;
+    len = b.end - b.begin;
+    key = r.key_at(start);
+    const bool none_pooling = a.pooling == kPoolNone;
+    first.fetch(o, start, none_pooling);
+    if (a.run_head_two && len >= 2) second.fetch(o, int64_t(start) + 1, none_pooling);
+  }
+  // whether add_head takes the second occurrence too
+  __device__ __forceinline__ bool head_two(const BackwardArgs& a) const { return a.run_head_two && len >= 2; }
+  // the occurrence the loops over the rest of the run start at
+  __device__ __forceinline__ int32_t rest(const BackwardArgs& a) const { return a.run_head_two ? 2 : 1; }
+  // lane src's run (every lane calls it: shuffles)
+  __device__ __forceinline__ RunSlot from_lane(const BackwardArgs& a, int src) const {
+    RunSlot x;
+    x.start = __shfl_sync(kFullMask, start, src);
+    x.len = __shfl_sync(kFullMask, len, src);
+    x.key = __shfl_sync(kFullMask, key, src);
+    x.first = first.from_lane(src);
+    if (a.run_head_two) x.second = second.from_lane(src);
+    return x;
+  }
+};
+
+// The first group of 32 consecutive runs of this thread's warp (the short-run kernels stride over
+// the groups by the grid's warps).
+__device__ __forceinline__ int64_t first_run_group() {
+  return (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / kWarpSize * kWarpSize;
+}
+__device__ __forceinline__ int64_t run_group_stride() { return int64_t(gridDim.x) * blockDim.x / kWarpSize * kWarpSize; }
+
+// This lane's run of `group` (run group + lane; len = 0 past the last run). `ahead` holds the
+// group's bounds when a.run_prefetch (loaded by the previous call, or before the loop for the
+// first group) and takes the next group's, which stay in flight until the next call.
+__device__ __forceinline__ RunSlot describe_run(const BackwardArgs& a, const Runs& r, const Occurrences& o, int64_t group,
+                                                int32_t num_runs, RunBounds& ahead) {
+  const int lane = threadIdx.x % kWarpSize;
+  RunBounds bounds = ahead;
+  if (a.run_prefetch) {
+    ahead = RunBounds{};
+    ahead.load(r, group + run_group_stride() + lane, num_runs);
+  } else {
+    bounds.load(r, group + lane, num_runs);
+  }
+  RunSlot slot;
+  if (group + lane < num_runs) slot.fetch(a, r, o, bounds);
+  return slot;
+}
+
 // One short run's row as the warp kernel holds it: the row view, where it lives, and the run.
 template <class Opt, int kVecs>
 struct ShortRun {
   OptRow<Opt, kVecs> row;
-  int64_t key;
   int64_t woff;
-  int32_t start;
-  int32_t len;
-  OccurrenceInfo first;
+  RunSlot run;
 };
 
 // Short runs: one warp per unique row. A warp takes 32 consecutive runs at a time; each lane
-// first fetches one run's description (start, length, key, and its first occurrence), so that a
-// row seen once (the common case) costs one round trip to memory for its weights and gradient
-// row, issued together. For rows of up to 128 columns without per-element state, the next run's
-// weights and states are loaded while the current one is summed and updated, so each warp keeps
-// two rows' loads in flight.
+// first fetches one run's description (RunSlot: start, length, key, and its first one or two
+// occurrences), so that a row seen once or twice (nearly all of them in C1-C3) costs one round
+// trip to memory for its weights and gradient rows, issued together. For rows of up to 128
+// columns without per-element state, the next run's weights and states are loaded while the
+// current one is summed and updated, so each warp keeps two rows' loads in flight.
 // Occurrences are summed in sorted (= index) order.
 template <class Opt, typename W, int kVecs>
 __global__ void __launch_bounds__(256) backward_warp_kernel(BackwardArgs a, Runs r, Occurrences o, typename Opt::Params p,
@@ -822,39 +941,27 @@ __global__ void __launch_bounds__(256) backward_warp_kernel(BackwardArgs a, Runs
   // element states or wider rows the extra registers cost more than the overlap brings)
   constexpr bool kLoadAhead = kVecs == 1 && Opt::kElementStates == 0;
   const int lane = threadIdx.x % kWarpSize;
-  const int64_t warps = int64_t(gridDim.x) * blockDim.x / kWarpSize;
   const int32_t num_runs = r.counts[0];
-  const bool none_pooling = a.pooling == kPoolNone;
-  for (int64_t group = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / kWarpSize * kWarpSize; group < num_runs;
-       group += warps * kWarpSize) {
-    int32_t my_len = 0, my_start = 0;
-    int64_t my_key = 0;
-    OccurrenceInfo my_first;
-    if (group + lane < num_runs) {
-      my_start = r.starts[group + lane];
-      my_len = r.end_of(group + lane, num_runs) - my_start;
-      my_key = r.key_at(my_start);
-      my_first.fetch(o, my_start, none_pooling);
-    }
+  RunBounds ahead;
+  if (a.run_prefetch) ahead.load(r, first_run_group() + lane, num_runs);
+  for (int64_t group = first_run_group(); group < num_runs; group += run_group_stride()) {
+    const RunSlot my = describe_run(a, r, o, group, num_runs, ahead);
     // the runs of this group that are this kernel's: long runs are backward_segment_kernel's,
     // skipped bad indices update nothing, and with split widths, rows of another width class are
     // another launch's
-    bool mine = group + lane < num_runs && my_len < r.max_segment_length_per_warp && my_key < r.skipped_key;
-    if (a.split_widths && mine) mine = short_run_fits<kVecs>(a, run_width(a, my_first.bag));
+    bool mine = group + lane < num_runs && my.len < r.max_segment_length_per_warp && my.key < r.skipped_key;
+    if (a.split_widths && mine) mine = short_run_fits<kVecs>(a, run_width(a, my.first.bag));
     unsigned todo = __ballot_sync(kFullMask, mine);
     if (todo == 0) continue;
     // takes the next run of `todo` into `x` and issues the loads of its row
     auto begin_run = [&](ShortRun<Opt, kVecs>& x) {
       const int k = __ffs(todo) - 1;
       todo &= todo - 1;
-      x.len = __shfl_sync(kFullMask, my_len, k);
-      x.key = __shfl_sync(kFullMask, my_key, k);
-      x.start = __shfl_sync(kFullMask, my_start, k);
-      x.first = my_first.from_lane(k);
+      x.run = my.from_lane(a, k);
       x.row.lane = lane;
-      locate_row(a, x.first.bag, x.key, &x.row.D, &x.woff);
-      load_table_states<Opt>(x.row, p, x.first.bag, a.B);
-      load_row<Opt, W>(x.row, p, weights, x.key, x.woff);
+      locate_row(a, x.run.first.bag, x.run.key, &x.row.D, &x.woff);
+      load_table_states<Opt>(x.row, p, x.run.first.bag, a.B);
+      load_row<Opt, W>(x.row, p, weights, x.run.key, x.woff);
     };
     ShortRun<Opt, kVecs> cur;
     begin_run(cur);
@@ -864,12 +971,12 @@ __global__ void __launch_bounds__(256) backward_warp_kernel(BackwardArgs a, Runs
       if (kLoadAhead && more) begin_run(next);
 #pragma unroll
       for (int i = 0; i < cur.row.kN; ++i) cur.row.g_[i] = 0.0f;
-      add_gradient<kVecs>(a, cur.first, cur.row.D, lane, cur.row.g_);
-      for (int32_t base = 1; base < cur.len; base += kWarpSize) {
-        const int n = cur.len - base < kWarpSize ? cur.len - base : kWarpSize;
-        add_chunk<kVecs>(a, o, cur.row.D, lane, cur.start + base, n, cur.row.g_);
+      add_head<kVecs>(a, cur.run.first, cur.run.second, cur.run.head_two(a), cur.row.D, lane, cur.row.g_);
+      for (int32_t base = cur.run.rest(a); base < cur.run.len; base += kWarpSize) {
+        const int n = cur.run.len - base < kWarpSize ? cur.run.len - base : kWarpSize;
+        add_chunk<kVecs>(a, o, cur.row.D, lane, cur.run.start + base, n, cur.row.g_);
       }
-      update_and_store<Opt, W>(cur.row, p, ctx, sv, weights, cur.key, cur.woff);
+      update_and_store<Opt, W>(cur.row, p, ctx, sv, weights, cur.run.key, cur.woff);
       if (!more) break;
       if (kLoadAhead) {
         cur = next;
@@ -900,29 +1007,22 @@ __global__ void __launch_bounds__(256) backward_group_kernel(BackwardArgs a, Run
   // the values of the update that depend on the step only (Optimizer::StepValues), once per thread
   const typename Opt::StepValues sv = Opt::step_values(p, ctx.step);
   const int lane = threadIdx.x % kWarpSize;
-  const int64_t warps = int64_t(gridDim.x) * blockDim.x / kWarpSize;
   const int32_t num_runs = r.counts[0];
   const bool none_pooling = a.pooling == kPoolNone;
-  for (int64_t group = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / kWarpSize * kWarpSize; group < num_runs;
-       group += warps * kWarpSize) {
-    // lane l describes run group + l: where it starts, its length, key and first occurrence, and
-    // how many lanes its row needs
-    int32_t my_len = 0, my_start = 0;
-    int64_t my_key = 0;
+  RunBounds ahead;
+  if (a.run_prefetch) ahead.load(r, first_run_group() + lane, num_runs);
+  for (int64_t group = first_run_group(); group < num_runs; group += run_group_stride()) {
+    const RunSlot my = describe_run(a, r, o, group, num_runs, ahead);
+    // how many lanes my run's row needs
     int my_lanes = 0, my_D = 0;
-    OccurrenceInfo my_first;
     if (group + lane < num_runs) {
-      my_start = r.starts[group + lane];
-      my_len = r.end_of(group + lane, num_runs) - my_start;
-      my_key = r.key_at(my_start);
-      my_first.fetch(o, my_start, none_pooling);
-      my_D = run_width(a, my_first.bag);
+      my_D = run_width(a, my.first.bag);
       my_lanes = lanes_for_row(my_D);
     }
     // (as in backward_warp_kernel: long runs, skipped bad indices and, with split widths, rows of
     // another width class are not this kernel's)
-    unsigned todo = __ballot_sync(kFullMask, group + lane < num_runs && my_len < r.max_segment_length_per_warp &&
-                                                 my_key < r.skipped_key && short_run_fits<kVecs>(a, my_D));
+    unsigned todo = __ballot_sync(kFullMask, group + lane < num_runs && my.len < r.max_segment_length_per_warp &&
+                                                 my.key < r.skipped_key && short_run_fits<kVecs>(a, my_D));
     while (todo != 0) {
       // this round's runs: `lanes` lanes each, at most 32 / lanes of them, taken in key order
       const int lanes = __shfl_sync(kFullMask, my_lanes, __ffs(todo) - 1);
@@ -938,29 +1038,26 @@ __global__ void __launch_bounds__(256) backward_group_kernel(BackwardArgs a, Run
       row.lanes = lanes;
       row.lane = lane % lanes;
       // (every lane shuffles, a group without a run too: a shuffle needs all 32 lanes)
-      const int32_t run_len = __shfl_sync(kFullMask, my_len, from);
-      const int32_t len = active ? run_len : 0;
-      const int32_t start = __shfl_sync(kFullMask, my_start, from);
-      const int64_t key = __shfl_sync(kFullMask, my_key, from);
-      const OccurrenceInfo first = my_first.from_lane(from);
+      const RunSlot run = my.from_lane(a, from);
+      const int32_t len = active ? run.len : 0;
       int64_t woff = 0;
       row.D = 0;  // (a group without a run: no columns)
       if (active) {
-        locate_row(a, first.bag, key, &row.D, &woff);
-        load_table_states<Opt>(row, p, first.bag, a.B);
-        load_row<Opt, W>(row, p, weights, key, woff);
+        locate_row(a, run.first.bag, run.key, &row.D, &woff);
+        load_table_states<Opt>(row, p, run.first.bag, a.B);
+        load_row<Opt, W>(row, p, weights, run.key, woff);
       }
 #pragma unroll
       for (int i = 0; i < row.kN; ++i) row.g_[i] = 0.0f;
-      if (active) add_gradient<kVecs>(a, first, row.D, row.lane, row.g_);
+      if (active) add_head<kVecs>(a, run.first, run.second, run.head_two(a), row.D, row.lane, row.g_);
       // the other occurrences, in order, `lanes` at a time: each lane of a group fetches one
       // occurrence's metadata, then the group adds their rows one by one
       int32_t longest = len;
 #pragma unroll
       for (int m = kWarpSize / 2; m > 0; m >>= 1) longest = max(longest, __shfl_xor_sync(kFullMask, longest, m));
-      for (int32_t base = 1; base < longest; base += lanes) {
+      for (int32_t base = run.rest(a); base < longest; base += lanes) {
         OccurrenceInfo mine;
-        if (base + row.lane < len) mine.fetch(o, int64_t(start) + base + row.lane, none_pooling);
+        if (base + row.lane < len) mine.fetch(o, int64_t(run.start) + base + row.lane, none_pooling);
         const int n = longest - base < lanes ? longest - base : lanes;
         for (int k = 0; k < n; ++k) {
           const OccurrenceInfo occ = mine.from_lane(lane - row.lane + k);
@@ -969,7 +1066,7 @@ __global__ void __launch_bounds__(256) backward_group_kernel(BackwardArgs a, Run
       }
       // every lane runs the update (its reductions are shuffles); a group without a run stores nothing
       Opt::update_row(row, p, sv);
-      if (active) store_row<Opt, W>(row, p, ctx, weights, key, woff);
+      if (active) store_row<Opt, W>(row, p, ctx, weights, run.key, woff);
     }
   }
 }
