@@ -584,11 +584,9 @@ struct BackwardArgs {
   // ncu of C2's segment kernel (run Z) found 39% L2 hits with the hint; the landing run times both.
   bool long_run_l2_hint = false;
   // Whether the short-run kernels fetch each run's second occurrence with its description, so that
-  // a row seen twice loads both gradient rows in one round trip (RunSlot; off with
-  // TBEGEN_RUN_HEAD_TWO=0), and load the next group's run bounds one group ahead (RunBounds;
-  // off with TBEGEN_RUN_PREFETCH=0).
+  // a row seen twice loads both gradient rows in one round trip (RunSlot, add_head; off with
+  // TBEGEN_RUN_HEAD_TWO=0).
   bool run_head_two = true;
-  bool run_prefetch = true;
 };
 
 // The width of the row of the run whose first occurrence is in `bag`.
@@ -669,43 +667,29 @@ __device__ __forceinline__ void add_gradient(const BackwardArgs& a, const Occurr
   }
 }
 
-// Adds the scaled output-gradient rows of a run's first occurrence and, when `two`, its second,
-// both rows' loads issued before either is added; the sum is taken in the same order as two
-// add_gradient calls take it (the same bits), in one round trip to memory instead of two.
+// Adds the scaled output-gradient rows of a run's first occurrence and, when `two`, its second:
+// for each 4-wide slice, both rows' loads are issued before either is added (one round trip for
+// the two rows, not three: the second's metadata, then its row, after the first), and the sum is
+// taken in the order two add_gradient calls take it (the same bits). (Slice by slice, as
+// add_gradient loads: all slices' loads at once raised the kVecs = 2 kernels from 64 to 96
+// registers and made C3 up to 31% slower, benchmarks/NOTES-gpu.md, run AA.)
 template <int kVecs>
 __device__ __forceinline__ void add_head(const BackwardArgs& a, const OccurrenceInfo& first, const OccurrenceInfo& second,
                                          bool two, int D, int lane, float* g) {
-  if constexpr (kVecs > 2) {
-    // (rows wider than 256 columns: the loads one slice at a time, as add_gradient issues them;
-    // all of them at once took 128 registers where 80 did, at kVecs = 4)
-    add_gradient<kVecs>(a, first, D, lane, g);
-    if (two) add_gradient<kVecs>(a, second, D, lane, g);
-    return;
-  }
   const float* go0 = grad_row(a, first.position, first.bag);
   const float* go1 = grad_row(a, second.position, second.bag);
-  float x0[kVecs * 4], x1[kVecs * 4];
 #pragma unroll
   for (int v = 0; v < kVecs; ++v) {
     const int d = v * 128 + 4 * lane;
     if (d < D) {
-      load4_keep(go0 + d, &x0[v * 4]);
-      if (two) load4_keep(go1 + d, &x1[v * 4]);
-    }
-  }
+      float x0[4], x1[4];
+      load4_keep(go0 + d, x0);
+      if (two) load4_keep(go1 + d, x1);
 #pragma unroll
-  for (int v = 0; v < kVecs; ++v) {
-    if (v * 128 + 4 * lane < D) {
+      for (int c = 0; c < 4; ++c) g[v * 4 + c] += first.scale * x0[c];
+      if (two) {
 #pragma unroll
-      for (int c = 0; c < 4; ++c) g[v * 4 + c] += first.scale * x0[v * 4 + c];
-    }
-  }
-  if (two) {
-#pragma unroll
-    for (int v = 0; v < kVecs; ++v) {
-      if (v * 128 + 4 * lane < D) {
-#pragma unroll
-        for (int c = 0; c < 4; ++c) g[v * 4 + c] += second.scale * x1[v * 4 + c];
+        for (int c = 0; c < 4; ++c) g[v * 4 + c] += second.scale * x1[c];
       }
     }
   }
@@ -842,21 +826,6 @@ template <class Opt, int kVecs>
 using OptRow = WarpRow<kVecs, Opt::kElementStates + Opt::kTemporaries, Opt::kRowStates, Opt::kIntRowStates,
                        Opt::kTableStates>;
 
-// The bounds [begin, end) of the run a lane describes. With a.run_prefetch the short-run kernels
-// load them one group of runs ahead, so that describing a group takes two round trips to memory
-// (keys and occurrences, then the rows) where it took three.
-struct RunBounds {
-  int32_t begin = 0;
-  int32_t end = 0;
-
-  __device__ __forceinline__ void load(const Runs& r, int64_t run, int32_t num_runs) {
-    if (run < num_runs) {
-      begin = r.starts[run];
-      end = r.end_of(run, num_runs);
-    }
-  }
-};
-
 // One run of a short-run kernel's group of 32, as the lane describing it holds it (lane l of a
 // warp describes run group + l): where it starts, its length and key, its first occurrence and,
 // with a.run_head_two and at least two occurrences, its second, so that a row seen twice (15% of
@@ -867,54 +836,52 @@ struct RunSlot {
   int64_t key = 0;
   OccurrenceInfo first, second;
 
-  __device__ __forceinline__ void fetch(const BackwardArgs& a, const Runs& r, const Occurrences& o, RunBounds b) {
-    start = b.begin;
-    len = b.end - b.begin;
+  __device__ __forceinline__ void fetch(const Runs& r, const Occurrences& o, int64_t run, int32_t num_runs,
+                                        bool none_pooling, bool with_second) {
+    start = r.starts[run];
+    len = r.end_of(run, num_runs) - start;
     key = r.key_at(start);
-    const bool none_pooling = a.pooling == kPoolNone;
     first.fetch(o, start, none_pooling);
-    if (a.run_head_two && len >= 2) second.fetch(o, int64_t(start) + 1, none_pooling);
+    if (with_second && len >= 2) second.fetch(o, int64_t(start) + 1, none_pooling);
   }
   // whether add_head takes the second occurrence too
-  __device__ __forceinline__ bool head_two(const BackwardArgs& a) const { return a.run_head_two && len >= 2; }
+  __device__ __forceinline__ bool head_two(bool with_second) const { return with_second && len >= 2; }
   // the occurrence the loops over the rest of the run start at
-  __device__ __forceinline__ int32_t rest(const BackwardArgs& a) const { return a.run_head_two ? 2 : 1; }
+  __device__ __forceinline__ int32_t rest(bool with_second) const { return with_second ? 2 : 1; }
   // lane src's run (every lane calls it: shuffles)
-  __device__ __forceinline__ RunSlot from_lane(const BackwardArgs& a, int src) const {
+  __device__ __forceinline__ RunSlot from_lane(int src, bool with_second) const {
     RunSlot x;
     x.start = __shfl_sync(kFullMask, start, src);
     x.len = __shfl_sync(kFullMask, len, src);
     x.key = __shfl_sync(kFullMask, key, src);
     x.first = first.from_lane(src);
-    if (a.run_head_two) x.second = second.from_lane(src);
+    if (with_second) x.second = second.from_lane(src);
     return x;
   }
 };
 
-// The first group of 32 consecutive runs of this thread's warp (the short-run kernels stride over
-// the groups by the grid's warps).
-__device__ __forceinline__ int64_t first_run_group() {
-  return (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / kWarpSize * kWarpSize;
+// Whether a short-run kernel of kVecs slices per lane fetches second occurrences (RunSlot): up to
+// 256 columns. (Wider rows hold more registers already; a second row's slice in flight raised
+// sgd's 512-column kernel from 80 to 103 registers, and no benchmark covers those widths.)
+template <int kVecs>
+__device__ __forceinline__ bool run_head_two(const BackwardArgs& a) {
+  return kVecs <= 2 && a.run_head_two;
 }
-__device__ __forceinline__ int64_t run_group_stride() { return int64_t(gridDim.x) * blockDim.x / kWarpSize * kWarpSize; }
 
-// This lane's run of `group` (run group + lane; len = 0 past the last run). `ahead` holds the
-// group's bounds when a.run_prefetch (loaded by the previous call, or before the loop for the
-// first group) and takes the next group's, which stay in flight until the next call.
-__device__ __forceinline__ RunSlot describe_run(const BackwardArgs& a, const Runs& r, const Occurrences& o, int64_t group,
-                                                int32_t num_runs, RunBounds& ahead) {
-  const int lane = threadIdx.x % kWarpSize;
-  RunBounds bounds = ahead;
-  if (a.run_prefetch) {
-    ahead = RunBounds{};
-    ahead.load(r, group + run_group_stride() + lane, num_runs);
-  } else {
-    bounds.load(r, group + lane, num_runs);
-  }
-  RunSlot slot;
-  if (group + lane < num_runs) slot.fetch(a, r, o, bounds);
-  return slot;
+// The short-run kernels' resident blocks per multiprocessor, held at what the kernels had before
+// RunSlot carried second occurrences (the registers the compiler chose then, sm_90): 5 blocks
+// (48 registers) for the warp kernel at kVecs = 1, 4 (64) at kVecs = 2, 3 (80) for adam's, 3 or 2
+// at kVecs = 4 and 2 or 1 at kVecs = 8 (without and with optimizer state); the group kernel 4. (A bound of 1 is not
+// the same as none: with it, ptxas took 145 registers where it had taken 80 at kVecs = 4.) Without these bounds the second occurrence's registers cost a block per
+// multiprocessor in most of them (C3 up to 31% slower, benchmarks/NOTES-gpu.md, run AA).
+template <class Opt, int kVecs>
+constexpr int warp_kernel_min_blocks() {
+  return kVecs == 1   ? 5
+         : kVecs == 2 ? (Opt::kElementStates >= 2 ? 3 : 4)
+         : kVecs == 4 ? (Opt::kElementStates + Opt::kRowStates == 0 ? 3 : 2)
+                      : (Opt::kElementStates + Opt::kRowStates == 0 ? 2 : 1);
 }
+constexpr int kGroupKernelMinBlocks = 4;
 
 // One short run's row as the warp kernel holds it: the row view, where it lives, and the run.
 template <class Opt, int kVecs>
@@ -932,8 +899,8 @@ struct ShortRun {
 // current one is summed and updated, so each warp keeps two rows' loads in flight.
 // Occurrences are summed in sorted (= index) order.
 template <class Opt, typename W, int kVecs>
-__global__ void __launch_bounds__(256) backward_warp_kernel(BackwardArgs a, Runs r, Occurrences o, typename Opt::Params p,
-                                                            RowUpdateContext ctx, W* weights) {
+__global__ void __launch_bounds__(256, (warp_kernel_min_blocks<Opt, kVecs>()))
+    backward_warp_kernel(BackwardArgs a, Runs r, Occurrences o, typename Opt::Params p, RowUpdateContext ctx, W* weights) {
   if (update_blocked(a)) return;
   // the values of the update that depend on the step only (Optimizer::StepValues), once per thread
   const typename Opt::StepValues sv = Opt::step_values(p, ctx.step);
@@ -942,10 +909,13 @@ __global__ void __launch_bounds__(256) backward_warp_kernel(BackwardArgs a, Runs
   constexpr bool kLoadAhead = kVecs == 1 && Opt::kElementStates == 0;
   const int lane = threadIdx.x % kWarpSize;
   const int32_t num_runs = r.counts[0];
-  RunBounds ahead;
-  if (a.run_prefetch) ahead.load(r, first_run_group() + lane, num_runs);
-  for (int64_t group = first_run_group(); group < num_runs; group += run_group_stride()) {
-    const RunSlot my = describe_run(a, r, o, group, num_runs, ahead);
+  const bool none_pooling = a.pooling == kPoolNone;
+  const bool with_second = run_head_two<kVecs>(a);
+  const int64_t warps = int64_t(gridDim.x) * blockDim.x / kWarpSize;
+  for (int64_t group = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / kWarpSize * kWarpSize; group < num_runs;
+       group += warps * kWarpSize) {
+    RunSlot my;
+    if (group + lane < num_runs) my.fetch(r, o, group + lane, num_runs, none_pooling, with_second);
     // the runs of this group that are this kernel's: long runs are backward_segment_kernel's,
     // skipped bad indices update nothing, and with split widths, rows of another width class are
     // another launch's
@@ -957,7 +927,7 @@ __global__ void __launch_bounds__(256) backward_warp_kernel(BackwardArgs a, Runs
     auto begin_run = [&](ShortRun<Opt, kVecs>& x) {
       const int k = __ffs(todo) - 1;
       todo &= todo - 1;
-      x.run = my.from_lane(a, k);
+      x.run = my.from_lane(k, with_second);
       x.row.lane = lane;
       locate_row(a, x.run.first.bag, x.run.key, &x.row.D, &x.woff);
       load_table_states<Opt>(x.row, p, x.run.first.bag, a.B);
@@ -971,8 +941,8 @@ __global__ void __launch_bounds__(256) backward_warp_kernel(BackwardArgs a, Runs
       if (kLoadAhead && more) begin_run(next);
 #pragma unroll
       for (int i = 0; i < cur.row.kN; ++i) cur.row.g_[i] = 0.0f;
-      add_head<kVecs>(a, cur.run.first, cur.run.second, cur.run.head_two(a), cur.row.D, lane, cur.row.g_);
-      for (int32_t base = cur.run.rest(a); base < cur.run.len; base += kWarpSize) {
+      add_head<kVecs>(a, cur.run.first, cur.run.second, cur.run.head_two(with_second), cur.row.D, lane, cur.row.g_);
+      for (int32_t base = cur.run.rest(with_second); base < cur.run.len; base += kWarpSize) {
         const int n = cur.run.len - base < kWarpSize ? cur.run.len - base : kWarpSize;
         add_chunk<kVecs>(a, o, cur.row.D, lane, cur.run.start + base, n, cur.row.g_);
       }
@@ -1001,18 +971,20 @@ __global__ void __launch_bounds__(256) backward_warp_kernel(BackwardArgs a, Runs
 // optimizers without per-element state, else backward_warp_kernel (cuda_backward_kernels.cuh,
 // launch_backward, says why).
 template <class Opt, typename W, int kVecs>
-__global__ void __launch_bounds__(256) backward_group_kernel(BackwardArgs a, Runs r, Occurrences o, typename Opt::Params p,
-                                                             RowUpdateContext ctx, W* weights) {
+__global__ void __launch_bounds__(256, kGroupKernelMinBlocks)
+    backward_group_kernel(BackwardArgs a, Runs r, Occurrences o, typename Opt::Params p, RowUpdateContext ctx, W* weights) {
   if (update_blocked(a)) return;
   // the values of the update that depend on the step only (Optimizer::StepValues), once per thread
   const typename Opt::StepValues sv = Opt::step_values(p, ctx.step);
   const int lane = threadIdx.x % kWarpSize;
   const int32_t num_runs = r.counts[0];
   const bool none_pooling = a.pooling == kPoolNone;
-  RunBounds ahead;
-  if (a.run_prefetch) ahead.load(r, first_run_group() + lane, num_runs);
-  for (int64_t group = first_run_group(); group < num_runs; group += run_group_stride()) {
-    const RunSlot my = describe_run(a, r, o, group, num_runs, ahead);
+  const bool with_second = run_head_two<kVecs>(a);
+  const int64_t warps = int64_t(gridDim.x) * blockDim.x / kWarpSize;
+  for (int64_t group = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / kWarpSize * kWarpSize; group < num_runs;
+       group += warps * kWarpSize) {
+    RunSlot my;
+    if (group + lane < num_runs) my.fetch(r, o, group + lane, num_runs, none_pooling, with_second);
     // how many lanes my run's row needs
     int my_lanes = 0, my_D = 0;
     if (group + lane < num_runs) {
@@ -1038,7 +1010,7 @@ __global__ void __launch_bounds__(256) backward_group_kernel(BackwardArgs a, Run
       row.lanes = lanes;
       row.lane = lane % lanes;
       // (every lane shuffles, a group without a run too: a shuffle needs all 32 lanes)
-      const RunSlot run = my.from_lane(a, from);
+      const RunSlot run = my.from_lane(from, with_second);
       const int32_t len = active ? run.len : 0;
       int64_t woff = 0;
       row.D = 0;  // (a group without a run: no columns)
@@ -1049,13 +1021,13 @@ __global__ void __launch_bounds__(256) backward_group_kernel(BackwardArgs a, Run
       }
 #pragma unroll
       for (int i = 0; i < row.kN; ++i) row.g_[i] = 0.0f;
-      if (active) add_head<kVecs>(a, run.first, run.second, run.head_two(a), row.D, row.lane, row.g_);
+      if (active) add_head<kVecs>(a, run.first, run.second, run.head_two(with_second), row.D, row.lane, row.g_);
       // the other occurrences, in order, `lanes` at a time: each lane of a group fetches one
       // occurrence's metadata, then the group adds their rows one by one
       int32_t longest = len;
 #pragma unroll
       for (int m = kWarpSize / 2; m > 0; m >>= 1) longest = max(longest, __shfl_xor_sync(kFullMask, longest, m));
-      for (int32_t base = run.rest(a); base < longest; base += lanes) {
+      for (int32_t base = run.rest(with_second); base < longest; base += lanes) {
         OccurrenceInfo mine;
         if (base + row.lane < len) mine.fetch(o, int64_t(run.start) + base + row.lane, none_pooling);
         const int n = longest - base < lanes ? longest - base : lanes;

@@ -333,7 +333,6 @@ __attribute__((visibility("hidden"))) void backward_cuda(
   a.skip_bad_indices = skip_bad_indices;
   a.long_run_l2_hint = env_is_one("TBEGEN_LONG_RUN_L2_HINT");
   a.run_head_two = !env_is_zero("TBEGEN_RUN_HEAD_TWO");
-  a.run_prefetch = !env_is_zero("TBEGEN_RUN_PREFETCH");
 
   // The long runs' kernels run on a side stream, concurrently with the short runs' kernel (they
   // touch disjoint rows), forked here and joined back before anything else runs on the caller's
