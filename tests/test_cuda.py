@@ -327,41 +327,14 @@ def test_width_classes_give_the_single_launch_bits(load_ops, monkeypatch, name, 
     _assert_switch_keeps_the_bits(spec, ops, case, monkeypatch, "TBEGEN_WIDTH_CLASSES", "0")
 
 
-# The short-run kernels' run descriptions (cuda_kernels.cuh, RunSlot): each lane fetches its
-# run's second occurrence with the first, so a row seen twice gets both gradient rows
-# in one round trip (add_head). The sum is taken in the same order: a row must get the bits it gets
-# with the switch off (TBEGEN_RUN_HEAD_TWO=0). Small tables make runs of two and more; pooling
-# none takes the occurrences' positions; the group kernel (D <= 64) and the warp kernel (both
-# width classes). The large case has about 2 M runs, more than the grid's warps take in one group
-# each (132 SMs x 8192 = 1.08 M on the H200), so warps go through several groups.
-RUN_HEAD_CASES = [
-    harness.Case(tables=((40, 32), (30, 256), (60, 128), (20, 8)), B=64, max_L=10, pooling="sum", weighted=True,
-                 hot=100, seed=71),
-    harness.Case(tables=((40, 32), (30, 32)), B=64, max_L=10, pooling="none", weighted=True, seed=75),
-    harness.Case(tables=((60, 256), (30, 256)), B=64, max_L=10, pooling="none", weights_dtype=torch.float16, seed=76),
-    harness.Case(tables=((50, 64), (40, 128)), B=64, max_L=10, pooling="sum", weights_dtype=torch.float16,
-                 stochastic_rounding=True, seed=72),
-    harness.Case(tables=((40, 16), (30, 256)), feature_table_map=(0, 1, 0), B=48, max_L=8, pooling="mean",
-                 weights_dtype=torch.bfloat16, seed=73),
-]
-RUN_HEAD_LARGE_CASES = [
-    harness.Case(tables=((3_000_000, 4), (1_500_000, 128)), B=65536, max_L=40, pooling="sum", weighted=True,
-                 hot=3000, steps=1, seed=74),
-]
-
-
+# The width classes' launches on streams of their own (cuda_ops.cuh, backward_cuda): the classes
+# narrower than the widest run beside it, on a third stream. They update different tables' rows,
+# so every row must get the bits of the launches one after another (TBEGEN_CLASS_STREAMS=0).
 @pytest.mark.parametrize("name", NAMES)
-@pytest.mark.parametrize("case", RUN_HEAD_CASES, ids=lambda c: c.id)
-def test_second_occurrences_keep_the_bits(load_ops, monkeypatch, name, case):
+@pytest.mark.parametrize("case", WIDTH_CASES, ids=lambda c: c.id)
+def test_class_streams_give_the_one_stream_bits(load_ops, monkeypatch, name, case):
     spec, ops = load_ops(name)
-    _assert_switch_keeps_the_bits(spec, ops, case, monkeypatch, "TBEGEN_RUN_HEAD_TWO", "0")
-
-
-@pytest.mark.parametrize("name", [n for n in ("sgd", "adagrad", "adam") if n in NAMES])
-@pytest.mark.parametrize("case", RUN_HEAD_LARGE_CASES, ids=lambda c: c.id)
-def test_second_occurrences_keep_the_bits_over_many_groups(load_ops, monkeypatch, name, case):
-    spec, ops = load_ops(name)
-    _assert_switch_keeps_the_bits(spec, ops, case, monkeypatch, "TBEGEN_RUN_HEAD_TWO", "0")
+    _assert_switch_keeps_the_bits(spec, ops, case, monkeypatch, "TBEGEN_CLASS_STREAMS", "0")
 
 
 # The sort's digit width (cuda_sort.cuh): keys of 25 to 27 bits are sorted with 9-bit digits (three

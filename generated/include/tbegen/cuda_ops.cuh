@@ -291,6 +291,11 @@ inline bool lane_groups_enabled() { return !env_is_zero("TBEGEN_LANE_GROUPS"); }
 // one launch at the widest row's kVecs (the same bits either way; read at every call).
 inline bool width_classes_enabled() { return !env_is_zero("TBEGEN_WIDTH_CLASSES"); }
 
+// Whether the width classes narrower than the widest are launched on a stream of their own, beside
+// the widest's launch (backward_cuda), or after it on the caller's stream (TBEGEN_CLASS_STREAMS=0;
+// the same bits: the launches update different tables' rows). Read at every call.
+inline bool class_streams_enabled() { return !env_is_zero("TBEGEN_CLASS_STREAMS"); }
+
 // The backward pass with an optimizer fused in (docs/algorithm.md): prepare_backward sorts and
 // segments the batch, then the optimizer's update kernels (`kernels`, launched with its `params`:
 // see cuda_backward.h) sum each unique row's gradient and update it once: one warp per short
@@ -332,7 +337,6 @@ __attribute__((visibility("hidden"))) void backward_cuda(
   a.error = error.data_ptr<int64_t>();
   a.skip_bad_indices = skip_bad_indices;
   a.long_run_l2_hint = env_is_one("TBEGEN_LONG_RUN_L2_HINT");
-  a.run_head_two = !env_is_zero("TBEGEN_RUN_HEAD_TWO");
 
   // The long runs' kernels run on a side stream, concurrently with the short runs' kernel (they
   // touch disjoint rows), forked here and joined back before anything else runs on the caller's
@@ -365,11 +369,19 @@ __attribute__((visibility("hidden"))) void backward_cuda(
       l.stream = stream.stream();
       // the segment and finish kernels on `side`, the warp (or group) kernel on `stream`; with
       // several width classes, one short-run launch per class, the widest first (it also launches
-      // the long runs' kernels, at the widest kVecs), each taking its class's rows only
+      // the long runs' kernels, at the widest kVecs), each taking its class's rows only. The
+      // narrower classes' launches go to a third stream, beside the widest's: they update other
+      // tables' rows, and each launch walks every run, so one waiting for the other only adds
+      // its tail and its skipped runs to the step (TBEGEN_CLASS_STREAMS=0: all on `stream`).
       const int top = width_class(b.max_D);
       const bool split = classes.count() > 1 && width_classes_enabled();
       const bool groups = lane_groups_enabled();
       l.element_lane_groups = !env_is_zero("TBEGEN_ELEMENT_LANE_GROUPS");
+      const bool class_streams = split && class_streams_enabled();
+      const at::cuda::CUDAStream narrow =
+          class_streams ? at::cuda::getStreamFromPool(false, weights.device().index()) : stream;
+      at::cuda::CUDAEvent narrow_joined;
+      if (class_streams) forked.block(narrow);
       for (int c = top; c >= (split ? 0 : top); --c) {
         if (split && classes.narrowest[c] == 0) continue;
         BackwardLaunch lc = l;
@@ -377,10 +389,15 @@ __attribute__((visibility("hidden"))) void backward_cuda(
         lc.a.short_min_D = split && c > 0 ? int32_t(64) << c : 0;
         lc.long_runs = c == top;
         lc.lane_groups = groups && (split ? classes.narrowest[c] : narrowest_D) <= 64;
+        if (c != top) lc.stream = narrow.stream();
         TBEGEN_CUDA_CHECK(kernels.get<W>(c)(lc));
       }
       joined.record(side);
       joined.block(stream);
+      if (class_streams) {
+        narrow_joined.record(narrow);
+        narrow_joined.block(stream);
+      }
     });
   });
   if (!error_record.has_value()) raise_kernel_error(error, !skip_bad_indices);

@@ -583,10 +583,6 @@ struct BackwardArgs {
   // short-run kernels do (load4_keep), or plainly (load4): TBEGEN_LONG_RUN_L2_HINT=1 / the default.
   // ncu of C2's segment kernel (run Z) found 39% L2 hits with the hint; the landing run times both.
   bool long_run_l2_hint = false;
-  // Whether the short-run kernels fetch each run's second occurrence with its description, so that
-  // a row seen twice loads both gradient rows in one round trip (RunSlot, add_head; off with
-  // TBEGEN_RUN_HEAD_TWO=0).
-  bool run_head_two = true;
 };
 
 // The width of the row of the run whose first occurrence is in `bag`.
@@ -663,34 +659,6 @@ __device__ __forceinline__ void add_gradient(const BackwardArgs& a, const Occurr
       load4_keep(go + d, x);
 #pragma unroll
       for (int c = 0; c < 4; ++c) g[v * 4 + c] += occ.scale * x[c];
-    }
-  }
-}
-
-// Adds the scaled output-gradient rows of a run's first occurrence and, when `two`, its second:
-// for each 4-wide slice, both rows' loads are issued before either is added (one round trip for
-// the two rows, not three: the second's metadata, then its row, after the first), and the sum is
-// taken in the order two add_gradient calls take it (the same bits). (Slice by slice, as
-// add_gradient loads: all slices' loads at once raised the kVecs = 2 kernels from 64 to 96
-// registers and made C3 up to 31% slower, benchmarks/NOTES-gpu.md, run AA.)
-template <int kVecs>
-__device__ __forceinline__ void add_head(const BackwardArgs& a, const OccurrenceInfo& first, const OccurrenceInfo& second,
-                                         bool two, int D, int lane, float* g) {
-  const float* go0 = grad_row(a, first.position, first.bag);
-  const float* go1 = grad_row(a, second.position, second.bag);
-#pragma unroll
-  for (int v = 0; v < kVecs; ++v) {
-    const int d = v * 128 + 4 * lane;
-    if (d < D) {
-      float x0[4], x1[4];
-      load4_keep(go0 + d, x0);
-      if (two) load4_keep(go1 + d, x1);
-#pragma unroll
-      for (int c = 0; c < 4; ++c) g[v * 4 + c] += first.scale * x0[c];
-      if (two) {
-#pragma unroll
-        for (int c = 0; c < 4; ++c) g[v * 4 + c] += second.scale * x1[c];
-      }
     }
   }
 }
@@ -826,81 +794,27 @@ template <class Opt, int kVecs>
 using OptRow = WarpRow<kVecs, Opt::kElementStates + Opt::kTemporaries, Opt::kRowStates, Opt::kIntRowStates,
                        Opt::kTableStates>;
 
-// One run of a short-run kernel's group of 32, as the lane describing it holds it (lane l of a
-// warp describes run group + l): where it starts, its length and key, its first occurrence and,
-// with a.run_head_two and at least two occurrences, its second, so that a row seen twice (15% of
-// the rows in C1-C3) gets both gradient rows in one round trip (add_head).
-struct RunSlot {
-  int32_t start = 0;
-  int32_t len = 0;
-  int64_t key = 0;
-  OccurrenceInfo first, second;
-
-  __device__ __forceinline__ void fetch(const Runs& r, const Occurrences& o, int64_t run, int32_t num_runs,
-                                        bool none_pooling, bool with_second) {
-    start = r.starts[run];
-    len = r.end_of(run, num_runs) - start;
-    key = r.key_at(start);
-    first.fetch(o, start, none_pooling);
-    if (with_second && len >= 2) second.fetch(o, int64_t(start) + 1, none_pooling);
-  }
-  // whether add_head takes the second occurrence too
-  __device__ __forceinline__ bool head_two(bool with_second) const { return with_second && len >= 2; }
-  // the occurrence the loops over the rest of the run start at
-  __device__ __forceinline__ int32_t rest(bool with_second) const { return with_second ? 2 : 1; }
-  // lane src's run (every lane calls it: shuffles)
-  __device__ __forceinline__ RunSlot from_lane(int src, bool with_second) const {
-    RunSlot x;
-    x.start = __shfl_sync(kFullMask, start, src);
-    x.len = __shfl_sync(kFullMask, len, src);
-    x.key = __shfl_sync(kFullMask, key, src);
-    x.first = first.from_lane(src);
-    if (with_second) x.second = second.from_lane(src);
-    return x;
-  }
-};
-
-// Whether a short-run kernel of kVecs slices per lane fetches second occurrences (RunSlot): up to
-// 256 columns. (Wider rows hold more registers already; a second row's slice in flight raised
-// sgd's 512-column kernel from 80 to 103 registers, and no benchmark covers those widths.)
-template <int kVecs>
-__device__ __forceinline__ bool run_head_two(const BackwardArgs& a) {
-  return kVecs <= 2 && a.run_head_two;
-}
-
-// The short-run kernels' resident blocks per multiprocessor, held at what the kernels had before
-// RunSlot carried second occurrences (the registers the compiler chose then, sm_90): 5 blocks
-// (48 registers) for the warp kernel at kVecs = 1, 4 (64) at kVecs = 2, 3 (80) for adam's, 3 or 2
-// at kVecs = 4 and 2 or 1 at kVecs = 8 (without and with optimizer state); the group kernel 4. (A bound of 1 is not
-// the same as none: with it, ptxas took 145 registers where it had taken 80 at kVecs = 4.) Without these bounds the second occurrence's registers cost a block per
-// multiprocessor in most of them (C3 up to 31% slower, benchmarks/NOTES-gpu.md, run AA).
-template <class Opt, int kVecs>
-constexpr int warp_kernel_min_blocks() {
-  return kVecs == 1   ? 5
-         : kVecs == 2 ? (Opt::kElementStates >= 2 ? 3 : 4)
-         : kVecs == 4 ? (Opt::kElementStates + Opt::kRowStates == 0 ? 3 : 2)
-                      : (Opt::kElementStates + Opt::kRowStates == 0 ? 2 : 1);
-}
-constexpr int kGroupKernelMinBlocks = 4;
-
 // One short run's row as the warp kernel holds it: the row view, where it lives, and the run.
 template <class Opt, int kVecs>
 struct ShortRun {
   OptRow<Opt, kVecs> row;
+  int64_t key;
   int64_t woff;
-  RunSlot run;
+  int32_t start;
+  int32_t len;
+  OccurrenceInfo first;
 };
 
 // Short runs: one warp per unique row. A warp takes 32 consecutive runs at a time; each lane
-// first fetches one run's description (RunSlot: start, length, key, and its first one or two
-// occurrences), so that a row seen once or twice (nearly all of them in C1-C3) costs one round
-// trip to memory for its weights and gradient rows, issued together. For rows of up to 128
-// columns without per-element state, the next run's weights and states are loaded while the
-// current one is summed and updated, so each warp keeps two rows' loads in flight.
+// first fetches one run's description (start, length, key, and its first occurrence), so that a
+// row seen once (the common case) costs one round trip to memory for its weights and gradient
+// row, issued together. For rows of up to 128 columns without per-element state, the next run's
+// weights and states are loaded while the current one is summed and updated, so each warp keeps
+// two rows' loads in flight.
 // Occurrences are summed in sorted (= index) order.
 template <class Opt, typename W, int kVecs>
-__global__ void __launch_bounds__(256, (warp_kernel_min_blocks<Opt, kVecs>()))
-    backward_warp_kernel(BackwardArgs a, Runs r, Occurrences o, typename Opt::Params p, RowUpdateContext ctx, W* weights) {
+__global__ void __launch_bounds__(256) backward_warp_kernel(BackwardArgs a, Runs r, Occurrences o, typename Opt::Params p,
+                                                            RowUpdateContext ctx, W* weights) {
   if (update_blocked(a)) return;
   // the values of the update that depend on the step only (Optimizer::StepValues), once per thread
   const typename Opt::StepValues sv = Opt::step_values(p, ctx.step);
@@ -908,30 +822,39 @@ __global__ void __launch_bounds__(256, (warp_kernel_min_blocks<Opt, kVecs>()))
   // element states or wider rows the extra registers cost more than the overlap brings)
   constexpr bool kLoadAhead = kVecs == 1 && Opt::kElementStates == 0;
   const int lane = threadIdx.x % kWarpSize;
+  const int64_t warps = int64_t(gridDim.x) * blockDim.x / kWarpSize;
   const int32_t num_runs = r.counts[0];
   const bool none_pooling = a.pooling == kPoolNone;
-  const bool with_second = run_head_two<kVecs>(a);
-  const int64_t warps = int64_t(gridDim.x) * blockDim.x / kWarpSize;
   for (int64_t group = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / kWarpSize * kWarpSize; group < num_runs;
        group += warps * kWarpSize) {
-    RunSlot my;
-    if (group + lane < num_runs) my.fetch(r, o, group + lane, num_runs, none_pooling, with_second);
+    int32_t my_len = 0, my_start = 0;
+    int64_t my_key = 0;
+    OccurrenceInfo my_first;
+    if (group + lane < num_runs) {
+      my_start = r.starts[group + lane];
+      my_len = r.end_of(group + lane, num_runs) - my_start;
+      my_key = r.key_at(my_start);
+      my_first.fetch(o, my_start, none_pooling);
+    }
     // the runs of this group that are this kernel's: long runs are backward_segment_kernel's,
     // skipped bad indices update nothing, and with split widths, rows of another width class are
     // another launch's
-    bool mine = group + lane < num_runs && my.len < r.max_segment_length_per_warp && my.key < r.skipped_key;
-    if (a.split_widths && mine) mine = short_run_fits<kVecs>(a, run_width(a, my.first.bag));
+    bool mine = group + lane < num_runs && my_len < r.max_segment_length_per_warp && my_key < r.skipped_key;
+    if (a.split_widths && mine) mine = short_run_fits<kVecs>(a, run_width(a, my_first.bag));
     unsigned todo = __ballot_sync(kFullMask, mine);
     if (todo == 0) continue;
     // takes the next run of `todo` into `x` and issues the loads of its row
     auto begin_run = [&](ShortRun<Opt, kVecs>& x) {
       const int k = __ffs(todo) - 1;
       todo &= todo - 1;
-      x.run = my.from_lane(k, with_second);
+      x.len = __shfl_sync(kFullMask, my_len, k);
+      x.key = __shfl_sync(kFullMask, my_key, k);
+      x.start = __shfl_sync(kFullMask, my_start, k);
+      x.first = my_first.from_lane(k);
       x.row.lane = lane;
-      locate_row(a, x.run.first.bag, x.run.key, &x.row.D, &x.woff);
-      load_table_states<Opt>(x.row, p, x.run.first.bag, a.B);
-      load_row<Opt, W>(x.row, p, weights, x.run.key, x.woff);
+      locate_row(a, x.first.bag, x.key, &x.row.D, &x.woff);
+      load_table_states<Opt>(x.row, p, x.first.bag, a.B);
+      load_row<Opt, W>(x.row, p, weights, x.key, x.woff);
     };
     ShortRun<Opt, kVecs> cur;
     begin_run(cur);
@@ -941,12 +864,12 @@ __global__ void __launch_bounds__(256, (warp_kernel_min_blocks<Opt, kVecs>()))
       if (kLoadAhead && more) begin_run(next);
 #pragma unroll
       for (int i = 0; i < cur.row.kN; ++i) cur.row.g_[i] = 0.0f;
-      add_head<kVecs>(a, cur.run.first, cur.run.second, cur.run.head_two(with_second), cur.row.D, lane, cur.row.g_);
-      for (int32_t base = cur.run.rest(with_second); base < cur.run.len; base += kWarpSize) {
-        const int n = cur.run.len - base < kWarpSize ? cur.run.len - base : kWarpSize;
-        add_chunk<kVecs>(a, o, cur.row.D, lane, cur.run.start + base, n, cur.row.g_);
+      add_gradient<kVecs>(a, cur.first, cur.row.D, lane, cur.row.g_);
+      for (int32_t base = 1; base < cur.len; base += kWarpSize) {
+        const int n = cur.len - base < kWarpSize ? cur.len - base : kWarpSize;
+        add_chunk<kVecs>(a, o, cur.row.D, lane, cur.start + base, n, cur.row.g_);
       }
-      update_and_store<Opt, W>(cur.row, p, ctx, sv, weights, cur.run.key, cur.woff);
+      update_and_store<Opt, W>(cur.row, p, ctx, sv, weights, cur.key, cur.woff);
       if (!more) break;
       if (kLoadAhead) {
         cur = next;
@@ -971,30 +894,35 @@ __global__ void __launch_bounds__(256, (warp_kernel_min_blocks<Opt, kVecs>()))
 // optimizers without per-element state, else backward_warp_kernel (cuda_backward_kernels.cuh,
 // launch_backward, says why).
 template <class Opt, typename W, int kVecs>
-__global__ void __launch_bounds__(256, kGroupKernelMinBlocks)
-    backward_group_kernel(BackwardArgs a, Runs r, Occurrences o, typename Opt::Params p, RowUpdateContext ctx, W* weights) {
+__global__ void __launch_bounds__(256) backward_group_kernel(BackwardArgs a, Runs r, Occurrences o, typename Opt::Params p,
+                                                             RowUpdateContext ctx, W* weights) {
   if (update_blocked(a)) return;
   // the values of the update that depend on the step only (Optimizer::StepValues), once per thread
   const typename Opt::StepValues sv = Opt::step_values(p, ctx.step);
   const int lane = threadIdx.x % kWarpSize;
+  const int64_t warps = int64_t(gridDim.x) * blockDim.x / kWarpSize;
   const int32_t num_runs = r.counts[0];
   const bool none_pooling = a.pooling == kPoolNone;
-  const bool with_second = run_head_two<kVecs>(a);
-  const int64_t warps = int64_t(gridDim.x) * blockDim.x / kWarpSize;
   for (int64_t group = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / kWarpSize * kWarpSize; group < num_runs;
        group += warps * kWarpSize) {
-    RunSlot my;
-    if (group + lane < num_runs) my.fetch(r, o, group + lane, num_runs, none_pooling, with_second);
-    // how many lanes my run's row needs
+    // lane l describes run group + l: where it starts, its length, key and first occurrence, and
+    // how many lanes its row needs
+    int32_t my_len = 0, my_start = 0;
+    int64_t my_key = 0;
     int my_lanes = 0, my_D = 0;
+    OccurrenceInfo my_first;
     if (group + lane < num_runs) {
-      my_D = run_width(a, my.first.bag);
+      my_start = r.starts[group + lane];
+      my_len = r.end_of(group + lane, num_runs) - my_start;
+      my_key = r.key_at(my_start);
+      my_first.fetch(o, my_start, none_pooling);
+      my_D = run_width(a, my_first.bag);
       my_lanes = lanes_for_row(my_D);
     }
     // (as in backward_warp_kernel: long runs, skipped bad indices and, with split widths, rows of
     // another width class are not this kernel's)
-    unsigned todo = __ballot_sync(kFullMask, group + lane < num_runs && my.len < r.max_segment_length_per_warp &&
-                                                 my.key < r.skipped_key && short_run_fits<kVecs>(a, my_D));
+    unsigned todo = __ballot_sync(kFullMask, group + lane < num_runs && my_len < r.max_segment_length_per_warp &&
+                                                 my_key < r.skipped_key && short_run_fits<kVecs>(a, my_D));
     while (todo != 0) {
       // this round's runs: `lanes` lanes each, at most 32 / lanes of them, taken in key order
       const int lanes = __shfl_sync(kFullMask, my_lanes, __ffs(todo) - 1);
@@ -1010,26 +938,29 @@ __global__ void __launch_bounds__(256, kGroupKernelMinBlocks)
       row.lanes = lanes;
       row.lane = lane % lanes;
       // (every lane shuffles, a group without a run too: a shuffle needs all 32 lanes)
-      const RunSlot run = my.from_lane(from, with_second);
-      const int32_t len = active ? run.len : 0;
+      const int32_t run_len = __shfl_sync(kFullMask, my_len, from);
+      const int32_t len = active ? run_len : 0;
+      const int32_t start = __shfl_sync(kFullMask, my_start, from);
+      const int64_t key = __shfl_sync(kFullMask, my_key, from);
+      const OccurrenceInfo first = my_first.from_lane(from);
       int64_t woff = 0;
       row.D = 0;  // (a group without a run: no columns)
       if (active) {
-        locate_row(a, run.first.bag, run.key, &row.D, &woff);
-        load_table_states<Opt>(row, p, run.first.bag, a.B);
-        load_row<Opt, W>(row, p, weights, run.key, woff);
+        locate_row(a, first.bag, key, &row.D, &woff);
+        load_table_states<Opt>(row, p, first.bag, a.B);
+        load_row<Opt, W>(row, p, weights, key, woff);
       }
 #pragma unroll
       for (int i = 0; i < row.kN; ++i) row.g_[i] = 0.0f;
-      if (active) add_head<kVecs>(a, run.first, run.second, run.head_two(with_second), row.D, row.lane, row.g_);
+      if (active) add_gradient<kVecs>(a, first, row.D, row.lane, row.g_);
       // the other occurrences, in order, `lanes` at a time: each lane of a group fetches one
       // occurrence's metadata, then the group adds their rows one by one
       int32_t longest = len;
 #pragma unroll
       for (int m = kWarpSize / 2; m > 0; m >>= 1) longest = max(longest, __shfl_xor_sync(kFullMask, longest, m));
-      for (int32_t base = run.rest(with_second); base < longest; base += lanes) {
+      for (int32_t base = 1; base < longest; base += lanes) {
         OccurrenceInfo mine;
-        if (base + row.lane < len) mine.fetch(o, int64_t(run.start) + base + row.lane, none_pooling);
+        if (base + row.lane < len) mine.fetch(o, int64_t(start) + base + row.lane, none_pooling);
         const int n = longest - base < lanes ? longest - base : lanes;
         for (int k = 0; k < n; ++k) {
           const OccurrenceInfo occ = mine.from_lane(lane - row.lane + k);
@@ -1038,7 +969,7 @@ __global__ void __launch_bounds__(256, kGroupKernelMinBlocks)
       }
       // every lane runs the update (its reductions are shuffles); a group without a run stores nothing
       Opt::update_row(row, p, sv);
-      if (active) store_row<Opt, W>(row, p, ctx, weights, run.key, woff);
+      if (active) store_row<Opt, W>(row, p, ctx, weights, key, woff);
     }
   }
 }
