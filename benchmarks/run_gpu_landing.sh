@@ -74,13 +74,18 @@ PY
 fi
 # an A/B of an environment switch beside the referee run above: AB_ENV (e.g.
 # "TBEGEN_LONG_RUN_L2_HINT=1") set, tbegen alone through the referee on AB_CONFIGS (default C2),
-# into fbgemm.log and fbgemm/ab_results.jsonl; compare with the defaults' rows of the run above
+# into fbgemm.log and fbgemm/ab_results.jsonl, after the same with the defaults (a process without
+# FBGEMM in it times tbegen 4-7% faster, benchmarks/NOTES-gpu.md item 19, so the referee's rows
+# above are not the A/B's other half)
 if [ -n "${AB_ENV:-}" ]; then
-  echo "== A/B: bench_tbe.py with $AB_ENV" >> "$OUT/fbgemm.log"
-  env $AB_ENV PYTHONPATH=/tmp/fbg_site:$PYTHONPATH CUDA_MODULE_LOADING=LAZY timeout $(cap ${AB_TIMEOUT:-60}) python3 .anchor/bench_tbe.py \
-    --configs ${AB_CONFIGS:-C2} --systems tbegen --fast-init --out /tmp/ab >> "$OUT/fbgemm.log" 2>&1 || log "A/B ($AB_ENV) failed or timed out"
-  cp /tmp/ab/results.jsonl "$OUT/fbgemm/ab_results.jsonl" 2>/dev/null
-  grep -E "^== A/B|^C[123] " "$OUT/fbgemm.log" | tail -n 5
+  for ab in "" "$AB_ENV"; do
+    echo "== A/B: bench_tbe.py with ${ab:-the defaults}" >> "$OUT/fbgemm.log"
+    rm -rf /tmp/ab
+    env $ab PYTHONPATH=/tmp/fbg_site:$PYTHONPATH CUDA_MODULE_LOADING=LAZY timeout $(cap ${AB_TIMEOUT:-60}) python3 .anchor/bench_tbe.py \
+      --configs ${AB_CONFIGS:-C2} --systems tbegen --fast-init --out /tmp/ab >> "$OUT/fbgemm.log" 2>&1 || log "A/B (${ab:-defaults}) failed or timed out"
+    cat /tmp/ab/results.jsonl >> "$OUT/fbgemm/ab_results.jsonl" 2>/dev/null
+  done
+  grep -E "^== A/B|^C[123] " "$OUT/fbgemm.log" | tail -n 10
 fi
 # the backward's lane-group kernel against the whole-warp kernel (TBEGEN_LANE_GROUPS=0), tbegen
 # alone (benchmarks/bench.py): GROUPS_CONFIGS (default C5, 32 tables of 32 columns; the referee
