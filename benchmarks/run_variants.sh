@@ -12,6 +12,7 @@
 #   BASE_TREE  another checkout inside the carried tree (e.g. build/ab-base, from `git worktree add`
 #              or `git archive`), built beside the working tree into its own cache, so that a
 #              variant can time the code before a change in the same call
+#   TEST_FILES the test files TESTS selects from (default tests/test_cuda.py)
 #   SPECS      optimizers to build (default: the four benchmarked and lamb)
 #   PROFILE_CELL  CONFIGS:OPTS of a kernel profile (bench_tbe.py --profile) with the first
 #              variant's environment; empty: none
@@ -41,7 +42,7 @@ if [ -n "${TESTS:-}" ]; then
   xdist=$(python3 -c "import xdist" 2>/dev/null && echo "-n 12")
   t0=$(date +%s)
   if ! TBEGEN_TEST_OPTIMIZERS="$SPECS" OMP_NUM_THREADS=2 timeout ${TESTS_TIMEOUT:-150} python3 -m pytest -q -p no:cacheprovider \
-      $xdist tests/test_cuda.py -k "$TESTS" -rf --tb=short --maxfail=10 > "$OUT/pytest.tmp" 2>&1; then
+      $xdist ${TEST_FILES:-tests/test_cuda.py} -k "$TESTS" -rf --tb=short --maxfail=10 > "$OUT/pytest.tmp" 2>&1; then
     status=1
     head -c 20000 "$OUT/pytest.tmp" >> "$LOG"
   fi
