@@ -337,27 +337,6 @@ def test_class_streams_give_the_one_stream_bits(load_ops, monkeypatch, name, cas
     _assert_switch_keeps_the_bits(spec, ops, case, monkeypatch, "TBEGEN_CLASS_STREAMS", "0")
 
 
-# Gradient slices (cuda_backward_prep_impl.cuh, gradient_slices_kernel; TBEGEN_GRAD_SLICES=1): when
-# every feature has the same width, the output gradient is copied to [F][B][D] and the update
-# kernels read the copy. The same values in the same order: the bits of the reads from
-# grad_output. Sum and mean pooling, per-sample weights, half weights, a hot row (the long runs'
-# kernels read the copy too), a shared table, and a batch the copy is not taken for (two widths).
-SLICE_CASES = [
-    harness.Case(tables=((300, 64), (100, 64), (50, 64)), B=32, pooling="sum", weighted=True, hot=100, seed=81),
-    harness.Case(tables=((200, 128), (60, 128)), feature_table_map=(0, 1, 0), B=48, max_L=12, pooling="mean",
-                 weights_dtype=torch.float16, stochastic_rounding=True, hot=300, seed=82),
-    harness.Case(tables=((300, 256), (100, 256)), B=32, pooling="sum", seed=83),
-    harness.Case(tables=((300, 32), (100, 64)), B=32, pooling="sum", seed=84),
-]
-
-
-@pytest.mark.parametrize("name", NAMES)
-@pytest.mark.parametrize("case", SLICE_CASES, ids=lambda c: c.id)
-def test_gradient_slices_give_the_same_bits(load_ops, monkeypatch, name, case):
-    spec, ops = load_ops(name)
-    _assert_switch_keeps_the_bits(spec, ops, case, monkeypatch, "TBEGEN_GRAD_SLICES", "1")
-
-
 # The sort's digit width (cuda_sort.cuh): keys of 25 to 27 bits are sorted with 9-bit digits (three
 # passes, not four). A stable sort has one result, so the step must give the bits of CUB's 8-bit
 # sort (TBEGEN_SORT_DIGIT_BITS=8). A table of 20 million rows makes the keys 25 bits wide; 1024

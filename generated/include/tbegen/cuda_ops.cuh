@@ -181,12 +181,10 @@ inline bool aligned_to(const void* p, size_t bytes) { return reinterpret_cast<ui
 // Checks the call's features table and says whether the call takes the 4-wide kernels: a vector
 // layout, with the buffers they load 4 at a time aligned for it (a weights tensor that is a view at
 // an odd offset takes the any-width kernels). `narrowest_D`, if given, receives the smallest
-// feature width (the forward picks its loop by it); `uniform`, whether every feature is max_D
-// columns wide with feature f's output at column f * max_D (the gradient slices' layout).
+// feature width (the forward picks its loop by it).
 inline bool check_layout_and_choose(const Batch& b, const at::Tensor& features, const at::Tensor& weights,
                                     std::initializer_list<const void*> float_buffers,
-                                    int64_t* narrowest_D = nullptr, WidthClasses* classes = nullptr,
-                                    bool* uniform = nullptr) {
+                                    int64_t* narrowest_D = nullptr, WidthClasses* classes = nullptr) {
   static HostFeaturesCache cache;
   const HostFeaturesCache::Copy feat = cache.get(features);
   check_features(b, feat->data(), weights);
@@ -196,12 +194,6 @@ inline bool check_layout_and_choose(const Batch& b, const at::Tensor& features, 
   }
   if (classes != nullptr) {
     for (int64_t f = 0; f < b.F; ++f) classes->add((*feat)[f * kFeatColumns + kFeatDim]);
-  }
-  if (uniform != nullptr) {
-    *uniform = b.total_D == b.F * b.max_D;
-    for (int64_t f = 0; f < b.F && *uniform; ++f) {
-      *uniform = (*feat)[f * kFeatColumns + kFeatDim] == b.max_D && (*feat)[f * kFeatColumns + kFeatOutOffset] == f * b.max_D;
-    }
   }
   if (!vector_layout(feat->data(), b.F, b.total_D, b.max_D)) return false;
   // int8 rows (uint8 weights) always take the any-width kernels, which dequantize and quantize
@@ -304,12 +296,6 @@ inline bool width_classes_enabled() { return !env_is_zero("TBEGEN_WIDTH_CLASSES"
 // the same bits: the launches update different tables' rows). Read at every call.
 inline bool class_streams_enabled() { return !env_is_zero("TBEGEN_CLASS_STREAMS"); }
 
-// Whether the backward copies the output gradient to gradient slices (cuda_backward_prep_impl.cuh,
-// gradient_slices_kernel) when every feature has the same width, in feature order:
-// TBEGEN_GRAD_SLICES=1. Off by default: an experiment (benchmarks/NOTES-gpu.md, item 23) that
-// costs a copy of grad_output per step (268 MB in C1) against the update kernels' L2 misses on it.
-inline bool gradient_slices_enabled() { return env_is_one("TBEGEN_GRAD_SLICES"); }
-
 // The backward pass with an optimizer fused in (docs/algorithm.md): prepare_backward sorts and
 // segments the batch, then the optimizer's update kernels (`kernels`, launched with its `params`:
 // see cuda_backward.h) sum each unique row's gradient and update it once: one warp per short
@@ -331,20 +317,14 @@ __attribute__((visibility("hidden"))) void backward_cuda(
   // the 4-wide kernels, or the any-width ones (above)
   int64_t narrowest_D = 0;
   WidthClasses classes;
-  bool uniform = false;
-  bool vector_path =
-      check_layout_and_choose(b, features, weights, {grad_output.data_ptr()}, &narrowest_D, &classes, &uniform);
+  bool vector_path = check_layout_and_choose(b, features, weights, {grad_output.data_ptr()}, &narrowest_D, &classes);
   vector_path = vector_path && kernels.vector_states_fit(params);
   if (b.N == 0) return;
   const auto stream = at::cuda::getCurrentCUDAStream();
   const at::Tensor error = error_record_for(error_record, weights);
 
-  // gradient slices (TBEGEN_GRAD_SLICES=1) for the 4-wide kernels of a pooled batch whose
-  // features all have the same width; rows of grad_output are then read from the copy
-  const bool slices = vector_path && uniform && pooling != kPoolNone && b.F > 1 && gradient_slices_enabled();
-  const PreparedBackward prep =
-      prepare_backward(b, grad_output, weights, features, total_hash_size, indices, offsets, per_sample_weights,
-                       max_segment_length_per_warp, error, check_finite, slices ? b.max_D : 0);
+  const PreparedBackward prep = prepare_backward(b, grad_output, weights, features, total_hash_size, indices, offsets,
+                                                 per_sample_weights, max_segment_length_per_warp, error, check_finite);
 
   BackwardArgs a;
   a.feat = features.data_ptr<int64_t>();
@@ -357,13 +337,6 @@ __attribute__((visibility("hidden"))) void backward_cuda(
   a.error = error.data_ptr<int64_t>();
   a.skip_bad_indices = skip_bad_indices;
   a.long_run_l2_hint = env_is_one("TBEGEN_LONG_RUN_L2_HINT");
-  if (prep.grad_slices.defined()) {
-    // grad_row reads feature f's row of bag b at grad_output + b * total_D + out offset of f:
-    // with the slices, total_D = D and the out offsets f * B * D (sliced_features)
-    a.grad_output = prep.grad_slices.data_ptr<float>();
-    a.total_D = b.max_D;
-    a.feat = prep.sliced_features.data_ptr<int64_t>();
-  }
 
   // The long runs' kernels run on a side stream, concurrently with the short runs' kernel (they
   // touch disjoint rows), forked here and joined back before anything else runs on the caller's

@@ -24,24 +24,17 @@ struct PreparedBackward {
   int64_t max_partials = 0;   // and partial sums of runs of several segments
   // the storage behind the pointers above (freed when this goes)
   std::vector<at::Tensor> storage;
-  // With slice_D > 0 (gradient slices, below): grad_output copied to [F][B][D], and a copy of the
-  // features table whose output offsets address it (feature f's rows start at f * B * D); else
-  // undefined.
-  at::Tensor grad_slices, sliced_features;
 };
 
 // Linearises, sorts and segments the batch on the current stream; errors go to `error` (a
 // kErrRecordSize int64 device tensor). With check_finite, NaN/Inf in grad_output or the
 // per-sample weights is recorded as a fatal error (that check runs on a side stream, joined
-// before this returns). With slice_D > 0, which the caller passes only when every feature is
-// slice_D columns wide and feature f's output starts at column f * slice_D (grad_output is
-// [B][F][slice_D]), grad_output is also copied to [F][B][slice_D] in the same pass as the check
-// (PreparedBackward::grad_slices).
+// before this returns).
 __attribute__((visibility("hidden"))) PreparedBackward prepare_backward(
     const Batch& b, const at::Tensor& grad_output, const at::Tensor& weights, const at::Tensor& features,
     int64_t total_hash_size, const at::Tensor& indices, const at::Tensor& offsets,
     const c10::optional<at::Tensor>& per_sample_weights, int64_t max_segment_length_per_warp,
-    const at::Tensor& error, bool check_finite, int64_t slice_D = 0);
+    const at::Tensor& error, bool check_finite);
 
 }  // namespace cuda
 }  // namespace tbegen

@@ -65,37 +65,6 @@ static __global__ void __launch_bounds__(256) gather_occurrences_kernel(int64_t 
   }
 }
 
-// Gradient slices (TBEGEN_GRAD_SLICES=1): grad_output [B][F][4 * D4] (every feature 4 * D4 columns
-// wide, in feature order) copied to [F][B][4 * D4], so that the gradient rows of one feature,
-// which the update kernels read once per occurrence in the order of the feature's sorted rows,
-// are one contiguous block (8 MB in C1) instead of 512 bytes of every 16 KB row of grad_output.
-// With `check`, NaN/Inf is recorded as check_finite_kernel records it (this kernel replaces that
-// one: a single pass reads grad_output). One block per bag row at a time; the loads and each
-// feature's stores are contiguous.
-static __global__ void __launch_bounds__(256) gradient_slices_kernel(int64_t B, int32_t F, int32_t D4, FastDivisor by_D4,
-                                                                     const float4* __restrict__ in,
-                                                                     float4* __restrict__ out, bool check,
-                                                                     int64_t* error) {
-  const int32_t per_row = F * D4;
-  for (int64_t b = blockIdx.x; b < B; b += gridDim.x) {
-    for (int32_t c = threadIdx.x; c < per_row; c += blockDim.x) {
-      const float4 v = in[b * per_row + c];
-      if (check && !(isfinite(v.x) && isfinite(v.y) && isfinite(v.z) && isfinite(v.w))) {
-        const int k = !isfinite(v.x) ? 0 : !isfinite(v.y) ? 1 : !isfinite(v.z) ? 2 : 3;
-        record_error(error, kErrNonFiniteGradient, 4 * (b * per_row + c) + k, 0);
-      }
-      const int32_t f = by_D4.quotient(c);
-      out[(int64_t(f) * B + b) * D4 + (c - f * D4)] = v;
-    }
-  }
-}
-
-// The features table for gradient slices: feature f's output rows start at f * B * D (its other
-// columns as they were).
-static __global__ void sliced_features_kernel(int64_t F, int64_t B, int64_t D, int64_t* feat) {
-  for (int64_t f = threadIdx.x; f < F; f += blockDim.x) feat[f * kFeatColumns + kFeatOutOffset] = f * B * D;
-}
-
 template <typename K>
 void linearize_and_sort(const Batch& b, const ForwardArgs& fa, const at::Tensor& weights, const at::Tensor& indices,
                         const at::Tensor& offsets, int64_t total_hash_size, bool check_finite, bool values_are_bags,
@@ -185,40 +154,23 @@ void linearize_and_sort(const Batch& b, const ForwardArgs& fa, const at::Tensor&
 PreparedBackward prepare_backward(const Batch& b, const at::Tensor& grad_output, const at::Tensor& weights,
                                   const at::Tensor& features, int64_t total_hash_size, const at::Tensor& indices,
                                   const at::Tensor& offsets, const c10::optional<at::Tensor>& per_sample_weights,
-                                  int64_t max_segment_length_per_warp, const at::Tensor& error, bool check_finite,
-                                  int64_t slice_D) {
+                                  int64_t max_segment_length_per_warp, const at::Tensor& error, bool check_finite) {
   const auto stream = at::cuda::getCurrentCUDAStream();
   PreparedBackward out;
   out.runs.max_segment_length_per_warp = int32_t(std::min<int64_t>(max_segment_length_per_warp, INT32_MAX));
   out.runs.skipped_key = total_hash_size;
 
-  // The finite check of grad_output reads it once, on a side stream, while the batch is sorted;
-  // with slice_D, the same pass copies it to gradient slices.
+  // The finite check of grad_output reads it once, on a side stream, while the batch is sorted.
   const at::cuda::CUDAStream side = at::cuda::getStreamFromPool(false, weights.device().index());
   at::cuda::CUDAEvent forked, checked;
-  const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
-  const bool slices = slice_D > 0 && grad_output.numel() > 0;
-  const bool side_pass = slices || (check_finite && grad_output.numel() > 0);
-  if (slices) {
-    out.grad_slices = at::empty({grad_output.numel()}, grad_output.options());
-    out.sliced_features = features.clone();
-    sliced_features_kernel<<<1, kWarpSize, 0, stream>>>(b.F, b.B, slice_D, out.sliced_features.data_ptr<int64_t>());
-    TBEGEN_CUDA_CHECK(cudaGetLastError());
-  }
-  if (side_pass) {
+  if (check_finite && grad_output.numel() > 0) {
     forked.record(stream);
     forked.block(side);
-    if (slices) {
-      const int32_t D4 = int32_t(slice_D / 4);
-      gradient_slices_kernel<<<int(std::min<int64_t>(b.B, int64_t(sms) * 8)), kThreads, 0, side.stream()>>>(
-          b.B, int32_t(b.F), D4, FastDivisor::of(D4), reinterpret_cast<const float4*>(grad_output.data_ptr<float>()),
-          reinterpret_cast<float4*>(out.grad_slices.data_ptr<float>()), check_finite, error.data_ptr<int64_t>());
-    } else {
-      const int64_t n4 = grad_output.numel() / 4 + 1;
-      const int blocks = int(std::min<int64_t>((n4 + kThreads - 1) / kThreads, int64_t(sms) * 8));
-      check_finite_kernel<<<blocks, kThreads, 0, side.stream()>>>(grad_output.numel(), grad_output.data_ptr<float>(),
-                                                                  error.data_ptr<int64_t>());
-    }
+    const int64_t n4 = grad_output.numel() / 4 + 1;
+    const int blocks = int(std::min<int64_t>((n4 + kThreads - 1) / kThreads,
+                                             int64_t(at::cuda::getCurrentDeviceProperties()->multiProcessorCount) * 8));
+    check_finite_kernel<<<blocks, kThreads, 0, side.stream()>>>(grad_output.numel(), grad_output.data_ptr<float>(),
+                                                                error.data_ptr<int64_t>());
     TBEGEN_CUDA_CHECK(cudaGetLastError());
     checked.record(side);
   }
@@ -234,7 +186,7 @@ PreparedBackward prepare_backward(const Batch& b, const at::Tensor& grad_output,
     linearize_and_sort<int64_t>(b, fa, weights, indices, offsets, total_hash_size, check_finite, values_are_bags,
                                 scaled, stream, out);
   }
-  if (side_pass) checked.block(stream);
+  if (check_finite && grad_output.numel() > 0) checked.block(stream);
   return out;
 }
 
