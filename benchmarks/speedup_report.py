@@ -70,7 +70,9 @@ def chart(summary, path: Path) -> bool:
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    labels = [f"{x['config']}\n{x['optimizer']}" for x in summary["cells"]]
+    # (optimizer names on two lines where they are long: rowwise_adagrad beside adagrad overlapped)
+    labels = [f"{x['config']}\n{x['optimizer'].replace('_', chr(10), 1) if len(x['optimizer']) > 8 else x['optimizer']}"
+              for x in summary["cells"]]
     fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(11, 7), sharex=True)
     ax1.bar(labels, [x["bwd_speedup"] for x in summary["cells"]], color="tab:blue", label="backward")
     ax1.plot(labels, [x["fwd_speedup"] for x in summary["cells"]], "o", color="tab:orange", label="forward")
