@@ -164,24 +164,46 @@ void grad_per_sample_weights(const Batch& b, const int64_t* feat, const float* g
 }
 
 // Stable LSD radix sort of 64-bit items on bits [shift, shift + bits), in as few passes of at
-// most 11 bits as cover them. Stability keeps the items of a key in their original order.
+// most 11 bits as cover them. Stability keeps the items of a key in their original order, so the
+// result is the one sorted order whatever the thread count. Each pass is parallel: the items are
+// cut into contiguous chunks (one per thread, at least kMinChunk items each), each chunk counts
+// its digits, and each scatters its items in order to where the digit-major, chunk-minor scan of
+// the counts puts them (chunk c's items of a digit after chunk c - 1's).
 inline void radix_sort_bits(std::vector<uint64_t>& items, int shift, int bits) {
-  const size_t n = items.size();
+  constexpr int64_t kMinChunk = 1 << 16;
+  const int64_t n = int64_t(items.size());
   std::vector<uint64_t> tmp(n);
   const int passes = (bits + 10) / 11;
   const int digit_bits = (bits + passes - 1) / passes;
   const uint64_t mask = (uint64_t(1) << digit_bits) - 1;
-  std::vector<size_t> count(size_t(1) << digit_bits);
+  const int64_t buckets = int64_t(1) << digit_bits;
+  const int64_t chunks = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n / kMinChunk));
+  auto chunk_begin = [&](int64_t c) { return n * c / chunks; };
+  std::vector<int64_t> count(chunks * buckets);  // [chunk][digit]
   for (int p = 0; p < passes; ++p, shift += digit_bits) {
-    std::fill(count.begin(), count.end(), 0);
-    for (size_t i = 0; i < n; ++i) ++count[(items[i] >> shift) & mask];
-    size_t sum = 0;
-    for (size_t& c : count) {
-      const size_t here = c;
-      c = sum;
-      sum += here;
+    const uint64_t* in = items.data();
+    uint64_t* out = tmp.data();
+    at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
+      for (int64_t c = c0; c < c1; ++c) {
+        int64_t* mine = count.data() + c * buckets;
+        std::fill(mine, mine + buckets, 0);
+        for (int64_t i = chunk_begin(c); i < chunk_begin(c + 1); ++i) ++mine[(in[i] >> shift) & mask];
+      }
+    });
+    int64_t sum = 0;
+    for (int64_t d = 0; d < buckets; ++d) {
+      for (int64_t c = 0; c < chunks; ++c) {
+        const int64_t here = count[c * buckets + d];
+        count[c * buckets + d] = sum;
+        sum += here;
+      }
     }
-    for (size_t i = 0; i < n; ++i) tmp[count[(items[i] >> shift) & mask]++] = items[i];
+    at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
+      for (int64_t c = c0; c < c1; ++c) {
+        int64_t* next = count.data() + c * buckets;
+        for (int64_t i = chunk_begin(c); i < chunk_begin(c + 1); ++i) out[next[(in[i] >> shift) & mask]++] = in[i];
+      }
+    });
     items.swap(tmp);
   }
 }
