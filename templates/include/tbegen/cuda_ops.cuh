@@ -61,6 +61,13 @@ struct WidthClasses {
     if (n == 0 || D < n) n = D;
   }
   int count() const { return (narrowest[0] > 0) + (narrowest[1] > 0) + (narrowest[2] > 0) + (narrowest[3] > 0); }
+  // the narrowest feature of the call (its first class present)
+  int64_t narrowest_of_all() const {
+    for (int64_t n : narrowest) {
+      if (n > 0) return n;
+    }
+    return 0;
+  }
 };
 
 template <typename Body>
@@ -315,9 +322,8 @@ __attribute__((visibility("hidden"))) void backward_cuda(
   TBEGEN_CHECK(total_hash_size >= 1, "tbegen: total_hash_size must be positive, got ", total_hash_size);
   TBEGEN_CHECK(max_segment_length_per_warp >= 1, "tbegen: max_segment_length_per_warp must be >= 1");
   // the 4-wide kernels, or the any-width ones (above)
-  int64_t narrowest_D = 0;
   WidthClasses classes;
-  bool vector_path = check_layout_and_choose(b, features, weights, {grad_output.data_ptr()}, &narrowest_D, &classes);
+  bool vector_path = check_layout_and_choose(b, features, weights, {grad_output.data_ptr()}, nullptr, &classes);
   vector_path = vector_path && kernels.vector_states_fit(params);
   if (b.N == 0) return;
   const auto stream = at::cuda::getCurrentCUDAStream();
@@ -388,7 +394,7 @@ __attribute__((visibility("hidden"))) void backward_cuda(
         lc.a.split_widths = split;
         lc.a.short_min_D = split && c > 0 ? int32_t(64) << c : 0;
         lc.long_runs = c == top;
-        lc.lane_groups = groups && (split ? classes.narrowest[c] : narrowest_D) <= 64;
+        lc.lane_groups = groups && (split ? classes.narrowest[c] : classes.narrowest_of_all()) <= 64;
         if (c != top) lc.stream = narrow.stream();
         TBEGEN_CUDA_CHECK(kernels.get<W>(c)(lc));
       }
