@@ -552,6 +552,23 @@ def test_cached_int8_batches_larger_than_the_cache(tables):
     assert_same_int8_training(device, cached)
 
 
+def saved_with_dirty_rows_continues_elsewhere(name, kw, cache_kw, cached, data, split, seed):
+    """Trains the cached module `cached` on data[:split], saves its state_dict with dirty cached
+    rows (state_dict writes them back), loads it into a fresh device-placed module and a fresh
+    cached one (made with `seed`), and checks that each then trains on data[split:] bitwise as
+    one module trained on all of `data`. Returns (the saved state_dict's buffer, that module)."""
+    train_int8(cached, data[:split])
+    assert cached.cache_stats()["dirty_rows"] > 0  # (no flush before saving: state_dict does it)
+    buf = io.BytesIO()
+    torch.save(cached.state_dict(), buf)
+    reference = train_int8(make(name, **kw), data)
+    for target in (make(name, seed=seed, **kw), make(name, seed=seed, **cache_kw, **kw)):
+        buf.seek(0)
+        target.load_state_dict(torch.load(buf))
+        assert_same_int8_training(reference, train_int8(target, data[split:]))
+    return buf, reference
+
+
 def test_cached_int8_state_dict_round_trip_with_dirty_rows():
     """state_dict of a cached int8 module with dirty cached rows (written back first): loaded into
     a device-placed and into a cached module, training continues bitwise as without the round
@@ -560,15 +577,8 @@ def test_cached_int8_state_dict_round_trip_with_dirty_rows():
     kw = dict(tables=CACHE_TABLES, ftm=FTM)
     cached = make(name, placements=CACHE_PLACEMENTS, cache_rows=12, **kw)
     data = int8_data(cached, 6, B=3, seed=27)
-    train_int8(cached, data[:3])
-    assert cached.cache_stats()["dirty_rows"] > 0  # (no flush before saving: state_dict does it)
-    buf = io.BytesIO()
-    torch.save(cached.state_dict(), buf)
-    reference = train_int8(make(name, **kw), data)
-    for target in (make(name, seed=9, **kw), make(name, seed=9, placements=CACHE_PLACEMENTS, cache_rows=12, **kw)):
-        buf.seek(0)
-        target.load_state_dict(torch.load(buf))
-        assert_same_int8_training(reference, train_int8(target, data[3:]))
+    buf, reference = saved_with_dirty_rows_continues_elsewhere(
+        name, kw, dict(placements=CACHE_PLACEMENTS, cache_rows=12), cached, data, 3, seed=9)
     stale = train_int8(make(name, seed=4, placements=CACHE_PLACEMENTS, cache_rows=12, **kw), data[3:])
     assert stale.cache_stats()["dirty_rows"] > 0
     buf.seek(0)
@@ -756,15 +766,8 @@ def test_cuda_cached_int8_state_dict_round_trip_with_dirty_rows():
     kw = dict(tables=CUDA_CACHE_TABLES, ftm=None, device="cuda")
     cached = make(name, placements=CUDA_CACHE_PLACEMENTS, cache_rows=600, **kw)
     data = int8_data(cached, 5, B=32, max_L=4, seed=5, device="cuda")
-    train_int8(cached, data[:2])
-    assert cached.cache_stats()["dirty_rows"] > 0
-    buf = io.BytesIO()
-    torch.save(cached.state_dict(), buf)
-    reference = train_int8(make(name, **kw), data)
-    for target in (make(name, seed=3, **kw), make(name, seed=3, placements=CUDA_CACHE_PLACEMENTS, cache_rows=600, **kw)):
-        buf.seek(0)
-        target.load_state_dict(torch.load(buf))
-        assert_same_int8_training(reference, train_int8(target, data[2:]))
+    _, reference = saved_with_dirty_rows_continues_elsewhere(
+        name, kw, dict(placements=CUDA_CACHE_PLACEMENTS, cache_rows=600), cached, data, 2, seed=3)
     # and the module itself, moved to the CPU and back (its cache written back and rebuilt)
     cached.cpu()
     cached.cuda()
