@@ -337,6 +337,25 @@ def test_class_streams_give_the_one_stream_bits(load_ops, monkeypatch, name, cas
     _assert_switch_keeps_the_bits(spec, ops, case, monkeypatch, "TBEGEN_CLASS_STREAMS", "0")
 
 
+# The short runs' grid (cuda_backward_kernels.cuh, short_run_grid): one resident wave of blocks
+# striding over the runs, or a grid sized by the bound on the runs (several waves). Which warp
+# updates a row must not change its bits. Batches of about 330,000 occurrences, so that one wave
+# of the H200's blocks (132 multiprocessors) is smaller than the bounded grid; the second case has
+# two width classes (two launches, on two streams) and a hot row (the long runs' kernels beside).
+WAVE_CASES = [
+    harness.Case(tables=((200_000, 128), (150_000, 128)), B=8192, max_L=40, hot=0, seed=71),
+    harness.Case(tables=((100_000, 64), (60_000, 256)), B=8192, max_L=40, pooling="mean",
+                 weights_dtype=torch.float16, hot=5000, seed=72),
+]
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("case", WAVE_CASES, ids=lambda c: c.id)
+def test_short_run_waves_give_the_same_bits(load_ops, monkeypatch, name, case):
+    spec, ops = load_ops(name)
+    _assert_switch_keeps_the_bits(spec, ops, case, monkeypatch, "TBEGEN_SHORT_RUN_WAVES", "1")
+
+
 # The sort's digit width (cuda_sort.cuh): keys of 25 to 27 bits are sorted with 9-bit digits (three
 # passes, not four). A stable sort has one result, so the step must give the bits of CUB's 8-bit
 # sort (TBEGEN_SORT_DIGIT_BITS=8). A table of 20 million rows makes the keys 25 bits wide; 1024

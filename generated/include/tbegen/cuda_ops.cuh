@@ -303,6 +303,17 @@ inline bool width_classes_enabled() { return !env_is_zero("TBEGEN_WIDTH_CLASSES"
 // the same bits: the launches update different tables' rows). Read at every call.
 inline bool class_streams_enabled() { return !env_is_zero("TBEGEN_CLASS_STREAMS"); }
 
+// How many resident waves the short runs' kernels get (BackwardLaunch::short_run_waves,
+// short_run_grid): TBEGEN_SHORT_RUN_WAVES=n (n >= 1), or 0 (the default): the grid sized by the
+// bound on the runs. Read at every call; any value gives the same bits (each row is updated by one
+// warp, its occurrences summed in sorted order, whichever warp it is).
+inline int short_run_waves() {
+  const char* v = std::getenv("TBEGEN_SHORT_RUN_WAVES");
+  if (v == nullptr) return 0;
+  const int n = std::atoi(v);
+  return n > 0 ? std::min(n, 64) : 0;
+}
+
 // The backward pass with an optimizer fused in (docs/algorithm.md): prepare_backward sorts and
 // segments the batch, then the optimizer's update kernels (`kernels`, launched with its `params`:
 // see cuda_backward.h) sum each unique row's gradient and update it once: one warp per short
@@ -371,6 +382,7 @@ __attribute__((visibility("hidden"))) void backward_cuda(
       l.warp_blocks = grid_for(b.N / kWarpSize + 1);
       l.threads = kThreads;
       l.sms = sms;
+      l.short_run_waves = short_run_waves();
       l.side = side.stream();
       l.stream = stream.stream();
       // the segment and finish kernels on `side`, the warp (or group) kernel on `stream`; with

@@ -36,6 +36,7 @@ struct BackwardLaunch {
   bool lane_groups = false;       // some table is at most 64 columns wide (the group kernel, where it exists)
   bool element_lane_groups = true;  // the group kernel also for optimizers with per-element state (kVecs = 1)
   bool long_runs = true;          // launch the long runs' kernels (one launch per call does: the widest class's)
+  int short_run_waves = 0;        // > 0: the short runs' grid is at most this many resident waves (short_run_grid)
 };
 
 using BackwardLaunchFn = cudaError_t (*)(const BackwardLaunch&);
@@ -104,6 +105,18 @@ int resident_blocks_per_sm(Kernel kernel, int threads) {
   return blocks;
 }
 
+// The grid of a short-run kernel with `resident_per_sm` blocks per multiprocessor: l.warp_blocks
+// (sized by the bound on the runs: up to 32 blocks per multiprocessor, several waves), or with
+// l.short_run_waves = n > 0 at most n resident waves. A block strides over the groups of runs, so
+// with one wave every warp sweeps the sorted keys beside all the others, and the rows being
+// updated at once are neighbours in key order (one table's at a time); with several waves the
+// blocks of a later wave start at the beginning of the keys while the first wave's are further on,
+// and the output-gradient rows of more tables compete for L2.
+inline int short_run_grid(const BackwardLaunch& l, int resident_per_sm) {
+  if (l.short_run_waves <= 0 || resident_per_sm <= 0) return l.warp_blocks;
+  return std::max(1, std::min(l.warp_blocks, l.short_run_waves * resident_per_sm * l.sms));
+}
+
 // Launches the three update kernels for optimizer Opt; returns the first launch error.
 template <class Opt, typename W, int kVecs>
 cudaError_t launch_backward(const BackwardLaunch& l) {
@@ -133,12 +146,14 @@ cudaError_t launch_backward(const BackwardLaunch& l) {
   // TBEGEN_ELEMENT_LANE_GROUPS=0 (l.element_lane_groups).
   if constexpr (kVecs == 1 || (kVecs == 2 && Opt::kElementStates == 0)) {
     if (l.lane_groups && (Opt::kElementStates == 0 || l.element_lane_groups)) {
-      backward_group_kernel<Opt, W, kVecs><<<l.warp_blocks, l.threads, 0, l.stream>>>(
+      static const int resident_per_sm = resident_blocks_per_sm(backward_group_kernel<Opt, W, kVecs>, l.threads);
+      backward_group_kernel<Opt, W, kVecs><<<short_run_grid(l, resident_per_sm), l.threads, 0, l.stream>>>(
           l.a, l.runs, l.occurrences, p, l.ctx, weights);
       return cudaGetLastError();
     }
   }
-  backward_warp_kernel<Opt, W, kVecs><<<l.warp_blocks, l.threads, 0, l.stream>>>(
+  static const int resident_per_sm = resident_blocks_per_sm(backward_warp_kernel<Opt, W, kVecs>, l.threads);
+  backward_warp_kernel<Opt, W, kVecs><<<short_run_grid(l, resident_per_sm), l.threads, 0, l.stream>>>(
       l.a, l.runs, l.occurrences, p, l.ctx, weights);
   return cudaGetLastError();
 }
