@@ -338,8 +338,8 @@ def test_class_streams_give_the_one_stream_bits(load_ops, monkeypatch, name, cas
 
 
 # The short runs' grid (cuda_backward_kernels.cuh, short_run_grid): one resident wave of blocks
-# striding over the runs, or a grid sized by the bound on the runs (several waves). Which warp
-# updates a row must not change its bits. Batches of about 330,000 occurrences, so that one wave
+# whose warps take groups of runs by ticket, or a grid sized by the bound on the runs (several
+# waves, TBEGEN_SHORT_RUN_WAVES=0). Which warp updates a row must not change its bits. Batches of about 330,000 occurrences, so that one wave
 # of the H200's blocks (132 multiprocessors) is smaller than the bounded grid; the second case has
 # two width classes (two launches, on two streams) and a hot row (the long runs' kernels beside).
 WAVE_CASES = [
@@ -353,7 +353,7 @@ WAVE_CASES = [
 @pytest.mark.parametrize("case", WAVE_CASES, ids=lambda c: c.id)
 def test_short_run_waves_give_the_same_bits(load_ops, monkeypatch, name, case):
     spec, ops = load_ops(name)
-    _assert_switch_keeps_the_bits(spec, ops, case, monkeypatch, "TBEGEN_SHORT_RUN_WAVES", "1")
+    _assert_switch_keeps_the_bits(spec, ops, case, monkeypatch, "TBEGEN_SHORT_RUN_WAVES", "0")
 
 
 # The sort's digit width (cuda_sort.cuh): keys of 25 to 27 bits are sorted with 9-bit digits (three

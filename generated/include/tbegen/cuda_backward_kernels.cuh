@@ -36,7 +36,7 @@ struct BackwardLaunch {
   bool lane_groups = false;       // some table is at most 64 columns wide (the group kernel, where it exists)
   bool element_lane_groups = true;  // the group kernel also for optimizers with per-element state (kVecs = 1)
   bool long_runs = true;          // launch the long runs' kernels (one launch per call does: the widest class's)
-  int short_run_waves = 0;        // > 0: the short runs' grid is at most this many resident waves (short_run_grid)
+  int short_run_waves = 1;        // > 0: the short runs' grid is at most this many resident waves (short_run_grid)
 };
 
 using BackwardLaunchFn = cudaError_t (*)(const BackwardLaunch&);
@@ -105,13 +105,11 @@ int resident_blocks_per_sm(Kernel kernel, int threads) {
   return blocks;
 }
 
-// The grid of a short-run kernel with `resident_per_sm` blocks per multiprocessor: l.warp_blocks
-// (sized by the bound on the runs: up to 32 blocks per multiprocessor, several waves), or with
-// l.short_run_waves = n > 0 at most n resident waves. A block strides over the groups of runs, so
-// with one wave every warp sweeps the sorted keys beside all the others, and the rows being
-// updated at once are neighbours in key order (one table's at a time); with several waves the
-// blocks of a later wave start at the beginning of the keys while the first wave's are further on,
-// and the output-gradient rows of more tables compete for L2.
+// The grid of a short-run kernel with `resident_per_sm` blocks per multiprocessor: with
+// l.short_run_waves = n > 0 (the default: 1) at most n resident waves, else l.warp_blocks (sized
+// by the bound on the runs: up to 32 blocks per multiprocessor, several waves). The warps take
+// their groups of runs by ticket (BackwardArgs::ticket), so a block stays until the runs are
+// done, and the blocks of a later wave would only start at the end to find no ticket left.
 inline int short_run_grid(const BackwardLaunch& l, int resident_per_sm) {
   if (l.short_run_waves <= 0 || resident_per_sm <= 0) return l.warp_blocks;
   return std::max(1, std::min(l.warp_blocks, l.short_run_waves * resident_per_sm * l.sms));

@@ -583,7 +583,22 @@ struct BackwardArgs {
   // short-run kernels do (load4_keep), or plainly (load4): TBEGEN_LONG_RUN_L2_HINT=1 / the default.
   // ncu of C2's segment kernel (run Z) found 39% L2 hits with the hint; the landing run times both.
   bool long_run_l2_hint = false;
+  // The short-run launch's ticket counter, zero at launch (backward_cuda): the warps take the
+  // groups of 32 runs in order, one ticket each (take_group), so that the rows updated at any
+  // moment are neighbours in key order, one table's or two, whose output-gradient rows (read once
+  // per occurrence, 20 times a step in C1) stay in L2; and a warp that finishes early takes the
+  // next group instead of idling at the end. A grid stride did neither: its blocks of later waves
+  // started at the first runs while earlier ones were tables further on (benchmarks/NOTES-gpu.md,
+  // run AD: the backward 5-10% faster on C1, 2-6% on C2 and C3).
+  int32_t* ticket = nullptr;
 };
+
+// The first run of this warp's next group of 32 runs (num_runs or beyond: none left).
+__device__ __forceinline__ int64_t take_group(int32_t* ticket, int lane) {
+  int32_t t = 0;
+  if (lane == 0) t = atomicAdd(ticket, 1);
+  return int64_t(__shfl_sync(kFullMask, t, 0)) * kWarpSize;
+}
 
 // The width of the row of the run whose first occurrence is in `bag`.
 __device__ __forceinline__ int run_width(const BackwardArgs& a, int32_t bag) {
@@ -805,7 +820,8 @@ struct ShortRun {
   OccurrenceInfo first;
 };
 
-// Short runs: one warp per unique row. A warp takes 32 consecutive runs at a time; each lane
+// Short runs: one warp per unique row. A warp takes 32 consecutive runs at a time (the next
+// group by ticket, BackwardArgs::ticket); each lane
 // first fetches one run's description (start, length, key, and its first occurrence), so that a
 // row seen once (the common case) costs one round trip to memory for its weights and gradient
 // row, issued together. For rows of up to 128 columns without per-element state, the next run's
@@ -822,11 +838,9 @@ __global__ void __launch_bounds__(256) backward_warp_kernel(BackwardArgs a, Runs
   // element states or wider rows the extra registers cost more than the overlap brings)
   constexpr bool kLoadAhead = kVecs == 1 && Opt::kElementStates == 0;
   const int lane = threadIdx.x % kWarpSize;
-  const int64_t warps = int64_t(gridDim.x) * blockDim.x / kWarpSize;
   const int32_t num_runs = r.counts[0];
   const bool none_pooling = a.pooling == kPoolNone;
-  for (int64_t group = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / kWarpSize * kWarpSize; group < num_runs;
-       group += warps * kWarpSize) {
+  for (int64_t group = take_group(a.ticket, lane); group < num_runs; group = take_group(a.ticket, lane)) {
     int32_t my_len = 0, my_start = 0;
     int64_t my_key = 0;
     OccurrenceInfo my_first;
@@ -883,7 +897,7 @@ __global__ void __launch_bounds__(256) backward_warp_kernel(BackwardArgs a, Runs
 // Short runs when some table is at most 64 columns wide: backward_warp_kernel, except that a row
 // of D <= 64 columns occupies only lanes_for_row(D) lanes (8 for D = 32), so the warp splits into
 // groups that update 32 / lanes_for_row(D) such rows at once, each group one row, where the warp
-// kernel would leave the other lanes idle. A warp takes 32 consecutive runs at a time, as there,
+// kernel would leave the other lanes idle. A warp takes 32 consecutive runs at a time by ticket, as there,
 // and works through them in rounds: each round takes the first remaining run, and with it up to
 // 32 / lanes - 1 more of the remaining runs whose rows need as many lanes (runs of the same table
 // are neighbours in key order, so rounds are full but at a table's edge); rows wider than 64
@@ -900,11 +914,9 @@ __global__ void __launch_bounds__(256) backward_group_kernel(BackwardArgs a, Run
   // the values of the update that depend on the step only (Optimizer::StepValues), once per thread
   const typename Opt::StepValues sv = Opt::step_values(p, ctx.step);
   const int lane = threadIdx.x % kWarpSize;
-  const int64_t warps = int64_t(gridDim.x) * blockDim.x / kWarpSize;
   const int32_t num_runs = r.counts[0];
   const bool none_pooling = a.pooling == kPoolNone;
-  for (int64_t group = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / kWarpSize * kWarpSize; group < num_runs;
-       group += warps * kWarpSize) {
+  for (int64_t group = take_group(a.ticket, lane); group < num_runs; group = take_group(a.ticket, lane)) {
     // lane l describes run group + l: where it starts, its length, key and first occurrence, and
     // how many lanes its row needs
     int32_t my_len = 0, my_start = 0;

@@ -304,12 +304,12 @@ inline bool width_classes_enabled() { return !env_is_zero("TBEGEN_WIDTH_CLASSES"
 inline bool class_streams_enabled() { return !env_is_zero("TBEGEN_CLASS_STREAMS"); }
 
 // How many resident waves the short runs' kernels get (BackwardLaunch::short_run_waves,
-// short_run_grid): TBEGEN_SHORT_RUN_WAVES=n (n >= 1), or 0 (the default): the grid sized by the
-// bound on the runs. Read at every call; any value gives the same bits (each row is updated by one
-// warp, its occurrences summed in sorted order, whichever warp it is).
+// short_run_grid): 1, or TBEGEN_SHORT_RUN_WAVES=n (n >= 1), or with TBEGEN_SHORT_RUN_WAVES=0 the
+// grid sized by the bound on the runs. Read at every call; any value gives the same bits (each row
+// is updated by one warp, its occurrences summed in sorted order, whichever warp it is).
 inline int short_run_waves() {
   const char* v = std::getenv("TBEGEN_SHORT_RUN_WAVES");
-  if (v == nullptr) return 0;
+  if (v == nullptr || *v == '\0') return 1;
   const int n = std::atoi(v);
   return n > 0 ? std::min(n, 64) : 0;
 }
@@ -361,6 +361,9 @@ __attribute__((visibility("hidden"))) void backward_cuda(
   // of this function are not reused before both are done).
   const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
   const at::cuda::CUDAStream side = at::cuda::getStreamFromPool(false, weights.device().index());
+  // the short-run launches' ticket counters (BackwardArgs::ticket), one per width class, zeroed
+  // before the fork below so that every stream's launch finds its counter at zero
+  at::Tensor tickets = at::zeros({4}, weights.options().dtype(at::kInt));
   at::cuda::CUDAEvent forked, joined;
   forked.record(stream);
   forked.block(side);
@@ -406,6 +409,7 @@ __attribute__((visibility("hidden"))) void backward_cuda(
         lc.a.split_widths = split;
         lc.a.short_min_D = split && c > 0 ? int32_t(64) << c : 0;
         lc.long_runs = c == top;
+        lc.a.ticket = tickets.data_ptr<int32_t>() + c;
         lc.lane_groups = groups && (split ? classes.narrowest[c] : classes.narrowest_of_all()) <= 64;
         if (c != top) lc.stream = narrow.stream();
         TBEGEN_CUDA_CHECK(kernels.get<W>(c)(lc));
