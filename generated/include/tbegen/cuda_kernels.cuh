@@ -591,6 +591,7 @@ struct BackwardArgs {
   // started at the first runs while earlier ones were tables further on (benchmarks/NOTES-gpu.md,
   // run AD: the backward 5-10% faster on C1, 2-6% on C2 and C3).
   int32_t* ticket = nullptr;
+  int32_t* segment_ticket = nullptr;  // the same for the long runs' segments (backward_segment_kernel)
 };
 
 // The first run of this warp's next group of 32 runs (num_runs or beyond: none left).
@@ -1019,12 +1020,15 @@ __global__ void __launch_bounds__(256, 3) backward_segment_kernel(BackwardArgs a
   const typename Opt::StepValues sv = Opt::step_values(p, ctx.step);
   constexpr int kWidth = kVecs * 128;
   const int lane = threadIdx.x % kWarpSize;
-  const int64_t warps = int64_t(gridDim.x) * blockDim.x / kWarpSize;
   const int32_t num_runs = r.counts[0];
   const int32_t num_long = r.counts[1];
   if (num_long == 0) return;
   const int32_t total = r.segments[num_long].x;
-  for (int64_t s = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / kWarpSize; s < total; s += warps) {
+  // segments by ticket (a.segment_ticket), as the short runs' groups: the next segment's ticket is
+  // asked for when this one starts, so that its round trip overlaps the sum
+  int32_t ticket = lane == 0 ? atomicAdd(a.segment_ticket, 1) : 0;
+  for (int64_t s = __shfl_sync(kFullMask, ticket, 0); s < total; s = __shfl_sync(kFullMask, ticket, 0)) {
+    ticket = lane == 0 ? atomicAdd(a.segment_ticket, 1) : 0;
     // the long run owning segment s: the last k with segments[k].x <= s
     int32_t lo = 0, hi = num_long - 1;
     while (lo < hi) {

@@ -363,7 +363,7 @@ __attribute__((visibility("hidden"))) void backward_cuda(
   const at::cuda::CUDAStream side = at::cuda::getStreamFromPool(false, weights.device().index());
   // the short-run launches' ticket counters (BackwardArgs::ticket), one per width class, zeroed
   // before the fork below so that every stream's launch finds its counter at zero
-  at::Tensor tickets = at::zeros({4}, weights.options().dtype(at::kInt));
+  at::Tensor tickets = at::zeros({5}, weights.options().dtype(at::kInt));
   at::cuda::CUDAEvent forked, joined;
   forked.record(stream);
   forked.block(side);
@@ -410,6 +410,7 @@ __attribute__((visibility("hidden"))) void backward_cuda(
         lc.a.short_min_D = split && c > 0 ? int32_t(64) << c : 0;
         lc.long_runs = c == top;
         lc.a.ticket = tickets.data_ptr<int32_t>() + c;
+        lc.a.segment_ticket = tickets.data_ptr<int32_t>() + 4;
         lc.lane_groups = groups && (split ? classes.narrowest[c] : classes.narrowest_of_all()) <= 64;
         if (c != top) lc.stream = narrow.stream();
         TBEGEN_CUDA_CHECK(kernels.get<W>(c)(lc));
