@@ -339,9 +339,10 @@ def test_class_streams_give_the_one_stream_bits(load_ops, monkeypatch, name, cas
 
 # The short runs' grid (cuda_backward_kernels.cuh, short_run_grid): one resident wave of blocks
 # whose warps take groups of runs by ticket, or a grid sized by the bound on the runs (several
-# waves, TBEGEN_SHORT_RUN_WAVES=0). Which warp updates a row must not change its bits. Batches of about 330,000 occurrences, so that one wave
-# of the H200's blocks (132 multiprocessors) is smaller than the bounded grid; the second case has
-# two width classes (two launches, on two streams) and a hot row (the long runs' kernels beside).
+# waves, TBEGEN_SHORT_RUN_WAVES=0). Which warp updates a row must not change its bits. Batches of
+# about 265,000 occurrences, so that one wave of the H200's blocks (132 multiprocessors) is
+# smaller than the bounded grid; the second case has two width classes (two launches, on two
+# streams) and a hot row (the long runs' segments, by ticket too).
 WAVE_CASES = [
     harness.Case(tables=((200_000, 128), (150_000, 128)), B=8192, max_L=40, hot=0, seed=71),
     harness.Case(tables=((100_000, 64), (60_000, 256)), B=8192, max_L=40, pooling="mean",

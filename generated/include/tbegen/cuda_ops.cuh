@@ -361,9 +361,10 @@ __attribute__((visibility("hidden"))) void backward_cuda(
   // of this function are not reused before both are done).
   const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
   const at::cuda::CUDAStream side = at::cuda::getStreamFromPool(false, weights.device().index());
-  // the short-run launches' ticket counters (BackwardArgs::ticket), one per width class, zeroed
-  // before the fork below so that every stream's launch finds its counter at zero
-  at::Tensor tickets = at::zeros({5}, weights.options().dtype(at::kInt));
+  // the 4-wide kernels' ticket counters: [0, 4) the short-run launch of each width class
+  // (BackwardArgs::ticket), [4] the long runs' segments (segment_ticket); zeroed before the fork
+  // below, so that the launch on every stream finds its counter at zero
+  const at::Tensor tickets = vector_path ? at::zeros({5}, weights.options().dtype(at::kInt)) : at::Tensor();
   at::cuda::CUDAEvent forked, joined;
   forked.record(stream);
   forked.block(side);

@@ -591,7 +591,9 @@ struct BackwardArgs {
   // started at the first runs while earlier ones were tables further on (benchmarks/NOTES-gpu.md,
   // run AD: the backward 5-10% faster on C1, 2-6% on C2 and C3).
   int32_t* ticket = nullptr;
-  int32_t* segment_ticket = nullptr;  // the same for the long runs' segments (backward_segment_kernel)
+  // The same for the long runs' segments (backward_segment_kernel; run AE: C2's backward 3-10%
+  // faster than its one resident wave striding over the segments).
+  int32_t* segment_ticket = nullptr;
 };
 
 // The first run of this warp's next group of 32 runs (num_runs or beyond: none left).
@@ -822,10 +824,9 @@ struct ShortRun {
 };
 
 // Short runs: one warp per unique row. A warp takes 32 consecutive runs at a time (the next
-// group by ticket, BackwardArgs::ticket); each lane
-// first fetches one run's description (start, length, key, and its first occurrence), so that a
-// row seen once (the common case) costs one round trip to memory for its weights and gradient
-// row, issued together. For rows of up to 128 columns without per-element state, the next run's
+// group by ticket, BackwardArgs::ticket); each lane first fetches one run's description (start,
+// length, key, and its first occurrence), so that a row seen once (the common case) costs one
+// round trip to memory for its weights and gradient row, issued together. For rows of up to 128 columns without per-element state, the next run's
 // weights and states are loaded while the current one is summed and updated, so each warp keeps
 // two rows' loads in flight.
 // Occurrences are summed in sorted (= index) order.
@@ -898,10 +899,10 @@ __global__ void __launch_bounds__(256) backward_warp_kernel(BackwardArgs a, Runs
 // Short runs when some table is at most 64 columns wide: backward_warp_kernel, except that a row
 // of D <= 64 columns occupies only lanes_for_row(D) lanes (8 for D = 32), so the warp splits into
 // groups that update 32 / lanes_for_row(D) such rows at once, each group one row, where the warp
-// kernel would leave the other lanes idle. A warp takes 32 consecutive runs at a time by ticket, as there,
-// and works through them in rounds: each round takes the first remaining run, and with it up to
-// 32 / lanes - 1 more of the remaining runs whose rows need as many lanes (runs of the same table
-// are neighbours in key order, so rounds are full but at a table's edge); rows wider than 64
+// kernel would leave the other lanes idle. A warp takes 32 consecutive runs at a time by ticket,
+// as there, and works through them in rounds: each round takes the first remaining run, and with
+// it up to 32 / lanes - 1 more of the remaining runs whose rows need as many lanes (runs of the
+// same table are neighbours in key order, so rounds are full but at a table's edge); rows wider than 64
 // columns go one per round over the whole warp, as in the warp kernel. A row's gradient is summed
 // in the same order and updated by the same code as there, with reductions over its group
 // (GroupRow): the same bits. The host takes this kernel when the narrowest table (of the launch's
