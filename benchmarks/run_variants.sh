@@ -17,7 +17,9 @@
 #   PROFILE_CELL  CONFIGS:OPTS of a kernel profile (bench_tbe.py --profile) with the first
 #              variant's environment; empty: none
 #   NCU_CELL, NCU_KERNEL  ncu's view of one cell's kernel (benchmarks/bench.py, tbegen alone), e.g.
-#              NCU_CELL=C2:sgd NCU_KERNEL="regex:backward_segment_kernel"; empty: none
+#              NCU_CELL=C2:sgd NCU_KERNEL="regex:backward_segment_kernel"; empty: none. NCU_SKIP
+#              (default 2) matching launches are skipped, then NCU_LAUNCHES (default 1) profiled
+#              (2 for both width classes' short-run launches of one C3 step)
 # Carry .anchor. Output under $OUT: env.txt, variants.log, and <NAME>/results.jsonl per variant.
 set -u
 OUT=${OUT:-/tmp/tbegen-gpu-out}
@@ -73,7 +75,7 @@ fi
 if [ -n "${NCU_CELL:-}" ] && command -v ncu >/dev/null; then
   echo "== ncu ${NCU_CELL} ${NCU_KERNEL:-regex:backward_(group|warp)_kernel}" | tee -a "$LOG"
   env $first_env CUDA_MODULE_LOADING=LAZY timeout ${NCU_TIMEOUT:-90} ncu --clock-control none \
-    -k "${NCU_KERNEL:-regex:backward_(group|warp)_kernel}" --launch-skip 2 --launch-count 1 --section SpeedOfLight \
+    -k "${NCU_KERNEL:-regex:backward_(group|warp)_kernel}" --launch-skip ${NCU_SKIP:-2} --launch-count ${NCU_LAUNCHES:-1} --section SpeedOfLight \
     --section MemoryWorkloadAnalysis --section WarpStateStats --section Occupancy --section LaunchStats \
     --section InstructionStats --section SchedulerStats \
     python3 benchmarks/bench.py --configs "${NCU_CELL%%:*}" --opts "${NCU_CELL##*:}" --warmup 1 --iters 2 \
