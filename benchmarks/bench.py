@@ -134,6 +134,8 @@ def bench_one(name, cfg_name, cfg, E, args, bw_tbs, placement="device"):
     sets = make_sets(cfg, E, args.nsets, seed=1)
     grad = torch.randn(cfg["B"], layout.total_D, device="cuda")
     step = [0]
+    # fp16/bf16 weights are rounded stochastically, as the module (and FBGEMM) do by default
+    stochastic_rounding = cfg["dtype"] != torch.float32 and not args.no_stochastic_rounding
 
     def fwd(i):
         s = sets[i % len(sets)]
@@ -143,7 +145,7 @@ def bench_one(name, cfg_name, cfg, E, args, bw_tbs, placement="device"):
         s = sets[i % len(sets)]
         step[0] += 1
         ops.backward(grad, weights, feats, layout.total_D, layout.max_D, layout.total_hash_size, s["indices"],
-                     s["offsets"], s["psw"], 0, 32, cfg["dtype"] != torch.float32, 0, *states, *hvals, step[0])
+                     s["offsets"], s["psw"], 0, 32, stochastic_rounding, 0, *states, *hvals, step[0])
 
     for i in range(args.warmup):
         fwd(i)
@@ -176,7 +178,8 @@ def bench_one(name, cfg_name, cfg, E, args, bw_tbs, placement="device"):
     unique = [statistics.mean(s["unique"][t] for s in sets) for t in range(cfg["T"])]
     ib = ideal_bytes(cfg, spec, unique, weights.element_size())
     bwd_ms = statistics.median(b_ms)
-    row = dict(config=cfg_name, optimizer=name, placement=placement, fwd_ms=statistics.median(f_ms), bwd_ms=bwd_ms,
+    row = dict(config=cfg_name, optimizer=name, placement=placement, stochastic_rounding=stochastic_rounding,
+               fwd_ms=statistics.median(f_ms), bwd_ms=bwd_ms,
                bwd_p10=sorted(b_ms)[len(b_ms) // 10], bwd_p90=sorted(b_ms)[(9 * len(b_ms)) // 10],
                ideal_gb=ib / 1e9, eff_tbs=ib / (bwd_ms * 1e-3) / 1e12, copy_tbs=bw_tbs,
                limit_ms=ib / (bw_tbs * 1e12) * 1e3)
@@ -196,6 +199,8 @@ def main():
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--profile", action="store_true", help="print the top CUDA kernels of each run")
+    ap.add_argument("--no-stochastic-rounding", action="store_true",
+                    help="round fp16/bf16 weights to nearest (default: stochastically, as the module does)")
     ap.add_argument("--placements", default="device", help="comma list of device, managed (every table alike)")
     args = ap.parse_args()
     placements = args.placements.split(",")
