@@ -67,10 +67,15 @@ def kernel_table(report: str) -> dict[str, tuple[int, int]]:
             continue
         m = re.search(r"(\d+) bytes stack frame", line)
         if m:
-            entries[current][1] = int(m.group(1))
+            entries[current][1] = max(entries[current][1], int(m.group(1)))
         m = re.search(r"Used (\d+) registers", line)
         if m:
             entries[current][0] = int(m.group(1))
+            # a kernel that calls a function: its frame and the callee's together
+            m = re.search(r"(\d+) bytes cumulative stack size", line)
+            if m:
+                entries[current][1] = max(entries[current][1], int(m.group(1)))
+            current = None  # (the "Function properties" of a callee follow: not this kernel's)
     table = {}
     for mangled, name in zip(entries, demangle(list(entries))):
         if "any_width" in name or "BFloat16" in name or not KERNELS.search(name):
