@@ -20,8 +20,8 @@ inline at::Tensor forward_cuda(const at::Tensor& weights, const at::Tensor& feat
                                         : at::empty({b.B, b.total_D}, weights.options().dtype(at::kFloat));
   const at::Tensor error = error_record_for(error_record, weights);
   const ForwardArgs a = forward_args(b, features, weights, per_sample_weights, out.data_ptr<float>(), error);
-  int64_t narrowest_D = 0;
-  const bool vector_path = check_layout_and_choose(b, features, weights, {out.data_ptr()}, &narrowest_D);
+  WidthClasses classes;
+  const bool vector_path = check_layout_and_choose(b, features, weights, {out.data_ptr()}, &classes);
   const auto stream = at::cuda::getCurrentCUDAStream();
   if (b.F * b.B > 0 && !vector_path) {
     dispatch_any_width_weights(weights, [&](auto w) {
@@ -64,7 +64,7 @@ inline at::Tensor forward_cuda(const at::Tensor& weights, const at::Tensor& feat
           };
           // (with kVecs > 1 the lane-group loop always exists, for the narrow tables among wide
           // ones: the variants without it are not even instantiated)
-          if (kVecs > 1 || narrowest_D <= 64) {
+          if (kVecs > 1 || classes.narrowest_of_all() <= 64) {
             launch_weighted_or_not(std::true_type{});
           } else if constexpr (kVecs == 1) {
             launch_weighted_or_not(std::false_type{});

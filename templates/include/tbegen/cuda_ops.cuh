@@ -187,18 +187,15 @@ inline bool aligned_to(const void* p, size_t bytes) { return reinterpret_cast<ui
 
 // Checks the call's features table and says whether the call takes the 4-wide kernels: a vector
 // layout, with the buffers they load 4 at a time aligned for it (a weights tensor that is a view at
-// an odd offset takes the any-width kernels). `narrowest_D`, if given, receives the smallest
-// feature width (the forward picks its loop by it).
+// an odd offset takes the any-width kernels). `classes`, if given, receives the narrowest feature
+// width of each width class (the forward picks its loop by the narrowest of all, the backward its
+// launches by the classes).
 inline bool check_layout_and_choose(const Batch& b, const at::Tensor& features, const at::Tensor& weights,
                                     std::initializer_list<const void*> float_buffers,
-                                    int64_t* narrowest_D = nullptr, WidthClasses* classes = nullptr) {
+                                    WidthClasses* classes = nullptr) {
   static HostFeaturesCache cache;
   const HostFeaturesCache::Copy feat = cache.get(features);
   check_features(b, feat->data(), weights);
-  if (narrowest_D != nullptr) {
-    *narrowest_D = kMaxD;
-    for (int64_t f = 0; f < b.F; ++f) *narrowest_D = std::min(*narrowest_D, (*feat)[f * kFeatColumns + kFeatDim]);
-  }
   if (classes != nullptr) {
     for (int64_t f = 0; f < b.F; ++f) classes->add((*feat)[f * kFeatColumns + kFeatDim]);
   }
@@ -334,7 +331,7 @@ __attribute__((visibility("hidden"))) void backward_cuda(
   TBEGEN_CHECK(max_segment_length_per_warp >= 1, "tbegen: max_segment_length_per_warp must be >= 1");
   // the 4-wide kernels, or the any-width ones (above)
   WidthClasses classes;
-  bool vector_path = check_layout_and_choose(b, features, weights, {grad_output.data_ptr()}, nullptr, &classes);
+  bool vector_path = check_layout_and_choose(b, features, weights, {grad_output.data_ptr()}, &classes);
   vector_path = vector_path && kernels.vector_states_fit(params);
   if (b.N == 0) return;
   const auto stream = at::cuda::getCurrentCUDAStream();
