@@ -105,14 +105,19 @@ int resident_blocks_per_sm(Kernel kernel, int threads) {
   return blocks;
 }
 
+// At most `waves` resident waves of `blocks` blocks, for a kernel of which `resident_per_sm`
+// blocks fit on one multiprocessor (0: unknown, `blocks` as they are).
+inline int within_waves(int blocks, int waves, int resident_per_sm, int sms) {
+  return resident_per_sm > 0 ? std::max(1, std::min(blocks, waves * resident_per_sm * sms)) : blocks;
+}
+
 // The grid of a short-run kernel with `resident_per_sm` blocks per multiprocessor: with
 // l.short_run_waves = n > 0 (the default: 1) at most n resident waves, else l.warp_blocks (sized
 // by the bound on the runs: up to 32 blocks per multiprocessor, several waves). The warps take
 // their groups of runs by ticket (BackwardArgs::ticket), so a block stays until the runs are
 // done, and the blocks of a later wave would only start at the end to find no ticket left.
 inline int short_run_grid(const BackwardLaunch& l, int resident_per_sm) {
-  if (l.short_run_waves <= 0 || resident_per_sm <= 0) return l.warp_blocks;
-  return std::max(1, std::min(l.warp_blocks, l.short_run_waves * resident_per_sm * l.sms));
+  return l.short_run_waves > 0 ? within_waves(l.warp_blocks, l.short_run_waves, resident_per_sm, l.sms) : l.warp_blocks;
 }
 
 // Launches the three update kernels for optimizer Opt; returns the first launch error.
@@ -124,7 +129,7 @@ cudaError_t launch_backward(const BackwardLaunch& l) {
     // at most one resident wave of segment blocks: each block strides over the segments, so a
     // block that starts late (a second, partial wave: 1.6 waves in C2, ncu of run Y) ends late
     static const int resident_per_sm = resident_blocks_per_sm(backward_segment_kernel<Opt, W, kVecs>, l.threads);
-    const int segment_blocks = resident_per_sm > 0 ? std::min(l.segment_blocks, resident_per_sm * l.sms) : l.segment_blocks;
+    const int segment_blocks = within_waves(l.segment_blocks, 1, resident_per_sm, l.sms);
     backward_segment_kernel<Opt, W, kVecs><<<segment_blocks, l.threads, 0, l.side>>>(
         l.a, l.runs, l.occurrences, p, l.ctx, weights, l.partial);
     cudaError_t err = cudaGetLastError();
