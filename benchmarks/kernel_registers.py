@@ -36,8 +36,10 @@ def torch_include_flags() -> list[str]:
 
 def ptxas_report(repo: Path, spec: str, workdir: Path) -> str:
     """ptxas's verbose output for one spec's kernels (its stderr)."""
+    from tbegen.build import CUDA_FLAGS  # (the flags the extensions are built with)
+
     cmd = [
-        "nvcc", "-cubin", "-arch=sm_90", "-O3", "-std=c++17", "--expt-relaxed-constexpr", "-Xptxas", "-v",
+        "nvcc", "-cubin", "-arch=sm_90", "-std=c++17", *CUDA_FLAGS, "-Xptxas", "-v",
         f"-I{repo}/generated/include", f"-I{repo}/generated/{spec}", *torch_include_flags(),
         "-o", str(workdir / f"{repo.name}-{spec}.cubin"), str(repo / "generated" / spec / "kernels_cuda.cu"),
     ]
