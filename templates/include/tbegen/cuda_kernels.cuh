@@ -596,11 +596,14 @@ struct BackwardArgs {
   int32_t* segment_ticket = nullptr;
 };
 
+// Lane 0 asks `ticket` for this warp's next ticket (the other lanes get 0; the warp learns it
+// from lane 0 with a shuffle, which waits for the atomic's answer: a kernel that asks early and
+// shuffles late hides that round trip).
+__device__ __forceinline__ int32_t ask_ticket(int32_t* ticket, int lane) { return lane == 0 ? atomicAdd(ticket, 1) : 0; }
+
 // The first run of this warp's next group of 32 runs (num_runs or beyond: none left).
 __device__ __forceinline__ int64_t take_group(int32_t* ticket, int lane) {
-  int32_t t = 0;
-  if (lane == 0) t = atomicAdd(ticket, 1);
-  return int64_t(__shfl_sync(kFullMask, t, 0)) * kWarpSize;
+  return int64_t(__shfl_sync(kFullMask, ask_ticket(ticket, lane), 0)) * kWarpSize;
 }
 
 // The width of the row of the run whose first occurrence is in `bag`.
@@ -1027,9 +1030,9 @@ __global__ void __launch_bounds__(256, 3) backward_segment_kernel(BackwardArgs a
   const int32_t total = r.segments[num_long].x;
   // segments by ticket (a.segment_ticket), as the short runs' groups: the next segment's ticket is
   // asked for when this one starts, so that its round trip overlaps the sum
-  int32_t ticket = lane == 0 ? atomicAdd(a.segment_ticket, 1) : 0;
+  int32_t ticket = ask_ticket(a.segment_ticket, lane);
   for (int64_t s = __shfl_sync(kFullMask, ticket, 0); s < total; s = __shfl_sync(kFullMask, ticket, 0)) {
-    ticket = lane == 0 ? atomicAdd(a.segment_ticket, 1) : 0;
+    ticket = ask_ticket(a.segment_ticket, lane);
     // the long run owning segment s: the last k with segments[k].x <= s
     int32_t lo = 0, hi = num_long - 1;
     while (lo < hi) {
