@@ -50,6 +50,7 @@ from typing import Dict, List, Optional, Sequence, Union
 
 import torch
 
+from . import resources
 from .model import OptimizerSpec
 
 _LOADED: Dict[str, str] = {}  # op namespace -> cache key of the library loaded in this process
@@ -532,7 +533,8 @@ def _compile_error(name: str, flavour: str, log: str, files: Dict[str, str], out
     # (beside the cache entries: a failed build's own folder is a temporary one, removed)
     log_path = out_dir.parent / f"{name}-{'cuda' if 'CUDA' in flavour else 'cpu'}-compiler-errors.log"
     log_path.write_text(log)
-    return CompileError(report(name, flavour, log, files, log_path, Path(__file__).resolve().parent.parent), log_path)
+    # (#line directives name specs relative to the data root: resources.py)
+    return CompileError(report(name, flavour, log, files, log_path, resources.DATA_ROOT), log_path)
 
 
 def _load_extension(cpp_extension, name, libname, sources, src, out_dir, with_cuda, verbose, objects) -> None:

@@ -15,10 +15,12 @@ from pathlib import Path
 
 import torch
 
+from . import resources
+
 POOLING = {"sum": 0, "mean": 1, "none": 2}
 
 # The runtime header that defines the row-width limits for the kernels and the host checks.
-COMMON_HEADER = Path(__file__).resolve().parent.parent / "templates" / "include" / "tbegen" / "common.h"
+COMMON_HEADER = resources.COMMON_HEADER
 
 
 @functools.lru_cache(maxsize=None)

@@ -28,13 +28,14 @@ from typing import Dict, Iterable, List
 
 import jinja2
 
-from . import codegen
+from . import codegen, resources
 from .model import OptimizerSpec
 
-PACKAGE_ROOT = Path(__file__).resolve().parent.parent
-TEMPLATES_DIR = PACKAGE_ROOT / "templates"
-STATIC_INCLUDE_DIR = TEMPLATES_DIR / "include"
-DEFAULT_OUT = PACKAGE_ROOT / "generated"
+# optimizers/ and templates/ of the checkout, or their copies shipped in the package (resources.py)
+PACKAGE_ROOT = resources.DATA_ROOT
+TEMPLATES_DIR = resources.TEMPLATES_DIR
+STATIC_INCLUDE_DIR = resources.STATIC_INCLUDE_DIR
+DEFAULT_OUT = resources.default_generated_dir()
 
 # template -> output file name, per optimizer
 OPTIMIZER_FILES = {
@@ -74,7 +75,8 @@ def _environment() -> jinja2.Environment:
 
 
 def display_path(path: str) -> str:
-    """The spec path as written into generated files: relative to the project when inside it."""
+    """The spec path as written into generated files: relative to the project (or to the data
+    shipped in the package) when inside it, so both render the same files."""
     p = Path(path).resolve()
     try:
         return p.relative_to(PACKAGE_ROOT).as_posix()

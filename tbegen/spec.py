@@ -31,7 +31,7 @@ from typing import Any, Iterable, List, Optional, Sequence, Tuple, Union
 
 import yaml
 
-from tbegen import snippets
+from tbegen import resources, snippets
 from tbegen.model import (
     INT64_MAX,
     INT64_MIN,
@@ -69,7 +69,7 @@ __all__ = [
 StrPath = Union[str, "os.PathLike[str]"]
 
 # The repository's optimizers/ directory, next to the tbegen package.
-DEFAULT_SPEC_DIR = Path(__file__).resolve().parent.parent / "optimizers"
+DEFAULT_SPEC_DIR = resources.SPEC_DIR
 
 # File suffixes accepted for spec files.
 SPEC_SUFFIXES = (".yaml", ".yml")
