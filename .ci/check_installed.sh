@@ -4,18 +4,22 @@
 # list the optimizers, render one, build it and train a step with it.
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
+# INSTALLED_VENV: where the fresh environment goes (kept afterwards: .ci/run reuses it for FBGEMM's
+# test suite, which wants the same torch 2.13.0); default a temporary folder, removed at the end
 work="$(mktemp -d /tmp/tbegen-installed.XXXXXX)"
 trap 'rm -rf "$work"' EXIT
+venv="${INSTALLED_VENV:-$work/venv}"
 python3 -m pip wheel -q --no-deps -w "$work/dist" "$root"
-python3 -m venv "$work/venv"
+rm -rf "$venv"
+python3 -m venv "$venv"
 # torch 2.13.0 (CPU build): on these machines a local file, installed in seconds
-"$work/venv/bin/pip" install -q "torch==2.13.0" "$work"/dist/tbegen-*.whl
+"$venv/bin/pip" install -q "torch==2.13.0" "$work"/dist/tbegen-*.whl
 cd "$work"
-export TBEGEN_BUILD_DIR="$work/cache"
-"$work/venv/bin/tbegen" list | grep -q '^sgd ' || { echo "installed tbegen lists no sgd"; exit 1; }
-"$work/venv/bin/tbegen" render --optimizer sgd >/dev/null
+export TBEGEN_BUILD_DIR="${TBEGEN_BUILD_DIR:-$work/cache}"
+"$venv/bin/tbegen" list | grep -q '^sgd ' || { echo "installed tbegen lists no sgd"; exit 1; }
+"$venv/bin/tbegen" render --optimizer sgd >/dev/null
 test -f generated/sgd/kernels_cuda.cu || { echo "installed tbegen rendered nothing"; exit 1; }
-"$work/venv/bin/python" - <<'PY'
+"$venv/bin/python" - <<'PY'
 import torch
 import tbegen
 from tbegen.module import TableBatchedEmbeddingBags
