@@ -1,26 +1,25 @@
-"""Train a DLRM-style model sharded by TorchRec, with tbegen's kernel and with FBGEMM's, and compare.
+"""Train TorchRec's DLRM the way TorchRec's docs do, with tbegen's sharder in place of TorchRec's.
 
-    torchrun --nproc_per_node=N examples/torchrec_training.py [--steps 20] [--batch 256] ...
+    torchrun --nproc_per_node=N examples/torchrec_training.py [--kernel both|tbegen|fbgemm] [--steps 6] ...
 
-One process per GPU with NCCL where CUDA is available, else gloo on the CPU. For each sharding type
-(each table of the model constrained to it in TorchRec's planner) and each optimizer both systems
-have, it trains the same model from the same start with
+The script is TorchRec's own recipe: an `EmbeddingBagCollection` inside `torchrec.models.dlrm.DLRM`
+(wrapped in `DLRMTrain`), the embedding optimizers configured with `apply_optimizer_in_backward`
+(one per table here: torch.optim.SGD, torch.optim.Adagrad, torchrec.optim.RowWiseAdagrad,
+torch.optim.Adam) or with the sharder's `fused_params` (`--fused-params adagrad`: one
+EmbOptimType for all tables), `EmbeddingShardingPlanner`, `DistributedModelParallel`, a
+`CombinedOptimizer` of the fused optimizer and the dense one, and `TrainPipelineSparseDist`. The one
+change from TorchRec's docs is the sharder:
 
-  - tbegen's kernel (TbegenEmbeddingBagCollectionSharder), and
-  - TorchRec's own FBGEMM kernel (EmbeddingBagCollectionSharder, compute kernel "fused"),
+    sharder = TbegenEmbeddingBagCollectionSharder()     # was: EmbeddingBagCollectionSharder()
 
-gathers every table's weights and optimizer states to rank 0 and prints the largest differences
-between the two, and between each and a single-process tbegen run of the same global batches on
-rank 0 (the reference), with examples/s of both. Data-parallel runs tbegen only (TorchRec's own
-data-parallel tables are trained by the dense optimizer, not by a fused kernel). Then one optimizer only tbegen has, loaded from a
-YAML path, through the same run (compared with the reference only). Exit status 1 if a difference
-exceeds --tolerance.
+With `--kernel both` it trains the same model on the same global batches with each sharder and
+prints, per table, the largest difference of the weights and of every optimizer state (TorchRec's
+state names: the fused optimizer's state_dict is the same for both kernels). TorchRec's FBGEMM
+kernel on the CPU (fbgemm-gpu-cpu) has EXACT_SGD, EXACT_ADAGRAD and EXACT_ROWWISE_ADAGRAD only; on
+the CPU the Adam table is therefore trained by tbegen alone (`--kernel both` leaves it out there).
+Exit status 1 if a difference exceeds --tolerance.
 
-FBGEMM's CPU kernels have sgd, adagrad and rowwise_adagrad only, and TorchRec does not offer
-row-wise sharding on the CPU; on the CPU this script offers row-wise to FBGEMM's sharder as well
-(a subclass that adds the type), which works. Under column-wise sharding, per-row optimizer states
-(rowwise_adagrad's) are kept per column shard by both systems, so they are compared with each
-other, not with the unsharded reference.
+One process per GPU with NCCL where CUDA is available, else gloo on the CPU.
 """
 
 from __future__ import annotations
@@ -33,213 +32,236 @@ for _key, _value in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICA
 
 import argparse
 import sys
-import time
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
+from torch.distributed._shard.sharded_tensor import ShardedTensor
+from torchrec.datasets.utils import Batch
+from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+from torchrec.distributed.model_parallel import DistributedModelParallel
+from torchrec.distributed.planner import EmbeddingShardingPlanner, Topology
+from torchrec.distributed.planner.types import ParameterConstraints
+from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
+from torchrec.models.dlrm import DLRM, DLRMTrain
+from torchrec.modules.embedding_configs import EmbeddingBagConfig
+from torchrec.modules.embedding_modules import EmbeddingBagCollection
+from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
+from torchrec.optim.optimizers import in_backward_optimizer_filter
+from torchrec.optim import RowWiseAdagrad
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tbegen.torchrec import SHARDING_TYPES as TBEGEN_SHARDING_TYPES, TbegenEmbeddingBagCollectionSharder  # noqa: E402
-from tbegen.spec import find_spec, load_spec  # noqa: E402
-from tbegen.torchrec import dlrm  # noqa: E402
+from tbegen.torchrec import TbegenEmbeddingBagCollectionSharder  # noqa: E402
 
-# (data_parallel only where this TorchRec can hold tbegen's data-parallel tables: 1.7 and later)
-SHARDING_TYPES = [t for t in ["table_wise", "row_wise", "column_wise", "table_row_wise", "data_parallel"]
-                  if t in TBEGEN_SHARDING_TYPES]
-# tbegen optimizer -> FBGEMM's EmbOptimType name
-FBGEMM_NAMES = {"sgd": "exact_sgd", "adagrad": "exact_adagrad", "rowwise_adagrad": "exact_row_wise_adagrad",
-                "adam": "adam", "lamb": "lamb", "lars_sgd": "lars_sgd", "partial_rowwise_adam": "partial_row_wise_adam"}
-# hyperparameters given to both (same names in tbegen and FBGEMM)
-HYPERPARAMETERS = {"adagrad": ("eps",), "rowwise_adagrad": ("eps",), "adam": ("beta1", "beta2", "eps"), "sgd": ()}
-FIXED = {"eps": 1e-8, "beta1": 0.9, "beta2": 0.999}
-
-
-def parse_args():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--steps", type=int, default=10)
-    p.add_argument("--warmup", type=int, default=2, help="untimed steps before the timed ones (same for both)")
-    p.add_argument("--batch", type=int, default=128, help="examples per rank per step")
-    p.add_argument("--tables", type=int, default=4, help="tables (each with one feature; the second has two)")
-    p.add_argument("--rows", type=int, default=2000)
-    p.add_argument("--dim", type=int, default=32)
-    p.add_argument("--max-bag", type=int, default=8)
-    p.add_argument("--zipf", type=float, default=1.05, help="Zipf exponent of the indices (0: uniform)")
-    p.add_argument("--optimizers", default=None,
-                   help="comma-separated, both systems (default: adagrad,rowwise_adagrad on the CPU, adam,rowwise_adagrad on CUDA)")
-    p.add_argument("--yaml", default=str(Path(__file__).resolve().parents[1] / "optimizers" / "adagrad_with_momentum.yaml"),
-                   help="a tbegen-only optimizer spec, by path")
-    p.add_argument("--sharding-types", default=",".join(SHARDING_TYPES))
-    p.add_argument("--learning-rate", type=float, default=0.02)
-    p.add_argument("--tolerance", type=float, default=1e-3,
-                   help="max abs difference allowed (fp32 rounding, amplified by adagrad-type optimizers)")
-    return p.parse_args()
+# table optimizer -> (optimizer class, kwargs) for apply_optimizer_in_backward
+OPTIMIZERS = {
+    "sgd": (torch.optim.SGD, {"lr": 0.1}),
+    "adagrad": (torch.optim.Adagrad, {"lr": 0.1, "eps": 1e-8}),
+    "rowwise_adagrad": (RowWiseAdagrad, {"lr": 0.1, "eps": 1e-8}),
+    "adam": (torch.optim.Adam, {"lr": 0.02}),
+}
+# FBGEMM's CPU kernels (fbgemm-gpu-cpu) train these; the others on the GPU only
+FBGEMM_CPU_OPTIMIZERS = ("sgd", "adagrad", "rowwise_adagrad")
+DIM = 8  # DLRM needs one embedding dim for all tables
+NUM_DENSE = 4
 
 
-def log(*a):
-    if dist.get_rank() == 0:
-        print(*a, flush=True)
+def table_names(optimizers: Sequence[str], sharding_types: Sequence[str]) -> List[Tuple[str, str, str]]:
+    """(table name, optimizer, sharding type): one table per pair."""
+    return [(f"{o}_{st}", o, st) for o in optimizers for st in sharding_types]
 
 
-def make_tables(args) -> List[dlrm.TableSpec]:
-    return [
-        dlrm.TableSpec(f"t{i}", args.rows * (1 + i % 3), args.dim, (f"f{i}",) if i != 1 else (f"f{i}", f"f{i}b"), args.max_bag)
-        for i in range(args.tables)
-    ]
+def build_model(tables: Sequence[Tuple[str, str, str]], rows: int = 40, seed: int = 0) -> DLRMTrain:
+    """TorchRec's DLRM over one EmbeddingBagCollection (on the CPU; DMP moves it), each table with
+    one feature named after it."""
+    torch.manual_seed(seed)
+    configs = [EmbeddingBagConfig(name=name, embedding_dim=DIM, num_embeddings=rows + 7 * i, feature_names=[f"f_{name}"])
+               for i, (name, _, _) in enumerate(tables)]
+    ebc = EmbeddingBagCollection(tables=configs, device=torch.device("cpu"))
+    return DLRMTrain(DLRM(embedding_bag_collection=ebc, dense_in_features=NUM_DENSE,
+                          dense_arch_layer_sizes=[16, DIM], over_arch_layer_sizes=[16, 1]))
 
 
-class RowWiseOnCpuSharder:
-    """TorchRec's FBGEMM sharder, also offering row-wise and table-row-wise on the CPU."""
-
-    @staticmethod
-    def make(fused_params):
-        from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
-
-        class _Sharder(EmbeddingBagCollectionSharder):
-            def sharding_types(self, compute_device_type: str) -> List[str]:
-                types = super().sharding_types(compute_device_type)
-                return types + [t for t in ("row_wise", "table_row_wise") if t not in types]
-
-        return _Sharder(fused_params=fused_params)
+def apply_optimizers(model: DLRMTrain, tables: Sequence[Tuple[str, str, str]]) -> None:
+    """Each table's embedding optimizer, as TorchRec's docs configure it."""
+    ebc = model.model.sparse_arch.embedding_bag_collection
+    for name, optimizer, _ in tables:
+        cls, kwargs = OPTIMIZERS[optimizer]
+        apply_optimizer_in_backward(cls, [ebc.embedding_bags[name].weight], dict(kwargs))
 
 
-def hyperparameters(optimizer: str, lr: float) -> dict:
-    return {"learning_rate": lr, **{k: FIXED[k] for k in HYPERPARAMETERS.get(optimizer, ())}}
+def shard(model: DLRMTrain, sharder, tables: Sequence[Tuple[str, str, str]], device: torch.device,
+          pg=None) -> DistributedModelParallel:
+    """DistributedModelParallel over a plan from TorchRec's planner, each table constrained to its
+    sharding type; the unsharded model's weights loaded into it (so that both kernels start alike)."""
+    pg = pg or dist.GroupMember.WORLD
+    world = dist.get_world_size(pg)
+    constraints = {name: ParameterConstraints(sharding_types=[st], compute_kernels=["fused"], min_partition=4)
+                   for name, _, st in tables}
+    planner = EmbeddingShardingPlanner(
+        topology=Topology(world_size=world, local_world_size=world, compute_device=device.type), constraints=constraints)
+    plan = planner.collective_plan(model, [sharder], pg)
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    dmp = DistributedModelParallel(model, device=device, plan=plan, sharders=[sharder])
+    dmp.load_state_dict(state)
+    return dmp
 
 
-def fbgemm_sharder(optimizer: str, lr: float):
-    from fbgemm_gpu.split_embedding_configs import EmbOptimType
-
-    return RowWiseOnCpuSharder.make({"optimizer": EmbOptimType(FBGEMM_NAMES[optimizer]), **hyperparameters(optimizer, lr)})
-
-
-def fbgemm_keys(tables, spec_states: List[str], fb: Dict[str, torch.Tensor]):
-    """(tbegen key, FBGEMM key) pairs: weights by name, optimizer states in order (TorchRec calls
-    FBGEMM's first state "momentum1" and the others by FBGEMM's names)."""
-    pairs = []
-    for t in tables:
-        pairs.append((f"{t.name}.weight", f"{t.name}.weight"))
-        theirs = [k for k in fb if k.startswith(t.name + ".") and k != f"{t.name}.weight"]
-        if len(theirs) != len(spec_states):
-            raise RuntimeError(f"FBGEMM has states {theirs} for {t.name}, tbegen {spec_states}")
-        pairs += [(f"{t.name}.{s}", k) for s, k in zip(spec_states, theirs)]
-    return pairs
+def optimizer_of(dmp: DistributedModelParallel, lr: float = 0.1) -> CombinedOptimizer:
+    """The fused embedding optimizers and SGD for the dense layers, as one optimizer."""
+    dense = KeyedOptimizerWrapper(dict(in_backward_optimizer_filter(dmp.named_parameters())),
+                                  lambda params: torch.optim.SGD(params, lr=lr))
+    return CombinedOptimizer([dmp.fused_optimizer, dense])
 
 
-def run_sharded(args, tables, batches, sharder, sharding_type, device, compute_device):
-    """Trains the sharded model; returns (gathered state on rank 0, examples/s, ms per step, plan types)."""
-    from torchrec.optim.optimizers import in_backward_optimizer_filter
+def make_batches(tables: Sequence[Tuple[str, str, str]], rows: int, batch: int, steps: int, seed: int = 1) -> List[Batch]:
+    """`steps` global batches of TorchRec's Batch (dense features, a KJT, labels)."""
+    gen = torch.Generator().manual_seed(seed)
+    keys = [f"f_{name}" for name, _, _ in tables]
+    out = []
+    for _ in range(steps):
+        lengths = [torch.randint(0, 5, (batch,), generator=gen) for _ in keys]
+        values = [torch.randint(0, rows + 7 * i, (int(ln.sum()),), generator=gen) for i, ln in enumerate(lengths)]
+        kjt = KeyedJaggedTensor.from_lengths_sync(keys=keys, values=torch.cat(values), lengths=torch.cat(lengths))
+        out.append(Batch(dense_features=torch.randn(batch, NUM_DENSE, generator=gen), sparse_features=kjt,
+                         labels=torch.randint(0, 2, (batch,), generator=gen).float()))
+    return out
 
-    model = dlrm.build_model(tables, args.num_dense, seed=0)
-    dmp, plan = dlrm.shard(model, sharder, {t.name: sharding_type for t in tables}, dist.group.WORLD, device,
-                           compute_device, min_partition=max(4, args.dim // 2))
-    dense = dict(in_backward_optimizer_filter(dmp.named_parameters()))
-    opt = torch.optim.SGD(dense.values(), lr=args.learning_rate)
+
+def local_batch(b: Batch, rank: int, world: int) -> Batch:
+    """Rank `rank`'s equal slice of a global batch."""
+    B = b.labels.numel() // world
+    lo, hi = rank * B, (rank + 1) * B
+    kjt = b.sparse_features
+    keys = kjt.keys()
+    lengths = kjt.lengths().view(len(keys), -1)
+    offsets = kjt.offsets()
+    G = lengths.shape[1]
+    values = torch.cat([kjt.values()[offsets[f * G + lo]:offsets[f * G + hi]] for f in range(len(keys))])
+    local = KeyedJaggedTensor.from_lengths_sync(keys=keys, values=values, lengths=lengths[:, lo:hi].reshape(-1).contiguous())
+    return Batch(dense_features=b.dense_features[lo:hi], sparse_features=local, labels=b.labels[lo:hi])
+
+
+def train(dmp: DistributedModelParallel, optimizer, batches: Iterable[Batch], device: torch.device) -> List[float]:
+    """TorchRec's TrainPipelineSparseDist over the batches; the losses."""
+    pipeline = TrainPipelineSparseDist(dmp, optimizer, device, execute_all_batches=True)
+    it = iter(batches)
+    losses = []
+    while True:
+        try:
+            loss, _logits, _labels = pipeline.progress(it)  # (DLRMTrain's second output)
+        except StopIteration:
+            return losses
+        losses.append(float(loss))
+
+
+def gathered_state(dmp: DistributedModelParallel) -> Dict[str, torch.Tensor]:
+    """Rank 0: every table's weight ("TABLE.weight") and fused optimizer state ("TABLE.STATE", TorchRec's
+    names), assembled from all ranks' shards; {} elsewhere. Collective."""
+    tensors = {k.split(".")[-2] + ".weight": v for k, v in dmp.state_dict().items()
+               if ".embedding_bags." in k and k.endswith(".weight")}
+    for entry in dmp.fused_optimizer.state_dict()["state"].values():
+        tensors.update(entry)
+    local = {}
+    for key, t in tensors.items():
+        if isinstance(t, ShardedTensor):
+            local[key] = (tuple(t.size()), [(tuple(s.metadata.shard_offsets), s.tensor.detach().cpu().clone())
+                                            for s in t.local_shards()])
+        else:
+            local[key] = (tuple(t.shape), [((0,) * t.dim(), t.detach().cpu().clone())])
+    parts: List[Optional[dict]] = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, local)
+    if dist.get_rank() != 0:
+        return {}
+    out: Dict[str, torch.Tensor] = {}
+    for part in parts:
+        for key, (size, shards) in part.items():
+            for offsets, tensor in shards:
+                full = out.setdefault(key, torch.full(size, float("nan"), dtype=tensor.dtype))
+                full[tuple(slice(o, o + n) for o, n in zip(offsets, tensor.shape))].copy_(tensor)
+    return out
+
+
+def run(sharder, tables, batches, device, rows: int, fused_params: bool = False) -> Dict[str, torch.Tensor]:
+    """The whole recipe with one sharder: model, optimizers, DMP, pipeline; the gathered state."""
+    model = build_model(tables, rows)
+    if not fused_params:
+        apply_optimizers(model, tables)
+    dmp = shard(model, sharder, tables, device)
     rank, world = dist.get_rank(), dist.get_world_size()
-    local = [dlrm.local_batch(b, rank, world).to(device) for b in batches]
-    for b in local[: args.warmup]:
-        dlrm.train_step(dmp, opt, b)
-    _sync(device)
-    dist.barrier()
-    start = time.perf_counter()
-    for b in local[args.warmup:]:
-        dlrm.train_step(dmp, opt, b)
-    _sync(device)
-    dist.barrier()
-    elapsed = time.perf_counter() - start
-    timed = len(local) - args.warmup
-    return dlrm.sharded_state(dmp), timed * args.batch * world / elapsed, 1e3 * elapsed / timed
+    train(dmp, optimizer_of(dmp), [local_batch(b, rank, world).to(device) for b in batches], device)
+    return gathered_state(dmp)
 
 
-def run_reference(args, tables, batches, optimizer, device):
-    """Single-process tbegen on rank 0 over the global batches."""
-    ref = dlrm.build_reference(dlrm.build_model(tables, args.num_dense, seed=0), tables, optimizer,
-                               **hyperparameters(optimizer, args.learning_rate))
-    ref = ref.to(device)
-    opt = torch.optim.SGD(ref.parameters(), lr=args.learning_rate)
-    for b in batches:
-        dlrm.train_step(ref, opt, b.to(device))
-    return {k: v.cpu() for k, v in dlrm.reference_state(ref, tables).items()}
+def compare(a: Dict[str, torch.Tensor], b: Dict[str, torch.Tensor]) -> Dict[str, float]:
+    """Per key, max |a - b| relative to max |b| (NaN where a key or a shape differs)."""
+    out = {}
+    for key in sorted(set(a) | set(b)):
+        if key not in a or key not in b or a[key].shape != b[key].shape:
+            out[key] = float("nan")
+            continue
+        scale = max(b[key].abs().max().item(), 1e-30)
+        out[key] = (a[key].float() - b[key].float()).abs().max().item() / scale
+    return out
 
 
-def _sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--kernel", choices=["both", "tbegen", "fbgemm"], default="both")
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--batch", type=int, default=32, help="examples per rank per step")
+    p.add_argument("--rows", type=int, default=40)
+    p.add_argument("--sharding-types", default=None, help="default: table_wise,column_wise (and row_wise on CUDA)")
+    p.add_argument("--fused-params", default=None, choices=["sgd", "adagrad", "rowwise_adagrad", "adam"],
+                   help="configure every table with the sharder's fused_params (this EmbOptimType) instead of "
+                        "apply_optimizer_in_backward")
+    p.add_argument("--tolerance", type=float, default=1e-4, help="largest relative difference allowed")
+    args = p.parse_args()
 
-
-def max_diff(a: Dict[str, torch.Tensor], b: Dict[str, torch.Tensor], keys) -> float:
-    worst = 0.0
-    for ka, kb in keys:
-        if a[ka].shape != b[kb].shape:
-            raise RuntimeError(f"{ka} has shape {tuple(a[ka].shape)} but {kb} {tuple(b[kb].shape)}")
-        worst = max(worst, (a[ka].float() - b[kb].float()).abs().max().item())
-    return worst
-
-
-def main():
-    args = parse_args()
-    args.num_dense = 8
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     dist.init_process_group(backend)
     rank, world = dist.get_rank(), dist.get_world_size()
-    if backend == "nccl":
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank))) if backend == "nccl" else torch.device("cpu")
+    if device.type == "cuda":
         torch.cuda.set_device(device)
-        compute_device = "cuda"
-    else:
-        device, compute_device = torch.device("cpu"), "cpu"
-    optimizers = (args.optimizers or ("adam,rowwise_adagrad" if compute_device == "cuda" else "adagrad,rowwise_adagrad")).split(",")
-    tables = make_tables(args)
-    batches = dlrm.make_batches(tables, args.num_dense, args.batch * world, args.warmup + args.steps, zipf_alpha=args.zipf)
-    log(f"# {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())}  backend {backend}, {world} rank(s), "
-        f"device {torch.cuda.get_device_name(device) if compute_device == 'cuda' else 'cpu'}, torch {torch.__version__}")
-    log(f"# tables {[(t.name, t.rows, t.dim, len(t.features)) for t in tables]}, batch {args.batch}/rank, "
-        f"steps {args.warmup}+{args.steps}, zipf {args.zipf}, lr {args.learning_rate}")
-    log("| optimizer | sharding | tbegen vs FBGEMM | tbegen vs 1-process | FBGEMM vs 1-process | tbegen ex/s (ms/step) | FBGEMM ex/s (ms/step) |")
-    log("|---|---|---|---|---|---|---|")
-    failed = []
-    for optimizer in optimizers + ["yaml"]:
-        spec = args.yaml if optimizer == "yaml" else optimizer
-        ref = run_reference(args, tables, batches, spec, device) if rank == 0 else None
-        for st in args.sharding_types.split(","):
-            tb, tb_rate, tb_ms = run_sharded(args, tables, batches,
-                                             TbegenEmbeddingBagCollectionSharder(spec, **hyperparameters(optimizer, args.learning_rate)), st,
-                                             device, compute_device)
-            fb = None
-            # TorchRec's data-parallel tables use its DENSE kernel (trained by the dense optimizer
-            # through DDP), not FBGEMM's fused one: nothing to compare there
-            if optimizer in FBGEMM_NAMES and st != "data_parallel":
-                try:
-                    fb, fb_rate, fb_ms = run_sharded(args, tables, batches, fbgemm_sharder(optimizer, args.learning_rate), st,
-                                                     device, compute_device)
-                except Exception as e:  # an optimizer or sharding type FBGEMM lacks here: say so and go on
-                    log(f"# FBGEMM {optimizer} {st}: not run ({type(e).__name__}: {str(e).splitlines()[0][:120]})")
-            if rank != 0:
-                continue
-            name = Path(spec).stem if optimizer == "yaml" else optimizer
-            # Column shards keep row states of their own (both systems), so training with per-row
-            # states differs from the unsharded run there: printed, not held to the tolerance.
-            row_states = any(s.per == "row" for s in load_spec(find_spec(spec)).states)
-            per_shard = row_states and st in ("column_wise", "table_column_wise")
-            comparable = [k for k in ref if k in tb and ref[k].shape == tb[k].shape]
-            vs_ref = max_diff(tb, ref, [(k, k) for k in comparable])
-            note = " (row states per column shard)" if per_shard else ""
-            cells = ["-", f"{vs_ref:.2e}{note}", "-", f"{tb_rate:,.0f} ({tb_ms:.2f})", "-"]
-            worst = 0.0 if per_shard else vs_ref
-            if fb is not None:
-                keys = fbgemm_keys(tables, [s.name for s in load_spec(find_spec(optimizer)).states], fb)
-                vs_fb = max_diff(tb, fb, keys)
-                fb_ref = max_diff({k: fb[kf] for k, kf in keys}, ref, [(k, k) for k, _ in keys if k in comparable])
-                cells = [f"{vs_fb:.2e}", f"{vs_ref:.2e}{note}", f"{fb_ref:.2e}{note}", f"{tb_rate:,.0f} ({tb_ms:.2f})",
-                         f"{fb_rate:,.0f} ({fb_ms:.2f})"]
-                worst = max(worst, vs_fb)
-            log(f"| {name} | {st} | " + " | ".join(cells) + " |")
-            if worst > args.tolerance:
-                failed.append(f"{name}/{st}: {worst:.2e}")
-    if failed:
-        log(f"# FAILED (tolerance {args.tolerance}): {', '.join(failed)}")
+    types = (args.sharding_types or ("table_wise,column_wise,row_wise" if device.type == "cuda" else
+                                     "table_wise,column_wise")).split(",")
+    on_fbgemm = list(OPTIMIZERS) if device.type == "cuda" else list(FBGEMM_CPU_OPTIMIZERS)
+    optimizers = [args.fused_params] if args.fused_params else (on_fbgemm if args.kernel != "tbegen" else list(OPTIMIZERS))
+    tables = table_names(optimizers, types)
+    batches = make_batches(tables, args.rows, args.batch * world, args.steps)
+
+    def sharders():
+        if args.fused_params:
+            from fbgemm_gpu.split_embedding_configs import EmbOptimType
+
+            member = {"sgd": "EXACT_SGD", "adagrad": "EXACT_ADAGRAD", "rowwise_adagrad": "EXACT_ROWWISE_ADAGRAD",
+                      "adam": "ADAM"}[args.fused_params]
+            fused = {"optimizer": EmbOptimType[member], "learning_rate": 0.05}
+            return {"tbegen": TbegenEmbeddingBagCollectionSharder(fused_params=fused),
+                    "fbgemm": EmbeddingBagCollectionSharder(fused_params=fused)}
+        return {"tbegen": TbegenEmbeddingBagCollectionSharder(), "fbgemm": EmbeddingBagCollectionSharder()}
+
+    states = {}
+    for kernel in (["tbegen", "fbgemm"] if args.kernel == "both" else [args.kernel]):
+        states[kernel] = run(sharders()[kernel], tables, batches, device, args.rows, fused_params=bool(args.fused_params))
+    if rank == 0:
+        print(f"# {backend}, {world} rank(s), tables {[t[0] for t in tables]}, {args.steps} steps")
+        if len(states) == 2:
+            diffs = compare(states["tbegen"], states["fbgemm"])
+            for key, d in diffs.items():
+                print(f"{key:32s} max |tbegen - FBGEMM| / max |FBGEMM| = {d:.2e}")
+            bad = [k for k, d in diffs.items() if not d <= args.tolerance]
+            if bad:
+                print(f"# FAILED (tolerance {args.tolerance}): {bad}")
+        else:
+            for key, t in next(iter(states.values())).items():
+                print(f"{key:32s} max |value| = {t.abs().max().item():.4e}")
+    failed = rank == 0 and len(states) == 2 and any(not d <= args.tolerance for d in compare(states["tbegen"], states["fbgemm"]).values())
     dist.destroy_process_group()
     sys.exit(1 if failed else 0)
 

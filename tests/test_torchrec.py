@@ -128,6 +128,10 @@ def _run_case(case, rank, world, outdir, key, device):
         dcp.load(state, checkpoint_id=path)
         fresh.load_state_dict(state["model"])
         fresh.fused_optimizer.load_state_dict(state["optim"])
+        # TorchRec's state of an FBGEMM optimizer (adam's too) has no update counter, for FBGEMM's
+        # kernel as for tbegen's (the same keys, so that checkpoints move between them): TorchRec's
+        # set_optimizer_step restores it. (tbegen-only specs keep it as TABLE.step.)
+        fresh.fused_optimizer.set_optimizer_step(CHECKPOINT_AFTER)
         _train(fresh, _dense_optimizer(fresh), batches[CHECKPOINT_AFTER:], rank, world, device)
         result["restored"] = dlrm.sharded_state(fresh)
     else:

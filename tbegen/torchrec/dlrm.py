@@ -250,11 +250,15 @@ def sharded_state(dmp) -> Dict[str, torch.Tensor]:
 
 
 def reference_state(ref: DLRM, tables: Sequence[TableSpec]) -> Dict[str, torch.Tensor]:
-    """The reference module's weights and states under the same keys."""
+    """The reference module's weights and states under the sharded model's keys (TorchRec's state
+    names where FBGEMM has the optimizer, the spec's elsewhere: kernel.TbegenFusedOptimizer)."""
+    from .config import torchrec_state_names
+
     emb = ref.sparse.emb
+    names = torchrec_state_names(emb.spec)
     out = {}
     for t, w, s in zip(tables, emb.split_embedding_weights(), emb.split_optimizer_states()):
         out[f"{t.name}.weight"] = w.detach().clone()
-        for name, v in s.items():
-            out[f"{t.name}.{name}"] = v.detach().clone()
+        for key, (name, v) in zip(names if names is not None else list(s), s.items()):
+            out[f"{t.name}.{key}"] = v.detach().clone()
     return out

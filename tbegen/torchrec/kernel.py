@@ -29,7 +29,6 @@ TorchRec's; each shard's lookup and fused update are tbegen's.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from typing import Any, Dict, Iterator, List, Optional, Tuple, Union
 
@@ -56,6 +55,7 @@ from torchrec.optim.fused import EmptyFusedOptimizer, FusedOptimizer, FusedOptim
 
 from ..model import OptimizerSpec
 from ..module import TableBatchedEmbeddingBags, _resolve_spec, check_hyperparameters
+from .config import FUSED_PARAMS_KEY, TbegenOptions, check_module, resolve, torchrec_state_names
 
 __all__ = [
     "TbegenEmbeddingBagCollectionSharder",
@@ -67,10 +67,9 @@ __all__ = [
     "SHARDING_TYPES",
 ]
 
-# The key of the sharder's options in TorchRec's fused_params. They travel with each table into the
-# GroupedEmbeddingConfig that a kernel is built from; fused_params are part of TorchRec's grouping
-# key, so tables with different options never share a kernel.
-FUSED_PARAMS_KEY = "tbegen"
+# The sharder's options travel in TorchRec's fused_params under FUSED_PARAMS_KEY, with each table
+# into the GroupedEmbeddingConfig that a kernel is built from; fused_params are part of TorchRec's
+# grouping key, so tables with different options (or optimizers) never share a kernel.
 
 # Data-parallel tables need TorchRec's `init_data_parallel` hook (TorchRec 1.7 and later): tbegen's
 # replicas have no dense gradients, and older releases wrap every data-parallel lookup in DDP from
@@ -88,18 +87,6 @@ SHARDING_TYPES = (
 _WEIGHT_DTYPES = {DataType.FP32: torch.float32, DataType.FP16: torch.float16, DataType.BF16: torch.bfloat16}
 # TorchRec's pooling modes (FBGEMM's PoolingMode names) -> tbegen's
 _POOLING = {"SUM": "sum", "MEAN": "mean"}
-
-
-@dataclasses.dataclass(frozen=True)
-class TbegenOptions:
-    """What a kernel needs beyond TorchRec's table configs. Frozen and hashable: it is part of a
-    grouping key."""
-
-    spec: OptimizerSpec
-    hyperparameters: Tuple[Tuple[str, Any], ...]
-    stochastic_rounding: bool = True
-    seed: int = 0
-    max_segment_length_per_warp: int = 32
 
 
 # ---- sharded views of per-table tensors --------------------------------------------------------
@@ -154,9 +141,13 @@ class TbegenFusedOptimizer(FusedOptimizer):
     """TorchRec's view of one kernel's fused optimizer.
 
     state: per table, `{TABLE.STATE: ShardedTensor}` for every optimizer state of the spec (views
-    into the kernel's buffers, so loading a state_dict writes the kernel's states) and
-    `TABLE.step`, the kernel's update counter (a 1-element int64 tensor kept current after every
-    update). param_groups: one group whose hyperparameters are the spec's (`learning_rate` also as
+    into the kernel's buffers, so loading a state_dict writes the kernel's states). For an update
+    FBGEMM has (sgd, adagrad, rowwise_adagrad, adam, ...: config.torchrec_state_names) the keys are
+    the ones TorchRec gives FBGEMM's kernel ("momentum1" for the first state, FBGEMM's names for the
+    others) and nothing else, so that checkpoints of either kernel load into the other. For the
+    other specs: the spec's state names and `TABLE.step`, the kernel's update counter (a 1-element
+    int64 tensor kept current after every update). (TorchRec's FBGEMM state has no counter: after
+    loading such a checkpoint `set_optimizer_step` restores it, for both kernels.) param_groups: one group whose hyperparameters are the spec's (`learning_rate` also as
     `lr`, which LR schedulers change); `step()` and `zero_grad()` hand them to the kernel, as
     TorchRec's FBGEMM optimizer does with its learning rate.
     """
@@ -171,26 +162,31 @@ class TbegenFusedOptimizer(FusedOptimizer):
         params: Dict[str, ShardedTensor] = {}
         state: Dict[Any, Dict[str, Any]] = {}
         names = list(dict.fromkeys(t.name for t in tables))
+        torchrec_names = torchrec_state_names(emb.spec)
+        state_keys = list(torchrec_names) if torchrec_names is not None else [s.name for s in emb.spec.states]
+        with_step = torchrec_names is None
         for name in names:
             mine = [i for i, t in enumerate(tables) if t.name == name]
             table = tables[mine[0]]
             if table.global_metadata is None:  # data-parallel: every rank holds the whole table
                 weight = weights[mine[0]]
                 params[f"{name}.weight"] = weight
-                state[weight] = {f"{name}.{s.name}": states[mine[0]][s.name] for s in emb.spec.states}
-                state[weight][f"{name}.step"] = kernel.step_tensor
+                state[weight] = {f"{name}.{key}": states[mine[0]][s.name] for key, s in zip(state_keys, emb.spec.states)}
+                if with_step:
+                    state[weight][f"{name}.step"] = kernel.step_tensor
                 continue
             offsets = [tuple(tables[i].local_metadata.shard_offsets) for i in mine]
             md, size = _state_shard_metadata(table, "element")
             weight = _sharded_tensor([(weights[i], off) for i, off in zip(mine, offsets)], md, size, pg)
             params[f"{name}.weight"] = weight
             entry: Dict[str, Any] = {}
-            for s in emb.spec.states:
+            for key, s in zip(state_keys, emb.spec.states):
                 md, size = _state_shard_metadata(table, s.per)
-                entry[f"{name}.{s.name}"] = _sharded_tensor(
+                entry[f"{name}.{key}"] = _sharded_tensor(
                     [(states[i][s.name], off) for i, off in zip(mine, offsets)], md, size, pg
                 )
-            entry[f"{name}.step"] = kernel.step_tensor
+            if with_step:
+                entry[f"{name}.step"] = kernel.step_tensor
             state[weight] = entry
         group: Dict[str, Any] = {"params": list(params.values())}
         group.update(self._hyperparameters_for_group())
@@ -319,12 +315,9 @@ class TbegenEmbeddingBag(BaseBatchedEmbeddingBag[torch.Tensor], FusedOptimizerMo
     def __init__(self, config: GroupedEmbeddingConfig, pg=None, device: Optional[torch.device] = None,
                  sharding_type: Optional[ShardingType] = None) -> None:
         super().__init__(config, pg, device, sharding_type)
+        # the optimizer from TorchRec's configuration and/or the sharder's tbegen spec (config.py)
         options = (config.fused_params or {}).get(FUSED_PARAMS_KEY)
-        if not isinstance(options, TbegenOptions):
-            raise ValueError(
-                "tbegen: the table group has no tbegen options in its fused_params; shard with "
-                "TbegenEmbeddingBagCollectionSharder"
-            )
+        self.optimizer_config = resolve(config.fused_params, f"tables {[t.name for t in config.embedding_tables]}")
         if config.data_type not in _WEIGHT_DTYPES:
             raise ValueError(
                 f"tbegen: tables of data_type {config.data_type} are not supported (FP32, FP16 or BF16); "
@@ -340,17 +333,18 @@ class TbegenEmbeddingBag(BaseBatchedEmbeddingBag[torch.Tensor], FusedOptimizerMo
         self._emb_module = module_class(
             **extra,
             tables=list(zip(self._local_rows, self._local_cols)),
-            optimizer=options.spec,
+            optimizer=self.optimizer_config.spec,
             pooling=pooling,
             weights_dtype=_WEIGHT_DTYPES[config.data_type],
-            stochastic_rounding=options.stochastic_rounding,
+            output_dtype=self.optimizer_config.output_dtype,
+            stochastic_rounding=self.optimizer_config.stochastic_rounding,
             device=device if device is not None else "cpu",
             feature_table_map=self._feature_table_map,
             seed=options.seed,
             max_segment_length_per_warp=options.max_segment_length_per_warp,
             placements=placements,
             **_cache_arguments(config, placements),
-            **dict(options.hyperparameters),
+            **self.optimizer_config.hyperparameters,
         )
         if self._emb_module.dense_gradient:
             raise ValueError("tbegen: optimizer 'none' (dense gradients) is not a fused kernel; use TorchRec's DENSE kernel")
@@ -562,28 +556,61 @@ class TbegenShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
 
 
 class TbegenEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
-    """Shards `EmbeddingBagCollection`s onto tbegen kernels, trained by a tbegen optimizer.
+    """Shards `EmbeddingBagCollection`s onto tbegen kernels with a fused optimizer.
+
+    Built with no arguments, it is a drop-in for TorchRec's `EmbeddingBagCollectionSharder`: each
+    table's optimizer and hyperparameters come from TorchRec's configuration, as TorchRec's FBGEMM
+    kernel takes them: `apply_optimizer_in_backward(torch.optim.SGD / Adagrad / Adam,
+    torchrec.optim.RowWiseAdagrad, ..., params, {"lr": ...})` on the tables' weights, or
+    `fused_params={"optimizer": EmbOptimType..., "learning_rate": ..., "eps": ...}` here (as for
+    TorchRec's sharder; the per-table optimizer overrides them), each EmbOptimType trained by the
+    tbegen spec with FBGEMM's update and FBGEMM's defaults for hyperparameters not given
+    (tbegen/torchrec/config.py has the rules; anything tbegen cannot honour is an error, and so is
+    no optimizer at all).
 
     Args:
         optimizer: a tbegen spec name ("adam", "rowwise_adagrad", "ftrl", ...), a path to a YAML
-            spec, or a loaded OptimizerSpec ("none", the dense-gradient mode, is not a fused kernel).
-        stochastic_rounding, seed, max_segment_length_per_warp: as for TableBatchedEmbeddingBags.
+            spec, or a loaded OptimizerSpec, for every table ("none", the dense-gradient mode, is
+            not a fused kernel). Default None: TorchRec's configuration names it. Given as well as
+            a TorchRec optimizer, both must be the same update. A dict here is taken as
+            `fused_params` (TorchRec's sharder takes fused_params first).
+        fused_params: TorchRec's fused_params (FBGEMM's argument names).
+        stochastic_rounding: default None: fused_params' value, else True (FBGEMM's default).
+        seed, max_segment_length_per_warp: as for TableBatchedEmbeddingBags.
         sharding_types: the sharding types to offer the planner (default: all of SHARDING_TYPES,
             on every compute device, row-wise on the CPU included).
         qcomm_codecs_registry: TorchRec's quantized-communication codecs.
-        **hyperparameters: the optimizer's hyperparameters by name; checked here, before any sharding.
+        **hyperparameters: `optimizer`'s hyperparameters by name; checked here, before any sharding.
 
     Each table's weight precision is its EmbeddingBagConfig.data_type (FP32, FP16 or BF16).
     """
 
-    def __init__(self, optimizer: Union[str, os.PathLike, OptimizerSpec] = "rowwise_adagrad", *,
-                 stochastic_rounding: bool = True, seed: int = 0, max_segment_length_per_warp: int = 32,
-                 sharding_types: Optional[List[str]] = None, qcomm_codecs_registry=None, **hyperparameters) -> None:
-        spec = _resolve_spec(optimizer)
-        if spec.dense_gradient:
-            raise ValueError(f"tbegen: optimizer {spec.name!r} (dense_gradient: true, it returns dense gradients) "
-                             "is not a fused kernel; choose a fused optimizer, or TorchRec's DENSE kernel")
-        hyper = check_hyperparameters(spec, hyperparameters)
+    def __init__(self, optimizer: Union[None, str, os.PathLike, OptimizerSpec, Dict[str, Any]] = None, *,
+                 fused_params: Optional[Dict[str, Any]] = None, stochastic_rounding: Optional[bool] = None,
+                 seed: int = 0, max_segment_length_per_warp: int = 32, sharding_types: Optional[List[str]] = None,
+                 qcomm_codecs_registry=None, **hyperparameters) -> None:
+        if isinstance(optimizer, dict):
+            if fused_params is not None:
+                raise TypeError("tbegen: fused_params given twice (a dict as the first argument, and fused_params=)")
+            optimizer, fused_params = None, optimizer
+        if fused_params is not None and not isinstance(fused_params, dict):
+            raise TypeError(f"tbegen: fused_params must be a dict (TorchRec's), got {type(fused_params).__name__}")
+        if fused_params and FUSED_PARAMS_KEY in fused_params:
+            raise ValueError(f"tbegen: fused_params key {FUSED_PARAMS_KEY!r} is tbegen's own; give the sharder's arguments instead")
+        spec = None
+        hyper: Dict[str, Any] = {}
+        if optimizer is not None:
+            spec = _resolve_spec(optimizer)
+            if spec.dense_gradient:
+                raise ValueError(f"tbegen: optimizer {spec.name!r} (dense_gradient: true, it returns dense gradients) "
+                                 "is not a fused kernel; choose a fused optimizer, or TorchRec's DENSE kernel")
+            hyper = check_hyperparameters(spec, hyperparameters, complete=False)
+        elif hyperparameters:
+            raise TypeError(
+                f"tbegen: hyperparameters {sorted(hyperparameters)} given by keyword without a tbegen optimizer; "
+                f"with TorchRec's optimizer configuration give them there (fused_params with FBGEMM's names, or "
+                f"apply_optimizer_in_backward's kwargs)"
+            )
         if sharding_types is not None:
             if ShardingType.DATA_PARALLEL.value in sharding_types and not DATA_PARALLEL_SUPPORTED:
                 raise ValueError("tbegen: sharding_types: data_parallel needs TorchRec 1.7 or later (its "
@@ -594,10 +621,16 @@ class TbegenEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
                 raise ValueError(f"tbegen: sharding_types must be a non-empty subset of {list(SHARDING_TYPES)}, got {sharding_types!r}")
         self._tbegen_sharding_types = list(sharding_types) if sharding_types is not None else list(SHARDING_TYPES)
         self.options = TbegenOptions(
-            spec=spec, hyperparameters=tuple(hyper.items()), stochastic_rounding=bool(stochastic_rounding),
+            spec=spec, hyperparameters=tuple(hyper.items()),
+            stochastic_rounding=None if stochastic_rounding is None else bool(stochastic_rounding),
             seed=int(seed), max_segment_length_per_warp=int(max_segment_length_per_warp),
         )
-        super().__init__(fused_params={FUSED_PARAMS_KEY: self.options}, qcomm_codecs_registry=qcomm_codecs_registry)
+        all_params = {**(fused_params or {}), FUSED_PARAMS_KEY: self.options}
+        if "optimizer" in all_params or spec is not None:
+            # the sharder's own configuration checked now (a table's apply_optimizer_in_backward
+            # may still override it: checked again in shard())
+            resolve(all_params, "the sharder")
+        super().__init__(fused_params=all_params, qcomm_codecs_registry=qcomm_codecs_registry)
 
     def sharding_types(self, compute_device_type: str) -> List[str]:
         return list(self._tbegen_sharding_types)
@@ -612,6 +645,8 @@ class TbegenEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
         return [EmbeddingComputeKernel.FUSED.value]
 
     def shard(self, module, params, env, device=None, module_fqn=None) -> TbegenShardedEmbeddingBagCollection:
+        # every table's optimizer resolved on every rank, before any kernel is built
+        check_module(module, self.fused_params, [c.name for c in module.embedding_bag_configs()])
         return TbegenShardedEmbeddingBagCollection(
             module=module,
             table_name_to_parameter_sharding=params,
