@@ -62,6 +62,9 @@ def parse_args(argv=None):
     ap.add_argument("--systems", default="tbegen,fbgemm", help="tbegen and/or fbgemm (skipped if it does not import)")
     ap.add_argument("--prefetch-ahead", action="store_true",
                     help="tbegen: also time steps that prefetch the next batch between forward and backward")
+    ap.add_argument("--profile", action="store_true",
+                    help="after timing, profile 3 more tbegen steps per cached placement (torch.profiler): where the "
+                         "host and the GPU spend the step, op by op, and how often the host waits (profile-*.txt)")
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--seed", type=int, default=0)
@@ -144,6 +147,29 @@ def time_steps(step, batches, warmup: int, iters: int, after_warmup=None, cuda=T
     return dict(step_ms=statistics.median(ms), step_ms_min=min(ms), step_ms_max=max(ms), wall_ms_per_step=wall)
 
 
+def profile_steps(args, step, batches, label: str, steps: int = 3) -> str:
+    """Profiles `steps` more steps (torch.profiler, host and GPU): writes the ops by host time and
+    by GPU time, and the host's waits for the GPU, into profile-LABEL.txt under --out; returns its name."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device != "cpu" else [])
+    n = len(batches)
+    with profile(activities=activities) as prof:
+        for i in range(steps):
+            step(batches[i % n], batches[(i + 1) % n])
+        _sync()
+    events = prof.key_averages()
+    waits = {e.key: e.count for e in events
+             if any(w in e.key for w in ("Synchronize", "cudaMemcpy", "item", "_local_scalar_dense", "tolist"))}
+    lines = [f"# {label}: {steps} steps; the host's waits and copies (name: calls): {waits}", "",
+             "## by host time (self)", events.table(sort_by="self_cpu_time_total", row_limit=30)]
+    if args.device != "cpu":
+        lines += ["## by GPU time", events.table(sort_by="cuda_time_total", row_limit=30)]
+    name = f"profile-{label}.txt"
+    (Path(args.out) / name).write_text("\n".join(lines))
+    return name
+
+
 # ---- tbegen -------------------------------------------------------------------------------------------
 
 
@@ -167,6 +193,8 @@ def bench_tbegen(args, batches, grad, fraction, prefetch_ahead=False):
 
     r = time_steps(step, batches, args.warmup, args.iters, after_warmup=emb.reset_cache_stats,
                    cuda=args.device != "cpu")
+    if args.profile and fraction is not None:
+        r["profile"] = profile_steps(args, step, batches, f"tbegen-{fraction:g}")
     r.update(system="tbegen", construct_s=construct_s, prefetch_ahead=prefetch_ahead,
              peak_gpu_mem_gb=torch.cuda.max_memory_allocated() / 1e9 if args.device != "cpu" else None)
     if fraction is not None:

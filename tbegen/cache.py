@@ -242,6 +242,7 @@ class RowCache:
             self._counts = (old.to(device) if old is not None else
                             torch.zeros(self.num_rows, dtype=torch.int64, device=device))
         self._dims = sorted(set(self.dims))
+        self._units = self._row_units()
 
     def to(self, device: torch.device) -> None:
         """Moves the cache's bookkeeping to `device`, empty (flush first: the slots' contents are
@@ -284,33 +285,58 @@ class RowCache:
             cc, rr, ss = (c, rows, slots) if sel is None else (c[sel], rows[sel], slots[sel])
             back = T["back_woff"][cc] + rr * D
             slot = T["slot_woff"][cc] + ss * D
-            self._copy_runs(buffers, "element", back, slot, D, to_slots)
+            self._copy_runs(buffers, "element", back, slot, D, self._units[("element", D)], to_slots)
             if int8_rows:
                 back_bytes = back + QPARAM_BYTES * (T["back_kbase"][cc] + rr)
                 slot_bytes = slot + QPARAM_BYTES * (T["slot_kbase"][cc] + ss)
-                self._copy_runs(buffers, "int8 rows", back_bytes, slot_bytes, D + QPARAM_BYTES, to_slots)
+                self._copy_runs(buffers, "int8 rows", back_bytes, slot_bytes, D + QPARAM_BYTES,
+                                self._units[("int8 rows", D)], to_slots)
         back = T["back_kbase"][c] + rows
         slot = T["slot_kbase"][c] + slots
         src, dst = (back, slot) if to_slots else (slot, back)
         for buf, per in buffers:
             if per == "row":
-                buf[dst] = buf[src]
+                buf.index_copy_(0, dst, buf.index_select(0, src))
 
-    def _copy_runs(self, buffers, kind: str, back: torch.Tensor, slot: torch.Tensor, width: int,
+    def _row_units(self) -> Dict[Tuple[str, int], int]:
+        """For each layout kind and row width D, the largest unit (in entries) that divides every
+        cached table's row starts of that width, in its backing rows and in its slots: the buffers
+        are then copied as rows of that many entries (a whole row where the layout allows: one
+        row-wise gather and one scatter per move), never entry by entry."""
+        h = self._host
+        units: Dict[Tuple[str, int], int] = {}
+        for D in sorted(set(self.dims)):
+            mine = [c for c in range(len(self.tables)) if self.dims[c] == D]
+            starts = [h["back_woff"][c] for c in mine] + [h["slot_woff"][c] for c in mine]
+            units[("element", D)] = math.gcd(D, *starts)
+            byte_starts = ([h["back_woff"][c] + QPARAM_BYTES * h["back_kbase"][c] for c in mine]
+                           + [h["slot_woff"][c] + QPARAM_BYTES * h["slot_kbase"][c] for c in mine])
+            units[("int8 rows", D)] = math.gcd(D + QPARAM_BYTES, *byte_starts)
+        return units
+
+    def _copy_runs(self, buffers, kind: str, back: torch.Tensor, slot: torch.Tensor, width: int, unit: int,
                    to_slots: bool) -> None:
         """In every buffer of layout `kind`, copies the runs of `width` entries starting at `back`
-        to those starting at `slot` (or the other way round), in chunks."""
+        to those starting at `slot` (or the other way round). Every start is a multiple of `unit`,
+        which divides `width`: each buffer is viewed as rows of `unit` entries, and the runs move
+        as whole rows of that view (index_select, then index_copy_: row-wide copies, no per-entry
+        index), in chunks that bound the temporary copy. The slots never overlap the backing rows,
+        and each destination run is written once."""
         targets = [buf for buf, per in buffers if per == kind]
         if not targets:
             return
         src, dst = (back, slot) if to_slots else (slot, back)
-        cols = torch.arange(width, device=self.device)
-        step = max(1, _CHUNK_ELEMENTS // width)
-        for lo in range(0, src.numel(), step):
-            si = (src[lo:lo + step, None] + cols).reshape(-1)
-            di = (dst[lo:lo + step, None] + cols).reshape(-1)
-            for buf in targets:
-                buf[di] = buf[si]
+        per_run = width // unit
+        src, dst = src // unit, dst // unit
+        if per_run > 1:
+            parts = torch.arange(per_run, device=self.device)
+            src = (src[:, None] + parts).reshape(-1)
+            dst = (dst[:, None] + parts).reshape(-1)
+        step = max(1, _CHUNK_ELEMENTS // unit)
+        for buf in targets:
+            view = buf[: buf.numel() // unit * unit].view(-1, unit)
+            for lo in range(0, src.numel(), step):
+                view.index_copy_(0, dst[lo:lo + step], view.index_select(0, src[lo:lo + step]))
 
     def _per_table(self, tables: torch.Tensor, weights: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Per cached table, how many entries of the ascending `tables` it has (or the sum of
