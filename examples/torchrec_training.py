@@ -59,7 +59,7 @@ from tbegen.torchrec import TbegenEmbeddingBagCollectionSharder  # noqa: E402
 
 # table optimizer -> (optimizer class, kwargs) for apply_optimizer_in_backward
 OPTIMIZERS = {
-    "sgd": (torch.optim.SGD, {"lr": 0.1}),
+    "sgd": (torch.optim.SGD, {"lr": 0.5}),
     "adagrad": (torch.optim.Adagrad, {"lr": 0.1, "eps": 1e-8}),
     "rowwise_adagrad": (RowWiseAdagrad, {"lr": 0.1, "eps": 1e-8}),
     "adam": (torch.optim.Adam, {"lr": 0.02}),
