@@ -347,3 +347,98 @@ def test_nccl_one_gpu_trains_like_fbgemm(tmp_path):
     _check_close(r["fused_params"]["tbegen"], r["fused_params"]["fbgemm"], "tbegen vs FBGEMM, fused_params")
     for seen in r["refusals"].values():
         assert "no optimizer is configured" in (seen["no optimizer"] or ""), seen
+
+
+# ---- the configuration rules, without processes ---------------------------------------------------
+
+
+def _resolve(fused_params, sharder_optimizer=None, **sharder_kwargs):
+    from tbegen.torchrec import TbegenEmbeddingBagCollectionSharder
+    from tbegen.torchrec.config import resolve
+
+    sharder = TbegenEmbeddingBagCollectionSharder(sharder_optimizer, **sharder_kwargs)
+    return resolve({**sharder.fused_params, **fused_params}, "table 't'")
+
+
+def test_each_emb_optim_type_maps_to_the_same_update_with_fbgemms_defaults():
+    from fbgemm_gpu.split_embedding_configs import EmbOptimType
+
+    r = _resolve({"optimizer": EmbOptimType.ADAM})
+    # FBGEMM's defaults (learning rate 0.01), not the spec's (adam's is 0.001)
+    assert (r.spec.name, r.fbgemm_optimizer) == ("adam", "ADAM")
+    assert r.hyperparameters == {"learning_rate": 0.01, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.0}
+    r = _resolve({"optimizer": EmbOptimType.EXACT_ADAGRAD, "learning_rate": 0.3, "eps": 1e-5})
+    assert (r.spec.name, r.hyperparameters) == ("adagrad", {"learning_rate": 0.3, "eps": 1e-5})
+    r = _resolve({"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "weight_decay": 0.01, "weight_decay_mode": 2})
+    assert r.spec.name == "rowwise_adagrad" and r.hyperparameters["weight_decay_mode"] == 2
+    assert _resolve({"optimizer": EmbOptimType.EXACT_SGD, "learning_rate": 0.2}).hyperparameters == {"learning_rate": 0.2}
+    # weight decay 0 asks for nothing: accepted by an optimizer without it
+    assert _resolve({"optimizer": EmbOptimType.EXACT_SGD, "weight_decay": 0.0}).spec.name == "sgd"
+    # the plan's and the user's kernel settings
+    r = _resolve({"optimizer": EmbOptimType.EXACT_SGD, "stochastic_rounding": False, "output_dtype": "fp16"})
+    assert (r.stochastic_rounding, r.output_dtype) == (False, torch.float16)
+    assert _resolve({"optimizer": EmbOptimType.EXACT_SGD}).stochastic_rounding is True
+
+
+def test_a_tbegen_spec_stays_available_by_name_and_agrees_or_conflicts():
+    from fbgemm_gpu.split_embedding_configs import EmbOptimType
+
+    # by name alone: the spec's own defaults (the existing way)
+    r = _resolve({}, "adam")
+    assert r.hyperparameters["learning_rate"] == 0.001 and r.source == "tbegen spec 'adam'"
+    r = _resolve({}, str(ROOT / "optimizers" / "ftrl.yaml"))
+    assert r.spec.name == "ftrl" and r.fbgemm_optimizer is None
+    # the same update both ways: one optimizer, hyperparameters from both
+    r = _resolve({"optimizer": EmbOptimType.ADAM, "learning_rate": 0.05}, "adam", eps=1e-6)
+    assert (r.hyperparameters["learning_rate"], r.hyperparameters["eps"]) == (0.05, 1e-6)
+    with pytest.raises(ValueError, match="two optimizers are configured"):
+        _resolve({"optimizer": EmbOptimType.EXACT_SGD}, "adam")
+    with pytest.raises(ValueError, match="given twice with different values"):
+        _resolve({"optimizer": EmbOptimType.ADAM, "learning_rate": 0.05}, "adam", learning_rate=0.1)
+    with pytest.raises(ValueError, match="stochastic_rounding"):
+        _resolve({"optimizer": EmbOptimType.ADAM, "stochastic_rounding": True}, stochastic_rounding=False)
+
+
+def test_what_tbegen_cannot_honour_is_an_error():
+    from fbgemm_gpu.split_embedding_configs import EmbOptimType
+    from tbegen.torchrec import TbegenEmbeddingBagCollectionSharder
+
+    with pytest.raises(ValueError, match="no optimizer is configured"):
+        _resolve({})
+    with pytest.raises(ValueError, match="no optimizer is configured"):
+        _resolve({"learning_rate": 0.1})  # FBGEMM would train EXACT_SGD
+    with pytest.raises(ValueError, match="does not use momentum=0.9"):
+        _resolve({"optimizer": EmbOptimType.EXACT_SGD, "momentum": 0.9})
+    with pytest.raises(ValueError, match="does not use weight_decay=0.1"):
+        _resolve({"optimizer": EmbOptimType.EXACT_ADAGRAD, "weight_decay": 0.1})
+    with pytest.raises(TypeError, match="betas"):
+        _resolve({"optimizer": EmbOptimType.ADAM, "betas": (0.9, 0.99)})
+    with pytest.raises(NotImplementedError, match="EmbOptimType.NONE"):
+        _resolve({"optimizer": EmbOptimType.NONE})
+    with pytest.raises(NotImplementedError, match="weight_decay_mode COUNTER"):
+        _resolve({"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "weight_decay_mode": 3})
+    with pytest.raises(NotImplementedError, match="gradient_clipping"):
+        _resolve({"optimizer": EmbOptimType.EXACT_SGD, "gradient_clipping": True})
+    with pytest.raises(NotImplementedError, match="bounds_check_mode WARNING"):
+        _resolve({"optimizer": EmbOptimType.EXACT_SGD, "bounds_check_mode": 1})
+    with pytest.raises(NotImplementedError, match="output_dtype INT8"):
+        _resolve({"optimizer": EmbOptimType.EXACT_SGD, "output_dtype": "int8"})
+    with pytest.raises(TypeError, match="must be an EmbOptimType"):
+        _resolve({"optimizer": "adam"})
+    # the sharder's own fused_params are checked when it is built
+    with pytest.raises(ValueError, match="does not use momentum"):
+        TbegenEmbeddingBagCollectionSharder(fused_params={"optimizer": EmbOptimType.ADAM, "momentum": 0.5})
+    with pytest.raises(TypeError, match="without a tbegen optimizer"):
+        TbegenEmbeddingBagCollectionSharder(learning_rate=0.1)
+    # TorchRec's sharder takes fused_params first: so does tbegen's
+    s = TbegenEmbeddingBagCollectionSharder({"optimizer": EmbOptimType.EXACT_ADAGRAD, "learning_rate": 0.1})
+    assert s.fused_params["optimizer"] == EmbOptimType.EXACT_ADAGRAD and s.options.spec is None
+
+
+def test_torchrec_state_names():
+    from tbegen.spec import find_spec, load_spec
+    from tbegen.torchrec.config import torchrec_state_names
+
+    names = {n: torchrec_state_names(load_spec(find_spec(n))) for n in ("sgd", "adagrad", "rowwise_adagrad", "adam", "ftrl")}
+    assert names == {"sgd": (), "adagrad": ("momentum1",), "rowwise_adagrad": ("momentum1",),
+                     "adam": ("momentum1", "exp_avg_sq"), "ftrl": None}
