@@ -164,6 +164,9 @@ TRC_PATH=$PWD/benchmarks/fbgemm_subset:/tmp/site:/tmp/fbg_site:$PYTHONPATH
 quiet() { grep -v "compat_table\|cannot determine\|\[0m\|\[33m\|^WARNING:root:$\|^WARNING:torchrec\|^ *$"; }
 PYTHONPATH=$TRC_PATH timeout $(cap 150) python3 -m pytest -q -p no:cacheprovider -m cuda tests/test_torchrec.py 2>&1 \
   | quiet | tail -n 25 >> "$OUT/extras.log"
+# the TorchRec way against FBGEMM_GPU (adam and row-wise included), -s for its measured differences
+PYTHONPATH=$TRC_PATH timeout $(cap 150) python3 -m pytest -q -s -p no:cacheprovider -m cuda tests/test_torchrec_config.py 2>&1 \
+  | quiet | grep -v "^\[rank\|^\[W" | tail -n 25 >> "$OUT/extras.log"
 PYTHONPATH=$TRC_PATH timeout $(cap 150) torchrun --nproc_per_node=1 examples/torchrec_training.py 2>&1 \
   | quiet | tail -n 40 >> "$OUT/extras.log"
 tail -n 30 "$OUT/extras.log"
