@@ -259,7 +259,7 @@ def main() -> None:
             if bad:
                 print(f"# FAILED (tolerance {args.tolerance}): {bad}")
         else:
-            for key, t in next(iter(states.values())).items():
+            for key, t in sorted(next(iter(states.values())).items()):
                 print(f"{key:32s} max |value| = {t.abs().max().item():.4e}")
     failed = rank == 0 and len(states) == 2 and any(not d <= args.tolerance for d in compare(states["tbegen"], states["fbgemm"]).values())
     dist.destroy_process_group()

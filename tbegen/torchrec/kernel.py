@@ -1,7 +1,9 @@
 """tbegen as a compute kernel of TorchRec's sharded EmbeddingBagCollection.
 
     from tbegen.torchrec import TbegenEmbeddingBagCollectionSharder
-    sharder = TbegenEmbeddingBagCollectionSharder("adam", learning_rate=0.01)   # or a YAML path
+    apply_optimizer_in_backward(torch.optim.Adagrad, ebc.parameters(), {"lr": 0.05})   # TorchRec's way,
+    sharder = TbegenEmbeddingBagCollectionSharder()      # read as TorchRec's FBGEMM kernel reads it (config.py)
+    # or: TbegenEmbeddingBagCollectionSharder("adam", learning_rate=0.01)   # a tbegen spec, or a YAML path
     plan = EmbeddingShardingPlanner(topology, constraints=...).collective_plan(model, [sharder], pg)
     model = DistributedModelParallel(model, env=env, device=device, plan=plan, sharders=[sharder])
 
