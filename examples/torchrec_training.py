@@ -95,16 +95,18 @@ def apply_optimizers(model: DLRMTrain, tables: Sequence[Tuple[str, str, str]]) -
 
 
 def shard(model: DLRMTrain, sharder, tables: Sequence[Tuple[str, str, str]], device: torch.device,
-          pg=None) -> DistributedModelParallel:
+          pg=None, plan=None) -> DistributedModelParallel:
     """DistributedModelParallel over a plan from TorchRec's planner, each table constrained to its
-    sharding type; the unsharded model's weights loaded into it (so that both kernels start alike)."""
+    sharding type (or over `plan`); the unsharded model's weights loaded into it (so that both
+    kernels start alike)."""
     pg = pg or dist.GroupMember.WORLD
     world = dist.get_world_size(pg)
-    constraints = {name: ParameterConstraints(sharding_types=[st], compute_kernels=["fused"], min_partition=4)
-                   for name, _, st in tables}
-    planner = EmbeddingShardingPlanner(
-        topology=Topology(world_size=world, local_world_size=world, compute_device=device.type), constraints=constraints)
-    plan = planner.collective_plan(model, [sharder], pg)
+    if plan is None:
+        constraints = {name: ParameterConstraints(sharding_types=[st], compute_kernels=["fused"], min_partition=4)
+                       for name, _, st in tables}
+        planner = EmbeddingShardingPlanner(
+            topology=Topology(world_size=world, local_world_size=world, compute_device=device.type), constraints=constraints)
+        plan = planner.collective_plan(model, [sharder], pg)
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     dmp = DistributedModelParallel(model, device=device, plan=plan, sharders=[sharder])
     dmp.load_state_dict(state)

@@ -66,11 +66,11 @@ def _sharders(kind, fused_params=None):
     return EmbeddingBagCollectionSharder(fused_params=fused_params)
 
 
-def _build(tables, sharder, device, seed=0, optimizers=True):
+def _build(tables, sharder, device, seed=0, optimizers=True, plan=None):
     model = example.build_model(tables, ROWS, seed=seed)
     if optimizers:
         example.apply_optimizers(model, tables)
-    return example.shard(model, sharder, tables, device)
+    return example.shard(model, sharder, tables, device, plan=plan)
 
 
 def _train(dmp, batches, rank, world, device):
@@ -100,13 +100,22 @@ def _per_table(key, rank, world, device, outdir, optimizers):
     tables = example.table_names(optimizers, types)
     batches = example.make_batches(tables, ROWS, BATCH_PER_RANK * world, STEPS)
     out = {}
+    other = {"fbgemm": "tbegen", "tbegen": "fbgemm"}
     for kind in ("fbgemm", "tbegen"):
         dmp = _build(tables, _sharders(kind), device)
         out[f"{kind}_structure"] = _structure(dmp)
         _train(dmp, batches[:CHECKPOINT_AFTER], rank, world, device)
         dcp.save({"model": dmp.state_dict(), "optim": _optimizer_state(dmp)}, checkpoint_id=os.path.join(outdir, f"{key}-{kind}"))
+        # in memory as well: the other kernel under the same plan (other initial weights) takes this
+        # model's state_dict and its fused optimizer's, as they are
+        twin = _build(tables, _sharders(other[kind]), device, seed=5, plan=dmp.plan)
+        twin.load_state_dict(dmp.state_dict())
+        twin.fused_optimizer.load_state_dict(dmp.fused_optimizer.state_dict())
+        twin.fused_optimizer.set_optimizer_step(CHECKPOINT_AFTER)
         _train(dmp, batches[CHECKPOINT_AFTER:], rank, world, device)
         out[kind] = example.gathered_state(dmp)
+        _train(twin, batches[CHECKPOINT_AFTER:], rank, world, device)
+        out[f"{other[kind]}_given_{kind}"] = example.gathered_state(twin)
     # a fresh model of the other kernel (other initial weights) restored from each checkpoint
     for saved, kind in (("fbgemm", "tbegen"), ("tbegen", "fbgemm")):
         fresh = _build(tables, _sharders(kind), device, seed=5)
@@ -292,6 +301,8 @@ def _check_per_table(r, optimizers, types):
         assert moved > 50 * TOLERANCE, (t, moved)  # so that a wrong learning rate or update would show
     _check_close(r["tbegen_from_fbgemm"], r["fbgemm"], "FBGEMM checkpoint restored into tbegen, trained on")
     _check_close(r["fbgemm_from_tbegen"], r["tbegen"], "tbegen checkpoint restored into FBGEMM, trained on")
+    _check_close(r["tbegen_given_fbgemm"], r["fbgemm"], "FBGEMM's state_dicts loaded into tbegen in memory, trained on")
+    _check_close(r["fbgemm_given_tbegen"], r["tbegen"], "tbegen's state_dicts loaded into FBGEMM in memory, trained on")
 
 
 def test_trains_like_fbgemm_with_apply_optimizer_in_backward(results):
