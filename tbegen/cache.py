@@ -53,6 +53,14 @@ _NEVER = torch.iinfo(torch.int64).max  # the score of a slot that may not be evi
 _TICK_LIMIT = 1 << 40  # LRU sorts (table, last use) as one int64 while fewer batches were seen
 
 
+def _copy_or_stage(view: torch.Tensor, dst: torch.Tensor, rows: torch.Tensor, staged: Optional[list]) -> None:
+    """view[dst] = rows (whole rows), now or, with `staged`, appended to it for later."""
+    if staged is None:
+        view.index_copy_(0, dst, rows)
+    else:
+        staged.append((view, dst, rows))
+
+
 def _is_int(x) -> bool:
     return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
@@ -243,10 +251,13 @@ class RowCache:
                             torch.zeros(self.num_rows, dtype=torch.int64, device=device))
         self._dims = sorted(set(self.dims))
         self._units = self._row_units()
+        self._side = None  # the write-back stream (CUDA), made on first use
+        self._writeback_pending = False
 
     def to(self, device: torch.device) -> None:
         """Moves the cache's bookkeeping to `device`, empty (flush first: the slots' contents are
         not carried). The LFU access counts are kept."""
+        self._join_writeback()
         self._allocate(device)
         self.epoch += 1
 
@@ -271,11 +282,14 @@ class RowCache:
 
     # ---- moving rows between the backing store and the slots ----
 
-    def _move(self, buffers, c: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor, to_slots: bool) -> None:
+    def _move(self, buffers, c: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor, to_slots: bool,
+              staged: Optional[list] = None) -> None:
         """Copies rows (and their states) of cached tables `c` between backing row `rows` and local
         slot `slots`, in every buffer: `buffers` is [(flat tensor, "element" | "row" | "int8 rows")]
         ("int8 rows": the weights of weights_dtype int8, a byte buffer in which the row of element
-        offset o and key k is the D + 8 bytes from o + 8k: codes and qparams move together)."""
+        offset o and key k is the D + 8 bytes from o + 8k: codes and qparams move together).
+        With `staged` (a list), the sources are gathered now and the writes are appended to it as
+        (view, destination rows, gathered rows), for `_write_staged` to issue later."""
         if rows.numel() == 0:
             return
         T = self._t
@@ -285,18 +299,18 @@ class RowCache:
             cc, rr, ss = (c, rows, slots) if sel is None else (c[sel], rows[sel], slots[sel])
             back = T["back_woff"][cc] + rr * D
             slot = T["slot_woff"][cc] + ss * D
-            self._copy_runs(buffers, "element", back, slot, D, self._units[("element", D)], to_slots)
+            self._copy_runs(buffers, "element", back, slot, D, self._units[("element", D)], to_slots, staged)
             if int8_rows:
                 back_bytes = back + QPARAM_BYTES * (T["back_kbase"][cc] + rr)
                 slot_bytes = slot + QPARAM_BYTES * (T["slot_kbase"][cc] + ss)
                 self._copy_runs(buffers, "int8 rows", back_bytes, slot_bytes, D + QPARAM_BYTES,
-                                self._units[("int8 rows", D)], to_slots)
+                                self._units[("int8 rows", D)], to_slots, staged)
         back = T["back_kbase"][c] + rows
         slot = T["slot_kbase"][c] + slots
         src, dst = (back, slot) if to_slots else (slot, back)
         for buf, per in buffers:
             if per == "row":
-                buf.index_copy_(0, dst, buf.index_select(0, src))
+                _copy_or_stage(buf, dst, buf.index_select(0, src), staged)
 
     def _row_units(self) -> Dict[Tuple[str, int], int]:
         """For each layout kind and row width D, the largest unit (in entries) that divides every
@@ -315,7 +329,7 @@ class RowCache:
         return units
 
     def _copy_runs(self, buffers, kind: str, back: torch.Tensor, slot: torch.Tensor, width: int, unit: int,
-                   to_slots: bool) -> None:
+                   to_slots: bool, staged: Optional[list] = None) -> None:
         """In every buffer of layout `kind`, copies the runs of `width` entries starting at `back`
         to those starting at `slot` (or the other way round). Every start is a multiple of `unit`,
         which divides `width`: each buffer is viewed as rows of `unit` entries, and the runs move
@@ -336,7 +350,38 @@ class RowCache:
         for buf in targets:
             view = buf[: buf.numel() // unit * unit].view(-1, unit)
             for lo in range(0, src.numel(), step):
-                view.index_copy_(0, dst[lo:lo + step], view.index_select(0, src[lo:lo + step]))
+                _copy_or_stage(view, dst[lo:lo + step], view.index_select(0, src[lo:lo + step]), staged)
+
+    # ---- write-back beside the loads (CUDA) ----
+
+    def _write_staged(self, staged: list) -> None:
+        """Issues the staged writes (evicted rows, already gathered out of their slots) on a side
+        stream, so that they cross the host link towards the host while the loads cross it
+        towards the GPU (the link carries both directions at once). The side stream starts after
+        the gathers; `_join_writeback` makes the current stream wait for it."""
+        if not staged:
+            return
+        if self.device.type != "cuda":
+            for view, dst, rows in staged:
+                view.index_copy_(0, dst, rows)
+            return
+        current = torch.cuda.current_stream(self.device)
+        if self._side is None:
+            self._side = torch.cuda.Stream(self.device)
+        self._side.wait_stream(current)
+        with torch.cuda.stream(self._side):
+            for view, dst, rows in staged:
+                view.index_copy_(0, dst, rows)
+                dst.record_stream(self._side)  # (freed by the allocator only after the side stream used them)
+                rows.record_stream(self._side)
+        self._writeback_pending = True
+
+    def _join_writeback(self) -> None:
+        """The current stream waits for the write-backs issued on the side stream (before anything
+        reads or writes the backing rows or the slots again)."""
+        if self._writeback_pending:
+            torch.cuda.current_stream(self.device).wait_stream(self._side)
+            self._writeback_pending = False
 
     def _per_table(self, tables: torch.Tensor, weights: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Per cached table, how many entries of the ascending `tables` it has (or the sum of
@@ -354,6 +399,7 @@ class RowCache:
     def flush(self, buffers, tables: Optional[Sequence[int]] = None) -> int:
         """Writes every dirty slot (of cached tables `tables`, default all) back to its row; the
         rows stay resident (clean). Returns the rows written."""
+        self._join_writeback()
         dirty = self._dirty if tables is None else self._dirty & self._of_tables(tables)
         dirty = dirty.nonzero().squeeze(1)
         n = dirty.numel()
@@ -384,6 +430,7 @@ class RowCache:
     def invalidate(self) -> None:
         """Empties the cache without writing anything back (after the backing rows were replaced,
         or after a flush)."""
+        self._join_writeback()
         self._row_slot.fill_(-1)
         self._slot_row.fill_(-1)
         self._last_used.zero_()
@@ -563,9 +610,15 @@ class RowCache:
         nc = len(self.tables)
         counts = torch.cat([self._per_table(mT[write]), had.sum().reshape(1)]).tolist()  # (mT ascends)
         written, evicted = counts[:nc], counts[nc]
+        # The evicted dirty rows are gathered out of their slots (GPU memory to GPU memory), then
+        # written to their backing rows on a side stream while the new rows load on this one: the
+        # two cross the host link in opposite directions at once, and touch different backing
+        # rows (an evicted row is resident, a loaded one is not). This stream waits for both.
+        staged: list = []
         if sum(written):
             w = write.nonzero().squeeze(1)
-            self._move(buffers, mT[w], old[w], local_slot[w], to_slots=False)
+            self._move(buffers, mT[w], old[w], local_slot[w], to_slots=False, staged=staged)
+        self._write_staged(staged)
         if evicted:
             e = had.nonzero().squeeze(1)
             self._row_slot[T["rbase"][mT[e]] + old[e]] = -1
@@ -573,6 +626,7 @@ class RowCache:
         # table read in its backing row is now cached: batches prepared before are prepared again.
         self.epoch += 1
         self._move(buffers, mT, mRow, local_slot, to_slots=True)
+        self._join_writeback()
         self._row_slot[mU] = local_slot.to(torch.int32)
         self._slot_row[victims] = mRow
         self._last_used[victims] = tick
