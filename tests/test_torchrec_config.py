@@ -77,6 +77,15 @@ def _train(dmp, batches, rank, world, device):
     example.train(dmp, example.optimizer_of(dmp), [example.local_batch(b, rank, world).to(device) for b in batches], device)
 
 
+def _kernels(dmp):
+    from torchrec.distributed.embeddingbag import ShardedEmbeddingBagCollection
+
+    for m in dmp.modules():
+        if isinstance(m, ShardedEmbeddingBagCollection):
+            for lookup in m._lookups:
+                yield from getattr(lookup, "_emb_modules", [])
+
+
 def _structure(dmp):
     """Keys and global shapes of the DMP's state_dict and of its fused optimizer's state."""
     model = {k: tuple(v.size()) for k, v in dmp.state_dict().items()}
@@ -108,12 +117,29 @@ def _per_table(key, rank, world, device, outdir, optimizers):
         dcp.save({"model": dmp.state_dict(), "optim": _optimizer_state(dmp)}, checkpoint_id=os.path.join(outdir, f"{key}-{kind}"))
         # in memory as well: the other kernel under the same plan (other initial weights) takes this
         # model's state_dict and its fused optimizer's, as they are
+        # (with the param groups, TorchRec's save_param_groups: the learning rates come along; the
+        # twin's are set wrong first)
         twin = _build(tables, _sharders(other[kind]), device, seed=5, plan=dmp.plan)
+        for group in twin.fused_optimizer.param_groups:
+            group["lr"] = 0.777
+        dmp.fused_optimizer.save_param_groups(True)
+        twin.fused_optimizer.save_param_groups(True)
         twin.load_state_dict(dmp.state_dict())
         twin.fused_optimizer.load_state_dict(dmp.fused_optimizer.state_dict())
+        for model in (dmp, twin):  # (CombinedOptimizer wants the same setting in all its parts)
+            model.fused_optimizer.save_param_groups(False)
         twin.fused_optimizer.set_optimizer_step(CHECKPOINT_AFTER)
         _train(dmp, batches[CHECKPOINT_AFTER:], rank, world, device)
         out[kind] = example.gathered_state(dmp)
+        if kind == "tbegen":
+            # TorchRec's update_hyper_parameters reaches every kernel (lr through the param groups,
+            # the others directly), and the next step keeps them
+            dmp.fused_optimizer.update_hyper_parameters({"lr": 0.25, "eps": 1e-4})
+            dmp.fused_optimizer.step()
+            mine = {(k.emb_module.get_learning_rate(), k.emb_module.hyperparameters.get("eps", -1.0)) for k in _kernels(dmp)}
+            every = [None] * world
+            torch.distributed.all_gather_object(every, mine)
+            out["updated"] = sorted(set().union(*every))
         _train(twin, batches[CHECKPOINT_AFTER:], rank, world, device)
         out[f"{other[kind]}_given_{kind}"] = example.gathered_state(twin)
     # a fresh model of the other kernel (other initial weights) restored from each checkpoint
@@ -293,6 +319,8 @@ def _check_per_table(r, optimizers, types):
     want_keys |= {f"{t}.exp_avg_sq" for t in tables if t.startswith("adam")}
     assert set(r["fbgemm"]) == want_keys
     _check_close(r["tbegen"], r["fbgemm"], "tbegen vs FBGEMM, apply_optimizer_in_backward")
+    # (sgd has no eps)
+    assert set(r["updated"]) == {(0.25, -1.0), (0.25, 1e-4)}, r["updated"]
     # every table and state moved during training (not a comparison of untouched initial values)
     initial = example.build_model(example.table_names(optimizers, types), ROWS).state_dict()
     for t in tables:

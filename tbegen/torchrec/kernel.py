@@ -138,6 +138,9 @@ def _sharded_tensor(local: List[Tuple[torch.Tensor, Tuple[int, ...]]], metadata:
 
 # ---- the fused optimizer ------------------------------------------------------------------------
 
+# the hyperparameters FBGEMM's update_hyper_parameters takes besides lr, for any optimizer
+_FBGEMM_SETTABLE = ("eps", "beta1", "beta2", "weight_decay")
+
 
 class TbegenFusedOptimizer(FusedOptimizer):
     """TorchRec's view of one kernel's fused optimizer.
@@ -149,9 +152,13 @@ class TbegenFusedOptimizer(FusedOptimizer):
     others) and nothing else, so that checkpoints of either kernel load into the other. For the
     other specs: the spec's state names and `TABLE.step`, the kernel's update counter (a 1-element
     int64 tensor kept current after every update). (TorchRec's FBGEMM state has no counter: after
-    loading such a checkpoint `set_optimizer_step` restores it, for both kernels.) param_groups: one group whose hyperparameters are the spec's (`learning_rate` also as
-    `lr`, which LR schedulers change); `step()` and `zero_grad()` hand them to the kernel, as
-    TorchRec's FBGEMM optimizer does with its learning rate.
+    loading such a checkpoint `set_optimizer_step` restores it, for both kernels.)
+
+    param_groups: one group; for FBGEMM's optimizers it holds `lr` only (FBGEMM's group, so that
+    saved param groups load across the kernels too), for the other specs all the spec's
+    hyperparameters (`learning_rate` as `lr`, which LR schedulers change); `step()` and
+    `zero_grad()` hand them to the kernel, as TorchRec's FBGEMM optimizer does with its learning
+    rate. `update_hyper_parameters` changes any hyperparameter.
     """
 
     def __init__(self, kernel: "TbegenEmbeddingBag", pg) -> None:
@@ -201,6 +208,10 @@ class TbegenFusedOptimizer(FusedOptimizer):
 
     def _hyperparameters_for_group(self) -> Dict[str, Any]:
         values = self._kernel.emb_module.hyperparameters
+        if torchrec_state_names(self._kernel.emb_module.spec) is not None:
+            # FBGEMM's optimizers: FBGEMM's group, the learning rate only (so that saved param
+            # groups load across the kernels too); update_hyper_parameters changes the others
+            return {"lr": values["learning_rate"]}
         if "learning_rate" in values:
             values["lr"] = values.pop("learning_rate")
         return values
@@ -222,8 +233,19 @@ class TbegenFusedOptimizer(FusedOptimizer):
         self._kernel.set_step(step)
 
     def update_hyper_parameters(self, params_dict: Dict[str, Any]) -> None:
-        for group in self.param_groups:
-            group.update(params_dict)
+        values = dict(params_dict)
+        if "learning_rate" in values:
+            values["lr"] = values.pop("learning_rate")
+        group = self.param_groups[0]
+        declared = {h.name for h in self._kernel.emb_module.spec.hyperparameters}
+        # TorchRec hands the same dict to every kernel, whatever its optimizer: FBGEMM's
+        # hyperparameters that this one does not have change nothing here (as in FBGEMM's kernel);
+        # a name neither knows is an error
+        values = {k: v for k, v in values.items() if k == "lr" or k in declared or k not in _FBGEMM_SETTABLE}
+        direct = {k: v for k, v in values.items() if k not in group}  # (FBGEMM's group has lr only)
+        group.update({k: v for k, v in values.items() if k in group})
+        if direct:
+            self._kernel.emb_module.set_hyperparameters(**direct)
         self._apply_param_group()
 
     def post_load_state_dict(self) -> None:
