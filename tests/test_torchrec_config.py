@@ -478,6 +478,8 @@ def test_torchrec_state_names():
     from tbegen.spec import find_spec, load_spec
     from tbegen.torchrec.config import torchrec_state_names
 
-    names = {n: torchrec_state_names(load_spec(find_spec(n))) for n in ("sgd", "adagrad", "rowwise_adagrad", "adam", "ftrl")}
+    names = {n: torchrec_state_names(load_spec(find_spec(n)))
+             for n in ("sgd", "adagrad", "rowwise_adagrad", "adam", "lars_sgd", "partial_rowwise_adam", "ftrl")}
     assert names == {"sgd": (), "adagrad": ("momentum1",), "rowwise_adagrad": ("momentum1",),
-                     "adam": ("momentum1", "exp_avg_sq"), "ftrl": None}
+                     "adam": ("momentum1", "exp_avg_sq"), "lars_sgd": ("momentum1",),
+                     "partial_rowwise_adam": ("momentum1", "exp_avg_sq"), "ftrl": None}

@@ -94,6 +94,8 @@ def torchrec_state_names(spec: OptimizerSpec) -> Optional[Tuple[str, ...]]:
         return None
     if not spec.states:
         return ()
+    if len(spec.states) == 1:  # (TorchRec names the first state momentum1, whatever FBGEMM calls it)
+        return ("momentum1",)
     fbgemm_names = fc._OPTIMIZER_STATE_NAMES.get(spec.name)
     if fbgemm_names is None or len(fbgemm_names) != len(spec.states):
         return None
