@@ -116,6 +116,11 @@ class Ticket:
     offsets: torch.Tensor
     features: torch.Tensor  # the kernels' feature table for this batch
     bypass: Tuple[int, ...] = ()  # cached tables (0..nc-1) this batch reads in their backing rows
+    # the cache's hard epoch then (moves when rows may leave the cache whatever their holds), and
+    # whether the batch reads some rows in their backing rows: a held ticket without backing reads
+    # stays valid while the hard epoch holds (RowCache.hold)
+    hard_epoch: int = 0
+    backing: bool = True
 
 
 class RowCache:
@@ -188,6 +193,8 @@ class RowCache:
         # per feature, its cached table (or -1); padded with -1 at both ends (see prepare)
         self._feature_cached = [-1] + [cached_of_table.get(t, -1) for t in layout.feature_table_map] + [-1]
         self.epoch = 0
+        self.hard_epoch = 0
+        self._held: List[Ticket] = []
         self.tick = 0
         self._warned = set()
         self.stats = self._zero_stats()
@@ -260,6 +267,7 @@ class RowCache:
         self._join_writeback()
         self._allocate(device)
         self.epoch += 1
+        self._release_all()
 
     def _zero_stats(self) -> Dict[str, int]:
         return dict(prepares=0, lookups=0, hits=0, unique_rows=0, unique_hits=0, rows_loaded=0,
@@ -426,6 +434,7 @@ class RowCache:
             self._slot_row[slots] = -1
             self._last_used[slots] = 0
             self.epoch += 1
+            self._release_all()
 
     def invalidate(self) -> None:
         """Empties the cache without writing anything back (after the backing rows were replaced,
@@ -436,10 +445,47 @@ class RowCache:
         self._last_used.zero_()
         self._dirty.zero_()
         self.epoch += 1
+        self._release_all()
 
     def mark_dirty(self, slots: torch.Tensor) -> None:
         if slots.numel():
             self._dirty[slots] = True
+
+    # ---- batches in flight: their rows stay ----
+
+    _MAX_HELD = 8  # (tickets held longest are let go first: a forward whose backward never came)
+
+    def hold(self, ticket: Ticket) -> None:
+        """Keeps `ticket`'s rows in their slots until `release`: later batches (a prefetch of the
+        next batch while this one trains, say) evict other rows, so the ticket stays valid and
+        its backward needs no second lookup. A hold never costs a batch its admission: when
+        holds would leave a batch's missing rows too few slots, every hold is let go (their
+        tickets are then prepared again, as without holds)."""
+        if ticket.slots.numel() and not ticket.backing:
+            self._held.append(ticket)
+            del self._held[:-self._MAX_HELD]
+
+    def release(self, ticket: Ticket) -> None:
+        self._held = [t for t in self._held if t is not ticket]
+
+    def _release_all(self) -> None:
+        self._held = []
+        self.hard_epoch += 1
+
+    def valid(self, ticket: Ticket) -> bool:
+        """Whether the slot numbers of `ticket` still name its rows."""
+        if ticket.epoch == self.epoch:
+            return True
+        return (not ticket.backing and ticket.hard_epoch == self.hard_epoch
+                and any(t is ticket for t in self._held))
+
+    def _held_mask(self) -> Optional[torch.Tensor]:
+        if not self._held:
+            return None
+        mask = torch.zeros(self.num_slots, dtype=torch.bool, device=self.device)
+        for t in self._held:
+            mask[t.slots] = True
+        return mask
 
     # ---- a batch ----
 
@@ -518,6 +564,14 @@ class RowCache:
         # (then the slots not holding a hit take the batch's most read missing rows; the others
         # are read from the backing store in place)
         admit = [min(m, C - (n - m)) for m, n, C in zip(miss_h, need_h, self.slots)]
+        held = self._held_mask()
+        if held is not None and sum(miss_h):
+            # the slots held for other batches are not victims, unless that would cost this batch
+            held[hit_slots] = False
+            extra = self._per_table(self._slot_table[held.nonzero().squeeze(1)]).tolist()
+            if any(a > C - (n - m) - x for a, m, n, C, x in zip(admit, miss_h, need_h, self.slots, extra)):
+                self._release_all()
+                held = None
         if sum(admit):
             missing = (~hit).nonzero().squeeze(1)
             if admit != miss_h:
@@ -528,7 +582,7 @@ class RowCache:
                 cap = torch.tensor(admit, dtype=torch.int64, device=dev)
                 mt = tU[missing]
                 missing = missing[torch.arange(missing.numel(), device=dev) - first[mt] < cap[mt]]
-            self._fill(buffers, U[missing], tU[missing], local_row[missing], hit_slots, admit, tick)
+            self._fill(buffers, U[missing], tU[missing], local_row[missing], hit_slots, admit, tick, held)
         slot = self._row_slot[U].to(torch.int64)
         resident = slot >= 0
         n_backing = [n - a - (n - m) for n, a, m in zip(need_h, admit, miss_h)]  # (direct tables only)
@@ -544,7 +598,7 @@ class RowCache:
             st["backing_rows"] += sum(n_backing)
             st["backing_lookups"] += int(counts[~resident].sum())
         return Ticket(out, (T["sbase"][tU] + slot)[resident], self.epoch, indices, offsets,
-                      self._features_for(bypass), bypass)
+                      self._features_for(bypass), bypass, self.hard_epoch, bool(bypass) or sum(n_backing) > 0)
 
     def _skip_bad(self, indices: torch.Tensor, c: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
         """A copy of the indices, where out-of-range ones of direct tables are -1 (their features
@@ -591,12 +645,13 @@ class RowCache:
             order = order[torch.argsort(freq[order], stable=True)]
         return order[torch.argsort(self._slot_table[order], stable=True)]
 
-    def _fill(self, buffers, mU, mT, mRow, hit_slots, count_h, tick) -> None:
+    def _fill(self, buffers, mU, mT, mRow, hit_slots, count_h, tick, held: Optional[torch.Tensor] = None) -> None:
         """Loads rows (cached keys mU of tables mT, grouped by table: count_h[c] of table c) into
-        the coldest slots of their tables (the j-th row of a table into its j-th coldest slot)."""
+        the coldest slots of their tables (the j-th row of a table into its j-th coldest slot),
+        never into the batch's own slots (`hit_slots`) or those `held` for other batches."""
         T = self._t
         dev = self.device
-        protected = torch.zeros(self.num_slots, dtype=torch.bool, device=dev)
+        protected = torch.zeros(self.num_slots, dtype=torch.bool, device=dev) if held is None else held
         protected[hit_slots] = True
         order = self._victim_order(protected)
         miss_t = torch.tensor(count_h, dtype=torch.int64, device=dev)

@@ -680,13 +680,15 @@ class TableBatchedEmbeddingBags(nn.Module):
             if i is indices and o is offsets:
                 del self._prefetched[: k + 1]
                 same = iv == indices._version and ov == offsets._version
-                return ticket if same and ticket.epoch == self._cache.epoch else None
+                return ticket if same and self._cache.valid(ticket) else None
         return None
 
     def _ticket_for_backward(self, ticket: cache_.Ticket) -> cache_.Ticket:
         """The batch's ticket, prepared again if rows were evicted since; its slots marked dirty;
         the tables it reads in their backing rows (overflow) hold no cached copies."""
-        if ticket.epoch != self._cache.epoch:
+        valid = self._cache.valid(ticket)
+        self._cache.release(ticket)
+        if not valid:
             ticket = self._prepare(ticket.original, ticket.offsets)
         if ticket.bypass:  # (a prefetch since may have cached some of their rows)
             self._cache.drop(self._cache_buffers(), ticket.bypass)
@@ -703,6 +705,7 @@ class TableBatchedEmbeddingBags(nn.Module):
         if self._cache is None:
             return
         ticket = self._prepare(checked_indices, checked_offsets)
+        self._cache.hold(ticket)  # (its rows stay until its backward, or until held too long)
         self._prefetched.append((indices, offsets, indices._version, offsets._version, ticket))
         del self._prefetched[:-8]  # (prefetches never consumed by a forward are forgotten)
 
@@ -1065,6 +1068,8 @@ class TableBatchedEmbeddingBags(nn.Module):
             # the batch's rows of cached tables made resident, its indices rewritten into slots
             ticket = self._take_prefetched(*given) or self._prepare(indices, offsets)
             offsets = ticket.offsets  # (int64 where the slots' indices need it)
+            if torch.is_grad_enabled():
+                self._cache.hold(ticket)  # (its rows stay in their slots until its backward)
         if self.dense_gradient:
             first = self.weights
         else:

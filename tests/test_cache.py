@@ -137,6 +137,22 @@ def test_prefetch_ahead_with_evictions_in_between():
     assert_same_tables(device, cached)
 
 
+@pytest.mark.parametrize("algorithm", ["lru", "lfu"])
+def test_prefetch_ahead_keeps_the_batch_in_flight(algorithm):
+    """prefetch(batch k+1) between forward and backward of batch k, with room for both batches
+    but not for every row: the prefetch evicts other rows, never batch k's (held until its
+    backward), so every batch is looked up once; the numbers are those of device placement."""
+    data = batches(TABLES, 8, seed=11, weighted=True)
+    kw = dict(optimizer="adam", learning_rate=0.05)
+    device = train(TableBatchedEmbeddingBags(TABLES, **kw), data)
+    cached = TableBatchedEmbeddingBags(TABLES, placements=MIXED, cache_rows=24, cache_algorithm=algorithm, **kw)
+    _train_prefetching_ahead(cached, data)
+    assert_same_tables(device, cached)
+    stats = cached.cache_stats()
+    assert stats["evictions"] > 0
+    assert stats["prepares"] == len(data)  # no batch looked up a second time by its backward
+
+
 def test_prefetch_is_used_by_the_forward():
     data = batches(TABLES, 1, seed=8)
     idx, offsets, psw, grad = data[0]
