@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything the GPU machine checks, in one command (the device tool runs it from the repo root):
-#   benchmarks/run_gpu.sh [build] [diag] [tests] [sanitize] [bench] [profile] [fbgemm] [placements] [cache]
-#   (default: all but profile, placements and cache). Narrower runs: BUILD_SPECS="sgd adam" builds only those;
+#   benchmarks/run_gpu.sh [build] [diag] [tests] [sanitize] [bench] [profile] [fbgemm] [placements] [cache] [sweep]
+#   (default: all but profile, placements, cache and sweep). Narrower runs: BUILD_SPECS="sgd adam" builds only those;
 #   TEST_FILES and TBEGEN_TEST_OPTIMIZERS="sgd adam" (see tests/conftest.py) narrow the tests step;
 #   BENCH_OPTS=sgd,adam the bench step.
 # Logs and results go to $OUT (default /tmp/tbegen-gpu-out). See docs/gpu-results.md.
@@ -99,6 +99,17 @@ if has cache; then
     --rows 1000000 --dim 128 --batch 16384 --pooling-factor 20 ${CACHE_OPTS:-} --out "$OUT/cache" \
     > "$OUT/cache.log" 2>&1 || status=1
   tail -n 14 "$OUT/cache.log"
+fi
+if has sweep; then
+  # the shape sweep beside FBGEMM (benchmarks/sweep_gpu.py; SWEEP_OPTS e.g. "--quick" or "--only 'D='"),
+  # into $OUT/sweep (sweep.json, sweep.md; the PNG: benchmarks/sweep_report.py where matplotlib is)
+  if [ -d .anchor/bundle ] && python3 .anchor/unpack_bundle.py .anchor/bundle /tmp/fbg_site > /dev/null 2>&1; then
+    PYTHONPATH=/tmp/fbg_site:$PYTHONPATH CUDA_MODULE_LOADING=LAZY timeout ${SWEEP_TIMEOUT:-600} python3 benchmarks/sweep_gpu.py \
+      ${SWEEP_OPTS:-} --out "$OUT/sweep" > "$OUT/sweep.log" 2>&1 || status=1
+    grep -E "geometric mean|cells timed" "$OUT/sweep/sweep.md" 2>/dev/null || tail -n 20 "$OUT/sweep.log"
+  else
+    echo "sweep: .anchor/bundle not carried; skipped"
+  fi
 fi
 if has fbgemm; then
   if [ -d .anchor/bundle ]; then
