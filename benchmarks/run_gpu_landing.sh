@@ -4,8 +4,8 @@
 #   1. build the four benchmarked optimizers' CUDA extensions;
 #   2. the benchmark beside FBGEMM_GPU (the referee, .anchor/bench_tbe.py --check), while the other
 #      eleven extensions build at low priority (the benchmark's timed work is on the GPU), then the
-#      kernel profiles of the worst cells (PROFILE), an environment switch's A/B (AB_ENV) and, with
-#      SWEEP=1, the segment-length sweep;
+#      kernel profiles of the worst cells (PROFILE), an environment switch's A/B (AB_ENV) and the
+#      shape sweep (benchmarks/sweep_gpu.py; SWEEP=0 skips);
 #   3. every CUDA test (test_cuda, test_module, test_bad_input, the lane-split CPU/CUDA comparison,
 #      placements, state dtypes, int states, whole-table stages, int8 rows; EXTRA_TESTS adds files);
 #   4. compute-sanitizer memcheck and racecheck over benchmarks/sanitize_cases.py (into extras.log);
@@ -109,13 +109,12 @@ if [ "${NCU:-1}" = 1 ] && command -v ncu >/dev/null; then
     --section Occupancy --section LaunchStats python3 benchmarks/bench.py --configs C3 --opts sgd --warmup 1 --iters 2 \
     --nsets 1 --out /tmp/ncu_bench >> "$OUT/fbgemm.log" 2>&1 || log "ncu failed or timed out"
 fi
-# the backward against max_segment_length_per_warp (benchmarks/sweep_segment_length.py; run N: the
-# default 32 is best, so SWEEP=1 runs it again only on request)
-if [ "${SWEEP:-0}" = 1 ]; then
-  echo "== max_segment_length_per_warp sweep" >> "$OUT/fbgemm.log"
-  PYTHONPATH=.anchor:$PYTHONPATH timeout $(cap ${SWEEP_TIMEOUT:-100}) python3 benchmarks/sweep_segment_length.py \
-    >> "$OUT/fbgemm.log" 2>&1 || log "sweep failed or timed out"
-  grep "max_segment_length_per_warp=" "$OUT/fbgemm.log" | tail -n 24
+# the shape sweep beside FBGEMM (benchmarks/sweep_gpu.py, ~140 cells, about a minute on the H200),
+# into fbgemm/sweep.json and sweep.md; SWEEP=0 skips (benchmarks/sweep_report.py makes the PNG)
+if [ "${SWEEP:-1}" = 1 ]; then
+  PYTHONPATH=/tmp/fbg_site:$PYTHONPATH CUDA_MODULE_LOADING=LAZY timeout $(cap ${SWEEP_TIMEOUT:-150}) python3 benchmarks/sweep_gpu.py \
+    --budget-s $(cap ${SWEEP_TIMEOUT:-150}) --out "$OUT/fbgemm" >> "$OUT/fbgemm.log" 2>&1 || log "shape sweep failed or timed out"
+  grep -E "geometric mean" "$OUT/fbgemm/sweep.md" 2>/dev/null
 fi
 wait $rest_pid || { status=1; log "build of the other extensions failed"; }
 log "all extensions built: $(( $(date +%s) - t0 )) s"

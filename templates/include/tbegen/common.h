@@ -283,7 +283,7 @@ struct RowUpdateContext {
 // The per-table state values a row view holds (filled by load_table_states): nothing at all for
 // optimizers without per-table states. An empty base adds no member to the row view, so their
 // kernels are the same instruction for instruction as before per-table states existed (a member
-// left unused still moved the scheduling of a copied row view: benchmarks/compare_sass.py).
+// left unused still moved the scheduling of a copied row view: benchmarks/tools/compare_sass.py).
 template <int kTableSlots>
 struct TableSlots {
   float table_[kTableSlots];

@@ -28,7 +28,7 @@ export TORCH_CUDA_ARCH_LIST=9.0 TBEGEN_BUILD_DIR=$PWD/build/tbegen-cache PYTHONP
 SPECS=${SPECS:-"sgd rowwise_adagrad adagrad adam lamb"}
 LOG="$OUT/variants.log"
 status=0
-source benchmarks/gpu_common.sh
+source benchmarks/tools/gpu_common.sh
 gpu_env_header
 unpack_fbgemm
 if [ -n "${BASE_TREE:-}" ]; then

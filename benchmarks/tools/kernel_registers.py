@@ -9,7 +9,7 @@ The update kernels wait on memory, so a change that costs them a block per multi
 stack, loses more than the latency it hides (benchmarks/NOTES-gpu.md, runs AA and AB). Run this
 before spending device time on a kernel change:
 
-    python benchmarks/kernel_registers.py --specs sgd adagrad --base /tmp/base
+    python benchmarks/tools/kernel_registers.py --specs sgd adagrad --base /tmp/base
 """
 
 from __future__ import annotations
@@ -97,7 +97,7 @@ def blocks_per_sm(registers: int) -> int:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--repo", type=Path, default=Path(__file__).resolve().parents[1])
+    parser.add_argument("--repo", type=Path, default=Path(__file__).resolve().parents[2])
     parser.add_argument("--base", type=Path, help="another checkout to compare with (its generated/ sources)")
     parser.add_argument("--specs", nargs="+", default=["sgd", "rowwise_adagrad", "adagrad", "adam"])
     args = parser.parse_args()

@@ -1,6 +1,6 @@
 """Compares the GPU machine code (SASS) of two builds of the same CUDA object, kernel by kernel.
 
-    python benchmarks/compare_sass.py OLD.o NEW.o [--cuobjdump PATH]
+    python benchmarks/tools/compare_sass.py OLD.o NEW.o [--cuobjdump PATH]
 
 OLD.o and NEW.o are objects or libraries from tbegen's build cache (for example the
 `cuda_forward.cuda.o` of a `runtime_forward-cuda-*` entry, or the `ops_cuda.cuda.o` of an

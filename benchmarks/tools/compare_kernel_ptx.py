@@ -7,8 +7,8 @@ labels and local stacks (which follow a kernel's position in the file) are ignor
 
     nvcc <the build's flags> -ptx OLD.cu -o old.ptx      # e.g. an earlier generated/sgd/ops_cuda.cu
     nvcc <the build's flags> -ptx NEW.cu -o new.ptx      # generated/sgd/kernels_cuda.cu
-    python benchmarks/compare_kernel_ptx.py old.ptx new.ptx
-    python benchmarks/compare_kernel_ptx.py --all old_runtime.ptx new_runtime.ptx   # every kernel
+    python benchmarks/tools/compare_kernel_ptx.py old.ptx new.ptx
+    python benchmarks/tools/compare_kernel_ptx.py --all old_runtime.ptx new_runtime.ptx   # every kernel
 
 Exits 1 when a kernel differs or is missing, printing the start of the difference.
 """

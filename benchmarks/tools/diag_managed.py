@@ -2,7 +2,7 @@
 """The managed-memory operators' argument checks one call at a time, each announced before it runs
 (a crash then names its call). Run under cuda-gdb for the native stack of a crash:
 
-    cuda-gdb -batch -ex run -ex bt --args python3 benchmarks/diag_managed.py
+    cuda-gdb -batch -ex run -ex bt --args python3 benchmarks/tools/diag_managed.py
 """
 import torch
 
