@@ -5,7 +5,7 @@ of the speedup over FBGEMM per cell and the share of the copy-bandwidth limit.
 
     python benchmarks/speedup_report.py RUN_DIR [--out DIR]
 
-RUN_DIR holds the referee's results.jsonl (e.g. docs/gpu-runs/2026-12-03-f/fbgemm). Writes
+RUN_DIR holds the referee's results.jsonl (e.g. docs/gpu-runs/2026-12-04-landing4/fbgemm). Writes
 speedup.json, speedup.md and speedup.png into --out (default RUN_DIR). Only ratios from one run
 are reported: absolute times move between runs and machines.
 """
