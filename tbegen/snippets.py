@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Set, Tuple
 
 from .model import ROW_REDUCTIONS
+from .vocabulary import CPP_KEYWORDS
 
 # ---- the language's vocabulary -----------------------------------------------------------------
 
@@ -702,16 +703,8 @@ class _StageChecker:
         return True
 
 
-_CPP_KEYWORDS_CACHE: Optional[frozenset] = None
-
-
 def _is_cpp_keyword(name: str) -> bool:
-    global _CPP_KEYWORDS_CACHE
-    if _CPP_KEYWORDS_CACHE is None:
-        from .spec import CPP_KEYWORDS
-
-        _CPP_KEYWORDS_CACHE = CPP_KEYWORDS
-    return name in _CPP_KEYWORDS_CACHE
+    return name in CPP_KEYWORDS
 
 
 # What a `when:` guard may contain besides hyperparameters and the step: it is evaluated once per

@@ -32,6 +32,7 @@ from typing import Any, Iterable, List, Optional, Sequence, Tuple, Union
 import yaml
 
 from tbegen import resources, snippets
+from tbegen.vocabulary import CPP_KEYWORDS, CUDA_BUILTINS
 from tbegen.model import (
     INT64_MAX,
     INT64_MIN,
@@ -116,21 +117,6 @@ _MISSING: Any = object()
 
 # C++ keywords and alternative operator spellings (C++20), plus a few names every
 # C++/CUDA translation unit has in scope; a snippet name may not shadow them.
-CPP_KEYWORDS = frozenset(
-    """
-    alignas alignof and and_eq asm auto bitand bitor bool break case catch char
-    char8_t char16_t char32_t class compl concept const consteval constexpr
-    constinit const_cast continue co_await co_return co_yield decltype default
-    delete do double dynamic_cast else enum explicit export extern false float for
-    friend goto if inline int long mutable namespace new noexcept not not_eq
-    nullptr operator or or_eq private protected public register reinterpret_cast
-    requires return short signed sizeof static static_assert static_cast struct
-    switch template this thread_local throw true try typedef typeid typename union
-    unsigned using virtual void volatile wchar_t while xor xor_eq
-    NULL
-    """.split()
-)
-CUDA_BUILTINS = frozenset({"threadIdx", "blockIdx", "blockDim", "gridDim", "warpSize"})
 # Bound in the reference besides the snippet names (see docs, "The reference").
 REFERENCE_NAMES = frozenset({"torch"})
 
