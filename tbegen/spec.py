@@ -69,7 +69,7 @@ __all__ = [
 
 StrPath = Union[str, "os.PathLike[str]"]
 
-# The repository's optimizers/ directory, next to the tbegen package.
+# optimizers/ of the checkout, or its copy shipped in the package (tbegen/resources.py).
 DEFAULT_SPEC_DIR = resources.SPEC_DIR
 
 # File suffixes accepted for spec files.
