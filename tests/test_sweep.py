@@ -77,3 +77,22 @@ def test_the_heatmap_matrix_has_a_row_per_shape(tmp_path):
     (tmp_path / "sweep.json").write_text(json.dumps(summary))
     assert sweep_report.main([str(tmp_path)]) == 0
     assert (tmp_path / "sweep.md").read_text() == sweep_gpu.markdown(summary)
+
+
+def test_the_cpu_sweep_varies_each_axis_from_the_referee_shape():
+    import sweep_cpu
+
+    shapes = sweep_cpu.shapes()
+    names = [s["name"] for s in shapes]
+    assert names[:2] == ["CPU-1", "CPU-2"] and len(set(names)) == len(names)
+    for axis in ("D", "T", "L", "B"):
+        values = {s[axis] for s in shapes}
+        assert len(values) >= 3, axis
+    assert {s["dist"] for s in shapes} == {"uniform", "zipf"}
+    fake = dict(date_utc="x", machine="m", threads=2, torch="t", fbgemm="f", load_start="0", load_end="0",
+                cells=[dict(shape=s["name"], opt="sgd", T=s["T"], E=s["E"], D=s["D"], B=s["B"], L=s["L"], dist=s["dist"],
+                            fbgemm=dict(total=2.0, fwd=1.0, bwd=1.0), tbegen=dict(total=1.0 + k / 10, fwd=0.5, bwd=0.5),
+                            speedup=2.0 / (1.0 + k / 10)) for k, s in enumerate(shapes)])
+    md = sweep_cpu.markdown(fake)
+    rows = [line for line in md.splitlines() if line.startswith("| ") and line.endswith("x |")]
+    assert rows[0].startswith(f"| {shapes[-1]['name']} |")  # the worst cell first
