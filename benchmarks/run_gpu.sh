@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything the GPU machine checks, in one command (the device tool runs it from the repo root):
-#   benchmarks/run_gpu.sh [build] [diag] [tests] [sanitize] [bench] [profile] [fbgemm] [placements] [cache] [sweep]
-#   (default: all but profile, placements, cache and sweep). Narrower runs: BUILD_SPECS="sgd adam" builds only those;
+#   benchmarks/run_gpu.sh [build] [diag] [tests] [sanitize] [bench] [profile] [fbgemm] [placements] [cache] [sweep] [large]
+#   (default: all but profile, placements, cache, sweep and large). Narrower runs: BUILD_SPECS="sgd adam" builds only those;
 #   TEST_FILES and TBEGEN_TEST_OPTIMIZERS="sgd adam" (see tests/conftest.py) narrow the tests step;
 #   BENCH_OPTS=sgd,adam the bench step.
 # Logs and results go to $OUT (default /tmp/tbegen-gpu-out). See docs/gpu-results.md.
@@ -99,6 +99,12 @@ if has cache; then
     --rows 1000000 --dim 128 --batch 16384 --pooling-factor 20 ${CACHE_OPTS:-} --out "$OUT/cache" \
     > "$OUT/cache.log" 2>&1 || status=1
   tail -n 14 "$OUT/cache.log"
+fi
+if has large; then
+  # tables larger than the memory the process may use (benchmarks/bench_large_tables.py; LARGE_OPTS
+  # e.g. "--tables 32 --cap-gb 16"), into $OUT/large_tables.json
+  timeout ${LARGE_TIMEOUT:-300} python3 benchmarks/bench_large_tables.py ${LARGE_OPTS:-} --out "$OUT" 2>&1 \
+    | tee "$OUT/large.log" | tail -n 3 || status=1
 fi
 if has sweep; then
   # the shape sweep beside FBGEMM (benchmarks/sweep_gpu.py; SWEEP_OPTS e.g. "--quick" or "--only 'D='"),
