@@ -65,6 +65,8 @@ def train(args) -> dict:
     import tbegen
 
     dev = torch.device(args.device)
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
     if args.placement == "cached" and dev.type == "cuda":
         total = torch.cuda.get_device_properties(dev).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, args.cap_gb * 2**30 / total), dev)
