@@ -1050,13 +1050,22 @@ class TableBatchedEmbeddingBags(nn.Module):
         return indices.contiguous(), offsets.contiguous(), per_sample_weights
 
     def forward(self, indices: torch.Tensor, offsets: torch.Tensor,
-                per_sample_weights: Optional[torch.Tensor] = None) -> torch.Tensor:
+                per_sample_weights: Optional[torch.Tensor] = None, *,
+                batch_size_per_feature_per_rank: Optional[Sequence[Sequence[int]]] = None) -> torch.Tensor:
         """Pooled lookup of every feature: [B, total_D] (pooling sum/mean; feature f's columns start
         at layout.feature_out_offsets()[f]) or [N, dim] (pooling none), in `output_dtype`.
 
         `offsets` has F*B+1 entries, feature-major. When the output takes part in a backward pass,
         that backward applies the optimizer update (see docs/module.md).
+
+        Variable batch size per feature (VBE, FBGEMM's argument): with
+        `batch_size_per_feature_per_rank` (F lists of R per-rank batch sizes) the bags are ordered
+        per feature, then per rank, then per sample, so `offsets` has sum of all sizes + 1 entries;
+        the output (sum/mean) is 1-D and rank-major: for each rank r, for each feature f, the
+        B[f][r] x D_f values of its bags (row by row). Pooling none: [N, dim] as without it.
         """
+        if batch_size_per_feature_per_rank is not None:
+            return self._forward_vbe(indices, offsets, per_sample_weights, batch_size_per_feature_per_rank)
         self._check_buffers()
         self._errors.poll()
         given = (indices, offsets)
@@ -1079,6 +1088,104 @@ class TableBatchedEmbeddingBags(nn.Module):
                             ticket)
         # A narrow output: the float32 sums rounded to nearest (autograd widens the gradient back).
         return out if self.output_dtype == torch.float32 else out.to(self.output_dtype)
+
+    # ---- variable batch size per feature (VBE) ----
+    #
+    # The bags of a VBE batch are those of a fixed batch whose features were each cut short: feature
+    # f has B_f = sum_r B[f][r] bags instead of max_B. The module pads every feature to max_B
+    # with empty bags (offsets repeated: no lookups, no gradient, no update), runs the fixed-batch
+    # operators unchanged, and gathers the real rows into FBGEMM's rank-major 1-D output; the
+    # gather's backward scatters the output gradient into the padded rows (zeros elsewhere). The
+    # padding index and the gather index are computed once per distinct batch_size_per_feature_per_rank
+    # (on the host, then one copy to the device) and kept. See docs/module.md.
+
+    _VBE_PLANS_KEPT = 64
+
+    def _vbe_plan(self, batch_size_per_feature_per_rank) -> Dict[str, Any]:
+        F = self.layout.num_features
+        bsfr = batch_size_per_feature_per_rank
+        if isinstance(bsfr, torch.Tensor):
+            bsfr = bsfr.tolist()
+        if not isinstance(bsfr, (list, tuple)) or len(bsfr) != F:
+            raise ValueError(
+                f"tbegen: batch_size_per_feature_per_rank must be a list with one list of per-rank batch sizes "
+                f"per feature ({F}), got {bsfr if not isinstance(bsfr, (list, tuple)) else f'{len(bsfr)} entries'!r}")
+        rows = []
+        for f, per_rank in enumerate(bsfr):
+            if isinstance(per_rank, torch.Tensor):
+                per_rank = per_rank.tolist()
+            if not isinstance(per_rank, (list, tuple)) or not per_rank:
+                raise ValueError(f"tbegen: batch_size_per_feature_per_rank[{f}] must be a non-empty list of "
+                                 f"per-rank batch sizes, got {per_rank!r}")
+            for r, b in enumerate(per_rank):
+                if not _is_int(b) or b < 0:
+                    raise ValueError(f"tbegen: batch_size_per_feature_per_rank[{f}][{r}] must be a non-negative "
+                                     f"int, got {b!r}")
+            rows.append(tuple(int(b) for b in per_rank))
+        R = len(rows[0])
+        uneven = [f for f, r in enumerate(rows) if len(r) != R]
+        if uneven:
+            raise ValueError(f"tbegen: batch_size_per_feature_per_rank must give every feature the same number of "
+                             f"ranks: feature 0 has {R}, feature {uneven[0]} has {len(rows[uneven[0]])}")
+        device = self.weights.device
+        key = (tuple(rows), str(device))
+        plans = self.__dict__.setdefault("_vbe_plans", {})
+        plan = plans.get(key)
+        if plan is not None:
+            return plan
+        B = torch.tensor(rows, dtype=torch.int64).reshape(F, R)  # [F, R]
+        B_f = B.sum(dim=1)
+        total = int(B_f.sum())
+        max_B = int(B_f.max())
+        start_f = torch.cumsum(B_f, 0) - B_f  # first bag of each feature in the VBE order
+        b = torch.arange(max_B, dtype=torch.int64)
+        # padded bag (f, b) starts where VBE bag start_f + min(b, B_f) starts (empty when b >= B_f)
+        pad = (start_f[:, None] + torch.minimum(b[None, :], B_f[:, None])).reshape(-1)
+        pad = torch.cat([pad, torch.tensor([total], dtype=torch.int64)])
+        # rank-major output: for rank r, feature f, sample j: padded row prefix[f, r] + j, columns
+        # of feature f
+        prefix = torch.cumsum(B, 1) - B  # [F, R]
+        col = self.layout.feature_out_offsets()
+        dims = [self.layout.tables[t][1] for t in self.layout.feature_table_map]
+        total_D = self.layout.total_D
+        parts = []
+        for r in range(R):
+            for f in range(F):
+                n = rows[f][r]
+                if n:
+                    rr = torch.arange(int(prefix[f, r]), int(prefix[f, r]) + n, dtype=torch.int64)
+                    cc = torch.arange(col[f], col[f] + dims[f], dtype=torch.int64)
+                    parts.append((rr[:, None] * total_D + cc[None, :]).reshape(-1))
+        gather = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
+        plan = {"total_bags": total, "max_B": max_B, "pad": pad.to(device), "gather": gather.to(device)}
+        if len(plans) >= self._VBE_PLANS_KEPT:
+            plans.pop(next(iter(plans)))
+        plans[key] = plan
+        return plan
+
+    def vbe_padded_offsets(self, offsets: torch.Tensor, batch_size_per_feature_per_rank) -> torch.Tensor:
+        """The offsets of a VBE batch (per feature, per rank, per sample) as those of the fixed
+        batch F x max_B in which every feature's missing bags are empty (feature-major)."""
+        plan = self._vbe_plan(batch_size_per_feature_per_rank)
+        if not isinstance(offsets, torch.Tensor):
+            raise TypeError(f"tbegen: offsets must be a torch.Tensor, got {type(offsets).__name__}")
+        if offsets.dim() != 1 or offsets.numel() != plan["total_bags"] + 1:
+            raise ValueError(
+                f"tbegen: with batch_size_per_feature_per_rank, offsets must be 1-D with (sum of all batch sizes) + 1 "
+                f"= {plan['total_bags'] + 1} entries (bags per feature, then per rank, then per sample), got "
+                f"shape {tuple(offsets.shape)}")
+        if offsets.device != plan["pad"].device:
+            raise ValueError(f"tbegen: offsets is on {offsets.device} but the module's weights are on "
+                             f"{plan['pad'].device}")
+        return offsets[plan["pad"]]
+
+    def _forward_vbe(self, indices, offsets, per_sample_weights, batch_size_per_feature_per_rank) -> torch.Tensor:
+        plan = self._vbe_plan(batch_size_per_feature_per_rank)
+        padded = self.vbe_padded_offsets(offsets, batch_size_per_feature_per_rank)
+        out = self.forward(indices, padded, per_sample_weights)
+        if self.pooling == "none":  # (one row per index: the bags' batch does not shape it)
+            return out
+        return out.reshape(-1)[plan["gather"]]
 
     def run_table_stages(self) -> bool:
         """Runs the spec's whole-table stages (`table:`) for the next step, step + 1, over every row
