@@ -65,7 +65,9 @@ def list_cmd():
 
 @main.command()
 @click.argument("files", nargs=-1, required=True, type=click.Path(dir_okay=False))
-def validate(files):
+@click.option("--strict", is_flag=True, help="Treat warnings (integer division used as a float, a float stored "
+                                             "in an int, unused declarations, ...) as errors.")
+def validate(files, strict):
     """Check spec files; report every problem as FILE:LINE[:COL]: FIELD: MESSAGE.
 
     Validation only reads a spec (its reference is parsed, never run). But specs are code, like a
@@ -88,7 +90,11 @@ def validate(files):
         else:
             for p in warnings:
                 click.echo(str(p), err=True)
-            click.echo(f"{f}: ok" + (f" ({len(warnings)} warning(s))" if warnings else ""))
+            if strict and warnings:
+                failed = True
+                click.echo(f"{f}: {len(warnings)} warning(s), errors under --strict", err=True)
+            else:
+                click.echo(f"{f}: ok" + (f" ({len(warnings)} warning(s))" if warnings else ""))
     sys.exit(1 if failed else 0)
 
 

@@ -868,6 +868,60 @@ def check_reduce_expression(source: Source, declared: Declared, used: Set[str]) 
 REFERENCE_BOUND = frozenset({"g", "w", "step", "D", "torch", "math"})
 
 
+def _statement_targets(stmt) -> List[ast.Name]:
+    """The names a statement binds by assignment, augmented assignment, a for loop or a with."""
+    out = []
+    for node in ast.walk(stmt):
+        if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign, ast.For, ast.With)):
+            targets = node.targets if isinstance(node, ast.Assign) else (
+                [node.target] if not isinstance(node, ast.With) else [i.optional_vars for i in node.items if i.optional_vars])
+            for t in targets:
+                out.extend(n for n in ast.walk(t) if isinstance(n, ast.Name))
+    return out
+
+
+def _read_before_assigned(body, known: Set[str]) -> Set[ast.Name]:
+    """Name loads of `body` (statements in order) that come before any assignment of the name, for
+    names not in `known`. Branches count as assigning what either of them assigns."""
+    early: Set[ast.Name] = set()
+    bound = set(known)
+
+    def loads(node):
+        return [n for n in ast.walk(node) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)]
+
+    def visit(stmts, bound):
+        for stmt in stmts:
+            if isinstance(stmt, (ast.Assign, ast.AnnAssign)):
+                value = stmt.value
+                early.update(n for n in (loads(value) if value is not None else []) if n.id not in bound)
+                bound |= {n.id for n in _statement_targets(stmt)}
+            elif isinstance(stmt, ast.AugAssign):
+                early.update(n for n in loads(stmt.value) if n.id not in bound)
+                if isinstance(stmt.target, ast.Name) and stmt.target.id not in bound:
+                    early.add(stmt.target)  # (read before it is written)
+                bound |= {n.id for n in _statement_targets(stmt)}
+            elif isinstance(stmt, (ast.If, ast.While)):
+                early.update(n for n in loads(stmt.test) if n.id not in bound)
+                a, b = set(bound), set(bound)
+                visit(stmt.body, a)
+                visit(stmt.orelse, b)
+                bound |= a | b
+            elif isinstance(stmt, ast.For):
+                early.update(n for n in loads(stmt.iter) if n.id not in bound)
+                bound |= {n.id for n in ast.walk(stmt.target) if isinstance(n, ast.Name)}
+                inner = set(bound)
+                visit(stmt.body, inner)
+                visit(stmt.orelse, inner)
+                bound |= inner
+            elif isinstance(stmt, ast.Expr):
+                early.update(n for n in loads(stmt.value) if n.id not in bound)
+            else:  # (anything else: every name it binds counts from here, nothing is reported)
+                bound |= {n.id for n in ast.walk(stmt) if isinstance(n, ast.Name)}
+
+    visit(body, bound)
+    return early
+
+
 def check_reference(source: Source, declared: Declared, table: bool = False, reduce: bool = False) -> List[Finding]:
     """Names the reference reads must exist: the bound names, hyperparameters, states, Python's
     built-ins, or a name the reference itself assigns somewhere. `table`: the `table_reference`,
@@ -898,12 +952,27 @@ def check_reference(source: Source, declared: Declared, table: bool = False, red
     known = bound | set(declared.hyperparameters) | states | assigned | set(dir(builtins))
     lines = source.code.splitlines()
     findings = []
+    # a name the reference assigns counts only after its first assignment, in statement order
+    # (`v = beta * v + g` with no `v` declared reads a name nothing defined: a NameError when run)
+    statement_stores = {n.id for stmt in tree.body for n in _statement_targets(stmt)}
+    declared_names = bound | set(declared.hyperparameters) | states | set(dir(builtins))
+    early = _read_before_assigned(tree.body, known - (statement_stores - declared_names))
     for node in ast.walk(tree):
-        if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load) and node.id not in known:
+        if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load) and (node.id not in known or node in early):
             text = lines[node.lineno - 1] if node.lineno - 1 < len(lines) else ""
             col = len(text.encode("utf-8")[: node.col_offset].decode("utf-8", "replace"))
             line, file_col = source.at(node.lineno - 1, col)
             hint = " (temporaries exist only in the update stages)" if node.id in declared.temporaries else \
-                _suggest(node.id, known - set(dir(builtins)))
-            findings.append(Finding(line, file_col, source.field, f"unknown name {node.id!r}{hint}"))
+                _suggest(node.id, (declared_names | assigned) - set(dir(builtins)) - {node.id})
+            if not hint:
+                untouched = sorted(states - {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)})
+                if untouched:
+                    hint = (f" (the reference never uses the state{'s' if len(untouched) > 1 else ''} "
+                            f"{', '.join(repr(u) for u in untouched)}: is {node.id!r} a renamed one?)")
+            if node in early and node.id in known:
+                findings.append(Finding(line, file_col, source.field,
+                                        f"{node.id!r} is read before the reference assigns it, and the spec declares "
+                                        f"no state or hyperparameter of that name{hint}"))
+            else:
+                findings.append(Finding(line, file_col, source.field, f"unknown name {node.id!r}{hint}"))
     return sorted(findings, key=lambda f: (f.line, f.col))

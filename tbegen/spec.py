@@ -31,7 +31,7 @@ from typing import Any, Iterable, List, Optional, Sequence, Tuple, Union
 
 import yaml
 
-from tbegen import resources, snippets
+from tbegen import resources, snippet_types, snippets
 from tbegen.vocabulary import CPP_KEYWORDS, CUDA_BUILTINS
 from tbegen.model import (
     INT64_MAX,
@@ -216,6 +216,7 @@ class _Mapping(dict):
         self.code_lines: dict = {}
         # key -> (scalar style, 1-based line, 0-based column) of the value node
         self.value_marks: dict = {}
+        self.value_end_lines: dict = {}  # key -> 1-based line where the value node ends
         self.key_cols: dict = {}  # key -> 0-based column of the key
         # (key, line of the repeat, line of the first occurrence)
         self.duplicates: List[Tuple[Any, int, int]] = []
@@ -276,6 +277,7 @@ class _SpecLoader(yaml.SafeLoader):
             data.code_lines[key] = _code_line(value_node)
             data.value_marks[key] = (getattr(value_node, "style", None), _start_line(value_node),
                                      value_node.start_mark.column)
+            data.value_end_lines[key] = value_node.end_mark.line + 1
 
     def construct_spec_sequence(self, node: yaml.SequenceNode):
         data = _Sequence(_start_line(node))
@@ -400,6 +402,14 @@ class _Fields:
     def source(self, key: str, code: str) -> snippets.Source:
         """`code`, the string value of `key`, with where each of its lines starts in the file."""
         style, line, col = self.mapping.value_marks.get(key, (None, self.line, 0))
+        end = self.mapping.value_end_lines.get(key, line)
+        if key not in ("when", "of") and (style == ">" or (style != "|" and end > line and "\n" not in code.strip())):
+            # YAML joined the snippet's lines into one: a `//` comment then swallows the rest of it,
+            # and every later line number is wrong
+            how = "a folded block (`>`)" if style == ">" else "a plain or quoted scalar over several lines"
+            self.problems.add(line, self.path(key), f"{key!r} is written as {how}: YAML joins its lines into one line, "
+                                                    f"so a `//` comment swallows everything after it; write it as a "
+                                                    f"literal block, `{key}: |`, with the code on the lines below", col + 1)
         lines = code.splitlines() or [""]
         starts = []
         if style == "|":  # a literal block: line i is file line first + i, after the indentation
@@ -1083,11 +1093,37 @@ def _declared_names(doc: _Mapping) -> snippets.Declared:
     return declared
 
 
+def _declared_types(doc: _Mapping) -> Tuple[dict, List[str]]:
+    """Each declared hyperparameter's, state's and temporary's type in the snippets (int64, float or
+    bool, as the kernels declare them), and the states' names: for tbegen/snippet_types.py."""
+    types: dict = {}
+    states: List[str] = []
+    words = {"float": snippet_types.FLOAT, "int": snippet_types.INT64, "bool": snippet_types.BOOL}
+    for section in ("hyperparameters", "states", "temporaries"):
+        value = doc.get(section)
+        if not isinstance(value, _Mapping):
+            continue
+        for name, entry in value.items():
+            if not isinstance(name, str):
+                continue
+            word = entry.get("type", "float") if isinstance(entry, dict) else "float"
+            types[name] = words.get(word, snippet_types.FLOAT) if section != "temporaries" else snippet_types.FLOAT
+            if section == "states":
+                states.append(name)
+    return types, states
+
+
 def _check_code(problems: _Problems, doc: _Mapping) -> None:
-    """The snippet checker (tbegen/snippets.py) over the stages and the reference."""
+    """The snippet checker (tbegen/snippets.py) over the stages and the reference, then, where the
+    stages are otherwise sound, the types of their expressions (tbegen/snippet_types.py)."""
     declared = _declared_names(doc)
-    for finding in snippets.check_stages(problems.stage_sources, declared):
+    stage_findings = snippets.check_stages(problems.stage_sources, declared)
+    for finding in stage_findings:
         problems.add_finding(finding)
+    if not any(not f.warning for f in stage_findings):
+        types, states = _declared_types(doc)
+        for finding in snippet_types.check_types(problems.stage_sources, types, states):
+            problems.add_finding(finding)
     if problems.reference_source is not None:
         for finding in snippets.check_reference(problems.reference_source, declared):
             problems.add_finding(finding)

@@ -65,7 +65,8 @@ def test_no_code_branches_on_an_optimizer_name():
 # ---- compiler errors mapped to the YAML ------------------------------------------------------
 
 # Passes the snippet checker (the names and the structure are right) but not the compiler:
-# `%` of floats is a C++ type error. Indented differently from the generated code on purpose.
+# `^` of floats is a C++ type error (the type checker leaves bitwise operators to the compiler).
+# Indented differently from the generated code on purpose.
 UNCOMPILABLE = """\
 name: toy
 summary: A toy that passes the checker but not the compiler.
@@ -73,16 +74,16 @@ hyperparameters:
   lr: {type: float, default: 0.1}
 update:
   - row: |
-        float scale = row_mean(g % 2.0f) + (lr % 3.0f);
+        float scale = row_mean(g ^ 2.0f) + (lr ^ 3.0f);
   - element: |
       float x = lr * scale;
-      w = x + w % 2.0f;
+      w = x + w ^ 2.0f;
 reference: |
   w = w - lr * g
 table:
   - when: step % 2 == 0
     element: |
-          w = partner(w) % lr;
+          w = partner(w) ^ lr;
 table_reference: |
   w = w
 """
@@ -101,7 +102,9 @@ def test_compiler_errors_are_reported_at_the_yaml_column(tmp_path):
     assert result.exit_code == 1
     out = result.output
     assert "Traceback" not in out
-    bad = "error: invalid operands of types ‘{}’ and ‘float’ to binary ‘operator%’"
+    # (`^` on floats: the type checker reports `%` on floats itself, before any compiler; it leaves
+    # bitwise operators to the compiler)
+    bad = "error: invalid operands of types ‘{}’ and ‘float’ to binary ‘operator^’"
     if "‘" not in out:  # a compiler speaking plain ASCII quotes
         bad = bad.replace("‘", "'").replace("’", "'")
     assert f"{path}:7:34: update[0].row: " + bad.format("const float") in out  # inside row_mean(...)
