@@ -32,6 +32,7 @@ from torch.autograd.graph import increment_version
 
 from . import build
 from . import cache as cache_
+from . import compiled as compiled_
 from . import int8 as int8_
 from . import placement as placement_
 from .errors import BOUNDS_CHECK_MODES, ErrorRecord
@@ -437,6 +438,7 @@ class TableBatchedEmbeddingBags(nn.Module):
         **hyperparameters,
     ):
         super().__init__()
+        self._compile_init()
         # Check everything before building anything.
         spec = _resolve_spec(optimizer)
         hyper = check_hyperparameters(spec, hyperparameters, also=_MODULE_ARGS)
@@ -1066,6 +1068,8 @@ class TableBatchedEmbeddingBags(nn.Module):
         """
         if batch_size_per_feature_per_rank is not None:
             return self._forward_vbe(indices, offsets, per_sample_weights, batch_size_per_feature_per_rank)
+        if torch.compiler.is_compiling():  # (torch.compile: opaque operators, tbegen/compiled.py)
+            return compiled_.compiled_forward(self, indices, offsets, per_sample_weights)
         self._check_buffers()
         self._errors.poll()
         given = (indices, offsets)
@@ -1186,6 +1190,17 @@ class TableBatchedEmbeddingBags(nn.Module):
         if self.pooling == "none":  # (one row per index: the bags' batch does not shape it)
             return out
         return out.reshape(-1)[plan["gather"]]
+
+    def _compile_init(self) -> None:
+        # torch.compile's handle and zero-size CPU tensors (tbegen/compiled.py); made anew for a
+        # copy or an unpickled module (__setstate__), so that its handle names it, not the original
+        self._compile_handle = compiled_.register(self)
+        self._compile_effects = torch.empty(0)
+        self._compile_anchor = torch.empty(0, requires_grad=True)
+
+    def __setstate__(self, state) -> None:
+        super().__setstate__(state)
+        self._compile_init()
 
     def run_table_stages(self) -> bool:
         """Runs the spec's whole-table stages (`table:`) for the next step, step + 1, over every row
