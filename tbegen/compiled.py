@@ -14,14 +14,14 @@ What the operators cannot take is the module itself: they take an integer handle
 in a registry of weak references (`register`, called by the module's constructor and again when
 a module is copied or unpickled, so that a copy gets a handle of its own).
 
-The forward operator declares that it mutates a zero-size "effects" tensor of the module: the
-tensor carries no data, but the declaration tells the compiler that the call has side effects,
-so that two identical calls are not merged into one and a call whose output is unused is not
-dropped. The backward's output (the anchor's zero-size gradient, or the dense weight gradient)
-is always consumed by autograd, and its inputs include the forward's fresh call token, so it is
-kept and never merged either. Both carry the `cudagraph_unsafe` tag: mode="reduce-overhead" must
-not record them into a CUDA graph (a replay would repeat the recorded step's update without the
-host work around it).
+Both operators are registered as having ordered side effects (`torch.library._register_effectful_op`,
+which PyTorch names for "an op that has side effects that is not capturable by the schema"): the
+compiler threads an effect token through them, so it neither drops a call whose output looks
+unused (the backward's gradient for the zero-size anchor is an empty tensor the compiler could
+fold away), nor merges two identical calls (a model that calls the module twice on the same batch
+gets two lookups and two updates, as in eager), nor reorders them. Both also carry the
+`cudagraph_unsafe` tag: mode="reduce-overhead" must not record them into a CUDA graph (a replay
+would repeat the recorded step's update without the host work around it).
 """
 
 from __future__ import annotations
@@ -61,8 +61,8 @@ def _module(handle: int) -> Any:
 _TAGS = (torch.Tag.cudagraph_unsafe,)
 
 
-@torch.library.custom_op("tbegen_compile::lookup", mutates_args=("effects",), tags=_TAGS)
-def lookup(effects: torch.Tensor, first: torch.Tensor, indices: torch.Tensor, offsets: torch.Tensor,
+@torch.library.custom_op("tbegen_compile::lookup", mutates_args=(), tags=_TAGS)
+def lookup(first: torch.Tensor, indices: torch.Tensor, offsets: torch.Tensor,
            per_sample_weights: Optional[torch.Tensor], handle: int, out_rows: int, out_width: int,
            keep_ticket: bool) -> Tuple[torch.Tensor, torch.Tensor]:
     """The module's eager forward body: returns the float32 lookup and a call token (int64 scalar
@@ -94,7 +94,7 @@ def lookup(effects: torch.Tensor, first: torch.Tensor, indices: torch.Tensor, of
 
 
 @lookup.register_fake
-def _(effects, first, indices, offsets, per_sample_weights, handle, out_rows, out_width, keep_ticket):
+def _(first, indices, offsets, per_sample_weights, handle, out_rows, out_width, keep_ticket):
     out = indices.new_empty((out_rows, out_width), dtype=torch.float32)
     return out, torch.empty((), dtype=torch.int64, device="cpu")
 
@@ -133,29 +133,31 @@ def _(grad_output, call, first, indices, offsets, per_sample_weights, handle, ne
     return grad_first, grad_output.new_empty((n,), dtype=torch.float32)
 
 
-class _CompiledLookup(torch.autograd.Function):
-    """Ties the two operators into autograd (a mutating operator cannot carry a registered autograd
-    formula, so the pair is a Function, which dynamo traces into the graph)."""
+def _setup_context(ctx, inputs, output):
+    first, indices, offsets, per_sample_weights, handle, _rows, _width, _keep = inputs
+    ctx.handle = handle
+    ctx.has_psw = per_sample_weights is not None
+    ctx.save_for_backward(output[1], first, indices, offsets,
+                          *((per_sample_weights,) if per_sample_weights is not None else ()))
+    ctx.mark_non_differentiable(output[1])
 
-    @staticmethod
-    def forward(ctx, effects, first, indices, offsets, per_sample_weights, handle, rows, width, keep):
-        out, call = lookup(effects, first, indices, offsets, per_sample_weights, handle, rows, width, keep)
-        ctx.handle = handle
-        ctx.has_psw = per_sample_weights is not None
-        ctx.save_for_backward(call, first, indices, offsets,
-                              *((per_sample_weights,) if per_sample_weights is not None else ()))
-        ctx.mark_non_differentiable(call)
-        return out, call
 
-    @staticmethod
-    def backward(ctx, grad_out, _grad_call):
-        call, first, indices, offsets, *rest = ctx.saved_tensors
-        psw = rest[0] if ctx.has_psw else None
-        need_first = ctx.needs_input_grad[1]
-        need_psw = ctx.has_psw and ctx.needs_input_grad[4]
-        grad_first, grad_psw = lookup_backward(grad_out, call, first, indices, offsets, psw, ctx.handle,
-                                               need_first, need_psw)
-        return None, grad_first, None, None, (grad_psw if need_psw else None), None, None, None, None
+def _backward(ctx, grad_out, _grad_call):
+    call, first, indices, offsets, *rest = ctx.saved_tensors
+    psw = rest[0] if ctx.has_psw else None
+    need_first = ctx.needs_input_grad[0]
+    need_psw = ctx.has_psw and ctx.needs_input_grad[3]
+    grad_first, grad_psw = lookup_backward(grad_out, call, first, indices, offsets, psw, ctx.handle,
+                                           need_first, need_psw)
+    return grad_first, None, None, (grad_psw if need_psw else None), None, None, None, None
+
+
+lookup.register_autograd(_backward, setup_context=_setup_context)
+# Both operators act on the module's state beyond their schema (the update, the error record, the
+# step count, the cache): ordered effects, so that the compiler neither drops, merges nor reorders
+# them (an effect token is threaded through the graph).
+torch.library._register_effectful_op("tbegen_compile::lookup", torch._library.effects.EffectType.ORDERED)
+torch.library._register_effectful_op("tbegen_compile::lookup_backward", torch._library.effects.EffectType.ORDERED)
 
 
 def compiled_forward(module: Any, indices: torch.Tensor, offsets: torch.Tensor,
@@ -167,6 +169,6 @@ def compiled_forward(module: Any, indices: torch.Tensor, offsets: torch.Tensor,
     else:
         rows, width = (offsets.shape[0] - 1) // module.layout.num_features, module.layout.total_D
     first = module.weights if module.dense_gradient else module._compile_anchor
-    out, _call = _CompiledLookup.apply(module._compile_effects, first, indices, offsets, per_sample_weights,
+    out, _call = lookup(first, indices, offsets, per_sample_weights,
                         module._compile_handle, rows, width, torch.is_grad_enabled())
     return out if module.output_dtype == torch.float32 else out.to(module.output_dtype)

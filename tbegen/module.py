@@ -1192,10 +1192,9 @@ class TableBatchedEmbeddingBags(nn.Module):
         return out.reshape(-1)[plan["gather"]]
 
     def _compile_init(self) -> None:
-        # torch.compile's handle and zero-size CPU tensors (tbegen/compiled.py); made anew for a
+        # torch.compile's handle and zero-size CPU anchor (tbegen/compiled.py); made anew for a
         # copy or an unpickled module (__setstate__), so that its handle names it, not the original
         self._compile_handle = compiled_.register(self)
-        self._compile_effects = torch.empty(0)
         self._compile_anchor = torch.empty(0, requires_grad=True)
 
     def __setstate__(self, state) -> None:
