@@ -26,10 +26,11 @@ What differs from FBGEMM, and what is refused, is listed in docs/fbgemm.md.
 from __future__ import annotations
 
 import enum
+import math
 import numbers
 import os
 import warnings
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -322,14 +323,91 @@ def _is_default(value, default) -> bool:
         return False
 
 
-def _check_extra_optimizer_config(config) -> None:
+def _extra_optimizer_config(config, fbgemm_name: Optional[str]) -> Tuple[bool, bool]:
+    """(writeback, writeback_first_feature_only) from FBGEMM's UserEnabledConfigDefinition (read by
+    attribute; None: FBGEMM's defaults). As in FBGEMM the writeback hook is EXACT_SGD's only,
+    writeback_first_feature_only is read only with it, and precompute_writeback only chooses when
+    FBGEMM computes the same mask (no effect here)."""
     if config is None:
-        return
-    enabled = [k for k, v in vars(config).items() if not k.startswith("_") and v]
-    if enabled:
+        return False, False
+    known = {"use_rowwise_bias_correction", "use_writeback_bwd_prehook", "writeback_first_feature_only",
+             "precompute_writeback"}
+    fields = {k: v for k, v in vars(config).items() if not k.startswith("_")}
+    unknown = sorted(k for k, v in fields.items() if k not in known and v)
+    if unknown:
+        raise NotImplementedError(f"tbegen: extra_optimizer_config enables {unknown}, which tbegen does not support")
+    if fields.get("use_rowwise_bias_correction"):
         raise NotImplementedError(
-            f"tbegen: extra_optimizer_config enables {enabled}, which tbegen does not support"
+            "tbegen: extra_optimizer_config.use_rowwise_bias_correction (ADAM's per-row bias correction with a "
+            "row_counter state) is not supported"
         )
+    writeback = bool(fields.get("use_writeback_bwd_prehook", False))
+    if writeback and fbgemm_name != "EXACT_SGD":
+        raise ValueError(
+            f"tbegen: extra_optimizer_config.use_writeback_bwd_prehook is EXACT_SGD's only (as in FBGEMM), not "
+            f"{fbgemm_name or 'this optimizer'}'s"
+        )
+    return writeback, writeback and bool(fields.get("writeback_first_feature_only", False))
+
+
+class _KeepGradient(torch.autograd.Function):
+    """Identity forward; the backward passes the output gradient where `keep` is True and zero
+    elsewhere (`keep` broadcasts against the output). The writeback hook's mask."""
+
+    @staticmethod
+    def forward(ctx, out, keep):
+        ctx.save_for_backward(keep)
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (keep,) = ctx.saved_tensors
+        return torch.where(keep, grad, torch.zeros((), dtype=grad.dtype, device=grad.device)), None
+
+
+class VBEMetadata(NamedTuple):
+    """FBGEMM's variable-batch metadata (prepare_inputs' fourth result; fields as FBGEMM names
+    them; None / -1 for a fixed batch)."""
+
+    B_offsets: Optional[torch.Tensor]
+    output_offsets_feature_rank: Optional[torch.Tensor]
+    B_offsets_rank_per_feature: Optional[torch.Tensor]
+    max_B_feature_rank: int
+    max_B: int
+    output_size: int
+
+
+class OptimizerArgs(NamedTuple):
+    """FBGEMM's optimizer_args fields (values: see SplitTableBatchedEmbeddingBagsCodegen.optimizer_args)."""
+
+    stochastic_rounding: bool
+    gradient_clipping: bool
+    max_gradient: float
+    max_norm: float
+    learning_rate: float
+    eps: float
+    beta1: float
+    beta2: float
+    step_ema: float
+    step_swap: float
+    step_start: float
+    step_mode: int
+    weight_decay: float
+    weight_decay_mode: int
+    eta: float
+    momentum: float
+    counter_halflife: int
+    adjustment_iter: int
+    adjustment_ub: float
+    learning_rate_mode: int
+    grad_sum_decay: int
+    tail_id_threshold: float
+    is_tail_id_thresh_ratio: int
+    total_hash_size: int
+    weight_norm_coefficient: float
+    lower_bound: float
+    regularization_mode: int
+    use_rowwise_bias_correction: bool
 
 
 # ---- counter-based regularization (weight_decay_mode COUNTER / COWCLIP) ------------------------
@@ -442,8 +520,6 @@ def _check_other_arguments(spec: OptimizerSpec, others: Dict[str, Any]) -> Dict[
         if key in _UNSUPPORTED_UNLESS_DEFAULT:
             if value is not None and value is not False:
                 raise NotImplementedError(f"tbegen: {key}={value!r} is not supported ({_UNSUPPORTED_UNLESS_DEFAULT[key]})")
-        elif key == "extra_optimizer_config":
-            _check_extra_optimizer_config(value)
         elif key not in _NO_EFFECT and key not in _TBEGEN_ARGS and key not in declared:
             unknown.append(key)
     if unknown:
@@ -566,6 +642,8 @@ class SplitTableBatchedEmbeddingBagsCodegen(nn.Module):
         )
         fbgemm_values.update({k: v for k, v in kwargs.items() if k in FBGEMM_HYPERPARAMETERS})
         others = {k: v for k, v in kwargs.items() if k not in FBGEMM_HYPERPARAMETERS}
+        writeback, writeback_first_feature_only = _extra_optimizer_config(
+            others.pop("extra_optimizer_config", None), fbgemm_name)
         mode = _enum_member(fbgemm_values["weight_decay_mode"], WeightDecayMode, "weight_decay_mode")
         # ensemble_mode / emainplace_mode: read by their own optimizer only, as in FBGEMM
         whole_table = _whole_table_hyperparameters(spec, others.pop("ensemble_mode", None),
@@ -617,6 +695,25 @@ class SplitTableBatchedEmbeddingBagsCodegen(nn.Module):
         self.optimizer_name: str = spec.name  # the tbegen spec
         self.fbgemm_optimizer: Optional[str] = fbgemm_name  # FBGEMM's EmbOptimType member name, if any
         self._bounds_check: str = bounds
+        # FBGEMM's use_writeback_bwd_prehook / writeback_first_feature_only (see forward)
+        self.use_writeback_bwd_prehook: bool = writeback
+        # FBGEMM's optimizer arguments as given (optimizer_args reads the spec's current values first)
+        self._fbgemm_values = dict(fbgemm_values, weight_decay_mode=WeightDecayMode[mode].value,
+                                   max_gradient=float(others.get("max_gradient", 1.0) or 1.0))
+        # FBGEMM's step bookkeeping that its V1 operator path reads and writes (see `iter`)
+        self._iter_buffer = torch.zeros(1, dtype=torch.int64)
+        self._iter_written = 0
+        self.iter_cpu = torch.zeros(1, dtype=torch.int64)
+        self.timestep = 0
+        self.timesteps_prefetched: List[int] = []
+        self.lxu_cache_locations_list: List[torch.Tensor] = []
+        self.lxu_cache_locations_empty = torch.empty(0, dtype=torch.int32, device=dev)
+        self.lxu_cache_locations = self.lxu_cache_locations_empty
+        self._host_parameter: Optional[nn.Parameter] = None
+        self._writeback_first_feature_only: bool = writeback_first_feature_only
+        # FBGEMM's counter weight decay mode ADAGRADW (3) with COUNTER: get_optimizer_state lists "iter"
+        self._counter_adagradw = mode == "COUNTER" and counter_hyper.get("weight_decay_mode") == 3 if mode in (
+            "COUNTER", "COWCLIP") else False
         self._warned_bounds = False
         # Rows of the table each feature reads: the bounds check's limit per feature.
         self._rows_per_feature = torch.tensor(
@@ -641,22 +738,292 @@ class SplitTableBatchedEmbeddingBagsCodegen(nn.Module):
 
     @property
     def iter(self) -> torch.Tensor:
-        """The step counter as FBGEMM holds it: int64 [1] (updates done so far)."""
-        return torch.tensor([self._tbe.step], dtype=torch.int64)
+        """The step counter as FBGEMM holds it: int64 [1] (updates done so far). As in FBGEMM it is
+        writable: a value written into it (FBGEMM's V1 operator path does `iter.add_(1)`) becomes
+        the module's step counter."""
+        self._sync_iter()
+        buf = self._iter_buffer
+        buf[0] = self._iter_written = self._tbe.step
+        return buf
+
+    def _sync_iter(self) -> None:
+        """A value written into `iter` since it was handed out becomes the module's step counter
+        (called by `iter`, forward and state_dict)."""
+        held = int(self._iter_buffer[0])
+        if held != self._iter_written:
+            if held < 0:
+                raise ValueError(f"tbegen: iter was set to {held}; the step counter must be non-negative")
+            self._tbe._step = held
+            self._iter_written = held
+
+    # FBGEMM's flat buffers, as the tensors of this module (writes into them are the module's):
+    # weights_{dev,host,uvm} and {momentum1,momentum2,prev_iter,row_counter}_{dev,host,uvm}, each
+    # with per-feature _offsets (int64) and _placements (int32). The data is in the buffer of
+    # the module's memory (host on the CPU, dev on a GPU, uvm with managed tables); the other two
+    # are empty. tbegen lays its flat buffers out as FBGEMM does (table after table, rows
+    # row-major; per-row states one entry per row), so FBGEMM's offsets index them unchanged.
+
+    def _flat_buffer(self, name: str, where: str) -> torch.Tensor:
+        tbe = self._tbe
+        suffix, _ = self._state_keys()
+        if name == "weights":
+            buf = tbe.weights
+        else:
+            spec_name = self._fbgemm_state_names().get(name)
+            buf = tbe.optimizer_state(spec_name) if spec_name is not None else None
+            if buf is None:
+                return torch.empty(0, dtype=torch.float32, device=tbe.weights.device)
+        if where != suffix:
+            return buf.new_empty(0)
+        if name == "weights" and where == "host" and buf.dtype.is_floating_point:
+            # FBGEMM's CPU weights are an nn.Parameter (its V1 CPU operator's autograd needs one):
+            # a Parameter on the same storage, kept while the storage is the same.
+            p = self._host_parameter
+            if p is None or p.data_ptr() != buf.data_ptr() or p.shape != buf.shape or p.dtype != buf.dtype:
+                p = nn.Parameter(buf.detach(), requires_grad=True)
+                object.__setattr__(self, "_host_parameter", p)
+            return p
+        return buf.detach()
+
+    def _fbgemm_state_names(self) -> Dict[str, str]:
+        """FBGEMM's buffer name (momentum1, momentum2, prev_iter, row_counter) -> the spec's state."""
+        spec = self._tbe.spec
+        return {_state_key(spec.name, k): s.name for k, s in enumerate(spec.states, start=1)}
+
+    def _per_feature_offsets(self, name: str) -> torch.Tensor:
+        tbe = self._tbe
+        layout = tbe.layout
+        if name == "weights":
+            bases = _weights_layout(tbe)[0]
+        else:
+            spec_name = self._fbgemm_state_names().get(name)
+            if spec_name is None:
+                return torch.empty(0, dtype=torch.int64, device=tbe.weights.device)
+            per = next(s.per for s in tbe.spec.states if s.name == spec_name)
+            bases = layout.table_offsets if per == "element" else layout.table_key_base
+        return torch.tensor([bases[t] for t in layout.feature_table_map], dtype=torch.int64, device=tbe.weights.device)
+
+    def _per_feature_placements(self, name: str) -> torch.Tensor:
+        tbe = self._tbe
+        if name != "weights" and name not in self._fbgemm_state_names():
+            return torch.empty(0, dtype=torch.int32, device=tbe.weights.device)
+        _, placement = self._state_keys()
+        return torch.tensor([placement[t] for t in tbe.layout.feature_table_map], dtype=torch.int32,
+                            device=tbe.weights.device)
 
     @property
-    def weights_dev(self) -> torch.Tensor:
-        w = self._tbe.weights.detach()
-        return w if w.is_cuda else w.new_empty(0)
+    def D_offsets(self) -> torch.Tensor:
+        """int32 [F + 1]: where each feature's columns start in the pooled output."""
+        layout = self._tbe.layout
+        dims = [layout.tables[t][1] for t in layout.feature_table_map]
+        return torch.tensor([sum(dims[:f]) for f in range(len(dims) + 1)], dtype=torch.int32,
+                            device=self._tbe.weights.device)
 
     @property
-    def weights_host(self) -> torch.Tensor:
-        w = self._tbe.weights.detach()
-        return w if not w.is_cuda else w.new_empty(0)
+    def total_D(self) -> int:
+        layout = self._tbe.layout
+        return sum(layout.tables[t][1] for t in layout.feature_table_map)
 
     @property
-    def weights_uvm(self) -> torch.Tensor:
-        return self._tbe.weights.detach().new_empty(0)
+    def max_D(self) -> int:
+        return max(D for _, D in self._tbe.layout.tables)
+
+    @property
+    def hash_size_cumsum(self) -> torch.Tensor:
+        """int64 [F + 1]: each feature's table's first row in the rows of all tables, then the total."""
+        layout = self._tbe.layout
+        starts = [sum(E for E, _ in layout.tables[:t]) for t in range(len(layout.tables) + 1)]
+        return torch.tensor([starts[t] for t in layout.feature_table_map] + [starts[-1]], dtype=torch.int64,
+                            device=self._tbe.weights.device)
+
+    @property
+    def total_hash_size(self) -> int:
+        return sum(E for E, _ in self._tbe.layout.tables)
+
+    @property
+    def total_hash_size_bits(self) -> int:
+        # FBGEMM's: bits to hold a linear index into all tables' rows (0 for empty tables)
+        total = self.total_hash_size
+        return int(math.log2(float(total)) + 1) if total > 0 else 0
+
+    @property
+    def rows_per_table(self) -> torch.Tensor:
+        """int64 [F]: the rows of each feature's table (FBGEMM's name)."""
+        layout = self._tbe.layout
+        return torch.tensor([layout.tables[t][0] for t in layout.feature_table_map], dtype=torch.int64,
+                            device=self._tbe.weights.device)
+
+    @property
+    def learning_rate_tensor(self) -> torch.Tensor:
+        """The learning rate as FBGEMM holds it: a float32 scalar tensor on the CPU (a copy)."""
+        return torch.tensor(self._tbe.hyperparameters.get("learning_rate", self._fbgemm_values["learning_rate"]),
+                            dtype=torch.float32)
+
+    @property
+    def _used_rowwise_adagrad_with_counter(self) -> bool:
+        return self._tbe.spec.name == COUNTER_SPEC
+
+    @property
+    def optimizer_args(self) -> "OptimizerArgs":
+        """FBGEMM's optimizer_args: the optimizer's hyperparameters under FBGEMM's field names
+        (the spec's current values where it has them, else FBGEMM's constructor values)."""
+        h = self._tbe.hyperparameters
+        v = self._fbgemm_values
+
+        def get(name, default):
+            return h[name] if name in h else v.get(name, default)
+
+        return OptimizerArgs(
+            stochastic_rounding=self.stochastic_rounding, gradient_clipping=False,
+            max_gradient=v["max_gradient"], max_norm=get("max_norm", 0.0),
+            learning_rate=get("learning_rate", 0.01), eps=get("eps", 1.0e-8), beta1=get("beta1", 0.9),
+            beta2=get("beta2", 0.999), step_ema=float(h.get("step_ema", -1)), step_swap=float(h.get("step_swap", -1)),
+            step_start=float(h.get("step_start", -1)), step_mode=int(h.get("step_mode", 0)),
+            weight_decay=get("weight_decay", 0.0), weight_decay_mode=int(get("weight_decay_mode", 0)),
+            eta=get("eta", 0.001), momentum=get("momentum", 0.9),
+            counter_halflife=int(h.get("counter_halflife", -1)), adjustment_iter=int(h.get("adjustment_iter", -1)),
+            adjustment_ub=float(h.get("adjustment_ub", 1.0)), learning_rate_mode=int(h.get("learning_rate_mode", -1)),
+            grad_sum_decay=-1, tail_id_threshold=float(h.get("tail_id_threshold", 0.0)),
+            is_tail_id_thresh_ratio=int(h.get("is_tail_id_thresh_ratio", 0)),
+            total_hash_size=self.total_hash_size,
+            weight_norm_coefficient=float(h.get("weight_norm_coefficient", 0.0)),
+            lower_bound=float(h.get("lower_bound", 0.0)),
+            regularization_mode=int(h.get("regularization_mode", 0)),
+            use_rowwise_bias_correction=False,
+        )
+
+    weights_dev = property(lambda self: self._flat_buffer('weights', 'dev'))
+    weights_host = property(lambda self: self._flat_buffer('weights', 'host'))
+    weights_uvm = property(lambda self: self._flat_buffer('weights', 'uvm'))
+    weights_offsets = property(lambda self: self._per_feature_offsets('weights'))
+    weights_placements = property(lambda self: self._per_feature_placements('weights'))
+    momentum1_dev = property(lambda self: self._flat_buffer('momentum1', 'dev'))
+    momentum1_host = property(lambda self: self._flat_buffer('momentum1', 'host'))
+    momentum1_uvm = property(lambda self: self._flat_buffer('momentum1', 'uvm'))
+    momentum1_offsets = property(lambda self: self._per_feature_offsets('momentum1'))
+    momentum1_placements = property(lambda self: self._per_feature_placements('momentum1'))
+    momentum2_dev = property(lambda self: self._flat_buffer('momentum2', 'dev'))
+    momentum2_host = property(lambda self: self._flat_buffer('momentum2', 'host'))
+    momentum2_uvm = property(lambda self: self._flat_buffer('momentum2', 'uvm'))
+    momentum2_offsets = property(lambda self: self._per_feature_offsets('momentum2'))
+    momentum2_placements = property(lambda self: self._per_feature_placements('momentum2'))
+    prev_iter_dev = property(lambda self: self._flat_buffer('prev_iter', 'dev'))
+    prev_iter_host = property(lambda self: self._flat_buffer('prev_iter', 'host'))
+    prev_iter_uvm = property(lambda self: self._flat_buffer('prev_iter', 'uvm'))
+    prev_iter_offsets = property(lambda self: self._per_feature_offsets('prev_iter'))
+    prev_iter_placements = property(lambda self: self._per_feature_placements('prev_iter'))
+    row_counter_dev = property(lambda self: self._flat_buffer('row_counter', 'dev'))
+    row_counter_host = property(lambda self: self._flat_buffer('row_counter', 'host'))
+    row_counter_uvm = property(lambda self: self._flat_buffer('row_counter', 'uvm'))
+    row_counter_offsets = property(lambda self: self._per_feature_offsets('row_counter'))
+    row_counter_placements = property(lambda self: self._per_feature_placements('row_counter'))
+
+    # ---- FBGEMM's input preparation and prefetch bookkeeping (its V1 operator path calls them) ----
+
+    def prepare_inputs(self, indices: torch.Tensor, offsets: torch.Tensor,
+                       per_sample_weights: Optional[torch.Tensor] = None,
+                       batch_size_per_feature_per_rank: Optional[List[List[int]]] = None,
+                       force_cast_input_types: bool = True, prefetch_pipeline: bool = False,
+                       vbe_output: Optional[torch.Tensor] = None, vbe_output_offsets: Optional[torch.Tensor] = None):
+        """FBGEMM's prepare_inputs: (indices, offsets, per_sample_weights, vbe_metadata), the
+        inputs as FBGEMM's operators take them: offsets in the indices' dtype (int64 when the two
+        differ or force_cast_input_types), per-sample weights float32, out-of-range indices
+        handled by bounds_check_mode (FATAL: an error; WARNING/IGNORE: set to 0), and the
+        variable-batch metadata (all None / -1 without batch_size_per_feature_per_rank)."""
+        if vbe_output is not None or vbe_output_offsets is not None:
+            raise NotImplementedError("tbegen: vbe_output / vbe_output_offsets (a preallocated VBE output) are not supported")
+        if not isinstance(indices, torch.Tensor) or not isinstance(offsets, torch.Tensor):
+            raise TypeError("tbegen: indices and offsets must be tensors")
+        meta = self._vbe_metadata(offsets, batch_size_per_feature_per_rank)
+        if indices.dtype != offsets.dtype or force_cast_input_types:
+            if indices.dtype != offsets.dtype:
+                indices = indices.to(torch.int64)
+            offsets = offsets.to(indices.dtype)
+            if per_sample_weights is not None:
+                per_sample_weights = per_sample_weights.float()
+        if self._bounds_check != "NONE":
+            bags = offsets if meta.B_offsets is None else self._padded_offsets(offsets, batch_size_per_feature_per_rank)
+            if self._bounds_check == "FATAL":
+                feature = self._feature_of_each_index(bags, indices.numel())
+                if feature is None:
+                    raise ValueError("tbegen: offsets must be F * B + 1 non-decreasing entries from 0 to the number of indices")
+                bad = (indices < 0) | (indices >= self._rows_per_feature[feature])
+                if bool(bad.any()):
+                    first = int(bad.nonzero()[0, 0])
+                    raise IndexError(f"tbegen: indices[{first}] = {int(indices[first])} is out of range of feature "
+                                     f"{int(feature[first])}'s table ({int(self._rows_per_feature[feature[first]])} rows)")
+            else:
+                indices = self._zero_out_of_range(indices, bags)
+        return indices, offsets, per_sample_weights, meta
+
+    def _padded_offsets(self, offsets: torch.Tensor, batch_size_per_feature_per_rank) -> torch.Tensor:
+        """The offsets of a variable batch with each feature padded to the largest batch by empty
+        bags at its end (same indices, same order): the fixed-batch bags of the same lookups."""
+        totals = [sum(b) for b in batch_size_per_feature_per_rank]
+        B = max(totals)
+        lengths = offsets[1:].to(torch.int64) - offsets[:-1].to(torch.int64)
+        padded = torch.zeros(len(totals) * B, dtype=torch.int64, device=offsets.device)
+        start = 0
+        for f, n in enumerate(totals):
+            padded[f * B : f * B + n] = lengths[start : start + n]
+            start += n
+        return torch.cat([padded.new_zeros(1), padded.cumsum(0)]).to(offsets.dtype)
+
+    def _vbe_metadata(self, offsets: torch.Tensor, batch_size_per_feature_per_rank) -> "VBEMetadata":
+        """FBGEMM's VBE metadata: for each feature f and rank r with batch B[f][r]: B_offsets
+        (int32 [F + 1], each feature's first bag), B_offsets_rank_per_feature (int32 [F, R + 1],
+        each rank's first bag within its feature), output_offsets_feature_rank (int64 [R * F + 1],
+        where (rank r, feature f) starts in the rank-major 1-D output), max_B (the largest
+        per-feature batch), max_B_feature_rank (the largest B[f][r]) and output_size."""
+        if batch_size_per_feature_per_rank is None:
+            return VBEMetadata(None, None, None, -1, -1, -1)
+        F = self._tbe.num_features
+        sizes = [[int(b) for b in row] for row in batch_size_per_feature_per_rank]
+        if len(sizes) != F or len({len(row) for row in sizes}) != 1 or not sizes[0] or any(b < 0 for row in sizes for b in row):
+            raise ValueError(
+                f"tbegen: batch_size_per_feature_per_rank must be {F} lists (one per feature) of the same number of "
+                f"non-negative per-rank batch sizes, got {batch_size_per_feature_per_rank!r}"
+            )
+        total = sum(sum(row) for row in sizes)
+        if offsets.numel() != total + 1:
+            raise ValueError(f"tbegen: batch_size_per_feature_per_rank sums to {total} bags, offsets has "
+                             f"{offsets.numel() - 1}")
+        R = len(sizes[0])
+        layout = self._tbe.layout
+        dims = [layout.tables[t][1] for t in layout.feature_table_map]
+        dev = offsets.device
+        B_offsets = [0]
+        for row in sizes:
+            B_offsets.append(B_offsets[-1] + sum(row))
+        rank_offsets = [[sum(row[:r]) for r in range(R + 1)] for row in sizes]
+        out_offsets = [0]
+        for r in range(R):
+            for f in range(F):
+                out_offsets.append(out_offsets[-1] + sizes[f][r] * dims[f])
+        return VBEMetadata(
+            B_offsets=torch.tensor(B_offsets, dtype=torch.int32, device=dev),
+            output_offsets_feature_rank=torch.tensor(out_offsets, dtype=torch.int64, device=dev),
+            B_offsets_rank_per_feature=torch.tensor(rank_offsets, dtype=torch.int32, device=dev),
+            max_B_feature_rank=max(b for row in sizes for b in row),
+            max_B=max(sum(row) for row in sizes),
+            output_size=out_offsets[-1],
+        )
+
+    def _prefetch(self, indices: torch.Tensor, offsets: torch.Tensor, vbe_metadata: Any = None,
+                  multipass_prefetch_config: Any = None, hash_zch_identities: Optional[torch.Tensor] = None,
+                  hash_zch_runtime_meta: Optional[torch.Tensor] = None) -> None:
+        """FBGEMM's internal prefetch step: counts a timestep and loads the batch's rows of
+        MANAGED_CACHING tables into their caches (nothing to load without such tables)."""
+        if multipass_prefetch_config is not None:
+            raise NotImplementedError("tbegen: multipass_prefetch_config is not supported")
+        self._check_hash_zch("hash_zch_identities", hash_zch_identities, indices)
+        self._check_hash_zch("hash_zch_runtime_meta", hash_zch_runtime_meta, indices)
+        self.timestep += 1
+        self.timesteps_prefetched.append(self.timestep)
+        if any(p == "managed_caching" for p in self._tbe.placements):
+            if vbe_metadata is not None and getattr(vbe_metadata, "B_offsets", None) is not None:
+                raise NotImplementedError("tbegen: _prefetch of a variable batch (VBE metadata) is not supported")
+            self._tbe.prefetch(indices, offsets)
 
     # ---- forward ----
 
@@ -676,21 +1043,102 @@ class SplitTableBatchedEmbeddingBagsCodegen(nn.Module):
         `feature_requires_grad` (int or bool, one entry per feature): the per-sample weights of a
         feature with 0 get no gradient. `total_unique_indices` is accepted and not needed.
         """
-        if batch_size_per_feature_per_rank is not None:
-            raise NotImplementedError("tbegen: batch_size_per_feature_per_rank (variable batch size, VBE) is not supported")
         unknown = [k for k in unsupported if k not in _FORWARD_UNSUPPORTED]
         if unknown:
             raise TypeError(f"tbegen: forward() got unexpected argument(s) {', '.join(unknown)}")
+        self._sync_iter()
+        for name in ("hash_zch_identities", "hash_zch_runtime_meta"):
+            self._check_hash_zch(name, unsupported.pop(name, None), indices)
+        if self.use_writeback_bwd_prehook and batch_size_per_feature_per_rank is not None:
+            raise ValueError("tbegen: use_writeback_bwd_prehook does not take batch_size_per_feature_per_rank "
+                             "(variable batch size; as in FBGEMM)")
         given = [k for k, v in unsupported.items() if v is not None]
         if given:
             raise NotImplementedError(f"tbegen: forward argument(s) {', '.join(given)} are not supported")
+        # With variable batch sizes (VBE) the helpers below see the bags as the module runs them:
+        # each feature padded to the largest batch with empty bags (same indices, same order).
+        bags = offsets
+        if batch_size_per_feature_per_rank is not None and (
+                per_sample_weights is not None and feature_requires_grad is not None
+                or self._bounds_check in ("WARNING", "IGNORE")):
+            bags = self._tbe.vbe_padded_offsets(offsets, batch_size_per_feature_per_rank)
         if self._bounds_check in ("WARNING", "IGNORE") and isinstance(indices, torch.Tensor):
-            indices = self._zero_out_of_range(indices, offsets)
+            indices = self._zero_out_of_range(indices, bags)
         if per_sample_weights is not None and feature_requires_grad is not None:
-            per_sample_weights = self._mask_weight_gradient(per_sample_weights, offsets, feature_requires_grad)
+            per_sample_weights = self._mask_weight_gradient(per_sample_weights, bags, feature_requires_grad)
         # (FBGEMM's periodic max_counter refresh is the spec's own reduce stage, run by the module
         # before the forward of the steps that max_counter_update_freq divides)
-        return self._tbe(indices, offsets, per_sample_weights)
+        if batch_size_per_feature_per_rank is not None:
+            # FBGEMM's VBE output: 1-D, rank-major (for each rank, each feature's B[f][r] x D_f)
+            return self._tbe(indices, offsets, per_sample_weights,
+                             batch_size_per_feature_per_rank=batch_size_per_feature_per_rank)
+        out = self._tbe(indices, offsets, per_sample_weights)
+        if self.use_writeback_bwd_prehook and torch.is_grad_enabled() and out.requires_grad:
+            out = _KeepGradient.apply(out, self._writeback_keep(indices, offsets))
+        return out
+
+    @staticmethod
+    def _check_hash_zch(name: str, value, indices) -> None:
+        """FBGEMM's hash_zch_identities / hash_zch_runtime_meta: per index, the raw id before the
+        zero-collision-hash remapping and its metadata. FBGEMM keeps them only for raw embedding
+        streaming (enable_raw_embedding_streaming, refused by this class); its lookup and update
+        never read them. So: None, or one integer row per index (checked), with no effect."""
+        if value is None:
+            return
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"tbegen: {name} must be a tensor or None, got {type(value).__name__}")
+        if value.dtype.is_floating_point or value.dtype.is_complex or value.dtype == torch.bool:
+            raise TypeError(f"tbegen: {name} must be an integer tensor, got {value.dtype}")
+        n = indices.numel() if isinstance(indices, torch.Tensor) else None
+        if value.dim() not in (1, 2) or (n is not None and value.shape[0] != n):
+            raise ValueError(f"tbegen: {name} must have one row per index ({n}), got shape {list(value.shape)}")
+
+    def _writeback_keep(self, indices: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        """FBGEMM's writeback (use_writeback_bwd_prehook, EXACT_SGD): the backward updates each
+        looked-up row from its first lookup only, so that with SGD a batch assigns rows instead of
+        summing into them. Of the lookups of one table row only the first (in index order) passes
+        its output gradient; with writeback_first_feature_only only feature 0's lookups do, and the
+        other features are read-only. Returns the mask for the output gradient: [N, 1] without
+        pooling, [B, total_D] with pooling (each bag then holds at most one index: FBGEMM's
+        writeback is defined for such bags)."""
+        layout = self._tbe.layout
+        n = indices.numel()
+        feature = self._feature_of_each_index(offsets, n)
+        if feature is None:
+            raise ValueError("tbegen: offsets must be well formed (F * B + 1 entries from 0 to N, non-decreasing) "
+                             "for the writeback (use_writeback_bwd_prehook)")
+        device = indices.device
+        idx = indices.reshape(-1).to(torch.int64)
+        table = torch.tensor(layout.feature_table_map, dtype=torch.int64, device=device)[feature]
+        keep = torch.zeros(n, dtype=torch.bool, device=device)
+        candidates = torch.arange(n, device=device)
+        if self._writeback_first_feature_only:
+            candidates = candidates[feature == 0]
+        if candidates.numel():
+            # one key per (table, row); the first position of each key in index order
+            key = table[candidates] * (int(idx.max()) + 1) + idx[candidates]
+            order = torch.sort(key, stable=True).indices
+            sorted_key = key[order]
+            first = torch.ones_like(sorted_key, dtype=torch.bool)
+            first[1:] = sorted_key[1:] != sorted_key[:-1]
+            keep[candidates[order[first]]] = True
+        if self._tbe.pooling == "none":
+            return keep[:, None]
+        F = layout.num_features
+        lengths = offsets[1:].to(torch.int64) - offsets[:-1].to(torch.int64)
+        if bool((lengths > 1).any()):
+            raise ValueError(
+                f"tbegen: use_writeback_bwd_prehook with pooling needs at most one index per bag, got a bag of "
+                f"{int(lengths.max())} (a pooled bag has no single lookup to write back; FBGEMM's writeback is "
+                f"defined for one index per bag)"
+            )
+        B = lengths.numel() // F
+        bag_keep = torch.zeros(F * B, dtype=torch.bool, device=device)
+        bag_of_index = torch.repeat_interleave(torch.arange(F * B, device=device), lengths, output_size=n)
+        bag_keep[bag_of_index[keep]] = True
+        dims = torch.tensor([layout.tables[t][1] for t in layout.feature_table_map], dtype=torch.int64, device=device)
+        column_feature = torch.repeat_interleave(torch.arange(F, device=device), dims)
+        return bag_keep.view(F, B).t()[:, column_feature]
 
     @property
     def max_counter(self) -> torch.Tensor:
@@ -770,7 +1218,12 @@ class SplitTableBatchedEmbeddingBagsCodegen(nn.Module):
         ('sum', 'exp_avg', 'exp_avg_sq'), else the spec's state names."""
         spec_names = [s.name for s in self._tbe.spec.states]
         names = _OPTIMIZER_STATE_NAMES.get(self._tbe.spec.name, tuple(spec_names))
-        return [dict(zip(names, [views[n] for n in spec_names])) for views in self._tbe.split_optimizer_states()]
+        states = [dict(zip(names, [views[n] for n in spec_names])) for views in self._tbe.split_optimizer_states()]
+        if self._counter_adagradw:
+            # FBGEMM lists the step counter too with COUNTER and counter weight decay ADAGRADW
+            for d in states:
+                d["iter"] = self.iter
+        return states
 
     def init_embedding_weights_uniform(self, min_val: float, max_val: float) -> None:
         """Refills every table from uniform(min_val, max_val), drawn from torch's global generator."""
@@ -842,6 +1295,7 @@ class SplitTableBatchedEmbeddingBagsCodegen(nn.Module):
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         tbe = self._tbe
         tbe.flush()  # (MANAGED_CACHING tables: the rows changed in their caches)
+        self._sync_iter()
         suffix, placement = self._state_keys()
         layout = tbe.layout
         F = layout.num_features

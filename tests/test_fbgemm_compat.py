@@ -155,10 +155,10 @@ def test_errors_name_the_argument(kwargs, error, message):
         Compat(specs, **kwargs)
 
 
-def test_forward_refuses_variable_batch_size():
+def test_forward_refuses_unsupported_arguments():
     m = Compat(host_specs([4]))
-    with pytest.raises(NotImplementedError, match="batch_size_per_feature_per_rank"):
-        m(torch.tensor([1]), torch.tensor([0, 1]), batch_size_per_feature_per_rank=[[1]])
+    with pytest.raises(ValueError, match="batch_size_per_feature_per_rank"):  # (VBE: tests/test_vbe.py)
+        m(torch.tensor([1]), torch.tensor([0, 1]), batch_size_per_feature_per_rank=[[1], [1]])
     with pytest.raises(NotImplementedError, match="vbe_output"):
         m(torch.tensor([1]), torch.tensor([0, 1]), vbe_output=torch.zeros(1, 4))
     with pytest.raises(TypeError, match="per_sample_weight"):
@@ -941,3 +941,175 @@ def test_counter_mode_errors():
     with pytest.raises(NotImplementedError, match="counter_based_regularization=.*read with weight_decay_mode COUNTER only"):
         Compat([(10, 4, EmbeddingLocation.HOST, ComputeDevice.CPU)], optimizer=EmbOptimType.EXACT_ROWWISE_ADAGRAD,
                counter_based_regularization=Decaying())
+
+
+# ---- FBGEMM's surface that its own unit tests touch (../shared/tools/fbgemm-suite) -----------------
+
+
+class _ExtraConfig:
+    """A stand-in for FBGEMM's UserEnabledConfigDefinition (read by attribute)."""
+
+    def __init__(self, **fields):
+        self.use_rowwise_bias_correction = False
+        self.use_writeback_bwd_prehook = False
+        self.writeback_first_feature_only = False
+        self.precompute_writeback = False
+        vars(self).update(fields)
+
+
+def _sgd_moves(m, indices, offsets, lr=0.5):
+    """How far each table's rows move in one step with an all-ones output gradient (in units of lr)."""
+    before = [w.clone() for w in m.split_embedding_weights()]
+    out = m(indices, offsets)
+    out.backward(torch.ones_like(out))
+    return [((b - a) / lr)[:, 0] for a, b in zip(m.split_embedding_weights(), before)]
+
+
+@pytest.mark.parametrize("first_feature_only", [False, True])
+def test_writeback_updates_each_row_from_its_first_lookup(first_feature_only):
+    # FBGEMM's writeback: with SGD a batch assigns rows (one update per distinct row), not sums
+    ftm = [0, 1, 0]  # features 0 and 2 share table 0: one row of table 0 seen by both counts once
+    specs = host_specs([4, 4], rows=6)
+    indices = torch.tensor([1, 1, 2, 3, 3, 3, 2, 5, 1])
+    offsets = torch.tensor(list(range(10)))  # B = 3, one index per bag
+    plain = Compat(specs, feature_table_map=ftm, optimizer="EXACT_SGD", learning_rate=0.5, pooling_mode="NONE")
+    moves = _sgd_moves(plain, indices, offsets)
+    assert moves[0].tolist() == [0, 3, 2, 0, 0, 1] and moves[1].tolist() == [0, 0, 0, 3, 0, 0]
+    for pooling in ("NONE", "SUM"):
+        m = Compat(specs, feature_table_map=ftm, optimizer="EXACT_SGD", learning_rate=0.5, pooling_mode=pooling,
+                   extra_optimizer_config=_ExtraConfig(use_writeback_bwd_prehook=True,
+                                                       writeback_first_feature_only=first_feature_only))
+        assert m.use_writeback_bwd_prehook
+        moves = _sgd_moves(m, indices, offsets)
+        if first_feature_only:  # only feature 0 (indices 1, 1, 2) writes; the others are read-only
+            assert moves[0].tolist() == [0, 1, 1, 0, 0, 0] and moves[1].tolist() == [0] * 6, pooling
+        else:
+            assert moves[0].tolist() == [0, 1, 1, 0, 0, 1] and moves[1].tolist() == [0, 0, 0, 1, 0, 0], pooling
+
+
+def test_writeback_errors():
+    cfg = _ExtraConfig(use_writeback_bwd_prehook=True)
+    with pytest.raises(ValueError, match="EXACT_SGD"):
+        Compat(host_specs([4]), optimizer="EXACT_ADAGRAD", extra_optimizer_config=cfg)
+    with pytest.raises(NotImplementedError, match="use_rowwise_bias_correction"):
+        Compat(host_specs([4]), optimizer="ADAM", extra_optimizer_config=_ExtraConfig(use_rowwise_bias_correction=True))
+    with pytest.raises(NotImplementedError, match="something_new"):
+        Compat(host_specs([4]), extra_optimizer_config=_ExtraConfig(something_new=True))
+    m = Compat(host_specs([4]), optimizer="EXACT_SGD", extra_optimizer_config=cfg)
+    with pytest.raises(ValueError, match="at most one index per bag"):  # no single lookup to write back
+        m(torch.tensor([1, 2, 3]), torch.tensor([0, 2, 3]))
+    with torch.no_grad():  # (no backward: nothing to write back, any bags)
+        m(torch.tensor([1, 2, 3]), torch.tensor([0, 2, 3]))
+    with pytest.raises(ValueError, match="batch_size_per_feature_per_rank"):
+        m(torch.tensor([1, 2]), torch.tensor([0, 1, 2]), batch_size_per_feature_per_rank=[[1, 1]])
+    # writeback_first_feature_only alone does nothing (FBGEMM reads it only with the hook)
+    assert not Compat(host_specs([4]), extra_optimizer_config=_ExtraConfig(writeback_first_feature_only=True)).use_writeback_bwd_prehook
+
+
+def test_hash_zch_arguments_are_checked_and_change_nothing():
+    m = Compat(host_specs([4, 8]), optimizer="EXACT_SGD")
+    indices, offsets = torch.tensor([1, 2, 3, 4, 5]), torch.tensor([0, 2, 3, 4, 5])
+    plain = m(indices, offsets)
+    ids = torch.arange(5) * 1000
+    with_ids = m(indices, offsets, hash_zch_identities=ids, hash_zch_runtime_meta=ids + 1)
+    assert torch.equal(plain, with_ids)
+    with pytest.raises(ValueError, match="hash_zch_identities must have one row per index"):
+        m(indices, offsets, hash_zch_identities=torch.arange(4))
+    with pytest.raises(TypeError, match="hash_zch_runtime_meta must be an integer tensor"):
+        m(indices, offsets, hash_zch_runtime_meta=torch.zeros(5))
+
+
+def test_iter_is_fbgemms_writable_step_counter():
+    m = Compat(host_specs([4]), optimizer="EXACT_ADAGRAD")
+    out = m(torch.tensor([1]), torch.tensor([0, 1]))
+    out.backward(torch.ones_like(out))
+    assert m.iter.tolist() == [1] and m.tbe.step == 1
+    m.iter.add_(4)  # FBGEMM's V1 path advances it this way
+    assert m.state_dict()["iter"].tolist() == [5] and m.tbe.step == 5
+    m.iter.fill_(7)
+    m(torch.tensor([1]), torch.tensor([0, 1]))  # the forward takes the written counter
+    assert m.tbe.step == 7 and m.iter.tolist() == [7]
+
+
+def test_fbgemm_buffers_are_views_of_the_module():
+    m = Compat(host_specs([4, 8], rows=5), feature_table_map=[0, 1, 0], optimizer="EXACT_ROWWISE_ADAGRAD")
+    assert m.weights_offsets.tolist() == [0, 20, 0] and m.D_offsets.tolist() == [0, 4, 12, 16]
+    assert m.momentum1_offsets.tolist() == [0, 5, 0] and m.weights_placements.tolist() == [3, 3, 3]
+    assert m.hash_size_cumsum.tolist() == [0, 5, 0, 10] and m.total_D == 16 and m.max_D == 8
+    assert m.weights_dev.numel() == 0 and m.weights_uvm.numel() == 0 and m.momentum2_host.numel() == 0
+    assert m.prev_iter_offsets.numel() == 0
+    m.weights_host.data[20:28] = 7.0
+    m.momentum1_host[6] = 3.0
+    assert torch.equal(m.split_embedding_weights()[1][0], torch.full((8,), 7.0))
+    assert float(m.split_optimizer_states()[1][0][1]) == 3.0
+    args = m.optimizer_args
+    assert args.eps == 1e-8 and args.weight_decay_mode == 0 and args.learning_rate == pytest.approx(0.01)
+
+
+def test_prepare_inputs():
+    m = Compat(host_specs([4, 4], rows=6), optimizer="EXACT_SGD", bounds_check_mode="FATAL")
+    i, o, w, meta = m.prepare_inputs(torch.tensor([1, 2, 3], dtype=torch.int32), torch.tensor([0, 1, 2, 2, 3]),
+                                     torch.ones(3, dtype=torch.float16))
+    assert i.dtype == o.dtype == torch.int64 and w.dtype == torch.float32 and meta.B_offsets is None and meta.max_B == -1
+    with pytest.raises(IndexError, match="out of range"):
+        m.prepare_inputs(torch.tensor([1, 6, 3]), torch.tensor([0, 1, 2, 2, 3]))
+    w_ = Compat(host_specs([4, 4], rows=6), optimizer="EXACT_SGD", bounds_check_mode="IGNORE")
+    assert w_.prepare_inputs(torch.tensor([1, 6, 3]), torch.tensor([0, 1, 2, 2, 3]))[0].tolist() == [1, 0, 3]
+    # variable batch: FBGEMM's metadata (2 features x 2 ranks)
+    _, _, _, meta = m.prepare_inputs(torch.tensor([1, 2, 3, 4]), torch.tensor([0, 1, 2, 3, 3, 4, 4]),
+                                     batch_size_per_feature_per_rank=[[1, 2], [0, 3]])
+    assert meta.B_offsets.tolist() == [0, 3, 6] and meta.B_offsets_rank_per_feature.tolist() == [[0, 1, 3], [0, 0, 3]]
+    assert meta.output_offsets_feature_rank.tolist() == [0, 4, 4, 12, 24] and meta.output_size == 24
+    assert meta.max_B == 3 and meta.max_B_feature_rank == 3
+    with pytest.raises(ValueError, match="sums to 5 bags"):
+        m.prepare_inputs(torch.tensor([1]), torch.tensor([0, 1, 1, 1, 1, 1, 1]), batch_size_per_feature_per_rank=[[1, 2], [0, 2]])
+
+
+def test_counter_adagradw_lists_iter():
+    from types import SimpleNamespace
+
+    def counter(wd_mode):
+        return SimpleNamespace(counter_weight_decay_mode=wd_mode, counter_halflife=-1, adjustment_iter=-1,
+                               adjustment_ub=1.0, learning_rate_mode=-1, grad_sum_decay=-1, tail_id_threshold=None,
+                               max_counter_update_freq=1000)
+
+    for wd_mode, keys in ((3, {"sum", "prev_iter", "row_counter", "iter"}), (1, {"sum", "prev_iter", "row_counter"})):
+        m = Compat(host_specs([4]), optimizer="EXACT_ROWWISE_ADAGRAD", weight_decay_mode="COUNTER",
+                   counter_based_regularization=counter(wd_mode))
+        states = m.get_optimizer_state()
+        assert set(states[0]) == keys
+        assert [len(s) for s in m.split_optimizer_states()] == [3]
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adagrad"])
+def test_fbgemm_v1_cpu_operator_on_the_modules_buffers(fbgemm_cpu, optimizer):
+    """FBGEMM's own V1 CPU operator run on this class's buffers updates this class's weights and
+    states exactly as on FBGEMM's module."""
+    fb = fbgemm_cpu
+    name = {"sgd": "EXACT_SGD", "adagrad": "EXACT_ADAGRAD"}[optimizer]
+    dims, rows, ftm = [4, 8], 7, [0, 1, 0]
+    theirs, ours = make_pair(fb, name, dims, rows, ftm, "SUM", "cpu", learning_rate=0.1)
+    gen = torch.Generator().manual_seed(3)
+    indices, offsets, _, _ = batch([rows] * 3, 4, gen, weighted=False)
+    op = getattr(torch.ops.fbgemm, f"split_embedding_codegen_lookup_{optimizer}_function_cpu")
+    outs = []
+    for m in (theirs, ours):
+        i, o, _, _ = m.prepare_inputs(indices, offsets, None, None, force_cast_input_types=True)
+        kw = dict(host_weights=m.weights_host, weights_placements=m.weights_placements, weights_offsets=m.weights_offsets,
+                  D_offsets=m.D_offsets, total_D=m.total_D, max_D=m.max_D, hash_size_cumsum=m.hash_size_cumsum,
+                  total_hash_size_bits=m.total_hash_size_bits, indices=i, offsets=o, pooling_mode=0,
+                  indice_weights=None, feature_requires_grad=None, gradient_clipping=m.optimizer_args.gradient_clipping,
+                  max_gradient=m.optimizer_args.max_gradient, stochastic_rounding=m.optimizer_args.stochastic_rounding,
+                  learning_rate=m.learning_rate_tensor.item())
+        if optimizer == "adagrad":
+            kw.update(eps=m.optimizer_args.eps, momentum1_host=m.momentum1_host,
+                      momentum1_offsets=m.momentum1_offsets, momentum1_placements=m.momentum1_placements)
+        out = op(**kw)
+        out.backward(torch.arange(out.numel(), dtype=out.dtype).view_as(out) / out.numel())
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1])
+    for a, b in zip(theirs.split_embedding_weights(), ours.split_embedding_weights()):
+        assert torch.equal(a, b)
+    if optimizer == "adagrad":
+        for a, b in zip(theirs.split_optimizer_states(), ours.split_optimizer_states()):
+            assert torch.equal(a[0], b[0])

@@ -1,0 +1,362 @@
+"""Variable batch size per feature (VBE): TableBatchedEmbeddingBags.forward(...,
+batch_size_per_feature_per_rank=...) and the FBGEMM class's forward with FBGEMM's argument.
+
+Checked against a float64 reference written here from FBGEMM's documented semantics (bags
+ordered per feature, then per rank, then per sample; the output 1-D and rank-major: for each
+rank, for each feature, its B[f][r] x D_f values), against the fixed-batch path on the same
+lookups padded to the largest batch (every optimizer: bitwise equal weights and states), and
+against FBGEMM CPU's own VBE (fbgemm-gpu-cpu). CUDA tests carry the `cuda` marker.
+"""
+
+from __future__ import annotations
+
+from typing import List
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tbegen.module import TableBatchedEmbeddingBags
+
+HAS_CUDA = torch.cuda.is_available()
+cuda = pytest.mark.cuda
+# optimizers whose extensions the CPU tests load (the change is optimizer-independent: the bags'
+# order and the output positions, not the update)
+OPTIMIZERS = ["sgd", "rowwise_adagrad", "adam"]
+
+
+# ---- helpers -------------------------------------------------------------------------------------
+
+
+def vbe_batch(rows: List[int], bsfr: List[List[int]], gen: torch.Generator, weighted: bool, max_L: int = 4):
+    """Random bags in VBE order (feature, rank, sample); some empty, duplicates likely."""
+    lengths = [int(torch.randint(0, max_L + 1, (1,), generator=gen)) for f in range(len(bsfr)) for _ in range(sum(bsfr[f]))]
+    feat = [f for f in range(len(bsfr)) for _ in range(sum(bsfr[f]))]
+    indices = torch.cat([torch.randint(0, rows[f], (L,), generator=gen) for f, L in zip(feat, lengths)]
+                        + [torch.zeros(0, dtype=torch.int64)])
+    offsets = torch.zeros(len(lengths) + 1, dtype=torch.int64)
+    offsets[1:] = torch.cumsum(torch.tensor(lengths, dtype=torch.int64), 0) if lengths else offsets[1:]
+    psw = torch.rand(indices.numel(), generator=gen) + 0.5 if weighted else None
+    return indices, offsets, psw
+
+
+def bag_list(bsfr):
+    """(feature, rank, sample) of each bag in VBE input order."""
+    return [(f, r, j) for f in range(len(bsfr)) for r in range(len(bsfr[f])) for j in range(bsfr[f][r])]
+
+
+def reference_forward(tables_w, ftm, bsfr, indices, offsets, psw, pooling):
+    """float64 output (1-D, rank-major) and, per bag in input order, its position in that output."""
+    pooled = {}
+    for k, (f, r, j) in enumerate(bag_list(bsfr)):
+        lo, hi = int(offsets[k]), int(offsets[k + 1])
+        rows = tables_w[ftm[f]].double()[indices[lo:hi]]
+        if psw is not None:
+            rows = rows * psw[lo:hi].double()[:, None]
+        v = rows.sum(0)
+        if pooling == "mean" and hi > lo:
+            v = v / (hi - lo)
+        pooled[(f, r, j)] = v
+    R = len(bsfr[0])
+    order = [(f, r, j) for r in range(R) for f in range(len(bsfr)) for j in range(bsfr[f][r])]
+    pos, at = {}, 0
+    for key in order:
+        pos[key] = at
+        at += pooled[key].numel()
+    out = torch.cat([pooled[k] for k in order]) if order else torch.zeros(0, dtype=torch.float64)
+    return out, pos
+
+
+def reference_row_grads(tables_w, ftm, bsfr, indices, offsets, psw, pooling, grad, pos):
+    """float64 gradient of each table (dense) for the 1-D output gradient `grad`."""
+    grads = [torch.zeros_like(w, dtype=torch.float64) for w in tables_w]
+    for k, (f, r, j) in enumerate(bag_list(bsfr)):
+        lo, hi = int(offsets[k]), int(offsets[k + 1])
+        D = tables_w[ftm[f]].shape[1]
+        g = grad.double()[pos[(f, r, j)]: pos[(f, r, j)] + D]
+        for i in range(lo, hi):
+            s = 1.0 if psw is None else float(psw[i])
+            if pooling == "mean":
+                s /= hi - lo
+            grads[ftm[f]][int(indices[i])] += s * g
+    return grads
+
+
+def padded(bsfr, offsets):
+    """The same lookups as a fixed batch: each feature padded with empty bags to the largest
+    batch (feature-major offsets), and, per VBE bag (f, r, j), its row in that batch."""
+    F = len(bsfr)
+    B = max(sum(b) for b in bsfr)
+    out, k = [0], 0
+    row = {}
+    for f in range(F):
+        n = 0
+        for r in range(len(bsfr[f])):
+            for j in range(bsfr[f][r]):
+                out.append(int(offsets[k + 1]))
+                row[(f, r, j)] = n
+                k += 1
+                n += 1
+        out.extend([out[-1]] * (B - n))
+    return torch.tensor(out, dtype=offsets.dtype), B, row
+
+
+def make(optimizer, tables, ftm=None, device="cpu", pooling="sum", **kw):
+    h = dict(learning_rate=0.3) if optimizer != "none" else {}
+    h.update(kw)
+    return TableBatchedEmbeddingBags(tables, optimizer=optimizer, pooling=pooling, feature_table_map=ftm,
+                                     device=device, seed=5, **h)
+
+
+shapes = st.integers(1, 3).flatmap(lambda F: st.integers(1, 3).flatmap(lambda R: st.tuples(
+    st.lists(st.lists(st.integers(0, 4), min_size=R, max_size=R), min_size=F, max_size=F),
+    st.lists(st.sampled_from([1, 3, 4, 8]), min_size=F, max_size=F),
+    st.booleans(),  # weighted
+    st.sampled_from(["sum", "mean"]),
+    st.booleans(),  # two features share table 0
+    st.integers(0, 2**31 - 1),
+)))
+
+
+# ---- against the float64 reference --------------------------------------------------------------
+
+
+@settings(max_examples=25, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@given(shapes)
+def test_vbe_matches_float64_reference(case):
+    bsfr, dims, weighted, pooling, share, seed = case
+    F = len(bsfr)
+    gen = torch.Generator().manual_seed(seed)
+    ftm = list(range(F))
+    if share and F > 1:
+        ftm[-1] = 0
+        dims[-1] = dims[0]
+    n_tables = max(ftm) + 1
+    tables = [(int(torch.randint(3, 12, (1,), generator=gen)), dims[t]) for t in range(n_tables)]
+    emb = make("sgd", tables, ftm, pooling=pooling)
+    w0 = [w.detach().clone() for w in emb.split_embedding_weights()]
+    rows = [tables[ftm[f]][0] for f in range(F)]
+    indices, offsets, psw = vbe_batch(rows, bsfr, gen, weighted)
+    out = emb(indices, offsets, psw, batch_size_per_feature_per_rank=bsfr)
+    ref, pos = reference_forward(w0, ftm, bsfr, indices, offsets, psw, pooling)
+    assert out.dim() == 1 and out.numel() == sum(bsfr[f][r] * dims[f] for f in range(F) for r in range(len(bsfr[0])))
+    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-6)
+    grad = torch.randn(out.shape, generator=gen)
+    out.backward(grad)
+    assert emb.step == 1
+    grads = reference_row_grads(w0, ftm, bsfr, indices, offsets, psw, pooling, grad, pos)
+    for t, w in enumerate(emb.split_embedding_weights()):
+        torch.testing.assert_close(w.double(), w0[t].double() - 0.3 * grads[t], rtol=1e-5, atol=1e-6)
+
+
+def test_rowwise_adagrad_step_matches_float64_reference():
+    bsfr = [[3, 0, 2], [1, 4, 2], [0, 0, 5]]
+    tables = [(9, 4), (6, 8), (7, 3)]
+    gen = torch.Generator().manual_seed(7)
+    emb = make("rowwise_adagrad", tables, pooling="mean", eps=1e-6)
+    w = [x.detach().double().clone() for x in emb.split_embedding_weights()]
+    mom = [torch.zeros(E, dtype=torch.float64) for E, _ in tables]
+    for step in range(3):
+        indices, offsets, psw = vbe_batch([E for E, _ in tables], bsfr, gen, weighted=True)
+        out = emb(indices, offsets, psw, batch_size_per_feature_per_rank=bsfr)
+        ref, pos = reference_forward(w, [0, 1, 2], bsfr, indices, offsets, psw, "mean")
+        torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-6)
+        grad = torch.randn(out.shape, generator=gen)
+        out.backward(grad)
+        grads = reference_row_grads(w, [0, 1, 2], bsfr, indices, offsets, psw, "mean", grad, pos)
+        for t in range(3):
+            touched = torch.unique(indices[int(offsets[sum(map(sum, bsfr[:t]))]): int(offsets[sum(map(sum, bsfr[:t + 1]))])])
+            g = grads[t][touched]
+            mom[t][touched] += (g * g).mean(1)
+            w[t][touched] -= (0.3 / (mom[t][touched].sqrt() + 1e-6))[:, None] * g
+            torch.testing.assert_close(emb.split_embedding_weights()[t].double(), w[t], rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(emb.split_optimizer_states()[t]["momentum"].double(), mom[t], rtol=1e-5,
+                                       atol=1e-9)
+
+
+# ---- against the fixed-batch path (every optimizer here, bitwise) --------------------------------
+
+
+def run_vbe_and_padded(optimizer, device, pooling, weighted, bsfr, tables, ftm, seed=3, steps=2, dtype=torch.int64):
+    """Trains a VBE module and a fixed-batch module (same seed) on the same lookups; returns both
+    and the outputs of the last step."""
+    gen = torch.Generator().manual_seed(seed)
+    a = make(optimizer, tables, ftm, device=device, pooling=pooling)
+    b = make(optimizer, tables, ftm, device=device, pooling=pooling)
+    rows = [tables[t][0] for t in ftm]
+    for _ in range(steps):
+        indices, offsets, psw = vbe_batch(rows, bsfr, gen, weighted)
+        poff, B, row = padded(bsfr, offsets)
+        mv = lambda t: None if t is None else t.to(device)  # noqa: E731
+        out_a = a(mv(indices).to(dtype), mv(offsets).to(dtype), mv(psw), batch_size_per_feature_per_rank=bsfr)
+        out_b = b(mv(indices).to(dtype), mv(poff).to(dtype), mv(psw))
+        grad = torch.randn(out_a.shape, generator=gen).to(device)
+        # the same gradient, placed where the fixed batch has each bag
+        grad_b = torch.zeros(out_b.shape, device=device)
+        cols = a.layout.feature_out_offsets()
+        _, pos = reference_forward([w.detach().cpu() for w in a.split_embedding_weights()], ftm, bsfr, indices,
+                                   offsets, None, "sum")
+        for (f, r, j), p in pos.items():
+            D = tables[ftm[f]][1]
+            grad_b[row[(f, r, j)], cols[f]:cols[f] + D] = grad[p:p + D]
+        out_a.backward(grad)
+        out_b.backward(grad_b)
+    return a, b, out_a, out_b, pos, row
+
+
+def assert_same_training(a, b):
+    assert a.step == b.step
+    assert torch.equal(a.weights.detach(), b.weights.detach())
+    for s in a.spec.states:
+        assert torch.equal(getattr(a.states, s.name), getattr(b.states, s.name)), s.name
+
+
+@pytest.mark.parametrize("optimizer", OPTIMIZERS)
+@pytest.mark.parametrize("pooling", ["sum", "mean"])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_vbe_trains_like_the_padded_fixed_batch(optimizer, pooling, weighted):
+    bsfr = [[2, 0, 3], [4, 1, 0], [0, 0, 1]]
+    tables, ftm = [(11, 4), (7, 5)], [0, 1, 0]
+    a, b, out_a, out_b, pos, row = run_vbe_and_padded(optimizer, "cpu", pooling, weighted, bsfr, tables, ftm)
+    cols = a.layout.feature_out_offsets()
+    for (f, r, j), p in pos.items():
+        D = tables[ftm[f]][1]
+        assert torch.equal(out_a[p:p + D], out_b[row[(f, r, j)], cols[f]:cols[f] + D])
+    assert_same_training(a, b)
+
+
+def test_vbe_int32_and_output_dtype_and_pooling_none():
+    bsfr = [[1, 2], [3, 0]]
+    tables = [(10, 4), (8, 4)]
+    a, b, out_a, _, _, _ = run_vbe_and_padded("sgd", "cpu", "sum", True, bsfr, tables, [0, 1], dtype=torch.int32)
+    assert_same_training(a, b)
+    # fp16 output: the float32 sums rounded
+    h = make("sgd", tables, output_dtype=torch.float16)
+    gen = torch.Generator().manual_seed(1)
+    ind, off, _ = vbe_batch([10, 8], bsfr, gen, False)
+    out16 = h(ind, off, batch_size_per_feature_per_rank=bsfr)
+    f = make("sgd", tables)
+    assert out16.dtype == torch.float16
+    assert torch.equal(out16, f(ind, off, batch_size_per_feature_per_rank=bsfr).half())
+    # pooling none: one row per index, whatever the batch sizes
+    n = make("sgd", tables, pooling="none")
+    assert torch.equal(n(ind, off, batch_size_per_feature_per_rank=bsfr),
+                       n(ind, padded(bsfr, off)[0]))
+
+
+def test_vbe_all_batches_empty_and_deterministic():
+    emb = make("adam", [(5, 4), (6, 2)])
+    out = emb(torch.zeros(0, dtype=torch.int64), torch.zeros(1, dtype=torch.int64),
+              batch_size_per_feature_per_rank=[[0, 0], [0, 0]])
+    assert out.shape == (0,)
+    bsfr = [[3, 1], [0, 2]]
+    runs = [run_vbe_and_padded("adam", "cpu", "mean", True, bsfr, [(9, 4), (6, 2)], [0, 1], seed=11)[0]
+            for _ in range(2)]
+    assert_same_training(runs[0], runs[1])
+
+
+@pytest.mark.parametrize(
+    "bsfr,offsets,message",
+    [
+        ([[1, 2]], [0, 1, 2, 3], r"one list of per-rank batch sizes per feature \(2\)"),
+        ([[1, 2], [1]], [0, 1, 2, 3, 4, 5], r"same number of ranks: feature 0 has 2, feature 1 has 1"),
+        ([[1, -1], [1, 1]], [0, 1, 2, 3], r"batch_size_per_feature_per_rank\[0\]\[1\] must be a non-negative int"),
+        ([[1, 2], []], [0, 1, 2, 3], r"batch_size_per_feature_per_rank\[1\] must be a non-empty list"),
+        ([[1, 2], [1, 1]], [0, 1, 2, 3, 4], r"\(sum of all batch sizes\) \+ 1 = 6 entries"),
+        ([[1, 2.0], [1, 1]], [0, 1, 2, 3, 4, 5], r"\[0\]\[1\] must be a non-negative int, got 2.0"),
+    ],
+)
+def test_vbe_errors_name_the_problem(bsfr, offsets, message):
+    emb = make("sgd", [(5, 4), (6, 2)])
+    offsets = torch.tensor(offsets)
+    with pytest.raises(ValueError, match=message):
+        emb(torch.zeros(int(offsets[-1]), dtype=torch.int64), offsets, batch_size_per_feature_per_rank=bsfr)
+
+
+def test_vbe_malformed_offsets_raise():
+    emb = make("sgd", [(5, 4), (6, 2)])
+    with pytest.raises(Exception, match="offsets"):  # decreasing: the operators' own check
+        emb(torch.zeros(3, dtype=torch.int64), torch.tensor([0, 2, 1, 3]), batch_size_per_feature_per_rank=[[1, 1], [1, 0]])
+    with pytest.raises(Exception, match="offsets"):  # the last offset is not the number of indices
+        emb(torch.zeros(3, dtype=torch.int64), torch.tensor([0, 1, 2, 2]), batch_size_per_feature_per_rank=[[1, 1], [1, 0]])
+
+
+# ---- against FBGEMM CPU's own VBE ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("optimizer", ["EXACT_SGD", "EXACT_ROWWISE_ADAGRAD"])
+@pytest.mark.parametrize("pooling", ["SUM", "MEAN"])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_vbe_matches_fbgemm_cpu(optimizer, pooling, weighted):
+    fb = pytest.importorskip("fbgemm_gpu.split_table_batched_embeddings_ops_training")
+    from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation, PoolingMode
+    from fbgemm_gpu.split_table_batched_embeddings_ops_training import ComputeDevice
+    from fbgemm_gpu.split_embedding_configs import EmbOptimType
+
+    from tbegen.fbgemm_compat import SplitTableBatchedEmbeddingBagsCodegen as Compat
+
+    if weighted and pooling == "MEAN":
+        pytest.skip("FBGEMM CPU's weighted-MEAN backward leaves out 1/L (docs/fbgemm.md)")
+    dims = [4, 8, 12]
+    specs = [(12, d, EmbeddingLocation.HOST, ComputeDevice.CPU) for d in dims]
+    kw = dict(optimizer=getattr(EmbOptimType, optimizer), learning_rate=0.2, pooling_mode=getattr(PoolingMode, pooling))
+    if optimizer != "EXACT_SGD":
+        kw["eps"] = 1e-4
+    theirs = fb.SplitTableBatchedEmbeddingBagsCodegen(specs, **kw)
+    ours = Compat(specs, **kw)
+    with torch.no_grad():
+        for a, b in zip(ours.split_embedding_weights(), theirs.split_embedding_weights()):
+            a.copy_(b)
+    gen = torch.Generator().manual_seed(4)
+    for bsfr in ([[2, 3], [0, 4], [1, 1]], [[5, 0], [2, 2], [0, 3]]):
+        indices, offsets, psw = vbe_batch([12] * 3, bsfr, gen, weighted)
+        out_t = theirs(indices, offsets, psw, batch_size_per_feature_per_rank=bsfr)
+        out_o = ours(indices, offsets, psw, batch_size_per_feature_per_rank=bsfr)
+        assert out_o.shape == out_t.shape
+        torch.testing.assert_close(out_o, out_t, rtol=1e-5, atol=1e-6)
+        grad = torch.randn(out_t.shape, generator=gen)
+        out_t.backward(grad)
+        out_o.backward(grad)
+        for a, b in zip(ours.split_embedding_weights(), theirs.split_embedding_weights()):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        if optimizer != "EXACT_SGD":
+            for a, b in zip(ours.split_optimizer_states(), theirs.split_optimizer_states()):
+                torch.testing.assert_close(a[0], b[0], rtol=1e-5, atol=1e-7)
+
+
+# ---- CUDA ----------------------------------------------------------------------------------------
+
+
+@cuda
+@pytest.mark.parametrize("optimizer", OPTIMIZERS)
+@pytest.mark.parametrize("pooling", ["sum", "mean"])
+def test_cuda_vbe_trains_like_the_padded_fixed_batch_and_cpu(optimizer, pooling):
+    bsfr = [[5, 0, 3, 7], [4, 1, 0, 2], [0, 0, 1, 9]]
+    tables, ftm = [(50, 16), (30, 6)], [0, 1, 0]
+    a, b, out_a, out_b, pos, row = run_vbe_and_padded(optimizer, "cuda", pooling, True, bsfr, tables, ftm, steps=3)
+    assert_same_training(a, b)  # (the same operators on the same bags: the same bits)
+    again = run_vbe_and_padded(optimizer, "cuda", pooling, True, bsfr, tables, ftm, steps=3)[0]
+    assert_same_training(a, again)  # deterministic
+    c = run_vbe_and_padded(optimizer, "cpu", pooling, True, bsfr, tables, ftm, steps=3)[0]
+    torch.testing.assert_close(a.weights.detach().cpu(), c.weights.detach(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(out_a.detach().cpu(), run_vbe_and_padded(
+        optimizer, "cpu", pooling, True, bsfr, tables, ftm, steps=3)[2].detach(), rtol=1e-5, atol=1e-6)
+
+
+@cuda
+def test_cuda_vbe_matches_float64_reference():
+    bsfr = [[64, 3, 0], [1, 100, 17]]
+    tables = [(200, 32), (100, 12)]
+    gen = torch.Generator().manual_seed(2)
+    emb = make("sgd", tables, device="cuda", pooling="mean")
+    w0 = [w.detach().cpu().clone() for w in emb.split_embedding_weights()]
+    indices, offsets, psw = vbe_batch([200, 100], bsfr, gen, True, max_L=20)
+    out = emb(indices.cuda(), offsets.cuda(), psw.cuda(), batch_size_per_feature_per_rank=bsfr)
+    ref, pos = reference_forward(w0, [0, 1], bsfr, indices, offsets, psw, "mean")
+    torch.testing.assert_close(out.cpu().double(), ref, rtol=1e-5, atol=1e-6)
+    grad = torch.randn(out.shape, generator=gen)
+    out.backward(grad.cuda())
+    grads = reference_row_grads(w0, [0, 1], bsfr, indices, offsets, psw, "mean", grad, pos)
+    for t, w in enumerate(emb.split_embedding_weights()):
+        torch.testing.assert_close(w.cpu().double(), w0[t].double() - 0.3 * grads[t], rtol=1e-5, atol=1e-6)
