@@ -22,6 +22,7 @@ Used by `tbegen test` and by the test suite (tests/test_numerics.py).
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -146,6 +147,27 @@ def default_hyperparameters(spec: OptimizerSpec, overrides: Dict[str, object]) -
     return hyper
 
 
+# The references and the random problems work on small tensors, where torch's intra-op threads
+# cost far more than they save: on 2 busy cores a [400, 36] float64 index_add_ took 4.5 ms with 2
+# threads and 0.014 ms with one (the OpenMP team waits for a core), and the references were half
+# of `tbegen test --quick`. So they run on one thread; the kernels keep every thread (their
+# parallel paths are under test).
+
+
+def _one_thread(fn):
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        threads = torch.get_num_threads()
+        if threads == 1:
+            return fn(*args, **kwargs)
+        torch.set_num_threads(1)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            torch.set_num_threads(threads)
+    return run
+
+
 # ---- random problems ---------------------------------------------------------------------------
 
 
@@ -156,6 +178,7 @@ class Batch:
     per_sample_weights: Optional[torch.Tensor]
 
 
+@_one_thread
 def random_batch(case: Case, layout: Layout, gen: torch.Generator) -> Batch:
     """Bags of 0..max_L indices (some forced empty), duplicates within and across bags (indices
     drawn from a few rows), and `case.hot` extra occurrences of row 0 of feature 0."""
@@ -186,6 +209,7 @@ def random_batch(case: Case, layout: Layout, gen: torch.Generator) -> Batch:
     return Batch(indices.to(case.index_dtype), offsets.to(case.index_dtype), psw)
 
 
+@_one_thread
 def initial_state(spec: OptimizerSpec, layout: Layout, case: Case, gen: torch.Generator):
     weights = (torch.rand(layout.weights_numel, generator=gen, dtype=torch.float32) - 0.5).to(case.weights_dtype)
     states = {}
@@ -215,6 +239,7 @@ def _bag_lists(layout: Layout, B: int, batch: Batch):
     return bag_of, lengths
 
 
+@_one_thread
 def reference_forward(layout: Layout, B: int, pooling: str, weights: torch.Tensor, batch: Batch) -> torch.Tensor:
     w = weights.to(torch.float64)
     idx = batch.indices.to(torch.int64)
@@ -240,6 +265,7 @@ def reference_forward(layout: Layout, B: int, pooling: str, weights: torch.Tenso
     return out
 
 
+@_one_thread
 def reference_grad_psw(layout, B, pooling, weights, batch, grad_output) -> torch.Tensor:
     w = weights.to(torch.float64)
     go = grad_output.to(torch.float64)
@@ -259,6 +285,7 @@ def reference_grad_psw(layout, B, pooling, weights, batch, grad_output) -> torch
     return grad
 
 
+@_one_thread
 def reference_step(spec, layout, B, pooling, weights, states, batch, grad_output, hyper, step,
                    grad_noise: Optional[Tuple[float, int]] = None):
     """One fused backward step in float64. Returns (weights, states, touched mask over weights).
@@ -325,6 +352,7 @@ def reference_step(spec, layout, B, pooling, weights, states, batch, grad_output
     return w, st, touched_w
 
 
+@_one_thread
 def reference_table_step(spec, layout, weights, states, hyper, step):
     """The whole-table stages of one step in float64: the spec's `table_reference` run once per
     table (each table once, however many features read it) over all of its rows. Returns
@@ -403,6 +431,7 @@ def state_args(spec: OptimizerSpec, layout: Layout, states: Dict[str, torch.Tens
 GRADIENT_ROUNDING = 4 * 2.0**-24
 
 
+@_one_thread
 def gradient_sensitivity(spec, layout, B, pooling, weights, states, batch, grad_output, hyper, step,
                          ref_w, ref_states, seed: int = 0) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
     """How far the float64 reference step moves, element by element, when each accumulated
@@ -423,6 +452,7 @@ def gradient_sensitivity(spec, layout, B, pooling, weights, states, batch, grad_
     return sens_w, sens_st
 
 
+@_one_thread
 def _err(actual: torch.Tensor, ref: torch.Tensor, before: Optional[torch.Tensor],
          allowance: Optional[torch.Tensor] = None) -> float:
     """max|actual - ref| (less an elementwise allowance, if given) relative to the scale of the
