@@ -33,8 +33,8 @@ from typing import Any, Dict, Optional, Tuple
 
 import torch
 
-# handle -> weak reference to the module
-_MODULES: Dict[int, "weakref.ReferenceType[Any]"] = {}
+# handle -> (weak reference to the module, its autograd Function whose bodies the operators run)
+_MODULES: Dict[int, Tuple["weakref.ReferenceType[Any]", Any]] = {}
 _next_handle = itertools.count(1)
 
 # (handle, call) -> the cache ticket a compiled forward made, for its backward
@@ -42,20 +42,22 @@ _TICKETS: Dict[Tuple[int, int], Any] = {}
 _next_call = itertools.count(1)
 
 
-def register(module: Any) -> int:
-    """A fresh handle for `module` (dropped from the registry when the module is collected)."""
+def register(module: Any, function: Any) -> int:
+    """A fresh handle for `module`, whose eager lookup is the autograd Function `function`
+    (tbegen.module._Lookup: passed in, as this file must not import tbegen.module). The entry is
+    dropped when the module is collected."""
     handle = next(_next_handle)
-    _MODULES[handle] = weakref.ref(module, lambda _ref, h=handle: _MODULES.pop(h, None))
+    _MODULES[handle] = (weakref.ref(module, lambda _ref, h=handle: _MODULES.pop(h, None)), function)
     return handle
 
 
-def _module(handle: int) -> Any:
-    ref = _MODULES.get(handle)
+def _module(handle: int) -> Tuple[Any, Any]:
+    ref, function = _MODULES.get(handle, (None, None))
     module = ref() if ref is not None else None
     if module is None:
         raise RuntimeError(f"tbegen: no live TableBatchedEmbeddingBags has compile handle {handle} "
                            f"(the compiled graph outlived its module)")
-    return module
+    return module, function
 
 
 _TAGS = (torch.Tag.cudagraph_unsafe,)
@@ -67,9 +69,7 @@ def lookup(first: torch.Tensor, indices: torch.Tensor, offsets: torch.Tensor,
            keep_ticket: bool) -> Tuple[torch.Tensor, torch.Tensor]:
     """The module's eager forward body: returns the float32 lookup and a call token (int64 scalar
     on the CPU; non-zero when a cache ticket is kept for the backward)."""
-    from .module import _Lookup  # (import here: tbegen.module imports this file)
-
-    module = _module(handle)
+    module, _Lookup = _module(handle)
     module._check_buffers()
     module._errors.poll()
     if module.training:
@@ -106,9 +106,7 @@ def lookup_backward(grad_output: torch.Tensor, call: torch.Tensor, first: torch.
     """The module's eager backward body (the fused update, or the dense weight gradient; the
     per-sample-weight gradient): returns (gradient of `first`, gradient of the per-sample weights,
     empty when not needed)."""
-    from .module import _Lookup
-
-    module = _module(handle)
+    module, _Lookup = _module(handle)
     key = int(call.item())
     ticket = None
     if key:

@@ -11,6 +11,8 @@ record would wait for the GPU, which would cost every training step its host/GPU
 after each call the record is copied to pinned host memory behind an event, and the module looks
 at that copy at its next call (or when `check_errors()` is called, which waits). So a bad batch on
 CUDA raises at the latest at the module's next call, and no weights or states change in between.
+While a CUDA graph is being captured nothing is copied or polled (the capture allows neither a
+host read nor an event query): a replayed step's errors are raised by `check_errors()`.
 """
 
 from __future__ import annotations
@@ -61,6 +63,11 @@ class ErrorRecord:
         """Called after every operator call: on CUDA start copying the record to the host; on the
         CPU report at once (a call there has already raised any error but a skipped index)."""
         if self._cuda:
+            if torch.cuda.is_current_stream_capturing():
+                # (a CUDA graph being captured: the host copy would replay unseen and the event
+                # query is not allowed; the kernels still block every update after an error, and
+                # `check_errors()` after a replay reads the record. tbegen/capture.py)
+                return
             self._host.copy_(self.record, non_blocking=True)
             self._copied.record()
             self._pending = True
@@ -70,7 +77,7 @@ class ErrorRecord:
     def poll(self) -> None:
         """Raises (or warns about) what an earlier call recorded, if the host copy is ready. Never waits."""
         if self._cuda:
-            if not self._pending or not self._copied.query():
+            if not self._pending or torch.cuda.is_current_stream_capturing() or not self._copied.query():
                 return
             self._pending = False
             host = self._host
@@ -82,6 +89,9 @@ class ErrorRecord:
     def check(self) -> None:
         """Waits for every call so far and raises (or warns about) what they recorded."""
         if self._cuda:
+            if torch.cuda.is_current_stream_capturing():
+                raise RuntimeError("tbegen: check_errors() waits for the GPU, which a stream capturing a CUDA graph "
+                                   "cannot do; call it after the graph's replay")
             self.after_call()
             self._copied.synchronize()
         self.poll()

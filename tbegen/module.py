@@ -33,6 +33,7 @@ from torch.autograd.graph import increment_version
 from . import build
 from . import cache as cache_
 from . import compiled as compiled_
+from .capture import check_capturable
 from . import int8 as int8_
 from . import placement as placement_
 from .errors import BOUNDS_CHECK_MODES, ErrorRecord
@@ -1194,7 +1195,7 @@ class TableBatchedEmbeddingBags(nn.Module):
     def _compile_init(self) -> None:
         # torch.compile's handle and zero-size CPU anchor (tbegen/compiled.py); made anew for a
         # copy or an unpickled module (__setstate__), so that its handle names it, not the original
-        self._compile_handle = compiled_.register(self)
+        self._compile_handle = compiled_.register(self, _Lookup)
         self._compile_anchor = torch.empty(0, requires_grad=True)
 
     def __setstate__(self, state) -> None:
@@ -1244,6 +1245,7 @@ class TableBatchedEmbeddingBags(nn.Module):
         return self._table_state_buffers() + [self.feature_table]
 
     def _run_backward(self, grad_output, weights, indices, offsets, per_sample_weights, features=None) -> None:
+        check_capturable(self)  # (CUDA graph capture: refused where a replay would differ)
         step = self._step + 1
         states = [self._buffer(s.name) for s in self.spec.states]
         hyper = [self._hyperparameters[h.name] for h in self.spec.hyperparameters]
