@@ -1052,17 +1052,26 @@ class SplitTableBatchedEmbeddingBagsCodegen(nn.Module):
         if self.use_writeback_bwd_prehook and batch_size_per_feature_per_rank is not None:
             raise ValueError("tbegen: use_writeback_bwd_prehook does not take batch_size_per_feature_per_rank "
                              "(variable batch size; as in FBGEMM)")
-        if batch_size_per_feature_per_rank is not None:
-            raise NotImplementedError("tbegen: batch_size_per_feature_per_rank (variable batch size, VBE) is not supported")
         given = [k for k, v in unsupported.items() if v is not None]
         if given:
             raise NotImplementedError(f"tbegen: forward argument(s) {', '.join(given)} are not supported")
+        # With variable batch sizes (VBE) the helpers below see the bags as the module runs them:
+        # each feature padded to the largest batch with empty bags (same indices, same order).
+        bags = offsets
+        if batch_size_per_feature_per_rank is not None and (
+                per_sample_weights is not None and feature_requires_grad is not None
+                or self._bounds_check in ("WARNING", "IGNORE")):
+            bags = self._tbe.vbe_padded_offsets(offsets, batch_size_per_feature_per_rank)
         if self._bounds_check in ("WARNING", "IGNORE") and isinstance(indices, torch.Tensor):
-            indices = self._zero_out_of_range(indices, offsets)
+            indices = self._zero_out_of_range(indices, bags)
         if per_sample_weights is not None and feature_requires_grad is not None:
-            per_sample_weights = self._mask_weight_gradient(per_sample_weights, offsets, feature_requires_grad)
+            per_sample_weights = self._mask_weight_gradient(per_sample_weights, bags, feature_requires_grad)
         # (FBGEMM's periodic max_counter refresh is the spec's own reduce stage, run by the module
         # before the forward of the steps that max_counter_update_freq divides)
+        if batch_size_per_feature_per_rank is not None:
+            # FBGEMM's VBE output: 1-D, rank-major (for each rank, each feature's B[f][r] x D_f)
+            return self._tbe(indices, offsets, per_sample_weights,
+                             batch_size_per_feature_per_rank=batch_size_per_feature_per_rank)
         out = self._tbe(indices, offsets, per_sample_weights)
         if self.use_writeback_bwd_prehook and torch.is_grad_enabled() and out.requires_grad:
             out = _KeepGradient.apply(out, self._writeback_keep(indices, offsets))

@@ -155,10 +155,10 @@ def test_errors_name_the_argument(kwargs, error, message):
         Compat(specs, **kwargs)
 
 
-def test_forward_refuses_variable_batch_size():
+def test_forward_refuses_unsupported_arguments():
     m = Compat(host_specs([4]))
-    with pytest.raises(NotImplementedError, match="batch_size_per_feature_per_rank"):
-        m(torch.tensor([1]), torch.tensor([0, 1]), batch_size_per_feature_per_rank=[[1]])
+    with pytest.raises(ValueError, match="batch_size_per_feature_per_rank"):  # (VBE: tests/test_vbe.py)
+        m(torch.tensor([1]), torch.tensor([0, 1]), batch_size_per_feature_per_rank=[[1], [1]])
     with pytest.raises(NotImplementedError, match="vbe_output"):
         m(torch.tensor([1]), torch.tensor([0, 1]), vbe_output=torch.zeros(1, 4))
     with pytest.raises(TypeError, match="per_sample_weight"):
