@@ -12,8 +12,8 @@ its files, which is checked before anything is loaded or linked (`verified`). Pr
 the same entry at once take turns on a file lock: one builds, the others wait and then use it.
 
 A cache hit loads the shared library directly (torch.ops.load_library: milliseconds); only a miss
-runs torch.utils.cpp_extension (about half a minute for CPU, a minute or two for CPU + CUDA on 2
-cores, mostly torch's headers), saying which extension it builds and how long it took. It runs in
+runs torch.utils.cpp_extension (10-60 s for CPU, 1-4 minutes for CPU + CUDA on 2 cores, depending
+on their load), saying which extension it builds and how long it took. It runs in
 a build worker: a child process that imports torch and cpp_extension once (3 CPU s) and then
 builds extension after extension, one at a time, without loading them (cpp_extension.load would;
 a worker builds a spec's CPU and CUDA libraries, which register the same operators, and this
@@ -50,7 +50,7 @@ from typing import Dict, List, Optional, Sequence, Union
 
 import torch
 
-from . import resources
+from . import resources, torch_pch
 from .model import OptimizerSpec
 
 _LOADED: Dict[str, str] = {}  # op namespace -> cache key of the library loaded in this process
@@ -543,7 +543,9 @@ def _load_extension(cpp_extension, name, libname, sources, src, out_dir, with_cu
         sources=sources,
         extra_include_paths=[str(src / "include"), str(src / name)]
         + (_cuda_library_includes() if with_cuda else []),
-        extra_cflags=cxx_flags(),
+        # (+ the precompiled torch headers where they exist: a speed-up only, the same object code,
+        # so not part of the cache key; tbegen/torch_pch.py)
+        extra_cflags=cxx_flags() + torch_pch.include_flags(Path(out_dir).parent),
         extra_cuda_cflags=cuda_flags(),
         extra_ldflags=list(objects) + (_cuda_link_flags() if with_cuda else []),
         build_directory=str(out_dir),
@@ -680,10 +682,11 @@ def _worker_main(requests_fd: int, replies_fd: int) -> None:
                 reply = dict(ok=True)
             except CompileError as e:
                 reply = dict(ok=False, message=str(e), log=str(e.log_path))
-            except Exception as e:  # said on stderr (the traceback) and in the reply; the worker stays usable
-                traceback.print_exc()
-                sys.stderr.flush()
-                reply = dict(ok=False, error=f"{type(e).__name__}: {e}")
+            except Exception as e:  # said in the reply, traceback included; the worker stays usable
+                # (not printed here: the worker's stderr is the terminal of whoever started it, where
+                # a failure the requester expects and handles, a library that must not load, would
+                # show as a stray traceback in the middle of a passing run)
+                reply = dict(ok=False, error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc())
             reply["cpu"] = _cpu_seconds() - t0
             replies.write(json.dumps(reply) + "\n")
             replies.flush()
@@ -783,8 +786,10 @@ def _compile_in_worker(name, files, with_cuda, out_dir, libname, verbose, object
     """Runs _compile in a build worker (see above), saying what it builds and how long it takes;
     raises the CompileError the worker reports, or a RuntimeError if the build failed otherwise."""
     what = _describe(name, with_cuda)
+    # (measured: CPU 10-16 s on 2 idle cores, 37-63 s on 2 busy ones; CPU + CUDA 60-125 s, longer
+    # under load: docs/cpu-results.md)
     print(f"tbegen: building {what}; "
-          f"{'about a minute' if with_cuda else 'about half a minute'} on 2 cores",
+          f"{'usually 1-4 minutes' if with_cuda else 'usually 10-60 s'} on 2 cores, depending on their load",
           file=sys.stderr, flush=True)
     t0 = time.perf_counter()
 
@@ -812,7 +817,8 @@ def _compile_in_worker(name, files, with_cuda, out_dir, libname, verbose, object
         if error.startswith("RuntimeError: tbegen: "):  # tbegen's own words: enough on their own
             raise RuntimeError(f"tbegen: building {what} failed: {error[len('RuntimeError: tbegen: '):]}")
         raise RuntimeError(f"tbegen: building {what} failed (see the compiler output above)"
-                           + (f": {error.splitlines()[0][:500]}" if error else ""))
+                           + (f": {error.splitlines()[0][:500]}" if error else "")
+                           + (f"\nin the build worker:\n{reply['traceback']}" if reply.get("traceback") else ""))
     print(f"tbegen: built {what} in {time.perf_counter() - t0:.0f} s ({reply['cpu']:.0f} s of CPU time)",
           file=sys.stderr, flush=True)
 
