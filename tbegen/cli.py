@@ -35,6 +35,12 @@ def _load(name_or_path: str):
         raise click.ClickException(str(e))
 
 
+def _without_worker_traceback(message: str, verbose: bool) -> str:
+    """A build failure's message less the build worker's traceback (kept with --verbose)."""
+    head, sep, _ = message.partition("\nin the build worker:\n")
+    return message if verbose or not sep else head + " (--verbose shows the build worker's traceback)"
+
+
 def _all_specs():
     specs = []
     problems = []
@@ -230,7 +236,24 @@ def test(optimizer, device, quick, verbose):
         ops = build.load_ops(spec, with_cuda=(device == "cuda"), verbose=verbose)
     except CompileError as e:  # already in the spec's terms, with the log's path: no traceback
         raise click.ClickException(str(e))
+    except RuntimeError as e:  # a build that failed otherwise (tbegen's own words)
+        raise click.ClickException(_without_worker_traceback(str(e), verbose))
     click.echo(f"{spec.name}: extension ready in {time.perf_counter() - t0:.1f} s")
+
+    def checked(run, case):
+        """run(case), with what goes wrong said in the spec's terms and no traceback (unless
+        --verbose asks for one, for what is not the spec's fault)."""
+        try:
+            return run(case)
+        except harness.ReferenceFailure as e:
+            raise click.ClickException(f"the spec's reference failed (case {case.id}):\n{e}")
+        except Exception as e:  # noqa: BLE001
+            if verbose:
+                import traceback
+
+                traceback.print_exc()
+            raise click.ClickException(f"checking {spec.name} failed in case {case.id}: {type(e).__name__}: {e}"
+                                       + ("" if verbose else " (--verbose shows where)"))
     dtypes = (torch.float32,) if quick else (torch.float32, torch.float16, torch.bfloat16)
     cases = harness.standard_cases(spec, dtypes=dtypes)
     results = []
@@ -238,14 +261,14 @@ def test(optimizer, device, quick, verbose):
     with click.progressbar(cases, label=f"checking {spec.name} on {device}", show_pos=True,
                            file=sys.stderr) as bar:
         for case in bar:
-            r = harness.run_case(spec, ops, case, device=device)
+            r = checked(lambda c: harness.run_case(spec, ops, c, device=device), case)
             results.append(r)
             if verbose:
                 click.echo(f"  {case.id}: worst {r.worst:.3g}" + (" FAILED" if r.failures else ""), err=True)
     click.echo(harness.summarize(results))
     if device == "cpu":
         # the same cases run the way the GPU splits rows over lanes: what passes here passes there
-        results += [harness.run_lane_split_case(spec, ops, case) for case in cases]
+        results += [checked(lambda c: harness.run_lane_split_case(spec, ops, c), case) for case in cases]
         click.echo(harness.summarize_lane_split(results[len(cases):]))
     click.echo(f"checked in {time.perf_counter() - t0:.1f} s")
     sys.exit(1 if any(r.failures for r in results) else 0)

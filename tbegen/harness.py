@@ -338,7 +338,7 @@ def reference_step(spec, layout, B, pooling, weights, states, batch, grad_output
                 ns[s.name] = st[s.name][kb + rows].clone()
         for s in spec.table_states:  # read-only: this table's value for each of its touched rows
             ns[s.name] = torch.full((len(rows),), float(st[s.name][t]), dtype=torch.float64)
-        exec(compile(spec.reference.code, f"{spec.path}:reference", "exec"), ns)
+        run_reference(spec.reference, "reference", ns)
         wt[rows] = ns["w"].to(torch.float64)
         touched_w.view(-1)[base : base + E * D].view(E, D)[rows] = True
         for s in spec.states:
@@ -350,6 +350,30 @@ def reference_step(spec, layout, B, pooling, weights, states, batch, grad_output
                     value = value.round()
                 st[s.name][layout.table_key_base[t] + rows] = value
     return w, st, touched_w
+
+
+class ReferenceFailure(Exception):
+    """The spec's Python reference raised: said at its line in the YAML file, in the spec's terms
+    (`tbegen test` prints it without a traceback)."""
+
+
+def run_reference(ref, field: str, ns: dict) -> None:
+    """Runs the reference snippet `ref` (model.Reference) in the namespace `ns`; an exception it
+    raises becomes a ReferenceFailure at the YAML line of the statement that raised it."""
+    label = f"{ref.loc.file}:{field}"
+    try:
+        exec(compile(ref.code, label, "exec"), ns)
+    except Exception as e:  # noqa: BLE001 - all of it is the spec's code
+        lineno = getattr(e, "lineno", None) if isinstance(e, SyntaxError) else None
+        tb = e.__traceback__
+        while tb is not None:
+            if tb.tb_frame.f_code.co_filename == label:
+                lineno = tb.tb_lineno
+            tb = tb.tb_next
+        lines = ref.code.splitlines()
+        where = f"{ref.loc.file}:{ref.loc.line + lineno - 1}" if lineno else f"{ref.loc}"
+        text = f" (in `{lines[lineno - 1].strip()}`)" if lineno and 0 < lineno <= len(lines) else ""
+        raise ReferenceFailure(f"{where}: {field}: {type(e).__name__}: {e}{text}") from None
 
 
 @_one_thread
@@ -372,7 +396,7 @@ def reference_table_step(spec, layout, weights, states, hyper, step):
                               for (E, _), kb in zip(layout.tables, layout.table_key_base)]
         for s in spec.table_states:
             ns[s.name] = st[s.name].clone()
-        exec(compile(spec.table_state_reference.code, f"{spec.path}:table_state_reference", "exec"), ns)
+        run_reference(spec.table_state_reference, "table_state_reference", ns)
         for s in spec.table_states:
             st[s.name] = torch.as_tensor(ns[s.name], dtype=torch.float64).reshape(-1).clone()
     return w, st
@@ -381,7 +405,6 @@ def reference_table_step(spec, layout, weights, states, hyper, step):
 def _reference_table_elements(spec, layout, w, st, hyper, step) -> None:
     """The `table_reference` of the whole-table element stages, once per table, on `w` and `st`
     (float64) in place."""
-    code = compile(spec.table_reference.code, f"{spec.path}:table_reference", "exec")
     for t, (E, D) in enumerate(layout.tables):
         base, kb = layout.table_offsets[t], layout.table_key_base[t]
         ns = dict(hyper)
@@ -389,7 +412,7 @@ def _reference_table_elements(spec, layout, w, st, hyper, step) -> None:
         for s in spec.states:
             view = st[s.name][base : base + E * D].view(E, D) if s.per == "element" else st[s.name][kb : kb + E]
             ns[s.name] = view.clone()
-        exec(code, ns)
+        run_reference(spec.table_reference, "table_reference", ns)
         w[base : base + E * D] = torch.as_tensor(ns["w"], dtype=torch.float64).reshape(-1)
         for s in spec.states:
             value = torch.as_tensor(ns[s.name], dtype=torch.float64).reshape(-1)

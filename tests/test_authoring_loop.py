@@ -102,3 +102,37 @@ def test_editing_only_the_reference_rebuilds_nothing(tmp_path, path):
     if stage:
         copy.write_text(moved[: stage.start(2)] + "w = w * 1.0f;\n" + stage.group(1) + moved[stage.start(2):])
         assert _keys(copy) != before
+
+
+def _sgd_copy(tmp_path, monkeypatch, first_reference_line=""):
+    """optimizers/sgd.yaml copied to tmp_path (with a line put first in its reference), tested
+    with the shipped sgd's library (the reference is never compiled: the library is the same)."""
+    shipped = ROOT / "optimizers" / "sgd.yaml"
+    ops = build.load_ops(load_spec(str(shipped)), with_cuda=False)
+    monkeypatch.setattr(build, "load_ops", lambda spec, **kwargs: ops)
+    text = shipped.read_text()
+    if first_reference_line:
+        text = text.replace("\nreference: |\n", f"\nreference: |\n  {first_reference_line}\n", 1)
+    path = tmp_path / "sgd.yaml"
+    path.write_text(text)
+    line = text.splitlines().index("reference: |") + 2  # the reference's first line
+    return path, line
+
+
+def test_a_reference_that_raises_is_reported_at_its_yaml_line_without_a_traceback(tmp_path, monkeypatch):
+    path, line = _sgd_copy(tmp_path, monkeypatch, "bad = torch.ones(2) + torch.ones(3)")
+    assert CliRunner().invoke(main, ["validate", str(path)]).exit_code == 0  # (only running it tells)
+    result = CliRunner().invoke(main, ["test", "--optimizer", str(path), "--quick"])
+    assert result.exit_code == 1
+    assert "Traceback" not in result.output
+    assert f"{path}:{line}: reference: RuntimeError: The size of tensor a (2) must match" in result.output
+    assert "(in `bad = torch.ones(2) + torch.ones(3)`)" in result.output
+
+
+def test_a_passing_test_gives_each_worst_error_with_its_tolerance(tmp_path, monkeypatch):
+    path, _ = _sgd_copy(tmp_path, monkeypatch)
+    result = CliRunner().invoke(main, ["test", "--optimizer", str(path), "--quick"])
+    assert result.exit_code == 0, result.output
+    assert re.search(r"worst error \(float32 weights\), nearest its tolerance: \S+ \S+, tolerance \S+ \(\d+% of it\)",
+                     result.output), result.output
+    assert re.search(r"lane split .* agree with the CPU kernel; nearest its tolerance: \S+ \S+, tolerance", result.output)
