@@ -187,3 +187,29 @@ def test_compiled_eval_under_no_grad(device):
         got = torch.compile(model, fullgraph=True)(indices, offsets)
     assert torch.equal(want, got)
     assert model.emb._step == 0
+
+
+def test_vbe_under_default_compile_gives_eager_bits():
+    """VBE (batch_size_per_feature_per_rank): the default mode breaks the graph around the padding
+    plan, built on the host, and trains with eager's bits (fullgraph=True refuses the call: the
+    padded offsets' size is data-dependent; docs/module.md)."""
+    bsfr = [[3, 1], [2, 2]]
+    g = torch.Generator().manual_seed(2)
+    n = sum(map(sum, bsfr))
+    lengths = torch.randint(0, 4, (n,), generator=g)
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
+    indices = torch.randint(0, min(r for r, _ in TABLES), (int(offsets[-1]),), generator=g)
+    dims = {d for _, d in TABLES}
+    tables = [(r, min(dims)) for r, _ in TABLES]
+    eager = TableBatchedEmbeddingBags(tables, optimizer="rowwise_adagrad", learning_rate=0.1, seed=3)
+    compiled = TableBatchedEmbeddingBags(tables, optimizer="rowwise_adagrad", learning_rate=0.1, seed=3)
+    call = torch.compile(lambda i, o: compiled(i, o, batch_size_per_feature_per_rank=bsfr))
+    for _ in range(3):
+        a = eager(indices, offsets, batch_size_per_feature_per_rank=bsfr)
+        b = call(indices, offsets)
+        assert torch.equal(a, b)
+        (a * torch.arange(a.numel())).sum().backward()
+        (b * torch.arange(b.numel())).sum().backward()
+    assert compiled._step == 3
+    assert torch.equal(eager.weights, compiled.weights)
+    assert torch.equal(eager.states.momentum, compiled.states.momentum)
