@@ -1142,7 +1142,10 @@ class SplitTableBatchedEmbeddingBagsCodegen(nn.Module):
 
     @property
     def max_counter(self) -> torch.Tensor:
-        """FBGEMM's max_counter buffer: float32 [1] (the spec keeps it per table, all entries equal)."""
+        """FBGEMM's max_counter buffer: float32 [1] (the spec keeps it per table, all entries equal);
+        ones(1), as FBGEMM's, for an optimizer without one."""
+        if "max_counter" not in [s.name for s in self._tbe.spec.table_states]:
+            return torch.ones(1, dtype=torch.float32, device=self._tbe.weights.device)
         return self._tbe.optimizer_state("max_counter")[:1].clone()
 
     def _feature_of_each_index(self, offsets: torch.Tensor, n: int) -> Optional[torch.Tensor]:

@@ -1044,6 +1044,7 @@ def test_fbgemm_buffers_are_views_of_the_module():
     m.momentum1_host[6] = 3.0
     assert torch.equal(m.split_embedding_weights()[1][0], torch.full((8,), 7.0))
     assert float(m.split_optimizer_states()[1][0][1]) == 3.0
+    assert m.max_counter.tolist() == [1.0]  # (FBGEMM's for an optimizer without counters)
     args = m.optimizer_args
     assert args.eps == 1e-8 and args.weight_decay_mode == 0 and args.learning_rate == pytest.approx(0.01)
 
