@@ -402,11 +402,22 @@ class TbegenEmbeddingBag(BaseBatchedEmbeddingBag[torch.Tensor], FusedOptimizerMo
         self._emb_module.drop_cache()
 
     def forward(self, features, *args, **kwargs) -> torch.Tensor:
-        if features.variable_stride_per_key():
-            raise NotImplementedError("tbegen: variable batch sizes per feature (VBE) are not supported by the tbegen kernel")
         if args or any(v is not None for v in kwargs.values()):
             raise NotImplementedError("tbegen: preallocated VBE outputs are not supported by the tbegen kernel")
-        return super().forward(features)
+        if not features.variable_stride_per_key():
+            return super().forward(features)
+        # Variable batch per feature (VBE): the KJT's per-rank strides are FBGEMM's
+        # batch_size_per_feature_per_rank; the output is the module's 1-D rank-major one, which is
+        # what TorchRec's variable-batch output all-to-all expects (as from FBGEMM's kernel).
+        weights = features.weights_or_none()
+        if weights is not None and not torch.is_floating_point(weights):
+            weights = None
+        return self.emb_module(
+            features.values().to(self._embedding_table_index_type),
+            features.offsets().to(self._embedding_table_offset_type),
+            weights,
+            batch_size_per_feature_per_rank=features.stride_per_key_per_rank(),
+        )
 
     @property
     def _param_per_table(self) -> Dict[str, TableBatchedEmbeddingSlice]:
