@@ -204,7 +204,7 @@ def check(out):
     # `render --all` rewrites and removes what tbegen wrote; anything else there is the user's to delete
     foreign = sorted({p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file() and "__pycache__" not in p.parts}
                      - set(files) - set(_stray_renders(out, files))) if out.is_dir() else []
-    fix = "tbegen render --all" + (f", and delete {', '.join(str(out / f) for f in foreign)} (not written by tbegen)"
+    fix = "tbegen render --all" + ("" if out.resolve() == rnd.DEFAULT_OUT.resolve() else f" --out {out}") + (f", and delete {', '.join(str(out / f) for f in foreign)} (not written by tbegen)"
                                    if foreign else "")
     click.echo(f"\n{len(diffs)} file(s) differ from a fresh render. Fix: {fix}", err=True)
     sys.exit(1)

@@ -70,6 +70,14 @@ def test_rendering_a_shipped_spec_or_into_another_folder_has_no_note(tmp_path, m
     result = runner.invoke(main, ["render", "--optimizer", str(spec), "--out", str(tmp_path / "mine")])
     assert result.exit_code == 0 and "note:" not in result.output
     assert (tmp_path / "mine" / "my_own_opt" / "ops.cpp").is_file()
+    # another folder compared by check: the fix it suggests names that folder, and works
+    mine = tmp_path / "mine"
+    result = runner.invoke(main, ["check", "--out", str(mine)])
+    assert result.exit_code == 1
+    assert result.output.rstrip().endswith(f"Fix: tbegen render --all --out {mine}")
+    assert runner.invoke(main, ["render", "--all", "--out", str(mine)]).exit_code == 0
+    assert runner.invoke(main, ["check", "--out", str(mine)]).exit_code == 0
+    assert not (mine / "my_own_opt").exists()
 
 
 def _keys(path):
