@@ -1101,24 +1101,37 @@ class TableBatchedEmbeddingBags(nn.Module):
     # with empty bags (offsets repeated: no lookups, no gradient, no update), runs the fixed-batch
     # operators unchanged, and gathers the real rows into FBGEMM's rank-major 1-D output; the
     # gather's backward scatters the output gradient into the padded rows (zeros elsewhere). The
-    # padding index and the gather index are computed once per distinct batch_size_per_feature_per_rank
-    # (on the host, then one copy to the device) and kept. See docs/module.md.
+    # padding index and the gather index are computed on the device by a few vectorised operations
+    # (a step's batch sizes usually differ from the last step's), and kept for the last distinct
+    # batch_size_per_feature_per_rank lists. See docs/module.md.
 
     _VBE_PLANS_KEPT = 64
 
-    def _vbe_plan(self, batch_size_per_feature_per_rank) -> Dict[str, Any]:
+    def _vbe_sizes(self, bsfr) -> torch.Tensor:
+        """batch_size_per_feature_per_rank as an int64 [F, R] CPU tensor, checked; a clear error
+        naming the first bad entry otherwise."""
         F = self.layout.num_features
-        bsfr = batch_size_per_feature_per_rank
         if isinstance(bsfr, torch.Tensor):
-            bsfr = bsfr.tolist()
+            B = bsfr.detach().to("cpu")
+            if B.dim() == 2 and B.shape[0] == F and B.shape[1] > 0 and not B.is_floating_point() \
+                    and B.dtype != torch.bool and not bool((B < 0).any()):
+                return B.to(torch.int64)
+            bsfr = B.tolist()
+        try:
+            B = torch.tensor(bsfr, dtype=None)
+            ok = (B.dim() == 2 and B.shape[0] == F and B.shape[1] > 0 and B.dtype in
+                  (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8) and not bool((B < 0).any()))
+        except (TypeError, ValueError, RuntimeError):
+            ok = False
+        if ok:
+            return B.to(torch.int64)
+        # the slow way, for the message
         if not isinstance(bsfr, (list, tuple)) or len(bsfr) != F:
             raise ValueError(
                 f"tbegen: batch_size_per_feature_per_rank must be a list with one list of per-rank batch sizes "
                 f"per feature ({F}), got {bsfr if not isinstance(bsfr, (list, tuple)) else f'{len(bsfr)} entries'!r}")
-        rows = []
+        R = None
         for f, per_rank in enumerate(bsfr):
-            if isinstance(per_rank, torch.Tensor):
-                per_rank = per_rank.tolist()
             if not isinstance(per_rank, (list, tuple)) or not per_rank:
                 raise ValueError(f"tbegen: batch_size_per_feature_per_rank[{f}] must be a non-empty list of "
                                  f"per-rank batch sizes, got {per_rank!r}")
@@ -1126,43 +1139,51 @@ class TableBatchedEmbeddingBags(nn.Module):
                 if not _is_int(b) or b < 0:
                     raise ValueError(f"tbegen: batch_size_per_feature_per_rank[{f}][{r}] must be a non-negative "
                                      f"int, got {b!r}")
-            rows.append(tuple(int(b) for b in per_rank))
-        R = len(rows[0])
-        uneven = [f for f, r in enumerate(rows) if len(r) != R]
-        if uneven:
-            raise ValueError(f"tbegen: batch_size_per_feature_per_rank must give every feature the same number of "
-                             f"ranks: feature 0 has {R}, feature {uneven[0]} has {len(rows[uneven[0]])}")
+            if R is None:
+                R = len(per_rank)
+            elif len(per_rank) != R:
+                raise ValueError(f"tbegen: batch_size_per_feature_per_rank must give every feature the same number "
+                                 f"of ranks: feature 0 has {R}, feature {f} has {len(per_rank)}")
+        raise ValueError(f"tbegen: batch_size_per_feature_per_rank is not F = {F} lists of R non-negative ints")
+
+    def _vbe_plan(self, batch_size_per_feature_per_rank) -> Dict[str, Any]:
+        """The padding index and the output gather index of one batch_size_per_feature_per_rank,
+        computed on the module's device with a few vectorised operations (no host loop over
+        features, ranks or values; one small host->device copy), kept for the last distinct ones."""
+        B = self._vbe_sizes(batch_size_per_feature_per_rank)  # [F, R]
         device = self.weights.device
-        key = (tuple(rows), str(device))
+        F, R = B.shape
+        key = (F, R, tuple(B.reshape(-1).tolist()), str(device))
         plans = self.__dict__.setdefault("_vbe_plans", {})
         plan = plans.get(key)
         if plan is not None:
             return plan
-        B = torch.tensor(rows, dtype=torch.int64).reshape(F, R)  # [F, R]
         B_f = B.sum(dim=1)
         total = int(B_f.sum())
         max_B = int(B_f.max())
-        start_f = torch.cumsum(B_f, 0) - B_f  # first bag of each feature in the VBE order
-        b = torch.arange(max_B, dtype=torch.int64)
+        dims_host = torch.tensor([self.layout.tables[t][1] for t in self.layout.feature_table_map], dtype=torch.int64)
+        n_out = int((B * dims_host[:, None]).sum())
+        Bd = B.to(device)
+        B_fd = Bd.sum(dim=1)
+        start_f = torch.cumsum(B_fd, 0) - B_fd  # first bag of each feature in the VBE order
+        b = torch.arange(max_B, dtype=torch.int64, device=device)
         # padded bag (f, b) starts where VBE bag start_f + min(b, B_f) starts (empty when b >= B_f)
-        pad = (start_f[:, None] + torch.minimum(b[None, :], B_f[:, None])).reshape(-1)
-        pad = torch.cat([pad, torch.tensor([total], dtype=torch.int64)])
-        # rank-major output: for rank r, feature f, sample j: padded row prefix[f, r] + j, columns
-        # of feature f
-        prefix = torch.cumsum(B, 1) - B  # [F, R]
-        col = self.layout.feature_out_offsets()
-        dims = [self.layout.tables[t][1] for t in self.layout.feature_table_map]
-        total_D = self.layout.total_D
-        parts = []
-        for r in range(R):
-            for f in range(F):
-                n = rows[f][r]
-                if n:
-                    rr = torch.arange(int(prefix[f, r]), int(prefix[f, r]) + n, dtype=torch.int64)
-                    cc = torch.arange(col[f], col[f] + dims[f], dtype=torch.int64)
-                    parts.append((rr[:, None] * total_D + cc[None, :]).reshape(-1))
-        gather = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
-        plan = {"total_bags": total, "max_B": max_B, "pad": pad.to(device), "gather": gather.to(device)}
+        pad = (start_f[:, None] + torch.minimum(b[None, :], B_fd[:, None])).reshape(-1)
+        pad = torch.cat([pad, pad.new_full((1,), total)])
+        # rank-major output: segment (r, f) holds B[f, r] rows of D_f values; its row j is padded
+        # row prefix[f, r] + j, columns col_f .. col_f + D_f
+        dims = dims_host.to(device)
+        col = torch.cumsum(dims, 0) - dims
+        prefix = torch.cumsum(Bd, 1) - Bd  # [F, R]
+        seg_size = (Bd * dims[:, None]).t().reshape(-1)  # [R * F], rank-major
+        seg_first = torch.cumsum(seg_size, 0) - seg_size
+        seg_base = (prefix * self.layout.total_D + col[:, None]).t().reshape(-1)
+        seg_D = dims.repeat(R)
+        seg = torch.repeat_interleave(torch.arange(R * F, device=device), seg_size, output_size=n_out)
+        k = torch.arange(n_out, dtype=torch.int64, device=device) - seg_first[seg]
+        D_of = seg_D[seg]
+        gather = seg_base[seg] + torch.div(k, D_of, rounding_mode="floor") * self.layout.total_D + k % D_of
+        plan = {"total_bags": total, "max_B": max_B, "pad": pad, "gather": gather}
         if len(plans) >= self._VBE_PLANS_KEPT:
             plans.pop(next(iter(plans)))
         plans[key] = plan

@@ -1,0 +1,204 @@
+#!/usr/bin/env python3
+"""Variable batch size per feature (VBE): tbegen's VBE training step beside tbegen's fixed-batch
+step on the same lookups padded to the largest batch, and FBGEMM's padded step where fbgemm_gpu
+imports (the referee bundle leaves out FBGEMM's VBE library, so FBGEMM runs the padded batch).
+
+A step is what a user runs: the module's forward and `out.backward(grad)` (the fused update
+included), timed with CUDA events over `--iters` steps after `--warmup`, each step on the next of
+`--nsets` pre-drawn batches (the same batches for every system). Goal (issue 25): tbegen's VBE
+step at most its padded fixed-batch step, and faster than FBGEMM's padded step.
+
+Cases: T features of dimension D, R ranks, per-rank batch up to B; each (feature, rank) batch is
+drawn from [frac * B, B] with frac per case ("mild" 0.5, "skewed": a third of the features at
+0.05-0.2 of the others'), pooling factor L per bag drawn from [1, 2L-1], uniform rows.
+
+On a GPU machine (fbgemm from the referee's bundle, see ../shared/tools/fbgemm-anchor/README.md):
+    python3 .anchor/unpack_bundle.py .anchor/bundle /tmp/fbg_site
+    CUDA_MODULE_LOADING=LAZY PYTHONPATH=/tmp/fbg_site:$PWD python3 benchmarks/bench_vbe.py --out $OUT/vbe
+On the CPU (a quick smoke run of the script itself): python3 benchmarks/bench_vbe.py --device cpu --small
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tbegen import TableBatchedEmbeddingBags  # noqa: E402
+
+CASES = {
+    # name: (T, rows, D, R, B per rank, L, skew)
+    "mild": (16, 1_000_000, 128, 8, 512, 20, False),
+    "skewed": (16, 1_000_000, 128, 8, 512, 20, True),
+    "narrow-skewed": (32, 500_000, 32, 16, 256, 10, True),
+}
+SMALL = {
+    "mild": (4, 1000, 16, 2, 16, 4, False),
+    "skewed": (4, 1000, 16, 3, 16, 4, True),
+}
+OPTIMIZERS = {"sgd": "EXACT_SGD", "rowwise_adagrad": "EXACT_ROWWISE_ADAGRAD"}
+
+
+def draw_batch(T, rows, R, B, L, skew, gen):
+    """(indices, VBE offsets, batch_size_per_feature_per_rank, padded offsets, max_B)."""
+    lo = torch.full((T,), 0.5)
+    if skew:
+        lo[: T // 3] = 0.05
+    bsfr = []
+    for f in range(T):
+        hi_f = 0.2 if skew and f < T // 3 else 1.0
+        sizes = (torch.rand(R, generator=gen) * (hi_f - lo[f]) + lo[f]) * B
+        bsfr.append([max(1, int(s)) for s in sizes])
+    B_f = [sum(b) for b in bsfr]
+    total = sum(B_f)
+    lengths = torch.randint(1, 2 * L, (total,), generator=gen)
+    indices = torch.randint(0, rows, (int(lengths.sum()),), generator=gen)
+    offsets = torch.zeros(total + 1, dtype=torch.int64)
+    offsets[1:] = lengths.cumsum(0)
+    max_B = max(B_f)
+    pad, start = [], 0
+    for f in range(T):
+        for b in range(max_B):
+            pad.append(start + min(b, B_f[f]))
+        start += B_f[f]
+    pad.append(total)
+    return indices, offsets, bsfr, offsets[torch.tensor(pad)], max_B
+
+
+def timed(step, sets, warmup, iters, device):
+    for i in range(warmup):
+        step(sets[i % len(sets)])
+    if device == "cuda":
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for i in range(iters):
+            step(sets[(warmup + i) % len(sets)])
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end) / iters
+    t0 = time.perf_counter()
+    for i in range(iters):
+        step(sets[(warmup + i) % len(sets)])
+    return (time.perf_counter() - t0) * 1e3 / iters
+
+
+def fbgemm_module(T, rows, D, optimizer, device):
+    try:
+        from fbgemm_gpu.split_embedding_configs import EmbOptimType
+        from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation
+        from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
+            ComputeDevice, SplitTableBatchedEmbeddingBagsCodegen)
+    except Exception as e:  # noqa: BLE001
+        return None, f"fbgemm_gpu not importable ({type(e).__name__}: {e})"
+    loc, cd = ((EmbeddingLocation.DEVICE, ComputeDevice.CUDA) if device == "cuda"
+               else (EmbeddingLocation.HOST, ComputeDevice.CPU))
+    kw = dict(learning_rate=0.01)
+    if optimizer != "sgd":
+        kw["eps"] = 1e-8
+    m = SplitTableBatchedEmbeddingBagsCodegen([(rows, D, loc, cd)] * T, optimizer=getattr(EmbOptimType, OPTIMIZERS[optimizer]),
+                                              **kw)
+    return m, None
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--small", action="store_true", help="tiny shapes (a smoke run)")
+    ap.add_argument("--cases", default=None, help="comma-separated case names")
+    ap.add_argument("--optimizers", default="sgd,rowwise_adagrad")
+    ap.add_argument("--nsets", type=int, default=8)
+    ap.add_argument("--warmup", type=int, default=10)
+    ap.add_argument("--iters", type=int, default=40)
+    ap.add_argument("--no-fbgemm", action="store_true")
+    ap.add_argument("--out", default=None, help="folder for results.json")
+    args = ap.parse_args()
+    cases = SMALL if args.small else CASES
+    names = args.cases.split(",") if args.cases else list(cases)
+    dev = args.device
+    results = []
+    for name in names:
+        T, rows, D, R, B, L, skew = cases[name]
+        gen = torch.Generator().manual_seed(1)
+        sets = []
+        for _ in range(args.nsets):
+            ind, off, bsfr, poff, max_B = draw_batch(T, rows, R, B, L, skew, gen)
+            sets.append(dict(ind=ind.to(dev), off=off.to(dev), poff=poff.to(dev), bsfr=bsfr, max_B=max_B,
+                             lookups=ind.numel(), bags=off.numel() - 1, padded_bags=poff.numel() - 1))
+        for s in sets:
+            n = sum(b * D for per_rank in s["bsfr"] for b in per_rank)
+            s["grad"] = torch.randn(n, generator=gen).to(dev)
+            s["pgrad"] = torch.randn(s["max_B"], T * D, generator=gen).to(dev)
+        for opt in args.optimizers.split(","):
+            hyper = dict(learning_rate=0.01) if opt == "sgd" else dict(learning_rate=0.01, eps=1e-8)
+            emb = TableBatchedEmbeddingBags([(rows, D)] * T, optimizer=opt, device=dev, **hyper)
+            # check: the VBE output is the padded output's real rows (bitwise), before timing
+            s = sets[0]
+            with torch.no_grad():
+                a = emb(s["ind"], s["off"], batch_size_per_feature_per_rank=s["bsfr"])
+                b = emb(s["ind"], s["poff"])
+            # (rank-major gather of b, written out here)
+            parts, start = [], [0] * T
+            prefix = [[sum(s["bsfr"][f][:r]) for r in range(R)] for f in range(T)]
+            for r in range(R):
+                for f in range(T):
+                    n = s["bsfr"][f][r]
+                    parts.append(b[prefix[f][r]:prefix[f][r] + n, f * D:(f + 1) * D].reshape(-1))
+            check = bool(torch.equal(a, torch.cat(parts)))
+            row = dict(case=name, optimizer=opt, T=T, rows=rows, D=D, R=R, B=B, L=L, skew=skew, device=dev,
+                       lookups=sum(x["lookups"] for x in sets) / len(sets),
+                       bags=sum(x["bags"] for x in sets) / len(sets),
+                       padded_bags=sum(x["padded_bags"] for x in sets) / len(sets), vbe_equals_padded=check)
+
+            def vbe_step(s, emb=emb):
+                emb(s["ind"], s["off"], batch_size_per_feature_per_rank=s["bsfr"]).backward(s["grad"])
+
+            def padded_step(s, emb=emb):
+                emb(s["ind"], s["poff"]).backward(s["pgrad"])
+
+            row["tbegen_vbe_ms"] = timed(vbe_step, sets, args.warmup, args.iters, dev)
+            row["tbegen_padded_ms"] = timed(padded_step, sets, args.warmup, args.iters, dev)
+            del emb
+            if not args.no_fbgemm:
+                fb, why = fbgemm_module(T, rows, D, opt, dev)
+                if fb is None:
+                    row["fbgemm_note"] = why
+                else:
+                    def fbgemm_step(s, fb=fb):
+                        fb(s["ind"], s["poff"]).backward(s["pgrad"])
+
+                    row["fbgemm_padded_ms"] = timed(fbgemm_step, sets, args.warmup, args.iters, dev)
+                    del fb
+            if dev == "cuda":
+                torch.cuda.empty_cache()
+            results.append(row)
+            print(json.dumps(row), flush=True)
+    hdr = f"{'case':<14} {'optimizer':<16} {'bags':>8} {'padded':>8} {'VBE ms':>8} {'padded ms':>10} {'FBGEMM pad ms':>14} {'VBE/pad':>8} {'VBE/FBGEMM':>11} check"
+    print(hdr)
+    print("-" * len(hdr))
+    for r in results:
+        fbm = r.get("fbgemm_padded_ms")
+        print(f"{r['case']:<14} {r['optimizer']:<16} {r['bags']:>8.0f} {r['padded_bags']:>8.0f} {r['tbegen_vbe_ms']:>8.3f} "
+              f"{r['tbegen_padded_ms']:>10.3f} {fbm if fbm is not None else float('nan'):>14.3f} "
+              f"{r['tbegen_vbe_ms'] / r['tbegen_padded_ms']:>8.3f} "
+              f"{(r['tbegen_vbe_ms'] / fbm) if fbm else float('nan'):>11.3f} {'ok' if r['vbe_equals_padded'] else 'MISMATCH'}")
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        meta = dict(torch=torch.__version__, device=torch.cuda.get_device_name() if dev == "cuda" else "cpu",
+                    warmup=args.warmup, iters=args.iters, nsets=args.nsets)
+        (out / "results.json").write_text(json.dumps(dict(meta=meta, results=results), indent=1))
+        print(f"wrote {out / 'results.json'}")
+    if not all(r["vbe_equals_padded"] for r in results):
+        sys.exit("bench_vbe: the VBE output differs from the padded batch's rows")
+
+
+if __name__ == "__main__":
+    main()
