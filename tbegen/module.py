@@ -284,6 +284,27 @@ def check_hyperparameters(spec: OptimizerSpec, given: Dict[str, Any], *, complet
 # ---- the autograd function -------------------------------------------------------------------
 
 
+class _RowsOf(torch.autograd.Function):
+    """out.reshape(-1)[index] for an index without repeats (the VBE output's values of the padded
+    output). Its backward writes the gradient into zeros at those positions (index_copy_: one write
+    per position; autograd's own backward of indexing would accumulate, which sorts the index on
+    CUDA every step)."""
+
+    @staticmethod
+    def forward(ctx, out, index):
+        ctx.shape = out.shape
+        ctx.save_for_backward(index)
+        return out.reshape(-1).index_select(0, index)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        (index,) = ctx.saved_tensors
+        full = grad.new_zeros(ctx.shape.numel())
+        full.index_copy_(0, index, grad.contiguous())
+        return full.view(ctx.shape), None
+
+
 class _Lookup(torch.autograd.Function):
     """Forward: the pooled lookup. Backward: the per-sample-weight gradient (from the weights as
     they are before the update), then the fused update (or, for optimizer "none", the dense
@@ -1163,7 +1184,11 @@ class TableBatchedEmbeddingBags(nn.Module):
         max_B = int(B_f.max())
         dims_host = torch.tensor([self.layout.tables[t][1] for t in self.layout.feature_table_map], dtype=torch.int64)
         n_out = int((B * dims_host[:, None]).sum())
-        Bd = B.to(device)
+        if device.type == "cuda":  # (a pageable copy would wait for the stream: a host sync per step)
+            both = torch.cat([B.reshape(-1), dims_host]).pin_memory().to(device, non_blocking=True)
+        else:
+            both = torch.cat([B.reshape(-1), dims_host])
+        Bd, dims = both[: F * R].view(F, R), both[F * R:]
         B_fd = Bd.sum(dim=1)
         start_f = torch.cumsum(B_fd, 0) - B_fd  # first bag of each feature in the VBE order
         b = torch.arange(max_B, dtype=torch.int64, device=device)
@@ -1172,7 +1197,6 @@ class TableBatchedEmbeddingBags(nn.Module):
         pad = torch.cat([pad, pad.new_full((1,), total)])
         # rank-major output: segment (r, f) holds B[f, r] rows of D_f values; its row j is padded
         # row prefix[f, r] + j, columns col_f .. col_f + D_f
-        dims = dims_host.to(device)
         col = torch.cumsum(dims, 0) - dims
         prefix = torch.cumsum(Bd, 1) - Bd  # [F, R]
         seg_size = (Bd * dims[:, None]).t().reshape(-1)  # [R * F], rank-major
@@ -1211,7 +1235,7 @@ class TableBatchedEmbeddingBags(nn.Module):
         out = self.forward(indices, padded, per_sample_weights)
         if self.pooling == "none":  # (one row per index: the bags' batch does not shape it)
             return out
-        return out.reshape(-1)[plan["gather"]]
+        return _RowsOf.apply(out, plan["gather"])
 
     def _compile_init(self) -> None:
         # torch.compile's handle and zero-size CPU anchor (tbegen/compiled.py); made anew for a
