@@ -14,6 +14,17 @@ MODES = {
     "fullgraph": {"fullgraph": True},
 }
 DEVICES = [pytest.param("cpu", id="cpu"), pytest.param("cuda", id="cuda", marks=pytest.mark.cuda)]
+# mode="reduce-overhead" on CUDA: the first H200 run (2026-12-04 14:02 UTC, torch 2.11) failed inside
+# inductor's CUDA-graph trees before any step (`assert isinstance(inp, (int, torch.Generator))` on the
+# effect token of the opaque operators; once "cudagraph pool not tracked"): an error, not a wrong
+# result. Expected to fail until fixed (strict: a pass is reported, so the mark comes off then).
+REDUCE_OVERHEAD_CUDA = pytest.mark.xfail(
+    reason="reduce-overhead on CUDA fails in inductor's CUDA-graph trees (run of 2026-12-04 14:02 UTC)", strict=True)
+
+
+def _mark_known_failures(request, device, mode):
+    if device == "cuda" and mode == "reduce-overhead":
+        request.applymarker(REDUCE_OVERHEAD_CUDA)
 TABLES = [(60, 8), (40, 12)]
 
 
@@ -94,8 +105,9 @@ def _fresh_dynamo():
     dict(optimizer="sgd", twice=True),
     dict(optimizer="none"),  # (the dense weight gradient flows back through the compiled graph)
 ], ids=["rowwise_adagrad", "adam_weighted", "sgd_two_calls", "dense"])
-def test_compiled_training_gives_eager_bits(device, mode, case):
+def test_compiled_training_gives_eager_bits(request, device, mode, case):
     _need(device)
+    _mark_known_failures(request, device, mode)
     case = dict(case)
     weighted = case.pop("weighted", False)
     twice = case.pop("twice", False)
@@ -127,8 +139,9 @@ def test_compiled_training_gives_eager_bits(device, mode, case):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("mode", list(MODES))
-def test_bad_index_under_compile_raises_and_updates_nothing(device, mode):
+def test_bad_index_under_compile_raises_and_updates_nothing(request, device, mode):
     _need(device)
+    _mark_known_failures(request, device, mode)
     model = Model(device)
     call = torch.compile(model, **MODES[mode])
     good = _batches(device, n=2)
