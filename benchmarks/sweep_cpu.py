@@ -19,7 +19,6 @@ move with what else runs on the machine: the load average at the start and end i
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import math
 import os
@@ -29,6 +28,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import referee as referee_scripts  # noqa: E402  (benchmarks/referee.py)
 OPTS = ("exact_sgd", "exact_adagrad", "exact_rowwise_adagrad")
 BASE = dict(T=8, E=100_000, D=64, B=2048, L=20, dist="uniform")
 
@@ -47,13 +48,8 @@ def shapes(quick: bool = False) -> list:
 
 
 def referee():
-    for folder in (os.environ.get("TBEGEN_REFEREE"), ROOT / ".anchor", ROOT.parent / "shared/tools/fbgemm-anchor"):
-        if folder and (Path(folder) / "bench_cpu.py").is_file():
-            spec = importlib.util.spec_from_file_location("bench_cpu_referee", Path(folder) / "bench_cpu.py")
-            mod = importlib.util.module_from_spec(spec)
-            spec.loader.exec_module(mod)
-            return mod
-    raise SystemExit("sweep_cpu.py: the referee's bench_cpu.py was not found (set TBEGEN_REFEREE)")
+    """bench_cpu.py, the referee (its batches, modules, step and round-robin timing)."""
+    return referee_scripts.load("bench_cpu.py")
 
 
 def set_shape(ref, s: dict, torch) -> None:

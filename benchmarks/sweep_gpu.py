@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import importlib.util
 import json
 import math
 import os
@@ -42,6 +41,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import referee as referee_scripts  # noqa: E402  (benchmarks/referee.py)
 OPTIMIZERS = {"sgd": "EXACT_SGD", "rowwise_adagrad": "EXACT_ROWWISE_ADAGRAD", "adagrad": "EXACT_ADAGRAD",
               "adam": "ADAM"}
 LR, EPS, BETA1, BETA2 = 0.01, 1e-8, 0.9, 0.999
@@ -118,13 +119,7 @@ def describe(s: dict) -> str:
 
 def referee():
     """bench_tbe.py, the referee (its batch generator, timing loop and FBGEMM import)."""
-    for folder in (os.environ.get("TBEGEN_REFEREE"), ROOT / ".anchor", ROOT.parent / "shared/tools/fbgemm-anchor"):
-        if folder and (Path(folder) / "bench_tbe.py").is_file():
-            spec = importlib.util.spec_from_file_location("bench_tbe", Path(folder) / "bench_tbe.py")
-            mod = importlib.util.module_from_spec(spec)
-            spec.loader.exec_module(mod)
-            return mod
-    raise SystemExit("sweep_gpu.py: bench_tbe.py not found (carry .anchor/, or set TBEGEN_REFEREE)")
+    return referee_scripts.load("bench_tbe.py")
 
 
 def tbegen_module(s: dict, opt: str, torch):
