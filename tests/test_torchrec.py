@@ -10,7 +10,6 @@ process to compare. Skipped where torchrec is not installed.
 from __future__ import annotations
 
 import os
-import socket
 from pathlib import Path
 
 import pytest
@@ -19,6 +18,7 @@ import torch
 torchrec = pytest.importorskip("torchrec")
 pytest.importorskip("fbgemm_gpu")
 
+from ranks import free_port, start_rank  # noqa: E402  (tests/ranks.py)
 from tbegen import TableBatchedEmbeddingBags  # noqa: E402
 from tbegen.torchrec import SHARDING_TYPES, TbegenEmbeddingBagCollectionSharder, dlrm  # noqa: E402
 from tbegen.torchrec.kernel import DATA_PARALLEL_SUPPORTED  # noqa: E402
@@ -151,15 +151,7 @@ def _run_case(case, rank, world, outdir, key, device):
 def _worker(rank, world, port, outdir, key):
     import torch.distributed as dist
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)  # also keeps the forked ranks out of the parent's OpenMP thread pool
-    on_gpu = str(key).startswith("cuda")
-    if on_gpu:
-        device = torch.device("cuda", rank)
-        torch.cuda.set_device(device)
-    else:
-        device = torch.device("cpu")
-    dist.init_process_group("nccl" if on_gpu else "gloo", rank=rank, world_size=world)
+    device = start_rank(rank, world, port, on_gpu=str(key).startswith("cuda"))
     try:
         for case in CASES[key]:
             _run_case(case, rank, world, outdir, key, device)
@@ -167,16 +159,10 @@ def _worker(rank, world, port, outdir, key):
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _launch(key, world, outdir, start_method):
     for case in CASES[key]:  # build (or load) the extensions once, before the ranks start
         TableBatchedEmbeddingBags([(4, 4)], optimizer=case["optimizer"])
-    torch.multiprocessing.start_processes(_worker, args=(world, _free_port(), str(outdir), key), nprocs=world,
+    torch.multiprocessing.start_processes(_worker, args=(world, free_port(), str(outdir), key), nprocs=world,
                                           join=True, start_method=start_method)
     return {case["name"]: torch.load(outdir / f"{key}-{case['name']}.pt", weights_only=False) for case in CASES[key]}
 

@@ -35,11 +35,11 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import socket
 from pathlib import Path
 
 import pytest
 import torch
+from ranks import free_port, start_rank  # (tests/ranks.py)
 
 torchrec = pytest.importorskip("torchrec")
 pytest.importorskip("fbgemm_gpu")
@@ -246,13 +246,8 @@ def _refusals(rank, world, device):
 def _worker(rank, world, port, outdir, key):
     import torch.distributed as dist
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
     on_gpu = key == "cuda"
-    device = torch.device("cuda", rank) if on_gpu else torch.device("cpu")
-    if on_gpu:
-        torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if on_gpu else "gloo", rank=rank, world_size=world)
+    device = start_rank(rank, world, port, on_gpu)
     try:
         result = {"refusals": {rank: _refusals(rank, world, device)}}
         optimizers = list(example.OPTIMIZERS) if on_gpu else list(example.FBGEMM_CPU_OPTIMIZERS)
@@ -269,18 +264,12 @@ def _worker(rank, world, port, outdir, key):
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _launch(key, world, outdir, start_method):
     from tbegen import TableBatchedEmbeddingBags
 
     for name in ("sgd", "adagrad", "rowwise_adagrad", "adam"):  # extensions built (or loaded) once, before the ranks
         TableBatchedEmbeddingBags([(4, 4)], optimizer=name)
-    torch.multiprocessing.start_processes(_worker, args=(world, _free_port(), str(outdir), key), nprocs=world,
+    torch.multiprocessing.start_processes(_worker, args=(world, free_port(), str(outdir), key), nprocs=world,
                                           join=True, start_method=start_method)
     return torch.load(outdir / f"{key}.pt", weights_only=False)
 

@@ -8,10 +8,10 @@ weights after each step agree (float32 rounding: both kernels sum in different o
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
 import torch
+from ranks import free_port  # (tests/ranks.py)
 
 torchrec = pytest.importorskip("torchrec")
 pytest.importorskip("fbgemm_gpu")
@@ -100,15 +100,9 @@ def _worker(rank, port, outdir):
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_vbe_kjt_under_dmp_trains_like_fbgemm(tmp_path):
     TableBatchedEmbeddingBags([(4, 4)], optimizer="sgd")  # (built or loaded before the ranks fork)
-    torch.multiprocessing.start_processes(_worker, args=(_free_port(), str(tmp_path)), nprocs=WORLD, join=True,
+    torch.multiprocessing.start_processes(_worker, args=(free_port(), str(tmp_path)), nprocs=WORLD, join=True,
                                           start_method="fork")
     for rank in range(WORLD):
         res = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)
