@@ -87,9 +87,10 @@ def literal_type(text: str) -> str:
 
 
 class _Checker:
-    def __init__(self, source: Source, names: Dict[str, str], findings: List[Finding]):
+    def __init__(self, source: Source, names: Dict[str, str], findings: List[Finding], states: Sequence[str] = ()):
         self.source = source
         self.names = names  # name -> type, locals added as they are declared
+        self.states = set(states)  # (which names are states: for the messages)
         self.findings = findings
         self.tokens, problems = tokenize(source.code)
         if problems:
@@ -256,7 +257,7 @@ class _Checker:
                                 f"declare {name!r} as int64_t", warning=True)
 
     def _is_state(self, name: str) -> bool:
-        return name in getattr(self, "states", ())
+        return name in self.states
 
     def boolean(self, value: _Value) -> None:
         value.divisions = []
@@ -444,10 +445,9 @@ def check_types(stages: Sequence[StageSource], names: Dict[str, str], states: Se
             if source is None:
                 continue
             try:
-                checker = _Checker(source, scope, findings)
+                checker = _Checker(source, scope, findings, states)
             except _Skip:
                 continue
-            checker.states = set(states)
             if expression:
                 try:
                     value = checker.expression()
