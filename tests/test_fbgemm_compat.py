@@ -379,6 +379,25 @@ def run_differential(fb, optimizer, dims, rows, ftm, pooling, weighted, steps, s
 
 CPU_OPTIMIZERS = ["EXACT_SGD", "EXACT_ADAGRAD", "EXACT_ROWWISE_ADAGRAD"]
 
+_RETURNING_MAP_OK = {}
+
+
+def fbgemm_cpu_trains_returning_map(fb, optimizer):
+    """Whether FBGEMM's CPU backward runs for a feature_table_map that returns to an earlier table
+    ([0, 1, 0]). fbgemm-gpu-cpu 1.8.0's rowwise_adagrad raises "num of rows processed by adagrad: 0
+    does not match c_block size" for every such map on an AVX-512 machine (1.9.0 runs it; [0, 1, 1]
+    runs on both): a limit of the referee, probed once per optimizer rather than assumed."""
+    if optimizer not in _RETURNING_MAP_OK:
+        theirs, _ = make_pair(fb, optimizer, [4, 4], 2, [0, 1, 0], "SUM", "cpu", learning_rate=0.1)
+        try:
+            theirs(torch.tensor([1, 1, 1]), torch.tensor([0, 1, 2, 3])).sum().backward()
+            _RETURNING_MAP_OK[optimizer] = True
+        except RuntimeError as e:
+            if "num of rows processed" not in str(e):
+                raise
+            _RETURNING_MAP_OK[optimizer] = False
+    return _RETURNING_MAP_OK[optimizer]
+
 
 @pytest.fixture(scope="module")
 def fbgemm_cpu():
@@ -404,6 +423,8 @@ def test_cpu_matches_fbgemm(fbgemm_cpu, optimizer, shape):
     rounding, for random tables, shared tables, bag lengths 0-3, duplicates, SUM/MEAN, weights."""
     T = len(shape["dims"])
     ftm = list(range(T)) + [t % T for t in shape["extra_features"]]
+    if ftm != sorted(ftm) and not fbgemm_cpu_trains_returning_map(fbgemm_cpu, optimizer):
+        ftm = sorted(ftm)  # the same shared tables, each table's features adjacent (see the probe)
     hyper = dict(learning_rate=shape["lr"]) if optimizer == "EXACT_SGD" else dict(learning_rate=shape["lr"], eps=1e-6)
     worst = run_differential(fbgemm_cpu, optimizer, shape["dims"], shape["rows"], ftm, shape["pooling"],
                              shape["weighted"], steps=6, seed=shape["seed"], **hyper)
@@ -455,6 +476,8 @@ def test_cpu_fbgemm_updates_shared_tables_per_feature(fbgemm_cpu, optimizer):
     of a shared table, FBGEMM's CPU applies one update per feature, where tbegen (and FBGEMM's GPU)
     apply one update with the summed gradient. Row 1 gets gradient g0 through feature 0 and g2
     through feature 2; the accumulators show which happened."""
+    if not fbgemm_cpu_trains_returning_map(fbgemm_cpu, optimizer):
+        pytest.skip(f"this FBGEMM's CPU {optimizer} cannot train the map [0, 1, 0] (fbgemm_cpu_trains_returning_map)")
     theirs, ours = make_pair(fbgemm_cpu, optimizer, [4, 4], 2, [0, 1, 0], "SUM", "cpu", learning_rate=0.1, eps=1e-6)
     g = torch.arange(1.0, 13.0).view(1, 12)
     g0, g2 = g[0, 0:4], g[0, 8:12]
