@@ -685,6 +685,9 @@ WIDE_TABLES = ((40, VECTOR_MAX_DIM), (25, 516))  # the widest rows the 4-wide ke
 # any-width kernels), and one row wider than the 4-wide kernels take
 ODD_TABLES = ((30, 1), (20, 3), (10, 5), (9, 33), (4, 1031))
 NONE_TABLES = ((80, 32), (40, 32))
+# rows wider than the 4-wide kernels hold, widths multiples of 4 (on CUDA: the pooled forward's
+# chunks of 1024 columns and the any-width backward's 4-wide sums), beside a narrow table
+BEYOND_TABLES = ((12, 2048), (6, 1100), (20, 8))
 # for specs that need even widths (a whole-table stage reading partner): widths 2 mod 4
 EVEN_ODD_TABLES = ((30, 2), (20, 6), (10, 10), (9, 34), (4, 1030))
 
@@ -728,6 +731,12 @@ def standard_cases(spec: OptimizerSpec, dtypes: Sequence[torch.dtype] = (torch.f
     if floats:
         cases.append(Case(tables=odd_tables, B=8, max_L=4, pooling="sum", weighted=True, seed=701,
                           state_dtypes=tuple((name, torch.bfloat16) for name in floats)))
+    # rows wider than kVectorMaxD, widths multiples of 4 (on CUDA: the pooled forward in chunks of
+    # 1024 columns, the any-width backward's 4-wide sums), fp16 weights where the grid has them
+    wide_dtype = torch.float16 if torch.float16 in dtypes else dtypes[-1]
+    cases.append(Case(tables=BEYOND_TABLES, B=8, max_L=4, pooling="sum", weighted=True, weights_dtype=wide_dtype,
+                      seed=702))
+    cases.append(Case(tables=BEYOND_TABLES, B=8, max_L=4, pooling="mean", seed=703))
     return cases
 
 

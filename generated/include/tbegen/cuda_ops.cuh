@@ -192,14 +192,21 @@ inline bool aligned_to(const void* p, size_t bytes) { return reinterpret_cast<ui
 // launches by the classes).
 inline bool check_layout_and_choose(const Batch& b, const at::Tensor& features, const at::Tensor& weights,
                                     std::initializer_list<const void*> float_buffers,
-                                    WidthClasses* classes = nullptr) {
+                                    WidthClasses* classes = nullptr, int64_t max_width = kVectorMaxD,
+                                    bool* float_rows_4wide = nullptr) {
   static HostFeaturesCache cache;
   const HostFeaturesCache::Copy feat = cache.get(features);
   check_features(b, feat->data(), weights);
   if (classes != nullptr) {
     for (int64_t f = 0; f < b.F; ++f) classes->add((*feat)[f * kFeatColumns + kFeatDim]);
   }
-  if (!vector_layout(feat->data(), b.F, b.total_D, b.max_D)) return false;
+  if (float_rows_4wide != nullptr) {
+    // whether the float buffers' rows (the output gradient's, and scratch rows of max_D floats)
+    // can be read 4 at a time whatever the widths (BackwardArgs::float_rows_4wide)
+    *float_rows_4wide = vector_layout(feat->data(), b.F, b.total_D, b.max_D, kMaxD);
+    for (const void* p : float_buffers) *float_rows_4wide = *float_rows_4wide && (p == nullptr || aligned_to(p, 16));
+  }
+  if (!vector_layout(feat->data(), b.F, b.total_D, b.max_D, max_width)) return false;
   // int8 rows (uint8 weights) always take the any-width kernels, which dequantize and quantize
   // a row column by column; the 4-wide kernels have no int8 code (and no run-time dtype branch)
   if (weights.scalar_type() == at::kByte) return false;
@@ -331,7 +338,9 @@ __attribute__((visibility("hidden"))) void backward_cuda(
   TBEGEN_CHECK(max_segment_length_per_warp >= 1, "tbegen: max_segment_length_per_warp must be >= 1");
   // the 4-wide kernels, or the any-width ones (above)
   WidthClasses classes;
-  bool vector_path = check_layout_and_choose(b, features, weights, {grad_output.data_ptr()}, &classes);
+  bool float_rows_4wide = false;
+  bool vector_path = check_layout_and_choose(b, features, weights, {grad_output.data_ptr()}, &classes,
+                                             kVectorMaxD, &float_rows_4wide);
   vector_path = vector_path && kernels.vector_states_fit(params);
   if (b.N == 0) return;
   const auto stream = at::cuda::getCurrentCUDAStream();
@@ -351,6 +360,7 @@ __attribute__((visibility("hidden"))) void backward_cuda(
   a.error = error.data_ptr<int64_t>();
   a.skip_bad_indices = skip_bad_indices;
   a.long_run_l2_hint = env_is_one("TBEGEN_LONG_RUN_L2_HINT");
+  a.float_rows_4wide = float_rows_4wide;
 
   // The long runs' kernels run on a side stream, concurrently with the short runs' kernel (they
   // touch disjoint rows), forked here and joined back before anything else runs on the caller's
