@@ -116,6 +116,15 @@ if [ "${SWEEP:-1}" = 1 ]; then
     --budget-s $(cap ${SWEEP_TIMEOUT:-150}) --out "$OUT/fbgemm" >> "$OUT/fbgemm.log" 2>&1 || log "shape sweep failed or timed out"
   grep -E "geometric mean" "$OUT/fbgemm/sweep.md" 2>/dev/null
 fi
+# the sweep's cells matching SWEEP_AB_ONLY (a regex, default the 1024-wide rows) again with an
+# environment switch, SWEEP_AB_ENV (e.g. "TBEGEN_BACKWARD_4WIDE_MAX_D=512"), its table into fbgemm.log
+if [ -n "${SWEEP_AB_ENV:-}" ]; then
+  echo "== sweep A/B: ${SWEEP_AB_ENV} on cells matching '${SWEEP_AB_ONLY:-D=1024}'" >> "$OUT/fbgemm.log"
+  env $SWEEP_AB_ENV PYTHONPATH=/tmp/fbg_site:$PYTHONPATH CUDA_MODULE_LOADING=LAZY timeout $(cap ${SWEEP_AB_TIMEOUT:-60}) \
+    python3 benchmarks/sweep_gpu.py --only "${SWEEP_AB_ONLY:-D=1024}" --out /tmp/sweep_ab >> "$OUT/fbgemm.log" 2>&1 \
+    || log "sweep A/B failed or timed out"
+  cat /tmp/sweep_ab/sweep.md >> "$OUT/fbgemm.log" 2>/dev/null
+fi
 wait $rest_pid || { status=1; log "build of the other extensions failed"; }
 log "all extensions built: $(( $(date +%s) - t0 )) s"
 

@@ -149,7 +149,12 @@ def fbgemm_module(ref, s: dict, opt: str, torch):
     specs = [(s["E"], D, F["EmbeddingLocation"].DEVICE, F["ComputeDevice"].CUDA) for D in s["Ds"]]
     emb = F["TBE"](specs, optimizer=getattr(F["OptimType"], OPTIMIZERS[opt]),
                    weights_precision={"fp32": st.FP32, "fp16": st.FP16, "bf16": st.BF16}[s["wprec"]],
-                   output_dtype=st.FP32, learning_rate=LR, eps=EPS, beta1=BETA1, beta2=BETA2, weight_decay=0.0,
+                   output_dtype=st.FP32,
+                   # (FBGEMM_GPU 1.6.0 refuses bf16 weights on the device unless the cache
+                   # precision is given: "cache_precision bf16 not supported"; FP32 is its default
+                   # for the others, and no cache exists with device placement)
+                   **({"cache_precision": st.FP32} if s["wprec"] == "bf16" else {}),
+                   learning_rate=LR, eps=EPS, beta1=BETA1, beta2=BETA2, weight_decay=0.0,
                    pooling_mode=getattr(F["PoolingMode"], s["pooling"].upper()), device=torch.device("cuda"))
     emb.weights_dev.uniform_(-0.01, 0.01)
     return emb

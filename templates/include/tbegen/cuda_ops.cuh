@@ -290,6 +290,19 @@ inline bool env_is_one(const char* name) {
   return v != nullptr && std::strcmp(v, "1") == 0;
 }
 
+// The widest row the backward's 4-wide kernels take: kVectorMaxD, or fewer columns where the
+// environment sets TBEGEN_BACKWARD_4WIDE_MAX_D (a measurement switch: a batch with a wider row
+// then takes the any-width kernels, whose results agree to rounding; read at every call, so that
+// a benchmark can time both in one process).
+inline int64_t backward_4wide_max_d() {
+  const char* v = std::getenv("TBEGEN_BACKWARD_4WIDE_MAX_D");
+  if (v == nullptr || *v == '\0') return kVectorMaxD;
+  char* end = nullptr;
+  const long long d = std::strtoll(v, &end, 10);
+  TBEGEN_CHECK(end != v && *end == '\0' && d >= 0, "tbegen: TBEGEN_BACKWARD_4WIDE_MAX_D must be a column count, got '", v, "'");
+  return std::min<int64_t>(d, kVectorMaxD);
+}
+
 // Whether the backward may take the lane-group kernel (backward_group_kernel) for tables of at
 // most 64 columns: yes unless the environment sets TBEGEN_LANE_GROUPS=0, which launches the
 // whole-warp kernel instead (the same bits, tests/test_cuda.py; benchmarks time the two in one
@@ -341,7 +354,7 @@ __attribute__((visibility("hidden"))) void backward_cuda(
   bool float_rows_4wide = false;
   bool vector_path = check_layout_and_choose(b, features, weights, {grad_output.data_ptr()}, &classes,
                                              kVectorMaxD, &float_rows_4wide);
-  vector_path = vector_path && kernels.vector_states_fit(params);
+  vector_path = vector_path && kernels.vector_states_fit(params) && b.max_D <= backward_4wide_max_d();
   if (b.N == 0) return;
   const auto stream = at::cuda::getCurrentCUDAStream();
   const at::Tensor error = error_record_for(error_record, weights);
