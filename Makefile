@@ -35,9 +35,13 @@ generate:         ## re-render every spec into generated/
 check:            ## fail with a diff if generated/ is not a fresh render
 	$(PYTHON) -m tbegen check
 
+# pytest's worker processes where pytest-xdist is installed (the test extra has it): each test file
+# runs whole in one worker (--dist loadfile: its module fixtures built once)
+JOBS ?= 2
+
 test:             ## CPU suite + compile-and-link of every CUDA extension (where nvcc exists)
 	$(PYTHON) -m tbegen check
-	$(PYTHON) -m pytest -q
+	$(PYTHON) -m pytest -q $$($(PYTHON) -c "import xdist" 2>/dev/null && echo "-n $(JOBS) --dist loadfile")
 
 test-gpu:         ## on a GPU machine: the CUDA suite, sanitizers, benchmarks
 	benchmarks/run_gpu.sh
