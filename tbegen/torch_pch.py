@@ -42,13 +42,26 @@ HEADER = """\
 _DEFINE_NAME = re.compile(r"^-DTORCH_EXTENSION_NAME=")
 
 
-def _finished_cflags(root: Path) -> Optional[List[str]]:
-    """The C++ flags of a finished CPU build in the cache (its build.ninja), less what names that
-    build (its extension name, its own source folders)."""
+def _torch_include() -> str:
+    """The include folder of the torch this process builds against."""
+    import torch
+
+    return os.path.join(os.path.dirname(torch.__file__), "include")
+
+
+def _finished_cflags(root: Path, torch_include: str) -> Optional[List[str]]:
+    """The C++ flags of a finished CPU build in the cache (its build.ninja) made with the torch at
+    `torch_include`, less what names that build (its extension name, its own source folders). One
+    cache may hold builds of several torch installations (the build key has the version), and GCC
+    does not check include paths when it takes a .gch: a header precompiled from another torch's
+    headers would be taken, and the sources' own includes of this torch's headers then define
+    everything twice."""
     for ninja in sorted(root.glob("*-cpu-*/build.ninja")):
         for line in ninja.read_text().splitlines():
             if line.startswith("cflags = "):
                 flags = shlex.split(line[len("cflags = "):])
+                if torch_include not in flags:
+                    break  # (another torch's build)
                 out, skip = [], False
                 for f in flags:
                     if skip:
@@ -77,7 +90,7 @@ def include_flags(root: Path) -> List[str]:
 
 
 def _include_flags(root: Path) -> List[str]:
-    cflags = _finished_cflags(root)
+    cflags = _finished_cflags(root, _torch_include())
     if cflags is None:
         return []
     cxx = os.environ.get("CXX", "c++")
