@@ -26,9 +26,9 @@ from . import render as rnd
 from .spec import SpecError, find_spec, list_specs, load_spec
 
 
-def _load(name_or_path: str):
+def _load(name_or_path: str, run_reference: bool = False):
     try:
-        return load_spec(str(find_spec(name_or_path)))
+        return load_spec(str(find_spec(name_or_path)), run_reference=run_reference)
     except SpecError as e:
         raise click.ClickException(f"invalid spec:\n{e}")
     except ValueError as e:  # unknown name (lists the available ones)
@@ -76,16 +76,17 @@ def list_cmd():
 def validate(files, strict):
     """Check spec files; report every problem as FILE:LINE[:COL]: FIELD: MESSAGE.
 
-    Validation only reads a spec (its reference is parsed, never run). But specs are code, like a
-    Makefile or setup.py: `tbegen test` and the module compile their C++ snippets into a library
-    that is loaded into the process, and `tbegen test` executes their Python reference. Build and
-    test only specs you trust.
+    Validation never compiles a spec, but it runs its Python reference once on a tiny synthetic
+    batch (3 rows, checking what it leaves in each state). Specs are code, like a Makefile or
+    setup.py: `tbegen test` and the module compile their C++ snippets into a library that is
+    loaded into the process, and `tbegen test` executes their Python reference. Validate, build
+    and test only specs you trust.
     """
     failed = False
     for f in files:
         warnings = []
         try:
-            load_spec(f, warnings)
+            load_spec(f, warnings, run_reference=True)
         except SpecError as e:
             failed = True
             for p in sorted(e.problems + tuple(warnings), key=lambda p: (p.line, p.col or 0)):
@@ -222,7 +223,7 @@ def test(optimizer, device, quick, verbose):
     library, loads it into this process, and executes the spec's Python reference. Test only
     specs you trust.
     """
-    spec = _load(optimizer)
+    spec = _load(optimizer, run_reference=True)
     import torch
 
     from . import build, harness

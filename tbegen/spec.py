@@ -31,7 +31,7 @@ from typing import Any, Iterable, List, Optional, Sequence, Tuple, Union
 
 import yaml
 
-from tbegen import resources, snippet_types, snippets
+from tbegen import reference_check, resources, snippet_types, snippets
 from tbegen.vocabulary import CPP_KEYWORDS, CUDA_BUILTINS
 from tbegen.model import (
     INT64_MAX,
@@ -1198,13 +1198,17 @@ def _parse_document(doc: Any, problems: _Problems, stem: Optional[str],
 
 
 def load_spec_text(text: str, path: str = "<string>", warnings: Optional[List[SpecProblem]] = None,
-                   check_snippets: bool = True) -> OptimizerSpec:
+                   check_snippets: bool = True, run_reference: bool = False) -> OptimizerSpec:
     """Parse a spec from a string; `path` is only used in Locs and messages.
 
     When `path` ends in .yaml/.yml, `name` must equal its stem, as for files.
     Raises SpecError listing every problem found. Warnings (a declared name never used) are
     appended to `warnings` when a list is given. `check_snippets=False` skips the snippet
     checker (tbegen/snippets.py): only for tests that must show what the checker prevents.
+    `run_reference=True` (`tbegen validate`, `tbegen test`) then runs the references of a spec
+    that is otherwise valid on a tiny synthetic batch (tbegen/reference_check.py: it imports
+    torch and executes the spec's Python) and reports what they raise or leave of the wrong
+    kind or shape.
     """
     path = str(path)
     problems = _Problems(path, text)
@@ -1214,16 +1218,24 @@ def load_spec_text(text: str, path: str = "<string>", warnings: Optional[List[Sp
     _report_duplicate_keys(problems, doc)
     stem = Path(path).stem if Path(path).suffix in SPEC_SUFFIXES else None
     spec = _parse_document(doc, problems, stem, check_snippets)
+    if spec is not None and run_reference:
+        sources = {key: getattr(problems, f"{key}_source") for key in
+                   ("reference", "table_reference", "table_state_reference")
+                   if getattr(problems, f"{key}_source") is not None}
+        for finding in reference_check.check_references(spec, sources):
+            problems.add_finding(finding)
     if warnings is not None:
         warnings.extend(sorted(problems.warnings, key=lambda p: (p.line, p.col or 0)))
     problems.raise_if_any()
     return spec
 
 
-def load_spec(path: StrPath, warnings: Optional[List[SpecProblem]] = None) -> OptimizerSpec:
-    """Load and check one spec file. Raises SpecError (and OSError if unreadable)."""
+def load_spec(path: StrPath, warnings: Optional[List[SpecProblem]] = None,
+              run_reference: bool = False) -> OptimizerSpec:
+    """Load and check one spec file (`run_reference`: see load_spec_text). Raises SpecError (and
+    OSError if unreadable)."""
     text = Path(path).read_text(encoding="utf-8")
-    return load_spec_text(text, str(path), warnings)
+    return load_spec_text(text, str(path), warnings, run_reference=run_reference)
 
 
 # --------------------------------------------------------------------------
