@@ -10,7 +10,8 @@ __all__ = ["TableBatchedEmbeddingBags", "__version__"]
 
 
 def __getattr__(name):
-    # Imported lazily so that `tbegen render/check/validate` never need torch.
+    # Imported lazily so that `tbegen render/check/list` never need torch (`validate` imports it
+    # only to run the reference: tbegen/reference_check.py).
     if name == "TableBatchedEmbeddingBags":
         from .module import TableBatchedEmbeddingBags
 
