@@ -7,7 +7,8 @@ What the reference leaves there is stored back into the states, so a per-row sta
 float state left bool (`momentum > 0`) surfaces only after a build, as a shape error or a silently
 rounded value. `check_references` finds them before any compiler: it runs each reference of a
 spec that is otherwise valid on 3 rows of D = 4 columns (the hyperparameters at their defaults,
-then each `choices` and `test` value in turn) and on 2 rows of D = 1, and reports, at the YAML
+then each `choices` and `test` value in turn) and on 2 rows of D = 1 (3 rows of D = 2 where a
+whole-table stage pairs columns), and reports, at the YAML
 line of the reference, an exception it raises and every state (and `w`) whose kind or shape is not
 the declared one. Int states are bound as int64 tensors, as the kernels hold them; everything
 else as float64. The batch is deterministic (a fixed seed). torch is imported here, lazily: only
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import ast
 import math
+import warnings
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from .model import HyperType, OptimizerSpec, State
@@ -26,6 +28,8 @@ from .snippets import Finding, Source
 # (rows, D) of the synthetic batches: rows != D, so that a [rows] value meeting a [rows, D] one
 # fails as it would on real batches; D = 1 catches a squeeze() that drops the column dimension
 SHAPES = ((3, 4), (2, 1))
+# the same for a spec whose whole-table stage pairs columns (partner): its tables have even widths
+PAIRED_SHAPES = ((3, 4), (3, 2))
 # the tables of the synthetic `table_state_reference` run: rows of each table
 TABLE_ROWS = (3, 2)
 STEP = 2
@@ -88,6 +92,8 @@ class _Recorder(ast.NodeTransformer):
         return out
 
     def generic_visit(self, node):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda)):
+            return node  # (names assigned there are its own locals)
         for field in ("body", "orelse", "finalbody"):
             value = getattr(node, field, None)
             if isinstance(value, list) and value and isinstance(value[0], ast.stmt):
@@ -165,7 +171,9 @@ def _run(torch, source: Source, compiled, ns: dict, checked: Sequence[Tuple[str,
     tracker = _Tracker(torch, ns, checked, rows, D)
     ns[_WHERE] = tracker
     try:
-        exec(compiled, ns)
+        with warnings.catch_warnings():  # (validate's output is the spec's problems only)
+            warnings.simplefilter("ignore")
+            exec(compiled, ns)
     except (Exception, SystemExit) as e:  # noqa: BLE001 - all of it is the spec's code
         line, col, raised = _raised(source, compiled, e, int_states)
         if not tracker.early:
@@ -202,7 +210,8 @@ def _kind_words(torch, value) -> str:
         return f"a Python {type(value).__name__} ({value!r})"
     if not isinstance(value, torch.Tensor):
         return f"a {type(value).__name__}"
-    return f"a {str(value.dtype).replace('torch.', '')} tensor"
+    dtype = str(value.dtype).replace("torch.", "")
+    return f"{'an' if dtype.startswith('int') else 'a'} {dtype} tensor"
 
 
 def _state_problem(torch, name: str, value, per: str, is_int: bool, rows: int, D: Optional[int]) -> Optional[str]:
@@ -222,8 +231,8 @@ def _state_problem(torch, name: str, value, per: str, is_int: bool, rows: int, D
     if value.dtype == torch.bool:
         fix = ("`(...).long()`" if is_int else
                "`(...).to(w.dtype)` for 1.0/0.0, or `torch.where(condition, a, b)` to choose a value")
-        return (f"the reference leaves {what} a bool tensor (a comparison): a state keeps its declared "
-                f"type; write {fix}")
+        return (f"the reference leaves {what} a bool tensor (a comparison): it holds "
+                f"{'integers' if is_int else 'floats'}; write {fix}")
     if is_int and (value.dtype.is_floating_point or value.dtype.is_complex):
         return (f"the reference leaves {what} {_kind_words(torch, value)}: an int state holds integers "
                 f"(int64 in the kernels; a float is truncated there). Compute it with integers (`+ 1`, "
@@ -290,8 +299,9 @@ def _row_runs(torch, spec: OptimizerSpec, source: Source, field: str):
     checked = [("w", "element", False)] + [(s.name, str(s.per), s.is_int) for s in spec.states]
     compiled = _instrumented(source.code, [name for name, _, _ in checked], f"{spec.path}:{field}")
     sets = hyperparameter_sets(spec)
-    runs = [(rows, D, hyper) for rows, D in SHAPES[:1] for hyper in sets] + \
-           [(rows, D, sets[0]) for rows, D in SHAPES[1:]]
+    shapes = PAIRED_SHAPES if spec.table_pairs else SHAPES
+    runs = [(rows, D, hyper) for rows, D in shapes[:1] for hyper in sets] + \
+           [(rows, D, sets[0]) for rows, D in shapes[1:]]
     for rows, D, (values, words) in runs:
         gen = torch.Generator().manual_seed(SEED)
         ns = dict(values)

@@ -74,7 +74,7 @@ def test_the_toy_passes_and_the_check_is_not_run_unless_asked():
     ("count = count + 0.5", 1, "state 'count' (per: row, type: int) a float32 tensor"),
     ("count = count > 0", 1, "state 'count' (per: row, type: int) a bool tensor"),
     ("acc = acc > 0", 0, "state 'acc' (per: row) a bool tensor (a comparison)"),
-    ("acc = torch.zeros_like(count)", 0, "state 'acc' (per: row) a int64 tensor: it holds floats"),
+    ("acc = torch.zeros_like(count)", 0, "state 'acc' (per: row) an int64 tensor: it holds floats"),
     ("acc = acc + (g * g)", None, None),  # [rows] + [rows, D]: raises (3 rows, D = 4)
     ("acc = acc[:, None] + g * g", 0, "state 'acc' (per: row) shaped [rows, D], not [rows]: reduce each row"),
     ("acc = (g * g).mean(dim=1, keepdim=True)", 0, "shaped [rows, 1], not [rows]: drop the column dimension"),
@@ -209,3 +209,41 @@ def test_deterministic_and_fast():
     static = time.perf_counter() - t0
     # measured 2026-12-04 on 2 busy cores: about 40 ms for the 17 shipped specs' runs
     assert with_run - static < 0.5 * len(SHIPPED) / 17 + 0.5, (with_run, static)
+
+
+def _emainplace(table_reference: str) -> str:
+    """optimizers/emainplace_rowwise_adagrad.yaml (a whole-table stage pairing columns) with its
+    table_reference replaced."""
+    text = (ROOT / "optimizers" / "emainplace_rowwise_adagrad.yaml").read_text()
+    head, _, _ = text.partition("table_reference: |\n")
+    return head + "table_reference: |\n" + "".join(f"  {line}\n" for line in table_reference.splitlines())
+
+
+def test_the_table_reference_is_run_on_even_widths_where_columns_pair():
+    # (the shipped one passes: test_every_good_spec_passes) every row of a table, no g
+    halves = "fast, slow = w.reshape(w.shape[0], 2, D // 2).unbind(1)\nw = torch.cat([fast, (fast + slow) / 2], dim=1)"
+    load_spec_text(_emainplace(halves), "emainplace_rowwise_adagrad.yaml", run_reference=True)
+    with pytest.raises(SpecError) as info:
+        load_spec_text(_emainplace(halves + "\nmomentum = momentum[:, None] * w"), "emainplace_rowwise_adagrad.yaml",
+                       run_reference=True)
+    (p,) = info.value.problems
+    assert p.field == "table_reference"
+    assert "state 'momentum' (per: row) shaped [rows, D], not [rows]" in p.message
+    with pytest.raises(SpecError) as info:
+        load_spec_text(_emainplace("w = w[:, : D // 2] + w[:, D // 2 + 1 :]"), "emainplace_rowwise_adagrad.yaml",
+                       run_reference=True)
+    (p,) = info.value.problems
+    assert (p.field, p.col) == ("table_reference", 3)
+    assert p.message.startswith("the reference leaves `w` shaped [rows, 2], not [rows, D]")
+
+
+def test_names_assigned_in_a_function_of_the_reference_are_its_own():
+    load_spec_text(toy("def scaled(x):", "    acc = x > 0", "    return x * 2", *GOOD), "toy.yaml", run_reference=True)
+
+
+def test_warnings_of_the_reference_are_not_printed(tmp_path, monkeypatch, capfd):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "toy.yaml").write_text(toy("import warnings", "warnings.warn('from the reference')", *GOOD))
+    result = CliRunner().invoke(main, ["validate", "toy.yaml"])
+    assert result.exit_code == 0 and result.output == "toy.yaml: ok\n"
+    assert "from the reference" not in capfd.readouterr().err
