@@ -16,7 +16,10 @@ python3 -m venv "$venv"
 "$venv/bin/pip" install -q "torch==2.13.0" "$work"/dist/tbegen-*.whl
 cd "$work"
 export TBEGEN_BUILD_DIR="${TBEGEN_BUILD_DIR:-$work/cache}"
-"$venv/bin/tbegen" list | grep -q '^sgd ' || { echo "installed tbegen lists no sgd"; exit 1; }
+# (into a file first: with pipefail, `tbegen list | grep -q` fails whenever grep exits before
+# tbegen has written its last line, which then dies of SIGPIPE)
+"$venv/bin/tbegen" list > specs.txt
+grep -q '^sgd ' specs.txt || { echo "installed tbegen lists no sgd:"; cat specs.txt; exit 1; }
 "$venv/bin/tbegen" render --optimizer sgd >/dev/null
 test -f generated/sgd/kernels_cuda.cu || { echo "installed tbegen rendered nothing"; exit 1; }
 "$venv/bin/python" - <<'PY'
