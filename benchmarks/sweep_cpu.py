@@ -23,6 +23,7 @@ import json
 import math
 import os
 import platform
+import re
 import sys
 import time
 from pathlib import Path
@@ -95,7 +96,10 @@ def main(argv=None) -> int:
     ap.add_argument("--iters", type=int, default=12)
     ap.add_argument("--quick", action="store_true", help="three shapes: a smoke test")
     ap.add_argument("--list", action="store_true", help="print the shapes and exit")
+    ap.add_argument("--only", default=None, help="only cells whose 'shape optimizer' matches this regex "
+                                                  "(e.g. 'rowwise'; the optimizer without 'exact_')")
     args = ap.parse_args(argv)
+    only = re.compile(args.only) if args.only else None
     if args.list:
         for s in shapes(args.quick):
             print(s)
@@ -113,6 +117,8 @@ def main(argv=None) -> int:
         batches = ref.make_batches(s["dist"], seed=sum(map(ord, s["name"])))
         W0 = ref.init_weights(7)
         for opt in OPTS:
+            if only and not only.search(f"{s['name']} {opt.replace('exact_', '')}"):
+                continue
             impls = [("fbgemm", ref.fbgemm_step, ref.make_fbgemm(opt, W0)),
                      ("tbegen", ref.fbgemm_step, ref.make_tbegen(opt, W0))]
             r = ref.time_interleaved(impls, batches, args.warmup, args.iters)

@@ -105,6 +105,23 @@ def test_malformed_offsets_raise_in_every_mode(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("position", [1, 2])
+def test_an_offset_past_the_last_raises(device, position):
+    """An offset beyond offsets[-1] (the number of indices) in the middle of the offsets: a clear
+    error naming it, before any index is read (the bag it ends would reach past the indices)."""
+    emb = make(device, bounds_check_mode="off")
+    before = snapshot(emb)
+    ind, off = batch(device)
+    bad_off = off.clone()
+    bad_off[position] = 10**9
+    with pytest.raises(RuntimeError, match="offsets"):
+        out = emb(ind, bad_off)
+        out.backward(torch.ones_like(out))
+        settle(emb, device)
+    assert unchanged(emb, before)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("bad_value", [float("nan"), float("inf")])
 def test_non_finite_per_sample_weight_raises(device, bad_value):
     emb = make(device)

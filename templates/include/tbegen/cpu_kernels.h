@@ -12,6 +12,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <memory>
 #include <type_traits>
 #include <vector>
 
@@ -163,16 +164,32 @@ void grad_per_sample_weights(const Batch& b, const int64_t* feat, const float* g
   });
 }
 
-// Stable LSD radix sort of 64-bit items on bits [shift, shift + bits), in as few passes of at
-// most 11 bits as cover them. Stability keeps the items of a key in their original order, so the
-// result is the one sorted order whatever the thread count. Each pass is parallel: the items are
-// cut into contiguous chunks (one per thread, at least kMinChunk items each), each chunk counts
-// its digits, and each scatters its items in order to where the digit-major, chunk-minor scan of
-// the counts puts them (chunk c's items of a digit after chunk c - 1's).
-inline void radix_sort_bits(std::vector<uint64_t>& items, int shift, int bits) {
+// An array that outlives a call, one per calling thread, grown to the largest size asked for and
+// kept (never shrunk, never zeroed): the CPU backward's per-index arrays (20 bytes an index),
+// allocated afresh each step, cost the calling thread page faults and page clearing while the
+// other threads waited, about a tenth of a small step (benchmarks/NOTES-cpu.md, "CPU backward").
+template <typename T, int kSlot>
+T* scratch_array(int64_t n) {
+  static thread_local std::unique_ptr<T[]> data;
+  static thread_local int64_t size = 0;
+  if (n > size) {
+    data.reset();  // (the old one first: never both at once)
+    data.reset(new T[n]);
+    size = n;
+  }
+  return data.get();
+}
+
+// Stable LSD radix sort of the n 64-bit items at `items` on bits [shift, shift + bits), in as
+// few passes of at most 11 bits as cover them, with `tmp` (n items) as the other buffer; returns
+// the one of the two that holds the sorted items. Stability keeps the items of a key in their
+// original order, so the result is the one sorted order whatever the thread count. Each pass is
+// parallel: the items are cut into contiguous chunks (one per thread, at least kMinChunk items
+// each), each chunk counts its digits, and each scatters its items in order to where the
+// digit-major, chunk-minor scan of the counts puts them (chunk c's items of a digit after chunk
+// c - 1's).
+inline uint64_t* radix_sort_bits(uint64_t* items, uint64_t* tmp, int64_t n, int shift, int bits) {
   constexpr int64_t kMinChunk = 1 << 16;
-  const int64_t n = int64_t(items.size());
-  std::vector<uint64_t> tmp(n);
   const int passes = (bits + 10) / 11;
   const int digit_bits = (bits + passes - 1) / passes;
   const uint64_t mask = (uint64_t(1) << digit_bits) - 1;
@@ -181,8 +198,8 @@ inline void radix_sort_bits(std::vector<uint64_t>& items, int shift, int bits) {
   auto chunk_begin = [&](int64_t c) { return n * c / chunks; };
   std::vector<int64_t> count(chunks * buckets);  // [chunk][digit]
   for (int p = 0; p < passes; ++p, shift += digit_bits) {
-    const uint64_t* in = items.data();
-    uint64_t* out = tmp.data();
+    const uint64_t* in = items;
+    uint64_t* out = tmp;
     at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
       for (int64_t c = c0; c < c1; ++c) {
         int64_t* mine = count.data() + c * buckets;
@@ -204,8 +221,9 @@ inline void radix_sort_bits(std::vector<uint64_t>& items, int shift, int bits) {
         for (int64_t i = chunk_begin(c); i < chunk_begin(c + 1); ++i) out[next[(in[i] >> shift) & mask]++] = in[i];
       }
     });
-    items.swap(tmp);
+    std::swap(items, tmp);
   }
+  return items;
 }
 
 // The backward pass with the optimizer `Opt` fused in: updates weights and states in place.
@@ -221,8 +239,8 @@ void backward(const Batch& b, const int64_t* feat, int64_t total_hash_size, cons
   const int key_bits = bits_for(total_hash_size + 1);  // (+1: skipped bad indices, see below)
   TBEGEN_CHECK(pos_bits + key_bits <= 64, "tbegen: the CPU backward sorts 64-bit (key, position) items, "
               "but ", total_hash_size, " rows in all and ", b.N, " indices need ", key_bits + pos_bits, " bits");
-  std::vector<uint64_t> items(b.N);
-  std::vector<int32_t> bag_of(b.N);
+  uint64_t* items = scratch_array<uint64_t, 0>(b.N);
+  int32_t* const bag_of = scratch_array<int32_t, 1>(b.N);
   // (in parallel over bags: each writes its own slice, the offsets having been checked)
   at::parallel_for(0, nbags, 256, [&](int64_t begin, int64_t end) {
     for (int64_t bag = begin; bag < end; ++bag) {
@@ -239,7 +257,7 @@ void backward(const Batch& b, const int64_t* feat, int64_t total_hash_size, cons
     }
   });
   // 2. Sort by key, keeping index order within a key: the occurrences of a row form a run.
-  radix_sort_bits(items, pos_bits, key_bits);
+  items = radix_sort_bits(items, scratch_array<uint64_t, 2>(b.N), b.N, pos_bits, key_bits);
   const uint64_t pos_mask = (uint64_t(1) << pos_bits) - 1;
   auto key_at = [&](int64_t j) { return int64_t(items[j] >> pos_bits); };
   auto pos_at = [&](int64_t j) { return int64_t(items[j] & pos_mask); };

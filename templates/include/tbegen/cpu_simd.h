@@ -19,60 +19,85 @@ namespace simd {
 #if defined(__GNUC__) || defined(__clang__)
 #define TBEGEN_CPU_VECTORS 1
 
-constexpr int kLanes = 16;              // floats per vector
-constexpr int kMaxVectors = 4;          // vectors held at once: 64 columns
-typedef float Vec __attribute__((vector_size(kLanes * sizeof(float))));
+constexpr int kMaxVectors = 4;  // vectors held at once: 64 columns of 16-float vectors
+// kLanes floats per vector: 16 (one AVX-512 register with -march=native, split into narrower
+// registers by the compiler otherwise) where the width allows, else 8 or 4, so that narrow rows
+// (D = 8, 20, 24, ...) take vectors too.
+// (a member typedef: GCC ignores vector_size on an alias template, which would be a plain float)
+template <int kLanes>
+struct VecOf {
+  typedef float type __attribute__((vector_size(kLanes * sizeof(float))));
+};
+template <int kLanes>
+using Vec = typename VecOf<kLanes>::type;
+static_assert(sizeof(Vec<16>) == 16 * sizeof(float) && sizeof(Vec<4>) == 4 * sizeof(float),
+              "tbegen: the compiler must honour vector_size");
 
 // Unaligned loads and stores (rows start at any multiple of 16 bytes).
-#define TBEGEN_VLOAD(v, p) __builtin_memcpy(&(v), (p), sizeof(Vec))
-#define TBEGEN_VSTORE(p, v) __builtin_memcpy((p), &(v), sizeof(Vec))
+#define TBEGEN_VLOAD(v, p) __builtin_memcpy(&(v), (p), sizeof(v))
+#define TBEGEN_VSTORE(p, v) __builtin_memcpy((p), &(v), sizeof(v))
+
+// The floats per vector for rows of D columns: 16, 8 or 4, the widest that divides D; 0: no
+// vector width divides D (the plain loops).
+inline int lanes_for(int64_t D) { return D % 16 == 0 ? 16 : D % 8 == 0 ? 8 : D % 4 == 0 ? 4 : 0; }
 
 // Whether a row width takes the vector path (the others use the plain loops).
-inline bool vector_width(int64_t D) { return D % kLanes == 0; }
+inline bool vector_width(int64_t D) { return lanes_for(D) != 0; }
 
-// out[c : c + kV*16) = scale * sum over k in [0, n) of s_k * row_k[c : c + kV*16), where row_k =
-// rows(k) and s_k = weight(k), summed in k order. `before(k)` runs before occurrence k is read
-// (the caller's prefetching); only the first chunk of a row calls it.
-template <int kV, bool kWeighted, class Rows, class Weight, class Before>
+// out[c : c + kV*kLanes) = scale * sum over k in [0, n) of s_k * row_k[c : c + kV*kLanes), where
+// row_k = rows(k) and s_k = weight(k), summed in k order. `before(k)` runs before occurrence k is
+// read (the caller's prefetching); only the first chunk of a row calls it.
+template <int kLanes, int kV, bool kWeighted, class Rows, class Weight, class Before>
 inline void sum_chunk(int64_t n, int64_t c, const Rows& rows, const Weight& weight, const Before& before,
                       float scale, float* out) {
-  Vec acc[kV];
-  for (int v = 0; v < kV; ++v) acc[v] = Vec{};
+  Vec<kLanes> acc[kV];
+  for (int v = 0; v < kV; ++v) acc[v] = Vec<kLanes>{};
   for (int64_t k = 0; k < n; ++k) {
     if (c == 0) before(k);
     const float* r = rows(k) + c;
     if (kWeighted) {
       const float s = weight(k);
       for (int v = 0; v < kV; ++v) {
-        Vec x;
+        Vec<kLanes> x;
         TBEGEN_VLOAD(x, r + v * kLanes);
         acc[v] += s * x;
       }
     } else {
       for (int v = 0; v < kV; ++v) {
-        Vec x;
+        Vec<kLanes> x;
         TBEGEN_VLOAD(x, r + v * kLanes);
         acc[v] += x;
       }
     }
   }
   for (int v = 0; v < kV; ++v) {
-    const Vec y = acc[v] * scale;
+    const Vec<kLanes> y = acc[v] * scale;
     TBEGEN_VSTORE(out + c + v * kLanes, y);
   }
 }
 
-// The whole row, D a multiple of 16 (vector_width), in chunks of up to 64 columns.
+// The whole row in chunks of up to kMaxVectors vectors of kLanes floats (kLanes divides D).
+template <int kLanes, bool kWeighted, class Rows, class Weight, class Before>
+inline void sum_rows_of(int64_t n, int64_t D, const Rows& rows, const Weight& weight, const Before& before,
+                        float scale, float* out) {
+  for (int64_t c = 0; c < D; c += kMaxVectors * kLanes) {
+    switch (std::min<int64_t>(D - c, kMaxVectors * kLanes) / kLanes) {
+      case 4: sum_chunk<kLanes, 4, kWeighted>(n, c, rows, weight, before, scale, out); break;
+      case 3: sum_chunk<kLanes, 3, kWeighted>(n, c, rows, weight, before, scale, out); break;
+      case 2: sum_chunk<kLanes, 2, kWeighted>(n, c, rows, weight, before, scale, out); break;
+      default: sum_chunk<kLanes, 1, kWeighted>(n, c, rows, weight, before, scale, out); break;
+    }
+  }
+}
+
+// The whole row, D a multiple of 4 (vector_width), at the widest vectors that divide it.
 template <bool kWeighted, class Rows, class Weight, class Before>
 inline void sum_rows(int64_t n, int64_t D, const Rows& rows, const Weight& weight, const Before& before,
                      float scale, float* out) {
-  for (int64_t c = 0; c < D; c += kMaxVectors * kLanes) {
-    switch (std::min<int64_t>(D - c, kMaxVectors * kLanes) / kLanes) {
-      case 4: sum_chunk<4, kWeighted>(n, c, rows, weight, before, scale, out); break;
-      case 3: sum_chunk<3, kWeighted>(n, c, rows, weight, before, scale, out); break;
-      case 2: sum_chunk<2, kWeighted>(n, c, rows, weight, before, scale, out); break;
-      default: sum_chunk<1, kWeighted>(n, c, rows, weight, before, scale, out); break;
-    }
+  switch (lanes_for(D)) {
+    case 16: sum_rows_of<16, kWeighted>(n, D, rows, weight, before, scale, out); break;
+    case 8: sum_rows_of<8, kWeighted>(n, D, rows, weight, before, scale, out); break;
+    default: sum_rows_of<4, kWeighted>(n, D, rows, weight, before, scale, out); break;
   }
 }
 
