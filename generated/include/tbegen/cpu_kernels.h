@@ -264,6 +264,13 @@ void backward(const Batch& b, const int64_t* feat, int64_t total_hash_size, cons
   // the sorted positions of real rows: [0, n_rows)
   int64_t n_rows = b.N;
   while (n_rows > 0 && key_at(n_rows - 1) == total_hash_size) --n_rows;
+  // The bag of each sorted position, gathered in one parallel pass: the update loop below then
+  // reads it in order (it found each occurrence's bag through bag_of[position], a random read
+  // that missed the caches and stalled the loop behind it, once per occurrence and once per row).
+  int32_t* const sorted_bag = scratch_array<int32_t, 3>(n_rows);
+  at::parallel_for(0, n_rows, 4096, [&](int64_t begin, int64_t end) {
+    for (int64_t j = begin; j < end; ++j) sorted_bag[j] = bag_of[pos_at(j)];
+  });
 
   // 3. Sum each unique row's gradient and apply the optimizer to it.
   constexpr int kElementSlots = Opt::kElementStates + Opt::kTemporaries;
@@ -271,25 +278,35 @@ void backward(const Batch& b, const int64_t* feat, int64_t total_hash_size, cons
   // Where the row at sorted position j lives: its key (per-row states) and its offset in the
   // weights buffer (element states share the offsets).
   const FastDivisor by_B = FastDivisor::of(b.B);  // bag -> feature without a division
-  auto row_at = [&](int64_t j, int64_t* key, int* D) {
+  auto row_at = [&](int64_t j, int64_t* key, int* D) TBEGEN_INLINE_LAMBDA {
     *key = key_at(j);
-    const int64_t* ft = feat + by_B.quotient(bag_of[pos_at(j)]) * kFeatColumns;
+    const int64_t* ft = feat + by_B.quotient(sorted_bag[j]) * kFeatColumns;
     *D = int(ft[kFeatDim]);
     return ft[kFeatWeightsOffset] + (*key - ft[kFeatKeyBase]) * *D;
   };
-  // Occurrence i's output-gradient row and the factor its forward applied to the weight row.
-  // Features that share a table share its keys, but each has its own output columns.
-  auto grad_row_of = [&](int64_t i) {
-    if (b.pooling == kPoolNone) return grad_output + i * b.max_D;
-    const int32_t bag = bag_of[i];
+  // The output-gradient row of the occurrence at sorted position j, and the factor its forward
+  // applied to the weight row. Features that share a table share its keys, but each has its own
+  // output columns.
+  auto grad_row_at = [&](int64_t j) TBEGEN_INLINE_LAMBDA {
+    if (b.pooling == kPoolNone) return grad_output + pos_at(j) * b.max_D;
+    const int32_t bag = sorted_bag[j];
     const int32_t f = by_B.quotient(bag);
     return grad_output + int64_t(bag - f * int32_t(b.B)) * b.total_D + feat[f * kFeatColumns + kFeatOutOffset];
   };
-  auto scale_of = [&](int64_t i) {
-    const int64_t bag = bag_of[i];
-    float scale = psw ? psw[i] : 1.0f;
+  auto scale_at = [&](int64_t j) TBEGEN_INLINE_LAMBDA {
+    const int64_t bag = sorted_bag[j];
+    float scale = psw ? psw[pos_at(j)] : 1.0f;
     if (b.pooling == kPoolMean) scale /= float(offsets[bag + 1] - offsets[bag]);
     return scale;
+  };
+  // (the output-gradient rows kAheadGrad sorted positions on are asked for from memory while
+  // this one is summed: they are scattered over grad_output, one cache miss each otherwise)
+  constexpr int64_t kAheadGrad = 12;
+  auto prefetch_grad = [&](int64_t j) TBEGEN_INLINE_LAMBDA {
+    if (j < n_rows) {
+      const int64_t D_j = b.pooling == kPoolNone ? b.max_D : feat[by_B.quotient(sorted_bag[j]) * kFeatColumns + kFeatDim];
+      prefetch_bytes(grad_row_at(j), D_j * int64_t(sizeof(float)));
+    }
   };
   const bool vector_split = vector_layout(feat, b.F, b.total_D, b.max_D);
   // float weights are updated in place; the others (fp16, bf16, int8 rows) through a float copy of the row.
@@ -329,19 +346,20 @@ void backward(const Batch& b, const int64_t* feat, int64_t total_hash_size, cons
       row.g_ = buf.data();
       // g = the sum over the run's occurrences, in index order, of scale * output-gradient row.
       if (simd::vector_width(D)) {
-        auto grad_row = [&](int64_t k) { return grad_row_of(pos_at(first + k)); };
-        auto scale = [&](int64_t k) { return scale_of(pos_at(first + k)); };
-        auto nothing = [](int64_t) {};
+        auto grad_row = [&](int64_t k) TBEGEN_INLINE_LAMBDA { return grad_row_at(first + k); };
+        auto scale = [&](int64_t k) TBEGEN_INLINE_LAMBDA { return scale_at(first + k); };
+        auto ahead = [&](int64_t k) TBEGEN_INLINE_LAMBDA { prefetch_grad(first + k + kAheadGrad); };
         if (psw || b.pooling == kPoolMean) {
-          simd::sum_rows<true>(last - first, D, grad_row, scale, nothing, 1.0f, row.g_);
+          simd::sum_rows<true>(last - first, D, grad_row, scale, ahead, 1.0f, row.g_);
         } else {
-          simd::sum_rows<false>(last - first, D, grad_row, scale, nothing, 1.0f, row.g_);
+          simd::sum_rows<false>(last - first, D, grad_row, scale, ahead, 1.0f, row.g_);
         }
       } else {
         std::fill(row.g_, row.g_ + D, 0.0f);
         for (int64_t j = first; j < last; ++j) {
-          const float scale = scale_of(pos_at(j));
-          const float* go = grad_row_of(pos_at(j));
+          prefetch_grad(j + kAheadGrad);
+          const float scale = scale_at(j);
+          const float* go = grad_row_at(j);
           for (int d = 0; d < D; ++d) row.g_[d] += scale * go[d];
         }
       }
@@ -376,7 +394,7 @@ void backward(const Batch& b, const int64_t* feat, int64_t total_hash_size, cons
         }
       }
 
-      load_table_states<Opt>(row, params, bag_of[pos_at(first)], b.B);
+      load_table_states<Opt>(row, params, sorted_bag[first], b.B);
       Opt::update_row(row, params, step_values);
 
       for (int k = 0; k < Opt::kElementStates; ++k) {

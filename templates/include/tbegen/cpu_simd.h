@@ -12,6 +12,14 @@
 #include <algorithm>
 #include <cstdint>
 
+// A function or lambda the compiler must inline: GCC left the backward's per-occurrence row
+// lambdas out of line, a call per occurrence with the vector accumulators spilled around it.
+#if defined(__GNUC__) || defined(__clang__)
+#define TBEGEN_INLINE_LAMBDA __attribute__((always_inline))
+#else
+#define TBEGEN_INLINE_LAMBDA
+#endif
+
 namespace tbegen {
 namespace cpu {
 namespace simd {
@@ -48,7 +56,7 @@ inline bool vector_width(int64_t D) { return lanes_for(D) != 0; }
 // row_k = rows(k) and s_k = weight(k), summed in k order. `before(k)` runs before occurrence k is
 // read (the caller's prefetching); only the first chunk of a row calls it.
 template <int kLanes, int kV, bool kWeighted, class Rows, class Weight, class Before>
-inline void sum_chunk(int64_t n, int64_t c, const Rows& rows, const Weight& weight, const Before& before,
+TBEGEN_INLINE_LAMBDA inline void sum_chunk(int64_t n, int64_t c, const Rows& rows, const Weight& weight, const Before& before,
                       float scale, float* out) {
   Vec<kLanes> acc[kV];
   for (int v = 0; v < kV; ++v) acc[v] = Vec<kLanes>{};
@@ -78,7 +86,7 @@ inline void sum_chunk(int64_t n, int64_t c, const Rows& rows, const Weight& weig
 
 // The whole row in chunks of up to kMaxVectors vectors of kLanes floats (kLanes divides D).
 template <int kLanes, bool kWeighted, class Rows, class Weight, class Before>
-inline void sum_rows_of(int64_t n, int64_t D, const Rows& rows, const Weight& weight, const Before& before,
+TBEGEN_INLINE_LAMBDA inline void sum_rows_of(int64_t n, int64_t D, const Rows& rows, const Weight& weight, const Before& before,
                         float scale, float* out) {
   for (int64_t c = 0; c < D; c += kMaxVectors * kLanes) {
     switch (std::min<int64_t>(D - c, kMaxVectors * kLanes) / kLanes) {
