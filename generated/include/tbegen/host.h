@@ -301,11 +301,21 @@ inline void check_error_record(const c10::optional<at::Tensor>& record, const at
 
 // Non-finite values raise before anything is written (CPU tensors: checked on the host).
 inline void check_finite_host(const float* x, int64_t n, int code) {
-  for (int64_t i = 0; i < n; ++i) {
-    if (C10_UNLIKELY(!std::isfinite(x[i]))) {
-      const int64_t r[3] = {code, i, 0};
-      fail(describe_error_slot(r) + " (nothing was updated)");
+  // the first non-finite value, found in parallel (each task finds its first; the smallest wins)
+  std::atomic<int64_t> first{n};
+  at::parallel_for(0, n, 1 << 15, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      if (C10_UNLIKELY(!std::isfinite(x[i]))) {
+        int64_t seen = first.load(std::memory_order_relaxed);
+        while (i < seen && !first.compare_exchange_weak(seen, i, std::memory_order_relaxed)) {
+        }
+        return;
+      }
     }
+  });
+  if (first.load() < n) {
+    const int64_t r[3] = {code, first.load(), 0};
+    fail(describe_error_slot(r) + " (nothing was updated)");
   }
 }
 

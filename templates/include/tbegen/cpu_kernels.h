@@ -105,7 +105,7 @@ void forward(const Batch& b, const int64_t* feat, const W* weights, const I* ind
       const W* table = weights + ft[kFeatWeightsOffset];
       const I* bag_offsets = offsets + f * b.B;
       const int64_t limit = bag_offsets[end];
-      auto prefetch_row = [&](int64_t i) {
+      auto prefetch_row = [&](int64_t i) TBEGEN_INLINE_LAMBDA {
         if (i < limit) prefetch_bytes(weights_row(weights, ft, int64_t(indices[i])), D * int64_t(sizeof(W)) + row_extra_bytes<W>());
       };
       for (int64_t i = bag_offsets[begin]; i < bag_offsets[begin] + kAhead; ++i) prefetch_row(i);
@@ -115,9 +115,9 @@ void forward(const Batch& b, const int64_t* feat, const W* weights, const I* ind
         float* o = out + bi * b.total_D + ft[kFeatOutOffset];
         if constexpr (std::is_same_v<W, float>) {
           if (simd::vector_width(D)) {
-            auto row = [&](int64_t k) { return table + int64_t(indices[start + k]) * D; };
-            auto weight = [&](int64_t k) { return psw[start + k]; };
-            auto before = [&](int64_t k) { prefetch_row(start + k + kAhead); };
+            auto row = [&](int64_t k) TBEGEN_INLINE_LAMBDA { return table + int64_t(indices[start + k]) * D; };
+            auto weight = [&](int64_t k) TBEGEN_INLINE_LAMBDA { return psw[start + k]; };
+            auto before = [&](int64_t k) TBEGEN_INLINE_LAMBDA { prefetch_row(start + k + kAhead); };
             if (psw) {
               simd::sum_rows<true>(stop - start, D, row, weight, before, scale, o);
             } else {
@@ -189,7 +189,7 @@ T* scratch_array(int64_t n) {
 // digit-major, chunk-minor scan of the counts puts them (chunk c's items of a digit after chunk
 // c - 1's).
 inline uint64_t* radix_sort_bits(uint64_t* items, uint64_t* tmp, int64_t n, int shift, int bits) {
-  constexpr int64_t kMinChunk = 1 << 16;
+  constexpr int64_t kMinChunk = 1 << 13;  // (1 << 16 had a batch of 82k indices sorted on one thread)
   const int passes = (bits + 10) / 11;
   const int digit_bits = (bits + passes - 1) / passes;
   const uint64_t mask = (uint64_t(1) << digit_bits) - 1;
