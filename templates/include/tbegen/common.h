@@ -42,12 +42,15 @@
 // partial sum per SIMD lane and add the lanes at the end (OpenMP simd, with -fopenmp or
 // -fopenmp-simd; a plain loop without): the order of the additions is fixed by the build, not
 // by the number of threads, as each row is updated by one thread. In CUDA it is the loop above.
+// Eight lanes (simdlen): GCC adds the lanes' partial sums one after another at the end, and with
+// sixteen (AVX-512) that chain of dependent additions took most of a narrow row's update (D = 8:
+// sixteen additions for eight columns; benchmarks/NOTES-cpu.md, "CPU backward").
 #if defined(__CUDACC__)
 #define TBEGEN_FOR_ELEMENTS_SUM(row, i, ...) TBEGEN_FOR_ELEMENTS(row, i)
 #else
 #define TBEGEN_PRAGMA(x) _Pragma(#x)
 #define TBEGEN_FOR_ELEMENTS_SUM(row, i, ...)                \
-  TBEGEN_PRAGMA(omp simd reduction(+ : __VA_ARGS__))        \
+  TBEGEN_PRAGMA(omp simd simdlen(8) reduction(+ : __VA_ARGS__)) \
   for (int i = 0; i < (row).extent(); ++i) if ((row).valid(i))
 #endif
 
