@@ -284,6 +284,35 @@ def check_hyperparameters(spec: OptimizerSpec, given: Dict[str, Any], *, complet
 # ---- the autograd function -------------------------------------------------------------------
 
 
+class _BlocksOf(torch.autograd.Function):
+    """The VBE output on the CPU: blocks (row, rows, column, columns) of the padded output, each
+    flattened, one after another. The same values as _RowsOf with the plan's element index, from a
+    plan of F x R blocks instead of an index of every output value (building that index each step,
+    as a new batch's sizes need, took several times the step's lookups on the CPU). Its backward
+    copies each block's gradient into zeros."""
+
+    @staticmethod
+    def forward(ctx, out, blocks, numel):
+        ctx.shape = out.shape
+        ctx.blocks = blocks
+        flat = out.new_empty(numel)
+        at = 0
+        for r0, n, c0, d in blocks:
+            flat[at: at + n * d].view(n, d).copy_(out[r0: r0 + n, c0: c0 + d])
+            at += n * d
+        return flat
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        full = grad.new_zeros(ctx.shape)
+        at = 0
+        for r0, n, c0, d in ctx.blocks:
+            full[r0: r0 + n, c0: c0 + d].copy_(grad[at: at + n * d].view(n, d))
+            at += n * d
+        return full, None, None
+
+
 class _RowsOf(torch.autograd.Function):
     """out.reshape(-1)[index] for an index without repeats (the VBE output's values of the padded
     output). Its backward writes the gradient into zeros at those positions (index_copy_: one write
@@ -1197,17 +1226,26 @@ class TableBatchedEmbeddingBags(nn.Module):
         pad = torch.cat([pad, pad.new_full((1,), total)])
         # rank-major output: segment (r, f) holds B[f, r] rows of D_f values; its row j is padded
         # row prefix[f, r] + j, columns col_f .. col_f + D_f
-        col = torch.cumsum(dims, 0) - dims
-        prefix = torch.cumsum(Bd, 1) - Bd  # [F, R]
-        seg_size = (Bd * dims[:, None]).t().reshape(-1)  # [R * F], rank-major
-        seg_first = torch.cumsum(seg_size, 0) - seg_size
-        seg_base = (prefix * self.layout.total_D + col[:, None]).t().reshape(-1)
-        seg_D = dims.repeat(R)
-        seg = torch.repeat_interleave(torch.arange(R * F, device=device), seg_size, output_size=n_out)
-        k = torch.arange(n_out, dtype=torch.int64, device=device) - seg_first[seg]
-        D_of = seg_D[seg]
-        gather = seg_base[seg] + torch.div(k, D_of, rounding_mode="floor") * self.layout.total_D + k % D_of
-        plan = {"total_bags": total, "max_B": max_B, "pad": pad, "gather": gather}
+        plan = {"total_bags": total, "max_B": max_B, "pad": pad, "numel": n_out}
+        if device.type == "cpu":
+            # the output's blocks, rank-major: (first padded row, rows, first column, columns)
+            col_h = (torch.cumsum(dims_host, 0) - dims_host).tolist()
+            prefix_h = (torch.cumsum(B, 1) - B).tolist()
+            B_h, dims_l = B.tolist(), dims_host.tolist()
+            plan["blocks"] = [(prefix_h[f][r], B_h[f][r], col_h[f], dims_l[f])
+                              for r in range(R) for f in range(F) if B_h[f][r] > 0]
+        else:
+            # every output value's place in the padded output, built on the device
+            col = torch.cumsum(dims, 0) - dims
+            prefix = torch.cumsum(Bd, 1) - Bd  # [F, R]
+            seg_size = (Bd * dims[:, None]).t().reshape(-1)  # [R * F], rank-major
+            seg_first = torch.cumsum(seg_size, 0) - seg_size
+            seg_base = (prefix * self.layout.total_D + col[:, None]).t().reshape(-1)
+            seg_D = dims.repeat(R)
+            seg = torch.repeat_interleave(torch.arange(R * F, device=device), seg_size, output_size=n_out)
+            k = torch.arange(n_out, dtype=torch.int64, device=device) - seg_first[seg]
+            D_of = seg_D[seg]
+            plan["gather"] = seg_base[seg] + torch.div(k, D_of, rounding_mode="floor") * self.layout.total_D + k % D_of
         if len(plans) >= self._VBE_PLANS_KEPT:
             plans.pop(next(iter(plans)))
         plans[key] = plan
@@ -1235,6 +1273,8 @@ class TableBatchedEmbeddingBags(nn.Module):
         out = self.forward(indices, padded, per_sample_weights)
         if self.pooling == "none":  # (one row per index: the bags' batch does not shape it)
             return out
+        if "blocks" in plan:
+            return _BlocksOf.apply(out, plan["blocks"], plan["numel"])
         return _RowsOf.apply(out, plan["gather"])
 
     def _compile_init(self) -> None:
