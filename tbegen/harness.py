@@ -31,6 +31,7 @@ import torch
 
 from .layout import POOLING, VECTOR_MAX_DIM, Layout, make_layout
 from .model import STATE_DTYPE_NAMES, OptimizerSpec
+from .reference_check import raised_at
 
 # Allowed error per dtype of the tensor compared (see the module docstring for the measure).
 TOLERANCE = {
@@ -364,12 +365,7 @@ def run_reference(ref, field: str, ns: dict) -> None:
     try:
         exec(compile(ref.code, label, "exec"), ns)
     except Exception as e:  # noqa: BLE001 - all of it is the spec's code
-        lineno = getattr(e, "lineno", None) if isinstance(e, SyntaxError) else None
-        tb = e.__traceback__
-        while tb is not None:
-            if tb.tb_frame.f_code.co_filename == label:
-                lineno = tb.tb_lineno
-            tb = tb.tb_next
+        lineno = raised_at(e, label)
         lines = ref.code.splitlines()
         where = f"{ref.loc.file}:{ref.loc.line + lineno - 1}" if lineno else f"{ref.loc}"
         text = f" (in `{lines[lineno - 1].strip()}`)" if lineno and 0 < lineno <= len(lines) else ""

@@ -123,16 +123,23 @@ def _hint(error: BaseException, statement: str, int_states: Sequence[str]) -> st
     return ""
 
 
-def _raised(source: Source, compiled, e: BaseException, int_states: Sequence[str]) -> Tuple[int, int, str]:
-    """(file line, column, what) of an exception the reference raised: at the statement of the
-    reference where it was raised."""
-    label = compiled.co_filename
+def raised_at(e: BaseException, label: str) -> Optional[int]:
+    """The line (from 1) of the code compiled under `label` at which `e` was raised: its
+    innermost frame of that code (a SyntaxError's own line), None if it was not raised there.
+    (Also the harness's, for `tbegen test`: tbegen/harness.py, run_reference.)"""
     lineno = getattr(e, "lineno", None) if isinstance(e, SyntaxError) else None
     tb = e.__traceback__
     while tb is not None:
         if tb.tb_frame.f_code.co_filename == label:
             lineno = tb.tb_lineno
         tb = tb.tb_next
+    return lineno
+
+
+def _raised(source: Source, compiled, e: BaseException, int_states: Sequence[str]) -> Tuple[int, int, str]:
+    """(file line, column, what) of an exception the reference raised: at the statement of the
+    reference where it was raised."""
+    lineno = raised_at(e, compiled.co_filename)
     lines = source.code.splitlines()
     index = (lineno or 1) - 1
     statement = lines[index].strip() if 0 <= index < len(lines) else ""
