@@ -217,9 +217,65 @@ __device__ __forceinline__ void add_chunk(const BackwardArgs& a, const Occurrenc
   }
 }
 
+// add_occurrences for layouts whose float rows can be read 4 at a time (a.float_rows_4wide: here,
+// rows wider than kVectorMaxD, or 16-bit states or int8 weights, with widths a multiple of 4).
+// Lane l sums the 4-wide slices at columns c0 + v * 128 + 4 * l in registers, 1024 columns per
+// pass over the occurrences, and writes each pass's sums into g once: one 16-byte load per
+// occurrence and slice, where the column loop of add_chunk loads and stores g for every
+// occurrence. Each column's sum is add_chunk's, term by term (g's value, then s * x + sum per
+// occurrence in order, one rounding each: add_chunk's `g += s * x` contracts to the same fma), so
+// the bits do not depend on which of the two ran.
+__device__ __forceinline__ void add_occurrences_4wide(const BackwardArgs& a, const Occurrences& o, int D, int lane,
+                                                      int64_t first, int64_t last, float* g) {
+  constexpr int kVecs = 8;
+  __syncwarp();  // (g's columns were written in the column layout, by other lanes)
+  for (int c0 = 0; c0 < D; c0 += kVecs * 128) {
+    float acc[kVecs][4];
+#pragma unroll
+    for (int v = 0; v < kVecs; ++v) {
+      const int d = c0 + v * 128 + 4 * lane;
+      if (d < D) {
+        load4(g + d, acc[v]);
+      } else {
+#pragma unroll
+        for (int c = 0; c < 4; ++c) acc[v][c] = 0.0f;
+      }
+    }
+    for (int64_t base = first; base < last; base += kWarpSize) {
+      const int n = last - base < kWarpSize ? int(last - base) : kWarpSize;
+      OccurrenceInfo mine;
+      if (lane < n) mine.fetch(o, base + lane, a.pooling == kPoolNone);
+      for (int k = 0; k < n; ++k) {
+        const OccurrenceInfo occ = mine.from_lane(k);
+        const float* go = grad_row(a, occ.position, occ.bag) + c0;
+#pragma unroll
+        for (int v = 0; v < kVecs; ++v) {
+          const int d = v * 128 + 4 * lane;
+          if (c0 + d < D) {
+            float x[4];
+            load4(go + d, x);
+#pragma unroll
+            for (int c = 0; c < 4; ++c) acc[v][c] = fmaf(occ.scale, x[c], acc[v][c]);
+          }
+        }
+      }
+    }
+#pragma unroll
+    for (int v = 0; v < kVecs; ++v) {
+      const int d = c0 + v * 128 + 4 * lane;
+      if (d < D) store4(g + d, acc[v]);
+    }
+  }
+  __syncwarp();  // (the optimizer reads g in the column layout)
+}
+
 // Adds occurrences [first, last) into g (this lane's columns), 32 at a time.
 __device__ __forceinline__ void add_occurrences(const BackwardArgs& a, const Occurrences& o, int D, int lane,
                                                 int64_t first, int64_t last, float* g) {
+  if (a.float_rows_4wide) {
+    add_occurrences_4wide(a, o, D, lane, first, last, g);
+    return;
+  }
   for (int64_t base = first; base < last; base += kWarpSize) {
     const int n = last - base < kWarpSize ? int(last - base) : kWarpSize;
     add_chunk(a, o, D, lane, base, n, g);

@@ -170,15 +170,17 @@ inline Batch check_batch(const at::Tensor& weights, const at::Tensor& features, 
 }
 
 // Whether a layout suits the CUDA 4-wide kernels (cuda_kernels.cuh): every feature's width, table
-// offset and output column a multiple of 4, no row wider than kVectorMaxD, every table of fewer
-// than 2^31 rows (the forward passes 32-bit row numbers between lanes), and (as row strides of the
-// output) total_D and max_D multiples of 4. Other layouts take the any-width kernels
-// (cuda_any_width.cuh). `feat` is the features table on the host.
-inline bool vector_layout(const int64_t* feat, int64_t F, int64_t total_D, int64_t max_D) {
-  if (total_D % 4 != 0 || max_D % 4 != 0 || max_D > kVectorMaxD) return false;
+// offset and output column a multiple of 4, no row wider than `max_width` (kVectorMaxD, except
+// for the pooled forward, which walks wider rows in chunks), every table of fewer than 2^31 rows
+// (the forward passes 32-bit row numbers between lanes), and (as row strides of the output)
+// total_D and max_D multiples of 4. Other layouts take the any-width kernels (cuda_any_width.cuh).
+// `feat` is the features table on the host.
+inline bool vector_layout(const int64_t* feat, int64_t F, int64_t total_D, int64_t max_D,
+                          int64_t max_width = kVectorMaxD) {
+  if (total_D % 4 != 0 || max_D % 4 != 0 || max_D > max_width) return false;
   for (int64_t f = 0; f < F; ++f) {
     const int64_t* ft = feat + f * kFeatColumns;
-    if (ft[kFeatDim] % 4 != 0 || ft[kFeatDim] > kVectorMaxD || ft[kFeatWeightsOffset] % 4 != 0 ||
+    if (ft[kFeatDim] % 4 != 0 || ft[kFeatDim] > max_width || ft[kFeatWeightsOffset] % 4 != 0 ||
         ft[kFeatOutOffset] % 4 != 0 || ft[kFeatRows] >= (int64_t(1) << 31)) {
       return false;
     }

@@ -89,6 +89,9 @@ constexpr int kErrRecordSize = 6;
 // (cuda_any_width.cuh) for the others; the CPU kernels take any width.
 constexpr int64_t kMaxD = 4096;
 constexpr int64_t kVectorMaxD = 1024;
+// The pooled (sum/mean) forward takes 4-wide layouts of any width: it pools a row wider than
+// kVectorMaxD in chunks of kVectorMaxD columns (cuda_kernels.cuh, forward_kernel).
+constexpr int64_t kPooledForwardMaxD = kMaxD;
 
 // Number of bits needed to represent keys in [0, n).
 inline int bits_for(int64_t n) {

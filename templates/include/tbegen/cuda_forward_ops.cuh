@@ -21,7 +21,10 @@ inline at::Tensor forward_cuda(const at::Tensor& weights, const at::Tensor& feat
   const at::Tensor error = error_record_for(error_record, weights);
   const ForwardArgs a = forward_args(b, features, weights, per_sample_weights, out.data_ptr<float>(), error);
   WidthClasses classes;
-  const bool vector_path = check_layout_and_choose(b, features, weights, {out.data_ptr()}, &classes);
+  // (the pooled forward kernel walks rows wider than kVectorMaxD in chunks of 1024 columns; the
+  // unpooled one holds a row in registers, up to kVectorMaxD)
+  const int64_t max_width = pooling == kPoolNone ? kVectorMaxD : kPooledForwardMaxD;
+  const bool vector_path = check_layout_and_choose(b, features, weights, {out.data_ptr()}, &classes, max_width);
   const auto stream = at::cuda::getCurrentCUDAStream();
   if (b.F * b.B > 0 && !vector_path) {
     dispatch_any_width_weights(weights, [&](auto w) {

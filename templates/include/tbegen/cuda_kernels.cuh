@@ -271,96 +271,104 @@ __global__ void __launch_bounds__(256) forward_kernel(ForwardArgs a, const W* __
   const int groups = kWarpSize / group_lanes;
   const int group = lane / group_lanes;
   const int d0 = 4 * (lane % group_lanes);  // this lane's first column (groups > 1: its only one)
-  float acc[kVecs][4];
+  const float scale = (a.pooling == kPoolMean && end > start) ? 1.0f / float(end - start) : 1.0f;
+  float* const o_bag = a.out + int64_t(b) * a.total_D + ft[kFeatOutOffset];
+  // Rows wider than a warp's kVecs * 128 columns (kVecs = 8 only: rows past kVectorMaxD, which
+  // the host sends here for pooled lookups) are pooled one chunk of kChunk columns at a time,
+  // each chunk a pass over the bag (its indices come again from L1); other rows take one pass.
+  constexpr int kChunk = kVecs * 128;
+  for (int c0 = 0; c0 < D; c0 += kChunk) {
+    const int Dc = D - c0 < kChunk ? D - c0 : kChunk;  // columns of this chunk
+    float acc[kVecs][4];
 #pragma unroll
-  for (int v = 0; v < kVecs; ++v)
+    for (int v = 0; v < kVecs; ++v)
 #pragma unroll
-    for (int c = 0; c < 4; ++c) acc[v][c] = 0.0f;
-  for (int i0 = start; i0 < end; i0 += kWarpSize) {
-    // lane j checks index i0 + j and holds its row number (-1: skipped)
-    const int my_i = i0 + lane;
-    int32_t my_row = -1;
-    float my_scale = 0.0f;
-    if (my_i < end) {
-      my_row = checked_row(int64_t(indices[my_i]), rows, base, D, a.weights_numel, my_i, a.error);
-      if (kWeighted) my_scale = a.psw[my_i];
-    }
-    const int n = end - i0 < kWarpSize ? end - i0 : kWarpSize;
-    if (kVecs == 1 && !kLaneGroups) {
-      // every row 65 to 128 columns wide: one row at a time over the whole warp, four rows' loads
-      // in flight (this plain loop measured 15% faster than the lane-group loop below on C2 with
-      // D = 128: benchmarks/NOTES-gpu.md, run M)
-      const int d = 4 * lane;
-#pragma unroll 4
-      for (int j = 0; j < n; ++j) {
-        const int32_t r = __shfl_sync(kFullMask, my_row, j);
-        const float s = kWeighted ? __shfl_sync(kFullMask, my_scale, j) : 1.0f;
-        if (r >= 0 && d < D) {
-          float x[4];
-          load_weights4(table + int64_t(r) * D + d, x);
-          accumulate4<kWeighted>(acc[0], x, s);
-        }
+      for (int c = 0; c < 4; ++c) acc[v][c] = 0.0f;
+    for (int i0 = start; i0 < end; i0 += kWarpSize) {
+      // lane j checks index i0 + j and holds its row number (-1: skipped)
+      const int my_i = i0 + lane;
+      int32_t my_row = -1;
+      float my_scale = 0.0f;
+      if (my_i < end) {
+        my_row = checked_row(int64_t(indices[my_i]), rows, base, D, a.weights_numel, my_i, a.error);
+        if (kWeighted) my_scale = a.psw[my_i];
       }
-    } else if (kVecs == 1 || D <= 128) {
-      // rows of up to 128 columns: a group of lanes per row, 32 / group_lanes rows at a time;
-      // unrolled so that several rows' loads are in flight at once
-      const int rounds = (n + groups - 1) / groups;
+      const int n = end - i0 < kWarpSize ? end - i0 : kWarpSize;
+      if (kVecs == 1 && !kLaneGroups) {
+        // every row 65 to 128 columns wide: one row at a time over the whole warp, four rows' loads
+        // in flight (this plain loop measured 15% faster than the lane-group loop below on C2 with
+        // D = 128: benchmarks/NOTES-gpu.md, run M)
+        const int d = 4 * lane;
 #pragma unroll 4
-      for (int k = 0; k < rounds; ++k) {
-        const int j = k * groups + group;
-        const int src = j < n ? j : 0;
-        const int32_t r = __shfl_sync(kFullMask, my_row, src);
-        const float s = kWeighted ? __shfl_sync(kFullMask, my_scale, src) : 1.0f;
-        if (j < n && r >= 0 && d0 < D) {
-          float x[4];
-          load_weights4(table + int64_t(r) * D + d0, x);
-          accumulate4<kWeighted>(acc[0], x, s);
-        }
-      }
-    } else {
-      // wider rows: each row over the whole warp, kVecs slices per lane
-#pragma unroll 4
-      for (int j = 0; j < n; ++j) {
-        const int32_t r = __shfl_sync(kFullMask, my_row, j);
-        const float s = kWeighted ? __shfl_sync(kFullMask, my_scale, j) : 1.0f;
-        if (r < 0) continue;
-        const W* row = table + int64_t(r) * D;
-#pragma unroll
-        for (int v = 0; v < kVecs; ++v) {
-          const int d = v * 128 + 4 * lane;
-          if (d < D) {
+        for (int j = 0; j < n; ++j) {
+          const int32_t r = __shfl_sync(kFullMask, my_row, j);
+          const float s = kWeighted ? __shfl_sync(kFullMask, my_scale, j) : 1.0f;
+          if (r >= 0 && d < D) {
             float x[4];
-            load_weights4(row + d, x);
-            accumulate4<kWeighted>(acc[v], x, s);
+            load_weights4(table + int64_t(r) * D + d, x);
+            accumulate4<kWeighted>(acc[0], x, s);
+          }
+        }
+      } else if (kVecs == 1 || D <= 128) {
+        // rows of up to 128 columns: a group of lanes per row, 32 / group_lanes rows at a time;
+        // unrolled so that several rows' loads are in flight at once
+        const int rounds = (n + groups - 1) / groups;
+#pragma unroll 4
+        for (int k = 0; k < rounds; ++k) {
+          const int j = k * groups + group;
+          const int src = j < n ? j : 0;
+          const int32_t r = __shfl_sync(kFullMask, my_row, src);
+          const float s = kWeighted ? __shfl_sync(kFullMask, my_scale, src) : 1.0f;
+          if (j < n && r >= 0 && d0 < D) {
+            float x[4];
+            load_weights4(table + int64_t(r) * D + d0, x);
+            accumulate4<kWeighted>(acc[0], x, s);
+          }
+        }
+      } else {
+        // wider rows: each row (chunk) over the whole warp, kVecs slices per lane
+#pragma unroll 4
+        for (int j = 0; j < n; ++j) {
+          const int32_t r = __shfl_sync(kFullMask, my_row, j);
+          const float s = kWeighted ? __shfl_sync(kFullMask, my_scale, j) : 1.0f;
+          if (r < 0) continue;
+          const W* row = table + int64_t(r) * D + c0;
+#pragma unroll
+          for (int v = 0; v < kVecs; ++v) {
+            const int d = v * 128 + 4 * lane;
+            if (d < Dc) {
+              float x[4];
+              load_weights4(row + d, x);
+              accumulate4<kWeighted>(acc[v], x, s);
+            }
           }
         }
       }
     }
-  }
-  // the groups' partial sums, added across the warp (every group ends with the total)
-  for (int o = group_lanes; o < kWarpSize; o <<= 1) {
+    // the groups' partial sums, added across the warp (every group ends with the total)
+    for (int o = group_lanes; o < kWarpSize; o <<= 1) {
 #pragma unroll
-    for (int c = 0; c < 4; ++c) acc[0][c] += __shfl_xor_sync(kFullMask, acc[0][c], o);
-  }
-  const float scale = (a.pooling == kPoolMean && end > start) ? 1.0f / float(end - start) : 1.0f;
-  float* o = a.out + int64_t(b) * a.total_D + ft[kFeatOutOffset];
-  if (groups > 1) {
-    if (group == 0 && d0 < D) {
-      float x[4];
-#pragma unroll
-      for (int c = 0; c < 4; ++c) x[c] = acc[0][c] * scale;
-      store4(o + d0, x);
+      for (int c = 0; c < 4; ++c) acc[0][c] += __shfl_xor_sync(kFullMask, acc[0][c], o);
     }
-    return;
-  }
+    if (groups > 1) {
+      if (group == 0 && d0 < D) {
+        float x[4];
 #pragma unroll
-  for (int v = 0; v < kVecs; ++v) {
-    const int d = v * 128 + 4 * lane;
-    if (d < D) {
-      float x[4];
+        for (int c = 0; c < 4; ++c) x[c] = acc[0][c] * scale;
+        store4(o_bag + d0, x);
+      }
+      return;
+    }
+    float* const o = o_bag + c0;
 #pragma unroll
-      for (int c = 0; c < 4; ++c) x[c] = acc[v][c] * scale;
-      store4(o + d, x);
+    for (int v = 0; v < kVecs; ++v) {
+      const int d = v * 128 + 4 * lane;
+      if (d < Dc) {
+        float x[4];
+#pragma unroll
+        for (int c = 0; c < 4; ++c) x[c] = acc[v][c] * scale;
+        store4(o + d, x);
+      }
     }
   }
 }
@@ -583,6 +591,10 @@ struct BackwardArgs {
   // short-run kernels do (load4_keep), or plainly (load4): TBEGEN_LONG_RUN_L2_HINT=1 / the default.
   // ncu of C2's segment kernel (run Z) found 39% L2 hits with the hint; the landing run times both.
   bool long_run_l2_hint = false;
+  // Whether every output-gradient row, and every scratch and partial row of max_D floats, starts
+  // on a 16-byte boundary and spans a multiple of 4 columns, whatever the widths: the any-width
+  // kernels then sum occurrences 4 columns at a time (any_width::add_occurrences).
+  bool float_rows_4wide = false;
   // The short-run launch's ticket counter, zero at launch (backward_cuda): the warps take the
   // groups of 32 runs in order, one ticket each (take_group), so that the rows updated at any
   // moment are neighbours in key order, one table's or two, whose output-gradient rows (read once

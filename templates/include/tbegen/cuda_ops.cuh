@@ -192,14 +192,21 @@ inline bool aligned_to(const void* p, size_t bytes) { return reinterpret_cast<ui
 // launches by the classes).
 inline bool check_layout_and_choose(const Batch& b, const at::Tensor& features, const at::Tensor& weights,
                                     std::initializer_list<const void*> float_buffers,
-                                    WidthClasses* classes = nullptr) {
+                                    WidthClasses* classes = nullptr, int64_t max_width = kVectorMaxD,
+                                    bool* float_rows_4wide = nullptr) {
   static HostFeaturesCache cache;
   const HostFeaturesCache::Copy feat = cache.get(features);
   check_features(b, feat->data(), weights);
   if (classes != nullptr) {
     for (int64_t f = 0; f < b.F; ++f) classes->add((*feat)[f * kFeatColumns + kFeatDim]);
   }
-  if (!vector_layout(feat->data(), b.F, b.total_D, b.max_D)) return false;
+  if (float_rows_4wide != nullptr) {
+    // whether the float buffers' rows (the output gradient's, and scratch rows of max_D floats)
+    // can be read 4 at a time whatever the widths (BackwardArgs::float_rows_4wide)
+    *float_rows_4wide = vector_layout(feat->data(), b.F, b.total_D, b.max_D, kMaxD);
+    for (const void* p : float_buffers) *float_rows_4wide = *float_rows_4wide && (p == nullptr || aligned_to(p, 16));
+  }
+  if (!vector_layout(feat->data(), b.F, b.total_D, b.max_D, max_width)) return false;
   // int8 rows (uint8 weights) always take the any-width kernels, which dequantize and quantize
   // a row column by column; the 4-wide kernels have no int8 code (and no run-time dtype branch)
   if (weights.scalar_type() == at::kByte) return false;
@@ -283,6 +290,19 @@ inline bool env_is_one(const char* name) {
   return v != nullptr && std::strcmp(v, "1") == 0;
 }
 
+// The widest row the backward's 4-wide kernels take: kVectorMaxD, or fewer columns where the
+// environment sets TBEGEN_BACKWARD_4WIDE_MAX_D (a measurement switch: a batch with a wider row
+// then takes the any-width kernels, whose results agree to rounding; read at every call, so that
+// a benchmark can time both in one process).
+inline int64_t backward_4wide_max_d() {
+  const char* v = std::getenv("TBEGEN_BACKWARD_4WIDE_MAX_D");
+  if (v == nullptr || *v == '\0') return kVectorMaxD;
+  char* end = nullptr;
+  const long long d = std::strtoll(v, &end, 10);
+  TBEGEN_CHECK(end != v && *end == '\0' && d >= 0, "tbegen: TBEGEN_BACKWARD_4WIDE_MAX_D must be a column count, got '", v, "'");
+  return std::min<int64_t>(d, kVectorMaxD);
+}
+
 // Whether the backward may take the lane-group kernel (backward_group_kernel) for tables of at
 // most 64 columns: yes unless the environment sets TBEGEN_LANE_GROUPS=0, which launches the
 // whole-warp kernel instead (the same bits, tests/test_cuda.py; benchmarks time the two in one
@@ -331,8 +351,10 @@ __attribute__((visibility("hidden"))) void backward_cuda(
   TBEGEN_CHECK(max_segment_length_per_warp >= 1, "tbegen: max_segment_length_per_warp must be >= 1");
   // the 4-wide kernels, or the any-width ones (above)
   WidthClasses classes;
-  bool vector_path = check_layout_and_choose(b, features, weights, {grad_output.data_ptr()}, &classes);
-  vector_path = vector_path && kernels.vector_states_fit(params);
+  bool float_rows_4wide = false;
+  bool vector_path = check_layout_and_choose(b, features, weights, {grad_output.data_ptr()}, &classes,
+                                             kVectorMaxD, &float_rows_4wide);
+  vector_path = vector_path && kernels.vector_states_fit(params) && b.max_D <= backward_4wide_max_d();
   if (b.N == 0) return;
   const auto stream = at::cuda::getCurrentCUDAStream();
   const at::Tensor error = error_record_for(error_record, weights);
@@ -351,6 +373,7 @@ __attribute__((visibility("hidden"))) void backward_cuda(
   a.error = error.data_ptr<int64_t>();
   a.skip_bad_indices = skip_bad_indices;
   a.long_run_l2_hint = env_is_one("TBEGEN_LONG_RUN_L2_HINT");
+  a.float_rows_4wide = float_rows_4wide;
 
   // The long runs' kernels run on a side stream, concurrently with the short runs' kernel (they
   // touch disjoint rows), forked here and joined back before anything else runs on the caller's
