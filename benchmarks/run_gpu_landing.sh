@@ -50,8 +50,9 @@ REST=$(python3 -c "from tbegen.spec import list_specs; print(' '.join(p.stem for
 ( nice -n 19 bash -c "$(declare -f build); build $REST" >> "$OUT/extras.log" 2>&1 ) &
 rest_pid=$!
 
-PYTHONPATH=/tmp/fbg_site:$PYTHONPATH CUDA_MODULE_LOADING=LAZY timeout $(cap ${BENCH_TIMEOUT:-200}) python3 .anchor/bench_tbe.py --check \
-  --systems fbgemm,tbegen --fast-init --budget-s ${BENCH_BUDGET:-150} --out "$OUT/fbgemm" > "$OUT/fbgemm.log" 2>&1 || status=1
+# (BENCH=0 skips the referee's run: a probing call that times only the sweep)
+[ "${BENCH:-1}" = 1 ] && { PYTHONPATH=/tmp/fbg_site:$PYTHONPATH CUDA_MODULE_LOADING=LAZY timeout $(cap ${BENCH_TIMEOUT:-200}) python3 .anchor/bench_tbe.py --check \
+  --systems fbgemm,tbegen --fast-init --budget-s ${BENCH_BUDGET:-150} --out "$OUT/fbgemm" > "$OUT/fbgemm.log" 2>&1 || status=1; }
 grep -vi "compat table" "$OUT/fbgemm.log" | grep -E "^C[123] " | tail -n 24
 rm -f "$OUT/fbgemm/env.json" "$OUT/fbgemm/profiles.json"  # (profiles.json: the PROFILE step below)
 # where the time goes, kernel by kernel, in the cells named by PROFILE (config:OPT,...; default the
@@ -113,7 +114,7 @@ fi
 # into fbgemm/sweep.json and sweep.md; SWEEP=0 skips (benchmarks/sweep_report.py makes the PNG)
 if [ "${SWEEP:-1}" = 1 ]; then
   PYTHONPATH=/tmp/fbg_site:$PYTHONPATH CUDA_MODULE_LOADING=LAZY timeout $(cap ${SWEEP_TIMEOUT:-150}) python3 benchmarks/sweep_gpu.py \
-    --budget-s $(cap ${SWEEP_TIMEOUT:-150}) --out "$OUT/fbgemm" >> "$OUT/fbgemm.log" 2>&1 || log "shape sweep failed or timed out"
+    --budget-s $(( $(cap ${SWEEP_TIMEOUT:-150}) - 25 )) --out "$OUT/fbgemm" >> "$OUT/fbgemm.log" 2>&1 || log "shape sweep failed or timed out"
   grep -E "geometric mean" "$OUT/fbgemm/sweep.md" 2>/dev/null
 fi
 # the sweep's cells matching SWEEP_AB_ONLY (a regex, default the 1024-wide rows) again with an
@@ -125,14 +126,29 @@ if [ -n "${SWEEP_AB_ENV:-}" ]; then
     || log "sweep A/B failed or timed out"
   cat /tmp/sweep_ab/sweep.md >> "$OUT/fbgemm.log" 2>/dev/null
 fi
+# host time per forward and backward call on the latency-bound cells, both systems, and the CPU-side
+# operators of tbegen's backward (benchmarks/host_overhead.py), into fbgemm.log; HOST=1 runs it
+if [ "${HOST:-0}" = 1 ]; then
+  echo "== host time per call (benchmarks/host_overhead.py)" >> "$OUT/fbgemm.log"
+  PYTHONPATH=/tmp/fbg_site:$PYTHONPATH CUDA_MODULE_LOADING=LAZY timeout $(cap ${HOST_TIMEOUT:-60}) python3 benchmarks/host_overhead.py \
+    --out /tmp/host >> "$OUT/fbgemm.log" 2>&1 || log "host_overhead.py failed or timed out"
+  cat /tmp/host/host_overhead.md >> "$OUT/fbgemm.log" 2>/dev/null
+fi
+# variable batch sizes (VBE) beside the fixed-batch path and FBGEMM's padded step (benchmarks/bench_vbe.py),
+# its table into fbgemm.log; VBE=1 runs it
+if [ "${VBE:-0}" = 1 ]; then
+  echo "== VBE (benchmarks/bench_vbe.py)" >> "$OUT/fbgemm.log"
+  PYTHONPATH=/tmp/fbg_site:$PYTHONPATH CUDA_MODULE_LOADING=LAZY timeout $(cap ${VBE_TIMEOUT:-90}) python3 benchmarks/bench_vbe.py \
+    --out /tmp/vbe >> "$OUT/fbgemm.log" 2>&1 || log "bench_vbe.py failed or timed out"
+fi
 wait $rest_pid || { status=1; log "build of the other extensions failed"; }
 log "all extensions built: $(( $(date +%s) - t0 )) s"
 
 xdist=$(python3 -c "import xdist" 2>/dev/null && echo "-n 12")
 OMP_NUM_THREADS=2 TBEGEN_RESULTS_DIR="$OUT" timeout $(cap ${TESTS_TIMEOUT:-200}) python3 -m pytest -q -p no:cacheprovider $xdist \
-  tests/test_cuda.py tests/test_module.py tests/test_bad_input.py tests/test_cuda_lane_split.py \
+  ${TEST_FILES:-tests/test_cuda.py tests/test_module.py tests/test_bad_input.py tests/test_cuda_lane_split.py \
   tests/test_any_width.py tests/test_placements.py tests/test_state_dtypes.py tests/test_int_states.py \
-  tests/test_table_stages.py tests/test_cache.py tests/test_int8.py ${EXTRA_TESTS:-} > "$OUT/pytest_cuda.log" 2>&1 || status=1
+  tests/test_table_stages.py tests/test_cache.py tests/test_int8.py} ${EXTRA_TESTS:-} > "$OUT/pytest_cuda.log" 2>&1 || status=1
 # a test whose xdist worker crashed: again, alone, with Python's fault handler (its stack, if any)
 for t in $(grep -oE "crashed while running '[^']+'" "$OUT/pytest_cuda.log" | sed -E "s/.*'(.*)'/\1/"); do
   echo "== alone: $t" >> "$OUT/pytest_cuda.log"
@@ -143,7 +159,17 @@ grep -E "^(FAILED|ERROR)|passed|failed|^== (alone|exit)" "$OUT/pytest_cuda.log" 
 python3 benchmarks/summarize_results.py "$OUT" > "$OUT/numerics_table.md" 2>&1
 rm -f "$OUT"/harness_results_*.jsonl "$OUT"/*.jsonl
 
-for tool in memcheck racecheck; do
+# the authoring loop on the GPU (issue 26): a new optimizer from `tbegen new`, validated, built and
+# tested on the device, each step timed, into extras.log; AUTHOR=1 runs it
+if [ "${AUTHOR:-0}" = 1 ]; then
+  log "authoring loop: tbegen new, validate, test --device cuda --quick"
+  ( cd /tmp && rm -rf author && mkdir author && cd author && \
+    { /usr/bin/time -f "tbegen new: %e s" python3 -m tbegen new gpu_probe && \
+      /usr/bin/time -f "tbegen validate: %e s" python3 -m tbegen validate gpu_probe.yaml && \
+      /usr/bin/time -f "tbegen test --device cuda --quick (first): %e s" timeout $(cap 120) python3 -m tbegen test --optimizer gpu_probe.yaml --device cuda --quick && \
+      /usr/bin/time -f "tbegen test --device cuda --quick (cached): %e s" timeout $(cap 60) python3 -m tbegen test --optimizer gpu_probe.yaml --device cuda --quick; } 2>&1 | tail -n 30 ) >> "$OUT/extras.log"
+fi
+[ "${SANITIZE:-1}" = 1 ] && for tool in memcheck racecheck; do
   log "compute-sanitizer --tool $tool"
   PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout $(cap ${SANITIZE_TIMEOUT:-70}) compute-sanitizer --tool $tool --print-limit 20 \
     python3 benchmarks/sanitize_cases.py rowwise_adagrad adam > "$OUT/sanitize.tmp" 2>&1 || status=1

@@ -160,8 +160,7 @@ def fbgemm_module(ref, s: dict, opt: str, torch):
     return emb
 
 
-def time_system(ref, make, sets, grad, warmup, iters, torch):
-    emb = make()
+def time_system(ref, emb, sets, grad, warmup, iters, torch):
     torch.cuda.synchronize()
 
     def fwd(i):
@@ -171,9 +170,7 @@ def time_system(ref, make, sets, grad, warmup, iters, torch):
     def bwd(out):
         out.backward(grad)
 
-    r = ref.time_loop(fwd, bwd, len(sets), warmup, iters)
-    del emb
-    return r
+    return ref.time_loop(fwd, bwd, len(sets), warmup, iters)
 
 
 # ---- the run ---------------------------------------------------------------------------------------
@@ -217,15 +214,30 @@ def run(args) -> int:
             cell = dict(shape=name, opt=opt, describe=describe(s), T=s["T"], E=s["E"], Ds=sorted(set(s["Ds"])),
                         B=s["B"], L=s["L"], dist=s["dist"], alpha=s["alpha"], wprec=s["wprec"],
                         weighted=s["weighted"], pooling=s["pooling"])
+            # both modules at once, timed in alternating rounds (FBGEMM, tbegen, FBGEMM, ...): the
+            # median of the rounds' medians, so that a slow moment of the machine (the latency-bound
+            # cells move 20-50% between back-to-back runs) falls on both systems alike
+            mods = {}
             for system, make in (("fbgemm", lambda: fbgemm_module(ref, s, opt, torch)),
                                  ("tbegen", lambda: tbegen_module(s, opt, torch))):
                 try:
-                    r = time_system(ref, make, sets, grad, args.warmup, args.iters, torch)
-                    cell[system] = dict(fwd_ms=r["fwd_ms"], bwd_ms=r["bwd_ms"], total_ms=r["total_ms"])
+                    mods[system] = make()
                 except Exception as e:  # (a shape one system refuses is a result too)
                     cell[system] = dict(error=f"{type(e).__name__}: {e}"[:300])
-                gc.collect()
-                torch.cuda.empty_cache()
+            rounds = {k: [] for k in mods}
+            for _ in range(args.rounds):
+                for system in list(mods):
+                    try:
+                        rounds[system].append(time_system(ref, mods[system], sets, grad, args.warmup, args.iters, torch))
+                    except Exception as e:
+                        cell[system] = dict(error=f"{type(e).__name__}: {e}"[:300])
+                        del mods[system]
+            for system in mods:
+                rs = rounds[system]
+                cell[system] = {k: statistics.median(r[k] for r in rs) for k in ("fwd_ms", "bwd_ms", "total_ms")}
+            del mods
+            gc.collect()
+            torch.cuda.empty_cache()
             f, t = cell["fbgemm"], cell["tbegen"]
             if "error" not in f and "error" not in t:
                 cell["bwd_speedup"] = f["bwd_ms"] / t["bwd_ms"]
@@ -264,7 +276,8 @@ def markdown(summary: dict) -> str:
         "",
         f"{env.get('date_utc')} UTC, {env.get('gpu')}, torch {env.get('torch')}, FBGEMM_GPU {env.get('fbgemm_gpu')}; "
         f"{len(cells_)} cells timed, {len(failed)} not; {summary['seconds']:.0f} s. Speedup = FBGEMM's time / "
-        f"tbegen's, same batches, same process (the referee's gen_sets and time_loop).",
+        f"tbegen's, same batches, same process (the referee's gen_sets and time_loop), "
+        f"the median of {summary['args'].get('rounds', 1)} alternating rounds.",
         "",
         f"- backward: geometric mean {geomean([c['bwd_speedup'] for c in cells_]):.2f}x, "
         f"worst {min((c['bwd_speedup'] for c in cells_), default=float('nan')):.2f}x, "
@@ -300,6 +313,7 @@ def main(argv=None) -> int:
     ap.add_argument("--nsets", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--rounds", type=int, default=3, help="alternating timing rounds per system (median)")
     ap.add_argument("--budget-s", type=float, default=540, help="start no new cell after this many seconds")
     ap.add_argument("--list", action="store_true", help="print the cells and exit (no GPU needed)")
     args = ap.parse_args(argv)
