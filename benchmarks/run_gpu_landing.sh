@@ -135,10 +135,10 @@ if [ "${HOST:-0}" = 1 ]; then
   cat /tmp/host/host_overhead.md >> "$OUT/fbgemm.log" 2>/dev/null
 fi
 # variable batch sizes (VBE) beside the fixed-batch path and FBGEMM's padded step (benchmarks/bench_vbe.py),
-# its table into fbgemm.log; VBE=1 runs it
+# its table into fbgemm.log; VBE=1 runs it (fbgemm_subset: the bundle lacks the inference library fbgemm_gpu imports)
 if [ "${VBE:-0}" = 1 ]; then
   echo "== VBE (benchmarks/bench_vbe.py)" >> "$OUT/fbgemm.log"
-  PYTHONPATH=/tmp/fbg_site:$PYTHONPATH CUDA_MODULE_LOADING=LAZY timeout $(cap ${VBE_TIMEOUT:-90}) python3 benchmarks/bench_vbe.py \
+  PYTHONPATH=$PWD/benchmarks/fbgemm_subset:/tmp/fbg_site:$PYTHONPATH CUDA_MODULE_LOADING=LAZY timeout $(cap ${VBE_TIMEOUT:-90}) python3 benchmarks/bench_vbe.py \
     --out /tmp/vbe >> "$OUT/fbgemm.log" 2>&1 || log "bench_vbe.py failed or timed out"
 fi
 wait $rest_pid || { status=1; log "build of the other extensions failed"; }
