@@ -468,6 +468,11 @@ ERROR_ARGS = (
     Arg("error_record", "Tensor?", "int64 [6] error record on the weights' device, or None", default="None"),
     Arg("skip_bad_indices", "bool", "skip out-of-range indices instead of raising", default="False"),
 )
+# Variable batch size per feature (VBE, tbegen/module.py): the kernels write (forward) and read
+# (backward) FBGEMM's 1-D rank-major output directly, bag b's D_f values at element
+# bag_output_offsets[b] (-1: a padding bag, which has no lookups); None: the [B, total_D] output.
+VBE_ARG = Arg("bag_output_offsets", "Tensor?", "int64 [F * B]: each bag's element offset in the 1-D VBE output "
+              "(-1 for an empty padding bag), or None for the [B, total_D] output", default="None")
 
 
 def forward_signature() -> OpSignature:
@@ -480,7 +485,8 @@ def forward_signature() -> OpSignature:
             Arg("per_sample_weights", "Tensor?", "float32, one per index, or None"),
             Arg("pooling", "int", "0 sum, 1 mean, 2 none"),
         )
-        + ERROR_ARGS,
+        + ERROR_ARGS
+        + (VBE_ARG, Arg("output_size", "int", "numel of the 1-D VBE output (with bag_output_offsets)", default="-1")),
         "Tensor",
     )
 
@@ -495,7 +501,8 @@ def grad_psw_signature() -> OpSignature:
         + LAYOUT_ARGS
         + BATCH_ARGS
         + (Arg("pooling", "int", "0 sum, 1 mean, 2 none"),)
-        + ERROR_ARGS,
+        + ERROR_ARGS
+        + (VBE_ARG,),
         "Tensor",
     )
 
@@ -522,6 +529,7 @@ def backward_signature(spec: OptimizerSpec) -> OpSignature:
     args += (Arg("step", "int", "1-based step counter"),)
     args += ERROR_ARGS + (
         Arg("check_finite", "bool", "raise on NaN/Inf in per_sample_weights or grad_output", default="True"),
+        VBE_ARG,
     )
     return OpSignature("backward", args, "()")
 

@@ -22,6 +22,7 @@ at `layout.table_key_base[t]`). Where those buffers live is each table's placeme
 from __future__ import annotations
 
 import difflib
+import inspect
 import numbers
 import os
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
@@ -347,16 +348,19 @@ class _Lookup(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, module: "TableBatchedEmbeddingBags", anchor_or_weights, indices, offsets, per_sample_weights,
-                ticket=None):
-        # (with cached tables, `indices` are the kernels' indices: see TableBatchedEmbeddingBags._prepare)
+                ticket=None, bag_out=None, out_numel=-1):
+        # (with cached tables, `indices` are the kernels' indices: see TableBatchedEmbeddingBags._prepare;
+        # with `bag_out`, a VBE batch's table of each bag's place in the 1-D output: see _forward_vbe)
         ctx.module = module
         ctx.ticket = ticket
+        ctx.bag_out = bag_out
         ctx.save_for_backward(indices, offsets, per_sample_weights)
         errors = module._errors
         features = module.features if ticket is None else ticket.features
+        vbe = () if bag_out is None else (bag_out, out_numel)
         out = module._ops.forward(
             module._buffer("weights").detach(), features, module.layout.total_D, module.layout.max_D,
-            indices, offsets, per_sample_weights, module._pooling_id, errors.record, errors.skip_bad_indices,
+            indices, offsets, per_sample_weights, module._pooling_id, errors.record, errors.skip_bad_indices, *vbe,
         )
         errors.after_call()
         return out
@@ -370,6 +374,9 @@ class _Lookup(torch.autograd.Function):
         grad_psw = None
         errors = module._errors
         errors.poll()
+        bag_out = getattr(ctx, "bag_out", None)  # (torch.compile's backward passes a context without one)
+        vbe = () if bag_out is None else (bag_out,)
+        vbe_kw = {} if bag_out is None else {"bag_output_offsets": bag_out}
         features = module.features
         if ctx.ticket is not None:
             # the batch's rows must be in the slots its indices name (a later prefetch may have
@@ -379,20 +386,21 @@ class _Lookup(torch.autograd.Function):
         if per_sample_weights is not None and ctx.needs_input_grad[4]:
             grad_psw = module._ops.grad_per_sample_weights(
                 grad_output, module._buffer("weights").detach(), features, module.layout.total_D,
-                module.layout.max_D, indices, offsets, module._pooling_id, errors.record, errors.skip_bad_indices,
+                module.layout.max_D, indices, offsets, module._pooling_id, errors.record, errors.skip_bad_indices, *vbe,
             )
         grad_weights = None
         if module.dense_gradient:
             if ctx.needs_input_grad[1]:
                 grad_weights = torch.zeros_like(module.weights, memory_format=torch.contiguous_format)
-                module._run_backward(grad_output, grad_weights, indices, offsets, per_sample_weights)
+                module._run_backward(grad_output, grad_weights, indices, offsets, per_sample_weights, **vbe_kw)
         else:
             if ctx.ticket is None:  # (subclasses, e.g. TorchRec's, override the five-argument form)
-                module._run_backward(grad_output, module._buffer("weights"), indices, offsets, per_sample_weights)
+                module._run_backward(grad_output, module._buffer("weights"), indices, offsets, per_sample_weights,
+                                     **vbe_kw)
             else:
                 module._run_backward(grad_output, module._buffer("weights"), indices, offsets, per_sample_weights,
-                                     features=features)
-        return None, grad_weights, None, None, grad_psw, None
+                                     features=features, **vbe_kw)
+        return None, grad_weights, None, None, grad_psw, None, None, None
 
 
 # ---- the module -------------------------------------------------------------------------------
@@ -1121,6 +1129,11 @@ class TableBatchedEmbeddingBags(nn.Module):
             return self._forward_vbe(indices, offsets, per_sample_weights, batch_size_per_feature_per_rank)
         if torch.compiler.is_compiling():  # (torch.compile: opaque operators, tbegen/compiled.py)
             return compiled_.compiled_forward(self, indices, offsets, per_sample_weights)
+        return self._lookup(indices, offsets, per_sample_weights)
+
+    def _lookup(self, indices, offsets, per_sample_weights, bag_out=None, out_numel=-1) -> torch.Tensor:
+        """The eager forward: [B, total_D] (or [N, dim]), or with `bag_out` (a VBE batch padded to a
+        fixed batch, _forward_vbe) the 1-D VBE output of `out_numel` values."""
         self._check_buffers()
         self._errors.poll()
         given = (indices, offsets)
@@ -1140,7 +1153,7 @@ class TableBatchedEmbeddingBags(nn.Module):
             # The anchor: see _Lookup. Created per call so that it lives with this graph only.
             first = torch.empty(0, device=self.weights.device, requires_grad=torch.is_grad_enabled())
         out = _Lookup.apply(self, first, indices if ticket is None else ticket.indices, offsets, per_sample_weights,
-                            ticket)
+                            ticket, bag_out, out_numel)
         # A narrow output: the float32 sums rounded to nearest (autograd widens the gradient back).
         return out if self.output_dtype == torch.float32 else out.to(self.output_dtype)
 
@@ -1148,12 +1161,15 @@ class TableBatchedEmbeddingBags(nn.Module):
     #
     # The bags of a VBE batch are those of a fixed batch whose features were each cut short: feature
     # f has B_f = sum_r B[f][r] bags instead of max_B. The module pads every feature to max_B
-    # with empty bags (offsets repeated: no lookups, no gradient, no update), runs the fixed-batch
-    # operators unchanged, and gathers the real rows into FBGEMM's rank-major 1-D output; the
-    # gather's backward scatters the output gradient into the padded rows (zeros elsewhere). The
-    # padding index and the gather index are computed on the device by a few vectorised operations
-    # (a step's batch sizes usually differ from the last step's), and kept for the last distinct
-    # batch_size_per_feature_per_rank lists. See docs/module.md.
+    # with empty bags (offsets repeated: no lookups, no gradient, no update) and runs the
+    # fixed-batch operators with a table of each padded bag's place in FBGEMM's rank-major 1-D
+    # output (`bag_output_offsets`, -1 for a padding bag): the forward writes each bag's pooled row
+    # there and the backward reads its gradient row there, so there is no padded output, no copy
+    # and no scatter. The padding index and that table are computed on the device by a few
+    # vectorised operations (a step's batch sizes usually differ from the last step's), and kept for
+    # the last distinct batch_size_per_feature_per_rank lists. Under torch.compile, on CUDA (whose
+    # operators do not take the table yet) and for subclasses whose backward does not take it, the
+    # padded output is gathered instead (_BlocksOf, _RowsOf). See docs/module.md.
 
     _VBE_PLANS_KEPT = 64
 
@@ -1197,9 +1213,10 @@ class TableBatchedEmbeddingBags(nn.Module):
         raise ValueError(f"tbegen: batch_size_per_feature_per_rank is not F = {F} lists of R non-negative ints")
 
     def _vbe_plan(self, batch_size_per_feature_per_rank) -> Dict[str, Any]:
-        """The padding index and the output gather index of one batch_size_per_feature_per_rank,
-        computed on the module's device with a few vectorised operations (no host loop over
-        features, ranks or values; one small host->device copy), kept for the last distinct ones."""
+        """The padding index and the table of each padded bag's output offset of one
+        batch_size_per_feature_per_rank, computed on the module's device with a few vectorised
+        operations (no host loop over bags or values; one small host->device copy), kept for the
+        last distinct ones."""
         B = self._vbe_sizes(batch_size_per_feature_per_rank)  # [F, R]
         device = self.weights.device
         F, R = B.shape
@@ -1224,32 +1241,56 @@ class TableBatchedEmbeddingBags(nn.Module):
         # padded bag (f, b) starts where VBE bag start_f + min(b, B_f) starts (empty when b >= B_f)
         pad = (start_f[:, None] + torch.minimum(b[None, :], B_fd[:, None])).reshape(-1)
         pad = torch.cat([pad, pad.new_full((1,), total)])
-        # rank-major output: segment (r, f) holds B[f, r] rows of D_f values; its row j is padded
-        # row prefix[f, r] + j, columns col_f .. col_f + D_f
-        plan = {"total_bags": total, "max_B": max_B, "pad": pad, "numel": n_out}
+        # rank-major output: segment (r, f) holds B[f, r] rows of D_f values. Padded bag (f, b),
+        # b < B_f, is sample j = b - (bags of f's earlier ranks) of rank r (the rank whose bags
+        # cover b: the count of f's inclusive rank prefix sums <= b; zero-size ranks are passed
+        # over), at segment (r, f)'s first value + j * D_f.
+        ends = torch.cumsum(Bd, 1)  # [F, R]
+        bf = b[None, :].expand(F, max_B).contiguous()
+        r = torch.searchsorted(ends, bf, right=True).clamp_(max=R - 1)
+        seg_size = (Bd * dims[:, None]).t().reshape(-1)  # [R * F], rank-major
+        seg_first = (torch.cumsum(seg_size, 0) - seg_size).view(R, F).t()  # [F, R]
+        j = bf - (ends - Bd).gather(1, r)
+        at = seg_first.gather(1, r) + j * dims[:, None]
+        bag_out = torch.where(bf < B_fd[:, None], at, at.new_full((), -1)).reshape(-1)
+        plan = {"total_bags": total, "max_B": max_B, "pad": pad, "numel": n_out, "bag_out": bag_out, "sizes": B}
+        if len(plans) >= self._VBE_PLANS_KEPT:
+            plans.pop(next(iter(plans)))
+        plans[key] = plan
+        return plan
+
+    def _vbe_gather(self, plan: Dict[str, Any]):
+        """For the gathered fallback (see above): the output's blocks of the padded output on the
+        CPU, its per-value gather index on CUDA; made once per plan, when first needed."""
+        if "gather" in plan:
+            return plan["gather"]
+        B = plan["sizes"]
+        F, R = B.shape
+        device = self.weights.device
+        dims_host = torch.tensor([self.layout.tables[t][1] for t in self.layout.feature_table_map], dtype=torch.int64)
         if device.type == "cpu":
             # the output's blocks, rank-major: (first padded row, rows, first column, columns)
             col_h = (torch.cumsum(dims_host, 0) - dims_host).tolist()
             prefix_h = (torch.cumsum(B, 1) - B).tolist()
             B_h, dims_l = B.tolist(), dims_host.tolist()
-            plan["blocks"] = [(prefix_h[f][r], B_h[f][r], col_h[f], dims_l[f])
+            plan["gather"] = [(prefix_h[f][r], B_h[f][r], col_h[f], dims_l[f])
                               for r in range(R) for f in range(F) if B_h[f][r] > 0]
-        else:
-            # every output value's place in the padded output, built on the device
-            col = torch.cumsum(dims, 0) - dims
-            prefix = torch.cumsum(Bd, 1) - Bd  # [F, R]
-            seg_size = (Bd * dims[:, None]).t().reshape(-1)  # [R * F], rank-major
-            seg_first = torch.cumsum(seg_size, 0) - seg_size
-            seg_base = (prefix * self.layout.total_D + col[:, None]).t().reshape(-1)
-            seg_D = dims.repeat(R)
-            seg = torch.repeat_interleave(torch.arange(R * F, device=device), seg_size, output_size=n_out)
-            k = torch.arange(n_out, dtype=torch.int64, device=device) - seg_first[seg]
-            D_of = seg_D[seg]
-            plan["gather"] = seg_base[seg] + torch.div(k, D_of, rounding_mode="floor") * self.layout.total_D + k % D_of
-        if len(plans) >= self._VBE_PLANS_KEPT:
-            plans.pop(next(iter(plans)))
-        plans[key] = plan
-        return plan
+            return plan["gather"]
+        # every output value's place in the padded output, built on the device
+        n_out = plan["numel"]
+        both = torch.cat([B.reshape(-1), dims_host]).pin_memory().to(device, non_blocking=True)
+        Bd, dims = both[: F * R].view(F, R), both[F * R:]
+        col = torch.cumsum(dims, 0) - dims
+        prefix = torch.cumsum(Bd, 1) - Bd  # [F, R]
+        seg_size = (Bd * dims[:, None]).t().reshape(-1)  # [R * F], rank-major
+        seg_first = torch.cumsum(seg_size, 0) - seg_size
+        seg_base = (prefix * self.layout.total_D + col[:, None]).t().reshape(-1)
+        seg_D = dims.repeat(R)
+        seg = torch.repeat_interleave(torch.arange(R * F, device=device), seg_size, output_size=n_out)
+        k = torch.arange(n_out, dtype=torch.int64, device=device) - seg_first[seg]
+        D_of = seg_D[seg]
+        plan["gather"] = seg_base[seg] + torch.div(k, D_of, rounding_mode="floor") * self.layout.total_D + k % D_of
+        return plan["gather"]
 
     def vbe_padded_offsets(self, offsets: torch.Tensor, batch_size_per_feature_per_rank) -> torch.Tensor:
         """The offsets of a VBE batch (per feature, per rank, per sample) as those of the fixed
@@ -1267,15 +1308,33 @@ class TableBatchedEmbeddingBags(nn.Module):
                              f"{plan['pad'].device}")
         return offsets[plan["pad"]]
 
+    def _vbe_direct(self) -> bool:
+        """Whether this module's VBE batches take the direct path (the operators write and read the
+        1-D output through bag_output_offsets): on the CPU, eagerly, when its _run_backward (a
+        subclass may override it) takes the table."""
+        if self.weights.device.type != "cpu" or torch.compiler.is_compiling():
+            return False
+        cls = type(self)
+        ok = cls.__dict__.get("_vbe_direct_backward")
+        if ok is None:
+            params = inspect.signature(cls._run_backward).parameters.values()
+            ok = any(p.name == "bag_output_offsets" or p.kind == inspect.Parameter.VAR_KEYWORD for p in params)
+            setattr(cls, "_vbe_direct_backward", ok)
+        return ok
+
     def _forward_vbe(self, indices, offsets, per_sample_weights, batch_size_per_feature_per_rank) -> torch.Tensor:
         plan = self._vbe_plan(batch_size_per_feature_per_rank)
         padded = self.vbe_padded_offsets(offsets, batch_size_per_feature_per_rank)
-        out = self.forward(indices, padded, per_sample_weights)
         if self.pooling == "none":  # (one row per index: the bags' batch does not shape it)
+            return self.forward(indices, padded, per_sample_weights)
+        if self._vbe_direct():
+            out = self._lookup(indices, padded, per_sample_weights, plan["bag_out"], plan["numel"])
             return out
-        if "blocks" in plan:
-            return _BlocksOf.apply(out, plan["blocks"], plan["numel"])
-        return _RowsOf.apply(out, plan["gather"])
+        out = self.forward(indices, padded, per_sample_weights)
+        gather = self._vbe_gather(plan)
+        if isinstance(gather, list):
+            return _BlocksOf.apply(out, gather, plan["numel"])
+        return _RowsOf.apply(out, gather)
 
     def _compile_init(self) -> None:
         # torch.compile's handle and zero-size CPU anchor (tbegen/compiled.py); made anew for a
@@ -1329,7 +1388,8 @@ class TableBatchedEmbeddingBags(nn.Module):
             return []
         return self._table_state_buffers() + [self.feature_table]
 
-    def _run_backward(self, grad_output, weights, indices, offsets, per_sample_weights, features=None) -> None:
+    def _run_backward(self, grad_output, weights, indices, offsets, per_sample_weights, features=None,
+                      bag_output_offsets=None) -> None:
         check_capturable(self)  # (CUDA graph capture: refused where a replay would differ)
         step = self._step + 1
         states = [self._buffer(s.name) for s in self.spec.states]
@@ -1344,6 +1404,7 @@ class TableBatchedEmbeddingBags(nn.Module):
             self.stochastic_rounding and not self.dense_gradient,
             self.seed, *states, *self._table_state_args(), *hyper, step,
             self._errors.record, self._errors.skip_bad_indices, self.check_finite,
+            *(() if bag_output_offsets is None else (bag_output_offsets,)),
         )
         self._errors.after_call()
         # The operators write in place without telling autograd; record it, so that a graph that

@@ -360,3 +360,160 @@ def test_cuda_vbe_matches_float64_reference():
     grads = reference_row_grads(w0, [0, 1], bsfr, indices, offsets, psw, "mean", grad, pos)
     for t, w in enumerate(emb.split_embedding_weights()):
         torch.testing.assert_close(w.cpu().double(), w0[t].double() - 0.3 * grads[t], rtol=1e-5, atol=1e-6)
+
+
+# ---- the direct path: the operators write and read the 1-D output (bag_output_offsets) -----------
+
+
+def gathered(monkeypatch):
+    """Forces the gathered fallback (the padded output copied into the 1-D one)."""
+    monkeypatch.setattr(TableBatchedEmbeddingBags, "_vbe_direct", lambda self: False)
+
+
+def train_vbe(emb, bsfr, seed, steps=2, weighted=True, psw_grad=False):
+    """Trains `emb` on VBE batches; returns the outputs and the per-sample-weight gradients."""
+    gen = torch.Generator().manual_seed(seed)
+    rows = [emb.layout.tables[t][0] for t in emb.layout.feature_table_map]
+    outs, psw_grads = [], []
+    for _ in range(steps):
+        indices, offsets, psw = vbe_batch(rows, bsfr, gen, weighted)
+        if psw is not None and psw_grad:
+            psw.requires_grad_(True)
+        out = emb(indices, offsets, psw, batch_size_per_feature_per_rank=bsfr)
+        out.backward(torch.randn(out.shape, generator=gen).to(out.dtype))
+        outs.append(out.detach().clone())
+        psw_grads.append(None if psw is None or not psw_grad else psw.grad.clone())
+    return outs, psw_grads
+
+
+def assert_same_vbe_training(make_emb, bsfr, monkeypatch, **kw):
+    """The direct path and the gathered one: the same outputs, gradients, weights and states, bitwise."""
+    direct = make_emb()
+    assert direct._vbe_direct()
+    got = train_vbe(direct, bsfr, seed=9, **kw)
+    with monkeypatch.context() as m:
+        gathered(m)
+        ref_emb = make_emb()
+        assert not ref_emb._vbe_direct()
+        want = train_vbe(ref_emb, bsfr, seed=9, **kw)
+    for x, y in zip(got[0] + got[1], want[0] + want[1]):
+        assert (x is None) == (y is None)
+        if x is not None:
+            assert torch.equal(x, y)
+    assert torch.equal(direct.weights.detach(), ref_emb.weights.detach())
+    for s in direct.spec.states:
+        assert torch.equal(getattr(direct.states, s.name), getattr(ref_emb.states, s.name)), s.name
+
+
+def test_vbe_direct_path_has_no_padded_output(monkeypatch):
+    # the gathered fallback's pieces are not used on the CPU
+    def refuse(*args, **kwargs):
+        raise AssertionError("the gathered VBE fallback ran")
+    monkeypatch.setattr(TableBatchedEmbeddingBags, "_vbe_gather", refuse)
+    bsfr = [[3, 0, 2], [1, 4, 2], [0, 0, 5]]
+    emb = make("sgd", [(9, 4), (6, 8), (7, 3)], pooling="mean")
+    out, _ = train_vbe(emb, bsfr, seed=1, steps=1)
+    assert out[0].shape == (sum(bsfr[f][r] * d for f, d in enumerate([4, 8, 3]) for r in range(3)),)
+    assert emb.step == 1
+
+
+@pytest.mark.parametrize("optimizer", OPTIMIZERS)
+@pytest.mark.parametrize("pooling", ["sum", "mean"])
+def test_vbe_direct_equals_gathered_weighted_with_empty_features_and_ranks(optimizer, pooling, monkeypatch):
+    # feature 1 has no bags at all; rank 1 has no bags of any feature; feature 3 shares table 0
+    bsfr = [[4, 0, 2], [0, 0, 0], [1, 0, 5], [2, 0, 0]]
+    tables, ftm = [(13, 8), (5, 4), (9, 3)], [0, 1, 2, 0]
+    assert_same_vbe_training(lambda: make(optimizer, tables, ftm, pooling=pooling), bsfr, monkeypatch,
+                             steps=3, psw_grad=True)
+
+
+@pytest.mark.parametrize("weights_dtype", [torch.float16, torch.bfloat16, "int8"])
+def test_vbe_direct_equals_gathered_narrow_weights(weights_dtype, monkeypatch):
+    bsfr = [[2, 3], [0, 4], [5, 1]]
+    tables = [(10, 8), (7, 4), (12, 16)]
+    assert_same_vbe_training(lambda: make("rowwise_adagrad", tables, pooling="mean", weights_dtype=weights_dtype),
+                             bsfr, monkeypatch, psw_grad=True)
+
+
+def test_vbe_direct_equals_gathered_dense_gradient_and_output_dtype(monkeypatch):
+    bsfr = [[2, 3], [0, 4]]
+    tables = [(10, 4), (7, 5)]
+    for kw in (dict(optimizer="none"), dict(optimizer="sgd", output_dtype=torch.bfloat16)):
+        opt = kw.pop("optimizer")
+        def build(opt=opt, kw=kw):
+            return make(opt, tables, **kw)
+        direct, ref_emb = build(), None
+        got = train_vbe(direct, bsfr, seed=4, psw_grad=True)
+        with monkeypatch.context() as m:
+            gathered(m)
+            ref_emb = build()
+            want = train_vbe(ref_emb, bsfr, seed=4, psw_grad=True)
+        for x, y in zip(got[0] + got[1], want[0] + want[1]):
+            assert torch.equal(x, y)
+        if opt == "none":
+            assert torch.equal(direct.weights.grad, ref_emb.weights.grad)
+        else:
+            assert torch.equal(direct.weights.detach(), ref_emb.weights.detach())
+
+
+def test_vbe_subclass_with_five_argument_backward_is_gathered():
+    calls = []
+
+    class FiveArgs(TableBatchedEmbeddingBags):
+        def _run_backward(self, grad_output, weights, indices, offsets, per_sample_weights) -> None:
+            calls.append(tuple(grad_output.shape))
+            super()._run_backward(grad_output, weights, indices, offsets, per_sample_weights)
+
+    bsfr = [[1, 2], [3, 0]]
+    emb = FiveArgs([(6, 4), (5, 2)], optimizer="sgd", learning_rate=0.1)
+    assert not emb._vbe_direct()
+    plain = make("sgd", [(6, 4), (5, 2)], learning_rate=0.1)
+    emb.load_state_dict(plain.state_dict())
+    a, _ = train_vbe(emb, bsfr, seed=2, steps=1)
+    b, _ = train_vbe(plain, bsfr, seed=2, steps=1)
+    assert torch.equal(a[0], b[0]) and torch.equal(emb.weights.detach(), plain.weights.detach())
+    assert calls == [(3, 6)]  # the padded [max_B, total_D] gradient
+
+
+def op_args(emb, indices, offsets):
+    return (emb.weights.detach(), emb.features, emb.layout.total_D, emb.layout.max_D, indices, offsets)
+
+
+@pytest.mark.parametrize(
+    "table,size,message",
+    [
+        (torch.tensor([0, 4, -1, 8, 11, 14], dtype=torch.int32), 17, "bag_output_offsets must be int64, got Int"),
+        (torch.tensor([0, 4, -1, 8, 11], dtype=torch.int64), 17, r"one entry per bag \(F \* B = 2 x 3 = 6\)"),
+        (torch.tensor([0, 4, -1, 8, 11, 15], dtype=torch.int64), 17, r"bag_output_offsets\[5\] = 15 puts feature 1's 3 "
+         r"values outside the variable-batch output of 17 elements"),
+        (torch.tensor([0, -1, -1, 8, 11, 14], dtype=torch.int64), 17, r"marks bag 1 \(feature 0\) as padding \(-1\), "
+         r"but it has 1 indices"),
+        (torch.tensor([0, 4, -1, 8, 11, 14], dtype=torch.int64), -1, "output_size"),
+    ],
+)
+def test_vbe_operator_checks_the_table(table, size, message):
+    emb = make("sgd", [(6, 4), (5, 3)])
+    # bags: feature 0: 1, 1, (padding) ; feature 1: 1, 1, 1
+    indices = torch.tensor([1, 2, 0, 3, 4])
+    offsets = torch.tensor([0, 1, 2, 2, 3, 4, 5])
+    with pytest.raises(RuntimeError, match=message):
+        emb._ops.forward(*op_args(emb, indices, offsets), None, 0, None, False, table, size)
+    if size >= 0:
+        grad = torch.zeros(size)
+        with pytest.raises(RuntimeError, match=message):
+            emb._ops.grad_per_sample_weights(grad, *op_args(emb, indices, offsets), 0, None, False, table)
+        w0 = emb.weights.detach().clone()
+        with pytest.raises(RuntimeError, match=message):
+            emb._run_backward(grad, emb.weights, indices, offsets, None, bag_output_offsets=table)
+        assert torch.equal(emb.weights.detach(), w0)  # nothing written
+
+
+def test_vbe_operator_refuses_pooling_none_and_a_2d_gradient():
+    emb = make("sgd", [(6, 4), (5, 4)], pooling="none")
+    indices, offsets = torch.tensor([1, 2]), torch.tensor([0, 1, 2])
+    table = torch.tensor([0, 4])
+    with pytest.raises(RuntimeError, match="needs pooling sum or mean"):
+        emb._ops.forward(*op_args(emb, indices, offsets), None, 2, None, False, table, 8)
+    s = make("sgd", [(6, 4), (5, 4)])
+    with pytest.raises(RuntimeError, match="grad_output must be the 1-D gradient"):
+        s._run_backward(torch.zeros(1, 8), s.weights, indices, offsets, None, bag_output_offsets=table)

@@ -15,32 +15,33 @@
 namespace tbegen {
 namespace opt_adagrad {
 
-void backward_cpu(const at::Tensor& grad_output, const at::Tensor& weights, const at::Tensor& features, int64_t total_D, int64_t max_D, int64_t total_hash_size, const at::Tensor& indices, const at::Tensor& offsets, const c10::optional<at::Tensor>& per_sample_weights, int64_t pooling, int64_t max_segment_length_per_warp, bool stochastic_rounding, int64_t seed, const at::Tensor& accumulator, double learning_rate, double eps, int64_t step, const c10::optional<at::Tensor>& error_record, bool skip_bad_indices, bool check_finite) {
+void backward_cpu(const at::Tensor& grad_output, const at::Tensor& weights, const at::Tensor& features, int64_t total_D, int64_t max_D, int64_t total_hash_size, const at::Tensor& indices, const at::Tensor& offsets, const c10::optional<at::Tensor>& per_sample_weights, int64_t pooling, int64_t max_segment_length_per_warp, bool stochastic_rounding, int64_t seed, const at::Tensor& accumulator, double learning_rate, double eps, int64_t step, const c10::optional<at::Tensor>& error_record, bool skip_bad_indices, bool check_finite, const c10::optional<at::Tensor>& bag_output_offsets) {
   const Params tbegen_params = make_params(weights, total_hash_size, accumulator, learning_rate, eps);
   const RowUpdateContext tbegen_ctx{stochastic_rounding, seed, step};
   cpu::backward_cpu<Optimizer>(grad_output, weights, features, total_D, max_D, total_hash_size, indices,
                                offsets, per_sample_weights, pooling, tbegen_params, tbegen_ctx, error_record,
-                               skip_bad_indices, check_finite);
+                               skip_bad_indices, check_finite, bag_output_offsets);
 }
 
 // The same update run the way the CUDA kernel splits a row over a warp's lanes (cpu_kernels.h,
 // LaneSplit): the harness compares it with backward to catch a spec that depends on the split.
-void backward_lane_split_cpu(const at::Tensor& grad_output, const at::Tensor& weights, const at::Tensor& features, int64_t total_D, int64_t max_D, int64_t total_hash_size, const at::Tensor& indices, const at::Tensor& offsets, const c10::optional<at::Tensor>& per_sample_weights, int64_t pooling, int64_t max_segment_length_per_warp, bool stochastic_rounding, int64_t seed, const at::Tensor& accumulator, double learning_rate, double eps, int64_t step, const c10::optional<at::Tensor>& error_record, bool skip_bad_indices, bool check_finite) {
+void backward_lane_split_cpu(const at::Tensor& grad_output, const at::Tensor& weights, const at::Tensor& features, int64_t total_D, int64_t max_D, int64_t total_hash_size, const at::Tensor& indices, const at::Tensor& offsets, const c10::optional<at::Tensor>& per_sample_weights, int64_t pooling, int64_t max_segment_length_per_warp, bool stochastic_rounding, int64_t seed, const at::Tensor& accumulator, double learning_rate, double eps, int64_t step, const c10::optional<at::Tensor>& error_record, bool skip_bad_indices, bool check_finite, const c10::optional<at::Tensor>& bag_output_offsets) {
   const Params tbegen_params = make_params(weights, total_hash_size, accumulator, learning_rate, eps);
   const RowUpdateContext tbegen_ctx{stochastic_rounding, seed, step};
   cpu::backward_cpu<cpu::LaneSplit<Optimizer>>(grad_output, weights, features, total_D, max_D, total_hash_size,
                                                indices, offsets, per_sample_weights, pooling, tbegen_params,
-                                               tbegen_ctx, error_record, skip_bad_indices, check_finite);
+                                               tbegen_ctx, error_record, skip_bad_indices, check_finite,
+                                               bag_output_offsets);
 }
 
 }  // namespace opt_adagrad
 }  // namespace tbegen
 
 TORCH_LIBRARY(tbegen_adagrad, m) {
-  m.def("forward(Tensor weights, Tensor features, int total_D, int max_D, Tensor indices, Tensor offsets, Tensor? per_sample_weights, int pooling, Tensor? error_record=None, bool skip_bad_indices=False) -> Tensor");
-  m.def("grad_per_sample_weights(Tensor grad_output, Tensor weights, Tensor features, int total_D, int max_D, Tensor indices, Tensor offsets, int pooling, Tensor? error_record=None, bool skip_bad_indices=False) -> Tensor");
-  m.def("backward(Tensor grad_output, Tensor(a!) weights, Tensor features, int total_D, int max_D, int total_hash_size, Tensor indices, Tensor offsets, Tensor? per_sample_weights, int pooling, int max_segment_length_per_warp, bool stochastic_rounding, int seed, Tensor(b!) accumulator, float learning_rate, float eps, int step, Tensor? error_record=None, bool skip_bad_indices=False, bool check_finite=True) -> ()");
-  m.def("backward_lane_split(Tensor grad_output, Tensor(a!) weights, Tensor features, int total_D, int max_D, int total_hash_size, Tensor indices, Tensor offsets, Tensor? per_sample_weights, int pooling, int max_segment_length_per_warp, bool stochastic_rounding, int seed, Tensor(b!) accumulator, float learning_rate, float eps, int step, Tensor? error_record=None, bool skip_bad_indices=False, bool check_finite=True) -> ()");
+  m.def("forward(Tensor weights, Tensor features, int total_D, int max_D, Tensor indices, Tensor offsets, Tensor? per_sample_weights, int pooling, Tensor? error_record=None, bool skip_bad_indices=False, Tensor? bag_output_offsets=None, int output_size=-1) -> Tensor");
+  m.def("grad_per_sample_weights(Tensor grad_output, Tensor weights, Tensor features, int total_D, int max_D, Tensor indices, Tensor offsets, int pooling, Tensor? error_record=None, bool skip_bad_indices=False, Tensor? bag_output_offsets=None) -> Tensor");
+  m.def("backward(Tensor grad_output, Tensor(a!) weights, Tensor features, int total_D, int max_D, int total_hash_size, Tensor indices, Tensor offsets, Tensor? per_sample_weights, int pooling, int max_segment_length_per_warp, bool stochastic_rounding, int seed, Tensor(b!) accumulator, float learning_rate, float eps, int step, Tensor? error_record=None, bool skip_bad_indices=False, bool check_finite=True, Tensor? bag_output_offsets=None) -> ()");
+  m.def("backward_lane_split(Tensor grad_output, Tensor(a!) weights, Tensor features, int total_D, int max_D, int total_hash_size, Tensor indices, Tensor offsets, Tensor? per_sample_weights, int pooling, int max_segment_length_per_warp, bool stochastic_rounding, int seed, Tensor(b!) accumulator, float learning_rate, float eps, int step, Tensor? error_record=None, bool skip_bad_indices=False, bool check_finite=True, Tensor? bag_output_offsets=None) -> ()");
   m.def("describe_error(Tensor record, bool with_index_errors) -> str");
 }
 

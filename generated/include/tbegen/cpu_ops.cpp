@@ -48,25 +48,39 @@ std::vector<int64_t> bad_indices(const Batch& b, const at::Tensor& features, con
 at::Tensor forward_cpu(const at::Tensor& weights, const at::Tensor& features, int64_t total_D, int64_t max_D,
                        const at::Tensor& indices, const at::Tensor& offsets,
                        const c10::optional<at::Tensor>& per_sample_weights, int64_t pooling,
-                       const c10::optional<at::Tensor>& error_record, bool skip_bad_indices) {
+                       const c10::optional<at::Tensor>& error_record, bool skip_bad_indices,
+                       const c10::optional<at::Tensor>& bag_output_offsets, int64_t output_size) {
   const Batch b = check_batch(weights, features, total_D, max_D, indices, offsets, per_sample_weights, pooling);
   check_error_record(error_record, weights);
-  at::Tensor out = pooling == kPoolNone ? at::empty({b.N, b.max_D}, weights.options().dtype(at::kFloat))
-                                        : at::empty({b.B, b.total_D}, weights.options().dtype(at::kFloat));
+  const bool vbe = bag_output_offsets.has_value();
+  if (vbe) {
+    check_bag_output_offsets(b, *bag_output_offsets, weights);
+    TBEGEN_CHECK(output_size >= 0, "tbegen: with bag_output_offsets, output_size (the numel of the variable-batch "
+                "output) must be given, got ", output_size);
+  }
+  const int64_t* bag_out = vbe ? bag_output_offsets->data_ptr<int64_t>() : nullptr;
+  // (a VBE output starts zeroed: the real bags cover it, but a table that left a gap would
+  // otherwise leave memory unwritten there)
+  at::Tensor out = vbe ? at::zeros({output_size}, weights.options().dtype(at::kFloat))
+                   : pooling == kPoolNone ? at::empty({b.N, b.max_D}, weights.options().dtype(at::kFloat))
+                                          : at::empty({b.B, b.total_D}, weights.options().dtype(at::kFloat));
   dispatch_types(weights, indices, [&](auto w, auto i) {
     using W = decltype(w);
     using I = decltype(i);
     const std::vector<int64_t> bad = bad_indices<I>(b, features, indices, offsets, error_record, skip_bad_indices);
+    if (vbe) {
+      check_bag_output_values_host<I>(b, features.data_ptr<int64_t>(), bag_out, offsets.data_ptr<I>(), output_size);
+    }
     if (bad.empty()) {
       forward<W, I>(b, features.data_ptr<int64_t>(), weights.data_ptr<W>(), indices.data_ptr<I>(),
-                    offsets.data_ptr<I>(), optional_data(per_sample_weights), out.data_ptr<float>());
+                    offsets.data_ptr<I>(), optional_data(per_sample_weights), out.data_ptr<float>(), bag_out);
       return;
     }
     // Skipped bad indices: each looks up row 0 with weight 0 (so it adds nothing, and a mean still
     // divides by the bag's full length, as on CUDA); for pooling none its row is zeroed after.
     const SkippedIndices<I> skip(bad, indices, per_sample_weights);
     forward<W, I>(b, features.data_ptr<int64_t>(), weights.data_ptr<W>(), skip.indices.template data_ptr<I>(),
-                  offsets.data_ptr<I>(), skip.weights.template data_ptr<float>(), out.data_ptr<float>());
+                  offsets.data_ptr<I>(), skip.weights.template data_ptr<float>(), out.data_ptr<float>(), bag_out);
     if (pooling == kPoolNone) {
       for (const int64_t i : bad) out[i].zero_();
     }
@@ -77,19 +91,31 @@ at::Tensor forward_cpu(const at::Tensor& weights, const at::Tensor& features, in
 at::Tensor grad_per_sample_weights_cpu(const at::Tensor& grad_output, const at::Tensor& weights,
                                        const at::Tensor& features, int64_t total_D, int64_t max_D,
                                        const at::Tensor& indices, const at::Tensor& offsets, int64_t pooling,
-                                       const c10::optional<at::Tensor>& error_record, bool skip_bad_indices) {
+                                       const c10::optional<at::Tensor>& error_record, bool skip_bad_indices,
+                                       const c10::optional<at::Tensor>& bag_output_offsets) {
   const Batch b = check_batch(weights, features, total_D, max_D, indices, offsets, c10::nullopt, pooling);
-  check_grad_output(b, grad_output, weights);
+  const bool vbe = bag_output_offsets.has_value();
+  if (vbe) {
+    check_bag_output_offsets(b, *bag_output_offsets, weights);
+    check_vbe_grad_output(grad_output, weights);
+  } else {
+    check_grad_output(b, grad_output, weights);
+  }
+  const int64_t* bag_out = vbe ? bag_output_offsets->data_ptr<int64_t>() : nullptr;
   check_error_record(error_record, weights);
   at::Tensor grad = at::empty({b.N}, weights.options().dtype(at::kFloat));
   dispatch_types(weights, indices, [&](auto w, auto i) {
     using W = decltype(w);
     using I = decltype(i);
     const std::vector<int64_t> bad = bad_indices<I>(b, features, indices, offsets, error_record, skip_bad_indices);
+    if (vbe) {
+      check_bag_output_values_host<I>(b, features.data_ptr<int64_t>(), bag_out, offsets.data_ptr<I>(),
+                                      grad_output.numel());
+    }
     const SkippedIndices<I> skip(bad, indices, c10::nullopt);
     grad_per_sample_weights<W, I>(b, features.data_ptr<int64_t>(), grad_output.data_ptr<float>(),
                                   weights.data_ptr<W>(), (bad.empty() ? indices : skip.indices).template data_ptr<I>(),
-                                  offsets.data_ptr<I>(), grad.data_ptr<float>());
+                                  offsets.data_ptr<I>(), grad.data_ptr<float>(), bag_out);
     float* g = grad.data_ptr<float>();
     for (const int64_t i : bad) g[i] = 0.0f;  // a skipped index's weight gets no gradient
   });

@@ -10,8 +10,11 @@ namespace cuda {
 inline at::Tensor forward_cuda(const at::Tensor& weights, const at::Tensor& features, int64_t total_D,
                                int64_t max_D, const at::Tensor& indices, const at::Tensor& offsets,
                                const c10::optional<at::Tensor>& per_sample_weights, int64_t pooling,
-                               const c10::optional<at::Tensor>& error_record, bool skip_bad_indices) {
+                               const c10::optional<at::Tensor>& error_record, bool skip_bad_indices,
+                               const c10::optional<at::Tensor>& bag_output_offsets, int64_t output_size) {
   const Batch b = check_batch(weights, features, total_D, max_D, indices, offsets, per_sample_weights, pooling);
+  TBEGEN_CHECK(!bag_output_offsets.has_value(), "tbegen: bag_output_offsets (the variable-batch output written "
+              "directly) is not implemented by the CUDA operators yet; the module pads and gathers there");
   const c10::cuda::CUDAGuard guard(weights.device());
   check_error_record(error_record, weights);
   // Sum/mean: the kernel writes every bag's columns (zeros for a bag with bad offsets); pooling
@@ -85,8 +88,11 @@ inline at::Tensor grad_per_sample_weights_cuda(const at::Tensor& grad_output, co
                                                const at::Tensor& features, int64_t total_D, int64_t max_D,
                                                const at::Tensor& indices, const at::Tensor& offsets,
                                                int64_t pooling, const c10::optional<at::Tensor>& error_record,
-                                               bool skip_bad_indices) {
+                                               bool skip_bad_indices,
+                                               const c10::optional<at::Tensor>& bag_output_offsets) {
   const Batch b = check_batch(weights, features, total_D, max_D, indices, offsets, c10::nullopt, pooling);
+  TBEGEN_CHECK(!bag_output_offsets.has_value(), "tbegen: bag_output_offsets (the variable-batch output read "
+              "directly) is not implemented by the CUDA operators yet; the module pads and gathers there");
   const c10::cuda::CUDAGuard guard(weights.device());
   check_grad_output(b, grad_output, weights);
   check_error_record(error_record, weights);

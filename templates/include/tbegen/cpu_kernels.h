@@ -75,9 +75,11 @@ TBEGEN_INLINE Int8QParams row_qparams(const W* row, int64_t D) {
   }
 }
 
+// Pooled bags go to out + bag * total_D + the feature's column, or, with `bag_out` (a VBE batch,
+// vbe.h), to out + bag_out[bag] (padding bags, -1, are skipped: they have no lookups).
 template <typename W, typename I>
 void forward(const Batch& b, const int64_t* feat, const W* weights, const I* indices,
-             const I* offsets, const float* psw, float* out) {
+             const I* offsets, const float* psw, float* out, const int64_t* bag_out = nullptr) {
   if (b.pooling == kPoolNone) {
     at::parallel_for(0, b.F * b.B, 64, [&](int64_t begin, int64_t end) {
       for (int64_t bag = begin; bag < end; ++bag) {
@@ -112,7 +114,14 @@ void forward(const Batch& b, const int64_t* feat, const W* weights, const I* ind
       for (int64_t bi = begin; bi < end; ++bi) {
         const int64_t start = bag_offsets[bi], stop = bag_offsets[bi + 1];
         const float scale = (b.pooling == kPoolMean && stop > start) ? 1.0f / float(stop - start) : 1.0f;
-        float* o = out + bi * b.total_D + ft[kFeatOutOffset];
+        float* o;
+        if (bag_out == nullptr) {
+          o = out + bi * b.total_D + ft[kFeatOutOffset];
+        } else {
+          const int64_t at = bag_out[f * b.B + bi];
+          if (at < 0) continue;  // a padding bag (empty)
+          o = out + at;
+        }
         if constexpr (std::is_same_v<W, float>) {
           if (simd::vector_width(D)) {
             auto row = [&](int64_t k) TBEGEN_INLINE_LAMBDA { return table + int64_t(indices[start + k]) * D; };
@@ -141,9 +150,11 @@ void forward(const Batch& b, const int64_t* feat, const W* weights, const I* ind
 }
 
 // d loss / d per_sample_weights[i] = <grad of i's output, weight row of i> (/ L for mean).
+// (with `bag_out`, bag b's output-gradient row is at grad_output + bag_out[b]: see forward)
 template <typename W, typename I>
 void grad_per_sample_weights(const Batch& b, const int64_t* feat, const float* grad_output,
-                             const W* weights, const I* indices, const I* offsets, float* grad) {
+                             const W* weights, const I* indices, const I* offsets, float* grad,
+                             const int64_t* bag_out = nullptr) {
   at::parallel_for(0, b.F * b.B, 64, [&](int64_t begin, int64_t end) {
     for (int64_t bag = begin; bag < end; ++bag) {
       const int64_t f = bag / b.B, bi = bag % b.B;
@@ -151,11 +162,12 @@ void grad_per_sample_weights(const Batch& b, const int64_t* feat, const float* g
       const int64_t D = ft[kFeatDim];
       const int64_t start = offsets[bag], stop = offsets[bag + 1];
       const float scale = b.pooling == kPoolMean ? 1.0f / float(std::max<int64_t>(stop - start, 1)) : 1.0f;
+      // (a padding bag of a VBE batch is empty: its -1 is never used)
+      const float* bag_go = bag_out != nullptr ? grad_output + bag_out[bag] : grad_output + bi * b.total_D + ft[kFeatOutOffset];
       for (int64_t i = start; i < stop; ++i) {
         const W* row = weights_row(weights, ft, int64_t(indices[i]));
         const Int8QParams q = row_qparams(row, D);
-        const float* go = b.pooling == kPoolNone ? grad_output + i * b.max_D
-                                                 : grad_output + bi * b.total_D + ft[kFeatOutOffset];
+        const float* go = b.pooling == kPoolNone ? grad_output + i * b.max_D : bag_go;
         float dot = 0.0f;
         for (int64_t d = 0; d < D; ++d) dot += go[d] * load_weight(row[d], q);
         grad[i] = dot * scale;
@@ -227,11 +239,13 @@ inline uint64_t* radix_sort_bits(uint64_t* items, uint64_t* tmp, int64_t n, int 
 }
 
 // The backward pass with the optimizer `Opt` fused in: updates weights and states in place.
-// grad_output is [B, total_D] (pooling sum/mean) or [N, max_D] (pooling none), float32.
+// grad_output is [B, total_D] (pooling sum/mean) or [N, max_D] (pooling none), float32; with
+// `bag_out` (a VBE batch, vbe.h) the 1-D VBE output's gradient, bag b's row at bag_out[b].
 template <class Opt, typename W, typename I>
 void backward(const Batch& b, const int64_t* feat, int64_t total_hash_size, const float* grad_output,
               W* weights, const I* indices, const I* offsets, const float* psw,
-              const typename Opt::Params& params, const RowUpdateContext& ctx) {
+              const typename Opt::Params& params, const RowUpdateContext& ctx,
+              const int64_t* bag_out = nullptr) {
   const int64_t nbags = b.F * b.B;
   // 1. Linearise: each index i becomes the item (key << pos_bits) | i, where key = the table's
   // first key + row; remember each index's bag.
@@ -290,6 +304,7 @@ void backward(const Batch& b, const int64_t* feat, int64_t total_hash_size, cons
   auto grad_row_at = [&](int64_t j) TBEGEN_INLINE_LAMBDA {
     if (b.pooling == kPoolNone) return grad_output + pos_at(j) * b.max_D;
     const int32_t bag = sorted_bag[j];
+    if (bag_out != nullptr) return grad_output + bag_out[bag];  // (a VBE batch: a bag with lookups is no padding)
     const int32_t f = by_B.quotient(bag);
     return grad_output + int64_t(bag - f * int32_t(b.B)) * b.total_D + feat[f * kFeatColumns + kFeatOutOffset];
   };

@@ -6,6 +6,7 @@
 
 #include "tbegen/cpu_kernels.h"
 #include "tbegen/host.h"
+#include "tbegen/vbe.h"
 
 namespace tbegen {
 namespace cpu {
@@ -46,11 +47,14 @@ inline int64_t* record_data(const c10::optional<at::Tensor>& record) {
                                                      const at::Tensor& offsets,
                                                      const c10::optional<at::Tensor>& per_sample_weights,
                                                      int64_t pooling, const c10::optional<at::Tensor>& error_record,
-                                                     bool skip_bad_indices);
+                                                     bool skip_bad_indices,
+                                                     const c10::optional<at::Tensor>& bag_output_offsets,
+                                                     int64_t output_size);
 [[gnu::visibility("hidden")]] at::Tensor grad_per_sample_weights_cpu(
     const at::Tensor& grad_output, const at::Tensor& weights, const at::Tensor& features, int64_t total_D,
     int64_t max_D, const at::Tensor& indices, const at::Tensor& offsets, int64_t pooling,
-    const c10::optional<at::Tensor>& error_record, bool skip_bad_indices);
+    const c10::optional<at::Tensor>& error_record, bool skip_bad_indices,
+    const c10::optional<at::Tensor>& bag_output_offsets);
 // The message of an error record (see host.h), for callers that keep their own record.
 [[gnu::visibility("hidden")]] std::string describe_error(const at::Tensor& record, bool with_index_errors);
 
@@ -59,9 +63,16 @@ void backward_cpu(const at::Tensor& grad_output, const at::Tensor& weights, cons
                   int64_t total_D, int64_t max_D, int64_t total_hash_size, const at::Tensor& indices,
                   const at::Tensor& offsets, const c10::optional<at::Tensor>& per_sample_weights,
                   int64_t pooling, const typename Opt::Params& params, const RowUpdateContext& ctx,
-                  const c10::optional<at::Tensor>& error_record, bool skip_bad_indices, bool check_finite) {
+                  const c10::optional<at::Tensor>& error_record, bool skip_bad_indices, bool check_finite,
+                  const c10::optional<at::Tensor>& bag_output_offsets) {
   const Batch b = check_batch(weights, features, total_D, max_D, indices, offsets, per_sample_weights, pooling);
-  check_grad_output(b, grad_output, weights);
+  const bool vbe = bag_output_offsets.has_value();
+  if (vbe) {
+    check_bag_output_offsets(b, *bag_output_offsets, weights);
+    check_vbe_grad_output(grad_output, weights);
+  } else {
+    check_grad_output(b, grad_output, weights);
+  }
   check_error_record(error_record, weights);
   if (check_finite) {
     if (per_sample_weights.has_value()) {
@@ -81,9 +92,11 @@ void backward_cpu(const at::Tensor& grad_output, const at::Tensor& weights, cons
     // All checks happen before the first write: bad input leaves weights and states untouched.
     check_indices_host<I>(b, feat, indices.data_ptr<I>(), offsets.data_ptr<I>(), skip_bad_indices,
                           record_data(error_record));
+    const int64_t* bag_out = vbe ? bag_output_offsets->data_ptr<int64_t>() : nullptr;
+    if (vbe) check_bag_output_values_host<I>(b, feat, bag_out, offsets.data_ptr<I>(), grad_output.numel());
     backward<Opt, W, I>(b, feat, total_hash_size, grad_output.data_ptr<float>(), weights.data_ptr<W>(),
                         indices.data_ptr<I>(), offsets.data_ptr<I>(), optional_data(per_sample_weights),
-                        params, ctx);
+                        params, ctx, bag_out);
   });
 }
 
