@@ -711,7 +711,9 @@ def standard_cases(spec: OptimizerSpec, dtypes: Sequence[torch.dtype] = (torch.f
         cases.append(Case(tables=MIXED_TABLES, pooling="sum", weighted=True, hyper=hyper, seed=seed))
     # narrow state storage (the module's state_dtypes): every state bf16, then every state fp16
     # (fp32 arithmetic, stochastic rounding on store)
-    for narrow, wdt, pooling in ((torch.bfloat16, torch.float32, "sum"), (torch.float16, torch.float16, "mean")):
+    # (fp16 weights for the fp16 states where the grid has them: `--quick`'s cases are fp32 weights only)
+    fp16_states_weights = torch.float16 if torch.float16 in dtypes else dtypes[-1]
+    for narrow, wdt, pooling in ((torch.bfloat16, torch.float32, "sum"), (torch.float16, fp16_states_weights, "mean")):
         floats = [s.name for s in spec.states if not s.is_int]
         if floats:
             seed += 1
