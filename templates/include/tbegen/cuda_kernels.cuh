@@ -175,6 +175,9 @@ struct ForwardArgs {
   int64_t pooling;
   float* out;
   int64_t* error;
+  // a VBE batch (vbe.h): each bag's element offset in the 1-D output, -1 for a padding bag
+  // (empty: nothing written); nullptr: bag b of feature f at out + b * total_D + f's column
+  const int64_t* bag_out = nullptr;
 };
 
 // Checks an index and returns its row's offset in the weights buffer, or -1 after recording why.
@@ -272,7 +275,10 @@ __global__ void __launch_bounds__(256) forward_kernel(ForwardArgs a, const W* __
   const int group = lane / group_lanes;
   const int d0 = 4 * (lane % group_lanes);  // this lane's first column (groups > 1: its only one)
   const float scale = (a.pooling == kPoolMean && end > start) ? 1.0f / float(end - start) : 1.0f;
-  float* const o_bag = a.out + int64_t(b) * a.total_D + ft[kFeatOutOffset];
+  // (a VBE padding bag has no lookups and no place in the output: the warp leaves)
+  const int64_t bag_at = a.bag_out != nullptr ? a.bag_out[bag] : int64_t(b) * a.total_D + ft[kFeatOutOffset];
+  if (bag_at < 0) return;
+  float* const o_bag = a.out + bag_at;
   // Rows wider than a warp's kVecs * 128 columns (kVecs = 8 only: rows past kVectorMaxD, which
   // the host sends here for pooled lookups) are pooled one chunk of kChunk columns at a time,
   // each chunk a pass over the bag (its indices come again from L1); other rows take one pass.
@@ -438,6 +444,7 @@ __global__ void __launch_bounds__(256) grad_psw_kernel(ForwardArgs a, const floa
       const int64_t off = row_offset(ft, int64_t(indices[i]), i, a.weights_numel, a.error);
       if (off < 0) continue;
       const float* go = a.pooling == kPoolNone ? grad_output + i * a.max_D
+                        : a.bag_out != nullptr ? grad_output + a.bag_out[bag]
                                                : grad_output + b * a.total_D + ft[kFeatOutOffset];
       float dot = 0.0f;
 #pragma unroll
@@ -579,6 +586,8 @@ struct BackwardArgs {
   FastDivisor by_B;  // bag -> feature (bag / B) without a division
   int64_t pooling;
   const float* grad_output;
+  // a VBE batch (vbe.h): bag b's output-gradient row at grad_output + bag_out[b]; else nullptr
+  const int64_t* bag_out = nullptr;
   const int64_t* error;
   bool skip_bad_indices;  // else a bad index anywhere in the batch blocks every update
   // Width classes (backward_cuda): when a batch mixes rows of several 4-wide slice counts, the
@@ -644,6 +653,7 @@ __device__ __forceinline__ void locate_row(const BackwardArgs& a, int32_t bag, i
 
 __device__ __forceinline__ const float* grad_row(const BackwardArgs& a, int32_t position, int32_t bag) {
   if (a.pooling == kPoolNone) return a.grad_output + int64_t(position) * a.max_D;
+  if (a.bag_out != nullptr) return a.grad_output + a.bag_out[bag];  // (a bag with occurrences is no padding)
   const int32_t f = a.by_B.quotient(bag);
   return a.grad_output + int64_t(bag - f * int32_t(a.B)) * a.total_D + a.feat[f * kFeatColumns + kFeatOutOffset];
 }
