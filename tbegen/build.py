@@ -58,7 +58,7 @@ from typing import Dict, List, Optional, Sequence, Union
 
 import torch
 
-from . import resources, torch_pch
+from . import build_workers, resources, torch_pch
 from .model import OptimizerSpec
 
 _LOADED: Dict[str, str] = {}  # op namespace -> cache key of the library loaded in this process
@@ -640,7 +640,7 @@ PROGRESS_EVERY_S = 60.0
 # for its own), so there are at most as many workers as concurrent builds; idle ones are kept for
 # later builds (one, or one per thread while `prebuild` runs) and end with this process.
 
-_WORKER_CODE = "import sys; from tbegen.build import _worker_main; _worker_main(int(sys.argv[1]), int(sys.argv[2]))"
+_WORKER_CODE = build_workers.WORKER_CODE
 
 
 class _WorkerLost(RuntimeError):
@@ -764,20 +764,9 @@ class _Worker:
     """One build worker process, seen from the process that asks it to build."""
 
     def __init__(self):
-        import subprocess
-
-        req_r, req_w = os.pipe()
-        rep_r, rep_w = os.pipe()
-        root = str(Path(__file__).resolve().parent.parent)
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
-        try:
-            self.proc = subprocess.Popen([sys.executable, "-c", _WORKER_CODE, str(req_r), str(rep_w)], env=env,
-                                         stdin=subprocess.DEVNULL, pass_fds=(req_r, rep_w))
-        finally:
-            os.close(req_r)
-            os.close(rep_w)
-        self.requests = os.fdopen(req_w, "w")
-        self.replies = os.fdopen(rep_r, "r")
+        # (started by build_workers, which needs no torch: `tbegen test` starts one before it
+        # imports torch, and the first build takes it)
+        self.proc, self.requests, self.replies = build_workers.take()
 
     def alive(self) -> bool:
         return self.proc.poll() is None

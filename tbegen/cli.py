@@ -223,6 +223,11 @@ def test(optimizer, device, quick, verbose):
     library, loads it into this process, and executes the spec's Python reference. Test only
     specs you trust.
     """
+    from . import build_workers
+
+    # (a build worker starts importing torch now, beside this process's own import: the build, if
+    # one is needed, then starts about a second sooner; unused, it ends with this process)
+    build_workers.prestart()
     spec = _load(optimizer, run_reference=True)
     import torch
 
