@@ -32,8 +32,8 @@ compiled once for all optimizers (RUNTIME_CUDA_SOURCE).
 
 Where two cores are free for one build, a CPU build compiles ops.cpp as two translation units side
 by side (`_ops_sources`: the backward and registrations, and the lane-split backward), about 30%
-less wall time for about 13% more CPU time; builds run two at a time (`prebuild`, MAX_JOBS=1) keep
-one unit each. `tbegen test --quick` checks float32 weights only and builds a library of its own
+less wall time for 13-19% more CPU time; builds run two at a time (`prebuild`, MAX_JOBS=1) or on a
+busy machine (`split_wanted`: the load average) keep one unit each. `tbegen test --quick` checks float32 weights only and builds a library of its own
 that instantiates the backward for them alone (`spec_files(..., fp32_weights_only=True)`): a
 third of the compile. Both need the generated sources' support (TBEGEN_OPS_PART in ops.cpp,
 TBEGEN_CPU_FP32_WEIGHTS_ONLY in cpu_ops.h); without it a build compiles ops.cpp whole, as before.
@@ -495,15 +495,33 @@ def split_jobs() -> int:
     return os.cpu_count() or 1
 
 
+def split_wanted() -> bool:
+    """Whether a CPU build compiles ops.cpp in two parts side by side: $TBEGEN_CPU_SPLIT "1" or "0"
+    decides; by default ("auto") where the build may run two compiler processes (`split_jobs`)
+    and a core is idle (the load average under the core count less one half: on a busy machine,
+    CI's two test workers or prebuild's builds side by side, the second part only adds CPU time)."""
+    setting = os.environ.get("TBEGEN_CPU_SPLIT", "auto")
+    if setting not in ("auto", "0", "1"):
+        raise ValueError(f"tbegen: TBEGEN_CPU_SPLIT={setting!r}: expected 'auto', '0' or '1'")
+    if setting != "auto":
+        return setting == "1"
+    if split_jobs() < 2:
+        return False
+    try:
+        load = os.getloadavg()[0]
+    except OSError:
+        return False
+    return load < (os.cpu_count() or 1) - 0.5
+
+
 def _ops_sources(name: str, files: Dict[str, str], src: Path) -> List[str]:
     """The translation units of an optimizer's CPU code: NAME/ops.cpp, or the float32-weights
     wrapper where the sources hold it; split in two (OPS_PART_SOURCES, written here, beside it)
-    where ops.cpp supports it and the build may run two compiler processes. The split makes the
-    same functions from the same code with the same flags: the library's kernels are the same
-    (tests/test_build_split.py compares the machine code), only their order in it differs; so it
-    is not part of the cache key."""
+    where ops.cpp supports it and `split_wanted()`. The split makes the same functions from the
+    same code with the same flags (tests/test_build_split.py: the same results, bit for bit); only
+    their order in the library differs, so it is not part of the cache key."""
     unit = FP32_WEIGHTS_SOURCE if f"{name}/{FP32_WEIGHTS_SOURCE}" in files else "ops.cpp"
-    if OPS_PART_MACRO not in files.get(f"{name}/ops.cpp", "") or split_jobs() < 2:
+    if OPS_PART_MACRO not in files.get(f"{name}/ops.cpp", "") or not split_wanted():
         return [str(src / name / unit)]
     sources = []
     for part, wrapper in enumerate(OPS_PART_SOURCES, 1):

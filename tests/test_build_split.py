@@ -82,8 +82,8 @@ torch.save(dict(results=results, objects=build._ops_objects(entry), fp16=fp16,
 
 def _run(tmp_path, kind: str, max_jobs: str, objects: list) -> dict:
     """The RUN script's results for the `kind` library ("full" or "quick"), built with MAX_JOBS=max_jobs
-    into `objects`: in the shared cache unless it holds that library compiled the other way (then
-    in a cache of this test's own)."""
+    (and TBEGEN_CPU_SPLIT 0 for one job, 1 for two: whatever the load) into `objects`: in the shared
+    cache unless it holds that library compiled the other way (then in a cache of this test's own)."""
     out = tmp_path / f"{kind}.pt"
     spec = load_spec(str(SPECS[SPEC]))
     files = build.spec_files(spec, False, fp32_weights_only=kind == "quick")
@@ -91,7 +91,7 @@ def _run(tmp_path, kind: str, max_jobs: str, objects: list) -> dict:
     cache = str(build.build_root())
     if (entry / build.DIGEST_FILE).is_file() and build._ops_objects(entry) != objects:
         cache = str(tmp_path / f"cache-{kind}")
-    env = dict(os.environ, MAX_JOBS=max_jobs, TBEGEN_BUILD_DIR=cache,
+    env = dict(os.environ, MAX_JOBS=max_jobs, TBEGEN_CPU_SPLIT="0" if max_jobs == "1" else "1", TBEGEN_BUILD_DIR=cache,
                PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.run([sys.executable, "-c", RUN, str(SPECS[SPEC]), kind, str(out)], env=env,
                           capture_output=True, text=True, timeout=600)
@@ -125,7 +125,18 @@ def test_ops_sources_split_only_where_supported_and_two_jobs_are_allowed(tmp_pat
     (tmp_path / name).mkdir()
     whole = {f"{name}/ops.cpp": "// no parts\n"}
     parts = {f"{name}/ops.cpp": "#if !defined(TBEGEN_OPS_PART) || TBEGEN_OPS_PART == 1\n#endif\n"}
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(os, "getloadavg", lambda: (1.7, 1.0, 1.0))  # (busy: the second core is taken)
     monkeypatch.setenv("MAX_JOBS", "2")
+    monkeypatch.delenv("TBEGEN_CPU_SPLIT", raising=False)
+    assert build._ops_sources(name, parts, tmp_path) == [str(tmp_path / name / "ops.cpp")]
+    monkeypatch.setenv("TBEGEN_CPU_SPLIT", "1")
+    assert len(build._ops_sources(name, parts, tmp_path)) == 2
+    monkeypatch.setenv("TBEGEN_CPU_SPLIT", "sometimes")
+    with pytest.raises(ValueError, match="TBEGEN_CPU_SPLIT='sometimes'"):
+        build._ops_sources(name, parts, tmp_path)
+    monkeypatch.delenv("TBEGEN_CPU_SPLIT")
+    monkeypatch.setattr(os, "getloadavg", lambda: (0.3, 1.0, 1.0))  # (idle)
     assert build._ops_sources(name, whole, tmp_path) == [str(tmp_path / name / "ops.cpp")]
     split = build._ops_sources(name, parts, tmp_path)
     assert split == [str(tmp_path / name / s) for s in build.OPS_PART_SOURCES]
