@@ -214,7 +214,7 @@ def check(out):
 @main.command()
 @click.option("--optimizer", "-o", required=True, help="Spec name in optimizers/ or a path to a YAML file.")
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
-@click.option("--quick", is_flag=True, help="Only fp32 cases.")
+@click.option("--quick", is_flag=True, help="Only fp32 weights (on the CPU, a smaller library built for them).")
 @click.option("--verbose", "-v", is_flag=True, help="Print every case and the compiler's output.")
 def test(optimizer, device, quick, verbose):
     """Build one optimizer and check it against its spec's float64 reference.
@@ -223,6 +223,11 @@ def test(optimizer, device, quick, verbose):
     library, loads it into this process, and executes the spec's Python reference. Test only
     specs you trust.
     """
+    from . import build_workers
+
+    # (a build worker starts importing torch now, beside this process's own import: the build, if
+    # one is needed, then starts about a second sooner; unused, it ends with this process)
+    build_workers.prestart()
     spec = _load(optimizer, run_reference=True)
     import torch
 
@@ -234,7 +239,10 @@ def test(optimizer, device, quick, verbose):
     from .compile_errors import CompileError
 
     try:
-        ops = build.load_ops(spec, with_cuda=(device == "cuda"), verbose=verbose)
+        # (--quick on the CPU: a library of its own whose backward takes float32 weights only, a
+        # third of the full library's compile; the full one is built by `tbegen test` and the module)
+        ops = build.load_ops(spec, with_cuda=(device == "cuda"), verbose=verbose,
+                             fp32_weights_only=quick and device == "cpu")
     except CompileError as e:  # already in the spec's terms, with the log's path: no traceback
         raise click.ClickException(str(e))
     except RuntimeError as e:  # a build that failed otherwise (tbegen's own words)

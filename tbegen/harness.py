@@ -230,6 +230,26 @@ def initial_state(spec: OptimizerSpec, layout: Layout, case: Case, gen: torch.Ge
 
 
 # ---- the float64 reference -----------------------------------------------------------------------
+# The references see every state as the kernels hold it, and as `tbegen validate` runs them
+# (reference_check.py): int states as int64 tensors, the others as float64.
+
+
+def _reference_states(spec: OptimizerSpec, states: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    """Copies of `states` for a reference run: int states int64, the others float64."""
+    ints = {s.name for s in spec.states if s.is_int}
+    return {k: v.to(torch.int64 if k in ints else torch.float64).clone() for k, v in states.items()}
+
+
+def _reference_value(state, value) -> torch.Tensor:
+    """What a reference left in `state`, as the reference copies hold it: an int state as int64
+    (a float there, which validate reports, rounded to the nearest integer), others as float64."""
+    value = torch.as_tensor(value)
+    if not state.is_int:
+        return value.to(torch.float64)
+    if value.is_floating_point():
+        value = value.round()
+    return value.to(torch.int64)
+
 
 
 def _bag_lists(layout: Layout, B: int, batch: Batch):
@@ -296,7 +316,7 @@ def reference_step(spec, layout, B, pooling, weights, states, batch, grad_output
     occurrences: what accumulating the gradient in float32 may legitimately change
     (see `gradient_sensitivity`)."""
     w = weights.to(torch.float64).clone()
-    st = {k: v.to(torch.float64).clone() for k, v in states.items()}
+    st = _reference_states(spec, states)
     touched_w = torch.zeros(w.numel(), dtype=torch.bool)
     go = grad_output.to(torch.float64)
     idx = batch.indices.to(torch.int64)
@@ -344,12 +364,9 @@ def reference_step(spec, layout, B, pooling, weights, states, batch, grad_output
         touched_w.view(-1)[base : base + E * D].view(E, D)[rows] = True
         for s in spec.states:
             if s.per == "element":
-                st[s.name][base : base + E * D].view(E, D)[rows] = ns[s.name].to(torch.float64)
+                st[s.name][base : base + E * D].view(E, D)[rows] = _reference_value(s, ns[s.name])
             else:
-                value = torch.as_tensor(ns[s.name], dtype=torch.float64)
-                if s.is_int:  # an int state holds integers: what the reference computes, rounded
-                    value = value.round()
-                st[s.name][layout.table_key_base[t] + rows] = value
+                st[s.name][layout.table_key_base[t] + rows] = _reference_value(s, ns[s.name])
     return w, st, touched_w
 
 
@@ -362,6 +379,11 @@ def run_reference(ref, field: str, ns: dict) -> None:
     """Runs the reference snippet `ref` (model.Reference) in the namespace `ns`; an exception it
     raises becomes a ReferenceFailure at the YAML line of the statement that raised it."""
     label = f"{ref.loc.file}:{field}"
+    # (float64 as torch's default dtype while it runs: an int64 state combined with a Python float,
+    # `since * math.log(2)` or `keep ** since`, is then float64 like the rest of the reference, not
+    # float32)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
     try:
         exec(compile(ref.code, label, "exec"), ns)
     except Exception as e:  # noqa: BLE001 - all of it is the spec's code
@@ -370,6 +392,8 @@ def run_reference(ref, field: str, ns: dict) -> None:
         where = f"{ref.loc.file}:{ref.loc.line + lineno - 1}" if lineno else f"{ref.loc}"
         text = f" (in `{lines[lineno - 1].strip()}`)" if lineno and 0 < lineno <= len(lines) else ""
         raise ReferenceFailure(f"{where}: {field}: {type(e).__name__}: {e}{text}") from None
+    finally:
+        torch.set_default_dtype(default)
 
 
 @_one_thread
@@ -378,7 +402,7 @@ def reference_table_step(spec, layout, weights, states, hyper, step):
     table (each table once, however many features read it) over all of its rows. Returns
     (weights, states) as float64 copies; unchanged when the spec has no `table` stages."""
     w = weights.to(torch.float64).clone()
-    st = {k: v.to(torch.float64).clone() for k, v in states.items()}
+    st = _reference_states(spec, states)
     if spec.table_stages:
         _reference_table_elements(spec, layout, w, st, hyper, step)
     if spec.table_reductions:
@@ -411,9 +435,7 @@ def _reference_table_elements(spec, layout, w, st, hyper, step) -> None:
         run_reference(spec.table_reference, "table_reference", ns)
         w[base : base + E * D] = torch.as_tensor(ns["w"], dtype=torch.float64).reshape(-1)
         for s in spec.states:
-            value = torch.as_tensor(ns[s.name], dtype=torch.float64).reshape(-1)
-            if s.is_int:
-                value = value.round()
+            value = _reference_value(s, ns[s.name]).reshape(-1)
             if s.per == "element":
                 st[s.name][base : base + E * D] = value
             else:
@@ -556,13 +578,13 @@ def run_case(spec: OptimizerSpec, ops, case: Case, device: str = "cpu") -> Resul
         for name, ref in ref_states.items():
             if states[name].dtype != torch.int64:
                 continue
-            mismatch = states[name].cpu().to(torch.float64) != ref
+            mismatch = states[name].cpu() != ref
             # (the error of an int state: the fraction of its entries that differ)
             result.errors[name] = max(result.errors.get(name, 0.0), mismatch.double().mean().item())
             if mismatch.any():
                 bad = int(mismatch.nonzero()[0])
                 result.failures.append(f"step {step}: int state {name}: {int(states[name].cpu()[bad])} at {bad}, "
-                                       f"reference {ref[bad].item():.17g}")
+                                       f"reference {int(ref[bad])}")
         # a narrow (fp16/bf16) state is measured like narrow weights: against its size
         compared = [("weights", w_now, ref_w, w_before, tol_w)] + [
             (name, states[name].cpu(), ref,
@@ -592,7 +614,7 @@ def _check_table_step(spec, ops, case, layout, feats, hyper, weights, states, st
     ref_w, ref_states = reference_table_step(spec, layout, before_w, before_states, hyper, step)
     ran = call_table_update(spec, ops, case, layout, feats, hyper, weights, states, step)
     changed = not torch.equal(ref_w, before_w.to(torch.float64)) or any(
-        not torch.equal(ref_states[k], before_states[k].to(torch.float64)) for k in ref_states)
+        not torch.equal(ref_states[k], before_states[k].to(ref_states[k].dtype)) for k in ref_states)
     if changed and not ran:
         result.failures.append(f"step {step}: table: the reference changed the tables but no whole-table stage ran")
     narrow_w = case.weights_dtype != torch.float32
@@ -600,7 +622,7 @@ def _check_table_step(spec, ops, case, layout, feats, hyper, weights, states, st
     for name, ref in ref_states.items():
         dt = states[name].dtype
         if dt == torch.int64:
-            if not torch.equal(states[name].cpu().to(torch.float64), ref):
+            if not torch.equal(states[name].cpu(), ref):
                 result.failures.append(f"step {step}: table: int state {name} differs from the reference")
             continue
         compared.append((f"table {name}", states[name].cpu(), ref,
@@ -711,7 +733,9 @@ def standard_cases(spec: OptimizerSpec, dtypes: Sequence[torch.dtype] = (torch.f
         cases.append(Case(tables=MIXED_TABLES, pooling="sum", weighted=True, hyper=hyper, seed=seed))
     # narrow state storage (the module's state_dtypes): every state bf16, then every state fp16
     # (fp32 arithmetic, stochastic rounding on store)
-    for narrow, wdt, pooling in ((torch.bfloat16, torch.float32, "sum"), (torch.float16, torch.float16, "mean")):
+    # (fp16 weights for the fp16 states where the grid has them: `--quick`'s cases are fp32 weights only)
+    fp16_states_weights = torch.float16 if torch.float16 in dtypes else dtypes[-1]
+    for narrow, wdt, pooling in ((torch.bfloat16, torch.float32, "sum"), (torch.float16, fp16_states_weights, "mean")):
         floats = [s.name for s in spec.states if not s.is_int]
         if floats:
             seed += 1

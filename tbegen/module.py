@@ -1167,11 +1167,12 @@ class TableBatchedEmbeddingBags(nn.Module):
     # there and the backward reads its gradient row there, so there is no padded output, no copy
     # and no scatter. The padding index and that table are computed on the device by a few
     # vectorised operations (a step's batch sizes usually differ from the last step's), and kept for
-    # the last distinct batch_size_per_feature_per_rank lists. Under torch.compile, on CUDA (whose
-    # operators do not take the table yet) and for subclasses whose backward does not take it, the
-    # padded output is gathered instead (_BlocksOf, _RowsOf). See docs/module.md.
+    # the last distinct batch_size_per_feature_per_rank lists. Under torch.compile, on a device not
+    # in _VBE_DIRECT_DEVICES and for subclasses whose backward does not take the table, the padded
+    # output is gathered instead (_BlocksOf, _RowsOf). See docs/module.md.
 
     _VBE_PLANS_KEPT = 64
+    _VBE_DIRECT_DEVICES = ("cpu", "cuda")
 
     def _vbe_sizes(self, bsfr) -> torch.Tensor:
         """batch_size_per_feature_per_rank as an int64 [F, R] CPU tensor, checked; a clear error
@@ -1310,9 +1311,9 @@ class TableBatchedEmbeddingBags(nn.Module):
 
     def _vbe_direct(self) -> bool:
         """Whether this module's VBE batches take the direct path (the operators write and read the
-        1-D output through bag_output_offsets): on the CPU, eagerly, when its _run_backward (a
-        subclass may override it) takes the table."""
-        if self.weights.device.type != "cpu" or torch.compiler.is_compiling():
+        1-D output through bag_output_offsets): eagerly, on the devices of _VBE_DIRECT_DEVICES,
+        when its _run_backward (a subclass may override it) takes the table."""
+        if self.weights.device.type not in self._VBE_DIRECT_DEVICES or torch.compiler.is_compiling():
             return False
         cls = type(self)
         ok = cls.__dict__.get("_vbe_direct_backward")

@@ -377,10 +377,12 @@ def train_vbe(emb, bsfr, seed, steps=2, weighted=True, psw_grad=False):
     outs, psw_grads = [], []
     for _ in range(steps):
         indices, offsets, psw = vbe_batch(rows, bsfr, gen, weighted)
-        if psw is not None and psw_grad:
-            psw.requires_grad_(True)
+        dev = emb.weights.device
+        indices, offsets = indices.to(dev), offsets.to(dev)
+        if psw is not None:
+            psw = psw.to(dev).requires_grad_(psw_grad)
         out = emb(indices, offsets, psw, batch_size_per_feature_per_rank=bsfr)
-        out.backward(torch.randn(out.shape, generator=gen).to(out.dtype))
+        out.backward(torch.randn(out.shape, generator=gen).to(dev, out.dtype))
         outs.append(out.detach().clone())
         psw_grads.append(None if psw is None or not psw_grad else psw.grad.clone())
     return outs, psw_grads
@@ -517,3 +519,35 @@ def test_vbe_operator_refuses_pooling_none_and_a_2d_gradient():
     s = make("sgd", [(6, 4), (5, 4)])
     with pytest.raises(RuntimeError, match="grad_output must be the 1-D gradient"):
         s._run_backward(torch.zeros(1, 8), s.weights, indices, offsets, None, bag_output_offsets=table)
+
+
+@cuda
+@pytest.mark.parametrize("dims", [(16, 8), (6, 3), (2048, 16)])  # the 4-wide kernels, any-width, chunked rows
+@pytest.mark.parametrize("weights_dtype", [torch.float32, torch.float16, "int8"])
+def test_cuda_vbe_direct_equals_gathered(dims, weights_dtype, monkeypatch):
+    # feature 1 reads table 1 and has a rank with no bags; rank 2 has none at all; feature 2 shares table 0
+    bsfr = [[5, 3, 0, 7], [4, 0, 0, 2], [0, 9, 0, 1]]
+    tables, ftm = [(40, dims[0]), (30, dims[1])], [0, 1, 0]
+    for pooling in ("sum", "mean"):
+        assert_same_vbe_training(lambda: make("rowwise_adagrad", tables, ftm, device="cuda", pooling=pooling,
+                                              weights_dtype=weights_dtype),
+                                 bsfr, monkeypatch, steps=2, psw_grad=True)
+
+
+@cuda
+def test_cuda_vbe_direct_path_is_taken_and_checks_the_table(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("the gathered VBE fallback ran")
+    monkeypatch.setattr(TableBatchedEmbeddingBags, "_vbe_gather", refuse)
+    emb = make("sgd", [(6, 4), (5, 3)], device="cuda")
+    out, _ = train_vbe(emb, [[1, 2], [3, 0]], seed=3, steps=1)
+    assert out[0].shape == (3 * 4 + 3 * 3,) and emb.step == 1
+    indices = torch.tensor([1, 2, 0, 3, 4], device="cuda")
+    offsets = torch.tensor([0, 1, 2, 2, 3, 4, 5], device="cuda")
+    for table, message in ((torch.tensor([0, 4, -1, 8, 11, 14], dtype=torch.int32), "must be int64"),
+                           (torch.tensor([0, 4, -1, 8, 11]), "one entry per bag")):
+        with pytest.raises(RuntimeError, match=message):
+            emb._ops.forward(*op_args(emb, indices, offsets), None, 0, None, False, table.cuda(), 17)
+        with pytest.raises(RuntimeError, match=message):
+            emb._run_backward(torch.zeros(17, device="cuda"), emb.weights, indices, offsets, None,
+                              bag_output_offsets=table.cuda())

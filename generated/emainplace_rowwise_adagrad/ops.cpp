@@ -16,6 +16,9 @@
 namespace tbegen {
 namespace opt_emainplace_rowwise_adagrad {
 
+// (tbegen/build.py may compile this file as two translation units side by side: TBEGEN_OPS_PART 1
+// is all but the lane-split backward, 2 is that alone; without TBEGEN_OPS_PART, all of it)
+#if !defined(TBEGEN_OPS_PART) || TBEGEN_OPS_PART == 1
 void backward_cpu(const at::Tensor& grad_output, const at::Tensor& weights, const at::Tensor& features, int64_t total_D, int64_t max_D, int64_t total_hash_size, const at::Tensor& indices, const at::Tensor& offsets, const c10::optional<at::Tensor>& per_sample_weights, int64_t pooling, int64_t max_segment_length_per_warp, bool stochastic_rounding, int64_t seed, const at::Tensor& momentum, double learning_rate, double eps, double weight_decay, int64_t weight_decay_mode, double max_norm, int64_t step_ema, int64_t step_start, double step_ema_coef, int64_t step, const c10::optional<at::Tensor>& error_record, bool skip_bad_indices, bool check_finite, const c10::optional<at::Tensor>& bag_output_offsets) {
   const Params tbegen_params = make_params(weights, total_hash_size, momentum, learning_rate, eps, weight_decay, weight_decay_mode, max_norm, step_ema, step_start, step_ema_coef);
   const RowUpdateContext tbegen_ctx{stochastic_rounding, seed, step};
@@ -23,7 +26,9 @@ void backward_cpu(const at::Tensor& grad_output, const at::Tensor& weights, cons
                                offsets, per_sample_weights, pooling, tbegen_params, tbegen_ctx, error_record,
                                skip_bad_indices, check_finite, bag_output_offsets);
 }
+#endif
 
+#if !defined(TBEGEN_OPS_PART) || TBEGEN_OPS_PART == 2
 // The same update run the way the CUDA kernel splits a row over a warp's lanes (cpu_kernels.h,
 // LaneSplit): the harness compares it with backward to catch a spec that depends on the split.
 void backward_lane_split_cpu(const at::Tensor& grad_output, const at::Tensor& weights, const at::Tensor& features, int64_t total_D, int64_t max_D, int64_t total_hash_size, const at::Tensor& indices, const at::Tensor& offsets, const c10::optional<at::Tensor>& per_sample_weights, int64_t pooling, int64_t max_segment_length_per_warp, bool stochastic_rounding, int64_t seed, const at::Tensor& momentum, double learning_rate, double eps, double weight_decay, int64_t weight_decay_mode, double max_norm, int64_t step_ema, int64_t step_start, double step_ema_coef, int64_t step, const c10::optional<at::Tensor>& error_record, bool skip_bad_indices, bool check_finite, const c10::optional<at::Tensor>& bag_output_offsets) {
@@ -34,7 +39,10 @@ void backward_lane_split_cpu(const at::Tensor& grad_output, const at::Tensor& we
                                                tbegen_ctx, error_record, skip_bad_indices, check_finite,
                                                bag_output_offsets);
 }
-
+#else
+void backward_lane_split_cpu(const at::Tensor& grad_output, const at::Tensor& weights, const at::Tensor& features, int64_t total_D, int64_t max_D, int64_t total_hash_size, const at::Tensor& indices, const at::Tensor& offsets, const c10::optional<at::Tensor>& per_sample_weights, int64_t pooling, int64_t max_segment_length_per_warp, bool stochastic_rounding, int64_t seed, const at::Tensor& momentum, double learning_rate, double eps, double weight_decay, int64_t weight_decay_mode, double max_norm, int64_t step_ema, int64_t step_start, double step_ema_coef, int64_t step, const c10::optional<at::Tensor>& error_record, bool skip_bad_indices, bool check_finite, const c10::optional<at::Tensor>& bag_output_offsets);  // (part 2)
+#endif
+#if !defined(TBEGEN_OPS_PART) || TBEGEN_OPS_PART == 1
 
 // The whole-table stages of one step (the spec's `table:`), before that step's forward: true when
 // a stage's guard held and the stages ran over every row of every table (table_stage_host.h):
@@ -44,9 +52,11 @@ bool table_update_cpu(const at::Tensor& weights, const at::Tensor& features, int
   return cpu::table_update_cpu<Optimizer>(weights, features, total_hash_size, tbegen_params,
                                           RowUpdateContext{stochastic_rounding, seed, step}, "emainplace_rowwise_adagrad");
 }
+#endif
 }  // namespace opt_emainplace_rowwise_adagrad
 }  // namespace tbegen
 
+#if !defined(TBEGEN_OPS_PART) || TBEGEN_OPS_PART == 1
 TORCH_LIBRARY(tbegen_emainplace_rowwise_adagrad, m) {
   m.def("forward(Tensor weights, Tensor features, int total_D, int max_D, Tensor indices, Tensor offsets, Tensor? per_sample_weights, int pooling, Tensor? error_record=None, bool skip_bad_indices=False, Tensor? bag_output_offsets=None, int output_size=-1) -> Tensor");
   m.def("grad_per_sample_weights(Tensor grad_output, Tensor weights, Tensor features, int total_D, int max_D, Tensor indices, Tensor offsets, int pooling, Tensor? error_record=None, bool skip_bad_indices=False, Tensor? bag_output_offsets=None) -> Tensor");
@@ -64,3 +74,4 @@ TORCH_LIBRARY_IMPL(tbegen_emainplace_rowwise_adagrad, CPU, m) {
   m.impl("describe_error", &tbegen::cpu::describe_error);
   m.impl("table_update", &tbegen::opt_emainplace_rowwise_adagrad::table_update_cpu);
 }
+#endif

@@ -16,6 +16,9 @@
 namespace tbegen {
 namespace opt_rowwise_adagrad_with_counter {
 
+// (tbegen/build.py may compile this file as two translation units side by side: TBEGEN_OPS_PART 1
+// is all but the lane-split backward, 2 is that alone; without TBEGEN_OPS_PART, all of it)
+#if !defined(TBEGEN_OPS_PART) || TBEGEN_OPS_PART == 1
 void backward_cpu(const at::Tensor& grad_output, const at::Tensor& weights, const at::Tensor& features, int64_t total_D, int64_t max_D, int64_t total_hash_size, const at::Tensor& indices, const at::Tensor& offsets, const c10::optional<at::Tensor>& per_sample_weights, int64_t pooling, int64_t max_segment_length_per_warp, bool stochastic_rounding, int64_t seed, const at::Tensor& momentum, const at::Tensor& prev_iter, const at::Tensor& row_counter, const at::Tensor& max_counter, const at::Tensor& feature_table, double learning_rate, double eps, double weight_decay, int64_t weight_decay_mode, int64_t regularization_mode, int64_t counter_halflife, int64_t adjustment_iter, double adjustment_ub, int64_t learning_rate_mode, int64_t max_counter_update_freq, double tail_id_threshold, int64_t is_tail_id_thresh_ratio, double weight_norm_coefficient, double lower_bound, int64_t step, const c10::optional<at::Tensor>& error_record, bool skip_bad_indices, bool check_finite, const c10::optional<at::Tensor>& bag_output_offsets) {
   const Params tbegen_params = make_params(weights, total_hash_size, momentum, prev_iter, row_counter, max_counter, feature_table, features, learning_rate, eps, weight_decay, weight_decay_mode, regularization_mode, counter_halflife, adjustment_iter, adjustment_ub, learning_rate_mode, max_counter_update_freq, tail_id_threshold, is_tail_id_thresh_ratio, weight_norm_coefficient, lower_bound);
   const RowUpdateContext tbegen_ctx{stochastic_rounding, seed, step};
@@ -23,7 +26,9 @@ void backward_cpu(const at::Tensor& grad_output, const at::Tensor& weights, cons
                                offsets, per_sample_weights, pooling, tbegen_params, tbegen_ctx, error_record,
                                skip_bad_indices, check_finite, bag_output_offsets);
 }
+#endif
 
+#if !defined(TBEGEN_OPS_PART) || TBEGEN_OPS_PART == 2
 // The same update run the way the CUDA kernel splits a row over a warp's lanes (cpu_kernels.h,
 // LaneSplit): the harness compares it with backward to catch a spec that depends on the split.
 void backward_lane_split_cpu(const at::Tensor& grad_output, const at::Tensor& weights, const at::Tensor& features, int64_t total_D, int64_t max_D, int64_t total_hash_size, const at::Tensor& indices, const at::Tensor& offsets, const c10::optional<at::Tensor>& per_sample_weights, int64_t pooling, int64_t max_segment_length_per_warp, bool stochastic_rounding, int64_t seed, const at::Tensor& momentum, const at::Tensor& prev_iter, const at::Tensor& row_counter, const at::Tensor& max_counter, const at::Tensor& feature_table, double learning_rate, double eps, double weight_decay, int64_t weight_decay_mode, int64_t regularization_mode, int64_t counter_halflife, int64_t adjustment_iter, double adjustment_ub, int64_t learning_rate_mode, int64_t max_counter_update_freq, double tail_id_threshold, int64_t is_tail_id_thresh_ratio, double weight_norm_coefficient, double lower_bound, int64_t step, const c10::optional<at::Tensor>& error_record, bool skip_bad_indices, bool check_finite, const c10::optional<at::Tensor>& bag_output_offsets) {
@@ -34,7 +39,10 @@ void backward_lane_split_cpu(const at::Tensor& grad_output, const at::Tensor& we
                                                tbegen_ctx, error_record, skip_bad_indices, check_finite,
                                                bag_output_offsets);
 }
-
+#else
+void backward_lane_split_cpu(const at::Tensor& grad_output, const at::Tensor& weights, const at::Tensor& features, int64_t total_D, int64_t max_D, int64_t total_hash_size, const at::Tensor& indices, const at::Tensor& offsets, const c10::optional<at::Tensor>& per_sample_weights, int64_t pooling, int64_t max_segment_length_per_warp, bool stochastic_rounding, int64_t seed, const at::Tensor& momentum, const at::Tensor& prev_iter, const at::Tensor& row_counter, const at::Tensor& max_counter, const at::Tensor& feature_table, double learning_rate, double eps, double weight_decay, int64_t weight_decay_mode, int64_t regularization_mode, int64_t counter_halflife, int64_t adjustment_iter, double adjustment_ub, int64_t learning_rate_mode, int64_t max_counter_update_freq, double tail_id_threshold, int64_t is_tail_id_thresh_ratio, double weight_norm_coefficient, double lower_bound, int64_t step, const c10::optional<at::Tensor>& error_record, bool skip_bad_indices, bool check_finite, const c10::optional<at::Tensor>& bag_output_offsets);  // (part 2)
+#endif
+#if !defined(TBEGEN_OPS_PART) || TBEGEN_OPS_PART == 1
 
 // The whole-table stages of one step (the spec's `table:`), before that step's forward: true when
 // a stage's guard held and the stages ran over every row of every table (table_stage_host.h):
@@ -45,9 +53,11 @@ bool table_update_cpu(const at::Tensor& weights, const at::Tensor& features, int
                                           RowUpdateContext{stochastic_rounding, seed, step}, "rowwise_adagrad_with_counter",
                                           feature_table);
 }
+#endif
 }  // namespace opt_rowwise_adagrad_with_counter
 }  // namespace tbegen
 
+#if !defined(TBEGEN_OPS_PART) || TBEGEN_OPS_PART == 1
 TORCH_LIBRARY(tbegen_rowwise_adagrad_with_counter, m) {
   m.def("forward(Tensor weights, Tensor features, int total_D, int max_D, Tensor indices, Tensor offsets, Tensor? per_sample_weights, int pooling, Tensor? error_record=None, bool skip_bad_indices=False, Tensor? bag_output_offsets=None, int output_size=-1) -> Tensor");
   m.def("grad_per_sample_weights(Tensor grad_output, Tensor weights, Tensor features, int total_D, int max_D, Tensor indices, Tensor offsets, int pooling, Tensor? error_record=None, bool skip_bad_indices=False, Tensor? bag_output_offsets=None) -> Tensor");
@@ -65,3 +75,4 @@ TORCH_LIBRARY_IMPL(tbegen_rowwise_adagrad_with_counter, CPU, m) {
   m.impl("describe_error", &tbegen::cpu::describe_error);
   m.impl("table_update", &tbegen::opt_rowwise_adagrad_with_counter::table_update_cpu);
 }
+#endif

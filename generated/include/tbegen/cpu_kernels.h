@@ -11,6 +11,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <memory>
 #include <type_traits>
@@ -238,6 +239,39 @@ inline uint64_t* radix_sort_bits(uint64_t* items, uint64_t* tmp, int64_t n, int 
   return items;
 }
 
+// Stable LSD radix sort of the n items at `items` (one thread) whose keys, (item >> shift) - base,
+// lie in [0, 2^bits), in `passes` passes of equal digits (at least enough passes to cover `bits` at
+// 11 bits a pass; 0-bit digits just copy), with `tmp` (n items) as the other buffer; the sorted
+// items end in `items` if `passes` is even, else in `tmp`. The digit counts of every pass are
+// taken in one read of the items. Used on one feature's items, which fit a core's L2 cache where
+// the whole batch does not.
+inline void radix_sort_range(uint64_t* items, uint64_t* tmp, int64_t n, int shift, uint64_t base, int bits,
+                             int passes) {
+  const int digit_bits = (bits + passes - 1) / passes;
+  const uint64_t mask = (uint64_t(1) << digit_bits) - 1;
+  const int64_t buckets = int64_t(1) << digit_bits;
+  std::vector<int64_t> count(int64_t(passes) * buckets, 0);  // [pass][digit]
+  for (int64_t i = 0; i < n; ++i) {
+    const uint64_t key = (items[i] >> shift) - base;
+    for (int p = 0; p < passes; ++p) ++count[p * buckets + ((key >> (p * digit_bits)) & mask)];
+  }
+  for (int p = 0; p < passes; ++p) {
+    int64_t* next = count.data() + p * buckets;
+    int64_t sum = 0;
+    for (int64_t d = 0; d < buckets; ++d) {
+      const int64_t here = next[d];
+      next[d] = sum;
+      sum += here;
+    }
+    const int digit_shift = p * digit_bits;
+    for (int64_t i = 0; i < n; ++i) {
+      const uint64_t item = items[i];
+      tmp[next[(((item >> shift) - base) >> digit_shift) & mask]++] = item;
+    }
+    std::swap(items, tmp);
+  }
+}
+
 // The backward pass with the optimizer `Opt` fused in: updates weights and states in place.
 // grad_output is [B, total_D] (pooling sum/mean) or [N, max_D] (pooling none), float32; with
 // `bag_out` (a VBE batch, vbe.h) the 1-D VBE output's gradient, bag b's row at bag_out[b].
@@ -248,15 +282,22 @@ void backward(const Batch& b, const int64_t* feat, int64_t total_hash_size, cons
               const int64_t* bag_out = nullptr) {
   const int64_t nbags = b.F * b.B;
   // 1. Linearise: each index i becomes the item (key << pos_bits) | i, where key = the table's
-  // first key + row; remember each index's bag.
-  const int pos_bits = bits_for(b.N);
+  // first key + row; remember each index's bag. Unweighted pooled bags need the bag of an
+  // occurrence, not its position: their items carry the bag instead, (key << pos_bits) | bag (the
+  // bags grow with the positions, so the stable sort orders them the same way), and the bag of
+  // each sorted occurrence is read from the item itself, with no per-index array of bags (it cost
+  // a write per index and a random read per index to gather).
+  const bool carry_bag = psw == nullptr && b.pooling != kPoolNone;
+  const int pos_bits = bits_for(carry_bag ? std::max(b.N, nbags) : b.N);
   const int key_bits = bits_for(total_hash_size + 1);  // (+1: skipped bad indices, see below)
   TBEGEN_CHECK(pos_bits + key_bits <= 64, "tbegen: the CPU backward sorts 64-bit (key, position) items, "
               "but ", total_hash_size, " rows in all and ", b.N, " indices need ", key_bits + pos_bits, " bits");
   uint64_t* items = scratch_array<uint64_t, 0>(b.N);
-  int32_t* const bag_of = scratch_array<int32_t, 1>(b.N);
+  int32_t* const bag_of = carry_bag ? nullptr : scratch_array<int32_t, 1>(b.N);
   // (in parallel over bags: each writes its own slice, the offsets having been checked)
+  std::atomic<int64_t> bad_items{0};
   at::parallel_for(0, nbags, 256, [&](int64_t begin, int64_t end) {
+    int64_t bad_here = 0;
     for (int64_t bag = begin; bag < end; ++bag) {
       const int64_t* ft = feat + (bag / b.B) * kFeatColumns;
       const int64_t key_base = ft[kFeatKeyBase];
@@ -264,27 +305,67 @@ void backward(const Batch& b, const int64_t* feat, int64_t total_hash_size, cons
         // a bad index (present only when the caller asked to skip them) gets the key past the
         // last row: its run sorts last and is left out below
         const int64_t idx = indices[i];
-        const int64_t key = idx >= 0 && idx < ft[kFeatRows] ? key_base + idx : total_hash_size;
-        items[i] = (uint64_t(key) << pos_bits) | uint64_t(i);
-        bag_of[i] = int32_t(bag);
+        const bool good = idx >= 0 && idx < ft[kFeatRows];
+        bad_here += !good;
+        const int64_t key = good ? key_base + idx : total_hash_size;
+        if (carry_bag) {
+          items[i] = (uint64_t(key) << pos_bits) | uint64_t(bag);
+        } else {
+          items[i] = (uint64_t(key) << pos_bits) | uint64_t(i);
+          bag_of[i] = int32_t(bag);
+        }
       }
     }
+    if (bad_here) bad_items += bad_here;
   });
   // 2. Sort by key, keeping index order within a key: the occurrences of a row form a run.
-  items = radix_sort_bits(items, scratch_array<uint64_t, 2>(b.N), b.N, pos_bits, key_bits);
+  uint64_t* const sort_tmp = scratch_array<uint64_t, 2>(b.N);
+  // Feature by feature where that gives the same order: when every feature's keys lie above the
+  // previous feature's (each feature its own table, tables in feature order: the common case) and
+  // no index is bad (their key, total_hash_size, sorts after every feature's), the whole sort is
+  // the features' items (contiguous, in feature order) each sorted on its own. A feature's items
+  // then fit a core's L2 cache and need only its table's key bits (100,000 rows: 17 bits, two
+  // passes of 9 bits, against the whole batch's 2.6 MB of items scattered over 1,024 buckets in
+  // each of two passes: a third of a narrow-row step's backward; benchmarks/NOTES-cpu.md).
+  bool by_feature = bad_items.load() == 0 && b.F >= at::get_num_threads() && b.F > 1;
+  int seg_passes = 1;
+  for (int64_t f = 0; f < b.F && by_feature; ++f) {
+    const int64_t* ft = feat + f * kFeatColumns;
+    if (f > 0) by_feature = ft[kFeatKeyBase] >= feat[(f - 1) * kFeatColumns + kFeatKeyBase] + feat[(f - 1) * kFeatColumns + kFeatRows];
+    seg_passes = std::max(seg_passes, (bits_for(ft[kFeatRows]) + 10) / 11);
+  }
+  if (by_feature) {
+    at::parallel_for(0, b.F, 1, [&](int64_t f0, int64_t f1) {
+      for (int64_t f = f0; f < f1; ++f) {
+        const int64_t* ft = feat + f * kFeatColumns;
+        const int64_t start = offsets[f * b.B], stop = offsets[(f + 1) * b.B];
+        radix_sort_range(items + start, sort_tmp + start, stop - start, pos_bits, uint64_t(ft[kFeatKeyBase]),
+                         bits_for(ft[kFeatRows]), seg_passes);
+      }
+    });
+    if (seg_passes % 2) items = sort_tmp;
+  } else {
+    items = radix_sort_bits(items, sort_tmp, b.N, pos_bits, key_bits);
+  }
   const uint64_t pos_mask = (uint64_t(1) << pos_bits) - 1;
   auto key_at = [&](int64_t j) { return int64_t(items[j] >> pos_bits); };
   auto pos_at = [&](int64_t j) { return int64_t(items[j] & pos_mask); };
   // the sorted positions of real rows: [0, n_rows)
   int64_t n_rows = b.N;
   while (n_rows > 0 && key_at(n_rows - 1) == total_hash_size) --n_rows;
-  // The bag of each sorted position, gathered in one parallel pass: the update loop below then
-  // reads it in order (it found each occurrence's bag through bag_of[position], a random read
-  // that missed the caches and stalled the loop behind it, once per occurrence and once per row).
-  int32_t* const sorted_bag = scratch_array<int32_t, 3>(n_rows);
-  at::parallel_for(0, n_rows, 4096, [&](int64_t begin, int64_t end) {
-    for (int64_t j = begin; j < end; ++j) sorted_bag[j] = bag_of[pos_at(j)];
-  });
+  // The bag of each sorted position (items that carry it: the item's low bits), else gathered in
+  // one parallel pass: the update loop below then reads it in order (it found each occurrence's
+  // bag through bag_of[position], a random read that missed the caches and stalled the loop
+  // behind it, once per occurrence and once per row).
+  int32_t* const sorted_bag = carry_bag ? nullptr : scratch_array<int32_t, 3>(n_rows);
+  if (!carry_bag) {
+    at::parallel_for(0, n_rows, 4096, [&](int64_t begin, int64_t end) {
+      for (int64_t j = begin; j < end; ++j) sorted_bag[j] = bag_of[pos_at(j)];
+    });
+  }
+  auto bag_at = [&](int64_t j) TBEGEN_INLINE_LAMBDA {
+    return carry_bag ? int32_t(items[j] & pos_mask) : sorted_bag[j];
+  };
 
   // 3. Sum each unique row's gradient and apply the optimizer to it.
   constexpr int kElementSlots = Opt::kElementStates + Opt::kTemporaries;
@@ -294,7 +375,7 @@ void backward(const Batch& b, const int64_t* feat, int64_t total_hash_size, cons
   const FastDivisor by_B = FastDivisor::of(b.B);  // bag -> feature without a division
   auto row_at = [&](int64_t j, int64_t* key, int* D) TBEGEN_INLINE_LAMBDA {
     *key = key_at(j);
-    const int64_t* ft = feat + by_B.quotient(sorted_bag[j]) * kFeatColumns;
+    const int64_t* ft = feat + by_B.quotient(bag_at(j)) * kFeatColumns;
     *D = int(ft[kFeatDim]);
     return ft[kFeatWeightsOffset] + (*key - ft[kFeatKeyBase]) * *D;
   };
@@ -303,13 +384,13 @@ void backward(const Batch& b, const int64_t* feat, int64_t total_hash_size, cons
   // output columns.
   auto grad_row_at = [&](int64_t j) TBEGEN_INLINE_LAMBDA {
     if (b.pooling == kPoolNone) return grad_output + pos_at(j) * b.max_D;
-    const int32_t bag = sorted_bag[j];
+    const int32_t bag = bag_at(j);
     if (bag_out != nullptr) return grad_output + bag_out[bag];  // (a VBE batch: a bag with lookups is no padding)
     const int32_t f = by_B.quotient(bag);
     return grad_output + int64_t(bag - f * int32_t(b.B)) * b.total_D + feat[f * kFeatColumns + kFeatOutOffset];
   };
   auto scale_at = [&](int64_t j) TBEGEN_INLINE_LAMBDA {
-    const int64_t bag = sorted_bag[j];
+    const int64_t bag = bag_at(j);
     float scale = psw ? psw[pos_at(j)] : 1.0f;
     if (b.pooling == kPoolMean) scale /= float(offsets[bag + 1] - offsets[bag]);
     return scale;
@@ -319,7 +400,7 @@ void backward(const Batch& b, const int64_t* feat, int64_t total_hash_size, cons
   constexpr int64_t kAheadGrad = 12;
   auto prefetch_grad = [&](int64_t j) TBEGEN_INLINE_LAMBDA {
     if (j < n_rows) {
-      const int64_t D_j = b.pooling == kPoolNone ? b.max_D : feat[by_B.quotient(sorted_bag[j]) * kFeatColumns + kFeatDim];
+      const int64_t D_j = b.pooling == kPoolNone ? b.max_D : feat[by_B.quotient(bag_at(j)) * kFeatColumns + kFeatDim];
       prefetch_bytes(grad_row_at(j), D_j * int64_t(sizeof(float)));
     }
   };
@@ -409,7 +490,7 @@ void backward(const Batch& b, const int64_t* feat, int64_t total_hash_size, cons
         }
       }
 
-      load_table_states<Opt>(row, params, sorted_bag[first], b.B);
+      load_table_states<Opt>(row, params, bag_at(first), b.B);
       Opt::update_row(row, params, step_values);
 
       for (int k = 0; k < Opt::kElementStates; ++k) {

@@ -24,9 +24,16 @@ void dispatch_types(const at::Tensor& weights, const at::Tensor& indices, Body&&
   };
   switch (weights.scalar_type()) {
     case at::kFloat: with_index(float{}); break;
+#ifndef TBEGEN_CPU_FP32_WEIGHTS_ONLY  // (defined for the library of `tbegen test --quick`: tbegen/build.py)
     case at::kHalf: with_index(c10::Half{}); break;
     case at::kBFloat16: with_index(c10::BFloat16{}); break;
     case at::kByte: with_index(uint8_t{}); break;  // int8 rows (common.h)
+#else
+    case at::kHalf: case at::kBFloat16: case at::kByte:
+      TBEGEN_CHECK(false, "tbegen: this library was built for float32 weights only (by tbegen test --quick), got ",
+                   weights.scalar_type(), " weights");
+      break;
+#endif
     default: TBEGEN_CHECK(false, "tbegen: unsupported weights dtype ", weights.scalar_type());
   }
 }

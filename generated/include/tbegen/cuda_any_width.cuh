@@ -107,7 +107,10 @@ __global__ void __launch_bounds__(256) forward_kernel(ForwardArgs a, const W* __
     const int64_t* ft = a.feat + f * kFeatColumns;
     const int D = int(ft[kFeatDim]);
     const float scale = (a.pooling == kPoolMean && end > start) ? 1.0f / float(end - start) : 1.0f;
-    float* out = a.out + b * a.total_D + ft[kFeatOutOffset];
+    // (a VBE padding bag has no lookups and no place in the output)
+    const int64_t bag_at = a.bag_out != nullptr ? a.bag_out[bag] : b * a.total_D + ft[kFeatOutOffset];
+    if (bag_at < 0) continue;
+    float* out = a.out + bag_at;
     for (int c0 = 0; c0 < D; c0 += kWarpSize * kCols) {
       float acc[kCols];
 #pragma unroll
@@ -193,6 +196,7 @@ __global__ void __launch_bounds__(256) grad_psw_kernel(ForwardArgs a, const floa
         q = load_qparams(weights + off, D);
       }
       const float* go = a.pooling == kPoolNone ? grad_output + i * a.max_D
+                        : a.bag_out != nullptr ? grad_output + a.bag_out[bag]
                                                : grad_output + b * a.total_D + ft[kFeatOutOffset];
       float dot = 0.0f;
       for (int d = lane; d < D; d += kWarpSize) dot += load_weight(weights[off + d], q) * go[d];

@@ -24,6 +24,7 @@
 #include "tbegen/cuda_backward_prep.cuh"
 #include "tbegen/cuda_kernels.cuh"
 #include "tbegen/host.h"
+#include "tbegen/vbe.h"
 
 namespace tbegen {
 namespace cuda {
@@ -346,10 +347,18 @@ __attribute__((visibility("hidden"))) void backward_cuda(
     int64_t max_D, int64_t total_hash_size, const at::Tensor& indices, const at::Tensor& offsets,
     const c10::optional<at::Tensor>& per_sample_weights, int64_t pooling, int64_t max_segment_length_per_warp,
     const void* params, const BackwardKernels& kernels, const RowUpdateContext& ctx,
-    const c10::optional<at::Tensor>& error_record, bool skip_bad_indices, bool check_finite) {
+    const c10::optional<at::Tensor>& error_record, bool skip_bad_indices, bool check_finite,
+    const c10::optional<at::Tensor>& bag_output_offsets) {
   const Batch b = check_batch(weights, features, total_D, max_D, indices, offsets, per_sample_weights, pooling);
   const c10::cuda::CUDAGuard guard(weights.device());
-  check_grad_output(b, grad_output, weights);
+  // a VBE batch: the 1-D output's gradient, read where bag_output_offsets says (vbe.h; its values
+  // are the module's, built on the device, and not read back here)
+  if (bag_output_offsets.has_value()) {
+    check_bag_output_offsets(b, *bag_output_offsets, weights);
+    check_vbe_grad_output(grad_output, weights);
+  } else {
+    check_grad_output(b, grad_output, weights);
+  }
   check_error_record(error_record, weights);
   TBEGEN_CHECK(total_hash_size >= 1, "tbegen: total_hash_size must be positive, got ", total_hash_size);
   TBEGEN_CHECK(max_segment_length_per_warp >= 1, "tbegen: max_segment_length_per_warp must be >= 1");
@@ -374,6 +383,7 @@ __attribute__((visibility("hidden"))) void backward_cuda(
   a.max_D = b.max_D;
   a.pooling = pooling;
   a.grad_output = grad_output.data_ptr<float>();
+  a.bag_out = bag_output_offsets.has_value() ? bag_output_offsets->data_ptr<int64_t>() : nullptr;
   a.error = error.data_ptr<int64_t>();
   a.skip_bad_indices = skip_bad_indices;
   a.long_run_l2_hint = env_is_one("TBEGEN_LONG_RUN_L2_HINT");

@@ -18,16 +18,23 @@ inline at::Tensor forward_cuda(const at::Tensor& weights, const at::Tensor& feat
                                const c10::optional<at::Tensor>& error_record, bool skip_bad_indices,
                                const c10::optional<at::Tensor>& bag_output_offsets, int64_t output_size) {
   const Batch b = check_batch(weights, features, total_D, max_D, indices, offsets, per_sample_weights, pooling);
-  TBEGEN_CHECK(!bag_output_offsets.has_value(), "tbegen: bag_output_offsets (the variable-batch output written "
-              "directly) is not implemented by the CUDA operators yet; the module pads and gathers there");
   const c10::cuda::CUDAGuard guard(weights.device());
   check_error_record(error_record, weights);
+  const bool vbe = bag_output_offsets.has_value();
+  if (vbe) {
+    check_bag_output_offsets(b, *bag_output_offsets, weights);
+    TBEGEN_CHECK(output_size >= 0, "tbegen: with bag_output_offsets, output_size (the numel of the variable-batch "
+                "output) must be given, got ", output_size);
+  }
   // Sum/mean: the kernel writes every bag's columns (zeros for a bag with bad offsets); pooling
-  // none leaves the row of a bad index or bag zero.
-  at::Tensor out = pooling == kPoolNone ? at::zeros({b.N, b.max_D}, weights.options().dtype(at::kFloat))
-                                        : at::empty({b.B, b.total_D}, weights.options().dtype(at::kFloat));
+  // none leaves the row of a bad index or bag zero. A VBE output (vbe.h) starts zeroed: the real
+  // bags cover it, and its padding bags write nothing.
+  at::Tensor out = vbe ? at::zeros({output_size}, weights.options().dtype(at::kFloat))
+                   : pooling == kPoolNone ? at::zeros({b.N, b.max_D}, weights.options().dtype(at::kFloat))
+                                          : at::empty({b.B, b.total_D}, weights.options().dtype(at::kFloat));
   const at::Tensor error = error_record_for(error_record, weights);
-  const ForwardArgs a = forward_args(b, features, weights, per_sample_weights, out.data_ptr<float>(), error);
+  ForwardArgs a = forward_args(b, features, weights, per_sample_weights, out.data_ptr<float>(), error);
+  if (vbe) a.bag_out = bag_output_offsets->data_ptr<int64_t>();
   WidthClasses classes;
   // (the pooled forward kernel walks rows wider than kVectorMaxD in chunks of 1024 columns; the
   // unpooled one holds a row in registers, up to kVectorMaxD)
@@ -121,14 +128,18 @@ inline at::Tensor grad_per_sample_weights_cuda(const at::Tensor& grad_output, co
                                                bool skip_bad_indices,
                                                const c10::optional<at::Tensor>& bag_output_offsets) {
   const Batch b = check_batch(weights, features, total_D, max_D, indices, offsets, c10::nullopt, pooling);
-  TBEGEN_CHECK(!bag_output_offsets.has_value(), "tbegen: bag_output_offsets (the variable-batch output read "
-              "directly) is not implemented by the CUDA operators yet; the module pads and gathers there");
   const c10::cuda::CUDAGuard guard(weights.device());
-  check_grad_output(b, grad_output, weights);
+  if (bag_output_offsets.has_value()) {  // a VBE batch's 1-D output gradient (vbe.h)
+    check_bag_output_offsets(b, *bag_output_offsets, weights);
+    check_vbe_grad_output(grad_output, weights);
+  } else {
+    check_grad_output(b, grad_output, weights);
+  }
   check_error_record(error_record, weights);
   at::Tensor grad = at::zeros({b.N}, weights.options().dtype(at::kFloat));
   const at::Tensor error = error_record_for(error_record, weights);
-  const ForwardArgs a = forward_args(b, features, weights, c10::nullopt, nullptr, error);
+  ForwardArgs a = forward_args(b, features, weights, c10::nullopt, nullptr, error);
+  if (bag_output_offsets.has_value()) a.bag_out = bag_output_offsets->data_ptr<int64_t>();
   const bool vector_path = check_layout_and_choose(b, features, weights, {grad_output.data_ptr()});
   const auto stream = at::cuda::getCurrentCUDAStream();
   if (b.F * b.B > 0 && !vector_path) {

@@ -175,6 +175,9 @@ struct ForwardArgs {
   int64_t pooling;
   float* out;
   int64_t* error;
+  // a VBE batch (vbe.h): each bag's element offset in the 1-D output, -1 for a padding bag
+  // (empty: nothing written); nullptr: bag b of feature f at out + b * total_D + f's column
+  const int64_t* bag_out = nullptr;
 };
 
 // Checks an index and returns its row's offset in the weights buffer, or -1 after recording why.
@@ -357,7 +360,10 @@ __global__ void __launch_bounds__(256) forward_kernel(ForwardArgs a, const W* __
     // (the scale and the bag's output row, worked out here rather than before the loops: kept
     // live across them they cost 8 registers per thread at kVecs = 1)
     const float scale = (a.pooling == kPoolMean && end > start) ? 1.0f / float(end - start) : 1.0f;
-    float* const o_bag = a.out + int64_t(b) * a.total_D + ft[kFeatOutOffset];
+    // (a VBE padding bag has no lookups and no place in the output: the warp leaves)
+    const int64_t bag_at = a.bag_out != nullptr ? a.bag_out[bag] : int64_t(b) * a.total_D + ft[kFeatOutOffset];
+    if (bag_at < 0) return;
+    float* const o_bag = a.out + bag_at;
     if (groups > 1) {
       if (group == 0 && d0 < D) {
         float x[4];
@@ -434,12 +440,14 @@ __global__ void __launch_bounds__(256) forward_bag_groups_kernel(ForwardArgs a, 
       }
     }
   }
-  if (d < D) {
+  // (a VBE padding bag, bag_out < 0, has no lookups and no place in the output)
+  const int64_t bag_at = a.bag_out != nullptr ? a.bag_out[bag] : int64_t(b) * a.total_D + ft[kFeatOutOffset];
+  if (d < D && bag_at >= 0) {
     const float scale = (a.pooling == kPoolMean && end > start) ? 1.0f / float(end - start) : 1.0f;
     float x[4];
 #pragma unroll
     for (int c = 0; c < 4; ++c) x[c] = acc[c] * scale;
-    store4(a.out + int64_t(b) * a.total_D + ft[kFeatOutOffset] + d, x);
+    store4(a.out + bag_at + d, x);
   }
 }
 
@@ -508,6 +516,7 @@ __global__ void __launch_bounds__(256) grad_psw_kernel(ForwardArgs a, const floa
       const int64_t off = row_offset(ft, int64_t(indices[i]), i, a.weights_numel, a.error);
       if (off < 0) continue;
       const float* go = a.pooling == kPoolNone ? grad_output + i * a.max_D
+                        : a.bag_out != nullptr ? grad_output + a.bag_out[bag]
                                                : grad_output + b * a.total_D + ft[kFeatOutOffset];
       float dot = 0.0f;
 #pragma unroll
@@ -649,6 +658,8 @@ struct BackwardArgs {
   FastDivisor by_B;  // bag -> feature (bag / B) without a division
   int64_t pooling;
   const float* grad_output;
+  // a VBE batch (vbe.h): bag b's output-gradient row at grad_output + bag_out[b]; else nullptr
+  const int64_t* bag_out = nullptr;
   const int64_t* error;
   bool skip_bad_indices;  // else a bad index anywhere in the batch blocks every update
   // Width classes (backward_cuda): when a batch mixes rows of several 4-wide slice counts, the
@@ -714,6 +725,7 @@ __device__ __forceinline__ void locate_row(const BackwardArgs& a, int32_t bag, i
 
 __device__ __forceinline__ const float* grad_row(const BackwardArgs& a, int32_t position, int32_t bag) {
   if (a.pooling == kPoolNone) return a.grad_output + int64_t(position) * a.max_D;
+  if (a.bag_out != nullptr) return a.grad_output + a.bag_out[bag];  // (a bag with occurrences is no padding)
   const int32_t f = a.by_B.quotient(bag);
   return a.grad_output + int64_t(bag - f * int32_t(a.B)) * a.total_D + a.feat[f * kFeatColumns + kFeatOutOffset];
 }
