@@ -6,7 +6,8 @@ host, and the step's time is the host's. This measures, for the shapes named by 
 over the sweep's 'shape optimizer' names, benchmarks/sweep_gpu.py), each system's host time per
 forward call and per `out.backward(grad)` call (wall time of the call itself, no synchronisation
 inside the timed region; the GPU is synchronised between steps so that the launch queue never
-fills), then the CPU-side operators of tbegen's backward (torch.profiler, self CPU time, top 25).
+fills), then the CPU-side operators of tbegen's backward (torch.profiler, self CPU time, top 25) and, for the first two
+cells, each system's GPU kernels per step (torch.profiler: whether the kernels fill the step).
 
     PYTHONPATH=/tmp/fbg_site:$PWD python3 benchmarks/host_overhead.py --only '^T=1 |^L=1 ' --out $OUT/host
 """
@@ -42,6 +43,14 @@ def host_times(emb, sets, grad, iters, torch):
     return dict(fwd_host_us=statistics.median(fwd_us), bwd_host_us=statistics.median(bwd_us))
 
 
+def gpu_kernels(ref, emb, sets, grad):
+    def fwd(i):
+        b = sets[i]
+        return emb(b["indices"], b["offsets"], per_sample_weights=b["psw"])
+
+    return ref.profile_kernels(fwd, lambda out: out.backward(grad), len(sets), n=5)
+
+
 def cpu_ops(emb, sets, grad, torch, n=20):
     from torch.profiler import ProfilerActivity, profile
 
@@ -57,7 +66,7 @@ def cpu_ops(emb, sets, grad, torch, n=20):
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--only", default=r"^T=1 |^T=4 |^L=1 |^B=512 ")
+    ap.add_argument("--only", default=r"^T=1 |^T=4 |^L=1 |^B=512 |^B=2048 ")
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--out", default="host-out")
     args = ap.parse_args(argv)
@@ -80,8 +89,17 @@ def main(argv=None) -> int:
             emb = make()
             host_times(emb, sets, grad, 5, torch)  # warm-up
             row[system] = host_times(emb, sets, grad, args.iters, torch)
-            if system == "tbegen" and len(profiles) < 2:
-                profiles.append(f"## {s['name']} {opt}\n\n{cpu_ops(emb, sets, grad, torch)}\n")
+            if len(profiles) < 4:
+                # the GPU's side: each kernel's time per step (is the step's time the kernels', or
+                # the host's?), and for tbegen the CPU-side operators
+                kernels = gpu_kernels(ref, emb, sets, grad)
+                row[system]["kernel_us"] = sum(k["us_per_iter"] for k in kernels)
+                text = "\n".join(f"{k['us_per_iter']:9.1f} us {k['calls_per_iter']:5.1f}x {k['name'][:110]}"
+                                  for k in kernels[:15])
+                profiles.append(f"## {s['name']} {opt}: {system}'s GPU kernels per step "
+                                f"(total {row[system]['kernel_us']:.0f} us)\n\n{text}\n")
+                if system == "tbegen":
+                    profiles.append(f"## {s['name']} {opt}: tbegen's CPU-side operators\n\n{cpu_ops(emb, sets, grad, torch)}\n")
             del emb
             torch.cuda.empty_cache()
         results.append(row)

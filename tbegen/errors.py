@@ -32,6 +32,14 @@ BOUNDS_CHECK_MODES = {
 RECORD_SIZE = 6  # kErrRecordSize in common.h
 
 
+def _numpy_view(t: torch.Tensor):
+    """A NumPy array sharing `t`'s memory (a CPU tensor), or None without NumPy."""
+    try:
+        return t.numpy()
+    except (RuntimeError, ImportError, TypeError):
+        return None
+
+
 class ErrorRecord:
     """The error record of one module on one device, and its host mirror."""
 
@@ -50,6 +58,9 @@ class ErrorRecord:
             self._host = torch.zeros(RECORD_SIZE, dtype=torch.int64, pin_memory=True)
             self._copied = torch.cuda.Event()
             self._pending = False
+        # poll() runs at every call: it reads the host record through a NumPy view where NumPy is
+        # there (about 1 us against 17-45 us for Tensor.any(), a tenth of a small step's host time)
+        self._host_view = _numpy_view(self._host if self._cuda else self.record)
 
     @property
     def skip_bad_indices(self) -> bool:
@@ -83,7 +94,7 @@ class ErrorRecord:
             host = self._host
         else:
             host = self.record
-        if host.any():
+        if (self._host_view.any() if self._host_view is not None else host.any()):
             self._report(host.clone())
 
     def check(self) -> None:

@@ -32,6 +32,13 @@ def gpu_cases(spec):
     cases.append(dataclasses.replace(base, pooling="mean", weights_dtype=torch.float16, stochastic_rounding=True, seed=950))
     cases.append(harness.Case(tables=((1000, 256), (3000, 1024)), B=64, max_L=8, all_same=True, seed=960))
     cases.append(harness.Case(tables=((5000, 32), (20000, 8), (100, 516)), B=65536, max_L=3, steps=2, hot=0, seed=970))
+    # every row at most 64 columns: the forward's bag-per-lane-group kernel (forward_bag_groups_kernel),
+    # with long bags (several passes of a group's lanes over the indices) and a batch whose bags do
+    # not fill the last warp
+    cases.append(harness.Case(tables=((300, 8), (100, 20), (50, 64), (40, 4)), B=37, max_L=70, pooling="mean",
+                              weighted=True, hot=200, index_dtype=torch.int32, seed=980))
+    cases.append(harness.Case(tables=((300, 32), (100, 12)), B=45, max_L=9, pooling="sum", weighted=True,
+                              weights_dtype=torch.float16, seed=981))
     return cases
 
 

@@ -251,7 +251,11 @@ __device__ __forceinline__ void accumulate4(float* acc, const float* x, float s)
 // kWeighted: the call has per-sample weights (without them the loop passes one value per row, not
 // two). Both are compile-time choices, made on the host per call. Measured against the
 // grid-stride, 64-bit version it replaced: benchmarks/NOTES-gpu.md, run M.
-template <typename W, typename I, int kVecs, bool kLaneGroups, bool kWeighted>
+// kChunked (kVecs = 8 only): some row is wider than kVectorMaxD, so rows are pooled in chunks of
+// 1024 columns (below); a separate instantiation, since the chunk loop costs registers (92 against
+// 80 per thread at kVecs = 8: two resident blocks per SM instead of three, the 1024-wide forward
+// 17% slower on the H200, docs/gpu-runs/2026-12-04-probe6), which rows of up to 1024 columns keep.
+template <typename W, typename I, int kVecs, bool kLaneGroups, bool kWeighted, bool kChunked = false>
 __global__ void __launch_bounds__(256) forward_kernel(ForwardArgs a, const W* __restrict__ weights,
                                                       const I* __restrict__ indices,
                                                       const I* __restrict__ offsets) {
@@ -274,17 +278,14 @@ __global__ void __launch_bounds__(256) forward_kernel(ForwardArgs a, const W* __
   const int groups = kWarpSize / group_lanes;
   const int group = lane / group_lanes;
   const int d0 = 4 * (lane % group_lanes);  // this lane's first column (groups > 1: its only one)
-  const float scale = (a.pooling == kPoolMean && end > start) ? 1.0f / float(end - start) : 1.0f;
-  // (a VBE padding bag has no lookups and no place in the output: the warp leaves)
-  const int64_t bag_at = a.bag_out != nullptr ? a.bag_out[bag] : int64_t(b) * a.total_D + ft[kFeatOutOffset];
-  if (bag_at < 0) return;
-  float* const o_bag = a.out + bag_at;
   // Rows wider than a warp's kVecs * 128 columns (kVecs = 8 only: rows past kVectorMaxD, which
   // the host sends here for pooled lookups) are pooled one chunk of kChunk columns at a time,
   // each chunk a pass over the bag (its indices come again from L1); other rows take one pass.
+  static_assert(!kChunked || kVecs == 8, "only the widest kernel pools in chunks");
   constexpr int kChunk = kVecs * 128;
-  for (int c0 = 0; c0 < D; c0 += kChunk) {
-    const int Dc = D - c0 < kChunk ? D - c0 : kChunk;  // columns of this chunk
+  // (not kChunked: one pass, c0 = 0, the loop gone at compile time)
+  for (int c0 = 0; c0 < (kChunked ? D : 1); c0 += kChunk) {
+    const int Dc = !kChunked ? D : (D - c0 < kChunk ? D - c0 : kChunk);  // columns of this chunk
     float acc[kVecs][4];
 #pragma unroll
     for (int v = 0; v < kVecs; ++v)
@@ -356,6 +357,13 @@ __global__ void __launch_bounds__(256) forward_kernel(ForwardArgs a, const W* __
 #pragma unroll
       for (int c = 0; c < 4; ++c) acc[0][c] += __shfl_xor_sync(kFullMask, acc[0][c], o);
     }
+    // (the scale and the bag's output row, worked out here rather than before the loops: kept
+    // live across them they cost 8 registers per thread at kVecs = 1)
+    const float scale = (a.pooling == kPoolMean && end > start) ? 1.0f / float(end - start) : 1.0f;
+    // (a VBE padding bag has no lookups and no place in the output: the warp leaves)
+    const int64_t bag_at = a.bag_out != nullptr ? a.bag_out[bag] : int64_t(b) * a.total_D + ft[kFeatOutOffset];
+    if (bag_at < 0) return;
+    float* const o_bag = a.out + bag_at;
     if (groups > 1) {
       if (group == 0 && d0 < D) {
         float x[4];
@@ -376,6 +384,70 @@ __global__ void __launch_bounds__(256) forward_kernel(ForwardArgs a, const W* __
         store4(o + d, x);
       }
     }
+  }
+}
+
+// Pooled lookup of narrow rows, a bag per group of lanes: when no row of the batch is wider than
+// 64 columns (4 * lanes, lanes = lanes_for_row(max_D) <= 16), each warp pools 32 / lanes bags at
+// once, one per group of `lanes` lanes, each lane one 4-wide slice of its group's rows. The
+// warp-per-bag forward_kernel gives such a bag the whole warp and adds its groups' partial sums
+// at the end: per bag it pays the warp's setup and a cross-group reduction that cost more than the
+// few rows of a narrow bag (sweep probe6: D = 8-64 forward 0.63-0.85x FBGEMM's). A group reads its
+// bag's indices `lanes` at a time (each lane checks one), passes the row numbers round its lanes
+// (shuffles within the group: its lanes run the same bag, so the same iterations), and adds the
+// rows in index order. Chosen on the host (forward_cuda) unless TBEGEN_FORWARD_BAG_GROUPS=0.
+template <typename W, typename I, bool kWeighted>
+__global__ void __launch_bounds__(256) forward_bag_groups_kernel(ForwardArgs a, const W* __restrict__ weights,
+                                                                 const I* __restrict__ indices,
+                                                                 const I* __restrict__ offsets, int lanes) {
+  const int lane = threadIdx.x % kWarpSize;
+  const int group = lane / lanes, sub = lane % lanes;
+  const int64_t warp = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / kWarpSize;
+  const int64_t nbags = a.F * a.B;
+  const int64_t bag = warp * (kWarpSize / lanes) + group;
+  if (bag >= nbags) return;  // (a whole group: its lanes share the bag)
+  const unsigned mask = lanes == kWarpSize ? kFullMask : ((1u << lanes) - 1u) << (group * lanes);
+  int64_t start64, end64;
+  const bool bounds_ok = bag_bounds(offsets, bag, nbags, a.N, a.error, &start64, &end64);
+  // (a bag with bad offsets: its output is written as zeros)
+  const int start = bounds_ok ? int(start64) : 0, end = bounds_ok ? int(end64) : 0;
+  const int B = int(a.B);
+  const int f = int(bag) / B, b = int(bag) - f * B;
+  const int64_t* ft = a.feat + f * kFeatColumns;
+  const int D = int(ft[kFeatDim]);
+  const int64_t rows = ft[kFeatRows], base = ft[kFeatWeightsOffset];
+  const W* table = weights + base;
+  const int d = 4 * sub;  // this lane's first column
+  float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  for (int i0 = start; i0 < end; i0 += lanes) {
+    // lane `sub` checks index i0 + sub and holds its row number (-1: skipped)
+    const int my_i = i0 + sub;
+    int32_t my_row = -1;
+    float my_scale = 0.0f;
+    if (my_i < end) {
+      my_row = checked_row(int64_t(indices[my_i]), rows, base, D, a.weights_numel, my_i, a.error);
+      if (kWeighted) my_scale = a.psw[my_i];
+    }
+    const int n = end - i0 < lanes ? end - i0 : lanes;
+#pragma unroll 4
+    for (int j = 0; j < n; ++j) {
+      const int32_t r = __shfl_sync(mask, my_row, j, lanes);
+      const float s = kWeighted ? __shfl_sync(mask, my_scale, j, lanes) : 1.0f;
+      if (r >= 0 && d < D) {
+        float x[4];
+        load_weights4(table + int64_t(r) * D + d, x);
+        accumulate4<kWeighted>(acc, x, s);
+      }
+    }
+  }
+  // (a VBE padding bag, bag_out < 0, has no lookups and no place in the output)
+  const int64_t bag_at = a.bag_out != nullptr ? a.bag_out[bag] : int64_t(b) * a.total_D + ft[kFeatOutOffset];
+  if (d < D && bag_at >= 0) {
+    const float scale = (a.pooling == kPoolMean && end > start) ? 1.0f / float(end - start) : 1.0f;
+    float x[4];
+#pragma unroll
+    for (int c = 0; c < 4; ++c) x[c] = acc[c] * scale;
+    store4(a.out + bag_at + d, x);
   }
 }
 

@@ -7,6 +7,11 @@
 namespace tbegen {
 namespace cuda {
 
+// Whether the pooled forward of rows at most 64 columns wide takes forward_bag_groups_kernel (a
+// bag per group of lanes), unless TBEGEN_FORWARD_BAG_GROUPS=0, which keeps forward_kernel (a warp
+// per bag; results agree to rounding). Read at every call, so that a benchmark can time both.
+inline bool forward_bag_groups_enabled() { return !env_is_zero("TBEGEN_FORWARD_BAG_GROUPS"); }
+
 inline at::Tensor forward_cuda(const at::Tensor& weights, const at::Tensor& features, int64_t total_D,
                                int64_t max_D, const at::Tensor& indices, const at::Tensor& offsets,
                                const c10::optional<at::Tensor>& per_sample_weights, int64_t pooling,
@@ -58,6 +63,24 @@ inline at::Tensor forward_cuda(const at::Tensor& weights, const at::Tensor& feat
         });
       });
     });
+  } else if (b.F * b.B > 0 && b.max_D <= 64 && forward_bag_groups_enabled()) {
+    // narrow rows: a bag per group of lanes_for_row(max_D) lanes (forward_bag_groups_kernel)
+    int lanes = 1;
+    while (4 * lanes < b.max_D) lanes <<= 1;
+    const int64_t bags_per_block = (kThreads / kWarpSize) * (kWarpSize / lanes);
+    const int64_t blocks = (b.F * b.B + bags_per_block - 1) / bags_per_block;
+    dispatch_weights(weights, [&](auto w) {
+      using W = decltype(w);
+      dispatch_index(indices, [&](auto i) {
+        using I = decltype(i);
+        auto launch = [&](auto weighted) {
+          forward_bag_groups_kernel<W, I, decltype(weighted)::value><<<int(blocks), kThreads, 0, stream>>>(
+              a, weights.data_ptr<W>(), indices.data_ptr<I>(), offsets.data_ptr<I>(), lanes);
+        };
+        b.weighted ? launch(std::true_type{}) : launch(std::false_type{});
+        TBEGEN_CUDA_CHECK(cudaGetLastError());
+      });
+    });
   } else if (b.F * b.B > 0) {
     // a warp for every bag (forward_kernel has no grid-stride loop)
     const int64_t blocks = (b.F * b.B + kThreads / kWarpSize - 1) / (kThreads / kWarpSize);
@@ -68,9 +91,16 @@ inline at::Tensor forward_cuda(const at::Tensor& weights, const at::Tensor& feat
         dispatch_vecs(b.max_D, [&](auto vecs) {
           constexpr int kVecs = decltype(vecs)::value;
           auto launch = [&](auto lane_groups, auto weighted) {
-            forward_kernel<W, I, kVecs, decltype(lane_groups)::value, decltype(weighted)::value>
-                <<<int(blocks), kThreads, 0, stream>>>(a, weights.data_ptr<W>(), indices.data_ptr<I>(),
-                                                      offsets.data_ptr<I>());
+            constexpr bool kLG = decltype(lane_groups)::value, kW = decltype(weighted)::value;
+            if constexpr (kVecs == 8) {
+              if (b.max_D > kVectorMaxD) {  // (rows wider than 1024 columns: pooled in chunks)
+                forward_kernel<W, I, kVecs, kLG, kW, true><<<int(blocks), kThreads, 0, stream>>>(
+                    a, weights.data_ptr<W>(), indices.data_ptr<I>(), offsets.data_ptr<I>());
+                return;
+              }
+            }
+            forward_kernel<W, I, kVecs, kLG, kW><<<int(blocks), kThreads, 0, stream>>>(
+                a, weights.data_ptr<W>(), indices.data_ptr<I>(), offsets.data_ptr<I>());
           };
           auto launch_weighted_or_not = [&](auto lane_groups) {
             b.weighted ? launch(lane_groups, std::true_type{}) : launch(lane_groups, std::false_type{});
