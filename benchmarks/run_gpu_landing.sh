@@ -169,6 +169,12 @@ if [ "${AUTHOR:-0}" = 1 ]; then
       /usr/bin/time -f "tbegen test --device cuda --quick (first): %e s" timeout $(cap 120) python3 -m tbegen test --optimizer gpu_probe.yaml --device cuda --quick && \
       /usr/bin/time -f "tbegen test --device cuda --quick (cached): %e s" timeout $(cap 60) python3 -m tbegen test --optimizer gpu_probe.yaml --device cuda --quick; } 2>&1 | tail -n 30 ) >> "$OUT/extras.log"
 fi
+# what mode="reduce-overhead" hands the CUDA-graph trees (benchmarks/tools/compile_probe.py), into
+# extras.log; COMPILE_PROBE=1 runs it
+if [ "${COMPILE_PROBE:-0}" = 1 ]; then
+  log "torch.compile reduce-overhead probe"
+  timeout $(cap 60) python3 benchmarks/tools/compile_probe.py 2>&1 | grep -v "Warning\|warn(" | tail -n 12 >> "$OUT/extras.log"
+fi
 [ "${SANITIZE:-1}" = 1 ] && for tool in memcheck racecheck; do
   log "compute-sanitizer --tool $tool"
   PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout $(cap ${SANITIZE_TIMEOUT:-70}) compute-sanitizer --tool $tool --print-limit 20 \
