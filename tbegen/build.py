@@ -33,9 +33,9 @@ compiled once for all optimizers (RUNTIME_CUDA_SOURCE).
 Where two cores are free for one build, a CPU build compiles ops.cpp as two translation units side
 by side (`_ops_sources`: the backward and registrations, and the lane-split backward), about 30%
 less wall time for 13-19% more CPU time; builds run two at a time (`prebuild`, MAX_JOBS=1) or on a
-busy machine (`split_wanted`: the load average) keep one unit each. `tbegen test --quick` checks float32 weights only and builds a library of its own
-that instantiates the backward for them alone (`spec_files(..., fp32_weights_only=True)`): a
-third of the compile. Both need the generated sources' support (TBEGEN_OPS_PART in ops.cpp,
+busy machine (`split_wanted`: the load average) keep one unit each. `tbegen test --quick` checks
+float32 weights only and builds a library of its own that instantiates the backward for them alone
+(`spec_files(..., fp32_weights_only=True)`): a third of the compile. Both need the generated sources' support (TBEGEN_OPS_PART in ops.cpp,
 TBEGEN_CPU_FP32_WEIGHTS_ONLY in cpu_ops.h); without it a build compiles ops.cpp whole, as before.
 """
 
@@ -541,7 +541,8 @@ def _reused_objects(name: str, files: Dict[str, str], with_cuda: bool, verbose: 
     """The compiled objects an optimizer's build links instead of compiling them (each built first
     if needed, and verified): the optimizer-independent CPU operators (RUNTIME_CPU_SOURCE)
     compiled for these runtime headers; for CPU + CUDA also the ops.cpp object(s) of the CPU-only
-    build of the same sources (OPS_OBJECTS: one, or two where it was split) and the optimizer-independent CUDA code (RUNTIME_CUDA_SOURCE)."""
+    build of the same sources (OPS_OBJECTS: one, or two where it was split) and the
+    optimizer-independent CUDA code (RUNTIME_CUDA_SOURCE)."""
     runtime_files = _runtime_files(files)
     objects = []
     if RUNTIME_CPU_SOURCE in files:
