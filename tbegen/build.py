@@ -35,8 +35,9 @@ by side (`_ops_sources`: the backward and registrations, and the lane-split back
 less wall time for 13-19% more CPU time; builds run two at a time (`prebuild`, MAX_JOBS=1) or on a
 busy machine (`split_wanted`: the load average) keep one unit each. `tbegen test --quick` checks
 float32 weights only and builds a library of its own that instantiates the backward for them alone
-(`spec_files(..., fp32_weights_only=True)`): a third of the compile. Both need the generated sources' support (TBEGEN_OPS_PART in ops.cpp,
-TBEGEN_CPU_FP32_WEIGHTS_ONLY in cpu_ops.h); without it a build compiles ops.cpp whole, as before.
+(`spec_files(..., fp32_weights_only=True)`): a third of the compile. Both need the generated
+sources' support (TBEGEN_OPS_PART in ops.cpp, TBEGEN_CPU_FP32_WEIGHTS_ONLY in cpu_ops.h); without
+it a build compiles ops.cpp whole, as before.
 """
 
 from __future__ import annotations
