@@ -118,6 +118,9 @@ def main():
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--iters", type=int, default=40)
     ap.add_argument("--no-fbgemm", action="store_true")
+    ap.add_argument("--gathered", action="store_true",
+                    help="also time the VBE step through the gathered fallback (the padded output copied into "
+                         "the 1-D one: the design before bag_output_offsets), in the same rounds")
     ap.add_argument("--rounds", type=int, default=1,
                     help="time VBE and padded in this many alternating rounds and report the medians (a shared "
                          "machine's load moves between rounds; both systems see it)")
@@ -166,14 +169,27 @@ def main():
             def padded_step(s, emb=emb):
                 emb(s["ind"], s["poff"]).backward(s["pgrad"])
 
-            vbe_ms, padded_ms = [], []
+            def gathered_step(s, emb=emb):
+                emb._vbe_direct = lambda: False  # (an instance attribute: the module's gathered fallback)
+                try:
+                    vbe_step(s)
+                finally:
+                    del emb._vbe_direct
+
+            vbe_ms, padded_ms, gathered_ms = [], [], []
             for _ in range(args.rounds):
                 vbe_ms.append(timed(vbe_step, sets, args.warmup, args.iters, dev))
                 padded_ms.append(timed(padded_step, sets, args.warmup, args.iters, dev))
+                if args.gathered:
+                    gathered_ms.append(timed(gathered_step, sets, args.warmup, args.iters, dev))
             row["tbegen_vbe_ms"] = sorted(vbe_ms)[len(vbe_ms) // 2]
             row["tbegen_padded_ms"] = sorted(padded_ms)[len(padded_ms) // 2]
+            if args.gathered:
+                row["tbegen_vbe_gathered_ms"] = sorted(gathered_ms)[len(gathered_ms) // 2]
             if args.rounds > 1:
                 row["rounds_vbe_ms"], row["rounds_padded_ms"] = vbe_ms, padded_ms
+                if args.gathered:
+                    row["rounds_vbe_gathered_ms"] = gathered_ms
             del emb
             if not args.no_fbgemm:
                 fb, why = fbgemm_module(T, rows, D, opt, dev)
@@ -197,7 +213,9 @@ def main():
         print(f"{r['case']:<14} {r['optimizer']:<16} {r['bags']:>8.0f} {r['padded_bags']:>8.0f} {r['tbegen_vbe_ms']:>8.3f} "
               f"{r['tbegen_padded_ms']:>10.3f} {fbm if fbm is not None else float('nan'):>14.3f} "
               f"{r['tbegen_vbe_ms'] / r['tbegen_padded_ms']:>8.3f} "
-              f"{(r['tbegen_vbe_ms'] / fbm) if fbm else float('nan'):>11.3f} {'ok' if r['vbe_equals_padded'] else 'MISMATCH'}")
+              f"{(r['tbegen_vbe_ms'] / fbm) if fbm else float('nan'):>11.3f} {'ok' if r['vbe_equals_padded'] else 'MISMATCH'}"
+              + (f"  gathered {r['tbegen_vbe_gathered_ms']:.3f} ms ({r['tbegen_vbe_gathered_ms'] / r['tbegen_padded_ms']:.3f}x pad)"
+                 if "tbegen_vbe_gathered_ms" in r else ""))
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)

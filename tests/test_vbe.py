@@ -510,6 +510,28 @@ def test_vbe_operator_checks_the_table(table, size, message):
         assert torch.equal(emb.weights.detach(), w0)  # nothing written
 
 
+@pytest.mark.parametrize(
+    "dims,table,size,message",
+    [
+        ((4, 3), [0, 3, -1, 8, 11, 14], 17, r"bag_output_offsets\[1\] = 3 overlaps an earlier bag's row"),
+        ((4, 3), [0, 4, -1, 8, 11, 14], 18, r"leaves 1 of the variable-batch output's 18 elements unwritten"),
+        ((4, 8), [0, 4, -1, 8, 16, 26], 36, r"bag_output_offsets\[5\] = 26 does not start a row \(every offset "
+                                             r"of a variable-batch output is a multiple of 4\)"),
+    ],
+)
+def test_vbe_forward_checks_that_the_rows_tile_the_output(dims, table, size, message):
+    # (the forward does not zero its output first: the real bags' rows must cover it exactly)
+    emb = make("sgd", [(6, dims[0]), (5, dims[1])])
+    indices = torch.tensor([1, 2, 0, 3, 4])
+    offsets = torch.tensor([0, 1, 2, 2, 3, 4, 5])
+    with pytest.raises(RuntimeError, match=message):
+        emb._ops.forward(*op_args(emb, indices, offsets), None, 0, None, False, torch.tensor(table), size)
+    # the backward only reads the gradient: overlapping rows are no error there
+    if "overlaps" in message:
+        emb._ops.grad_per_sample_weights(torch.zeros(size), *op_args(emb, indices, offsets), 0, None, False,
+                                         torch.tensor(table))
+
+
 def test_vbe_operator_refuses_pooling_none_and_a_2d_gradient():
     emb = make("sgd", [(6, 4), (5, 4)], pooling="none")
     indices, offsets = torch.tensor([1, 2]), torch.tensor([0, 1, 2])

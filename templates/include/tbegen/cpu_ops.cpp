@@ -59,9 +59,9 @@ at::Tensor forward_cpu(const at::Tensor& weights, const at::Tensor& features, in
                 "output) must be given, got ", output_size);
   }
   const int64_t* bag_out = vbe ? bag_output_offsets->data_ptr<int64_t>() : nullptr;
-  // (a VBE output starts zeroed: the real bags cover it, but a table that left a gap would
-  // otherwise leave memory unwritten there)
-  at::Tensor out = vbe ? at::zeros({output_size}, weights.options().dtype(at::kFloat))
+  // (a VBE output is not zeroed: its real bags' rows tile it, which check_bag_output_values_host
+  // checks before the kernel writes them)
+  at::Tensor out = vbe ? at::empty({output_size}, weights.options().dtype(at::kFloat))
                    : pooling == kPoolNone ? at::empty({b.N, b.max_D}, weights.options().dtype(at::kFloat))
                                           : at::empty({b.B, b.total_D}, weights.options().dtype(at::kFloat));
   dispatch_types(weights, indices, [&](auto w, auto i) {
@@ -69,7 +69,8 @@ at::Tensor forward_cpu(const at::Tensor& weights, const at::Tensor& features, in
     using I = decltype(i);
     const std::vector<int64_t> bad = bad_indices<I>(b, features, indices, offsets, error_record, skip_bad_indices);
     if (vbe) {
-      check_bag_output_values_host<I>(b, features.data_ptr<int64_t>(), bag_out, offsets.data_ptr<I>(), output_size);
+      check_bag_output_values_host<I>(b, features.data_ptr<int64_t>(), bag_out, offsets.data_ptr<I>(), output_size,
+                                      /*tiling=*/true);
     }
     if (bad.empty()) {
       forward<W, I>(b, features.data_ptr<int64_t>(), weights.data_ptr<W>(), indices.data_ptr<I>(),

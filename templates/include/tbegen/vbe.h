@@ -10,6 +10,8 @@
 // Without the table (None) the operators are exactly the fixed-batch ones.
 #pragma once
 
+#include <numeric>
+
 #include "tbegen/host.h"
 
 namespace tbegen {
@@ -36,10 +38,14 @@ inline void check_vbe_grad_output(const at::Tensor& grad_output, const at::Tenso
 }
 
 // The table's values, on the host (CPU tensors): each bag's D_f values lie inside the output of
-// `numel` elements, and a padding bag (-1) is empty. Nothing is written before this passes.
+// `numel` elements, and a padding bag (-1) is empty. With `tiling` (the forward, whose output is
+// not zeroed first) also: the real bags' rows tile the output exactly, none overlapping another
+// and no element left unwritten; checked on a map of the output in steps of the widths' greatest
+// common divisor (every offset a multiple of it), one byte a step. Nothing is written before this
+// passes.
 template <typename I>
 inline void check_bag_output_values_host(const Batch& b, const int64_t* feat, const int64_t* table, const I* offsets,
-                                         int64_t numel) {
+                                         int64_t numel, bool tiling = false) {
   std::atomic<int64_t> first_bad{b.F * b.B};
   at::parallel_for(0, b.F * b.B, 4096, [&](int64_t begin, int64_t end) {
     for (int64_t bag = begin; bag < end; ++bag) {
@@ -54,13 +60,37 @@ inline void check_bag_output_values_host(const Batch& b, const int64_t* feat, co
       }
     }
   });
-  const int64_t bag = first_bad.load();
-  if (bag == b.F * b.B) return;
-  const int64_t D = feat[(bag / b.B) * kFeatColumns + kFeatDim];
-  TBEGEN_CHECK(table[bag] != -1, "tbegen: bag_output_offsets marks bag ", bag, " (feature ", bag / b.B,
-              ") as padding (-1), but it has ", int64_t(offsets[bag + 1] - offsets[bag]), " indices");
-  TBEGEN_CHECK(false, "tbegen: bag_output_offsets[", bag, "] = ", table[bag], " puts feature ", bag / b.B,
-              "'s ", D, " values outside the variable-batch output of ", numel, " elements");
+  const int64_t bad = first_bad.load();
+  if (bad != b.F * b.B) {
+    const int64_t D = feat[(bad / b.B) * kFeatColumns + kFeatDim];
+    TBEGEN_CHECK(table[bad] != -1, "tbegen: bag_output_offsets marks bag ", bad, " (feature ", bad / b.B,
+                ") as padding (-1), but it has ", int64_t(offsets[bad + 1] - offsets[bad]), " indices");
+    TBEGEN_CHECK(false, "tbegen: bag_output_offsets[", bad, "] = ", table[bad], " puts feature ", bad / b.B,
+                "'s ", D, " values outside the variable-batch output of ", numel, " elements");
+  }
+  if (!tiling) return;
+  int64_t g = 0;
+  for (int64_t f = 0; f < b.F; ++f) g = std::gcd(g, feat[f * kFeatColumns + kFeatDim]);
+  if (g == 0) g = 1;
+  TBEGEN_CHECK(numel % g == 0, "tbegen: the variable-batch output's ", numel, " elements are not rows of the "
+              "features' widths");
+  std::vector<uint8_t> written(size_t(numel / g), 0);
+  int64_t covered = 0;
+  for (int64_t bag = 0; bag < b.F * b.B; ++bag) {
+    const int64_t at_ = table[bag];
+    if (at_ < 0) continue;
+    const int64_t D = feat[(bag / b.B) * kFeatColumns + kFeatDim];
+    TBEGEN_CHECK(at_ % g == 0, "tbegen: bag_output_offsets[", bag, "] = ", at_, " does not start a row (every "
+                "offset of a variable-batch output is a multiple of ", g, ")");
+    for (int64_t k = at_ / g; k < (at_ + D) / g; ++k) {
+      TBEGEN_CHECK(!written[size_t(k)], "tbegen: bag_output_offsets[", bag, "] = ", at_, " overlaps an earlier "
+                  "bag's row in the variable-batch output");
+      written[size_t(k)] = 1;
+    }
+    covered += D;
+  }
+  TBEGEN_CHECK(covered == numel, "tbegen: bag_output_offsets leaves ", numel - covered, " of the variable-batch "
+              "output's ", numel, " elements unwritten");
 }
 
 }  // namespace tbegen
