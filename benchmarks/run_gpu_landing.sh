@@ -139,7 +139,7 @@ fi
 if [ "${VBE:-0}" = 1 ]; then
   echo "== VBE (benchmarks/bench_vbe.py)" >> "$OUT/fbgemm.log"
   PYTHONPATH=$PWD/benchmarks/fbgemm_subset:/tmp/fbg_site:$PYTHONPATH CUDA_MODULE_LOADING=LAZY timeout $(cap ${VBE_TIMEOUT:-90}) python3 benchmarks/bench_vbe.py \
-    --out /tmp/vbe >> "$OUT/fbgemm.log" 2>&1 || log "bench_vbe.py failed or timed out"
+    --gathered --rounds ${VBE_ROUNDS:-3} --out /tmp/vbe >> "$OUT/fbgemm.log" 2>&1 || log "bench_vbe.py failed or timed out"
 fi
 wait $rest_pid || { status=1; log "build of the other extensions failed"; }
 log "all extensions built: $(( $(date +%s) - t0 )) s"
