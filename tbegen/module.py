@@ -1318,8 +1318,9 @@ class TableBatchedEmbeddingBags(nn.Module):
         cls = type(self)
         ok = cls.__dict__.get("_vbe_direct_backward")
         if ok is None:
-            params = inspect.signature(cls._run_backward).parameters.values()
-            ok = any(p.name == "bag_output_offsets" or p.kind == inspect.Parameter.VAR_KEYWORD for p in params)
+            params = inspect.signature(cls._run_backward).parameters  # (a mapping by name)
+            ok = "bag_output_offsets" in params or any(
+                p.kind == inspect.Parameter.VAR_KEYWORD for p in params.values())
             setattr(cls, "_vbe_direct_backward", ok)
         return ok
 
