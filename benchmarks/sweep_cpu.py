@@ -59,6 +59,18 @@ def set_shape(ref, s: dict, torch) -> None:
     ref._TOFF = torch.arange(0, s["B"] * s["L"] + 1, s["L"], dtype=torch.int64)
 
 
+def git_tree() -> str:
+    """The checkout's commit, with '+changes' when tracked files differ from it ('' without git)."""
+    import subprocess
+
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return ""
+    return head + ("+changes" if dirty else "")
+
+
 def geomean(xs):
     xs = [x for x in xs if x and x > 0]
     return math.exp(sum(map(math.log, xs)) / len(xs)) if xs else float("nan")
@@ -74,6 +86,8 @@ def markdown(summary: dict) -> str:
         f"{summary['load_end']} at the end. Speedup = FBGEMM's step (forward + backward with its fused "
         f"update, its default bounds check) / tbegen's, medians of the same round-robin run.",
         "",
+        *([f"Command: `{summary['command']}`" + (f" (tree {summary['tree']})" if summary.get("tree") else ""), ""]
+          if summary.get("command") else []),
         f"Geometric mean **{geomean([c['speedup'] for c in cells]):.2f}x**, worst {cells[0]['speedup']:.2f}x "
         f"({cells[0]['shape']} {cells[0]['opt']}), cells under 1.1x: {sum(c['speedup'] < 1.1 for c in cells)} of {len(cells)}.",
         "",
@@ -96,10 +110,15 @@ def main(argv=None) -> int:
     ap.add_argument("--iters", type=int, default=12)
     ap.add_argument("--quick", action="store_true", help="three shapes: a smoke test")
     ap.add_argument("--list", action="store_true", help="print the shapes and exit")
+    ap.add_argument("--markdown", default=None, metavar="JSON",
+                    help="print the markdown table of a sweep_cpu.json written before, and exit")
     ap.add_argument("--only", default=None, help="only cells whose 'shape optimizer' matches this regex "
                                                   "(e.g. 'rowwise'; the optimizer without 'exact_')")
     args = ap.parse_args(argv)
     only = re.compile(args.only) if args.only else None
+    if args.markdown:
+        print(markdown(json.loads(Path(args.markdown).read_text())), end="")
+        return 0
     if args.list:
         for s in shapes(args.quick):
             print(s)
@@ -131,7 +150,7 @@ def main(argv=None) -> int:
     summary = dict(date_utc=time.strftime("%Y-%m-%d %H:%M", time.gmtime()), machine=f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
                    threads=args.threads, torch=torch.__version__, fbgemm=getattr(fbgemm_gpu, "__version__", "?"),
                    load_start=" ".join(load_start), load_end=" ".join(open("/proc/loadavg").read().split()[:3]),
-                   command=" ".join([sys.executable] + sys.argv), cells=cells)
+                   command=" ".join([sys.executable] + sys.argv), tree=git_tree(), cells=cells)
     (out / "sweep_cpu.json").write_text(json.dumps(summary, indent=1))
     (out / "sweep_cpu.md").write_text(markdown(summary))
     print((out / "sweep_cpu.md").read_text())
