@@ -73,13 +73,7 @@ void backward_cpu(const at::Tensor& grad_output, const at::Tensor& weights, cons
                   const c10::optional<at::Tensor>& error_record, bool skip_bad_indices, bool check_finite,
                   const c10::optional<at::Tensor>& bag_output_offsets) {
   const Batch b = check_batch(weights, features, total_D, max_D, indices, offsets, per_sample_weights, pooling);
-  const bool vbe = bag_output_offsets.has_value();
-  if (vbe) {
-    check_bag_output_offsets(b, *bag_output_offsets, weights);
-    check_vbe_grad_output(grad_output, weights);
-  } else {
-    check_grad_output(b, grad_output, weights);
-  }
+  const int64_t* bag_out = check_grad_output_of(b, grad_output, weights, bag_output_offsets);
   check_error_record(error_record, weights);
   if (check_finite) {
     if (per_sample_weights.has_value()) {
@@ -99,8 +93,7 @@ void backward_cpu(const at::Tensor& grad_output, const at::Tensor& weights, cons
     // All checks happen before the first write: bad input leaves weights and states untouched.
     check_indices_host<I>(b, feat, indices.data_ptr<I>(), offsets.data_ptr<I>(), skip_bad_indices,
                           record_data(error_record));
-    const int64_t* bag_out = vbe ? bag_output_offsets->data_ptr<int64_t>() : nullptr;
-    if (vbe) check_bag_output_values_host<I>(b, feat, bag_out, offsets.data_ptr<I>(), grad_output.numel());
+    if (bag_out != nullptr) check_bag_output_values_host<I>(b, feat, bag_out, offsets.data_ptr<I>(), grad_output.numel());
     backward<Opt, W, I>(b, feat, total_hash_size, grad_output.data_ptr<float>(), weights.data_ptr<W>(),
                         indices.data_ptr<I>(), offsets.data_ptr<I>(), optional_data(per_sample_weights),
                         params, ctx, bag_out);

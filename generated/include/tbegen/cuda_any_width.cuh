@@ -108,7 +108,7 @@ __global__ void __launch_bounds__(256) forward_kernel(ForwardArgs a, const W* __
     const int D = int(ft[kFeatDim]);
     const float scale = (a.pooling == kPoolMean && end > start) ? 1.0f / float(end - start) : 1.0f;
     // (a VBE padding bag has no lookups and no place in the output)
-    const int64_t bag_at = a.bag_out != nullptr ? a.bag_out[bag] : b * a.total_D + ft[kFeatOutOffset];
+    const int64_t bag_at = bag_output_at(a, bag, b, ft);
     if (bag_at < 0) continue;
     float* out = a.out + bag_at;
     for (int c0 = 0; c0 < D; c0 += kWarpSize * kCols) {
@@ -195,9 +195,7 @@ __global__ void __launch_bounds__(256) grad_psw_kernel(ForwardArgs a, const floa
         off = weights_row_start<W>(off, ft[kFeatKeyBase] + idx);
         q = load_qparams(weights + off, D);
       }
-      const float* go = a.pooling == kPoolNone ? grad_output + i * a.max_D
-                        : a.bag_out != nullptr ? grad_output + a.bag_out[bag]
-                                               : grad_output + b * a.total_D + ft[kFeatOutOffset];
+      const float* go = grad_output + (a.pooling == kPoolNone ? i * a.max_D : bag_output_at(a, bag, b, ft));
       float dot = 0.0f;
       for (int d = lane; d < D; d += kWarpSize) dot += load_weight(weights[off + d], q) * go[d];
       dot = warp_sum(dot);

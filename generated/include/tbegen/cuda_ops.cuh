@@ -353,12 +353,7 @@ __attribute__((visibility("hidden"))) void backward_cuda(
   const c10::cuda::CUDAGuard guard(weights.device());
   // a VBE batch: the 1-D output's gradient, read where bag_output_offsets says (vbe.h; its values
   // are the module's, built on the device, and not read back here)
-  if (bag_output_offsets.has_value()) {
-    check_bag_output_offsets(b, *bag_output_offsets, weights);
-    check_vbe_grad_output(grad_output, weights);
-  } else {
-    check_grad_output(b, grad_output, weights);
-  }
+  const int64_t* bag_out = check_grad_output_of(b, grad_output, weights, bag_output_offsets);
   check_error_record(error_record, weights);
   TBEGEN_CHECK(total_hash_size >= 1, "tbegen: total_hash_size must be positive, got ", total_hash_size);
   TBEGEN_CHECK(max_segment_length_per_warp >= 1, "tbegen: max_segment_length_per_warp must be >= 1");
@@ -383,7 +378,7 @@ __attribute__((visibility("hidden"))) void backward_cuda(
   a.max_D = b.max_D;
   a.pooling = pooling;
   a.grad_output = grad_output.data_ptr<float>();
-  a.bag_out = bag_output_offsets.has_value() ? bag_output_offsets->data_ptr<int64_t>() : nullptr;
+  a.bag_out = bag_out;
   a.error = error.data_ptr<int64_t>();
   a.skip_bad_indices = skip_bad_indices;
   a.long_run_l2_hint = env_is_one("TBEGEN_LONG_RUN_L2_HINT");

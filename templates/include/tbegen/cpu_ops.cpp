@@ -95,21 +95,14 @@ at::Tensor grad_per_sample_weights_cpu(const at::Tensor& grad_output, const at::
                                        const c10::optional<at::Tensor>& error_record, bool skip_bad_indices,
                                        const c10::optional<at::Tensor>& bag_output_offsets) {
   const Batch b = check_batch(weights, features, total_D, max_D, indices, offsets, c10::nullopt, pooling);
-  const bool vbe = bag_output_offsets.has_value();
-  if (vbe) {
-    check_bag_output_offsets(b, *bag_output_offsets, weights);
-    check_vbe_grad_output(grad_output, weights);
-  } else {
-    check_grad_output(b, grad_output, weights);
-  }
-  const int64_t* bag_out = vbe ? bag_output_offsets->data_ptr<int64_t>() : nullptr;
+  const int64_t* bag_out = check_grad_output_of(b, grad_output, weights, bag_output_offsets);
   check_error_record(error_record, weights);
   at::Tensor grad = at::empty({b.N}, weights.options().dtype(at::kFloat));
   dispatch_types(weights, indices, [&](auto w, auto i) {
     using W = decltype(w);
     using I = decltype(i);
     const std::vector<int64_t> bad = bad_indices<I>(b, features, indices, offsets, error_record, skip_bad_indices);
-    if (vbe) {
+    if (bag_out != nullptr) {
       check_bag_output_values_host<I>(b, features.data_ptr<int64_t>(), bag_out, offsets.data_ptr<I>(),
                                       grad_output.numel());
     }

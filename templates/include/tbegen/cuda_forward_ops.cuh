@@ -129,17 +129,12 @@ inline at::Tensor grad_per_sample_weights_cuda(const at::Tensor& grad_output, co
                                                const c10::optional<at::Tensor>& bag_output_offsets) {
   const Batch b = check_batch(weights, features, total_D, max_D, indices, offsets, c10::nullopt, pooling);
   const c10::cuda::CUDAGuard guard(weights.device());
-  if (bag_output_offsets.has_value()) {  // a VBE batch's 1-D output gradient (vbe.h)
-    check_bag_output_offsets(b, *bag_output_offsets, weights);
-    check_vbe_grad_output(grad_output, weights);
-  } else {
-    check_grad_output(b, grad_output, weights);
-  }
+  const int64_t* bag_out = check_grad_output_of(b, grad_output, weights, bag_output_offsets);  // (vbe.h)
   check_error_record(error_record, weights);
   at::Tensor grad = at::zeros({b.N}, weights.options().dtype(at::kFloat));
   const at::Tensor error = error_record_for(error_record, weights);
   ForwardArgs a = forward_args(b, features, weights, c10::nullopt, nullptr, error);
-  if (bag_output_offsets.has_value()) a.bag_out = bag_output_offsets->data_ptr<int64_t>();
+  a.bag_out = bag_out;
   const bool vector_path = check_layout_and_choose(b, features, weights, {grad_output.data_ptr()});
   const auto stream = at::cuda::getCurrentCUDAStream();
   if (b.F * b.B > 0 && !vector_path) {

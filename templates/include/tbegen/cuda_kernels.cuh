@@ -180,6 +180,13 @@ struct ForwardArgs {
   const int64_t* bag_out = nullptr;
 };
 
+// Where bag `bag` (bag b of the feature whose features-table row is ft) has its pooled row in the
+// output, and its gradient row in the output gradient: bag_out[bag] in a VBE batch (-1 for a
+// padding bag, which has no place), else row b at the feature's columns.
+__device__ __forceinline__ int64_t bag_output_at(const ForwardArgs& a, int64_t bag, int64_t b, const int64_t* ft) {
+  return a.bag_out != nullptr ? a.bag_out[bag] : b * a.total_D + ft[kFeatOutOffset];
+}
+
 // Checks an index and returns its row's offset in the weights buffer, or -1 after recording why.
 __device__ __forceinline__ int64_t row_offset(const int64_t* ft, int64_t idx, int64_t i,
                                               int64_t weights_numel, int64_t* error) {
@@ -361,7 +368,7 @@ __global__ void __launch_bounds__(256) forward_kernel(ForwardArgs a, const W* __
     // live across them they cost 8 registers per thread at kVecs = 1)
     const float scale = (a.pooling == kPoolMean && end > start) ? 1.0f / float(end - start) : 1.0f;
     // (a VBE padding bag has no lookups and no place in the output: the warp leaves)
-    const int64_t bag_at = a.bag_out != nullptr ? a.bag_out[bag] : int64_t(b) * a.total_D + ft[kFeatOutOffset];
+    const int64_t bag_at = bag_output_at(a, bag, b, ft);
     if (bag_at < 0) return;
     float* const o_bag = a.out + bag_at;
     if (groups > 1) {
@@ -441,7 +448,7 @@ __global__ void __launch_bounds__(256) forward_bag_groups_kernel(ForwardArgs a, 
     }
   }
   // (a VBE padding bag, bag_out < 0, has no lookups and no place in the output)
-  const int64_t bag_at = a.bag_out != nullptr ? a.bag_out[bag] : int64_t(b) * a.total_D + ft[kFeatOutOffset];
+  const int64_t bag_at = bag_output_at(a, bag, b, ft);
   if (d < D && bag_at >= 0) {
     const float scale = (a.pooling == kPoolMean && end > start) ? 1.0f / float(end - start) : 1.0f;
     float x[4];
@@ -515,9 +522,7 @@ __global__ void __launch_bounds__(256) grad_psw_kernel(ForwardArgs a, const floa
     for (int64_t i = start; i < end; ++i) {
       const int64_t off = row_offset(ft, int64_t(indices[i]), i, a.weights_numel, a.error);
       if (off < 0) continue;
-      const float* go = a.pooling == kPoolNone ? grad_output + i * a.max_D
-                        : a.bag_out != nullptr ? grad_output + a.bag_out[bag]
-                                               : grad_output + b * a.total_D + ft[kFeatOutOffset];
+      const float* go = grad_output + (a.pooling == kPoolNone ? i * a.max_D : bag_output_at(a, bag, b, ft));
       float dot = 0.0f;
 #pragma unroll
       for (int v = 0; v < kVecs; ++v) {

@@ -37,6 +37,20 @@ inline void check_vbe_grad_output(const at::Tensor& grad_output, const at::Tenso
               "of the variable-batch output, got shape ", grad_output.sizes());
 }
 
+// The output gradient the backward and the per-sample-weight gradient read, checked: with a VBE
+// table (itself checked here), the 1-D gradient of the variable-batch output; else the [B, total_D]
+// gradient of the fixed batch. Returns the table's data, or nullptr without one.
+inline const int64_t* check_grad_output_of(const Batch& b, const at::Tensor& grad_output, const at::Tensor& weights,
+                                           const c10::optional<at::Tensor>& bag_output_offsets) {
+  if (!bag_output_offsets.has_value()) {
+    check_grad_output(b, grad_output, weights);
+    return nullptr;
+  }
+  check_bag_output_offsets(b, *bag_output_offsets, weights);
+  check_vbe_grad_output(grad_output, weights);
+  return bag_output_offsets->data_ptr<int64_t>();
+}
+
 // The table's values, on the host (CPU tensors): each bag's D_f values lie inside the output of
 // `numel` elements, and a padding bag (-1) is empty. With `tiling` (the forward, whose output is
 // not zeroed first) also: the real bags' rows tile the output exactly, none overlapping another
