@@ -216,7 +216,7 @@ __device__ __forceinline__ bool bag_bounds(const I* offsets, int64_t bag, int64_
 }
 
 // Lanes that cover a row of D columns in 4-wide slices (a power of two, all 32 from D = 128 up).
-__device__ __forceinline__ int lanes_for_row(int D) {
+__host__ __device__ __forceinline__ int lanes_for_row(int D) {
   int lanes = 1;
   while (lanes < kWarpSize && 4 * lanes < D) lanes <<= 1;
   return lanes;

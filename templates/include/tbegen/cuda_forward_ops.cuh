@@ -65,8 +65,7 @@ inline at::Tensor forward_cuda(const at::Tensor& weights, const at::Tensor& feat
     });
   } else if (b.F * b.B > 0 && b.max_D <= 64 && forward_bag_groups_enabled()) {
     // narrow rows: a bag per group of lanes_for_row(max_D) lanes (forward_bag_groups_kernel)
-    int lanes = 1;
-    while (4 * lanes < b.max_D) lanes <<= 1;
+    const int lanes = lanes_for_row(int(b.max_D));
     const int64_t bags_per_block = (kThreads / kWarpSize) * (kWarpSize / lanes);
     const int64_t blocks = (b.F * b.B + bags_per_block - 1) / bags_per_block;
     dispatch_weights(weights, [&](auto w) {
