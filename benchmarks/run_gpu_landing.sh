@@ -178,7 +178,7 @@ fi
 # extras.log; COMPILE_PROBE=1 runs it
 if [ "${COMPILE_PROBE:-0}" = 1 ]; then
   log "torch.compile reduce-overhead probe"
-  timeout $(cap 60) python3 benchmarks/tools/compile_probe.py 2>&1 | grep -v "Warning\|warn(" | tail -n 12 >> "$OUT/extras.log"
+  timeout $(cap 90) python3 benchmarks/tools/compile_probe.py 2>&1 | grep -E "^recording|^step|^== variant" | tail -n 14 >> "$OUT/extras.log"
 fi
 [ "${SANITIZE:-1}" = 1 ] && for tool in memcheck racecheck; do
   log "compute-sanitizer --tool $tool"
