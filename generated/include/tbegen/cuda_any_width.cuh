@@ -26,13 +26,74 @@
 // Sums are taken in the same order as in the 4-wide path (occurrences in sorted order, fp32,
 // per column); only the split of the row reductions over lanes differs, so results agree with
 // the 4-wide path to rounding, and are deterministic (bitwise) for a given layout.
+//
+// TBEGEN_ANY_WIDTH_PREFETCH=1 (read at every launch: launch_any_width) takes the kPrefetch
+// instantiation of the three update kernels (float and fp16 weights), a variant for wide rows
+// (issue 29: 600-1024-wide fp32 and 2048-wide fp16 rows) with the same arithmetic in the same
+// order, so the same bits (tests/test_wide_rows.py):
+//  - with 4-wide float rows, the occurrence sum (add_occurrences_4wide_batched) issues each
+//    occurrence's 8 slice loads together (ptxas interleaves the default's loads with its sums:
+//    two 16-byte loads in flight per lane), starts from zero instead of re-loading the row that
+//    begin_row cleared (which it then does not clear), and loads the output-gradient rows with
+//    L1::no_allocate; a hot row's segment sums are added the same way (add_partials_4wide);
+//  - before the optimizer's update the warp asks L1 for every 128-byte line of the row's arrays
+//    (gradient, weights, element states, temporaries; prefetch.global.L1, one line per lane):
+//    the update is the spec's scalar column loop, whose iterations each load and store before
+//    the next loads (the arrays may alias, as far as the compiler knows), so without it the
+//    update waits for a round trip to L2 or HBM once per 32 columns; 16-bit weight rows are
+//    asked for the same way before begin_row converts them.
+// The variant's warp and segment kernels take 124-128 registers (2 blocks of 256 threads per
+// multiprocessor; the default's 80, with spills, fit 3): ptxas -v for sm_90, NOTES-gpu.md.
 #pragma once
+
+#include <cstdlib>
+#include <cstring>
+#include <stdexcept>
+#include <string>
 
 #include "tbegen/cuda_kernels.cuh"
 
 namespace tbegen {
 namespace cuda {
 namespace any_width {
+
+// ---- the prefetching variant (TBEGEN_ANY_WIDTH_PREFETCH) -----------------------------------------
+
+// The switch: unset, empty or "0" off, "1" on; anything else is refused (a typo must not time the
+// default path under the variant's name).
+inline bool prefetch_from_env() {
+  const char* v = std::getenv("TBEGEN_ANY_WIDTH_PREFETCH");
+  if (v == nullptr || *v == '\0' || std::strcmp(v, "0") == 0) return false;
+  if (std::strcmp(v, "1") == 0) return true;
+  throw std::invalid_argument(std::string("tbegen: TBEGEN_ANY_WIDTH_PREFETCH must be 0 or 1, got '") + v + "'");
+}
+
+// Asks L1 for the 128-byte lines that hold bytes [p, p + bytes): lane l the lines l, l + 32, ...
+// (a hint: no register waits for it; a later load of the line waits only for what is in flight).
+__device__ __forceinline__ void prefetch_l1(const void* p, int64_t bytes, int lane) {
+  if (bytes <= 0) return;
+  const uintptr_t first = reinterpret_cast<uintptr_t>(p) & ~uintptr_t(127);
+  const uintptr_t last = (reinterpret_cast<uintptr_t>(p) + uintptr_t(bytes) - 1) & ~uintptr_t(127);
+  for (uintptr_t line = first + uintptr_t(lane) * 128; line <= last; line += uintptr_t(kWarpSize) * 128)
+    asm volatile("prefetch.global.L1 [%0];" ::"l"(line));
+}
+
+// An output-gradient load of 4 floats (16-byte aligned) that does not allocate in L1.
+__device__ __forceinline__ void load4_stream(const float* p, float* v) {
+  float4 x;
+  asm("ld.global.L1::no_allocate.v4.f32 {%0, %1, %2, %3}, [%4];"
+      : "=f"(x.x), "=f"(x.y), "=f"(x.z), "=f"(x.w)
+      : "l"(p));
+  v[0] = x.x; v[1] = x.y; v[2] = x.z; v[3] = x.w;
+}
+
+// Whether the occurrence sum starts from zero in registers (the variant with 4-wide float rows):
+// then the gradient (or partial) row it writes is not cleared first, as the sum writes all of
+// its columns below D.
+template <bool kPrefetch>
+__device__ __forceinline__ bool sums_from_zero(const BackwardArgs& a) {
+  return kPrefetch && a.float_rows_4wide;
+}
 
 // ---- the row view the optimizer sees ---------------------------------------------------------
 
@@ -271,11 +332,132 @@ __device__ __forceinline__ void add_occurrences_4wide(const BackwardArgs& a, con
   __syncwarp();  // (the optimizer reads g in the column layout)
 }
 
+// The variant's occurrence sum (kPrefetch with 4-wide float rows): add_occurrences_4wide's terms
+// in its order, from zero (sums_from_zero: g is not read), but each occurrence's kVecs loads are
+// issued together before any of its sums, and each occurrence's output-gradient row is located
+// by the lane that fetched the occurrence (one shuffle of the pointer, not a load of the
+// features table per occurrence). ptxas (sm_90) interleaves add_occurrences_4wide's loads with
+// its sums, two 16-byte loads in flight per lane: 1 KB per warp of a 1024-wide row, which at 24
+// warps per multiprocessor keeps about 3 MB in flight on the H200, not enough for its HBM; here
+// a warp has a whole 4 KB slice in flight. Columns past D load nothing and add zero to
+// accumulators that are never stored.
+__device__ __forceinline__ void add_occurrences_4wide_batched(const BackwardArgs& a, const Occurrences& o, int D,
+                                                              int lane, int64_t first, int64_t last, float* g) {
+  constexpr int kVecs = 8;
+  __syncwarp();  // (the previous row's update read g in the column layout, by other lanes)
+  for (int c0 = 0; c0 < D; c0 += kVecs * 128) {
+    const bool full = c0 + kVecs * 128 <= D;  // (every lane's every slice is a column below D)
+    float acc[kVecs][4];
+#pragma unroll
+    for (int v = 0; v < kVecs; ++v) {
+#pragma unroll
+      for (int c = 0; c < 4; ++c) acc[v][c] = 0.0f;
+    }
+    for (int64_t base = first; base < last; base += kWarpSize) {
+      const int n = last - base < kWarpSize ? int(last - base) : kWarpSize;
+      unsigned long long my_go = 0;
+      float my_scale = 0.0f;
+      if (lane < n) {
+        OccurrenceInfo mine;
+        mine.fetch(o, base + lane, a.pooling == kPoolNone);
+        my_go = reinterpret_cast<unsigned long long>(grad_row(a, mine.position, mine.bag) + c0);
+        my_scale = mine.scale;
+      }
+      for (int k = 0; k < n; ++k) {
+        const float* go = reinterpret_cast<const float*>(__shfl_sync(kFullMask, my_go, k));
+        const float s = __shfl_sync(kFullMask, my_scale, k);
+        float x[kVecs][4];
+        if (full) {  // (no predicates: ptxas issues the loads back to back)
+#pragma unroll
+          for (int v = 0; v < kVecs; ++v) load4_stream(go + v * 128 + 4 * lane, x[v]);
+        } else {
+#pragma unroll
+          for (int v = 0; v < kVecs; ++v) {
+            const int d = v * 128 + 4 * lane;
+            if (c0 + d < D) {
+              load4_stream(go + d, x[v]);
+            } else {
+#pragma unroll
+              for (int c = 0; c < 4; ++c) x[v][c] = 0.0f;
+            }
+          }
+        }
+#pragma unroll
+        for (int v = 0; v < kVecs; ++v) {
+#pragma unroll
+          for (int c = 0; c < 4; ++c) acc[v][c] = fmaf(s, x[v][c], acc[v][c]);
+        }
+      }
+    }
+#pragma unroll
+    for (int v = 0; v < kVecs; ++v) {
+      const int d = c0 + v * 128 + 4 * lane;
+      if (d < D) store4(g + d, acc[v]);
+    }
+  }
+  __syncwarp();  // (the optimizer reads g in the column layout)
+}
+
+// The variant's sum of a hot row's segment sums (backward_finish_kernel, kPrefetch with 4-wide
+// float rows): g = ((0 + s_0) + s_1) + ... per column in segment order, as the default column loop
+// adds them into the cleared row, but 4 columns a load and a slice's loads issued together, where
+// the column loop waits for a load of g and of s_j once per 32 columns and segment (a run of 24000
+// occurrences, 94 segments of a 1024-wide row: about 3000 round trips one after another).
+__device__ __forceinline__ void add_partials_4wide(const float* in, int32_t nseg, int64_t max_D, int D, int lane,
+                                                   float* g) {
+  constexpr int kVecs = 8;
+  __syncwarp();  // (the previous row's update read g in the column layout, by other lanes)
+  for (int c0 = 0; c0 < D; c0 += kVecs * 128) {
+    const bool full = c0 + kVecs * 128 <= D;
+    float acc[kVecs][4];
+#pragma unroll
+    for (int v = 0; v < kVecs; ++v) {
+#pragma unroll
+      for (int c = 0; c < 4; ++c) acc[v][c] = 0.0f;
+    }
+    for (int32_t j = 0; j < nseg; ++j) {
+      const float* src = in + int64_t(j) * max_D + c0;
+      float x[kVecs][4];
+      if (full) {
+#pragma unroll
+        for (int v = 0; v < kVecs; ++v) load4(src + v * 128 + 4 * lane, x[v]);
+      } else {
+#pragma unroll
+        for (int v = 0; v < kVecs; ++v) {
+          const int d = v * 128 + 4 * lane;
+          if (c0 + d < D) {
+            load4(src + d, x[v]);
+          } else {
+#pragma unroll
+            for (int c = 0; c < 4; ++c) x[v][c] = 0.0f;
+          }
+        }
+      }
+#pragma unroll
+      for (int v = 0; v < kVecs; ++v) {
+#pragma unroll
+        for (int c = 0; c < 4; ++c) acc[v][c] = acc[v][c] + x[v][c];
+      }
+    }
+#pragma unroll
+    for (int v = 0; v < kVecs; ++v) {
+      const int d = c0 + v * 128 + 4 * lane;
+      if (d < D) store4(g + d, acc[v]);
+    }
+  }
+  __syncwarp();  // (the optimizer reads g in the column layout)
+}
+
 // Adds occurrences [first, last) into g (this lane's columns), 32 at a time.
+template <bool kPrefetch>
 __device__ __forceinline__ void add_occurrences(const BackwardArgs& a, const Occurrences& o, int D, int lane,
                                                 int64_t first, int64_t last, float* g) {
   if (a.float_rows_4wide) {
-    add_occurrences_4wide(a, o, D, lane, first, last, g);
+    if constexpr (kPrefetch) {
+      add_occurrences_4wide_batched(a, o, D, lane, first, last, g);
+    } else {
+      add_occurrences_4wide(a, o, D, lane, first, last, g);
+    }
     return;
   }
   for (int64_t base = first; base < last; base += kWarpSize) {
@@ -286,9 +468,12 @@ __device__ __forceinline__ void add_occurrences(const BackwardArgs& a, const Occ
 
 // Points the row view at its weights and states (loading what is not updated in place) and at
 // this warp's scratch, whose gradient row is cleared; per-row states are loaded into registers.
+// (clear_g false: the caller's occurrence sum writes every column of the gradient row,
+// sums_from_zero; prefetch: the variant asks L1 for a 16-bit or int8 weight row before converting it.)
 template <class Opt, typename W>
 __device__ __forceinline__ void begin_row(OptColumnRow<Opt>& row, const typename Opt::Params& p, W* weights,
-                                          int64_t key, int64_t woff, float* scratch, int64_t max_D) {
+                                          int64_t key, int64_t woff, float* scratch, int64_t max_D,
+                                          bool clear_g = true, bool prefetch = false) {
   row.g_ = scratch;
   float* next = scratch + max_D;
   if constexpr (sizeof(W) == 4) {
@@ -298,6 +483,7 @@ __device__ __forceinline__ void begin_row(OptColumnRow<Opt>& row, const typename
     next += max_D;
     // (an int8 row starts further on, and its qparams follow its codes: common.h)
     const W* wrow = weights + weights_row_start<W>(woff, key);
+    if (prefetch) prefetch_l1(wrow, int64_t(row.D) * int64_t(sizeof(W)), row.lane);
     Int8QParams q{0.0f, 0.0f};
     if constexpr (std::is_same<W, uint8_t>::value) q = load_qparams(wrow, row.D);
     for (int d = row.lane; d < row.D; d += kWarpSize) row.w_[d] = load_weight(wrow[d], q);
@@ -325,17 +511,28 @@ __device__ __forceinline__ void begin_row(OptColumnRow<Opt>& row, const typename
   for (int k = 0; k < Opt::kRowStates; ++k) row.row_[k] = load_state(p.row_states[k], p.row_state_dtypes[k], key);
 #pragma unroll
   for (int k = 0; k < Opt::kIntRowStates; ++k) row.int_row_[k] = p.int_row_states[k][key];
-  for (int d = row.lane; d < row.D; d += kWarpSize) row.g_[d] = 0.0f;
+  if (clear_g) {
+    for (int d = row.lane; d < row.D; d += kWarpSize) row.g_[d] = 0.0f;
+  }
 }
 
 // Applies the optimizer to a row whose gradient has been summed, and writes back what was not
 // updated in place (16-bit weights, rounded as in the 4-wide path; narrow element states, rounded
 // stochastically by store_state with the same (slot, key, column) as the 4-wide path; per-row
 // states from lane 0).
+// (prefetch: the variant first asks L1 for every line of the row's float arrays, TBEGEN_ANY_WIDTH_PREFETCH.)
 template <class Opt, typename W>
 __device__ __forceinline__ void update_and_store(OptColumnRow<Opt>& row, const typename Opt::Params& p,
                                                  const RowUpdateContext& ctx, const typename Opt::StepValues& sv,
-                                                 W* weights, int64_t key, int64_t woff) {
+                                                 W* weights, int64_t key, int64_t woff, bool prefetch = false) {
+  if (prefetch) {
+    __syncwarp();  // (the gradient row's columns were written by other lanes of the warp)
+    const int64_t bytes = int64_t(row.D) * int64_t(sizeof(float));
+    prefetch_l1(row.g_, bytes, row.lane);
+    prefetch_l1(row.w_, bytes, row.lane);
+#pragma unroll
+    for (int k = 0; k < Opt::kElementStates + Opt::kTemporaries; ++k) prefetch_l1(row.element_[k], bytes, row.lane);
+  }
   Opt::update_row(row, p, sv);
   if constexpr (std::is_same<W, uint8_t>::value) {
     // int8 row: fresh qparams from the updated row's min and max over the warp (every lane gets
@@ -380,7 +577,7 @@ __device__ __forceinline__ float* warp_scratch(float* scratch, int64_t max_D, co
 }
 
 // Short runs: one warp per unique row, rows taken in turn (grid-stride).
-template <class Opt, typename W>
+template <class Opt, typename W, bool kPrefetch = false>
 __global__ void __launch_bounds__(256) backward_warp_kernel(BackwardArgs a, Runs r, Occurrences o, typename Opt::Params p,
                                                             RowUpdateContext ctx, W* weights, float* scratch) {
   if (update_blocked(a)) return;
@@ -401,16 +598,16 @@ __global__ void __launch_bounds__(256) backward_warp_kernel(BackwardArgs a, Runs
     int64_t woff;
     locate_row(a, o.bag[start], key, &row.D, &woff);
     load_table_states<Opt>(row, p, o.bag[start], a.B);
-    begin_row<Opt, W>(row, p, weights, key, woff, mine, a.max_D);
-    add_occurrences(a, o, row.D, lane, start, int64_t(start) + len, row.g_);
-    update_and_store<Opt, W>(row, p, ctx, sv, weights, key, woff);
+    begin_row<Opt, W>(row, p, weights, key, woff, mine, a.max_D, !sums_from_zero<kPrefetch>(a), kPrefetch);
+    add_occurrences<kPrefetch>(a, o, row.D, lane, start, int64_t(start) + len, row.g_);
+    update_and_store<Opt, W>(row, p, ctx, sv, weights, key, woff, kPrefetch);
   }
 }
 
 // Long runs, first pass: one warp per segment of kSegmentLength occurrences. A run of one
 // segment is summed and updated here; a run of several leaves each segment's sum (max_D floats)
 // in `partial` for backward_finish_kernel.
-template <class Opt, typename W>
+template <class Opt, typename W, bool kPrefetch = false>
 __global__ void __launch_bounds__(256) backward_segment_kernel(BackwardArgs a, Runs r, Occurrences o, typename Opt::Params p,
                                                                RowUpdateContext ctx, W* weights, float* partial,
                                                                float* scratch) {
@@ -442,20 +639,22 @@ __global__ void __launch_bounds__(256) backward_segment_kernel(BackwardArgs a, R
     locate_row(a, o.bag[run.first], run.key, &row.D, &woff);
     load_table_states<Opt>(row, p, o.bag[run.first], a.B);
     if (run.nseg == 1) {
-      begin_row<Opt, W>(row, p, weights, run.key, woff, mine, a.max_D);
-      add_occurrences(a, o, row.D, lane, int64_t(run.first) + begin, int64_t(run.first) + end, row.g_);
-      update_and_store<Opt, W>(row, p, ctx, sv, weights, run.key, woff);
+      begin_row<Opt, W>(row, p, weights, run.key, woff, mine, a.max_D, !sums_from_zero<kPrefetch>(a), kPrefetch);
+      add_occurrences<kPrefetch>(a, o, row.D, lane, int64_t(run.first) + begin, int64_t(run.first) + end, row.g_);
+      update_and_store<Opt, W>(row, p, ctx, sv, weights, run.key, woff, kPrefetch);
     } else {
       float* out = partial + int64_t(run.segments.y + seg) * a.max_D;
-      for (int d = lane; d < row.D; d += kWarpSize) out[d] = 0.0f;
-      add_occurrences(a, o, row.D, lane, int64_t(run.first) + begin, int64_t(run.first) + end, out);
+      if (!sums_from_zero<kPrefetch>(a)) {
+        for (int d = lane; d < row.D; d += kWarpSize) out[d] = 0.0f;
+      }
+      add_occurrences<kPrefetch>(a, o, row.D, lane, int64_t(run.first) + begin, int64_t(run.first) + end, out);
     }
   }
 }
 
 // Long runs, second pass: one warp per run of several segments adds their partial sums in
 // segment order and updates the row.
-template <class Opt, typename W>
+template <class Opt, typename W, bool kPrefetch = false>
 __global__ void __launch_bounds__(256) backward_finish_kernel(BackwardArgs a, Runs r, Occurrences o, typename Opt::Params p,
                                                               RowUpdateContext ctx, W* weights, const float* partial,
                                                               float* scratch) {
@@ -475,12 +674,16 @@ __global__ void __launch_bounds__(256) backward_finish_kernel(BackwardArgs a, Ru
     int64_t woff;
     locate_row(a, o.bag[run.first], run.key, &row.D, &woff);
     load_table_states<Opt>(row, p, o.bag[run.first], a.B);
-    begin_row<Opt, W>(row, p, weights, run.key, woff, mine, a.max_D);
+    begin_row<Opt, W>(row, p, weights, run.key, woff, mine, a.max_D, !sums_from_zero<kPrefetch>(a), kPrefetch);
     const float* in = partial + int64_t(run.segments.y) * a.max_D;
-    for (int32_t j = 0; j < run.nseg; ++j) {
-      for (int d = lane; d < row.D; d += kWarpSize) row.g_[d] += in[int64_t(j) * a.max_D + d];
+    if (sums_from_zero<kPrefetch>(a)) {
+      add_partials_4wide(in, run.nseg, a.max_D, row.D, lane, row.g_);
+    } else {
+      for (int32_t j = 0; j < run.nseg; ++j) {
+        for (int d = lane; d < row.D; d += kWarpSize) row.g_[d] += in[int64_t(j) * a.max_D + d];
+      }
     }
-    update_and_store<Opt, W>(row, p, ctx, sv, weights, run.key, woff);
+    update_and_store<Opt, W>(row, p, ctx, sv, weights, run.key, woff, kPrefetch);
   }
 }
 

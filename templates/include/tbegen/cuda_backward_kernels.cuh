@@ -162,21 +162,29 @@ cudaError_t launch_backward(const BackwardLaunch& l) {
 }
 
 // Launches the three any-width update kernels for optimizer Opt; returns the first launch error.
-template <class Opt, typename W>
-cudaError_t launch_any_width(const AnyWidthLaunch& l) {
+// (kPrefetch: their prefetching variant, TBEGEN_ANY_WIDTH_PREFETCH=1, for float and fp16 weights.)
+template <class Opt, typename W, bool kPrefetch>
+cudaError_t launch_any_width_kernels(const AnyWidthLaunch& l) {
   const typename Opt::Params& p = *static_cast<const typename Opt::Params*>(l.params);
   W* weights = static_cast<W*>(l.weights);
-  any_width::backward_segment_kernel<Opt, W><<<l.segment_blocks, l.threads, 0, l.side>>>(
+  any_width::backward_segment_kernel<Opt, W, kPrefetch><<<l.segment_blocks, l.threads, 0, l.side>>>(
       l.a, l.runs, l.occurrences, p, l.ctx, weights, l.partial, l.side_scratch);
   cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) return err;
-  any_width::backward_finish_kernel<Opt, W><<<l.finish_blocks, l.threads, 0, l.side>>>(
+  any_width::backward_finish_kernel<Opt, W, kPrefetch><<<l.finish_blocks, l.threads, 0, l.side>>>(
       l.a, l.runs, l.occurrences, p, l.ctx, weights, l.partial, l.side_scratch);
   err = cudaGetLastError();
   if (err != cudaSuccess) return err;
-  any_width::backward_warp_kernel<Opt, W><<<l.warp_blocks, l.threads, 0, l.stream>>>(
+  any_width::backward_warp_kernel<Opt, W, kPrefetch><<<l.warp_blocks, l.threads, 0, l.stream>>>(
       l.a, l.runs, l.occurrences, p, l.ctx, weights, l.scratch);
   return cudaGetLastError();
+}
+template <class Opt, typename W>
+cudaError_t launch_any_width(const AnyWidthLaunch& l) {
+  if constexpr (std::is_same<W, float>::value || std::is_same<W, c10::Half>::value) {
+    if (any_width::prefetch_from_env()) return launch_any_width_kernels<Opt, W, true>(l);
+  }
+  return launch_any_width_kernels<Opt, W, false>(l);
 }
 
 // The any-width kernels' scratch rows per warp for optimizer Opt's `params` (any_width::scratch_slots).

@@ -1,0 +1,90 @@
+"""The any-width backward's prefetching variant for wide rows (TBEGEN_ANY_WIDTH_PREFETCH=1; issue 29).
+
+Rows wider than the 4-wide backward takes (512 columns by default: 600- and 1024-wide fp32 rows,
+2048-wide fp16 rows, and odd widths) are updated by the any-width kernels
+(templates/include/tbegen/cuda_any_width.cuh). With the switch set, the launch takes their
+kPrefetch instantiation: the occurrence sum issues a row slice's loads together and starts from
+zero, and the warp prefetches the row into L1 before the optimizer's update. The arithmetic and its
+order are unchanged, so every weight, state and output must be bitwise those of the default
+kernels, for short runs (warp kernel), hot rows (segment and finish kernels), per-sample weights,
+mean and none pooling; and the variant must match the float64 reference like the default.
+CUDA only (`pytest -m cuda`; skipped without a GPU): the variant has no CPU counterpart.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tbegen import harness
+from tbegen.layout import make_layout
+
+from test_any_width import _train
+
+pytestmark = [pytest.mark.cuda,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+SWITCH = "TBEGEN_ANY_WIDTH_PREFETCH"
+OPTIMIZERS = ["sgd", "rowwise_adagrad", "adagrad", "adam"]
+
+# Row 0 of the first table is hot (`hot` extra occurrences a step): with the default
+# max_segment_length_per_warp (32) its run is split into segments (segment + finish kernels);
+# with 100000 it is one warp's run.
+CASES = {
+    # 600 and 1024 columns (multiples of 4: the 4-wide occurrence sum; 600 a partial slice pass)
+    "fp32-D600-1024-weighted-hot": harness.Case(tables=((300, 1024), (200, 600)), B=48, max_L=8, weighted=True,
+                                                hot=2500, steps=2, seed=901),
+    "fp32-D1024-mean-hot-one-warp": harness.Case(tables=((150, 1024),), B=40, max_L=10, pooling="mean", hot=400,
+                                                 max_segment_length_per_warp=100000, steps=2, seed=902),
+    "fp32-D1024-none": harness.Case(tables=((120, 1024), (90, 1024)), B=24, max_L=5, pooling="none",
+                                    weighted=True, hot=200, steps=2, seed=903),
+    # 2048 fp16 columns: two slice passes, 16-bit weights through a float copy
+    "fp16-D2048-weighted-hot": harness.Case(tables=((100, 2048), (60, 2048)), B=32, max_L=6, weighted=True,
+                                            weights_dtype=torch.float16, hot=1500, steps=2, seed=904),
+    # an odd width: no 4-wide sum (the column loop), the prefetch before the update only
+    "fp32-D1030-odd-hot": harness.Case(tables=((80, 1030), (40, 520)), B=32, max_L=6, weighted=True, hot=900,
+                                       steps=2, seed=905),
+}
+
+
+def _bits_equal(a, b):
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(-1), b.view(-1))
+
+
+@pytest.mark.parametrize("case_id", sorted(CASES))
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_prefetch_variant_gives_the_default_bits(load_ops, monkeypatch, name, case_id):
+    spec, ops = load_ops(name)
+    case = CASES[case_id]
+    monkeypatch.delenv(SWITCH, raising=False)
+    out_d, w_d, st_d = _train(ops, spec, case, "cuda")
+    monkeypatch.setenv(SWITCH, "1")
+    out_v, w_v, st_v = _train(ops, spec, case, "cuda")
+    out_v2, w_v2, st_v2 = _train(ops, spec, case, "cuda")
+    # the steps changed the weights (else equality would prove nothing)
+    gen = torch.Generator().manual_seed(case.seed)
+    w0, _ = harness.initial_state(spec, make_layout(case.tables, case.feature_table_map), case, gen)
+    assert not torch.equal(w_d, w0), "the two steps left the weights as they were"
+    assert _bits_equal(w_v, w_d), f"weights differ from the default path: max |diff| {(w_v.double() - w_d.double()).abs().max():.3g}"
+    for k in st_d:
+        assert _bits_equal(st_v[k], st_d[k]), f"state {k} differs from the default path"
+    for a, b in zip(out_v, out_d):
+        assert _bits_equal(a, b), "forward output differs (the second step's uses the updated weights)"
+    assert _bits_equal(w_v2, w_v) and all(_bits_equal(st_v2[k], st_v[k]) for k in st_v), "variant not deterministic"
+
+
+@pytest.mark.parametrize("case_id", ["fp32-D600-1024-weighted-hot", "fp16-D2048-weighted-hot"])
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_prefetch_variant_matches_reference(load_ops, monkeypatch, name, case_id):
+    spec, ops = load_ops(name)
+    monkeypatch.setenv(SWITCH, "1")
+    result = harness.run_case(spec, ops, CASES[case_id], device="cuda")
+    assert not result.failures, "\n".join(result.failures)
+
+
+@pytest.mark.parametrize("value", ["yes", "2", "true"])
+def test_prefetch_switch_refuses_other_values(load_ops, monkeypatch, value):
+    spec, ops = load_ops("sgd")
+    monkeypatch.setenv(SWITCH, value)
+    with pytest.raises(Exception, match=SWITCH):
+        _train(ops, spec, CASES["fp32-D1024-mean-hot-one-warp"], "cuda")
