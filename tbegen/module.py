@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import difflib
 import inspect
+import itertools
 import numbers
 import os
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
@@ -1165,9 +1166,10 @@ class TableBatchedEmbeddingBags(nn.Module):
     # fixed-batch operators with a table of each padded bag's place in FBGEMM's rank-major 1-D
     # output (`bag_output_offsets`, -1 for a padding bag): the forward writes each bag's pooled row
     # there and the backward reads its gradient row there, so there is no padded output, no copy
-    # and no scatter. The padding index and that table are computed on the device by a few
-    # vectorised operations (a step's batch sizes usually differ from the last step's), and kept for
-    # the last distinct batch_size_per_feature_per_rank lists. Under torch.compile, on a device not
+    # and no scatter. The padding index and that table come from one operator call (vbe_plan: the
+    # host sums the [F, R] sizes, one kernel writes the tables; a step's batch sizes usually differ
+    # from the last step's) and are kept for the last distinct batch_size_per_feature_per_rank
+    # lists. Under torch.compile, on a device not
     # in _VBE_DIRECT_DEVICES and for subclasses whose backward does not take the table, the padded
     # output is gathered instead (_BlocksOf, _RowsOf). See docs/module.md.
 
@@ -1213,51 +1215,44 @@ class TableBatchedEmbeddingBags(nn.Module):
                                  f"of ranks: feature 0 has {R}, feature {f} has {len(per_rank)}")
         raise ValueError(f"tbegen: batch_size_per_feature_per_rank is not F = {F} lists of R non-negative ints")
 
+    @torch.compiler.disable  # (under torch.compile: a graph break, the plan built eagerly)
     def _vbe_plan(self, batch_size_per_feature_per_rank) -> Dict[str, Any]:
-        """The padding index and the table of each padded bag's output offset of one
-        batch_size_per_feature_per_rank, computed on the module's device with a few vectorised
-        operations (no host loop over bags or values; one small host->device copy), kept for the
-        last distinct ones."""
-        B = self._vbe_sizes(batch_size_per_feature_per_rank)  # [F, R]
+        """The padding index (`pad`), the table of each padded bag's output offset (`bag_out`) and
+        the totals of one batch_size_per_feature_per_rank, kept for the last distinct ones. A new
+        one is one operator call (vbe_plan, include/tbegen/vbe.h: the host sums the [F, R] sizes,
+        one small copy and one kernel on CUDA; nothing waits for the device). A kept one costs a
+        dictionary lookup: lists of Python ints are their own key (anything else, e.g. a tensor, is
+        checked and converted first)."""
+        bsfr = batch_size_per_feature_per_rank
         device = self.weights.device
-        F, R = B.shape
-        key = (F, R, tuple(B.reshape(-1).tolist()), str(device))
-        plans = self.__dict__.setdefault("_vbe_plans", {})
-        plan = plans.get(key)
-        if plan is not None:
-            return plan
-        B_f = B.sum(dim=1)
-        total = int(B_f.sum())
-        max_B = int(B_f.max())
-        dims_host = torch.tensor([self.layout.tables[t][1] for t in self.layout.feature_table_map], dtype=torch.int64)
-        n_out = int((B * dims_host[:, None]).sum())
-        if device.type == "cuda":  # (a pageable copy would wait for the stream: a host sync per step)
-            both = torch.cat([B.reshape(-1), dims_host]).pin_memory().to(device, non_blocking=True)
-        else:
-            both = torch.cat([B.reshape(-1), dims_host])
-        Bd, dims = both[: F * R].view(F, R), both[F * R:]
-        B_fd = Bd.sum(dim=1)
-        start_f = torch.cumsum(B_fd, 0) - B_fd  # first bag of each feature in the VBE order
-        b = torch.arange(max_B, dtype=torch.int64, device=device)
-        # padded bag (f, b) starts where VBE bag start_f + min(b, B_f) starts (empty when b >= B_f)
-        pad = (start_f[:, None] + torch.minimum(b[None, :], B_fd[:, None])).reshape(-1)
-        pad = torch.cat([pad, pad.new_full((1,), total)])
-        # rank-major output: segment (r, f) holds B[f, r] rows of D_f values. Padded bag (f, b),
-        # b < B_f, is sample j = b - (bags of f's earlier ranks) of rank r (the rank whose bags
-        # cover b: the count of f's inclusive rank prefix sums <= b; zero-size ranks are passed
-        # over), at segment (r, f)'s first value + j * D_f.
-        ends = torch.cumsum(Bd, 1)  # [F, R]
-        bf = b[None, :].expand(F, max_B).contiguous()
-        r = torch.searchsorted(ends, bf, right=True).clamp_(max=R - 1)
-        seg_size = (Bd * dims[:, None]).t().reshape(-1)  # [R * F], rank-major
-        seg_first = (torch.cumsum(seg_size, 0) - seg_size).view(R, F).t()  # [F, R]
-        j = bf - (ends - Bd).gather(1, r)
-        at = seg_first.gather(1, r) + j * dims[:, None]
-        bag_out = torch.where(bf < B_fd[:, None], at, at.new_full((), -1)).reshape(-1)
+        plans = self.__dict__.get("_vbe_plans")
+        if plans is None:
+            plans = self.__dict__["_vbe_plans"] = {}
+        sizes = None
+        if type(bsfr) in (list, tuple):
+            try:
+                sizes = tuple(map(tuple, bsfr))
+            except TypeError:
+                pass
+            # (only ints: a bool or a float equal to a kept size must still be refused)
+            if sizes is not None and set(map(type, itertools.chain.from_iterable(sizes))) != {int}:
+                sizes = None
+        if sizes is not None:
+            plan = plans.get((device, sizes))
+            if plan is not None:
+                return plan
+        B = self._vbe_sizes(bsfr)  # [F, R] int64 on the CPU, checked
+        if sizes is None:
+            sizes = tuple(map(tuple, B.tolist()))
+            plan = plans.get((device, sizes))
+            if plan is not None:
+                return plan
+        dims = torch.tensor([self.layout.tables[t][1] for t in self.layout.feature_table_map], dtype=torch.int64)
+        pad, bag_out, (total, max_B, n_out) = self._ops.vbe_plan(B.contiguous(), dims, self.weights.detach())
         plan = {"total_bags": total, "max_B": max_B, "pad": pad, "numel": n_out, "bag_out": bag_out, "sizes": B}
         if len(plans) >= self._VBE_PLANS_KEPT:
             plans.pop(next(iter(plans)))
-        plans[key] = plan
+        plans[(device, sizes)] = plan
         return plan
 
     def _vbe_gather(self, plan: Dict[str, Any]):
@@ -1296,18 +1291,22 @@ class TableBatchedEmbeddingBags(nn.Module):
     def vbe_padded_offsets(self, offsets: torch.Tensor, batch_size_per_feature_per_rank) -> torch.Tensor:
         """The offsets of a VBE batch (per feature, per rank, per sample) as those of the fixed
         batch F x max_B in which every feature's missing bags are empty (feature-major)."""
-        plan = self._vbe_plan(batch_size_per_feature_per_rank)
+        return self._vbe_pad(offsets, self._vbe_plan(batch_size_per_feature_per_rank))
+
+    @staticmethod
+    def _vbe_pad(offsets: torch.Tensor, plan: Dict[str, Any]) -> torch.Tensor:
+        """vbe_padded_offsets with the plan at hand: the offsets checked against it, gathered."""
         if not isinstance(offsets, torch.Tensor):
             raise TypeError(f"tbegen: offsets must be a torch.Tensor, got {type(offsets).__name__}")
+        pad = plan["pad"]
         if offsets.dim() != 1 or offsets.numel() != plan["total_bags"] + 1:
             raise ValueError(
                 f"tbegen: with batch_size_per_feature_per_rank, offsets must be 1-D with (sum of all batch sizes) + 1 "
                 f"= {plan['total_bags'] + 1} entries (bags per feature, then per rank, then per sample), got "
                 f"shape {tuple(offsets.shape)}")
-        if offsets.device != plan["pad"].device:
-            raise ValueError(f"tbegen: offsets is on {offsets.device} but the module's weights are on "
-                             f"{plan['pad'].device}")
-        return offsets[plan["pad"]]
+        if offsets.device != pad.device:
+            raise ValueError(f"tbegen: offsets is on {offsets.device} but the module's weights are on {pad.device}")
+        return offsets.index_select(0, pad)
 
     def _vbe_direct(self) -> bool:
         """Whether this module's VBE batches take the direct path (the operators write and read the
@@ -1326,7 +1325,7 @@ class TableBatchedEmbeddingBags(nn.Module):
 
     def _forward_vbe(self, indices, offsets, per_sample_weights, batch_size_per_feature_per_rank) -> torch.Tensor:
         plan = self._vbe_plan(batch_size_per_feature_per_rank)
-        padded = self.vbe_padded_offsets(offsets, batch_size_per_feature_per_rank)
+        padded = self._vbe_pad(offsets, plan)
         if self.pooling == "none":  # (one row per index: the bags' batch does not shape it)
             return self.forward(indices, padded, per_sample_weights)
         if self._vbe_direct():

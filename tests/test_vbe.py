@@ -573,3 +573,127 @@ def test_cuda_vbe_direct_path_is_taken_and_checks_the_table(monkeypatch):
         with pytest.raises(RuntimeError, match=message):
             emb._run_backward(torch.zeros(17, device="cuda"), emb.weights, indices, offsets, None,
                               bag_output_offsets=table.cuda())
+
+
+# ---- the plan (the vbe_plan operator) -------------------------------------------------------------
+
+
+def formula_plan(B: torch.Tensor, dims: torch.Tensor):
+    """The plan as the module computed it before the vbe_plan operator (vectorised torch
+    operations): (pad, bag_out, total bags, max_B, output numel), the reference the operator must
+    equal bitwise."""
+    F, R = B.shape
+    B_f = B.sum(dim=1)
+    total, max_B = int(B_f.sum()), int(B_f.max())
+    n_out = int((B * dims[:, None]).sum())
+    start_f = torch.cumsum(B_f, 0) - B_f
+    b = torch.arange(max_B, dtype=torch.int64)
+    pad = (start_f[:, None] + torch.minimum(b[None, :], B_f[:, None])).reshape(-1)
+    pad = torch.cat([pad, pad.new_full((1,), total)])
+    ends = torch.cumsum(B, 1)
+    bf = b[None, :].expand(F, max_B).contiguous()
+    r = torch.searchsorted(ends, bf, right=True).clamp_(max=R - 1)
+    seg_size = (B * dims[:, None]).t().reshape(-1)
+    seg_first = (torch.cumsum(seg_size, 0) - seg_size).view(R, F).t()
+    j = bf - (ends - B).gather(1, r)
+    at = seg_first.gather(1, r) + j * dims[:, None]
+    bag_out = torch.where(bf < B_f[:, None], at, at.new_full((), -1)).reshape(-1)
+    return pad, bag_out, total, max_B, n_out
+
+
+@pytest.fixture(scope="module")
+def sgd_ops():
+    return make("sgd", [(4, 2)])._ops
+
+
+plan_sizes = st.integers(1, 6).flatmap(lambda F: st.integers(1, 6).flatmap(lambda R: st.tuples(
+    # (zeros likely: empty ranks, empty features, all-empty batches)
+    st.lists(st.lists(st.one_of(st.just(0), st.integers(0, 12)), min_size=R, max_size=R), min_size=F, max_size=F),
+    st.lists(st.integers(1, 9), min_size=F, max_size=F),
+)))
+
+
+@settings(max_examples=200, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@given(case=plan_sizes)
+def test_vbe_plan_operator_equals_the_vectorised_formula(case, sgd_ops):
+    sizes, dims = case
+    B, D = torch.tensor(sizes, dtype=torch.int64), torch.tensor(dims, dtype=torch.int64)
+    pad, bag_out, totals = sgd_ops.vbe_plan(B, D, torch.empty(0))
+    want = formula_plan(B, D)
+    assert torch.equal(pad, want[0]) and torch.equal(bag_out, want[1])
+    assert list(totals) == list(want[2:])
+
+
+def test_vbe_plan_of_a_module_with_shared_tables_and_empty_ranks():
+    emb = make("sgd", [(9, 4), (7, 3)], [0, 1, 0])
+    bsfr = [[2, 0, 1], [0, 0, 0], [3, 1, 0]]
+    plan = emb._vbe_plan(bsfr)
+    # (feature 2 reads table 0: 4 wide) rank 0: f0 rows 0-1 (0..8), f2 rows 0-2 (8..20); rank 1: f2
+    # row 3 (20..24); rank 2: f0 row 2 (24..28); feature 1 has no bags
+    assert plan["bag_out"].tolist() == [0, 4, 24, -1, -1, -1, -1, -1, 8, 12, 16, 20]
+    assert plan["pad"].tolist() == [0, 1, 2, 3, 3, 3, 3, 3, 3, 4, 5, 6, 7]
+    assert (plan["total_bags"], plan["max_B"], plan["numel"]) == (7, 4, 28)
+    want = formula_plan(torch.tensor(bsfr), torch.tensor([4, 3, 4]))
+    assert torch.equal(plan["pad"], want[0]) and torch.equal(plan["bag_out"], want[1])
+
+
+def test_vbe_plan_is_kept_per_sizes_and_still_checks_the_input():
+    emb = make("sgd", [(5, 4), (6, 2)])
+    bsfr = [[1, 2], [3, 0]]
+    plan = emb._vbe_plan(bsfr)
+    # the same sizes in another form find the same plan; other sizes make a new one
+    assert emb._vbe_plan([[1, 2], [3, 0]]) is plan
+    assert emb._vbe_plan(((1, 2), (3, 0))) is plan
+    assert emb._vbe_plan(torch.tensor(bsfr)) is plan
+    assert emb._vbe_plan(torch.tensor(bsfr, dtype=torch.int32).t().contiguous().t()) is plan
+    assert emb._vbe_plan([[1, 2], [0, 3]]) is not plan
+    # values equal to the kept sizes but not ints are refused, not served from the cache
+    for bad, message in (([[1, 2.0], [3, 0]], r"\[0\]\[1\] must be a non-negative int, got 2.0"),
+                         ([[1, 2], [3, -0.0]], r"\[1\]\[1\] must be a non-negative int, got -0.0")):
+        with pytest.raises(ValueError, match=message):
+            emb._vbe_plan(bad)
+    # at most _VBE_PLANS_KEPT plans, the oldest dropped first
+    for n in range(emb._VBE_PLANS_KEPT + 3):
+        emb._vbe_plan([[n, 1], [1, 1]])
+    assert len(emb._vbe_plans) == emb._VBE_PLANS_KEPT
+    assert emb._vbe_plan(bsfr) is not plan
+
+
+@pytest.mark.parametrize(
+    "sizes,dims,message",
+    [
+        (torch.tensor([[1, 2]], dtype=torch.int32), torch.tensor([4]), r"sizes must be a contiguous int64 \[F, R\]"),
+        (torch.tensor([1, 2]), torch.tensor([4]), r"sizes must be a contiguous int64 \[F, R\]"),
+        (torch.zeros(2, 0, dtype=torch.int64), torch.tensor([4, 4]), r"with R >= 1"),
+        (torch.tensor([[1, 2]]), torch.tensor([4, 4]), r"dims must be a contiguous int64 CPU tensor of F = 1 widths"),
+        (torch.tensor([[1, 2]]), torch.tensor([0]), r"dims\[0\] must be positive, got 0"),
+        (torch.tensor([[1, -2]]), torch.tensor([4]), r"batch_size_per_feature_per_rank\[0\]\[1\] must be a "
+                                                     r"non-negative int, got -2"),
+        (torch.tensor([[2**62, 2**62]]), torch.tensor([4]), r"overflow int64"),
+        (torch.tensor([[2**61]]), torch.tensor([8]), r"output's size overflows int64"),
+    ],
+)
+def test_vbe_plan_operator_checks_its_input(sizes, dims, message, sgd_ops):
+    with pytest.raises(RuntimeError, match=message):
+        sgd_ops.vbe_plan(sizes, dims, torch.empty(0))
+
+
+@cuda
+def test_cuda_vbe_plan_equals_the_cpu_plan_without_waiting_for_the_device():
+    gen = torch.Generator().manual_seed(11)
+    emb_cpu = make("sgd", [(5, 4), (6, 3), (7, 8)])
+    emb = make("sgd", [(5, 4), (6, 3), (7, 8)], device="cuda")
+    # empty ranks and features; an all-empty batch; over a million padded bags (the grid-stride loop)
+    cases = [[[3, 0, 2, 5], [0, 0, 0, 0], [1, 7, 0, 2]], [[0, 0], [0, 0], [0, 0]],
+             [[400_000, 0], [1, 2], [0, 3]]]
+    cases += [torch.randint(0, 50, (3, R), generator=gen).tolist() for R in (1, 2, 5, 16, 64)]
+    for bsfr in cases:
+        want = emb_cpu._vbe_plan(bsfr)
+        torch.cuda.set_sync_debug_mode("error")  # (a pageable copy or a read-back would raise here)
+        try:
+            got = emb._vbe_plan(bsfr)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        assert got["pad"].is_cuda and got["bag_out"].is_cuda
+        assert torch.equal(got["pad"].cpu(), want["pad"]) and torch.equal(got["bag_out"].cpu(), want["bag_out"])
+        assert all(got[k] == want[k] for k in ("total_bags", "max_B", "numel"))

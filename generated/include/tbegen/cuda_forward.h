@@ -11,7 +11,8 @@ class Library;
 namespace tbegen {
 namespace cuda {
 
-// m.impl("forward", ...) and m.impl("grad_per_sample_weights", ...) in a TORCH_LIBRARY_IMPL(ns, CUDA, m) block.
+// m.impl("forward", ...), m.impl("grad_per_sample_weights", ...) and m.impl("vbe_plan", ...) in a
+// TORCH_LIBRARY_IMPL(ns, CUDA, m) block.
 void register_forward_cuda(torch::Library& m);
 
 }  // namespace cuda

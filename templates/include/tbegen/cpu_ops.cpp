@@ -1,6 +1,6 @@
 // tbegen runtime: the translation unit of the CPU operators that do not depend on the optimizer
-// (forward, grad_per_sample_weights, describe_error; declared in cpu_ops.h), the same for every
-// optimizer: the build compiles it once per set of runtime headers and links the object into
+// (forward, grad_per_sample_weights, describe_error, vbe_plan; declared in cpu_ops.h), the same
+// for every optimizer: the build compiles it once per set of runtime headers and links the object into
 // every optimizer's extension, CPU and CPU + CUDA alike (tbegen/build.py, RUNTIME_CPU_SOURCE).
 #include "tbegen/cpu_ops.h"
 
@@ -33,6 +33,25 @@ struct SkippedIndices {
 
 std::string describe_error(const at::Tensor& record, bool with_index_errors) {
   return describe_error_record(record, with_index_errors);
+}
+
+std::tuple<at::Tensor, at::Tensor, std::vector<int64_t>> vbe_plan_cpu(const at::Tensor& sizes, const at::Tensor& dims,
+                                                                      const at::Tensor& device_of) {
+  check_vbe_plan_inputs(sizes, dims);
+  TBEGEN_CHECK(device_of.device().is_cpu(), "tbegen: vbe_plan: the CPU operator got a tensor on ", device_of.device());
+  const int64_t F = sizes.size(0), R = sizes.size(1);
+  std::vector<int64_t> header(size_t(vbe_plan_header_size(F, R)));
+  const VbeTotals t = vbe_plan_header(sizes, dims, header.data());
+  const int64_t bags = F * t.max_B;
+  at::Tensor pad = at::empty({bags + 1}, at::TensorOptions().dtype(at::kLong));
+  at::Tensor bag_out = at::empty({bags}, at::TensorOptions().dtype(at::kLong));
+  int64_t* p = pad.data_ptr<int64_t>();
+  int64_t* o = bag_out.data_ptr<int64_t>();
+  at::parallel_for(0, bags, 16384, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) vbe_plan_entry(header.data(), F, R, t.max_B, i, p, o);
+  });
+  p[bags] = t.total_bags;
+  return {pad, bag_out, {t.total_bags, t.max_B, t.numel}};
 }
 
 // Checks the batch's indices and offsets (host.h, check_indices_host) and returns the positions of

@@ -10,7 +10,10 @@
 // Without the table (None) the operators are exactly the fixed-batch ones.
 #pragma once
 
+#include <algorithm>
 #include <numeric>
+#include <tuple>
+#include <vector>
 
 #include "tbegen/host.h"
 
@@ -105,6 +108,112 @@ inline void check_bag_output_values_host(const Batch& b, const int64_t* feat, co
   }
   TBEGEN_CHECK(covered == numel, "tbegen: bag_output_offsets leaves ", numel - covered, " of the variable-batch "
               "output's ", numel, " elements unwritten");
+}
+
+// ---- the plan of a VBE batch (module.py _vbe_plan; the operator vbe_plan) ----
+//
+// From the batch sizes B[f][r] (F features, R ranks; host int64) and the features' widths D_f, the
+// two tables the operators need: `pad` (F * max_B + 1 entries: padded bag (f, b) starts where VBE
+// bag first_f + min(b, B_f) starts, the last entry the VBE bag count; offsets[pad] are the padded
+// batch's offsets) and `bag_out` (F * max_B entries: bag_output_offsets above). The host sums the
+// small [F, R] sizes into a header; each padded bag's two entries then follow from it alone
+// (vbe_plan_entry), on the host for the CPU and in one kernel for CUDA, after one small copy.
+
+// The header's layout: per feature f, at f * kVbeFeatureColumns, its first bag in the VBE order
+// (features, then ranks, then samples), its bag count B_f and its width D_f; then, from
+// F * kVbeFeatureColumns, per (f, r) at 2 * (f * R + r): the end of rank r's bags among f's (the
+// inclusive prefix sum of B[f][0..r]) and the first element of segment (r, f) in the rank-major
+// output (for each rank, for each feature, B[f][r] rows of D_f values).
+constexpr int64_t kVbeFeatureColumns = 3;
+
+inline int64_t vbe_plan_header_size(int64_t F, int64_t R) { return F * kVbeFeatureColumns + 2 * F * R; }
+
+struct VbeTotals {
+  int64_t total_bags = 0;  // sum of all B[f][r]
+  int64_t max_B = 0;       // the largest B_f: the padded batch
+  int64_t numel = 0;       // elements of the 1-D output: sum of B[f][r] * D_f
+};
+
+// The operator's inputs: sizes an int64 [F, R] CPU tensor (R >= 1), dims F int64 widths on the CPU.
+inline void check_vbe_plan_inputs(const at::Tensor& sizes, const at::Tensor& dims) {
+  TBEGEN_CHECK(sizes.device().is_cpu() && sizes.scalar_type() == at::kLong && sizes.dim() == 2 &&
+                  sizes.size(1) >= 1 && sizes.is_contiguous(),
+              "tbegen: vbe_plan: sizes must be a contiguous int64 [F, R] CPU tensor with R >= 1, got ",
+              sizes.scalar_type(), " of shape ", sizes.sizes(), " on ", sizes.device());
+  TBEGEN_CHECK(dims.device().is_cpu() && dims.scalar_type() == at::kLong && dims.dim() == 1 &&
+                  dims.numel() == sizes.size(0) && dims.is_contiguous(),
+              "tbegen: vbe_plan: dims must be a contiguous int64 CPU tensor of F = ", sizes.size(0), " widths, got ",
+              dims.scalar_type(), " of shape ", dims.sizes(), " on ", dims.device());
+}
+
+// Writes the header (vbe_plan_header_size(F, R) values) of checked inputs at `header`, checking
+// the values; returns the totals.
+inline VbeTotals vbe_plan_header(const at::Tensor& sizes, const at::Tensor& dims, int64_t* header) {
+  const int64_t F = sizes.size(0), R = sizes.size(1);
+  const int64_t* B = sizes.data_ptr<int64_t>();
+  const int64_t* D = dims.data_ptr<int64_t>();
+  VbeTotals t;
+  int64_t* ranks = header + F * kVbeFeatureColumns;
+  for (int64_t f = 0; f < F; ++f) {
+    TBEGEN_CHECK(D[f] >= 1, "tbegen: vbe_plan: dims[", f, "] must be positive, got ", D[f]);
+    int64_t end = 0;
+    for (int64_t r = 0; r < R; ++r) {
+      const int64_t n = B[f * R + r];
+      TBEGEN_CHECK(n >= 0, "tbegen: batch_size_per_feature_per_rank[", f, "][", r, "] must be a non-negative int, "
+                  "got ", n);
+      TBEGEN_CHECK(!__builtin_add_overflow(end, n, &end), "tbegen: batch_size_per_feature_per_rank: feature ", f,
+                  "'s batch sizes overflow int64");
+      ranks[2 * (f * R + r)] = end;
+    }
+    header[f * kVbeFeatureColumns + 0] = t.total_bags;
+    header[f * kVbeFeatureColumns + 1] = end;
+    header[f * kVbeFeatureColumns + 2] = D[f];
+    TBEGEN_CHECK(!__builtin_add_overflow(t.total_bags, end, &t.total_bags),
+                "tbegen: batch_size_per_feature_per_rank: the batch sizes overflow int64");
+    t.max_B = std::max(t.max_B, end);
+  }
+  for (int64_t r = 0; r < R; ++r) {  // rank-major segments
+    for (int64_t f = 0; f < F; ++f) {
+      ranks[2 * (f * R + r) + 1] = t.numel;
+      int64_t seg = 0;
+      TBEGEN_CHECK(!__builtin_mul_overflow(B[f * R + r], D[f], &seg) &&
+                      !__builtin_add_overflow(t.numel, seg, &t.numel),
+                  "tbegen: batch_size_per_feature_per_rank: the variable-batch output's size overflows int64");
+    }
+  }
+  int64_t padded = 0;
+  TBEGEN_CHECK(!__builtin_mul_overflow(F, t.max_B, &padded) && padded < (int64_t(1) << 62),
+              "tbegen: batch_size_per_feature_per_rank: the padded batch of ", F, " x ", t.max_B, " bags is too large");
+  return t;
+}
+
+// Padded bag i = f * max_B + b (i < F * max_B): its `pad` entry, and its `bag_out` entry (-1 for
+// a padding bag, b >= B_f). Rank r of bag b is the first whose end exceeds b (a zero-size rank's
+// end equals the one before it, so it is passed over); the bag is sample b - (the end before r)
+// of that rank, at segment (r, f)'s first element plus that many rows of D_f.
+TBEGEN_HD inline void vbe_plan_entry(const int64_t* header, int64_t F, int64_t R, int64_t max_B, int64_t i,
+                                     int64_t* pad, int64_t* bag_out) {
+  const int64_t f = i / max_B, b = i - f * max_B;
+  const int64_t* feat = header + f * kVbeFeatureColumns;
+  const int64_t first = feat[0], B_f = feat[1], D = feat[2];
+  if (b >= B_f) {
+    pad[i] = first + B_f;
+    bag_out[i] = -1;
+    return;
+  }
+  pad[i] = first + b;
+  const int64_t* ranks = header + F * kVbeFeatureColumns + 2 * f * R;
+  int64_t lo = 0, hi = R - 1;
+  while (lo < hi) {
+    const int64_t mid = (lo + hi) / 2;
+    if (ranks[2 * mid] > b) {
+      hi = mid;
+    } else {
+      lo = mid + 1;
+    }
+  }
+  const int64_t before = lo == 0 ? 0 : ranks[2 * (lo - 1)];
+  bag_out[i] = ranks[2 * lo + 1] + (b - before) * D;
 }
 
 }  // namespace tbegen
