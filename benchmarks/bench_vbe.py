@@ -8,6 +8,14 @@ included), timed with CUDA events over `--iters` steps after `--warmup`, each st
 `--nsets` pre-drawn batches (the same batches for every system). Goal (issue 25): tbegen's VBE
 step at most its padded fixed-batch step, and faster than FBGEMM's padded step.
 
+tbegen's VBE step is timed twice: with a new plan every step (the module's kept plans dropped
+before each step, as when every batch has new batch sizes: TorchRec's case; `tbegen_vbe_ms`), and
+with the plans kept (the `--nsets` batches' sizes repeat; `tbegen_vbe_cached_ms`), so that the
+plan's own cost is the difference. Each timing also gives the host's time per step (`*_host_ms`:
+from the first step's start until the last step is issued, before waiting for the GPU; a step
+whose host time is its whole time waits for the host), and the forward alone (no_grad, plans
+kept) is timed for VBE and padded (`*_fwd_ms`), to tell the forward's share from the backward's.
+
 Cases: T features of dimension D, R ranks, per-rank batch up to B; each (feature, rank) batch is
 drawn from [frac * B, B] with frac per case ("mild" 0.5, "skewed": a third of the features at
 0.05-0.2 of the others'), pooling factor L per bag drawn from [1, 2L-1], uniform rows.
@@ -73,21 +81,25 @@ def draw_batch(T, rows, R, B, L, skew, gen):
 
 
 def timed(step, sets, warmup, iters, device):
+    """(ms per step, the host's ms per step until the last step is issued)."""
     for i in range(warmup):
         step(sets[i % len(sets)])
     if device == "cuda":
         torch.cuda.synchronize()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
+        t0 = time.perf_counter()
         for i in range(iters):
             step(sets[(warmup + i) % len(sets)])
+        host = (time.perf_counter() - t0) * 1e3 / iters
         end.record()
         torch.cuda.synchronize()
-        return start.elapsed_time(end) / iters
+        return start.elapsed_time(end) / iters, host
     t0 = time.perf_counter()
     for i in range(iters):
         step(sets[(warmup + i) % len(sets)])
-    return (time.perf_counter() - t0) * 1e3 / iters
+    ms = (time.perf_counter() - t0) * 1e3 / iters
+    return ms, ms
 
 
 def fbgemm_module(T, rows, D, optimizer, device):
@@ -163,8 +175,12 @@ def main():
                        bags=sum(x["bags"] for x in sets) / len(sets),
                        padded_bags=sum(x["padded_bags"] for x in sets) / len(sets), vbe_equals_padded=check)
 
-            def vbe_step(s, emb=emb):
+            def cached_step(s, emb=emb):
                 emb(s["ind"], s["off"], batch_size_per_feature_per_rank=s["bsfr"]).backward(s["grad"])
+
+            def vbe_step(s, emb=emb):
+                emb.__dict__.get("_vbe_plans", {}).clear()  # (new batch sizes: a new plan)
+                cached_step(s)
 
             def padded_step(s, emb=emb):
                 emb(s["ind"], s["poff"]).backward(s["pgrad"])
@@ -172,24 +188,33 @@ def main():
             def gathered_step(s, emb=emb):
                 emb._vbe_direct = lambda: False  # (an instance attribute: the module's gathered fallback)
                 try:
-                    vbe_step(s)
+                    cached_step(s)
                 finally:
                     del emb._vbe_direct
 
-            vbe_ms, padded_ms, gathered_ms = [], [], []
-            for _ in range(args.rounds):
-                vbe_ms.append(timed(vbe_step, sets, args.warmup, args.iters, dev))
-                padded_ms.append(timed(padded_step, sets, args.warmup, args.iters, dev))
-                if args.gathered:
-                    gathered_ms.append(timed(gathered_step, sets, args.warmup, args.iters, dev))
-            row["tbegen_vbe_ms"] = sorted(vbe_ms)[len(vbe_ms) // 2]
-            row["tbegen_padded_ms"] = sorted(padded_ms)[len(padded_ms) // 2]
+            def vbe_forward(s, emb=emb):
+                with torch.no_grad():
+                    emb(s["ind"], s["off"], batch_size_per_feature_per_rank=s["bsfr"])
+
+            def padded_forward(s, emb=emb):
+                with torch.no_grad():
+                    emb(s["ind"], s["poff"])
+
+            steps = dict(vbe=vbe_step, vbe_cached=cached_step, padded=padded_step, vbe_fwd=vbe_forward,
+                         padded_fwd=padded_forward)
             if args.gathered:
-                row["tbegen_vbe_gathered_ms"] = sorted(gathered_ms)[len(gathered_ms) // 2]
-            if args.rounds > 1:
-                row["rounds_vbe_ms"], row["rounds_padded_ms"] = vbe_ms, padded_ms
-                if args.gathered:
-                    row["rounds_vbe_gathered_ms"] = gathered_ms
+                steps["vbe_gathered"] = gathered_step
+            times = {k: [] for k in steps}
+            for _ in range(args.rounds):
+                for k, step in steps.items():
+                    times[k].append(timed(step, sets, args.warmup, args.iters, dev))
+            for k, ts in times.items():
+                ms = sorted(t for t, _ in ts)
+                host = sorted(h for _, h in ts)
+                row[f"tbegen_{k}_ms"] = ms[len(ms) // 2]
+                row[f"tbegen_{k}_host_ms"] = host[len(host) // 2]
+                if args.rounds > 1:
+                    row[f"rounds_{k}_ms"] = [t for t, _ in ts]
             del emb
             if not args.no_fbgemm:
                 fb, why = fbgemm_module(T, rows, D, opt, dev)
@@ -199,23 +224,33 @@ def main():
                     def fbgemm_step(s, fb=fb):
                         fb(s["ind"], s["poff"]).backward(s["pgrad"])
 
-                    row["fbgemm_padded_ms"] = timed(fbgemm_step, sets, args.warmup, args.iters, dev)
+                    row["fbgemm_padded_ms"], row["fbgemm_padded_host_ms"] = timed(fbgemm_step, sets, args.warmup,
+                                                                                   args.iters, dev)
                     del fb
             if dev == "cuda":
                 torch.cuda.empty_cache()
             results.append(row)
             print(json.dumps(row), flush=True)
-    hdr = f"{'case':<14} {'optimizer':<16} {'bags':>8} {'padded':>8} {'VBE ms':>8} {'padded ms':>10} {'FBGEMM pad ms':>14} {'VBE/pad':>8} {'VBE/FBGEMM':>11} check"
+    hdr = (f"{'case':<14} {'optimizer':<16} {'bags':>8} {'padded':>8} {'VBE ms':>8} {'cached':>8} {'padded ms':>10} "
+           f"{'FBGEMM pad ms':>14} {'VBE/pad':>8} {'VBE/FBGEMM':>11} check")
     print(hdr)
     print("-" * len(hdr))
     for r in results:
         fbm = r.get("fbgemm_padded_ms")
         print(f"{r['case']:<14} {r['optimizer']:<16} {r['bags']:>8.0f} {r['padded_bags']:>8.0f} {r['tbegen_vbe_ms']:>8.3f} "
-              f"{r['tbegen_padded_ms']:>10.3f} {fbm if fbm is not None else float('nan'):>14.3f} "
+              f"{r['tbegen_vbe_cached_ms']:>8.3f} {r['tbegen_padded_ms']:>10.3f} {fbm if fbm is not None else float('nan'):>14.3f} "
               f"{r['tbegen_vbe_ms'] / r['tbegen_padded_ms']:>8.3f} "
               f"{(r['tbegen_vbe_ms'] / fbm) if fbm else float('nan'):>11.3f} {'ok' if r['vbe_equals_padded'] else 'MISMATCH'}"
               + (f"  gathered {r['tbegen_vbe_gathered_ms']:.3f} ms ({r['tbegen_vbe_gathered_ms'] / r['tbegen_padded_ms']:.3f}x pad)"
                  if "tbegen_vbe_gathered_ms" in r else ""))
+    print("host ms per step (until issued) | forward alone ms (no_grad):")
+    for r in results:
+        fbh = r.get("fbgemm_padded_host_ms")
+        print(f"{r['case']:<14} {r['optimizer']:<16} host: VBE {r['tbegen_vbe_host_ms']:.3f} cached "
+              f"{r['tbegen_vbe_cached_host_ms']:.3f} padded {r['tbegen_padded_host_ms']:.3f} FBGEMM "
+              f"{fbh if fbh is not None else float('nan'):.3f} | forward: VBE {r['tbegen_vbe_fwd_ms']:.3f} "
+              f"(host {r['tbegen_vbe_fwd_host_ms']:.3f}) padded {r['tbegen_padded_fwd_ms']:.3f} "
+              f"(host {r['tbegen_padded_fwd_host_ms']:.3f})")
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
