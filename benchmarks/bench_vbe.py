@@ -102,6 +102,36 @@ def timed(step, sets, warmup, iters, device):
     return ms, ms
 
 
+def count_syncs(step, s):
+    """How often one step makes the host wait for the GPU (synchronizing calls torch can see)."""
+    import warnings
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            step(s)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    return sum("synchroniz" in str(w.message) for w in caught)
+
+
+def profile_step(title, step, sets, device, n=5):
+    """torch.profiler's table of n steps (after one untimed): where a step's host and GPU time go."""
+    from torch.profiler import ProfilerActivity, profile
+    step(sets[0])
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    with profile(activities=acts) as prof:
+        for i in range(n):
+            step(sets[i % len(sets)])
+        if device == "cuda":
+            torch.cuda.synchronize()
+    key = "self_device_time_total" if device == "cuda" else "self_cpu_time_total"
+    print(f"== profile: {title} ({n} steps)")
+    print(prof.key_averages().table(sort_by=key, row_limit=14, max_name_column_width=60), flush=True)
+
+
 def fbgemm_module(T, rows, D, optimizer, device):
     try:
         from fbgemm_gpu.split_embedding_configs import EmbOptimType
@@ -137,11 +167,15 @@ def main():
                     help="time VBE and padded in this many alternating rounds and report the medians (a shared "
                          "machine's load moves between rounds; both systems see it)")
     ap.add_argument("--out", default=None, help="folder for results.json")
+    ap.add_argument("--profile", action="store_true", default=os.environ.get("BENCH_VBE_PROFILE") == "1",
+                    help="print torch.profiler's table of the VBE (new plan, kept plan) and padded steps of the "
+                         "first case and optimizer (default from BENCH_VBE_PROFILE=1)")
     args = ap.parse_args()
     cases = SMALL if args.small else CASES
     names = args.cases.split(",") if args.cases else list(cases)
     dev = args.device
     results = []
+    profiled = False
     for name in names:
         T, rows, D, R, B, L, skew = cases[name]
         gen = torch.Generator().manual_seed(1)
@@ -215,6 +249,14 @@ def main():
                 row[f"tbegen_{k}_host_ms"] = host[len(host) // 2]
                 if args.rounds > 1:
                     row[f"rounds_{k}_ms"] = [t for t, _ in ts]
+            if dev == "cuda":
+                # the host's waits for the GPU in one step (torch's sync debug mode, warnings counted)
+                for k in ("vbe", "vbe_cached", "padded"):
+                    row[f"tbegen_{k}_syncs"] = count_syncs(steps[k], sets[0])
+            if args.profile and not profiled:
+                profiled = True
+                for k in ("vbe", "vbe_cached", "padded"):
+                    profile_step(f"{name} {opt} {k}", steps[k], sets, dev)
             del emb
             if not args.no_fbgemm:
                 fb, why = fbgemm_module(T, rows, D, opt, dev)
