@@ -31,8 +31,9 @@ OPTIMIZERS = ["sgd", "rowwise_adagrad", "adagrad", "adam"]
 # max_segment_length_per_warp (32) its run is split into segments (segment + finish kernels);
 # with 100000 it is one warp's run.
 CASES = {
-    # 600 and 1024 columns (multiples of 4: the 4-wide occurrence sum; 600 a partial slice pass)
-    "fp32-D600-1024-weighted-hot": harness.Case(tables=((300, 1024), (200, 600)), B=48, max_L=8, weighted=True,
+    # 600 and 1024 columns (multiples of 4: the 4-wide occurrence sum; 600 a partial slice pass,
+    # and the hot row 600 wide: segment sums of a partial pass)
+    "fp32-D600-1024-weighted-hot": harness.Case(tables=((200, 600), (300, 1024)), B=48, max_L=8, weighted=True,
                                                 hot=2500, steps=2, seed=901),
     "fp32-D1024-mean-hot-one-warp": harness.Case(tables=((150, 1024),), B=40, max_L=10, pooling="mean", hot=400,
                                                  max_segment_length_per_warp=100000, steps=2, seed=902),

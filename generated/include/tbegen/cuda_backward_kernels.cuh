@@ -181,9 +181,11 @@ cudaError_t launch_any_width_kernels(const AnyWidthLaunch& l) {
 }
 template <class Opt, typename W>
 cudaError_t launch_any_width(const AnyWidthLaunch& l) {
+  const bool prefetch = any_width::prefetch_from_env();  // (read, and checked, whatever the dtype)
   if constexpr (std::is_same<W, float>::value || std::is_same<W, c10::Half>::value) {
-    if (any_width::prefetch_from_env()) return launch_any_width_kernels<Opt, W, true>(l);
+    if (prefetch) return launch_any_width_kernels<Opt, W, true>(l);
   }
+  (void)prefetch;  // (bf16 and int8 weights: the default kernels)
   return launch_any_width_kernels<Opt, W, false>(l);
 }
 
