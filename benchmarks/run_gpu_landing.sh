@@ -166,13 +166,20 @@ rm -f "$OUT"/harness_results_*.jsonl "$OUT"/*.jsonl
 
 # the authoring loop on the GPU (issue 26): a new optimizer from `tbegen new`, validated, built and
 # tested on the device, each step timed, into extras.log; AUTHOR=1 runs it
+# (a name of its own per run, so that nothing of it is cached; the machine's load average first:
+# the build splits its translation units only where cores are idle; then the build alone, the
+# --quick library and the full one of two more new names, benchmarks/tools/time_cuda_quick_build.py)
 if [ "${AUTHOR:-0}" = 1 ]; then
-  log "authoring loop: tbegen new, validate, test --device cuda --quick"
+  log "authoring loop: tbegen new, validate, test --device cuda --quick (load average $(cut -d' ' -f1-3 /proc/loadavg))"
+  probe=gpu_probe_$(date +%s)
   ( cd /tmp && rm -rf author && mkdir author && cd author && \
-    { /usr/bin/time -f "tbegen new: %e s" python3 -m tbegen new gpu_probe && \
-      /usr/bin/time -f "tbegen validate: %e s" python3 -m tbegen validate gpu_probe.yaml && \
-      /usr/bin/time -f "tbegen test --device cuda --quick (first): %e s" timeout $(cap 120) python3 -m tbegen test --optimizer gpu_probe.yaml --device cuda --quick && \
-      /usr/bin/time -f "tbegen test --device cuda --quick (cached): %e s" timeout $(cap 60) python3 -m tbegen test --optimizer gpu_probe.yaml --device cuda --quick; } 2>&1 | tail -n 30 ) >> "$OUT/extras.log"
+    { /usr/bin/time -f "tbegen new: %e s" python3 -m tbegen new $probe && \
+      /usr/bin/time -f "tbegen validate: %e s" python3 -m tbegen validate $probe.yaml && \
+      /usr/bin/time -f "tbegen test --device cuda --quick (first): %e s" timeout $(cap 120) python3 -m tbegen test --optimizer $probe.yaml --device cuda --quick && \
+      /usr/bin/time -f "tbegen test --device cuda --quick (cached): %e s" timeout $(cap 60) python3 -m tbegen test --optimizer $probe.yaml --device cuda --quick; } 2>&1 | tail -n 30 ) >> "$OUT/extras.log"
+  for kind in "" --full; do
+    timeout $(cap 120) python3 benchmarks/tools/time_cuda_quick_build.py $kind 2>&1 | grep -v "^tbegen: \(building\|still\)" | tail -n 4 >> "$OUT/extras.log"
+  done
 fi
 # what mode="reduce-overhead" hands the CUDA-graph trees (benchmarks/tools/compile_probe.py), into
 # extras.log; COMPILE_PROBE=1 runs it

@@ -38,6 +38,15 @@ float32 weights only and builds a library of its own that instantiates the backw
 (`spec_files(..., fp32_weights_only=True)`): a third of the compile. Both need the generated
 sources' support (TBEGEN_OPS_PART in ops.cpp, TBEGEN_CPU_FP32_WEIGHTS_ONLY in cpu_ops.h); without
 it a build compiles ops.cpp whole, as before.
+
+CUDA builds do the same (issue 26: `tbegen test --device cuda --quick`): the float32 library's
+update-kernel table holds stubs that raise for the other weights, so their kernels are never
+compiled (FP32_KERNELS_SOURCE, `_fp32_kernels_wrapper`); where cores are idle kernels_cuda.cu is
+compiled in several translation units side by side (`_kernel_sources`: explicit instantiations,
+each kernel compiled once, the same machine code as the whole unit's); and a CUDA build that does
+not find the CPU build of its sources compiles their ops.cpp itself, in the same ninja run as its
+CUDA units, instead of building the CPU library first (`_reuse_cpu_build`; prebuild of both
+flavours, CI, keeps linking the CPU build's objects).
 """
 
 from __future__ import annotations
@@ -94,6 +103,20 @@ OPS_PART_SOURCES = ("ops_part1.cpp", "ops_part2.cpp")
 # the objects of an optimizer's CPU code, whichever way it was compiled (a CPU + CUDA build links
 # those of the CPU build of the same sources)
 OPS_OBJECTS = ("ops.o", "ops_fp32_weights.o", "ops_part1.o", "ops_part2.o")
+# The CUDA library for float32 weights only (`tbegen test --device cuda --quick`): its sources hold
+# this wrapper of kernels_cuda.cu (written by spec_files), whose update-kernel table has, in place of
+# the other weight dtypes' kernels, stubs that raise; compiled in place of kernels_cuda.cu.
+FP32_KERNELS_SOURCE = "kernels_cuda_fp32_weights.cu"
+# kernels_cuda.cu in several translation units side by side (`_kernel_sources`): part 1 is the
+# table (kernels_cuda.cu, or its float32 wrapper) with the instantiations of the other parts
+# declared `extern template`; each other part instantiates its share explicitly.
+KERNEL_PART_SOURCE = "kernels_part{}.cu"
+# what the update-kernel table instantiates (include/tbegen/cuda_backward_kernels.cuh,
+# backward_kernels_for): launch_backward<Opt, W, kVecs> and launch_any_width<Opt, W>
+_LAUNCH_WEIGHTS = ("float", "c10::Half", "c10::BFloat16")
+_ANY_WIDTH_WEIGHTS = ("float", "c10::Half", "c10::BFloat16", "uint8_t")
+_WIDTHS = (1, 2, 4, 8)
+_WEIGHT_NAMES = {"c10::Half": "Half", "c10::BFloat16": "BFloat16", "uint8_t": "Byte (int8 rows)"}
 
 
 def build_root() -> Path:
@@ -533,6 +556,72 @@ def _ops_sources(name: str, files: Dict[str, str], src: Path) -> List[str]:
     return sources
 
 
+def _kernel_instances(name: str, files: Dict[str, str]) -> List[str]:
+    """The update-kernel table's instantiations the library compiles (as explicit-instantiation
+    declarators): every weight dtype's, or float32's only in a float32 library."""
+    opt = f"opt_{name}::Optimizer"
+    fp32 = f"{name}/{FP32_KERNELS_SOURCE}" in files
+    return ([f"cudaError_t launch_backward<{opt}, {w}, {k}>(const BackwardLaunch&)"
+             for w in (_LAUNCH_WEIGHTS[:1] if fp32 else _LAUNCH_WEIGHTS) for k in _WIDTHS]
+            + [f"cudaError_t launch_any_width<{opt}, {w}>(const AnyWidthLaunch&)"
+               for w in (_ANY_WIDTH_WEIGHTS[:1] if fp32 else _ANY_WIDTH_WEIGHTS)])
+
+
+def kernel_parts(name: str, files: Dict[str, str], other_units: int) -> int:
+    """Into how many translation units a CUDA build splits the optimizer's update kernels, when
+    `other_units` others (ops_cuda.cpp, and the ops.cpp units it compiles itself) compile beside
+    them: $TBEGEN_CUDA_SPLIT "0" (one), a number (that many), or "auto" (the default): as many as
+    the compiler processes the build may run (`split_jobs`) leave beside the others, where a core
+    is idle (`split_wanted`'s rule) and the sources are the ones `_kernel_table_known` knows; at
+    most one per instantiation (16, or 5 for float32 weights only)."""
+    setting = os.environ.get("TBEGEN_CUDA_SPLIT", "auto")
+    if setting != "auto" and not setting.isdigit():
+        raise ValueError(f"tbegen: TBEGEN_CUDA_SPLIT={setting!r}: expected 'auto' or a number of translation units")
+    if not _kernel_table_known(name, files):
+        return 1
+    instances = len(_kernel_instances(name, files))
+    if setting != "auto":
+        return max(1, min(int(setting), instances))
+    jobs = split_jobs()
+    try:
+        idle = os.getloadavg()[0] < (os.cpu_count() or 1) - 0.5
+    except OSError:
+        idle = False
+    return max(1, min(instances, jobs - other_units)) if idle else 1
+
+
+def _kernel_sources(name: str, files: Dict[str, str], src: Path, other_units: int) -> List[str]:
+    """The translation units of the optimizer's update kernels: NAME/kernels_cuda.cu (or the
+    float32 wrapper where the sources hold it), whole, or in `kernel_parts` parts (written here,
+    beside it): the table's instantiations dealt round-robin, part 1 the table itself with the
+    others' declared `extern template` (so it does not compile them), each other part an explicit
+    instantiation of its share. Each kernel is compiled once, from the same code with the same
+    flags as in the whole unit: the same machine code (tests/test_cuda_build.py compares the
+    SASS), so the split is not part of the cache key."""
+    unit = FP32_KERNELS_SOURCE if f"{name}/{FP32_KERNELS_SOURCE}" in files else "kernels_cuda.cu"
+    parts = kernel_parts(name, files, other_units)
+    if parts < 2:
+        return [str(src / name / unit)]
+    instances = _kernel_instances(name, files)
+    shares = [instances[i::parts] for i in range(parts)]
+    head = "#include \"tbegen/cuda_backward_kernels.cuh\"\n#include \"optimizer.h\"\n\nnamespace tbegen {\nnamespace cuda {\n"
+    tail = "}  // namespace cuda\n}  // namespace tbegen\n"
+    sources = []
+    for i, share in enumerate(shares, 1):
+        path = src / name / KERNEL_PART_SOURCE.format(i)
+        if i == 1:
+            others = [d for other in shares[1:] for d in other]
+            text = (f"// tbegen/build.py: part 1 of {parts} of {unit}: the table, and {len(share)} of its kernel "
+                    "instantiations (the others in the other parts)\n" + head
+                    + "".join(f"extern template {d};\n" for d in others) + tail + f"\n#include \"{unit}\"\n")
+        else:
+            text = (f"// tbegen/build.py: part {i} of {parts} of {unit}: {len(share)} of its kernel instantiations\n"
+                    + head + "".join(f"template {d};\n" for d in share) + tail)
+        path.write_text(text)
+        sources.append(str(path))
+    return sources
+
+
 def _runtime_files(files: Dict[str, str]) -> Dict[str, str]:
     """The sources of the runtime objects: the runtime headers (and their two source files)."""
     return {k: v for k, v in files.items() if k.startswith("include/")}
@@ -541,9 +630,10 @@ def _runtime_files(files: Dict[str, str]) -> Dict[str, str]:
 def _reused_objects(name: str, files: Dict[str, str], with_cuda: bool, verbose: bool) -> List[Path]:
     """The compiled objects an optimizer's build links instead of compiling them (each built first
     if needed, and verified): the optimizer-independent CPU operators (RUNTIME_CPU_SOURCE)
-    compiled for these runtime headers; for CPU + CUDA also the ops.cpp object(s) of the CPU-only
-    build of the same sources (OPS_OBJECTS: one, or two where it was split) and the
-    optimizer-independent CUDA code (RUNTIME_CUDA_SOURCE)."""
+    compiled for these runtime headers; for CPU + CUDA also the optimizer-independent CUDA code
+    (RUNTIME_CUDA_SOURCE) and, where `_reuse_cpu_build` says so, the ops.cpp object(s) of the
+    CPU-only build of the same sources (OPS_OBJECTS: one, or two where it was split); otherwise
+    the CUDA build compiles ops.cpp itself, beside its CUDA sources (`_compile`)."""
     runtime_files = _runtime_files(files)
     objects = []
     if RUNTIME_CPU_SOURCE in files:
@@ -552,14 +642,44 @@ def _reused_objects(name: str, files: Dict[str, str], with_cuda: bool, verbose: 
                                 _object_name(RUNTIME_CPU_SOURCE)))
     if not with_cuda:
         return objects
-    cpu_files = {k: v for k, v in files.items() if k not in {f"{name}/{cu}" for cu in CUDA_SOURCES}}
-    cpu_lib = build_files(name, cpu_files, False, verbose, load=False)
+    cpu_files = {k: v for k, v in files.items()
+                 if k not in {f"{name}/{cu}" for cu in CUDA_SOURCES + (FP32_KERNELS_SOURCE,)}}
     cpu_key = cache_key(name, cpu_files, False)
-    objects += [verified(cpu_lib.parent, cpu_key, o) for o in _ops_objects(cpu_lib.parent)]
+    if _reuse_cpu_build(cache_root() / f"{name}-cpu-{cpu_key}"):
+        cpu_lib = build_files(name, cpu_files, False, verbose, load=False)
+        objects += [verified(cpu_lib.parent, cpu_key, o) for o in _ops_objects(cpu_lib.parent)]
     runtime_lib = build_files(RUNTIME_NAME, runtime_files, True, verbose, load=False)
     objects.append(verified(runtime_lib.parent, cache_key(RUNTIME_NAME, runtime_files, True),
                             _object_name(RUNTIME_CUDA_SOURCE)))
     return objects
+
+
+_PREBUILDS = [0]  # how many prebuild() calls that build CPU libraries are running (any thread)
+
+
+def _reuse_cpu_build(cpu_entry: Path) -> bool:
+    """Whether a CPU + CUDA build links the ops.cpp objects of the CPU build of the same sources
+    (built first, if need be) rather than compile ops.cpp itself beside its CUDA sources: where
+    that CPU build exists or is being built (its lock is held), where builds run one compiler
+    process each (`split_jobs`: MAX_JOBS=1, as prebuild sets on a machine of few cores), and while
+    a prebuild of CPU libraries runs (it builds the CPU flavour of the same specs beside: CI's two
+    flavours compile ops.cpp once). Otherwise (`tbegen test --device cuda`, the module on a GPU machine) the CPU
+    build would only delay the CUDA compile it could run beside: the CUDA build compiles the same
+    ops.cpp units itself, in the same ninja run as its CUDA units."""
+    import fcntl
+
+    if _is_published(cpu_entry) or _PREBUILDS[0] or split_jobs() < 2:
+        return True
+    lock = cpu_entry.parent / "locks" / f"{cpu_entry.name}.lock"
+    if not lock.is_file():
+        return False
+    with open(lock, "a") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True  # (being built: wait for it, and link its objects)
+        fcntl.flock(f, fcntl.LOCK_UN)
+    return False
 
 
 def _cpp_extension():
@@ -601,7 +721,8 @@ def _compile(name: str, files: Dict[str, str], with_cuda: bool, out_dir: Path, l
         linked = {os.path.basename(o) for o in objects}
         sources = [] if linked & set(OPS_OBJECTS) else _ops_sources(name, files, src)
         if with_cuda:
-            sources += [str(src / name / cu) for cu in CUDA_SOURCES]
+            sources.append(str(src / name / "ops_cuda.cpp"))
+            sources += _kernel_sources(name, files, src, len(sources))
     if with_cuda:
         os.environ["TORCH_CUDA_ARCH_LIST"] = cuda_arch_list()
     flavour = "CPU + CUDA" if with_cuda else "CPU"
@@ -911,9 +1032,10 @@ def load_sources(name: str, src_dir: Union[str, Path], with_cuda: Optional[bool]
 
 
 def spec_files(spec: OptimizerSpec, with_cuda: bool, fp32_weights_only: bool = False) -> Dict[str, str]:
-    """The sources of one spec, rendered in memory. `fp32_weights_only` (CPU only): a library whose
-    backward takes float32 weights only (FP32_WEIGHTS_SOURCE), where the runtime headers support
-    it; otherwise the full library's sources."""
+    """The sources of one spec, rendered in memory. `fp32_weights_only`: a library whose backward
+    takes float32 weights only (`tbegen test --quick`): the CPU backward (FP32_WEIGHTS_SOURCE) and,
+    with CUDA, the update kernels (FP32_KERNELS_SOURCE), each where the sources support it;
+    otherwise the full library's sources."""
     from .render import render_spec, render_static
 
     files = {k: v for k, v in render_spec(spec).items() if not k.endswith(".py")}
@@ -922,22 +1044,65 @@ def spec_files(spec: OptimizerSpec, with_cuda: bool, fp32_weights_only: bool = F
             files.pop(f"{spec.name}/{cu}")
     files.update(render_static())
     if fp32_weights_only:
-        if with_cuda:
-            raise ValueError("tbegen: a float32-weights-only library is a CPU build (with_cuda=False)")
         if FP32_WEIGHTS_MACRO in files.get("include/tbegen/cpu_ops.h", ""):
             files[f"{spec.name}/{FP32_WEIGHTS_SOURCE}"] = (
                 "// tbegen/build.py: ops.cpp with the backward for float32 weights only (tbegen test --quick)\n"
                 f"#define {FP32_WEIGHTS_MACRO} 1\n#include \"ops.cpp\"\n")
+        if with_cuda and _kernel_table_known(spec.name, files):
+            files[f"{spec.name}/{FP32_KERNELS_SOURCE}"] = _fp32_kernels_wrapper(spec.name)
     return files
+
+
+def _kernel_table_known(name: str, files: Dict[str, str]) -> bool:
+    """Whether NAME/kernels_cuda.cu and the runtime headers are the ones `_fp32_kernels_wrapper` and
+    `_kernel_sources` know: the table of backward_kernels_for<Optimizer>() with the entries
+    _LAUNCH_WEIGHTS x _WIDTHS and _ANY_WIDTH_WEIGHTS, for the Optimizer of namespace opt_NAME
+    (otherwise a build compiles kernels_cuda.cu whole, every dtype, as before)."""
+    table = files.get("include/tbegen/cuda_backward_kernels.cuh", "")
+    entries = ([f"&launch_backward<Opt, {w}, {k}>" for w in _LAUNCH_WEIGHTS for k in _WIDTHS]
+               + [f"&launch_any_width<Opt, {w}>, &any_width_scratch_slots<Opt, {w}>" for w in _ANY_WIDTH_WEIGHTS])
+    return ("backward_kernels_for<Optimizer>()" in files.get(f"{name}/kernels_cuda.cu", "")
+            and f"namespace opt_{name} {{" in files.get(f"{name}/optimizer.h", "")
+            and "cudaError_t launch_backward(const BackwardLaunch& l)" in table
+            and "cudaError_t launch_any_width(const AnyWidthLaunch& l)" in table
+            and "int64_t any_width_scratch_slots(const void* params)" in table
+            and all(e in table for e in entries))
+
+
+def _fp32_kernels_wrapper(name: str) -> str:
+    """kernels_cuda.cu with the table's entries for other weights than float32 specialised as
+    stubs that raise, declared before the table is instantiated (so their kernels are never
+    compiled)."""
+    opt = f"opt_{name}::Optimizer"
+    stubs = []
+    for w in _LAUNCH_WEIGHTS[1:]:
+        for k in _WIDTHS:
+            stubs.append(f"template <> cudaError_t launch_backward<{opt}, {w}, {k}>(const BackwardLaunch&) "
+                         f"{{ fp32_weights_only(\"{_WEIGHT_NAMES[w]}\"); }}")
+    for w in _ANY_WIDTH_WEIGHTS[1:]:
+        stubs.append(f"template <> cudaError_t launch_any_width<{opt}, {w}>(const AnyWidthLaunch&) "
+                     f"{{ fp32_weights_only(\"{_WEIGHT_NAMES[w]}\"); }}")
+        stubs.append(f"template <> int64_t any_width_scratch_slots<{opt}, {w}>(const void*) "
+                     f"{{ fp32_weights_only(\"{_WEIGHT_NAMES[w]}\"); }}")
+    return ("// tbegen/build.py: kernels_cuda.cu with the update kernels for float32 weights only (tbegen test\n"
+            "// --quick); the table's entries for other weights raise\n"
+            "#include <stdexcept>\n#include <string>\n\n"
+            "#include \"tbegen/cuda_backward_kernels.cuh\"\n#include \"optimizer.h\"\n\n"
+            "namespace tbegen {\nnamespace cuda {\n\n"
+            "[[noreturn]] static void fp32_weights_only(const char* weights) {\n"
+            "  throw std::runtime_error(std::string(\"tbegen: this library was built for float32 weights only \"\n"
+            "                           \"(by tbegen test --quick), got \") + weights + \" weights\");\n}\n\n"
+            + "\n".join(stubs) + "\n\n}  // namespace cuda\n}  // namespace tbegen\n\n"
+            "#include \"kernels_cuda.cu\"\n")
 
 
 def load_ops(spec: OptimizerSpec, with_cuda: Optional[bool] = None, verbose: bool = False,
              fp32_weights_only: bool = False):
     """Renders a parsed spec in memory, builds it (cached), loads it and returns its operators,
     torch.ops.tbegen_NAME. (tbegen.spec.load_spec parses a spec file; this builds one.)
-    `fp32_weights_only`: see spec_files (a library of its own; the CPU only)."""
+    `fp32_weights_only`: see spec_files (a library of its own)."""
     use_cuda = cuda_wanted(with_cuda)
-    build_files(spec.name, spec_files(spec, use_cuda, fp32_weights_only and not use_cuda), use_cuda, verbose)
+    build_files(spec.name, spec_files(spec, use_cuda, fp32_weights_only), use_cuda, verbose)
     return getattr(torch.ops, f"tbegen_{spec.name}")
 
 
@@ -983,6 +1148,9 @@ def prebuild(spec_paths, flavours: Sequence[bool] = (False,), jobs: Optional[int
     # each build runs ninja; keep the total number of compiler processes near the core count
     os.environ.setdefault("MAX_JOBS", str(max(1, (os.cpu_count() or 1) // jobs)))
     _keep_idle_workers(jobs)  # each thread's build worker serves its next build
+    cpu_flavour = any(not with_cuda for _, _, with_cuda in todo)
+    with _WORKERS_LOCK:
+        _PREBUILDS[0] += cpu_flavour
     try:
         with ThreadPoolExecutor(jobs) as pool:
             futures = {pool.submit(build_files, name, files, with_cuda, False, False): (name, with_cuda)
@@ -993,5 +1161,7 @@ def prebuild(spec_paths, flavours: Sequence[bool] = (False,), jobs: Optional[int
                 print(f"tbegen: [{done}/{len(todo)}] {_describe(name, with_cuda)} is ready "
                       f"({time.perf_counter() - t0:.0f} s since the start)", file=sys.stderr, flush=True)
     finally:
+        with _WORKERS_LOCK:
+            _PREBUILDS[0] -= cpu_flavour
         _keep_idle_workers(1)
     print(f"tbegen: built {len(todo)} extension(s) in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)

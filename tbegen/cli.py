@@ -214,7 +214,7 @@ def check(out):
 @main.command()
 @click.option("--optimizer", "-o", required=True, help="Spec name in optimizers/ or a path to a YAML file.")
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
-@click.option("--quick", is_flag=True, help="Only fp32 weights (on the CPU, a smaller library built for them).")
+@click.option("--quick", is_flag=True, help="Only fp32 weights (a smaller library built for them).")
 @click.option("--verbose", "-v", is_flag=True, help="Print every case and the compiler's output.")
 def test(optimizer, device, quick, verbose):
     """Build one optimizer and check it against its spec's float64 reference.
@@ -239,10 +239,9 @@ def test(optimizer, device, quick, verbose):
     from .compile_errors import CompileError
 
     try:
-        # (--quick on the CPU: a library of its own whose backward takes float32 weights only, a
-        # third of the full library's compile; the full one is built by `tbegen test` and the module)
-        ops = build.load_ops(spec, with_cuda=(device == "cuda"), verbose=verbose,
-                             fp32_weights_only=quick and device == "cpu")
+        # (--quick: a library of its own whose backward, CPU and CUDA, takes float32 weights only,
+        # a third of the full library's compile; the full one is built by `tbegen test` and the module)
+        ops = build.load_ops(spec, with_cuda=(device == "cuda"), verbose=verbose, fp32_weights_only=quick)
     except CompileError as e:  # already in the spec's terms, with the log's path: no traceback
         raise click.ClickException(str(e))
     except RuntimeError as e:  # a build that failed otherwise (tbegen's own words)
