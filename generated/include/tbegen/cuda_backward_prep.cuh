@@ -22,19 +22,23 @@ struct PreparedBackward {
   int64_t max_long_runs = 0;  // bounds, for the launch sizes: long runs,
   int64_t max_segments = 0;   // segments of long runs,
   int64_t max_partials = 0;   // and partial sums of runs of several segments
-  // the storage behind the pointers above (freed when this goes)
+  // with_tickets: the 4-wide kernels' 5 ticket counters, zeroed (backward_cuda); else nullptr
+  int32_t* tickets = nullptr;
+  // the storage behind the pointers above (a few allocations, each carved into several arrays;
+  // freed when this goes)
   std::vector<at::Tensor> storage;
 };
 
 // Linearises, sorts and segments the batch on the current stream; errors go to `error` (a
 // kErrRecordSize int64 device tensor). With check_finite, NaN/Inf in grad_output or the
 // per-sample weights is recorded as a fatal error (that check runs on a side stream, joined
-// before this returns).
+// before this returns). With with_tickets, `tickets` points to 5 int32 counters zeroed on the
+// current stream.
 __attribute__((visibility("hidden"))) PreparedBackward prepare_backward(
     const Batch& b, const at::Tensor& grad_output, const at::Tensor& weights, const at::Tensor& features,
     int64_t total_hash_size, const at::Tensor& indices, const at::Tensor& offsets,
     const c10::optional<at::Tensor>& per_sample_weights, int64_t max_segment_length_per_warp,
-    const at::Tensor& error, bool check_finite);
+    const at::Tensor& error, bool check_finite, bool with_tickets);
 
 }  // namespace cuda
 }  // namespace tbegen

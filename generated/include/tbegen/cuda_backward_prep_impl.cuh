@@ -65,114 +65,157 @@ static __global__ void __launch_bounds__(256) gather_occurrences_kernel(int64_t 
   }
 }
 
+// Bytes of an array of `n` elements of `size` bytes carved from a shared allocation, rounded up
+// to 256 so that every array starts 256-byte aligned (as an allocation of its own would).
+inline int64_t slice_bytes(int64_t n, int64_t size) { return (std::max<int64_t>(n, 1) * size + 255) / 256 * 256; }
+
+// Runs three CUB algorithms one after the other on one stream with one scratch allocation, the
+// largest any of them asks for, which each uses in turn (the stream runs them in order, so none
+// touches the scratch while another does; run_cub's two calls each, one allocation in all).
+template <typename A1, typename A2, typename A3>
+void run_cub_in_turn(const at::Tensor& like, A1&& first, A2&& second, A3&& third) {
+  size_t bytes1 = 0, bytes2 = 0, bytes3 = 0;
+  TBEGEN_CUDA_CHECK(first(nullptr, bytes1));
+  TBEGEN_CUDA_CHECK(second(nullptr, bytes2));
+  TBEGEN_CUDA_CHECK(third(nullptr, bytes3));
+  const size_t most = std::max<size_t>({bytes1, bytes2, bytes3, size_t(1)});
+  at::Tensor scratch = at::empty({int64_t(most)}, like.options().dtype(at::kByte));
+  TBEGEN_CUDA_CHECK(first(scratch.data_ptr(), bytes1));
+  TBEGEN_CUDA_CHECK(second(scratch.data_ptr(), bytes2));
+  TBEGEN_CUDA_CHECK(third(scratch.data_ptr(), bytes3));
+}
+
+// The arrays are carved from four allocations (and the sort's and the selections' CUB scratch),
+// not one each (up to 16 per call, each a trip through torch's caching allocator on the host):
+// the pairs in index order (freed after the sort), each position's bag and scale (kept until step
+// 3b), the sorted pairs, and the runs' arrays with the sorted bags and scales.
 template <typename K>
 void linearize_and_sort(const Batch& b, const ForwardArgs& fa, const at::Tensor& weights, const at::Tensor& indices,
                         const at::Tensor& offsets, int64_t total_hash_size, bool check_finite, bool values_are_bags,
-                        bool scaled, cudaStream_t stream, PreparedBackward& out) {
-  const auto opts = weights.options();
+                        bool scaled, bool with_tickets, cudaStream_t stream, PreparedBackward& out) {
+  TBEGEN_CHECK(!(scaled && values_are_bags), "tbegen: internal error: scaled occurrences need their positions");
+  const auto bytes_opts = weights.options().dtype(at::kByte);
   const int n = int(b.N);
-  at::Tensor keys = at::empty({b.N}, opts.dtype(sizeof(K) == 8 ? at::kLong : at::kInt));
-  at::Tensor values = at::empty({b.N}, opts.dtype(at::kInt));
-  at::Tensor bag_of = values_are_bags ? at::Tensor() : at::empty({b.N}, opts.dtype(at::kInt));
-  at::Tensor scale_of = scaled ? at::empty({b.N}, opts.dtype(at::kFloat)) : at::Tensor();
+  const int64_t key_bytes = slice_bytes(b.N, sizeof(K));
+  const int64_t int_bytes = slice_bytes(b.N, sizeof(int32_t));
+  // 1. (key, value) pairs in index order; where the values are positions, each position's bag
+  //    (and scale)
+  at::Tensor unsorted = at::empty({key_bytes + int_bytes}, bytes_opts);
+  K* keys = reinterpret_cast<K*>(unsorted.data_ptr<uint8_t>());
+  int32_t* values = reinterpret_cast<int32_t*>(unsorted.data_ptr<uint8_t>() + key_bytes);
+  const at::Tensor per_position =
+      values_are_bags ? at::Tensor() : at::empty({int_bytes * (scaled ? 2 : 1)}, bytes_opts);
+  int32_t* bag_of = values_are_bags ? nullptr : reinterpret_cast<int32_t*>(per_position.data_ptr<uint8_t>());
+  float* scale_of = scaled ? reinterpret_cast<float*>(per_position.data_ptr<uint8_t>() + int_bytes) : nullptr;
   dispatch_index(indices, [&](auto i) {
     using I = decltype(i);
     linearize_kernel<I, K><<<grid_for(b.F * b.B / kWarpSize + 1), kThreads, 0, stream>>>(
-        fa, indices.data_ptr<I>(), offsets.data_ptr<I>(), total_hash_size, check_finite,
-        reinterpret_cast<K*>(keys.data_ptr()), values.data_ptr<int32_t>(),
-        values_are_bags ? nullptr : bag_of.data_ptr<int32_t>(), scaled ? scale_of.data_ptr<float>() : nullptr);
+        fa, indices.data_ptr<I>(), offsets.data_ptr<I>(), total_hash_size, check_finite, keys, values, bag_of,
+        scale_of);
     TBEGEN_CUDA_CHECK(cudaGetLastError());
   });
   // 2. sort (key, value) pairs on the bits a key can use (the skipped-index key included); the
   //    sort is stable, so occurrences of a row stay in index order and the sums are deterministic
-  at::Tensor sorted_keys = at::empty_like(keys);
-  at::Tensor sorted_values = at::empty_like(values);
+  at::Tensor sorted = at::empty({key_bytes + int_bytes}, bytes_opts);
+  K* sorted_keys = reinterpret_cast<K*>(sorted.data_ptr<uint8_t>());
+  int32_t* sorted_values = reinterpret_cast<int32_t*>(sorted.data_ptr<uint8_t>() + key_bytes);
   //    (cuda_sort.cuh: 9-bit digits where they save a pass)
   const int end_bit = bits_for(total_hash_size + 1);
   const int digit_bits = sort_digit_bits(end_bit);
   run_cub(weights, [&](void* tmp, size_t& bytes) {
-    return sort_pairs<K>(tmp, bytes, reinterpret_cast<const K*>(keys.data_ptr()),
-                         reinterpret_cast<K*>(sorted_keys.data_ptr()), values.data_ptr<int32_t>(),
-                         sorted_values.data_ptr<int32_t>(), n, end_bit, digit_bits, stream);
+    return sort_pairs<K>(tmp, bytes, keys, sorted_keys, values, sorted_values, n, end_bit, digit_bits, stream);
   });
-  keys.reset();
-  values.reset();
-  // 3. runs: the sorted positions where the key changes
-  at::Tensor starts = at::empty({b.N}, opts.dtype(at::kInt));
-  at::Tensor counts = at::empty({2}, opts.dtype(at::kInt));  // [runs, long runs]
-  const IsRunStart<K> is_start{reinterpret_cast<const K*>(sorted_keys.data_ptr())};
-  run_cub(weights, [&](void* tmp, size_t& bytes) {
-    return cub::DeviceSelect::If(tmp, bytes, thrust::counting_iterator<int32_t>(0), starts.data_ptr<int32_t>(),
-                                 counts.data_ptr<int32_t>(), n, is_start, stream);
-  });
-  // the long runs (at most n / threshold of them), and their segments
+  unsorted.reset();
+  // 3. runs: the sorted positions where the key changes; the long runs (at most n / threshold of
+  //    them), and their segments. One allocation: starts, counts [runs, long runs] and the
+  //    tickets, long_ids, segments, and for step 3b the sorted bags and scales
   const int32_t threshold = out.runs.max_segment_length_per_warp;
   out.max_long_runs = b.N / threshold + 1;
-  at::Tensor long_ids = at::empty({out.max_long_runs}, opts.dtype(at::kInt));
-  const IsLongRun is_long{starts.data_ptr<int32_t>(), counts.data_ptr<int32_t>(), n, threshold};
-  run_cub(weights, [&](void* tmp, size_t& bytes) {
-    return cub::DeviceSelect::If(tmp, bytes, thrust::counting_iterator<int32_t>(0), long_ids.data_ptr<int32_t>(),
-                                 counts.data_ptr<int32_t>() + 1, n, is_long, stream);
-  });
-  at::Tensor segments = at::empty({(out.max_long_runs + 1) * 2}, opts.dtype(at::kInt));
-  const SegmentsOfLongRun per_run{starts.data_ptr<int32_t>(), counts.data_ptr<int32_t>(), long_ids.data_ptr<int32_t>(), n};
+  const int64_t at_counts = int_bytes;
+  const int64_t at_long_ids = at_counts + slice_bytes(4 + 5, sizeof(int32_t));  // counts [0, 2), tickets [4, 9)
+  const int64_t at_segments = at_long_ids + slice_bytes(out.max_long_runs, sizeof(int32_t));
+  const int64_t at_bags = at_segments + slice_bytes(out.max_long_runs + 1, sizeof(int2));
+  const int64_t at_scales = at_bags + (values_are_bags ? 0 : int_bytes);
+  at::Tensor run_storage = at::empty({at_scales + (scaled ? int_bytes : 0)}, bytes_opts);
+  uint8_t* base = run_storage.data_ptr<uint8_t>();
+  int32_t* starts = reinterpret_cast<int32_t*>(base);
+  int32_t* counts = reinterpret_cast<int32_t*>(base + at_counts);
+  int32_t* long_ids = reinterpret_cast<int32_t*>(base + at_long_ids);
+  int2* segments = reinterpret_cast<int2*>(base + at_segments);
+  int32_t* sorted_bag = values_are_bags ? sorted_values : reinterpret_cast<int32_t*>(base + at_bags);
+  float* sorted_scale = scaled ? reinterpret_cast<float*>(base + at_scales) : nullptr;
+  if (with_tickets) {
+    out.tickets = counts + 4;
+    TBEGEN_CUDA_CHECK(cudaMemsetAsync(out.tickets, 0, 5 * sizeof(int32_t), stream));
+  }
+  const IsRunStart<K> is_start{sorted_keys};
+  const IsLongRun is_long{starts, counts, n, threshold};
+  const SegmentsOfLongRun per_run{starts, counts, long_ids, n};
   auto segment_counts = thrust::make_transform_iterator(thrust::counting_iterator<int32_t>(0), per_run);
-  int2* segments_ptr = reinterpret_cast<int2*>(segments.data_ptr<int32_t>());
-  run_cub(weights, [&](void* tmp, size_t& bytes) {
-    return cub::DeviceScan::ExclusiveScan(tmp, bytes, segment_counts, segments_ptr, SumInt2{}, make_int2(0, 0),
-                                          int(out.max_long_runs + 1), stream);
-  });
+  run_cub_in_turn(
+      weights,
+      [&](void* tmp, size_t& bytes) {
+        return cub::DeviceSelect::If(tmp, bytes, thrust::counting_iterator<int32_t>(0), starts, counts, n, is_start,
+                                     stream);
+      },
+      [&](void* tmp, size_t& bytes) {
+        return cub::DeviceSelect::If(tmp, bytes, thrust::counting_iterator<int32_t>(0), long_ids, counts + 1, n,
+                                     is_long, stream);
+      },
+      [&](void* tmp, size_t& bytes) {
+        return cub::DeviceScan::ExclusiveScan(tmp, bytes, segment_counts, segments, SumInt2{}, make_int2(0, 0),
+                                              int(out.max_long_runs + 1), stream);
+      });
   // each long run has at most len / kSegmentLength + 1 segments; runs of several segments
   // (len > kSegmentLength) at most 2 len / kSegmentLength partial sums
   out.max_segments = b.N / kSegmentLength + out.max_long_runs;
   out.max_partials = 2 * (b.N / kSegmentLength) + 1;
 
   // 3b. each occurrence's bag and scale in sorted order, when the values were positions
-  at::Tensor sorted_bag = values_are_bags ? sorted_values : at::empty({b.N}, opts.dtype(at::kInt));
-  at::Tensor sorted_scale = scaled ? at::empty({b.N}, opts.dtype(at::kFloat)) : at::Tensor();
   if (!values_are_bags) {
     gather_occurrences_kernel<<<grid_for(b.N / kWarpSize + 1), kThreads, 0, stream>>>(
-        b.N, sorted_values.data_ptr<int32_t>(), bag_of.data_ptr<int32_t>(),
-        scaled ? scale_of.data_ptr<float>() : nullptr, sorted_bag.data_ptr<int32_t>(),
-        scaled ? sorted_scale.data_ptr<float>() : nullptr);
+        b.N, sorted_values, bag_of, scale_of, sorted_bag, sorted_scale);
     TBEGEN_CUDA_CHECK(cudaGetLastError());
   }
 
-  out.runs.keys = sorted_keys.data_ptr();
+  out.runs.keys = sorted_keys;
   out.runs.wide_keys = sizeof(K) == 8;
-  out.runs.starts = starts.data_ptr<int32_t>();
-  out.runs.counts = counts.data_ptr<int32_t>();
-  out.runs.long_ids = long_ids.data_ptr<int32_t>();
-  out.runs.segments = segments_ptr;
+  out.runs.starts = starts;
+  out.runs.counts = counts;
+  out.runs.long_ids = long_ids;
+  out.runs.segments = segments;
   out.runs.n = n;
-  out.occurrences.position = sorted_values.data_ptr<int32_t>();  // (read for pooling none only)
-  out.occurrences.bag = sorted_bag.data_ptr<int32_t>();
-  out.occurrences.scale = scaled ? sorted_scale.data_ptr<float>() : nullptr;
-  out.storage = {sorted_keys, sorted_values, starts, counts, long_ids, segments, sorted_bag, sorted_scale};
+  out.occurrences.position = sorted_values;  // (read for pooling none only)
+  out.occurrences.bag = sorted_bag;
+  out.occurrences.scale = sorted_scale;
+  out.storage = {sorted, run_storage};
 }
 
 PreparedBackward prepare_backward(const Batch& b, const at::Tensor& grad_output, const at::Tensor& weights,
                                   const at::Tensor& features, int64_t total_hash_size, const at::Tensor& indices,
                                   const at::Tensor& offsets, const c10::optional<at::Tensor>& per_sample_weights,
-                                  int64_t max_segment_length_per_warp, const at::Tensor& error, bool check_finite) {
+                                  int64_t max_segment_length_per_warp, const at::Tensor& error, bool check_finite,
+                                  bool with_tickets) {
   const auto stream = at::cuda::getCurrentCUDAStream();
   PreparedBackward out;
   out.runs.max_segment_length_per_warp = int32_t(std::min<int64_t>(max_segment_length_per_warp, INT32_MAX));
   out.runs.skipped_key = total_hash_size;
 
   // The finite check of grad_output reads it once, on a side stream, while the batch is sorted.
-  const at::cuda::CUDAStream side = at::cuda::getStreamFromPool(false, weights.device().index());
-  at::cuda::CUDAEvent forked, checked;
+  const c10::DeviceIndex device = weights.device().index();
+  const at::cuda::CUDAStream side = at::cuda::getStreamFromPool(false, device);
+  // (cuda_ops.cuh: this thread's events, reused by every call)
+  const cudaEvent_t forked = call_event(kEventPrepFork, device), checked = call_event(kEventPrepChecked, device);
   if (check_finite && grad_output.numel() > 0) {
-    forked.record(stream);
-    forked.block(side);
+    record_event(forked, stream);
+    wait_event(forked, side);
     const int64_t n4 = grad_output.numel() / 4 + 1;
     const int blocks = int(std::min<int64_t>((n4 + kThreads - 1) / kThreads,
                                              int64_t(at::cuda::getCurrentDeviceProperties()->multiProcessorCount) * 8));
     check_finite_kernel<<<blocks, kThreads, 0, side.stream()>>>(grad_output.numel(), grad_output.data_ptr<float>(),
                                                                 error.data_ptr<int64_t>());
     TBEGEN_CUDA_CHECK(cudaGetLastError());
-    checked.record(side);
+    record_event(checked, side);
   }
 
   const bool scaled = b.weighted || b.pooling == kPoolMean;
@@ -181,12 +224,12 @@ PreparedBackward prepare_backward(const Batch& b, const at::Tensor& grad_output,
   const ForwardArgs fa = forward_args(b, features, weights, per_sample_weights, nullptr, error);
   if (total_hash_size + 1 <= int64_t(INT32_MAX)) {
     linearize_and_sort<int32_t>(b, fa, weights, indices, offsets, total_hash_size, check_finite, values_are_bags,
-                                scaled, stream, out);
+                                scaled, with_tickets, stream, out);
   } else {
     linearize_and_sort<int64_t>(b, fa, weights, indices, offsets, total_hash_size, check_finite, values_are_bags,
-                                scaled, stream, out);
+                                scaled, with_tickets, stream, out);
   }
-  if (check_finite && grad_output.numel() > 0) checked.block(stream);
+  if (check_finite && grad_output.numel() > 0) wait_event(checked, stream);
   return out;
 }
 

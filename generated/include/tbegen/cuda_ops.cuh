@@ -12,6 +12,7 @@
 #include <cub/cub.cuh>
 #include <thrust/iterator/counting_iterator.h>
 
+#include <array>
 #include <cstdlib>
 #include <cstring>
 #include <memory>
@@ -35,6 +36,55 @@ namespace cuda {
     TBEGEN_CHECK(tbegen_err == cudaSuccess, "tbegen: CUDA error ", cudaGetErrorString(tbegen_err), \
                 " at " __FILE__ ":", __LINE__);                                            \
   } while (0)
+
+// ---- events between the streams of one call ------------------------------------------------
+//
+// A call forks work onto side streams and joins it back with events (recorded on one stream,
+// waited for on another). at::cuda::CUDAEvent creates its CUDA event at its first record and
+// destroys it with the object: two driver calls more per event and call, five events per
+// backward. These are created once per thread and device and reused by every call. That is safe:
+// cudaStreamWaitEvent waits for the event's last record made before the wait (a later record does
+// not change what an earlier wait waits for), every wait below follows its record in the same
+// call, and the events are per thread, so two threads' calls never share one. Inside a CUDA graph
+// capture the record and the wait become a dependency of the graph, as with at::cuda::CUDAEvent.
+enum CallEvent { kEventPrepFork, kEventPrepChecked, kEventFork, kEventJoin, kEventNarrowJoin, kCallEvents };
+
+class CallEvents {
+ public:
+  ~CallEvents() {
+    // (at thread or process exit; an error here, e.g. the runtime already unloaded, is ignored)
+    for (auto& per_device : events_) {
+      for (cudaEvent_t e : per_device) {
+        if (e != nullptr && cudaEventDestroy(e) != cudaSuccess) (void)cudaGetLastError();
+      }
+    }
+  }
+  cudaEvent_t get(CallEvent which, c10::DeviceIndex device) {
+    TBEGEN_CHECK(device >= 0, "tbegen: a CUDA event needs a device index");
+    if (size_t(device) >= events_.size()) events_.resize(size_t(device) + 1);  // (new entries: nullptr)
+    cudaEvent_t& e = events_[size_t(device)][which];
+    if (e == nullptr) {
+      const c10::cuda::CUDAGuard guard(device);
+      TBEGEN_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+    }
+    return e;
+  }
+
+ private:
+  std::vector<std::array<cudaEvent_t, kCallEvents>> events_;
+};
+
+// This thread's event `which` on `device` (created at its first use).
+inline cudaEvent_t call_event(CallEvent which, c10::DeviceIndex device) {
+  thread_local CallEvents events;
+  return events.get(which, device);
+}
+inline void record_event(cudaEvent_t event, const at::cuda::CUDAStream& on) {
+  TBEGEN_CUDA_CHECK(cudaEventRecord(event, on.stream()));
+}
+inline void wait_event(cudaEvent_t event, const at::cuda::CUDAStream& on) {
+  TBEGEN_CUDA_CHECK(cudaStreamWaitEvent(on.stream(), event, 0));
+}
 
 // kVecs = 4-wide slices per lane: the smallest of 1, 2, 4, 8 that covers max_D columns.
 template <typename Body>
@@ -249,7 +299,7 @@ void run_cub(const at::Tensor& like, Algorithm&& algorithm) {
 inline void backward_any_width(const Batch& b, const BackwardArgs& a, const PreparedBackward& prep, const at::Tensor& weights,
                                const void* params, const BackwardKernels& kernels, const RowUpdateContext& ctx,
                                const at::cuda::CUDAStream& stream, const at::cuda::CUDAStream& side,
-                               at::cuda::CUDAEvent& joined, int sms) {
+                               cudaEvent_t joined, int sms) {
   dispatch_any_width_weights(weights, [&](auto w) {
     using W = decltype(w);
     const AnyWidthKernels& k = kernels.any_width_for<W>();
@@ -276,8 +326,8 @@ inline void backward_any_width(const Batch& b, const BackwardArgs& a, const Prep
     l.stream = stream.stream();
     TBEGEN_CUDA_CHECK(k.launch(l));
     // joined before the scratch tensors go back to the caching allocator (as in backward_cuda)
-    joined.record(side);
-    joined.block(stream);
+    record_event(joined, side);
+    wait_event(joined, stream);
   });
 }
 
@@ -367,8 +417,10 @@ __attribute__((visibility("hidden"))) void backward_cuda(
   const auto stream = at::cuda::getCurrentCUDAStream();
   const at::Tensor error = error_record_for(error_record, weights);
 
+  // (with the 4-wide kernels' ticket counters, zeroed: PreparedBackward::tickets)
   const PreparedBackward prep = prepare_backward(b, grad_output, weights, features, total_hash_size, indices, offsets,
-                                                 per_sample_weights, max_segment_length_per_warp, error, check_finite);
+                                                 per_sample_weights, max_segment_length_per_warp, error, check_finite,
+                                                 vector_path);
 
   BackwardArgs a;
   a.feat = features.data_ptr<int64_t>();
@@ -389,14 +441,15 @@ __attribute__((visibility("hidden"))) void backward_cuda(
   // stream (so neither kernel's tail waits for the other, and the scratch tensors freed at the end
   // of this function are not reused before both are done).
   const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
-  const at::cuda::CUDAStream side = at::cuda::getStreamFromPool(false, weights.device().index());
-  // the 4-wide kernels' ticket counters: [0, 4) the short-run launch of each width class
-  // (BackwardArgs::ticket), [4] the long runs' segments (segment_ticket); zeroed before the fork
-  // below, so that the launch on every stream finds its counter at zero
-  const at::Tensor tickets = vector_path ? at::zeros({5}, weights.options().dtype(at::kInt)) : at::Tensor();
-  at::cuda::CUDAEvent forked, joined;
-  forked.record(stream);
-  forked.block(side);
+  const c10::DeviceIndex device = weights.device().index();
+  const at::cuda::CUDAStream side = at::cuda::getStreamFromPool(false, device);
+  // the 4-wide kernels' ticket counters (prep.tickets): [0, 4) the short-run launch of each width
+  // class (BackwardArgs::ticket), [4] the long runs' segments (segment_ticket); zeroed on `stream`
+  // by prepare_backward, before the fork below, so that the launch on every stream finds its
+  // counter at zero
+  const cudaEvent_t forked = call_event(kEventFork, device), joined = call_event(kEventJoin, device);
+  record_event(forked, stream);
+  wait_event(forked, side);
   if (!vector_path) {
     backward_any_width(b, a, prep, weights, params, kernels, ctx, stream, side, joined, sms);
     if (!error_record.has_value()) raise_kernel_error(error, !skip_bad_indices);
@@ -429,27 +482,26 @@ __attribute__((visibility("hidden"))) void backward_cuda(
       const bool groups = lane_groups_enabled();
       l.element_lane_groups = !env_is_zero("TBEGEN_ELEMENT_LANE_GROUPS");
       const bool class_streams = split && class_streams_enabled();
-      const at::cuda::CUDAStream narrow =
-          class_streams ? at::cuda::getStreamFromPool(false, weights.device().index()) : stream;
-      at::cuda::CUDAEvent narrow_joined;
-      if (class_streams) forked.block(narrow);
+      const at::cuda::CUDAStream narrow = class_streams ? at::cuda::getStreamFromPool(false, device) : stream;
+      if (class_streams) wait_event(forked, narrow);
       for (int c = top; c >= (split ? 0 : top); --c) {
         if (split && classes.narrowest[c] == 0) continue;
         BackwardLaunch lc = l;
         lc.a.split_widths = split;
         lc.a.short_min_D = split && c > 0 ? int32_t(64) << c : 0;
         lc.long_runs = c == top;
-        lc.a.ticket = tickets.data_ptr<int32_t>() + c;
-        lc.a.segment_ticket = tickets.data_ptr<int32_t>() + 4;
+        lc.a.ticket = prep.tickets + c;
+        lc.a.segment_ticket = prep.tickets + 4;
         lc.lane_groups = groups && (split ? classes.narrowest[c] : classes.narrowest_of_all()) <= 64;
         if (c != top) lc.stream = narrow.stream();
         TBEGEN_CUDA_CHECK(kernels.get<W>(c)(lc));
       }
-      joined.record(side);
-      joined.block(stream);
+      record_event(joined, side);
+      wait_event(joined, stream);
       if (class_streams) {
-        narrow_joined.record(narrow);
-        narrow_joined.block(stream);
+        const cudaEvent_t narrow_joined = call_event(kEventNarrowJoin, device);
+        record_event(narrow_joined, narrow);
+        wait_event(narrow_joined, stream);
       }
     });
   });
