@@ -1066,7 +1066,15 @@ def _kernel_table_known(name: str, files: Dict[str, str]) -> bool:
             and "cudaError_t launch_backward(const BackwardLaunch& l)" in table
             and "cudaError_t launch_any_width(const AnyWidthLaunch& l)" in table
             and "int64_t any_width_scratch_slots(const void* params)" in table
-            and all(e in table for e in entries))
+            and all(e in table for e in entries)
+            and not any(_DEVICE_VARIABLE.search(text) for rel, text in files.items()
+                        if rel.startswith("include/") and rel.endswith((".cuh", ".h"))))
+
+
+# a device variable defined in a header (a line that starts `__device__`, `__constant__` or
+# `__managed__` and has no parenthesis: not a function): each translation unit of a split would
+# have its own copy, so a build where the headers define one keeps kernels_cuda.cu whole
+_DEVICE_VARIABLE = re.compile(r"^[ \t]*(?:static[ \t]+)?(?:__device__|__constant__|__managed__)[^(\n]*$", re.M)
 
 
 def _fp32_kernels_wrapper(name: str) -> str:

@@ -67,6 +67,12 @@ def test_sources_it_does_not_know_are_compiled_whole_and_with_every_dtype(spec, 
     files[f"{spec.name}/kernels_cuda.cu"] = files[f"{spec.name}/kernels_cuda.cu"].replace(
         "backward_kernels_for<Optimizer>()", "backward_kernels_for<Optimizer >()")
     assert not build._kernel_table_known(spec.name, files)
+    known = build.spec_files(spec, True)
+    assert build._kernel_table_known(spec.name, known)
+    # (a device variable in a header: each part would have its own copy)
+    for line in ("__device__ int tbegen_counter;", "static __constant__ float tbegen_table[4] = {};"):
+        header = dict(known, **{"include/tbegen/cuda_kernels.cuh": known["include/tbegen/cuda_kernels.cuh"] + "\n" + line + "\n"})
+        assert not build._kernel_table_known(spec.name, header), line
     monkeypatch.setenv("TBEGEN_CUDA_SPLIT", "8")
     assert build._kernel_sources(spec.name, files, tmp_path, 1) == [str(tmp_path / spec.name / "kernels_cuda.cu")]
 
