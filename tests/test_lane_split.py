@@ -38,7 +38,8 @@ def test_lane_split_agrees_with_the_cpu_kernel(load_ops, record_result, name, ca
 def test_issue_14_spec_fails_in_lane_split_mode_when_the_checker_is_bypassed():
     path = ROOT / "tests" / "specs_bad" / "row_acc_in_element.yaml"
     spec = load_spec_text(path.read_text(), str(path), check_snippets=False)
-    ops = build.load_ops(spec, with_cuda=False)
+    # (float32 weights only, the library of `tbegen test --quick`: a third of the full one's compile)
+    ops = build.load_ops(spec, with_cuda=False, fp32_weights_only=True)
     case = harness.Case(tables=harness.MIXED_TABLES, pooling="sum", seed=104)
     # the CPU kernel alone is fooled: it matches the spec's reference
     plain = harness.run_case(spec, ops, case)
@@ -54,7 +55,7 @@ def test_lane_split_catches_a_row_local_changed_per_element():
     row-stage local once per element it owns (the CPU halves one copy over the whole row)."""
     path = ROOT / "tests" / "specs_bad" / "row_local_assigned_in_element.yaml"
     spec = load_spec_text(path.read_text(), str(path), check_snippets=False)
-    ops = build.load_ops(spec, with_cuda=False)
+    ops = build.load_ops(spec, with_cuda=False, fp32_weights_only=True)  # (float32 cases only)
     split = harness.run_lane_split_case(spec, ops, harness.Case(tables=harness.MIXED_TABLES, seed=105))
     assert any("weights" in f for f in split.failures), split.failures
     assert split.errors["weights"] > 0.1 and split.errors["acc"] < 1e-5
