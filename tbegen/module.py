@@ -1221,35 +1221,41 @@ class TableBatchedEmbeddingBags(nn.Module):
         the totals of one batch_size_per_feature_per_rank, kept for the last distinct ones. A new
         one is one operator call (vbe_plan, include/tbegen/vbe.h: the host sums the [F, R] sizes,
         one small copy and one kernel on CUDA; nothing waits for the device). A kept one costs a
-        dictionary lookup: lists of Python ints are their own key (anything else, e.g. a tensor, is
-        checked and converted first)."""
+        dictionary lookup: lists of Python ints are their own key and go to the operator as they
+        are (anything else, e.g. a tensor, is checked and converted first)."""
         bsfr = batch_size_per_feature_per_rank
         device = self.weights.device
         plans = self.__dict__.get("_vbe_plans")
         if plans is None:
             plans = self.__dict__["_vbe_plans"] = {}
-        sizes = None
+        sizes = flat = None  # F tuples of R ints, and the same feature-major in one list
         if type(bsfr) in (list, tuple):
             try:
                 sizes = tuple(map(tuple, bsfr))
             except TypeError:
                 pass
-            # (only ints: a bool or a float equal to a kept size must still be refused)
-            if sizes is not None and set(map(type, itertools.chain.from_iterable(sizes))) != {int}:
-                sizes = None
-        if sizes is not None:
+            if sizes is not None:
+                flat = list(itertools.chain.from_iterable(sizes))
+                # (only ints: a bool or a float equal to a kept size must still be refused)
+                if set(map(type, flat)) != {int}:
+                    flat = None
+        if flat is not None:
             plan = plans.get((device, sizes))
             if plan is not None:
                 return plan
-        B = self._vbe_sizes(bsfr)  # [F, R] int64 on the CPU, checked
-        if sizes is None:
-            sizes = tuple(map(tuple, B.tolist()))
+            R = len(sizes[0]) if sizes else 0
+            if not (len(sizes) == self.layout.num_features and R >= 1 and all(len(row) == R for row in sizes)
+                    and min(flat) >= 0 and max(flat) <= _INT64_MAX):
+                flat = None  # (refused below, with a message naming the entry)
+        if flat is None:
+            B = self._vbe_sizes(bsfr)  # [F, R] int64 on the CPU, checked
+            sizes, flat, R = tuple(map(tuple, B.tolist())), B.reshape(-1).tolist(), B.shape[1]
             plan = plans.get((device, sizes))
             if plan is not None:
                 return plan
-        dims = torch.tensor([self.layout.tables[t][1] for t in self.layout.feature_table_map], dtype=torch.int64)
-        pad, bag_out, (total, max_B, n_out) = self._ops.vbe_plan(B.contiguous(), dims, self.weights.detach())
-        plan = {"total_bags": total, "max_B": max_B, "pad": pad, "numel": n_out, "bag_out": bag_out, "sizes": B}
+        dims = [self.layout.tables[t][1] for t in self.layout.feature_table_map]
+        pad, bag_out, (total, max_B, n_out) = self._ops.vbe_plan(flat, R, dims, self.weights.detach())
+        plan = {"total_bags": total, "max_B": max_B, "pad": pad, "numel": n_out, "bag_out": bag_out, "sizes": sizes}
         if len(plans) >= self._VBE_PLANS_KEPT:
             plans.pop(next(iter(plans)))
         plans[(device, sizes)] = plan
@@ -1260,7 +1266,7 @@ class TableBatchedEmbeddingBags(nn.Module):
         CPU, its per-value gather index on CUDA; made once per plan, when first needed."""
         if "gather" in plan:
             return plan["gather"]
-        B = plan["sizes"]
+        B = torch.tensor(plan["sizes"], dtype=torch.int64)  # [F, R]
         F, R = B.shape
         device = self.weights.device
         dims_host = torch.tensor([self.layout.tables[t][1] for t in self.layout.feature_table_map], dtype=torch.int64)

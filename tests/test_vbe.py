@@ -618,7 +618,7 @@ plan_sizes = st.integers(1, 6).flatmap(lambda F: st.integers(1, 6).flatmap(lambd
 def test_vbe_plan_operator_equals_the_vectorised_formula(case, sgd_ops):
     sizes, dims = case
     B, D = torch.tensor(sizes, dtype=torch.int64), torch.tensor(dims, dtype=torch.int64)
-    pad, bag_out, totals = sgd_ops.vbe_plan(B, D, torch.empty(0))
+    pad, bag_out, totals = sgd_ops.vbe_plan(B.reshape(-1).tolist(), B.shape[1], dims, torch.empty(0))
     want = formula_plan(B, D)
     assert torch.equal(pad, want[0]) and torch.equal(bag_out, want[1])
     assert list(totals) == list(want[2:])
@@ -660,22 +660,34 @@ def test_vbe_plan_is_kept_per_sizes_and_still_checks_the_input():
 
 
 @pytest.mark.parametrize(
-    "sizes,dims,message",
+    "sizes,ranks,dims,message",
     [
-        (torch.tensor([[1, 2]], dtype=torch.int32), torch.tensor([4]), r"sizes must be a contiguous int64 \[F, R\]"),
-        (torch.tensor([1, 2]), torch.tensor([4]), r"sizes must be a contiguous int64 \[F, R\]"),
-        (torch.zeros(2, 0, dtype=torch.int64), torch.tensor([4, 4]), r"with R >= 1"),
-        (torch.tensor([[1, 2]]), torch.tensor([4, 4]), r"dims must be a contiguous int64 CPU tensor of F = 1 widths"),
-        (torch.tensor([[1, 2]]), torch.tensor([0]), r"dims\[0\] must be positive, got 0"),
-        (torch.tensor([[1, -2]]), torch.tensor([4]), r"batch_size_per_feature_per_rank\[0\]\[1\] must be a "
-                                                     r"non-negative int, got -2"),
-        (torch.tensor([[2**62, 2**62]]), torch.tensor([4]), r"overflow int64"),
-        (torch.tensor([[2**61]]), torch.tensor([8]), r"output's size overflows int64"),
+        ([1, 2, 3], 2, [4, 4], r"sizes must hold F x R batch sizes \(F = 2 features, the length of dims; R = 2 "
+                               r"ranks, at least 1\), got 3"),
+        ([1, 2], 0, [4], r"R = 0 ranks, at least 1"),
+        ([], 1, [], r"F = 0 features"),
+        ([1, 2], 2, [0], r"dims\[0\] must be positive, got 0"),
+        ([1, -2], 2, [4], r"batch_size_per_feature_per_rank\[0\]\[1\] must be a non-negative int, got -2"),
+        ([2**62, 2**62], 2, [4], r"overflow int64"),
+        ([2**61], 1, [8], r"output's size overflows int64"),
     ],
 )
-def test_vbe_plan_operator_checks_its_input(sizes, dims, message, sgd_ops):
+def test_vbe_plan_operator_checks_its_input(sizes, ranks, dims, message, sgd_ops):
     with pytest.raises(RuntimeError, match=message):
-        sgd_ops.vbe_plan(sizes, dims, torch.empty(0))
+        sgd_ops.vbe_plan(sizes, ranks, dims, torch.empty(0))
+
+
+def test_vbe_plan_refuses_bad_sizes_however_given():
+    emb = make("sgd", [(5, 4), (6, 2)])
+    emb._vbe_plan([[1, 2], [3, 0]])
+    for bad, message in (([[1, 2], [3, -1]], r"\[1\]\[1\] must be a non-negative int, got -1"),
+                         ([[1, 2], [3]], r"feature 0 has 2, feature 1 has 1"),
+                         ([[1, 2]], r"one list of per-rank batch sizes per feature \(2\)"),
+                         ([[], []], r"\[0\] must be a non-empty list"),
+                         ([[1, 2], [3, 2**64]], r"not F = 2 lists of R non-negative ints"),
+                         (torch.tensor([[1, 2], [3, -1]]), r"\[1\]\[1\] must be a non-negative int, got -1")):
+        with pytest.raises(ValueError, match=message):
+            emb._vbe_plan(bad)
 
 
 @cuda

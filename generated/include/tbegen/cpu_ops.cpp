@@ -35,13 +35,13 @@ std::string describe_error(const at::Tensor& record, bool with_index_errors) {
   return describe_error_record(record, with_index_errors);
 }
 
-std::tuple<at::Tensor, at::Tensor, std::vector<int64_t>> vbe_plan_cpu(const at::Tensor& sizes, const at::Tensor& dims,
-                                                                      const at::Tensor& device_of) {
-  check_vbe_plan_inputs(sizes, dims);
+std::tuple<at::Tensor, at::Tensor, std::vector<int64_t>> vbe_plan_cpu(at::IntArrayRef sizes, int64_t num_ranks,
+                                                                      at::IntArrayRef dims, const at::Tensor& device_of) {
+  check_vbe_plan_inputs(sizes, num_ranks, dims);
   TBEGEN_CHECK(device_of.device().is_cpu(), "tbegen: vbe_plan: the CPU operator got a tensor on ", device_of.device());
-  const int64_t F = sizes.size(0), R = sizes.size(1);
+  const int64_t F = int64_t(dims.size()), R = num_ranks;
   std::vector<int64_t> header(size_t(vbe_plan_header_size(F, R)));
-  const VbeTotals t = vbe_plan_header(sizes, dims, header.data());
+  const VbeTotals t = vbe_plan_header(sizes, num_ranks, dims, header.data());
   const int64_t bags = F * t.max_B;
   at::Tensor pad = at::empty({bags + 1}, at::TensorOptions().dtype(at::kLong));
   at::Tensor bag_out = at::empty({bags}, at::TensorOptions().dtype(at::kLong));

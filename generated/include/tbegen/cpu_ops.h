@@ -66,7 +66,7 @@ inline int64_t* record_data(const c10::optional<at::Tensor>& record) {
 [[gnu::visibility("hidden")]] std::string describe_error(const at::Tensor& record, bool with_index_errors);
 // The plan of a VBE batch (vbe.h): (pad, bag_out, [total bags, max_B, output numel]), on the CPU.
 [[gnu::visibility("hidden")]] std::tuple<at::Tensor, at::Tensor, std::vector<int64_t>> vbe_plan_cpu(
-    const at::Tensor& sizes, const at::Tensor& dims, const at::Tensor& device_of);
+    at::IntArrayRef sizes, int64_t num_ranks, at::IntArrayRef dims, const at::Tensor& device_of);
 
 template <class Opt>
 void backward_cpu(const at::Tensor& grad_output, const at::Tensor& weights, const at::Tensor& features,

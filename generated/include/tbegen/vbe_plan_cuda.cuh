@@ -24,17 +24,18 @@ __global__ void vbe_plan_kernel(const int64_t* header, int64_t F, int64_t R, int
   }
 }
 
-inline std::tuple<at::Tensor, at::Tensor, std::vector<int64_t>> vbe_plan_cuda(const at::Tensor& sizes,
-                                                                              const at::Tensor& dims,
+inline std::tuple<at::Tensor, at::Tensor, std::vector<int64_t>> vbe_plan_cuda(at::IntArrayRef sizes,
+                                                                              int64_t num_ranks,
+                                                                              at::IntArrayRef dims,
                                                                               const at::Tensor& device_of) {
-  check_vbe_plan_inputs(sizes, dims);
+  check_vbe_plan_inputs(sizes, num_ranks, dims);
   TBEGEN_CHECK(device_of.is_cuda(), "tbegen: vbe_plan: the CUDA operator got a tensor on ", device_of.device());
   const c10::cuda::CUDAGuard guard(device_of.device());
-  const int64_t F = sizes.size(0), R = sizes.size(1);
+  const int64_t F = int64_t(dims.size()), R = num_ranks;
   // (pinned, so that the copy below does not wait for the stream; the caching host allocator
   // keeps the block until the copy has run)
   at::Tensor host = at::empty({vbe_plan_header_size(F, R)}, at::TensorOptions().dtype(at::kLong).pinned_memory(true));
-  const VbeTotals t = vbe_plan_header(sizes, dims, host.data_ptr<int64_t>());
+  const VbeTotals t = vbe_plan_header(sizes, num_ranks, dims, host.data_ptr<int64_t>());
   const auto on_device = at::TensorOptions().dtype(at::kLong).device(device_of.device());
   const at::Tensor header = host.to(on_device, /*non_blocking=*/true);
   const int64_t bags = F * t.max_B;

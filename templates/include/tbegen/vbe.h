@@ -134,24 +134,22 @@ struct VbeTotals {
   int64_t numel = 0;       // elements of the 1-D output: sum of B[f][r] * D_f
 };
 
-// The operator's inputs: sizes an int64 [F, R] CPU tensor (R >= 1), dims F int64 widths on the CPU.
-inline void check_vbe_plan_inputs(const at::Tensor& sizes, const at::Tensor& dims) {
-  TBEGEN_CHECK(sizes.device().is_cpu() && sizes.scalar_type() == at::kLong && sizes.dim() == 2 &&
-                  sizes.size(1) >= 1 && sizes.is_contiguous(),
-              "tbegen: vbe_plan: sizes must be a contiguous int64 [F, R] CPU tensor with R >= 1, got ",
-              sizes.scalar_type(), " of shape ", sizes.sizes(), " on ", sizes.device());
-  TBEGEN_CHECK(dims.device().is_cpu() && dims.scalar_type() == at::kLong && dims.dim() == 1 &&
-                  dims.numel() == sizes.size(0) && dims.is_contiguous(),
-              "tbegen: vbe_plan: dims must be a contiguous int64 CPU tensor of F = ", sizes.size(0), " widths, got ",
-              dims.scalar_type(), " of shape ", dims.sizes(), " on ", dims.device());
+// The operator's inputs: `sizes` the F x R batch sizes, feature-major (B[f][r] at f * R + r), R =
+// num_ranks >= 1, and `dims` the F features' widths.
+inline void check_vbe_plan_inputs(at::IntArrayRef sizes, int64_t num_ranks, at::IntArrayRef dims) {
+  const int64_t F = int64_t(dims.size());
+  TBEGEN_CHECK(F >= 1 && num_ranks >= 1 && int64_t(sizes.size()) / num_ranks == F &&
+                  int64_t(sizes.size()) % num_ranks == 0,
+              "tbegen: vbe_plan: sizes must hold F x R batch sizes (F = ", F, " features, the length of dims; R = ",
+              num_ranks, " ranks, at least 1), got ", sizes.size());
 }
 
 // Writes the header (vbe_plan_header_size(F, R) values) of checked inputs at `header`, checking
 // the values; returns the totals.
-inline VbeTotals vbe_plan_header(const at::Tensor& sizes, const at::Tensor& dims, int64_t* header) {
-  const int64_t F = sizes.size(0), R = sizes.size(1);
-  const int64_t* B = sizes.data_ptr<int64_t>();
-  const int64_t* D = dims.data_ptr<int64_t>();
+inline VbeTotals vbe_plan_header(at::IntArrayRef sizes, int64_t num_ranks, at::IntArrayRef dims, int64_t* header) {
+  const int64_t F = int64_t(dims.size()), R = num_ranks;
+  const int64_t* B = sizes.data();
+  const int64_t* D = dims.data();
   VbeTotals t;
   int64_t* ranks = header + F * kVbeFeatureColumns;
   for (int64_t f = 0; f < F; ++f) {
