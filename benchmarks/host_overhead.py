@@ -51,17 +51,27 @@ def gpu_kernels(ref, emb, sets, grad):
     return ref.profile_kernels(fwd, lambda out: out.backward(grad), len(sets), n=5)
 
 
+# The host calls counted per step (forward + backward) under the CPU-ops profile: launches,
+# allocations, memsets and copies, event traffic, capture and occupancy queries (issue 29).
+COUNTED = ("cudaLaunchKernel", "aten::empty", "aten::zeros", "cudaMemsetAsync", "cudaMemcpyAsync",
+           "cudaEventCreateWithFlags", "cudaEventDestroy", "cudaEventRecord", "cudaStreamWaitEvent",
+           "cudaEventQuery", "cudaStreamIsCapturing", "cudaOccupancyMaxActiveBlocksPerMultiprocessor")
+
+
 def cpu_ops(emb, sets, grad, torch, n=20):
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for i in range(n):
             b = sets[i % len(sets)]
             out = emb(b["indices"], b["offsets"], per_sample_weights=b["psw"])
             out.backward(grad)
             torch.cuda.synchronize()
-    return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25)
+    averages = prof.key_averages()
+    counts = {e.key: e.count for e in averages}
+    per_step = ", ".join(f"{counts.get(name, 0) / n:g} {name}" for name in COUNTED)
+    return f"per step: {per_step}\n\n" + averages.table(sort_by="self_cpu_time_total", row_limit=25)
 
 
 def main(argv=None) -> int:

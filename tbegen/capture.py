@@ -17,7 +17,7 @@ first two (a kernel-argument change; benchmarks/NOTES-gpu.md).
 
 from __future__ import annotations
 
-from typing import Any, List
+from typing import Any, List, Optional
 
 import torch
 
@@ -44,9 +44,13 @@ def capture_problems(module: Any) -> List[str]:
     return problems
 
 
-def check_capturable(module: Any) -> None:
-    """Raises if the current stream is capturing a CUDA graph and `module`'s step would not replay."""
-    if module.weights.device.type != "cuda" or not torch.cuda.is_current_stream_capturing():
+def check_capturable(module: Any, capturing: Optional[bool] = None) -> None:
+    """Raises if the current stream is capturing a CUDA graph and `module`'s step would not replay.
+    `capturing`: whether it is (module's weights on CUDA and the stream capturing), if the caller
+    knows already (the module's backward asks once per call)."""
+    if capturing is None:
+        capturing = module.weights.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    if not capturing:
         return
     problems = capture_problems(module)
     if problems:

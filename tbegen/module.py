@@ -357,10 +357,14 @@ class _Lookup(torch.autograd.Function):
         ctx.bag_out = bag_out
         ctx.save_for_backward(indices, offsets, per_sample_weights)
         errors = module._errors
-        features = module.features if ticket is None else ticket.features
+        # (the module's buffers read from its dictionaries, not through nn.Module.__getattr__: a
+        # few microseconds of a small step's host time, _HostConstants)
+        features = module._buffers["features"] if ticket is None else ticket.features
+        weights = module._buffer("weights")
         vbe = () if bag_out is None else (bag_out, out_numel)
+        layout = module.layout
         out = module._ops.forward(
-            module._buffer("weights").detach(), features, module.layout.total_D, module.layout.max_D,
+            weights.detach() if weights.requires_grad else weights, features, layout.total_D, layout.max_D,
             indices, offsets, per_sample_weights, module._pooling_id, errors.record, errors.skip_bad_indices, *vbe,
         )
         errors.after_call()
@@ -371,14 +375,15 @@ class _Lookup(torch.autograd.Function):
     def backward(ctx, grad_output):
         module: TableBatchedEmbeddingBags = ctx.module
         indices, offsets, per_sample_weights = ctx.saved_tensors
-        grad_output = grad_output.to(torch.float32).contiguous()
+        if grad_output.dtype != torch.float32 or not grad_output.is_contiguous():
+            grad_output = grad_output.to(torch.float32).contiguous()
         grad_psw = None
         errors = module._errors
         errors.poll()
         bag_out = getattr(ctx, "bag_out", None)  # (torch.compile's backward passes a context without one)
         vbe = () if bag_out is None else (bag_out,)
         vbe_kw = {} if bag_out is None else {"bag_output_offsets": bag_out}
-        features = module.features
+        features = module._buffers["features"]
         if ctx.ticket is not None:
             # the batch's rows must be in the slots its indices name (a later prefetch may have
             # evicted some), and the slots it updates are dirty
@@ -402,6 +407,25 @@ class _Lookup(torch.autograd.Function):
                 module._run_backward(grad_output, module._buffer("weights"), indices, offsets, per_sample_weights,
                                      features=features, **vbe_kw)
         return None, grad_weights, None, None, grad_psw, None, None, None
+
+
+class _HostConstants:
+    """What every operator call of one module passes that never changes: read once, at the first
+    call, instead of through the spec's lists, the layout and the cache each call
+    (TableBatchedEmbeddingBags._host_constants; benchmarks/host_overhead_cpu.py)."""
+
+    __slots__ = ("state_names", "state_dtypes", "hyper_names", "total_keys", "dense_gradient", "table_states")
+
+    def __init__(self, module: "TableBatchedEmbeddingBags"):
+        spec = module.spec
+        self.state_names = tuple(s.name for s in spec.states)
+        self.state_dtypes = tuple((s.name, module.state_dtypes[s.name]) for s in spec.states)
+        self.hyper_names = tuple(h.name for h in spec.hyperparameters)
+        # (cached tables' per-row states are keyed after every table's rows: see tbegen/cache.py)
+        cache = module._cache
+        self.total_keys = module.layout.total_hash_size + (0 if cache is None else cache.keys_tail)
+        self.dense_gradient = bool(spec.dense_gradient)
+        self.table_states = bool(spec.table_states)
 
 
 # ---- the module -------------------------------------------------------------------------------
@@ -677,7 +701,12 @@ class TableBatchedEmbeddingBags(nn.Module):
         return full[:numel]
 
     def _registered(self, name: str) -> torch.Tensor:
-        return self.weights if name == "weights" else getattr(self.states, name)
+        # (what self.weights / getattr(self.states, name) give, read from nn.Module's dictionaries
+        # directly: its __getattr__ costs about a microsecond a time, several times per call)
+        if name == "weights":
+            w = self._buffers.get("weights")
+            return w if w is not None else self._parameters["weights"]
+        return self._modules["states"]._buffers[name]
 
     def _buffer(self, name: str) -> torch.Tensor:
         """The flat buffer the kernels read for "weights" or a state: with cached tables the whole
@@ -1055,10 +1084,19 @@ class TableBatchedEmbeddingBags(nn.Module):
         on CUDA they are raised at the latest by the module's next call, or by this."""
         self._errors.check()
 
+    def _host_constants(self) -> "_HostConstants":
+        """What every call passes the operators that never changes for this module (made at its
+        first call: the spec, the layout and the cache region are fixed at construction)."""
+        c = self.__dict__.get("_host_consts")
+        if c is None:
+            c = _HostConstants(self)
+            self.__dict__["_host_consts"] = c
+        return c
+
     def _check_buffers(self) -> None:
-        if self._errors.record.device != self.weights.device:  # (the module was moved)
-            self._errors = ErrorRecord(self.weights.device, self._ops, self._errors.mode)
-        w = self.weights
+        w = self._registered("weights")
+        if self._errors.record_device != w.device:  # (the module was moved)
+            self._errors = ErrorRecord(w.device, self._ops, self._errors.mode)
         if w.dtype != self.weights_dtype:
             raise RuntimeError(
                 f"tbegen: the weights are {w.dtype} but the module was built for {self.weights_dtype} "
@@ -1069,16 +1107,23 @@ class TableBatchedEmbeddingBags(nn.Module):
             if buf.dtype != torch.float32 or buf.device != w.device:
                 raise RuntimeError(f"tbegen: per-table state {s.name!r} is {buf.dtype} on {buf.device}; it must be "
                                    f"float32 on the weights' device ({w.device})")
-        for s in self.spec.states:
-            have, want = getattr(self.states, s.name).dtype, self.state_dtypes[s.name]
+        states = self._modules["states"]._buffers
+        for name, want in self._host_constants().state_dtypes:
+            have = states[name].dtype
             if have != want:
-                raise RuntimeError(f"tbegen: optimizer state {s.name!r} is {have} but the module was built with it "
+                raise RuntimeError(f"tbegen: optimizer state {name!r} is {have} but the module was built with it "
                                    f"{want} (was the module converted with .half()/.to(dtype)? choose "
                                    f"state_dtypes at construction instead)")
 
     def _check_input(self, indices, offsets, per_sample_weights):
-        device = self.weights.device
+        device = self._registered("weights").device
         F = self.layout.num_features
+        if (per_sample_weights is None and type(indices) is torch.Tensor and type(offsets) is torch.Tensor
+                and indices.dtype is offsets.dtype and indices.dtype in INDEX_DTYPES and indices.dim() == 1
+                and offsets.dim() == 1 and indices.device == device and offsets.device == device
+                and offsets.numel() >= 1 and (offsets.numel() - 1) % F == 0):
+            # (the common call, checked in one expression: everything the checks below would pass)
+            return indices.contiguous(), offsets.contiguous(), None
         for name, t in (("indices", indices), ("offsets", offsets)):
             if not isinstance(t, torch.Tensor):
                 raise TypeError(f"tbegen: {name} must be a torch.Tensor, got {type(t).__name__}")
@@ -1148,11 +1193,17 @@ class TableBatchedEmbeddingBags(nn.Module):
             offsets = ticket.offsets  # (int64 where the slots' indices need it)
             if torch.is_grad_enabled():
                 self._cache.hold(ticket)  # (its rows stay in their slots until its backward)
+        weights = self._registered("weights")
         if self.dense_gradient:
-            first = self.weights
+            first = weights
         else:
-            # The anchor: see _Lookup. Created per call so that it lives with this graph only.
-            first = torch.empty(0, device=self.weights.device, requires_grad=torch.is_grad_enabled())
+            # The anchor: see _Lookup. One per module and device, made at the first call (a leaf
+            # that gets no gradient, as the compiled path's _compile_anchor; one per call cost a
+            # tensor allocation per step)
+            first = self.__dict__.get("_anchor")
+            if first is None or first.device != weights.device:
+                first = torch.empty(0, device=weights.device, requires_grad=True)
+                self.__dict__["_anchor"] = first
         out = _Lookup.apply(self, first, indices if ticket is None else ticket.indices, offsets, per_sample_weights,
                             ticket, bag_out, out_numel)
         # A narrow output: the float32 sums rounded to nearest (autograd widens the gradient back).
@@ -1397,27 +1448,35 @@ class TableBatchedEmbeddingBags(nn.Module):
 
     def _run_backward(self, grad_output, weights, indices, offsets, per_sample_weights, features=None,
                       bag_output_offsets=None) -> None:
-        check_capturable(self)  # (CUDA graph capture: refused where a replay would differ)
+        c = self._host_constants()
+        errors = self._errors
+        # (asked once per call: the capture check and the error record's copy both need it)
+        capturing = weights.is_cuda and torch.cuda.is_current_stream_capturing()
+        check_capturable(self, capturing)  # (CUDA graph capture: refused where a replay would differ)
         step = self._step + 1
-        states = [self._buffer(s.name) for s in self.spec.states]
-        hyper = [self._hyperparameters[h.name] for h in self.spec.hyperparameters]
-        # (cached tables' per-row states are keyed after every table's rows: see tbegen/cache.py)
-        total_keys = self.layout.total_hash_size + (0 if self._cache is None else self._cache.keys_tail)
+        if self._cache is None:
+            buffers = self._modules["states"]._buffers
+            states = [buffers[name] for name in c.state_names]
+        else:
+            states = [self._buffer(name) for name in c.state_names]
+        hyperparameters = self._hyperparameters
+        hyper = [hyperparameters[name] for name in c.hyper_names]
+        layout = self.layout
         self._ops.backward(
-            grad_output, weights, self.features if features is None else features, self.layout.total_D, self.layout.max_D,
-            total_keys, indices, offsets, per_sample_weights, self._pooling_id,
+            grad_output, weights, self._buffers["features"] if features is None else features, layout.total_D,
+            layout.max_D, c.total_keys, indices, offsets, per_sample_weights, self._pooling_id,
             self.max_segment_length_per_warp,
             # the dense gradient of mode "none" is rounded to nearest
-            self.stochastic_rounding and not self.dense_gradient,
-            self.seed, *states, *self._table_state_args(), *hyper, step,
-            self._errors.record, self._errors.skip_bad_indices, self.check_finite,
+            self.stochastic_rounding and not c.dense_gradient,
+            self.seed, *states, *(self._table_state_args() if c.table_states else ()), *hyper, step,
+            errors.record, errors.skip_bad_indices, self.check_finite,
             *(() if bag_output_offsets is None else (bag_output_offsets,)),
         )
-        self._errors.after_call()
+        errors.after_call(capturing)
         # The operators write in place without telling autograd; record it, so that a graph that
         # saved these tensors (e.g. a custom regulariser) notices they changed.
         increment_version([weights, *states])
-        self._step = step
+        self.__dict__["_step"] = step  # (a plain attribute: nn.Module.__setattr__'s checks skipped)
 
     def extra_repr(self) -> str:
         hyper = ", ".join(f"{k}={v!r}" for k, v in self._hyperparameters.items())
