@@ -114,3 +114,89 @@ def test_the_error_record_is_read_at_every_call_on_the_cpu():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         emb(torch.tensor([7]), offsets).backward(torch.ones(1, 4))
+
+
+# ---- CUDA (the GPU run) -------------------------------------------------------------------------
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.mark.cuda
+@needs_cuda
+def test_a_cuda_training_step_dispatches_the_operators_and_the_record_copies():
+    """On CUDA a steady step's forward is its operator call and the error record's copy to the
+    host, and so is its backward (the tickets, scratch and events of the backward are the
+    operator's own, no torch call from Python)."""
+    emb = tbegen.TableBatchedEmbeddingBags([(64, 8), (40, 16)], optimizer="rowwise_adagrad", device="cuda", seed=0)
+    indices, offsets = (t.cuda() for t in _batch())
+    grad = torch.ones(2, 24, device="cuda")
+    emb(indices, offsets).backward(grad)
+    torch.cuda.synchronize()
+    for _ in range(2):
+        with _Dispatched() as fwd:
+            out = emb(indices, offsets)
+        with _Dispatched() as bwd:
+            out.backward(grad)
+        assert dict(fwd.ops) == {"tbegen_rowwise_adagrad.forward": 1, "aten.copy_": 1}
+        assert dict(bwd.ops) == {"tbegen_rowwise_adagrad.backward": 1, "aten.copy_": 1}
+    emb.check_errors()
+
+
+@pytest.mark.cuda
+@needs_cuda
+@pytest.mark.parametrize("widths", [(8, 16), (32, 200)])  # (one width class; two, on two streams)
+def test_cuda_steps_from_several_threads_at_once_match_steps_one_after_another(widths):
+    """The CUDA backward's stream events are kept per thread and reused by every call
+    (cuda_ops.cuh CallEvents): four threads, each training its own module on its own stream at the
+    same time, must end with the bits of the same steps run one module after the other."""
+    import threading
+
+    gen = torch.Generator().manual_seed(29)
+    tables = [(500, widths[0]), (300, widths[1])]
+    batches = []
+    for _ in range(6):
+        lengths = torch.randint(0, 6, (2 * 64,), generator=gen)
+        offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
+        rows = torch.cat([torch.randint(0, 500, (int(lengths[:64].sum()),), generator=gen),
+                          torch.randint(0, 300, (int(lengths[64:].sum()),), generator=gen)])
+        grad = torch.randn(64, sum(widths), generator=gen)
+        batches.append((rows.cuda(), offsets.cuda(), grad.cuda()))
+
+    def make(seed):
+        return tbegen.TableBatchedEmbeddingBags(tables, optimizer="rowwise_adagrad", device="cuda", seed=seed,
+                                                learning_rate=0.1)
+
+    def train(emb):
+        for rows, offsets, grad in batches:
+            emb(rows, offsets).backward(grad)
+
+    expected = []
+    for seed in range(4):
+        emb = make(seed)
+        train(emb)
+        expected.append((emb.weights.clone(), emb.states.momentum.clone()))
+    torch.cuda.synchronize()
+
+    modules = [make(seed) for seed in range(4)]
+    torch.cuda.synchronize()
+    errors = []
+
+    def worker(emb):
+        try:
+            with torch.cuda.stream(torch.cuda.Stream()):
+                train(emb)
+                torch.cuda.current_stream().synchronize()
+        except Exception as e:  # (reported by the main thread)
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(emb,)) for emb in modules]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    torch.cuda.synchronize()
+    for emb, (weights, momentum) in zip(modules, expected):
+        emb.check_errors()
+        assert torch.equal(emb.weights, weights)
+        assert torch.equal(emb.states.momentum, momentum)
