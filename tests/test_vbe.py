@@ -624,6 +624,15 @@ def test_vbe_plan_operator_equals_the_vectorised_formula(case, sgd_ops):
     assert list(totals) == list(want[2:])
 
 
+def test_vbe_plan_operator_equals_the_formula_on_a_large_batch(sgd_ops):
+    # (over 16384 padded bags: the CPU operator's loop in several parallel chunks)
+    sizes = [[40_000, 0, 7, 1], [0, 0, 0, 0], [3, 25_000, 0, 9000]]
+    dims = [4, 3, 16]
+    pad, bag_out, totals = sgd_ops.vbe_plan([b for row in sizes for b in row], 4, dims, torch.empty(0))
+    want = formula_plan(torch.tensor(sizes), torch.tensor(dims))
+    assert torch.equal(pad, want[0]) and torch.equal(bag_out, want[1]) and list(totals) == list(want[2:])
+
+
 def test_vbe_plan_of_a_module_with_shared_tables_and_empty_ranks():
     emb = make("sgd", [(9, 4), (7, 3)], [0, 1, 0])
     bsfr = [[2, 0, 1], [0, 0, 0], [3, 1, 0]]
