@@ -726,9 +726,12 @@ def _compile(name: str, files: Dict[str, str], with_cuda: bool, out_dir: Path, l
     if with_cuda:
         os.environ["TORCH_CUDA_ARCH_LIST"] = cuda_arch_list()
     flavour = "CPU + CUDA" if with_cuda else "CPU"
+    # (the precompiled torch headers only for sources that include torch: for others, such as the
+    # tests' one-function libraries, making the .gch would cost ~12 CPU s and save nothing)
+    pch = torch_pch.include_flags(out_dir.parent) if any(map(_TORCH_INCLUDE.search, files.values())) else []
     try:
         _build_without_loading(cpp_extension, libname, out_dir, lambda: _load_extension(
-            cpp_extension, name, libname, sources, src, out_dir, with_cuda, verbose, objects))
+            cpp_extension, name, libname, sources, src, out_dir, with_cuda, verbose, objects, pch))
     except RuntimeError as e:
         if not str(e).startswith("Error building extension"):
             raise
@@ -746,7 +749,11 @@ def _compile_error(name: str, flavour: str, log: str, files: Dict[str, str], out
     return CompileError(report(name, flavour, log, files, log_path, resources.DATA_ROOT), log_path)
 
 
-def _load_extension(cpp_extension, name, libname, sources, src, out_dir, with_cuda, verbose, objects) -> None:
+_TORCH_INCLUDE = re.compile(r"^[ \t]*#[ \t]*include[ \t]*<(?:torch|ATen|c10)/", re.M)
+
+
+def _load_extension(cpp_extension, name, libname, sources, src, out_dir, with_cuda, verbose, objects,
+                    pch=()) -> None:
     cpp_extension.load(
         name=libname,
         sources=sources,
@@ -754,7 +761,7 @@ def _load_extension(cpp_extension, name, libname, sources, src, out_dir, with_cu
         + (_cuda_library_includes() if with_cuda else []),
         # (+ the precompiled torch headers where they exist: a speed-up only, the same object code,
         # so not part of the cache key; tbegen/torch_pch.py)
-        extra_cflags=cxx_flags() + torch_pch.include_flags(Path(out_dir).parent),
+        extra_cflags=cxx_flags() + list(pch),
         extra_cuda_cflags=cuda_flags(),
         extra_ldflags=list(objects) + (_cuda_link_flags() if with_cuda else []),
         build_directory=str(out_dir),

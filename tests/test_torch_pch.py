@@ -52,3 +52,20 @@ def test_a_compiler_that_fails_leaves_no_header(tmp_path, monkeypatch):
     monkeypatch.setenv("CXX", "false")  # (a "compiler" that fails)
     assert torch_pch.include_flags(tmp_path) == []
     assert not list(tmp_path.glob("pch/*/*.gch"))
+
+
+def test_sources_without_torch_headers_neither_make_nor_take_one(tmp_path, monkeypatch):
+    """tbegen/build.py: the .gch (~12 CPU s to make) only for sources that include torch; two
+    one-function libraries in a fresh cache, the second after a finished build, make none."""
+    from tbegen import build
+
+    monkeypatch.setenv("TBEGEN_BUILD_DIR", str(tmp_path / "cache"))
+    for name in ("plain_a", "plain_b"):
+        build.build_files(name, {f"{name}/ops.cpp": f"int tbegen_{name}() {{ return 1; }}\n"}, with_cuda=False,
+                          load=False)
+    assert not (tmp_path / "cache" / "pch").exists()
+    ninja = next((tmp_path / "cache").glob("plain_b-cpu-*/build.ninja")).read_text()
+    assert "tbegen_torch_pch.h" not in ninja
+    assert build._TORCH_INCLUDE.search("// x\n#include <torch/library.h>\n")
+    assert build._TORCH_INCLUDE.search('  # include <ATen/Parallel.h>')
+    assert not build._TORCH_INCLUDE.search('#include "tbegen/common.h"\n// <torch/library.h>\n')
