@@ -596,8 +596,9 @@ def _kernel_sources(name: str, files: Dict[str, str], src: Path, other_units: in
     beside it): the table's instantiations dealt round-robin, part 1 the table itself with the
     others' declared `extern template` (so it does not compile them), each other part an explicit
     instantiation of its share. Each kernel is compiled once, from the same code with the same
-    flags as in the whole unit: the same machine code (tests/test_cuda_build.py compares the
-    SASS), so the split is not part of the cache key."""
+    flags as in the whole unit: the same machine code (tests/test_cuda_quick_build.py compares
+    the PTX; the sm_90 SASS was compared kernel by kernel, benchmarks/NOTES-ci.md), so the split
+    is not part of the cache key."""
     unit = FP32_KERNELS_SOURCE if f"{name}/{FP32_KERNELS_SOURCE}" in files else "kernels_cuda.cu"
     parts = kernel_parts(name, files, other_units)
     if parts < 2:
