@@ -332,6 +332,33 @@ __device__ __forceinline__ void add_occurrences_4wide(const BackwardArgs& a, con
   __syncwarp();  // (the optimizer reads g in the column layout)
 }
 
+// One lane's kVecs 4-column slices of a 4-wide float row, the row's column c0 at `src`: columns
+// c0 + v * 128 + 4 * lane .. + 3, zeros from column D on (`full`: every slice is below D, so the
+// loads carry no predicates and ptxas issues them back to back). kStream: load4_stream (an
+// occurrence's output-gradient row, read once), else load4.
+template <int kVecs, bool kStream>
+__device__ __forceinline__ void load_slices(const float* src, int c0, int D, int lane, bool full, float (&x)[kVecs][4]) {
+  if (full) {
+#pragma unroll
+    for (int v = 0; v < kVecs; ++v) {
+      if constexpr (kStream) load4_stream(src + v * 128 + 4 * lane, x[v]);
+      else load4(src + v * 128 + 4 * lane, x[v]);
+    }
+  } else {
+#pragma unroll
+    for (int v = 0; v < kVecs; ++v) {
+      const int d = v * 128 + 4 * lane;
+      if (c0 + d < D) {
+        if constexpr (kStream) load4_stream(src + d, x[v]);
+        else load4(src + d, x[v]);
+      } else {
+#pragma unroll
+        for (int c = 0; c < 4; ++c) x[v][c] = 0.0f;
+      }
+    }
+  }
+}
+
 // The variant's occurrence sum (kPrefetch with 4-wide float rows): add_occurrences_4wide's terms
 // in its order, from zero (sums_from_zero: g is not read), but each occurrence's kVecs loads are
 // issued together before any of its sums, and each occurrence's output-gradient row is located
@@ -367,21 +394,7 @@ __device__ __forceinline__ void add_occurrences_4wide_batched(const BackwardArgs
         const float* go = reinterpret_cast<const float*>(__shfl_sync(kFullMask, my_go, k));
         const float s = __shfl_sync(kFullMask, my_scale, k);
         float x[kVecs][4];
-        if (full) {  // (no predicates: ptxas issues the loads back to back)
-#pragma unroll
-          for (int v = 0; v < kVecs; ++v) load4_stream(go + v * 128 + 4 * lane, x[v]);
-        } else {
-#pragma unroll
-          for (int v = 0; v < kVecs; ++v) {
-            const int d = v * 128 + 4 * lane;
-            if (c0 + d < D) {
-              load4_stream(go + d, x[v]);
-            } else {
-#pragma unroll
-              for (int c = 0; c < 4; ++c) x[v][c] = 0.0f;
-            }
-          }
-        }
+        load_slices<kVecs, true>(go, c0, D, lane, full, x);
 #pragma unroll
         for (int v = 0; v < kVecs; ++v) {
 #pragma unroll
@@ -418,21 +431,7 @@ __device__ __forceinline__ void add_partials_4wide(const float* in, int32_t nseg
     for (int32_t j = 0; j < nseg; ++j) {
       const float* src = in + int64_t(j) * max_D + c0;
       float x[kVecs][4];
-      if (full) {
-#pragma unroll
-        for (int v = 0; v < kVecs; ++v) load4(src + v * 128 + 4 * lane, x[v]);
-      } else {
-#pragma unroll
-        for (int v = 0; v < kVecs; ++v) {
-          const int d = v * 128 + 4 * lane;
-          if (c0 + d < D) {
-            load4(src + d, x[v]);
-          } else {
-#pragma unroll
-            for (int c = 0; c < 4; ++c) x[v][c] = 0.0f;
-          }
-        }
-      }
+      load_slices<kVecs, false>(src, c0, D, lane, full, x);
 #pragma unroll
       for (int v = 0; v < kVecs; ++v) {
 #pragma unroll
