@@ -529,13 +529,16 @@ def split_wanted() -> bool:
         raise ValueError(f"tbegen: TBEGEN_CPU_SPLIT={setting!r}: expected 'auto', '0' or '1'")
     if setting != "auto":
         return setting == "1"
-    if split_jobs() < 2:
-        return False
+    return split_jobs() >= 2 and _core_idle()
+
+
+def _core_idle() -> bool:
+    """Whether a core is idle: the load average under the core count less one half (the rule of
+    split_wanted and kernel_parts)."""
     try:
-        load = os.getloadavg()[0]
+        return os.getloadavg()[0] < (os.cpu_count() or 1) - 0.5
     except OSError:
         return False
-    return load < (os.cpu_count() or 1) - 0.5
 
 
 def _ops_sources(name: str, files: Dict[str, str], src: Path) -> List[str]:
@@ -572,7 +575,7 @@ def kernel_parts(name: str, files: Dict[str, str], other_units: int) -> int:
     `other_units` others (ops_cuda.cpp, and the ops.cpp units it compiles itself) compile beside
     them: $TBEGEN_CUDA_SPLIT "0" (one), a number (that many), or "auto" (the default): as many as
     the compiler processes the build may run (`split_jobs`) leave beside the others, where a core
-    is idle (`split_wanted`'s rule) and the sources are the ones `_kernel_table_known` knows; at
+    is idle (`_core_idle`) and the sources are the ones `_kernel_table_known` knows; at
     most one per instantiation (16, or 5 for float32 weights only)."""
     setting = os.environ.get("TBEGEN_CUDA_SPLIT", "auto")
     if setting != "auto" and not setting.isdigit():
@@ -582,12 +585,7 @@ def kernel_parts(name: str, files: Dict[str, str], other_units: int) -> int:
     instances = len(_kernel_instances(name, files))
     if setting != "auto":
         return max(1, min(int(setting), instances))
-    jobs = split_jobs()
-    try:
-        idle = os.getloadavg()[0] < (os.cpu_count() or 1) - 0.5
-    except OSError:
-        idle = False
-    return max(1, min(instances, jobs - other_units)) if idle else 1
+    return max(1, min(instances, split_jobs() - other_units)) if _core_idle() else 1
 
 
 def _kernel_sources(name: str, files: Dict[str, str], src: Path, other_units: int) -> List[str]:

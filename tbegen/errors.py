@@ -18,7 +18,7 @@ host read nor an event query): a replayed step's errors are raised by `check_err
 from __future__ import annotations
 
 import warnings
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -85,7 +85,7 @@ class ErrorRecord:
         # (a copied module starts with a clean record of its own)
         return ErrorRecord(self.record.device, self._ops, self.mode)
 
-    def after_call(self, capturing: bool = None) -> None:
+    def after_call(self, capturing: Optional[bool] = None) -> None:
         """Called after every operator call: on CUDA start copying the record to the host; on the
         CPU report at once (a call there has already raised any error but a skipped index).
         `capturing`: whether the current stream is capturing a CUDA graph, if the caller knows."""
