@@ -112,7 +112,11 @@ FP32_KERNELS_SOURCE = "kernels_cuda_fp32_weights.cu"
 # declared `extern template`; each other part instantiates its share explicitly.
 KERNEL_PART_SOURCE = "kernels_part{}.cu"
 # what the update-kernel table instantiates (include/tbegen/cuda_backward_kernels.cuh,
-# backward_kernels_for): launch_backward<Opt, W, kVecs> and launch_any_width<Opt, W>
+# backward_kernels_for): launch_backward<Opt, W, kVecs> and launch_any_width<Opt, W>. The split
+# and the float32 library are built from these lists; tests/test_cuda_quick_build.py checks that
+# they are the table's entries, exactly (a list out of step would only cost compile time: a table
+# entry no part instantiates is compiled by part 1, a stub or instantiation the table does not
+# use is compiled and never called; the results cannot change).
 _LAUNCH_WEIGHTS = ("float", "c10::Half", "c10::BFloat16")
 _ANY_WIDTH_WEIGHTS = ("float", "c10::Half", "c10::BFloat16", "uint8_t")
 _WIDTHS = (1, 2, 4, 8)
@@ -575,13 +579,10 @@ def kernel_parts(name: str, files: Dict[str, str], other_units: int) -> int:
     `other_units` others (ops_cuda.cpp, and the ops.cpp units it compiles itself) compile beside
     them: $TBEGEN_CUDA_SPLIT "0" (one), a number (that many), or "auto" (the default): as many as
     the compiler processes the build may run (`split_jobs`) leave beside the others, where a core
-    is idle (`_core_idle`) and the sources are the ones `_kernel_table_known` knows; at
-    most one per instantiation (16, or 5 for float32 weights only)."""
+    is idle (`_core_idle`); at most one per instantiation (16, or 5 for float32 weights only)."""
     setting = os.environ.get("TBEGEN_CUDA_SPLIT", "auto")
     if setting != "auto" and not setting.isdigit():
         raise ValueError(f"tbegen: TBEGEN_CUDA_SPLIT={setting!r}: expected 'auto' or a number of translation units")
-    if not _kernel_table_known(name, files):
-        return 1
     instances = len(_kernel_instances(name, files))
     if setting != "auto":
         return max(1, min(int(setting), instances))
@@ -1054,33 +1055,9 @@ def spec_files(spec: OptimizerSpec, with_cuda: bool, fp32_weights_only: bool = F
             files[f"{spec.name}/{FP32_WEIGHTS_SOURCE}"] = (
                 "// tbegen/build.py: ops.cpp with the backward for float32 weights only (tbegen test --quick)\n"
                 f"#define {FP32_WEIGHTS_MACRO} 1\n#include \"ops.cpp\"\n")
-        if with_cuda and _kernel_table_known(spec.name, files):
+        if with_cuda:
             files[f"{spec.name}/{FP32_KERNELS_SOURCE}"] = _fp32_kernels_wrapper(spec.name)
     return files
-
-
-def _kernel_table_known(name: str, files: Dict[str, str]) -> bool:
-    """Whether NAME/kernels_cuda.cu and the runtime headers are the ones `_fp32_kernels_wrapper` and
-    `_kernel_sources` know: the table of backward_kernels_for<Optimizer>() with the entries
-    _LAUNCH_WEIGHTS x _WIDTHS and _ANY_WIDTH_WEIGHTS, for the Optimizer of namespace opt_NAME
-    (otherwise a build compiles kernels_cuda.cu whole, every dtype, as before)."""
-    table = files.get("include/tbegen/cuda_backward_kernels.cuh", "")
-    entries = ([f"&launch_backward<Opt, {w}, {k}>" for w in _LAUNCH_WEIGHTS for k in _WIDTHS]
-               + [f"&launch_any_width<Opt, {w}>, &any_width_scratch_slots<Opt, {w}>" for w in _ANY_WIDTH_WEIGHTS])
-    return ("backward_kernels_for<Optimizer>()" in files.get(f"{name}/kernels_cuda.cu", "")
-            and f"namespace opt_{name} {{" in files.get(f"{name}/optimizer.h", "")
-            and "cudaError_t launch_backward(const BackwardLaunch& l)" in table
-            and "cudaError_t launch_any_width(const AnyWidthLaunch& l)" in table
-            and "int64_t any_width_scratch_slots(const void* params)" in table
-            and all(e in table for e in entries)
-            and not any(_DEVICE_VARIABLE.search(text) for rel, text in files.items()
-                        if rel.startswith("include/") and rel.endswith((".cuh", ".h"))))
-
-
-# a device variable defined in a header (a line that starts `__device__`, `__constant__` or
-# `__managed__` and has no parenthesis: not a function): each translation unit of a split would
-# have its own copy, so a build where the headers define one keeps kernels_cuda.cu whole
-_DEVICE_VARIABLE = re.compile(r"^[ \t]*(?:static[ \t]+)?(?:__device__|__constant__|__managed__)[^(\n]*$", re.M)
 
 
 def _fp32_kernels_wrapper(name: str) -> str:

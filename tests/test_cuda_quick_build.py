@@ -62,18 +62,47 @@ def test_the_float32_kernel_table_stubs_exactly_the_other_weights(spec):
     assert "float32 weights only" in text and text.rstrip().endswith('#include "kernels_cuda.cu"')
 
 
-def test_sources_it_does_not_know_are_compiled_whole_and_with_every_dtype(spec, tmp_path, monkeypatch):
+def _table_entries(header):
+    """The entries of backward_kernels_for's table, as (function, weights, kVecs or "")."""
+    body = header[header.index("const BackwardKernels& backward_kernels_for() {"):]
+    body = body[:body.index("return table;")]
+    return re.findall(r"&(launch_backward|launch_any_width|any_width_scratch_slots)<Opt, ([\w:]+)(?:, (\d))?>", body)
+
+
+def test_the_table_is_what_the_build_lists(spec):
+    """build.py's lists (the float32 library's stubs, the split's parts) are the table's entries."""
+    header = build.spec_files(spec, True)["include/tbegen/cuda_backward_kernels.cuh"]
+    entries = _table_entries(header)
+    assert len(entries) == len(set(entries)) == 12 + 2 * 4
+    assert sorted(entries) == sorted(
+        [("launch_backward", w, str(k)) for w in build._LAUNCH_WEIGHTS for k in build._WIDTHS]
+        + [(f, w, "") for w in build._ANY_WIDTH_WEIGHTS for f in ("launch_any_width", "any_width_scratch_slots")])
+    # (and the check sees a change: an entry more, or one fewer)
+    more = header.replace("&launch_backward<Opt, float, 8>}", "&launch_backward<Opt, float, 8>, &launch_backward<Opt, double, 8>}")
+    assert more != header and sorted(_table_entries(more)) != sorted(entries)
+
+
+# a device variable defined in a header (a line that starts `__device__`, `__constant__` or
+# `__managed__` and has no parenthesis: not a function)
+_DEVICE_VARIABLE = re.compile(r"^[ \t]*(?:static[ \t]+)?(?:__device__|__constant__|__managed__)[^(\n]*$", re.M)
+
+
+def test_no_runtime_header_defines_a_device_variable(spec):
+    """The split compiles the table's kernels in several translation units: a device variable
+    defined in a header they include would have one copy per unit, each kernel its own."""
     files = build.spec_files(spec, True)
-    files[f"{spec.name}/kernels_cuda.cu"] = files[f"{spec.name}/kernels_cuda.cu"].replace(
-        "backward_kernels_for<Optimizer>()", "backward_kernels_for<Optimizer >()")
-    assert not build._kernel_table_known(spec.name, files)
-    known = build.spec_files(spec, True)
-    assert build._kernel_table_known(spec.name, known)
-    # (a device variable in a header: each part would have its own copy)
+    headers = {rel: text for rel, text in files.items() if rel.startswith("include/") and rel.endswith((".cuh", ".h"))}
+    assert "include/tbegen/cuda_kernels.cuh" in headers
+    assert [rel for rel, text in headers.items() if _DEVICE_VARIABLE.search(text)] == []
     for line in ("__device__ int tbegen_counter;", "static __constant__ float tbegen_table[4] = {};"):
-        header = dict(known, **{"include/tbegen/cuda_kernels.cuh": known["include/tbegen/cuda_kernels.cuh"] + "\n" + line + "\n"})
-        assert not build._kernel_table_known(spec.name, header), line
-    monkeypatch.setenv("TBEGEN_CUDA_SPLIT", "8")
+        assert _DEVICE_VARIABLE.search(line), line
+    for line in ("__device__ inline float f(float x) {", "__device__ __forceinline__ void g("):
+        assert not _DEVICE_VARIABLE.search(line), line
+
+
+def test_no_split_when_asked_for_none(spec, tmp_path, monkeypatch):
+    files = build.spec_files(spec, True)
+    monkeypatch.setenv("TBEGEN_CUDA_SPLIT", "0")
     assert build._kernel_sources(spec.name, files, tmp_path, 1) == [str(tmp_path / spec.name / "kernels_cuda.cu")]
 
 

@@ -210,7 +210,9 @@ bool vector_states_fit(const void* params) {
 
 // The table of optimizer Opt's kernels (instantiates all 36 4-wide ones, 3 dtypes x 4 widths x 3
 // kernels, plus the group kernel for 3 dtypes x 1 width (x 2 without per-element state), and the 12
-// any-width ones: 3 kernels for each of the 3 float dtypes and int8 rows).
+// any-width ones: 3 kernels for each of the 3 float dtypes and int8 rows). tbegen/build.py lists
+// these entries too (_LAUNCH_WEIGHTS, _WIDTHS, _ANY_WIDTH_WEIGHTS: the float32 library's stubs and
+// the split's parts); tests/test_cuda_quick_build.py keeps the two the same.
 template <class Opt>
 const BackwardKernels& backward_kernels_for() {
   static const BackwardKernels table = {{
