@@ -207,8 +207,7 @@ PreparedBackward prepare_backward(const Batch& b, const at::Tensor& grad_output,
   // (cuda_ops.cuh: this thread's events, reused by every call)
   const cudaEvent_t forked = call_event(kEventPrepFork, device), checked = call_event(kEventPrepChecked, device);
   if (check_finite && grad_output.numel() > 0) {
-    record_event(forked, stream);
-    wait_event(forked, side);
+    order_after(forked, stream, side);
     const int64_t n4 = grad_output.numel() / 4 + 1;
     const int blocks = int(std::min<int64_t>((n4 + kThreads - 1) / kThreads,
                                              int64_t(at::cuda::getCurrentDeviceProperties()->multiProcessorCount) * 8));

@@ -85,6 +85,12 @@ inline void record_event(cudaEvent_t event, const at::cuda::CUDAStream& on) {
 inline void wait_event(cudaEvent_t event, const at::cuda::CUDAStream& on) {
   TBEGEN_CUDA_CHECK(cudaStreamWaitEvent(on.stream(), event, 0));
 }
+// Work queued on `to` from now on runs after the work queued on `from` so far: `event` recorded
+// on `from`, waited for on `to` (a fork when `from` is the caller's stream, a join when `to` is).
+inline void order_after(cudaEvent_t event, const at::cuda::CUDAStream& from, const at::cuda::CUDAStream& to) {
+  record_event(event, from);
+  wait_event(event, to);
+}
 
 // kVecs = 4-wide slices per lane: the smallest of 1, 2, 4, 8 that covers max_D columns.
 template <typename Body>
@@ -326,8 +332,7 @@ inline void backward_any_width(const Batch& b, const BackwardArgs& a, const Prep
     l.stream = stream.stream();
     TBEGEN_CUDA_CHECK(k.launch(l));
     // joined before the scratch tensors go back to the caching allocator (as in backward_cuda)
-    record_event(joined, side);
-    wait_event(joined, stream);
+    order_after(joined, side, stream);
   });
 }
 
@@ -448,8 +453,7 @@ __attribute__((visibility("hidden"))) void backward_cuda(
   // by prepare_backward, before the fork below, so that the launch on every stream finds its
   // counter at zero
   const cudaEvent_t forked = call_event(kEventFork, device), joined = call_event(kEventJoin, device);
-  record_event(forked, stream);
-  wait_event(forked, side);
+  order_after(forked, stream, side);
   if (!vector_path) {
     backward_any_width(b, a, prep, weights, params, kernels, ctx, stream, side, joined, sms);
     if (!error_record.has_value()) raise_kernel_error(error, !skip_bad_indices);
@@ -496,12 +500,10 @@ __attribute__((visibility("hidden"))) void backward_cuda(
         if (c != top) lc.stream = narrow.stream();
         TBEGEN_CUDA_CHECK(kernels.get<W>(c)(lc));
       }
-      record_event(joined, side);
-      wait_event(joined, stream);
+      order_after(joined, side, stream);
       if (class_streams) {
         const cudaEvent_t narrow_joined = call_event(kEventNarrowJoin, device);
-        record_event(narrow_joined, narrow);
-        wait_event(narrow_joined, stream);
+        order_after(narrow_joined, narrow, stream);
       }
     });
   });
