@@ -45,6 +45,70 @@ def per_call_us(emb, indices, offsets, grad, calls: int, rounds: int, torch):
     return statistics.median(fwd), statistics.median(bwd), statistics.median(inf)
 
 
+def vbe_batch(F: int, R: int, torch):
+    """A tiny VBE batch of F features x R ranks: (indices, VBE offsets, sizes, padded offsets,
+    output gradient, padded output gradient); every bag has one index, sizes 0-2 (not all 0)."""
+    sizes = [[(3 * f + 5 * r + 1) % 3 for r in range(R)] for f in range(F)]
+    sizes[0][0] = max(sizes[0][0], 1)
+    totals = [sum(row) for row in sizes]
+    n, max_B = sum(totals), max(totals)
+    indices = torch.arange(n, dtype=torch.int64) % 8
+    offsets = torch.arange(n + 1, dtype=torch.int64)
+    pad, start = [], 0
+    for f in range(F):
+        pad += [start + min(b, totals[f]) for b in range(max_B)]
+        start += totals[f]
+    padded = offsets[torch.tensor(pad + [n])]
+    return indices, offsets, sizes, padded, torch.ones(n * 4), torch.ones(max_B, F * 4)
+
+
+def vbe_per_call_us(emb, F: int, R: int, calls: int, rounds: int, torch):
+    """Best over rounds of the VBE and padded calls' us per call (see the module docstring)."""
+    indices, offsets, sizes, padded, grad, pgrad = vbe_batch(F, R, torch)
+    plans = lambda: emb.__dict__.get("_vbe_plans", {})  # noqa: E731
+
+    def vbe_fwd():
+        with torch.no_grad():
+            for _ in range(calls):
+                emb(indices, offsets, batch_size_per_feature_per_rank=sizes)
+
+    def pad_fwd():
+        with torch.no_grad():
+            for _ in range(calls):
+                emb(indices, padded)
+
+    def vbe_step():
+        for _ in range(calls):
+            emb(indices, offsets, batch_size_per_feature_per_rank=sizes).backward(grad)
+
+    def vbe_step_new_plan():
+        for _ in range(calls):
+            plans().clear()
+            emb(indices, offsets, batch_size_per_feature_per_rank=sizes).backward(grad)
+
+    def pad_step():
+        for _ in range(calls):
+            emb(indices, padded).backward(pgrad)
+
+    cases = dict(vbe_forward_no_grad=vbe_fwd, padded_forward_no_grad=pad_fwd, vbe_step_plan_kept=vbe_step,
+                 vbe_step_new_plan=vbe_step_new_plan, padded_step=pad_step)
+    with torch.no_grad():  # (the check: the VBE output is the padded output's real rows)
+        a = emb(indices, offsets, batch_size_per_feature_per_rank=sizes)
+        b = emb(indices, padded)
+    prefix = [[sum(sizes[f][:r]) for r in range(R)] for f in range(F)]
+    want = torch.cat([b[prefix[f][r]:prefix[f][r] + sizes[f][r], f * 4:(f + 1) * 4].reshape(-1)
+                      for r in range(R) for f in range(F)])
+    if not torch.equal(a, want):
+        raise SystemExit("host_overhead_cpu: the VBE output differs from the padded output's rows")
+    best = {k: float("inf") for k in cases}
+    for _ in range(rounds):
+        for k, fn in cases.items():
+            t0 = time.perf_counter()
+            fn()
+            best[k] = min(best[k], (time.perf_counter() - t0) / calls * 1e6)
+    return best
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--optimizers", default="sgd,rowwise_adagrad,adam")
@@ -52,6 +116,8 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--profile", action="store_true", help="cProfile the backward calls of the first optimizer")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--vbe", default=None, metavar="FxR[,FxR]",
+                    help="time VBE calls beside padded ones at these shapes (features x ranks) instead")
     args = ap.parse_args(argv)
     import torch
 
@@ -62,6 +128,24 @@ def main(argv=None) -> int:
     offsets = torch.tensor([0, 1], dtype=torch.int64)
     grad = torch.ones(1, 4)
     rows = []
+    if args.vbe:
+        for name in args.optimizers.split(","):
+            for shape in args.vbe.split(","):
+                F, R = (int(x) for x in shape.lower().split("x"))
+                emb = tbegen.TableBatchedEmbeddingBags([(8, 4)] * F, optimizer=name, device="cpu", seed=0)
+                vbe_per_call_us(emb, F, R, 50, 1, torch)  # warm-up (and the build)
+                best = vbe_per_call_us(emb, F, R, args.calls, args.rounds, torch)
+                rows.append(dict(optimizer=name, features=F, ranks=R, **{k: round(v, 2) for k, v in best.items()}))
+                if not args.json:
+                    print(f"{name} F={F} R={R}: forward (no_grad) VBE {best['vbe_forward_no_grad']:6.2f} us, padded "
+                          f"{best['padded_forward_no_grad']:6.2f} us ({best['vbe_forward_no_grad'] / best['padded_forward_no_grad']:.2f}x); "
+                          f"step VBE plan kept {best['vbe_step_plan_kept']:6.2f} us "
+                          f"({best['vbe_step_plan_kept'] / best['padded_step']:.2f}x), new plan "
+                          f"{best['vbe_step_new_plan']:6.2f} us ({best['vbe_step_new_plan'] / best['padded_step']:.2f}x), "
+                          f"padded {best['padded_step']:6.2f} us", flush=True)
+        if args.json:
+            print(json.dumps(dict(torch=torch.__version__, calls=args.calls, rounds=args.rounds, vbe=rows)))
+        return 0
     for k, name in enumerate(args.optimizers.split(",")):
         emb = tbegen.TableBatchedEmbeddingBags([(8, 4)], optimizer=name, device="cpu", seed=0)
         per_call_us(emb, indices, offsets, grad, 200, 1, torch)  # warm-up (and the build)
