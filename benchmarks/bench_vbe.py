@@ -219,12 +219,19 @@ def main():
             def padded_step(s, emb=emb):
                 emb(s["ind"], s["poff"]).backward(s["pgrad"])
 
+            gathered_plans = {}
+
             def gathered_step(s, emb=emb):
-                emb._vbe_direct = lambda: False  # (an instance attribute: the module's gathered fallback)
+                # (an instance attribute: the module's gathered fallback, with plans of its own,
+                # since a plan records which way its batches run)
+                emb._vbe_direct = lambda: False
+                direct_plans = emb.__dict__.get("_vbe_plans")
+                emb.__dict__["_vbe_plans"] = gathered_plans
                 try:
                     cached_step(s)
                 finally:
                     del emb._vbe_direct
+                    emb.__dict__["_vbe_plans"] = direct_plans
 
             def vbe_forward(s, emb=emb):
                 with torch.no_grad():

@@ -86,6 +86,8 @@ _MODULE_ARGS = (
 
 from .model import INT64_MAX as _INT64_MAX, INT64_MIN as _INT64_MIN
 
+_VBE_INT_TYPES = frozenset((int, bool))  # (batch sizes the vbe_plan operator takes as they are)
+
 # OptimizerSpec -> torch.ops.tbegen_NAME (build.load_ops caches too, but re-renders to hash).
 _OPS: Dict[OptimizerSpec, Any] = {}
 
@@ -1266,16 +1268,23 @@ class TableBatchedEmbeddingBags(nn.Module):
                                  f"of ranks: feature 0 has {R}, feature {f} has {len(per_rank)}")
         raise ValueError(f"tbegen: batch_size_per_feature_per_rank is not F = {F} lists of R non-negative ints")
 
-    @torch.compiler.disable  # (under torch.compile: a graph break, the plan built eagerly)
-    def _vbe_plan(self, batch_size_per_feature_per_rank) -> Dict[str, Any]:
+    def _vbe_plan_eager(self, batch_size_per_feature_per_rank) -> Dict[str, Any]:
         """The padding index (`pad`), the table of each padded bag's output offset (`bag_out`) and
         the totals of one batch_size_per_feature_per_rank, kept for the last distinct ones. A new
         one is one operator call (vbe_plan, include/tbegen/vbe.h: the host sums the [F, R] sizes,
         one small copy and one kernel on CUDA; nothing waits for the device). A kept one costs a
         dictionary lookup: lists of Python ints are their own key and go to the operator as they
-        are (anything else, e.g. a tensor, is checked and converted first)."""
+        are (anything else, e.g. a tensor, is checked and converted first). The forward finds a
+        kept plan itself (_forward_vbe); this is its way to a new one, and the tests'."""
         bsfr = batch_size_per_feature_per_rank
-        device = self.weights.device
+        weights = self._registered("weights")
+        device = weights.device
+        consts = self.__dict__.get("_vbe_consts")
+        if consts is None:  # (the features' count and widths: the layout is fixed at construction)
+            layout = self.layout
+            consts = self.__dict__["_vbe_consts"] = (
+                layout.num_features, [layout.tables[t][1] for t in layout.feature_table_map])
+        F, dims = consts
         plans = self.__dict__.get("_vbe_plans")
         if plans is None:
             plans = self.__dict__["_vbe_plans"] = {}
@@ -1287,30 +1296,38 @@ class TableBatchedEmbeddingBags(nn.Module):
                 pass
             if sizes is not None:
                 flat = list(itertools.chain.from_iterable(sizes))
-                # (only ints: a bool or a float equal to a kept size must still be refused)
-                if set(map(type, flat)) != {int}:
+                # (only ints: a float or anything else equal to a kept size must still be refused;
+                # a bool is an int, True a batch of 1)
+                if not set(map(type, flat)) <= _VBE_INT_TYPES:
                     flat = None
         if flat is not None:
-            plan = plans.get((device, sizes))
-            if plan is not None:
+            plan = plans.get(sizes)
+            if plan is not None and plan["device"] == device:
                 return plan
             R = len(sizes[0]) if sizes else 0
-            if not (len(sizes) == self.layout.num_features and R >= 1 and all(len(row) == R for row in sizes)
+            if not (len(sizes) == F and R >= 1 and set(map(len, sizes)) == {R}
                     and min(flat) >= 0 and max(flat) <= _INT64_MAX):
                 flat = None  # (refused below, with a message naming the entry)
         if flat is None:
             B = self._vbe_sizes(bsfr)  # [F, R] int64 on the CPU, checked
             sizes, flat, R = tuple(map(tuple, B.tolist())), B.reshape(-1).tolist(), B.shape[1]
-            plan = plans.get((device, sizes))
-            if plan is not None:
+            plan = plans.get(sizes)
+            if plan is not None and plan["device"] == device:
                 return plan
-        dims = [self.layout.tables[t][1] for t in self.layout.feature_table_map]
-        pad, bag_out, (total, max_B, n_out) = self._ops.vbe_plan(flat, R, dims, self.weights.detach())
-        plan = {"total_bags": total, "max_B": max_B, "pad": pad, "numel": n_out, "bag_out": bag_out, "sizes": sizes}
+        pad, bag_out, (total, max_B, n_out) = self._ops.vbe_plan(
+            flat, R, dims, weights.detach() if weights.requires_grad else weights)
+        plan = {"total_bags": total, "max_B": max_B, "pad": pad, "numel": n_out, "bag_out": bag_out, "sizes": sizes,
+                "device": device, "offsets_shape": torch.Size([total + 1]),
+                # (how _forward_vbe runs this module's VBE batches eagerly: see _vbe_direct)
+                "direct": self.pooling != "none" and self._vbe_direct()}
+        plans.pop(sizes, None)  # (a plan of the same sizes on another device: the module was moved)
         if len(plans) >= self._VBE_PLANS_KEPT:
             plans.pop(next(iter(plans)))
-        plans[(device, sizes)] = plan
+        plans[sizes] = plan
         return plan
+
+    # (under torch.compile: a graph break, the plan built eagerly)
+    _vbe_plan = torch.compiler.disable(_vbe_plan_eager)
 
     def _vbe_gather(self, plan: Dict[str, Any]):
         """For the gathered fallback (see above): the output's blocks of the padded output on the
@@ -1381,14 +1398,49 @@ class TableBatchedEmbeddingBags(nn.Module):
         return ok
 
     def _forward_vbe(self, indices, offsets, per_sample_weights, batch_size_per_feature_per_rank) -> torch.Tensor:
+        if torch.compiler.is_compiling():
+            return self._forward_vbe_traced(indices, offsets, per_sample_weights, batch_size_per_feature_per_rank)
+        # A kept plan, found here with as little as can be (the host time of a VBE call beside the
+        # padded call's; benchmarks/host_overhead_cpu.py --vbe): the sizes as a tuple of tuples (the
+        # key), one dictionary lookup, and their sum, which is an int only if every size is one (a
+        # float, a tensor or another number equal to a kept size falls through to _vbe_plan_eager,
+        # which converts or refuses it). Anything else takes the checked way.
+        bsfr = batch_size_per_feature_per_rank
+        plan = None
+        if type(bsfr) in (list, tuple) and type(offsets) is torch.Tensor:
+            plans = self.__dict__.get("_vbe_plans")
+            if plans:
+                try:
+                    sizes = tuple(map(tuple, bsfr))
+                    plan = plans.get(sizes)
+                    if plan is not None and type(sum(map(sum, sizes))) is not int:
+                        plan = None
+                except (TypeError, ValueError, ArithmeticError):
+                    plan = None
+        if plan is not None and offsets.shape == plan["offsets_shape"] and offsets.device == plan["device"]:
+            padded = offsets.index_select(0, plan["pad"])
+        else:
+            plan = self._vbe_plan_eager(bsfr)
+            padded = self._vbe_pad(offsets, plan)
+        if plan["direct"]:
+            return self._lookup(indices, padded, per_sample_weights, plan["bag_out"], plan["numel"])
+        out = self._lookup(indices, padded, per_sample_weights)
+        if self.pooling == "none":  # (one row per index: the bags' batch does not shape it)
+            return out
+        return self._vbe_gathered(out, plan)
+
+    def _forward_vbe_traced(self, indices, offsets, per_sample_weights, batch_size_per_feature_per_rank):
+        """_forward_vbe under torch.compile: the plan built eagerly (a graph break), the padded
+        batch through the compiled forward, its output gathered."""
         plan = self._vbe_plan(batch_size_per_feature_per_rank)
         padded = self._vbe_pad(offsets, plan)
-        if self.pooling == "none":  # (one row per index: the bags' batch does not shape it)
-            return self.forward(indices, padded, per_sample_weights)
-        if self._vbe_direct():
-            out = self._lookup(indices, padded, per_sample_weights, plan["bag_out"], plan["numel"])
-            return out
         out = self.forward(indices, padded, per_sample_weights)
+        if self.pooling == "none":
+            return out
+        return self._vbe_gathered(out, plan)
+
+    def _vbe_gathered(self, out: torch.Tensor, plan: Dict[str, Any]) -> torch.Tensor:
+        """The 1-D VBE output gathered from the padded batch's output (the fallback; see above)."""
         gather = self._vbe_gather(plan)
         if isinstance(gather, list):
             return _BlocksOf.apply(out, gather, plan["numel"])

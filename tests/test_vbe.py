@@ -699,6 +699,56 @@ def test_vbe_plan_refuses_bad_sizes_however_given():
             emb._vbe_plan(bad)
 
 
+def test_vbe_forward_finds_a_kept_plan_without_building_it_and_still_checks_the_input(monkeypatch):
+    # the forward's own lookup of a kept plan (_forward_vbe): no call to _vbe_plan_eager for sizes
+    # it has seen, given as a new list; floats, bad offsets and other devices' plans still go the
+    # checked way
+    emb = make("sgd", [(5, 4), (6, 2)])
+    indices, offsets = torch.tensor([1, 2, 3, 4, 0, 5]), torch.tensor([0, 1, 2, 3, 4, 5, 6])
+    with torch.no_grad():
+        first = emb(indices, offsets, batch_size_per_feature_per_rank=[[1, 2], [3, 0]])
+    built = []
+    real = TableBatchedEmbeddingBags._vbe_plan_eager
+    monkeypatch.setattr(TableBatchedEmbeddingBags, "_vbe_plan_eager",
+                        lambda self, bsfr: built.append(bsfr) or real(self, bsfr))
+    with torch.no_grad():
+        again = emb(indices, offsets, batch_size_per_feature_per_rank=[[1, 2], [3, 0]])
+        as_tuples = emb(indices, offsets, batch_size_per_feature_per_rank=((1, 2), (3, 0)))
+    assert built == [] and torch.equal(again, first) and torch.equal(as_tuples, first)
+    # a bool is an int (True a batch of 1), kept plan or not; numpy ints and tensors are converted
+    np = pytest.importorskip("numpy")
+    for sizes in ([[True, 2], [3, False]], [[np.int64(1), 2], [3, np.int32(0)]], torch.tensor([[1, 2], [3, 0]]),
+                  [[torch.tensor(1), 2], [3, 0]]):
+        with torch.no_grad():
+            assert torch.equal(emb(indices, offsets, batch_size_per_feature_per_rank=sizes), first), sizes
+    fresh = make("sgd", [(5, 4), (6, 2)])
+    with torch.no_grad():
+        assert torch.equal(fresh(indices, offsets, batch_size_per_feature_per_rank=[[True, 2], [3, False]]), first)
+    # values equal to the kept sizes but not ints are refused, not served from the kept plan
+    for bad, message in (([[1, 2.0], [3, 0]], r"\[0\]\[1\] must be a non-negative int, got 2.0"),
+                         (((1, 2), (3, -0.0)), r"\[1\]\[1\] must be a non-negative int, got -0.0"),
+                         ([[1, 2], [3, "0"]], r"\[1\]\[1\] must be a non-negative int, got '0'")):
+        with pytest.raises(ValueError, match=message):
+            emb(indices, offsets, batch_size_per_feature_per_rank=bad)
+    # offsets that do not fit the kept plan: the same errors as without one
+    for bad_offsets, error, message in (
+            (torch.tensor([0, 1, 2, 3, 4, 5]), ValueError, r"\(sum of all batch sizes\) \+ 1 = 7 entries"),
+            (torch.tensor([0, 1, 2, 3, 4, 5, 6, 6]), ValueError, r"= 7 entries .* got shape \(8,\)"),
+            (offsets.view(1, 7), ValueError, r"must be 1-D"),
+            ([0, 1, 2, 3, 4, 5, 6], TypeError, r"offsets must be a torch.Tensor, got list")):
+        with pytest.raises(error, match=message):
+            emb(indices, bad_offsets, batch_size_per_feature_per_rank=[[1, 2], [3, 0]])
+    # a kept plan of another device is not used: the module's device decides (here a plan
+    # recorded as made for the meta device is replaced by a CPU one)
+    plan = emb._vbe_plans[((1, 2), (3, 0))]
+    plan["device"] = torch.device("meta")
+    built.clear()
+    with torch.no_grad():
+        assert torch.equal(emb(indices, offsets, batch_size_per_feature_per_rank=[[1, 2], [3, 0]]), first)
+    assert len(built) == 1 and emb._vbe_plans[((1, 2), (3, 0))]["device"] == torch.device("cpu")
+    assert emb._vbe_plans[((1, 2), (3, 0))] is not plan
+
+
 @cuda
 def test_cuda_vbe_plan_equals_the_cpu_plan_without_waiting_for_the_device():
     gen = torch.Generator().manual_seed(11)
