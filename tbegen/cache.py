@@ -198,6 +198,8 @@ class RowCache:
             # what a resident row's index becomes: its slot plus this
             index_base=[v if d else 0 for v, d in zip(vbase, direct)],
             direct=[int(d) for d in direct],
+            rbase_end=rbase + [self.num_rows],  # (each table's first row key, then the end)
+            row_bytes=self.row_bytes,
         )
         cached_of_table = {t: c for c, t in enumerate(self.tables)}
         # per feature, its cached table (or -1); padded with -1 at both ends (see prepare)
@@ -262,6 +264,15 @@ class RowCache:
         self._slot_row = torch.full((self.num_slots,), -1, dtype=torch.int64, device=device)  # local row in a slot
         self._last_used = torch.zeros(self.num_slots, dtype=torch.int64, device=device)
         self._dirty = torch.zeros(self.num_slots, dtype=torch.bool, device=device)
+        # kept by the host, so that no batch waits for them: the rows in each table's slots, and
+        # whether some slot may be dirty (mark_dirty since the cache was last clean)
+        self._occupied = [0] * len(self.tables)
+        self._maybe_dirty = False
+        # statistics that the device counts (rows_written_back, bytes_written_back,
+        # backing_lookups: read by report), kept across moves
+        old_stats = getattr(self, "_device_stats", None)
+        self._device_stats = (old_stats.to(device) if old_stats is not None else
+                              torch.zeros(3, dtype=torch.int64, device=device))
         if self.algorithm == "lfu":
             old = getattr(self, "_counts", None)
             self._counts = (old.to(device) if old is not None else
@@ -286,9 +297,13 @@ class RowCache:
 
     def reset_stats(self) -> None:
         self.stats = self._zero_stats()
+        self._device_stats.zero_()
 
     def report(self) -> Dict[str, object]:
         s = dict(self.stats)
+        for name, value in zip(("rows_written_back", "bytes_written_back", "backing_lookups"),
+                               self._device_stats.tolist()):
+            s[name] += value
         s["hit_rate"] = s["hits"] / s["lookups"] if s["lookups"] else float("nan")
         s["unique_hit_rate"] = s["unique_hits"] / s["unique_rows"] if s["unique_rows"] else float("nan")
         s["resident_rows"] = int((self._slot_row >= 0).sum())
@@ -301,19 +316,29 @@ class RowCache:
     # ---- moving rows between the backing store and the slots ----
 
     def _move(self, buffers, c: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor, to_slots: bool,
-              staged: Optional[list] = None) -> None:
+              staged: Optional[list] = None, per_table: Optional[Sequence[int]] = None) -> None:
         """Copies rows (and their states) of cached tables `c` between backing row `rows` and local
         slot `slots`, in every buffer: `buffers` is [(flat tensor, "element" | "row" | "int8 rows")]
         ("int8 rows": the weights of weights_dtype int8, a byte buffer in which the row of element
         offset o and key k is the D + 8 bytes from o + 8k: codes and qparams move together).
         With `staged` (a list), the sources are gathered now and the writes are appended to it as
-        (view, destination rows, gathered rows), for `_write_staged` to issue later."""
+        (view, destination rows, gathered rows), for `_write_staged` to issue later. With
+        `per_table` (how many of the rows are of each cached table, known to the host), the rows
+        of each width are picked without a host wait."""
         if rows.numel() == 0:
             return
         T = self._t
         int8_rows = any(per == "int8 rows" for _, per in buffers)
         for D in self._dims:
-            sel = None if len(self._dims) == 1 else (T["D"][c] == D).nonzero().squeeze(1)
+            if len(self._dims) == 1:
+                sel = None
+            elif per_table is not None:
+                n = sum(k for k, d in zip(per_table, self.dims) if d == D)
+                if n == 0:
+                    continue
+                sel = self._compact(T["D"][c] == D, n)
+            else:
+                sel = (T["D"][c] == D).nonzero().squeeze(1)
             cc, rr, ss = (c, rows, slots) if sel is None else (c[sel], rows[sel], slots[sel])
             back = T["back_woff"][cc] + rr * D
             slot = T["slot_woff"][cc] + ss * D
@@ -428,6 +453,8 @@ class RowCache:
             per_table = self._per_table(c).tolist()  # (slots ascend, so their tables do)
             self.stats["rows_written_back"] += n
             self.stats["bytes_written_back"] += self._bytes(per_table)
+        if tables is None:
+            self._maybe_dirty = False
         return n
 
     def _of_tables(self, tables: Sequence[int]) -> torch.Tensor:
@@ -445,6 +472,8 @@ class RowCache:
             self._last_used[slots] = 0
             self.epoch += 1
             self._release_all()
+        for k in tables:
+            self._occupied[k] = 0
 
     def invalidate(self) -> None:
         """Empties the cache without writing anything back (after the backing rows were replaced,
@@ -454,12 +483,15 @@ class RowCache:
         self._slot_row.fill_(-1)
         self._last_used.zero_()
         self._dirty.zero_()
+        self._occupied = [0] * len(self.tables)
+        self._maybe_dirty = False
         self.epoch += 1
         self._release_all()
 
     def mark_dirty(self, slots: torch.Tensor) -> None:
         if slots.numel():
             self._dirty[slots] = True
+            self._maybe_dirty = True
 
     # ---- batches in flight: their rows stay ----
 
@@ -505,7 +537,14 @@ class RowCache:
         indices the kernels read (see Ticket). `offsets` has F * batch + 1 entries (checked by the
         caller). Out-of-range indices of cached tables stay out of range for the kernels, which
         treat them per bounds_check_mode (see _skip_bad); with `bad_index_error`, the first one
-        is passed to it (which raises) before anything changes."""
+        is passed to it (which raises) before anything changes.
+
+        Host waits (docs/placements.md, "The host's part"): one per batch, where the host reads
+        the batch's summary (per table: distinct rows, missing rows, indices; hits; held slots
+        beside the batch's; bad indices): every later size is one of those numbers or the
+        number of indices, so the host allocates and launches the rest without waiting for the
+        device. A batch with more distinct rows of a compact table than its slots (overflow)
+        waits more (the table is written back and emptied)."""
         T = self._t
         dev = self.device
         N = indices.numel()
@@ -517,35 +556,60 @@ class RowCache:
         cached = c >= 0
         c0 = c.clamp(min=0)
         valid = cached & (idx >= 0) & (idx < T["E"][c0])
-        if bad_index_error is not None:
-            bad = (cached & ~valid).nonzero()
-            if bad.numel():
-                i = int(bad[0, 0])
-                bad_index_error(i, int(idx[i]), int(feature[i]), self.tables[int(c[i])], self.rows[int(c[i])])
-        pos = valid.nonzero().squeeze(1)
         empty = torch.empty(0, dtype=torch.int64, device=dev)
-        if pos.numel() == 0:
+        if N == 0:
             return Ticket(self._skip_bad(indices, c, valid), empty, self.epoch, indices, offsets, self._features[()])
         nc = len(self.tables)
         st = self.stats
         bypass: Tuple[int, ...] = ()
+        use = valid  # the indices looked up in the cache (not those of tables bypassing it)
+        key_type = torch.int32 if self.num_rows < 2 ** 31 else torch.int64  # (32-bit keys sort in half the passes)
+        flat = T["rbase"][c0] + idx
+        check_bad = bad_index_error is not None
         while True:  # (twice when a compact table overflows its cache: then without its indices)
-            cv = c[pos]
-            keys = T["rbase"][cv] + idx[pos]
-            if self.num_rows < 2 ** 31:  # (32-bit keys sort in half the passes)
-                keys = keys.to(torch.int32)
-            U, inverse, counts = torch.unique(keys, sorted=True, return_inverse=True, return_counts=True)
-            U = U.to(torch.int64)
-            tU = torch.searchsorted(T["rbase"], U, right=True) - 1  # cached table of each distinct row
-            local_row = U - T["rbase"][tU]
-            slot = self._row_slot[U].to(torch.int64)
-            hit = slot >= 0
-            need = self._per_table(tU)  # (U ascends, so its tables do)
-            miss = self._per_table(tU[~hit])
-            looked = self._per_table(tU, counts)
-            summary = torch.cat([need, miss, looked, torch.stack([hit.sum(), counts[hit].sum()])]).tolist()
-            need_h, miss_h, looked_h = summary[:nc], summary[nc:2 * nc], summary[2 * nc:3 * nc]
-            unique_hits, index_hits = summary[3 * nc:]
+            # The batch's distinct rows, without a data-sized output: the keys sorted, indices that
+            # are not looked up last (key num_rows), each distinct key's first entry marked.
+            keys = torch.where(use, flat, torch.full_like(flat, self.num_rows)).to(key_type)
+            sk, perm = torch.sort(keys, stable=True)
+            looked_up = sk < self.num_rows
+            first = torch.cat([looked_up[:1], (sk[1:] != sk[:-1]) & looked_up[1:]])
+            sk = sk.to(torch.int64)
+            tk = c0[perm]  # each sorted entry's cached table (ascending over the looked-up ones)
+            slot_k = self._row_slot[sk.clamp(max=self.num_rows - 1)].to(torch.int64)
+            hit_k = looked_up & (slot_k >= 0)
+            # per table (its entries are contiguous): indices, distinct rows, missing rows
+            edges = torch.searchsorted(sk, T["rbase_end"])
+            ranks = torch.cumsum(first, 0)
+            zero = torch.zeros(1, dtype=torch.int64, device=dev)
+            firsts = torch.cat([zero, ranks])
+            misses = torch.cat([zero, torch.cumsum(first & ~hit_k, 0)])
+            parts = [edges[1:] - edges[:-1], firsts[edges[1:]] - firsts[edges[:-1]],
+                     misses[edges[1:]] - misses[edges[:-1]], (first & hit_k).sum().reshape(1), hit_k.sum().reshape(1)]
+            held = self._held_mask()
+            if held is not None:  # per table, the held slots other than the batch's hit rows
+                mine = torch.zeros(self.num_slots + 1, dtype=torch.bool, device=dev)
+                mine[torch.where(hit_k, T["sbase"][tk] + slot_k, self.num_slots)] = True
+                others = torch.cat([zero, torch.cumsum(held & ~mine[:-1], 0)])
+                parts.append(others[T["sbase"] + T["C"]] - others[T["sbase"]])
+            if check_bad:
+                parts.append((cached & ~valid).sum().reshape(1))
+            summary = torch.cat(parts).tolist()  # (the batch's one host wait)
+            looked_h, need_h, miss_h = summary[:nc], summary[nc:2 * nc], summary[2 * nc:3 * nc]
+            unique_hits, index_hits = summary[3 * nc:3 * nc + 2]
+            extra = summary[3 * nc + 2:4 * nc + 2] if held is not None else [0] * nc
+            if check_bad:
+                check_bad = False
+                if summary[-1]:
+                    i = int((cached & ~valid).nonzero()[0, 0])
+                    bad_index_error(i, int(idx[i]), int(feature[i]), self.tables[int(c[i])], self.rows[int(c[i])])
+            n_unique = sum(need_h)
+            if n_unique == 0:
+                if not bypass:
+                    return Ticket(self._skip_bad(indices, c, valid), empty, self.epoch, indices, offsets,
+                                  self._features[()])
+                st["prepares"] += 1
+                return Ticket(self._skip_bad(indices, c, valid), empty, self.epoch, indices, offsets,
+                              self._features_for(bypass), bypass)
             over = tuple(k for k in range(nc) if need_h[k] > self.slots[k] and not self.direct[k])
             if not over:
                 break
@@ -555,18 +619,26 @@ class RowCache:
             st["backing_rows"] += sum(need_h[k] for k in over)
             st["lookups"] += sum(looked_h[k] for k in over)
             st["unique_rows"] += sum(need_h[k] for k in over)
-            if self.algorithm == "lfu":
-                bypassed = torch.isin(tU, torch.tensor(over, device=dev))
-                self._counts[U[bypassed]] += counts[bypassed]
+            bypassed = use & torch.isin(c, torch.tensor(over, device=dev))
+            if self.algorithm == "lfu":  # (a rare batch: it may wait)
+                rows, counts = torch.unique(flat[bypassed], return_counts=True)
+                self._counts[rows] += counts
             bypass = over
-            pos = pos[~torch.isin(cv, torch.tensor(over, device=dev))]
-            if pos.numel() == 0:
-                st["prepares"] += 1
-                return Ticket(self._skip_bad(indices, c, valid), empty, self.epoch, indices, offsets,
-                              self._features_for(bypass), bypass)
+            use = use & ~bypassed
+        # the distinct rows U (ascending), their tables, slots, and how often the batch reads them
+        n_miss = sum(miss_h)
+        at = self._compact(first, n_unique)  # (sorted positions of each distinct row's first entry)
+        U = sk[at]
+        tU = tk[at]
+        local_row = U - T["rbase"][tU]
+        slot = slot_k[at]
+        hit = slot >= 0
+        counts = torch.diff(at, append=at.new_full((1,), sum(looked_h)))
+        inverse = torch.empty_like(perm).scatter_(0, perm, ranks - 1)  # each index's distinct row
         self.tick += 1
         tick = self.tick
-        hit_slots = T["sbase"][tU[hit]] + slot[hit]
+        h = self._compact(hit, n_unique - n_miss)
+        hit_slots = T["sbase"][tU[h]] + slot[h]
         self._last_used[hit_slots] = tick
         if self.algorithm == "lfu":
             self._counts[U] += counts
@@ -574,41 +646,47 @@ class RowCache:
         # (then the slots not holding a hit take the batch's most read missing rows; the others
         # are read from the backing store in place)
         admit = [min(m, C - (n - m)) for m, n, C in zip(miss_h, need_h, self.slots)]
-        held = self._held_mask()
-        if held is not None and sum(miss_h):
+        if held is not None and n_miss:
             # the slots held for other batches are not victims, unless that would cost this batch
-            held[hit_slots] = False
-            extra = self._per_table(self._slot_table[held.nonzero().squeeze(1)]).tolist()
             if any(a > C - (n - m) - x for a, m, n, C, x in zip(admit, miss_h, need_h, self.slots, extra)):
                 self._release_all()
                 held = None
         if sum(admit):
-            missing = (~hit).nonzero().squeeze(1)
+            missing = self._compact(~hit, n_miss)
             if admit != miss_h:
                 order = torch.argsort(-counts[missing], stable=True)  # most read first, then by row
                 order = order[torch.argsort(tU[missing][order], stable=True)]
                 missing = missing[order]
-                first = torch.tensor([sum(miss_h[:k]) for k in range(nc)], dtype=torch.int64, device=dev)
+                first_t = torch.tensor([sum(miss_h[:k]) for k in range(nc)], dtype=torch.int64, device=dev)
                 cap = torch.tensor(admit, dtype=torch.int64, device=dev)
                 mt = tU[missing]
-                missing = missing[torch.arange(missing.numel(), device=dev) - first[mt] < cap[mt]]
+                missing = missing[self._compact(torch.arange(n_miss, device=dev) - first_t[mt] < cap[mt], sum(admit))]
             self._fill(buffers, U[missing], tU[missing], local_row[missing], hit_slots, admit, tick, held)
         slot = self._row_slot[U].to(torch.int64)
         resident = slot >= 0
         n_backing = [n - a - (n - m) for n, a, m in zip(need_h, admit, miss_h)]  # (direct tables only)
         out = self._skip_bad(indices, c, valid)
-        at = resident[inverse]
-        out[pos[at]] = (slot + T["index_base"][tU])[inverse[at]].to(indices.dtype)
+        row_of = inverse.clamp(0, n_unique - 1)
+        out = torch.where(use & resident[row_of], (slot + T["index_base"][tU])[row_of].to(indices.dtype), out)
         st["prepares"] += 1
         st["lookups"] += sum(looked_h)
         st["hits"] += index_hits
-        st["unique_rows"] += len(U)
+        st["unique_rows"] += n_unique
         st["unique_hits"] += unique_hits
         if sum(n_backing):
             st["backing_rows"] += sum(n_backing)
-            st["backing_lookups"] += int(counts[~resident].sum())
-        return Ticket(out, (T["sbase"][tU] + slot)[resident], self.epoch, indices, offsets,
+            self._device_stats[2] += (counts * ~resident).sum()  # backing_lookups (read in report)
+        slots = (T["sbase"][tU] + slot)[self._compact(resident, n_unique - sum(n_backing))]
+        return Ticket(out, slots, self.epoch, indices, offsets,
                       self._features_for(bypass), bypass, self.hard_epoch, bool(bypass) or sum(n_backing) > 0)
+
+    def _compact(self, mask: torch.Tensor, k: int) -> torch.Tensor:
+        """The positions of the `k` True entries of `mask`, ascending, where the caller knows `k`
+        (nonzero would make the host wait for the count): the i-th is the first position where
+        the running count of True entries reaches i + 1."""
+        if k == 0:
+            return torch.empty(0, dtype=torch.int64, device=self.device)
+        return torch.searchsorted(torch.cumsum(mask, 0), torch.arange(1, k + 1, device=self.device))
 
     def _skip_bad(self, indices: torch.Tensor, c: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
         """A copy of the indices, where out-of-range ones of direct tables are -1 (their features
@@ -658,7 +736,12 @@ class RowCache:
     def _fill(self, buffers, mU, mT, mRow, hit_slots, count_h, tick, held: Optional[torch.Tensor] = None) -> None:
         """Loads rows (cached keys mU of tables mT, grouped by table: count_h[c] of table c) into
         the coldest slots of their tables (the j-th row of a table into its j-th coldest slot),
-        never into the batch's own slots (`hit_slots`) or those `held` for other batches."""
+        never into the batch's own slots (`hit_slots`) or those `held` for other batches.
+
+        Without a host wait: a table's coldest slots are its empty ones first, so the host knows
+        how many of its victims hold a row (evicted: `_occupied`, which it keeps). Every evicted
+        row is written back (a clean one's slot holds its backing row's bits, so that write
+        changes nothing), unless no slot can be dirty; the statistics count the dirty ones."""
         T = self._t
         dev = self.device
         protected = torch.zeros(self.num_slots, dtype=torch.bool, device=dev) if held is None else held
@@ -671,34 +754,33 @@ class RowCache:
         local_slot = victims - T["sbase"][mT]
         old = self._slot_row[victims]
         had = old >= 0
-        write = had & self._dirty[victims]
-        nc = len(self.tables)
-        counts = torch.cat([self._per_table(mT[write]), had.sum().reshape(1)]).tolist()  # (mT ascends)
-        written, evicted = counts[:nc], counts[nc]
-        # The evicted dirty rows are gathered out of their slots (GPU memory to GPU memory), then
+        written = had & self._dirty[victims]
+        self._device_stats[0] += written.sum()  # rows_written_back, bytes_written_back (read in report)
+        self._device_stats[1] += (written * T["row_bytes"][mT]).sum()
+        evicted_h = [max(0, a - (C - n)) for a, C, n in zip(count_h, self.slots, self._occupied)]
+        evicted = sum(evicted_h)
+        e = self._compact(had, evicted)  # (the victims that hold a row, grouped by table)
+        # The evicted rows are gathered out of their slots (GPU memory to GPU memory), then
         # written to their backing rows on a side stream while the new rows load on this one: the
         # two cross the host link in opposite directions at once, and touch different backing
         # rows (an evicted row is resident, a loaded one is not). This stream waits for both.
         staged: list = []
-        if sum(written):
-            w = write.nonzero().squeeze(1)
-            self._move(buffers, mT[w], old[w], local_slot[w], to_slots=False, staged=staged)
+        if evicted and self._maybe_dirty:
+            self._move(buffers, mT[e], old[e], local_slot[e], to_slots=False, staged=staged, per_table=evicted_h)
         self._write_staged(staged)
         if evicted:
-            e = had.nonzero().squeeze(1)
             self._row_slot[T["rbase"][mT[e]] + old[e]] = -1
         # Some row's slot number is no longer valid, or a row that an earlier batch of a direct
         # table read in its backing row is now cached: batches prepared before are prepared again.
         self.epoch += 1
-        self._move(buffers, mT, mRow, local_slot, to_slots=True)
+        self._move(buffers, mT, mRow, local_slot, to_slots=True, per_table=count_h)
         self._join_writeback()
         self._row_slot[mU] = local_slot.to(torch.int32)
         self._slot_row[victims] = mRow
         self._last_used[victims] = tick
         self._dirty[victims] = False
+        self._occupied = [min(C, n + a) for C, n, a in zip(self.slots, self._occupied, count_h)]
         st = self.stats
         st["rows_loaded"] += mU.numel()
         st["bytes_loaded"] += self._bytes(count_h)
-        st["rows_written_back"] += sum(written)
-        st["bytes_written_back"] += self._bytes(written)
         st["evictions"] += evicted
