@@ -11,6 +11,7 @@
 #pragma once
 
 #include <algorithm>
+#include <atomic>
 #include <numeric>
 #include <tuple>
 #include <vector>
@@ -18,6 +19,10 @@
 #include "tbegen/host.h"
 
 namespace tbegen {
+
+// Bags up to which check_bag_output_values_host's first pass runs on the calling thread (and the
+// chunk of its parallel loop beyond).
+constexpr int64_t kVbeSerialBags = 16384;
 
 // Checks the table's shape and dtype against the batch (every operator, CPU and CUDA) and, for the
 // forward, the output size. Pooling none has no bags in its output: the table is refused there.
@@ -59,26 +64,39 @@ inline const int64_t* check_grad_output_of(const Batch& b, const at::Tensor& gra
 // not zeroed first) also: the real bags' rows tile the output exactly, none overlapping another
 // and no element left unwritten; checked on a map of the output in steps of the widths' greatest
 // common divisor (every offset a multiple of it), one byte a step. Nothing is written before this
-// passes.
+// passes. Both passes walk the bags feature by feature (bag f * B + j has feature f's width: no
+// division per bag, which was most of a small VBE call's cost here); the first, in parallel chunks
+// for large batches, finds the first bag out of place, so that its message comes first.
 template <typename I>
 inline void check_bag_output_values_host(const Batch& b, const int64_t* feat, const int64_t* table, const I* offsets,
                                          int64_t numel, bool tiling = false) {
-  std::atomic<int64_t> first_bad{b.F * b.B};
-  at::parallel_for(0, b.F * b.B, 4096, [&](int64_t begin, int64_t end) {
-    for (int64_t bag = begin; bag < end; ++bag) {
-      const int64_t at_ = table[bag];
-      const int64_t D = feat[(bag / b.B) * kFeatColumns + kFeatDim];
-      const bool ok = at_ == -1 ? offsets[bag + 1] == offsets[bag] : (at_ >= 0 && at_ <= numel - D);
-      if (!ok) {
-        int64_t seen = first_bad.load();
-        while (bag < seen && !first_bad.compare_exchange_weak(seen, bag)) {
-        }
-        return;
+  const int64_t bags = b.F * b.B;
+  // the first bag in [begin, end) out of place, or `bags`
+  auto first_bad_in = [&](int64_t begin, int64_t end) -> int64_t {
+    for (int64_t f = begin / std::max<int64_t>(b.B, 1); f < b.F && f * b.B < end; ++f) {
+      const int64_t D = feat[f * kFeatColumns + kFeatDim];
+      const int64_t last = numel - D;
+      for (int64_t bag = std::max(begin, f * b.B); bag < std::min(end, (f + 1) * b.B); ++bag) {
+        const int64_t at_ = table[bag];
+        if (at_ == -1 ? offsets[bag + 1] != offsets[bag] : (at_ < 0 || at_ > last)) return bag;
       }
     }
-  });
-  const int64_t bad = first_bad.load();
-  if (bad != b.F * b.B) {
+    return bags;
+  };
+  int64_t bad = bags;
+  if (bags <= kVbeSerialBags) {
+    bad = first_bad_in(0, bags);
+  } else {
+    std::atomic<int64_t> first_bad{bags};
+    at::parallel_for(0, bags, kVbeSerialBags, [&](int64_t begin, int64_t end) {
+      const int64_t found = first_bad_in(begin, end);
+      int64_t seen = first_bad.load();
+      while (found < seen && !first_bad.compare_exchange_weak(seen, found)) {
+      }
+    });
+    bad = first_bad.load();
+  }
+  if (bad != bags) {
     const int64_t D = feat[(bad / b.B) * kFeatColumns + kFeatDim];
     TBEGEN_CHECK(table[bad] != -1, "tbegen: bag_output_offsets marks bag ", bad, " (feature ", bad / b.B,
                 ") as padding (-1), but it has ", int64_t(offsets[bad + 1] - offsets[bad]), " indices");
@@ -93,18 +111,22 @@ inline void check_bag_output_values_host(const Batch& b, const int64_t* feat, co
               "features' widths");
   std::vector<uint8_t> written(size_t(numel / g), 0);
   int64_t covered = 0;
-  for (int64_t bag = 0; bag < b.F * b.B; ++bag) {
-    const int64_t at_ = table[bag];
-    if (at_ < 0) continue;
-    const int64_t D = feat[(bag / b.B) * kFeatColumns + kFeatDim];
-    TBEGEN_CHECK(at_ % g == 0, "tbegen: bag_output_offsets[", bag, "] = ", at_, " does not start a row (every "
-                "offset of a variable-batch output is a multiple of ", g, ")");
-    for (int64_t k = at_ / g; k < (at_ + D) / g; ++k) {
-      TBEGEN_CHECK(!written[size_t(k)], "tbegen: bag_output_offsets[", bag, "] = ", at_, " overlaps an earlier "
-                  "bag's row in the variable-batch output");
-      written[size_t(k)] = 1;
+  for (int64_t f = 0; f < b.F; ++f) {
+    const int64_t D = feat[f * kFeatColumns + kFeatDim];
+    const int64_t steps = D / g;
+    for (int64_t bag = f * b.B; bag < (f + 1) * b.B; ++bag) {
+      const int64_t at_ = table[bag];
+      if (at_ < 0) continue;
+      TBEGEN_CHECK(at_ % g == 0, "tbegen: bag_output_offsets[", bag, "] = ", at_, " does not start a row (every "
+                  "offset of a variable-batch output is a multiple of ", g, ")");
+      uint8_t* row = written.data() + at_ / g;
+      for (int64_t k = 0; k < steps; ++k) {
+        TBEGEN_CHECK(!row[k], "tbegen: bag_output_offsets[", bag, "] = ", at_, " overlaps an earlier bag's row in "
+                    "the variable-batch output");
+        row[k] = 1;
+      }
+      covered += D;
     }
-    covered += D;
   }
   TBEGEN_CHECK(covered == numel, "tbegen: bag_output_offsets leaves ", numel - covered, " of the variable-batch "
               "output's ", numel, " elements unwritten");
