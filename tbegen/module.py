@@ -86,7 +86,6 @@ _MODULE_ARGS = (
 
 from .model import INT64_MAX as _INT64_MAX, INT64_MIN as _INT64_MIN
 
-_VBE_INT_TYPES = frozenset((int, bool))  # (batch sizes the vbe_plan operator takes as they are)
 
 # OptimizerSpec -> torch.ops.tbegen_NAME (build.load_ops caches too, but re-renders to hash).
 _OPS: Dict[OptimizerSpec, Any] = {}
@@ -1292,30 +1291,34 @@ class TableBatchedEmbeddingBags(nn.Module):
         if type(bsfr) in (list, tuple):
             try:
                 sizes = tuple(map(tuple, bsfr))
-            except TypeError:
-                pass
-            if sizes is not None:
-                flat = list(itertools.chain.from_iterable(sizes))
-                # (only ints: a float or anything else equal to a kept size must still be refused;
-                # a bool is an int, True a batch of 1)
-                if not set(map(type, flat)) <= _VBE_INT_TYPES:
-                    flat = None
-        if flat is not None:
+                # (only ints: the sum of anything else, e.g. of a float equal to a kept size, is
+                # not an int; a bool is an int, True a batch of 1)
+                if type(sum(map(sum, sizes))) is not int:
+                    sizes = None
+            except (TypeError, ValueError, ArithmeticError):
+                sizes = None
+        if sizes is not None:
             plan = plans.get(sizes)
             if plan is not None and plan["device"] == device:
                 return plan
             R = len(sizes[0]) if sizes else 0
-            if not (len(sizes) == F and R >= 1 and set(map(len, sizes)) == {R}
-                    and min(flat) >= 0 and max(flat) <= _INT64_MAX):
-                flat = None  # (refused below, with a message naming the entry)
-        if flat is None:
-            B = self._vbe_sizes(bsfr)  # [F, R] int64 on the CPU, checked
+            if len(sizes) == F and R >= 1 and set(map(len, sizes)) == {R}:
+                flat = list(itertools.chain.from_iterable(sizes))
+        device_of = weights.detach() if weights.requires_grad else weights
+        if flat is not None:
+            try:
+                pad, bag_out, (total, max_B, n_out) = self._ops.vbe_plan(flat, R, dims, device_of)
+            except RuntimeError:
+                # (a negative size or one past int64: the message naming it; else the operator's)
+                self._vbe_sizes(bsfr)
+                raise
+        else:
+            B = self._vbe_sizes(bsfr)  # [F, R] int64 on the CPU, checked (or a message naming the entry)
             sizes, flat, R = tuple(map(tuple, B.tolist())), B.reshape(-1).tolist(), B.shape[1]
             plan = plans.get(sizes)
             if plan is not None and plan["device"] == device:
                 return plan
-        pad, bag_out, (total, max_B, n_out) = self._ops.vbe_plan(
-            flat, R, dims, weights.detach() if weights.requires_grad else weights)
+            pad, bag_out, (total, max_B, n_out) = self._ops.vbe_plan(flat, R, dims, device_of)
         plan = {"total_bags": total, "max_B": max_B, "pad": pad, "numel": n_out, "bag_out": bag_out, "sizes": sizes,
                 "device": device, "offsets_shape": torch.Size([total + 1]),
                 # (how _forward_vbe runs this module's VBE batches eagerly: see _vbe_direct)
