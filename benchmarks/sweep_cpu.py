@@ -11,6 +11,12 @@ round-robin timing (one step of each system per iteration, medians). The sweep o
 referee's shape globals (T, E, D, B, L) per cell, from the base CPU-1 (T=8, E=100,000, D=64,
 B=2048, L=20): the row width, the number of tables, the pooling factor, the batch, uniform or Zipf
 1.1 indices; each shape with sgd, adagrad and rowwise_adagrad (the optimizers FBGEMM CPU has).
+Beside the fp32 sum-pooled cells: fp16 weights on five of the shapes (FBGEMM's
+weights_precision=SparseType.FP16, fp32 output in both; FBGEMM CPU ignores stochastic_rounding, so
+tbegen rounds to nearest too), and CPU-2 with per-sample weights (weighted sum) and with mean pooling.
+For those cells the modules are built here, with the referee's tables, weights, learning rate and
+eps; the step is the referee's (forward, then `out.backward(grad)`, timed the same way), with the
+per-sample weights passed to the forward of the weighted cells.
 
 Writes sweep_cpu.json and sweep_cpu.md (cells sorted by speedup, worst first) into --out. CPU times
 move with what else runs on the machine: the load average at the start and end is recorded.
@@ -35,7 +41,13 @@ OPTS = ("exact_sgd", "exact_adagrad", "exact_rowwise_adagrad")
 BASE = dict(T=8, E=100_000, D=64, B=2048, L=20, dist="uniform")
 
 
+BASE = dict(BASE, dtype="fp32", mode="sum")
+FP16_SHAPES = ("CPU-1", "CPU-2", "D=16 zipf", "D=128 zipf", "L=5 zipf")
+
+
 def shapes(quick: bool = False) -> list:
+    """The cells' shapes: fp32 sum-pooled ones, then fp16 (FP16_SHAPES), then CPU-2 weighted and
+    mean. A shape's name says what differs from fp32 sum pooling."""
     out = [dict(BASE, name="CPU-1"), dict(BASE, name="CPU-2", dist="zipf")]
     for d in (8, 16, 32, 128, 256):
         out.append(dict(BASE, name=f"D={d} zipf", D=d, dist="zipf"))
@@ -43,9 +55,80 @@ def shapes(quick: bool = False) -> list:
     out += [dict(BASE, name=f"L={n} zipf", L=n, dist="zipf") for n in (1, 5, 60)]
     out += [dict(BASE, name=f"B={b} zipf", B=b, dist="zipf") for b in (256, 8192)]
     out += [dict(BASE, name="D=128 uniform", D=128), dict(BASE, name="L=5 uniform", L=5)]
+    by_name = {s["name"]: s for s in out}
+    out += [dict(by_name[n], name=f"{n} fp16", dtype="fp16") for n in FP16_SHAPES]
+    out += [dict(by_name["CPU-2"], name="CPU-2 weighted", mode="weighted"),
+            dict(by_name["CPU-2"], name="CPU-2 mean", mode="mean")]
     if quick:
-        out = out[:3]
+        out = out[:2] + [s for s in out if s["dtype"] == "fp16"][:1] + [s for s in out if s["mode"] == "weighted"]
     return out
+
+
+def batch_seed(s: dict) -> int:
+    """The seed of a shape's batches: the fp32 sum-pooled shape's own (its fp16, weighted and mean
+    cells step through the same batches)."""
+    base = s["name"].split(" fp16")[0].replace(" weighted", "").replace(" mean", "")
+    return sum(map(ord, base))
+
+
+def with_weights(batches: list, seed: int) -> list:
+    """The batches with per-sample weights in [0.5, 1.5) appended (one per index)."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    return [(*b, torch.rand(b[0].numel(), generator=g) + 0.5) for b in batches]
+
+
+def weighted_step(emb, batch):
+    """The referee's fbgemm_step with the batch's per-sample weights passed to the forward."""
+    indices, offsets, _, grad, psw = batch
+    t0 = time.perf_counter()
+    out = emb(indices, offsets, per_sample_weights=psw)
+    t1 = time.perf_counter()
+    out.backward(grad)
+    t2 = time.perf_counter()
+    return {"fwd": t1 - t0, "bwd": t2 - t1, "total": t2 - t0}
+
+
+def make_fbgemm(ref, opt: str, W0, s: dict):
+    """FBGEMM's module for a cell: the referee's own for fp32 sum pooling, else built the way the
+    referee builds it, with the cell's weights precision and pooling."""
+    if s["dtype"] == "fp32" and s["mode"] == "sum":
+        return ref.make_fbgemm(opt, W0)
+    import torch
+    from fbgemm_gpu.split_embedding_configs import SparseType
+    from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
+        ComputeDevice, EmbeddingLocation, PoolingMode, SplitTableBatchedEmbeddingBagsCodegen)
+
+    emb = SplitTableBatchedEmbeddingBagsCodegen(
+        [(ref.E, ref.D, EmbeddingLocation.HOST, ComputeDevice.CPU)] * ref.T,
+        optimizer=ref.FBGEMM_OPT[opt], learning_rate=ref.LR, eps=ref.EPS,
+        pooling_mode=PoolingMode.MEAN if s["mode"] == "mean" else PoolingMode.SUM,
+        weights_precision=SparseType.FP16 if s["dtype"] == "fp16" else SparseType.FP32,
+        output_dtype=SparseType.FP32)
+    with torch.no_grad():
+        for w, w0 in zip(emb.split_embedding_weights(), W0):
+            w.copy_(w0)
+    return emb
+
+
+def make_tbegen(ref, opt: str, W0, s: dict):
+    """tbegen's module for a cell: the referee's own for fp32 sum pooling, else the same tables and
+    hyperparameters with the cell's weights dtype (rounded to nearest, as FBGEMM CPU) and pooling."""
+    if s["dtype"] == "fp32" and s["mode"] == "sum":
+        return ref.make_tbegen(opt, W0)
+    import torch
+    import tbegen
+
+    name = ref.TBEGEN_OPT[opt]
+    hp = dict(learning_rate=ref.LR) if name == "sgd" else dict(learning_rate=ref.LR, eps=ref.EPS)
+    emb = tbegen.TableBatchedEmbeddingBags(
+        tables=[(ref.E, ref.D)] * ref.T, optimizer=name, pooling="mean" if s["mode"] == "mean" else "sum",
+        weights_dtype=torch.float16 if s["dtype"] == "fp16" else torch.float32, output_dtype=torch.float32,
+        stochastic_rounding=False, device="cpu", **hp)
+    for w, w0 in zip(emb.split_embedding_weights(), W0):
+        w.copy_(w0)
+    return emb
 
 
 def referee():
@@ -76,6 +159,26 @@ def geomean(xs):
     return math.exp(sum(map(math.log, xs)) / len(xs)) if xs else float("nan")
 
 
+def group_lines(cells: list) -> list:
+    """One line per kind of cell (fp32 sum pooling, fp16, weighted, mean) when there are several."""
+    def kind(c):
+        return ("fp16 weights" if c.get("dtype", "fp32") == "fp16" else
+                {"sum": "fp32, sum pooling", "weighted": "fp32, weighted (per-sample weights)",
+                 "mean": "fp32, mean pooling"}[c.get("mode", "sum")])
+
+    kinds = {}
+    for c in cells:
+        kinds.setdefault(kind(c), []).append(c)
+    if len(kinds) < 2:
+        return []
+    lines = []
+    for k, cs in kinds.items():
+        worst = min(cs, key=lambda c: c["speedup"])
+        lines.append(f"- {k}: {len(cs)} cells, geometric mean {geomean([c['speedup'] for c in cs]):.2f}x, worst "
+                     f"{worst['speedup']:.2f}x ({worst['shape']} {worst['opt']}), under 1.1x: {sum(c['speedup'] < 1.1 for c in cs)}")
+    return lines + [""]
+
+
 def markdown(summary: dict) -> str:
     cells = sorted(summary["cells"], key=lambda c: c["speedup"])
     lines = [
@@ -91,6 +194,7 @@ def markdown(summary: dict) -> str:
         f"Geometric mean **{geomean([c['speedup'] for c in cells]):.2f}x**, worst {cells[0]['speedup']:.2f}x "
         f"({cells[0]['shape']} {cells[0]['opt']}), cells under 1.1x: {sum(c['speedup'] < 1.1 for c in cells)} of {len(cells)}.",
         "",
+        *group_lines(cells),
         "| shape | optimizer | T E D B L dist | FBGEMM ms (fwd / bwd) | tbegen ms (fwd / bwd) | speedup |",
         "|---|---|---|---|---|---|",
     ]
@@ -132,16 +236,21 @@ def main(argv=None) -> int:
     load_start = open("/proc/loadavg").read().split()[:3] if os.path.exists("/proc/loadavg") else "?"
     cells = []
     for s in shapes(args.quick):
+        cell_opts = [o for o in OPTS if not only or only.search(f"{s['name']} {o.replace('exact_', '')}")]
+        if not cell_opts:
+            continue
         set_shape(ref, s, torch)
-        batches = ref.make_batches(s["dist"], seed=sum(map(ord, s["name"])))
+        batches = ref.make_batches(s["dist"], seed=batch_seed(s))
+        step = ref.fbgemm_step
+        if s["mode"] == "weighted":
+            batches, step = with_weights(batches, batch_seed(s)), weighted_step
         W0 = ref.init_weights(7)
-        for opt in OPTS:
-            if only and not only.search(f"{s['name']} {opt.replace('exact_', '')}"):
-                continue
-            impls = [("fbgemm", ref.fbgemm_step, ref.make_fbgemm(opt, W0)),
-                     ("tbegen", ref.fbgemm_step, ref.make_tbegen(opt, W0))]
+        for opt in cell_opts:
+            impls = [("fbgemm", step, make_fbgemm(ref, opt, W0, s)),
+                     ("tbegen", step, make_tbegen(ref, opt, W0, s))]
             r = ref.time_interleaved(impls, batches, args.warmup, args.iters)
-            cell = dict(shape=s["name"], opt=opt.replace("exact_", ""), **{k: s[k] for k in ("T", "E", "D", "B", "L", "dist")},
+            del impls
+            cell = dict(shape=s["name"], opt=opt.replace("exact_", ""), **{k: s[k] for k in ("T", "E", "D", "B", "L", "dist", "dtype", "mode")},
                         fbgemm=r["fbgemm"], tbegen=r["tbegen"], speedup=r["fbgemm"]["total"] / r["tbegen"]["total"])
             cells.append(cell)
             print(json.dumps(cell), flush=True)
