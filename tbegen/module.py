@@ -1389,7 +1389,7 @@ class TableBatchedEmbeddingBags(nn.Module):
         """Whether this module's VBE batches take the direct path (the operators write and read the
         1-D output through bag_output_offsets): eagerly, on the devices of _VBE_DIRECT_DEVICES,
         when its _run_backward (a subclass may override it) takes the table."""
-        if self.weights.device.type not in self._VBE_DIRECT_DEVICES or torch.compiler.is_compiling():
+        if self._registered("weights").device.type not in self._VBE_DIRECT_DEVICES or torch.compiler.is_compiling():
             return False
         cls = type(self)
         ok = cls.__dict__.get("_vbe_direct_backward")
@@ -1420,9 +1420,11 @@ class TableBatchedEmbeddingBags(nn.Module):
                         plan = None
                 except (TypeError, ValueError, ArithmeticError):
                     plan = None
-        if plan is not None and offsets.shape == plan["offsets_shape"] and offsets.device == plan["device"]:
+        if plan is None:
+            plan = self._vbe_plan_eager(bsfr)
+        if type(offsets) is torch.Tensor and offsets.shape == plan["offsets_shape"] and offsets.device == plan["device"]:
             padded = offsets.index_select(0, plan["pad"])
-        else:
+        else:  # (a kept plan of another device, or offsets that do not fit: the checked way)
             plan = self._vbe_plan_eager(bsfr)
             padded = self._vbe_pad(offsets, plan)
         if plan["direct"]:
