@@ -173,6 +173,21 @@ def profile_steps(args, step, batches, label: str, steps: int = 3) -> str:
 # ---- tbegen -------------------------------------------------------------------------------------------
 
 
+def count_host_waits(step, batches, steps: int = 3) -> float:
+    """The mean number of operations per step that make the host wait for the GPU (tbegen's
+    sync audit, tbegen/_sync_audit.py: data-sized outputs, values read by the host), over `steps`
+    more steps on the last batches (after one more unaudited step, which prefetches the first of
+    them in prefetch-ahead mode)."""
+    from tbegen._sync_audit import SyncAudit
+
+    step(batches[len(batches) - steps - 2], batches[len(batches) - steps - 1])
+    with SyncAudit() as audit:
+        for k in range(len(batches) - steps - 1, len(batches) - 1):
+            step(batches[k], batches[k + 1])
+    _sync()
+    return audit.count / steps
+
+
 def bench_tbegen(args, batches, grad, fraction, prefetch_ahead=False):
     from tbegen import TableBatchedEmbeddingBags
 
@@ -205,6 +220,7 @@ def bench_tbegen(args, batches, grad, fraction, prefetch_ahead=False):
                  mb_moved_per_step=(s["bytes_loaded"] + s["bytes_written_back"]) / args.iters / 1e6,
                  backing_lookups_per_step=s["backing_lookups"] / args.iters, bypasses=s["bypasses"],
                  cache_rows_per_table=next(iter(s["cache_rows"].values())), direct=all(s["direct"].values()))
+        r["host_waits_per_step"] = count_host_waits(step, batches)  # (after the statistics: extra steps)
     r["weights_finite"] = bool(torch.isfinite(emb.split_embedding_weights()[0]).all())
     del emb
     if args.device != "cpu":
@@ -296,8 +312,8 @@ def markdown(args, results, env) -> str:
         f"GPU: {env['gpu']}; torch {env['torch']}; FBGEMM: {env['fbgemm']}.",
         "",
         "| system | placement | cache rows / table | step ms (median) | wall ms / step | vs device | hit rate (indices) "
-        "| hit rate (distinct rows) | MB moved / step | rows read in place / step |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| hit rate (distinct rows) | MB moved / step | rows read in place / step | host waits / step |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     device_ms = {r["system"]: r["step_ms"] for r in results if r["placement"] == "device" and "step_ms" in r}
 
@@ -306,7 +322,7 @@ def markdown(args, results, env) -> str:
 
     for r in results:
         if "error" in r:
-            lines.append(f"| {r['system']} | {r['placement']} | | error: {r['error']} | | | | | | |")
+            lines.append(f"| {r['system']} | {r['placement']} | | error: {r['error']} | | | | | | | |")
             continue
         base = device_ms.get(r["system"])
         rows = r.get("cache_rows_per_table") or (r.get("cache_rows_total", 0) // args.tables if "cache_rows_total" in r else None)
@@ -314,13 +330,14 @@ def markdown(args, results, env) -> str:
             f"| {r['system']}{' (prefetch ahead)' if r.get('prefetch_ahead') else ''} | {r['placement']} | {fmt(rows, 'd')} "
             f"| {r['step_ms']:.2f} | {r['wall_ms_per_step']:.2f} | {fmt(r['step_ms'] / base if base else None, '.2f')}x "
             f"| {fmt(r.get('hit_rate'))} | {fmt(r.get('unique_hit_rate'))} | {fmt(r.get('mb_moved_per_step'), '.1f')} "
-            f"| {fmt(r.get('backing_lookups_per_step'), '.0f')} |"
+            f"| {fmt(r.get('backing_lookups_per_step'), '.0f')} | {fmt(r.get('host_waits_per_step'), '.1f')} |"
         )
     lines += ["", "tbegen's hit rate (indices): indices of cached tables whose row was cached before the batch; "
               "(distinct rows): the same per batch's distinct rows (FBGEMM's: 1 - unique misses / distinct rows). "
               "Rows read in place: indices served from the tables' managed memory because the batch had more "
               "distinct rows of a table than its cache holds (docs/placements.md). With prefetch ahead, a batch whose rows "
-              "a later prefetch moved is looked up again by its backward, and counted again."]
+              "a later prefetch moved is looked up again by its backward, and counted again. Host waits: tbegen's "
+              "operations per step that make the host wait for the GPU (tbegen/_sync_audit.py), over 3 more steps."]
     return "\n".join(lines) + "\n"
 
 

@@ -634,7 +634,8 @@ class RowCache:
         slot = slot_k[at]
         hit = slot >= 0
         counts = torch.diff(at, append=at.new_full((1,), sum(looked_h)))
-        inverse = torch.empty_like(perm).scatter_(0, perm, ranks - 1)  # each index's distinct row
+        inverse = torch.empty_like(perm)
+        inverse[perm] = ranks - 1  # each index's distinct row (perm: every place written once)
         self.tick += 1
         tick = self.tick
         h = self._compact(hit, n_unique - n_miss)

@@ -71,15 +71,17 @@ FEATURES = [0, 1, 2, 3, 3]
 PLACEMENTS = ["managed_caching", "device", "managed_caching", "managed_caching"]
 
 
-@pytest.mark.parametrize("optimizer,algorithm,cache_rows,seed", [
-    ("adam", "lru", [16, None, 24, 48], 1),
-    ("rowwise_adagrad", "lfu", [16, None, 24, 48], 2),
-    ("sgd", "lru", [60, None, 400, 500], 3),  # (caches as large as their tables: nothing evicted)
-    ("rowwise_adagrad", "lru", [40, None, 90, 120], 4),
+@pytest.mark.parametrize("optimizer,algorithm,cache_rows,seed,device_type", [
+    ("adam", "lru", [16, None, 24, 48], 1, "cpu"),
+    ("rowwise_adagrad", "lfu", [16, None, 24, 48], 2, "cpu"),
+    ("sgd", "lru", [60, None, 400, 500], 3, "cpu"),  # (caches as large as their tables: nothing evicted)
+    ("rowwise_adagrad", "lru", [40, None, 90, 120], 4, "cpu"),
+    pytest.param("rowwise_adagrad", "lfu", [16, None, 24, 48], 2, "cuda", marks=pytest.mark.cuda),
+    pytest.param("adam", "lru", [40, None, 90, 120], 4, "cuda", marks=pytest.mark.cuda),
 ])
-def test_same_cache_state_and_training_as_before(monkeypatch, optimizer, algorithm, cache_rows, seed):
-    data = _zipf_batches(TABLES, FEATURES, 240, seed)
-    kw = dict(optimizer=optimizer, learning_rate=0.05, feature_table_map=FEATURES)
+def test_same_cache_state_and_training_as_before(monkeypatch, optimizer, algorithm, cache_rows, seed, device_type):
+    data = [[t.to(device_type) for t in batch] for batch in _zipf_batches(TABLES, FEATURES, 240, seed)]
+    kw = dict(optimizer=optimizer, learning_rate=0.05, feature_table_map=FEATURES, device=device_type)
     cached = dict(kw, placements=PLACEMENTS, cache_rows=cache_rows, cache_algorithm=algorithm)
     device = TableBatchedEmbeddingBags(TABLES, **kw)
     new = TableBatchedEmbeddingBags(TABLES, **cached)
@@ -129,16 +131,19 @@ MAX_WAITS_PER_PREPARE = 1  # (the read of the batch's summary; was 16-22, 39 pip
 
 @pytest.mark.parametrize("algorithm", ["lru", "lfu"])
 @pytest.mark.parametrize("pipelined", [False, True])
-def test_a_batch_waits_at_most_once(algorithm, pipelined):
+@pytest.mark.parametrize("device_type", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_a_batch_waits_at_most_once(algorithm, pipelined, device_type):
     """Batches that fit in the caches (hits, misses, evictions of dirty rows, two widths, a table
     read by two features): the lookup waits once per batch, the backward never; with the next
     batch prefetched while one trains, the prefetch waits once and the forward and backward not
-    at all."""
+    at all. On a GPU, torch's own sync debug mode counts the same waits."""
     tables = [(3000, 8), (2000, 16), (1000, 4)]
     features = [0, 1, 2, 2]
     emb = TableBatchedEmbeddingBags(tables, optimizer="rowwise_adagrad", feature_table_map=features,
-                                    placements="managed_caching", cache_rows=160, cache_algorithm=algorithm)
-    data = _zipf_batches(tables, features, 31, seed=5, sizes=((8, 3),))  # (at most 40 rows a table)
+                                    placements="managed_caching", cache_rows=160, cache_algorithm=algorithm,
+                                    device=device_type)
+    data = [[t.to(device_type) for t in batch]
+            for batch in _zipf_batches(tables, features, 31, seed=5, sizes=((8, 3),))]  # (at most 40 rows a table)
     for idx, offsets, grad in data[:10]:
         emb(idx, offsets).backward(grad)
     before = emb.cache_stats()
@@ -157,8 +162,39 @@ def test_a_batch_waits_at_most_once(algorithm, pipelined):
     after = emb.cache_stats()
     assert after["evictions"] > before["evictions"] and after["rows_written_back"] > before["rows_written_back"]
     assert after["backing_rows"] == 0 and after["hits"] > before["hits"]
+    mine = [e for e in audit.events if "tbegen/cache.py:" in e.site]
+    if device_type == "cpu":  # (on a GPU the module's own D2H copies, if any, are the next check's)
+        assert len(mine) == audit.count, audit.report()
     for name, events in audit.sections.items():
         waits = 0 if name.startswith("backward") or (pipelined and name.startswith("forward")) else MAX_WAITS_PER_PREPARE
+        events = [e for e in events if "tbegen/cache.py:" in e.site]
         assert len(events) <= waits, (name, audit.report(events))
-    assert audit.count == 20 * MAX_WAITS_PER_PREPARE  # (one per batch: the audit sees them)
+    assert len(mine) == 20 * MAX_WAITS_PER_PREPARE  # (one per batch: the audit sees them)
     assert after["prepares"] - before["prepares"] == 20 + pipelined
+    if device_type == "cuda":  # torch's own count, beside the same steps without a cache
+        plain = TableBatchedEmbeddingBags(tables, optimizer="rowwise_adagrad", feature_table_map=features,
+                                          device=device_type)
+        if pipelined:
+            emb.prefetch(data[10][0], data[10][1])
+        cached_syncs = _torch_syncs(emb, data[10:31], pipelined)
+        plain_syncs = _torch_syncs(plain, data[10:31], False)
+        assert len(cached_syncs) - len(plain_syncs) <= 20 * MAX_WAITS_PER_PREPARE, cached_syncs[:5]
+
+
+def _torch_syncs(emb, data, pipelined):
+    """The warnings of torch's sync debug mode (one per synchronizing CUDA call) over training
+    steps on data[:-1] (with pipelined, each next batch prefetched between forward and backward)."""
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            for k in range(len(data) - 1):
+                idx, offsets, grad = data[k]
+                out = emb(idx, offsets)
+                if pipelined:
+                    emb.prefetch(data[k + 1][0], data[k + 1][1])
+                out.backward(grad)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return [str(w.message) for w in caught if "synchroniz" in str(w.message)]
