@@ -22,7 +22,9 @@ row to slot is a dense int32 array (4 bytes per row of the table, on the module'
 lookup is a gather, there are no conflict misses, and the victims are the globally coldest slots
 (a stable sort of the slots' scores, ties broken by slot number: deterministic). Everything is
 torch tensor operations on the module's device, so the same code serves CUDA and the CPU (where
-CI exercises it).
+CI exercises it). On CUDA the host waits for the device once per batch, to read the batch's
+summary (prepare); every other size is known to the host (tests/test_cache_syncs.py counts the
+waits with tbegen/_sync_audit.py).
 
 A batch whose distinct rows of a table outnumber that table's cache slots ("overflow") is not
 refused: for that batch the table *bypasses* its cache. Its cached rows are written back and its
