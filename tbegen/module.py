@@ -26,6 +26,7 @@ import inspect
 import itertools
 import numbers
 import os
+import struct
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
@@ -1226,6 +1227,10 @@ class TableBatchedEmbeddingBags(nn.Module):
     # output is gathered instead (_BlocksOf, _RowsOf). See docs/module.md.
 
     _VBE_PLANS_KEPT = 64
+    # up to this many sizes a new plan passes them to vbe_plan as an int list, beyond it packed in an
+    # int64 tensor to vbe_plan_tensor (torch converts a list to int[] at ~25 ns an entry; packing
+    # costs ~1.5 us plus ~15 ns an entry: host_overhead_cpu.py --vbe 2x2,32x16)
+    _VBE_SIZES_AS_LIST = 64
     _VBE_DIRECT_DEVICES = ("cpu", "cuda")
 
     def _vbe_sizes(self, bsfr) -> torch.Tensor:
@@ -1272,9 +1277,10 @@ class TableBatchedEmbeddingBags(nn.Module):
         the totals of one batch_size_per_feature_per_rank, kept for the last distinct ones. A new
         one is one operator call (vbe_plan, include/tbegen/vbe.h: the host sums the [F, R] sizes,
         one small copy and one kernel on CUDA; nothing waits for the device). A kept one costs a
-        dictionary lookup: lists of Python ints are their own key and go to the operator as they
-        are (anything else, e.g. a tensor, is checked and converted first). The forward finds a
-        kept plan itself (_forward_vbe); this is its way to a new one, and the tests'."""
+        dictionary lookup: lists of Python ints are their own key and go to the operator packed in
+        one int64 buffer (vbe_plan_tensor; anything else, e.g. a tensor, is checked and converted
+        first). The forward finds a kept plan itself (_forward_vbe); this is its way to a new one,
+        and the tests'."""
         bsfr = batch_size_per_feature_per_rank
         weights = self._registered("weights")
         device = weights.device
@@ -1303,22 +1309,31 @@ class TableBatchedEmbeddingBags(nn.Module):
                 return plan
             R = len(sizes[0]) if sizes else 0
             if len(sizes) == F and R >= 1 and set(map(len, sizes)) == {R}:
-                flat = list(itertools.chain.from_iterable(sizes))
+                if F * R <= self._VBE_SIZES_AS_LIST:
+                    flat = list(itertools.chain.from_iterable(sizes))
+                else:
+                    try:  # (the F x R ints packed into one int64 buffer: cheaper than a long int[])
+                        flat = torch.frombuffer(
+                            bytearray(struct.pack(f"{F * R}q", *itertools.chain.from_iterable(sizes))), dtype=torch.int64)
+                    except struct.error:  # (a size past int64: refused below, with a message)
+                        flat = None
         device_of = weights.detach() if weights.requires_grad else weights
         if flat is not None:
             try:
-                pad, bag_out, (total, max_B, n_out) = self._ops.vbe_plan(flat, R, dims, device_of)
+                op = self._ops.vbe_plan if type(flat) is list else self._ops.vbe_plan_tensor
+                pad, bag_out, (total, max_B, n_out) = op(flat, R, dims, device_of)
             except RuntimeError:
-                # (a negative size or one past int64: the message naming it; else the operator's)
+                # (a negative size: the message naming it; else the operator's)
                 self._vbe_sizes(bsfr)
                 raise
         else:
             B = self._vbe_sizes(bsfr)  # [F, R] int64 on the CPU, checked (or a message naming the entry)
-            sizes, flat, R = tuple(map(tuple, B.tolist())), B.reshape(-1).tolist(), B.shape[1]
+            sizes, R = tuple(map(tuple, B.tolist())), B.shape[1]
             plan = plans.get(sizes)
             if plan is not None and plan["device"] == device:
                 return plan
-            pad, bag_out, (total, max_B, n_out) = self._ops.vbe_plan(flat, R, dims, device_of)
+            pad, bag_out, (total, max_B, n_out) = self._ops.vbe_plan_tensor(B.reshape(-1).contiguous(), R, dims,
+                                                                            device_of)
         plan = {"total_bags": total, "max_B": max_B, "pad": pad, "numel": n_out, "bag_out": bag_out, "sizes": sizes,
                 "device": device, "offsets_shape": torch.Size([total + 1]),
                 # (how _forward_vbe runs this module's VBE batches eagerly: see _vbe_direct)

@@ -618,10 +618,11 @@ plan_sizes = st.integers(1, 6).flatmap(lambda F: st.integers(1, 6).flatmap(lambd
 def test_vbe_plan_operator_equals_the_vectorised_formula(case, sgd_ops):
     sizes, dims = case
     B, D = torch.tensor(sizes, dtype=torch.int64), torch.tensor(dims, dtype=torch.int64)
-    pad, bag_out, totals = sgd_ops.vbe_plan(B.reshape(-1).tolist(), B.shape[1], dims, torch.empty(0))
     want = formula_plan(B, D)
-    assert torch.equal(pad, want[0]) and torch.equal(bag_out, want[1])
-    assert list(totals) == list(want[2:])
+    for op, given in ((sgd_ops.vbe_plan, B.reshape(-1).tolist()), (sgd_ops.vbe_plan_tensor, B.reshape(-1))):
+        pad, bag_out, totals = op(given, B.shape[1], dims, torch.empty(0))
+        assert torch.equal(pad, want[0]) and torch.equal(bag_out, want[1])
+        assert list(totals) == list(want[2:])
 
 
 def test_vbe_plan_operator_equals_the_formula_on_a_large_batch(sgd_ops):
@@ -668,6 +669,31 @@ def test_vbe_plan_is_kept_per_sizes_and_still_checks_the_input():
     assert emb._vbe_plan(bsfr) is not plan
 
 
+def test_vbe_plan_of_many_features_and_ranks_goes_through_the_tensor_operator():
+    # (over _VBE_SIZES_AS_LIST sizes: packed into an int64 tensor for vbe_plan_tensor)
+    gen = torch.Generator().manual_seed(5)
+    emb = make("sgd", [(9, 4), (7, 3), (5, 8)], [0, 1, 2, 0, 1, 2, 0, 1, 2])
+    assert 9 * 8 > emb._VBE_SIZES_AS_LIST
+    bsfr = torch.randint(0, 6, (9, 8), generator=gen).tolist()
+    bsfr[4] = [0] * 8
+    plan = emb._vbe_plan(bsfr)
+    want = formula_plan(torch.tensor(bsfr), torch.tensor([4, 3, 8] * 3))
+    assert torch.equal(plan["pad"], want[0]) and torch.equal(plan["bag_out"], want[1])
+    assert (plan["total_bags"], plan["max_B"], plan["numel"]) == tuple(want[2:])
+    assert emb._vbe_plan([list(row) for row in bsfr]) is plan
+    bad = [list(row) for row in bsfr]
+    bad[7][5] = -3
+    with pytest.raises(ValueError, match=r"\[7\]\[5\] must be a non-negative int, got -3"):
+        emb._vbe_plan(bad)
+    bad[7][5] = 2**63
+    with pytest.raises(ValueError, match=r"not F = 9 lists of R non-negative ints"):
+        emb._vbe_plan(bad)
+    bad[7][5] = 2**62
+    bad[7][6] = 2**62
+    with pytest.raises(RuntimeError, match=r"overflow int64"):
+        emb._vbe_plan(bad)
+
+
 @pytest.mark.parametrize(
     "sizes,ranks,dims,message",
     [
@@ -684,6 +710,18 @@ def test_vbe_plan_is_kept_per_sizes_and_still_checks_the_input():
 def test_vbe_plan_operator_checks_its_input(sizes, ranks, dims, message, sgd_ops):
     with pytest.raises(RuntimeError, match=message):
         sgd_ops.vbe_plan(sizes, ranks, dims, torch.empty(0))
+    with pytest.raises(RuntimeError, match=message):  # (the same sizes in an int64 tensor)
+        sgd_ops.vbe_plan_tensor(torch.tensor(sizes, dtype=torch.int64), ranks, dims, torch.empty(0))
+
+
+def test_vbe_plan_tensor_operator_checks_its_sizes_tensor(sgd_ops):
+    message = r"vbe_plan_tensor: sizes must be a 1-D contiguous int64 CPU tensor, got "
+    for bad, got in ((torch.tensor([1, 2], dtype=torch.int32), r"Int of shape \[2\] on cpu"),
+                     (torch.tensor([[1, 2]]), r"Long of shape \[1, 2\] on cpu"),
+                     (torch.tensor([1, 9, 2, 9])[::2], r"Long of shape \[2\] on cpu"),
+                     (torch.tensor([1.0, 2.0]), r"Float of shape \[2\]")):
+        with pytest.raises(RuntimeError, match=message + got):
+            sgd_ops.vbe_plan_tensor(bad, 2, [4], torch.empty(0))
 
 
 def test_vbe_plan_refuses_bad_sizes_however_given():

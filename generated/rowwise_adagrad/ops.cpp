@@ -54,6 +54,7 @@ TORCH_LIBRARY(tbegen_rowwise_adagrad, m) {
   m.def("backward_lane_split(Tensor grad_output, Tensor(a!) weights, Tensor features, int total_D, int max_D, int total_hash_size, Tensor indices, Tensor offsets, Tensor? per_sample_weights, int pooling, int max_segment_length_per_warp, bool stochastic_rounding, int seed, Tensor(b!) momentum, float learning_rate, float eps, float weight_decay, int weight_decay_mode, float max_norm, int step, Tensor? error_record=None, bool skip_bad_indices=False, bool check_finite=True, Tensor? bag_output_offsets=None) -> ()");
   m.def("describe_error(Tensor record, bool with_index_errors) -> str");
   m.def("vbe_plan(int[] sizes, int num_ranks, int[] dims, Tensor device_of) -> (Tensor, Tensor, int[])");
+  m.def("vbe_plan_tensor(Tensor sizes, int num_ranks, int[] dims, Tensor device_of) -> (Tensor, Tensor, int[])");
 }
 
 TORCH_LIBRARY_IMPL(tbegen_rowwise_adagrad, CPU, m) {
@@ -63,5 +64,6 @@ TORCH_LIBRARY_IMPL(tbegen_rowwise_adagrad, CPU, m) {
   m.impl("backward_lane_split", &tbegen::opt_rowwise_adagrad::backward_lane_split_cpu);
   m.impl("describe_error", &tbegen::cpu::describe_error);
   m.impl("vbe_plan", &tbegen::cpu::vbe_plan_cpu);
+  m.impl("vbe_plan_tensor", &tbegen::cpu::vbe_plan_tensor_cpu);
 }
 #endif

@@ -1,5 +1,5 @@
 // tbegen runtime: the translation unit of the CPU operators that do not depend on the optimizer
-// (forward, grad_per_sample_weights, describe_error, vbe_plan; declared in cpu_ops.h), the same
+// (forward, grad_per_sample_weights, describe_error, vbe_plan, vbe_plan_tensor; declared in cpu_ops.h), the same
 // for every optimizer: the build compiles it once per set of runtime headers and links the object into
 // every optimizer's extension, CPU and CPU + CUDA alike (tbegen/build.py, RUNTIME_CPU_SOURCE).
 #include "tbegen/cpu_ops.h"
@@ -52,6 +52,12 @@ std::tuple<at::Tensor, at::Tensor, std::vector<int64_t>> vbe_plan_cpu(at::IntArr
   });
   p[bags] = t.total_bags;
   return {pad, bag_out, {t.total_bags, t.max_B, t.numel}};
+}
+
+std::tuple<at::Tensor, at::Tensor, std::vector<int64_t>> vbe_plan_tensor_cpu(const at::Tensor& sizes, int64_t num_ranks,
+                                                                             at::IntArrayRef dims,
+                                                                             const at::Tensor& device_of) {
+  return vbe_plan_cpu(vbe_sizes_of(sizes), num_ranks, dims, device_of);
 }
 
 // Checks the batch's indices and offsets (host.h, check_indices_host) and returns the positions of

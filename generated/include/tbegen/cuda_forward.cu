@@ -24,6 +24,7 @@ void register_forward_cuda(torch::Library& m) {
   m.impl("forward", &forward_cuda);
   m.impl("grad_per_sample_weights", &grad_per_sample_weights_cuda);
   m.impl("vbe_plan", &vbe_plan_cuda);
+  m.impl("vbe_plan_tensor", &vbe_plan_tensor_cuda);
 }
 
 int launch_table_stages_on(int64_t device_index, TableLaunch launch, TableLaunchFn fn) {

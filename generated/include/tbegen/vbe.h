@@ -166,6 +166,17 @@ inline void check_vbe_plan_inputs(at::IntArrayRef sizes, int64_t num_ranks, at::
               num_ranks, " ranks, at least 1), got ", sizes.size());
 }
 
+// The operator vbe_plan_tensor's sizes (a 1-D contiguous int64 CPU tensor, the same F x R batch
+// sizes as vbe_plan's int list; the module packs them into one buffer, which costs less than the
+// conversion of a long Python list to int[]), as the array the plan reads.
+inline at::IntArrayRef vbe_sizes_of(const at::Tensor& sizes) {
+  TBEGEN_CHECK(sizes.device().is_cpu() && sizes.scalar_type() == at::kLong && sizes.dim() == 1 &&
+                  sizes.is_contiguous(),
+              "tbegen: vbe_plan_tensor: sizes must be a 1-D contiguous int64 CPU tensor, got ",
+              dtype_name(sizes.scalar_type()), " of shape ", sizes.sizes(), " on ", sizes.device());
+  return at::IntArrayRef(sizes.data_ptr<int64_t>(), size_t(sizes.numel()));
+}
+
 // Writes the header (vbe_plan_header_size(F, R) values) of checked inputs at `header`, checking
 // the values; returns the totals.
 inline VbeTotals vbe_plan_header(at::IntArrayRef sizes, int64_t num_ranks, at::IntArrayRef dims, int64_t* header) {

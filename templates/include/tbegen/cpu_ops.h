@@ -67,6 +67,9 @@ inline int64_t* record_data(const c10::optional<at::Tensor>& record) {
 // The plan of a VBE batch (vbe.h): (pad, bag_out, [total bags, max_B, output numel]), on the CPU.
 [[gnu::visibility("hidden")]] std::tuple<at::Tensor, at::Tensor, std::vector<int64_t>> vbe_plan_cpu(
     at::IntArrayRef sizes, int64_t num_ranks, at::IntArrayRef dims, const at::Tensor& device_of);
+// The same with the sizes in an int64 CPU tensor (vbe.h, vbe_sizes_of).
+[[gnu::visibility("hidden")]] std::tuple<at::Tensor, at::Tensor, std::vector<int64_t>> vbe_plan_tensor_cpu(
+    const at::Tensor& sizes, int64_t num_ranks, at::IntArrayRef dims, const at::Tensor& device_of);
 
 template <class Opt>
 void backward_cpu(const at::Tensor& grad_output, const at::Tensor& weights, const at::Tensor& features,

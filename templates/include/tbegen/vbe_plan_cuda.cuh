@@ -47,5 +47,13 @@ inline std::tuple<at::Tensor, at::Tensor, std::vector<int64_t>> vbe_plan_cuda(at
   return {pad, bag_out, {t.total_bags, t.max_B, t.numel}};
 }
 
+// The same with the sizes in an int64 CPU tensor (vbe.h, vbe_sizes_of; read on the host).
+inline std::tuple<at::Tensor, at::Tensor, std::vector<int64_t>> vbe_plan_tensor_cuda(const at::Tensor& sizes,
+                                                                                     int64_t num_ranks,
+                                                                                     at::IntArrayRef dims,
+                                                                                     const at::Tensor& device_of) {
+  return vbe_plan_cuda(vbe_sizes_of(sizes), num_ranks, dims, device_of);
+}
+
 }  // namespace cuda
 }  // namespace tbegen
