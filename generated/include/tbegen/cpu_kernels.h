@@ -125,7 +125,7 @@ void forward(const Batch& b, const int64_t* feat, const W* weights, const I* ind
           if (at < 0) continue;  // a padding bag (empty)
           o = out + at;
         }
-        if constexpr (std::is_same_v<W, float>) {
+        if constexpr (simd::kVectorElement<W>) {  // float, fp16, bf16 (int8 rows: the plain loop)
           if (simd::vector_width(D)) {
             auto row = [&](int64_t k) TBEGEN_INLINE_LAMBDA { return table + int64_t(indices[start + k]) * D; };
             auto weight = [&](int64_t k) TBEGEN_INLINE_LAMBDA { return psw[start + k]; };
@@ -486,8 +486,12 @@ void backward(const Batch& b, const int64_t* feat, int64_t total_hash_size, cons
         row.w_ = wrow;
       } else {
         row.w_ = buf.data() + b.max_D;
-        const Int8QParams q = row_qparams(wrow, D);
-        for (int d = 0; d < D; ++d) row.w_[d] = load_weight(wrow[d], q);
+        if constexpr (simd::kVectorElement<W>) {
+          simd::to_floats(wrow, D, row.w_);  // fp16, bf16: widened in vectors (exact)
+        } else {
+          const Int8QParams q = row_qparams(wrow, D);
+          for (int d = 0; d < D; ++d) row.w_[d] = load_weight(wrow[d], q);
+        }
       }
       // float32 states are updated in place; narrow (fp16/bf16) ones through a float copy
       float row_copy[Opt::kRowStates > 0 ? Opt::kRowStates : 1];
@@ -529,9 +533,13 @@ void backward(const Batch& b, const int64_t* feat, int64_t total_hash_size, cons
         // int8 rows: quantized again with the updated row's min and max (common.h)
         quantize_row_int8(wrow, row.w_, D);
       } else if constexpr (!kInPlace) {
-        for (int d = 0; d < D; ++d) {
-          const uint32_t bits = ctx.stochastic_rounding ? random_bits(ctx.seed, ctx.step, key, d) : 0u;
-          wrow[d] = WeightTraits<W>::round(row.w_[d], bits, ctx.stochastic_rounding);
+        if (!ctx.stochastic_rounding) {
+          simd::from_floats_nearest(row.w_, D, wrow);  // fp16, bf16: WeightTraits<W>::round's nearest, in vectors
+        } else {
+          for (int d = 0; d < D; ++d) {
+            const uint32_t bits = random_bits(ctx.seed, ctx.step, key, d);
+            wrow[d] = WeightTraits<W>::round(row.w_[d], bits, true);
+          }
         }
       }
       first = last;

@@ -7,10 +7,26 @@
 // vector extensions: one AVX-512 register per 16 floats with -march=native, split into narrower
 // registers by the compiler otherwise), 64 columns at a time. Every column is still summed in
 // occurrence order, one rounding per addition, so the results are those of the plain loop.
+// fp16 and bf16 rows are widened to float vectors as they are loaded (exact conversions: F16C's
+// vcvtph2ps for fp16, a 16-bit shift for bf16), so they take the same path.
 #pragma once
 
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
+#include <cstring>
+#include <type_traits>
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
+#if defined(__F16C__) && (defined(__x86_64__) || defined(__i386__))
+#define TBEGEN_CPU_F16C 1
+#else
+#define TBEGEN_CPU_F16C 0
+#endif
 
 // A function or lambda the compiler must inline: GCC left the backward's per-occurrence row
 // lambdas out of line, a call per occurrence with the vector accumulators spilled around it.
@@ -23,6 +39,11 @@
 namespace tbegen {
 namespace cpu {
 namespace simd {
+
+// Row element types that the vector paths read: float, fp16 and bf16 (widened exactly).
+template <typename T>
+constexpr bool kVectorElement =
+    std::is_same_v<T, float> || std::is_same_v<T, c10::Half> || std::is_same_v<T, c10::BFloat16>;
 
 #if defined(__GNUC__) || defined(__clang__)
 #define TBEGEN_CPU_VECTORS 1
@@ -45,6 +66,164 @@ static_assert(sizeof(Vec<16>) == 16 * sizeof(float) && sizeof(Vec<4>) == 4 * siz
 #define TBEGEN_VLOAD(v, p) __builtin_memcpy(&(v), (p), sizeof(v))
 #define TBEGEN_VSTORE(p, v) __builtin_memcpy((p), &(v), sizeof(v))
 
+template <int kLanes>
+struct U16VecOf {
+  typedef uint16_t type __attribute__((vector_size(kLanes * sizeof(uint16_t))));
+};
+template <int kLanes>
+struct U32VecOf {
+  typedef uint32_t type __attribute__((vector_size(kLanes * sizeof(uint32_t))));
+};
+
+// kLanes values of p as floats. fp16 -> float and bf16 -> float are exact, so a sum of widened
+// values is the sum of the values that static_cast<float> gives, in the same order.
+template <int kLanes, typename T>
+TBEGEN_INLINE_LAMBDA inline Vec<kLanes> load_floats(const T* p) {
+  Vec<kLanes> x;
+  if constexpr (std::is_same_v<T, float>) {
+    __builtin_memcpy(&x, p, sizeof(x));
+  } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    // a bf16 value is the upper 16 bits of the float it stands for
+    typename U16VecOf<kLanes>::type h;
+    __builtin_memcpy(&h, p, sizeof(h));
+    const typename U32VecOf<kLanes>::type u = __builtin_convertvector(h, typename U32VecOf<kLanes>::type) << 16;
+    __builtin_memcpy(&x, &u, sizeof(x));
+  } else {
+    static_assert(std::is_same_v<T, c10::Half>, "tbegen: load_floats reads float, fp16 or bf16");
+#if TBEGEN_CPU_F16C
+    if constexpr (kLanes == 16) {
+#if defined(__AVX512F__)
+      const __m512 v = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+      __builtin_memcpy(&x, &v, sizeof(x));
+#else
+      const __m256 lo = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+      const __m256 hi = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)));
+      __builtin_memcpy(&x, &lo, sizeof(lo));
+      __builtin_memcpy(reinterpret_cast<char*>(&x) + sizeof(lo), &hi, sizeof(hi));
+#endif
+    } else if constexpr (kLanes == 8) {
+      const __m256 v = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+      __builtin_memcpy(&x, &v, sizeof(x));
+    } else {
+      static_assert(kLanes == 4, "tbegen: vectors of 4, 8 or 16 floats");
+      const __m128 v = _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+      __builtin_memcpy(&x, &v, sizeof(x));
+    }
+#else
+    float f[kLanes];
+    for (int i = 0; i < kLanes; ++i) f[i] = static_cast<float>(p[i]);
+    __builtin_memcpy(&x, f, sizeof(x));
+#endif
+  }
+  return x;
+}
+
+// acc + s * x with one rounding (a fused multiply-add), whatever the compiler would contract:
+// GCC fused `acc += s * x` for some vector widths and element types and not for others, so fp16
+// rows pooled with per-sample weights differed from float rows of the same values in the last bit.
+template <int kLanes>
+TBEGEN_INLINE_LAMBDA inline Vec<kLanes> fma_lanes(float s, const Vec<kLanes>& x, const Vec<kLanes>& acc) {
+#if defined(__AVX512F__)
+  if constexpr (kLanes == 16) {
+    __m512 a, b;
+    __builtin_memcpy(&a, &x, sizeof(a));
+    __builtin_memcpy(&b, &acc, sizeof(b));
+    const __m512 r = _mm512_fmadd_ps(_mm512_set1_ps(s), a, b);
+    Vec<kLanes> out;
+    __builtin_memcpy(&out, &r, sizeof(out));
+    return out;
+  }
+#endif
+#if defined(__FMA__)
+#if !defined(__AVX512F__)
+  if constexpr (kLanes == 16) {  // two 8-float halves
+    __m256 a[2], b[2], r[2];
+    __builtin_memcpy(a, &x, sizeof(a));
+    __builtin_memcpy(b, &acc, sizeof(b));
+    for (int h = 0; h < 2; ++h) r[h] = _mm256_fmadd_ps(_mm256_set1_ps(s), a[h], b[h]);
+    Vec<kLanes> out;
+    __builtin_memcpy(&out, r, sizeof(out));
+    return out;
+  }
+#endif
+  if constexpr (kLanes == 8) {
+    __m256 a, b;
+    __builtin_memcpy(&a, &x, sizeof(a));
+    __builtin_memcpy(&b, &acc, sizeof(b));
+    const __m256 r = _mm256_fmadd_ps(_mm256_set1_ps(s), a, b);
+    Vec<kLanes> out;
+    __builtin_memcpy(&out, &r, sizeof(out));
+    return out;
+  } else if constexpr (kLanes == 4) {
+    __m128 a, b;
+    __builtin_memcpy(&a, &x, sizeof(a));
+    __builtin_memcpy(&b, &acc, sizeof(b));
+    const __m128 r = _mm_fmadd_ps(_mm_set1_ps(s), a, b);
+    Vec<kLanes> out;
+    __builtin_memcpy(&out, &r, sizeof(out));
+    return out;
+  }
+#endif
+  Vec<kLanes> out;
+  for (int i = 0; i < kLanes; ++i) out[i] = std::fma(s, x[i], acc[i]);
+  return out;
+}
+
+// out[0, D) = the D values of p as floats (a row's float copy; D a multiple of 4, vector_width).
+template <typename T>
+inline void to_floats(const T* p, int64_t D, float* out) {
+  int64_t d = 0;
+  for (; d + 16 <= D; d += 16) {
+    const Vec<16> x = load_floats<16>(p + d);
+    __builtin_memcpy(out + d, &x, sizeof(x));
+  }
+  for (; d + 4 <= D; d += 4) {
+    const Vec<4> x = load_floats<4>(p + d);
+    __builtin_memcpy(out + d, &x, sizeof(x));
+  }
+  for (; d < D; ++d) out[d] = static_cast<float>(p[d]);
+}
+
+// out[0, D) = the D floats of p rounded to nearest (ties to even) as T, fp16 or bf16: the values
+// that T(p[d]) gives, bit for bit (fp16: F16C's vcvtps2ph, the instruction c10::Half uses where
+// F16C is compiled for, else c10's own conversion; bf16: c10's rounding, NaN as 0x7FC0).
+template <typename T>
+inline void from_floats_nearest(const float* p, int64_t D, T* out) {
+  static_assert(std::is_same_v<T, c10::Half> || std::is_same_v<T, c10::BFloat16>,
+                "tbegen: from_floats_nearest writes fp16 or bf16");
+  int64_t d = 0;
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    typedef uint32_t U32x16 __attribute__((vector_size(16 * sizeof(uint32_t))));
+    typedef int32_t I32x16 __attribute__((vector_size(16 * sizeof(int32_t))));
+    typedef uint16_t U16x16 __attribute__((vector_size(16 * sizeof(uint16_t))));
+    for (; d + 16 <= D; d += 16) {
+      Vec<16> x;
+      U32x16 u;
+      __builtin_memcpy(&x, p + d, sizeof(x));
+      __builtin_memcpy(&u, p + d, sizeof(u));
+      const U32x16 rounded = (u + ((u >> 16) & 1u) + 0x7FFFu) >> 16;
+      const I32x16 nan = x != x;  // -1 where x is NaN
+      const U32x16 bits = nan ? U32x16{} + 0x7FC0u : rounded;
+      const U16x16 h = __builtin_convertvector(bits, U16x16);
+      __builtin_memcpy(out + d, &h, sizeof(h));
+    }
+  } else {
+#if TBEGEN_CPU_F16C
+#if defined(__AVX512F__)
+    for (; d + 16 <= D; d += 16) {
+      const __m256i h = _mm512_cvtps_ph(_mm512_loadu_ps(p + d), _MM_FROUND_TO_NEAREST_INT);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + d), h);
+    }
+#endif
+    for (; d + 8 <= D; d += 8) {
+      const __m128i h = _mm256_cvtps_ph(_mm256_loadu_ps(p + d), _MM_FROUND_TO_NEAREST_INT);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(out + d), h);
+    }
+#endif
+  }
+  for (; d < D; ++d) out[d] = T(p[d]);
+}
+
 // The floats per vector for rows of D columns: 16, 8 or 4, the widest that divides D; 0: no
 // vector width divides D (the plain loops).
 inline int lanes_for(int64_t D) { return D % 16 == 0 ? 16 : D % 8 == 0 ? 8 : D % 4 == 0 ? 4 : 0; }
@@ -53,8 +232,8 @@ inline int lanes_for(int64_t D) { return D % 16 == 0 ? 16 : D % 8 == 0 ? 8 : D %
 inline bool vector_width(int64_t D) { return lanes_for(D) != 0; }
 
 // out[c : c + kV*kLanes) = scale * sum over k in [0, n) of s_k * row_k[c : c + kV*kLanes), where
-// row_k = rows(k) and s_k = weight(k), summed in k order. `before(k)` runs before occurrence k is
-// read (the caller's prefetching); only the first chunk of a row calls it.
+// row_k = rows(k) (float, fp16 or bf16 elements) and s_k = weight(k), summed in k order.
+// `before(k)` runs before occurrence k is read (the caller's prefetching); only the first chunk of a row calls it.
 template <int kLanes, int kV, bool kWeighted, class Rows, class Weight, class Before>
 TBEGEN_INLINE_LAMBDA inline void sum_chunk(int64_t n, int64_t c, const Rows& rows, const Weight& weight, const Before& before,
                       float scale, float* out) {
@@ -62,20 +241,12 @@ TBEGEN_INLINE_LAMBDA inline void sum_chunk(int64_t n, int64_t c, const Rows& row
   for (int v = 0; v < kV; ++v) acc[v] = Vec<kLanes>{};
   for (int64_t k = 0; k < n; ++k) {
     if (c == 0) before(k);
-    const float* r = rows(k) + c;
+    const auto* r = rows(k) + c;  // float, fp16 or bf16 (load_floats)
     if (kWeighted) {
       const float s = weight(k);
-      for (int v = 0; v < kV; ++v) {
-        Vec<kLanes> x;
-        TBEGEN_VLOAD(x, r + v * kLanes);
-        acc[v] += s * x;
-      }
+      for (int v = 0; v < kV; ++v) acc[v] = fma_lanes<kLanes>(s, load_floats<kLanes>(r + v * kLanes), acc[v]);
     } else {
-      for (int v = 0; v < kV; ++v) {
-        Vec<kLanes> x;
-        TBEGEN_VLOAD(x, r + v * kLanes);
-        acc[v] += x;
-      }
+      for (int v = 0; v < kV; ++v) acc[v] += load_floats<kLanes>(r + v * kLanes);
     }
   }
   for (int v = 0; v < kV; ++v) {
@@ -115,15 +286,23 @@ inline void sum_rows(int64_t n, int64_t D, const Rows& rows, const Weight& weigh
 #define TBEGEN_CPU_VECTORS 0
 // Without vector extensions the kernels use their plain loops for every width.
 inline bool vector_width(int64_t) { return false; }
+template <typename T>
+inline void to_floats(const T* p, int64_t D, float* out) {
+  for (int64_t d = 0; d < D; ++d) out[d] = static_cast<float>(p[d]);
+}
+template <typename T>
+inline void from_floats_nearest(const float* p, int64_t D, T* out) {
+  for (int64_t d = 0; d < D; ++d) out[d] = T(p[d]);
+}
 template <bool kWeighted, class Rows, class Weight, class Before>
 inline void sum_rows(int64_t n, int64_t D, const Rows& rows, const Weight& weight, const Before& before,
                      float scale, float* out) {
   std::fill(out, out + D, 0.0f);
   for (int64_t k = 0; k < n; ++k) {
     before(k);
-    const float* r = rows(k);
+    const auto* r = rows(k);
     const float s = kWeighted ? weight(k) : 1.0f;
-    for (int64_t d = 0; d < D; ++d) out[d] += s * r[d];
+    for (int64_t d = 0; d < D; ++d) out[d] += s * static_cast<float>(r[d]);
   }
   for (int64_t d = 0; d < D; ++d) out[d] *= scale;
 }
