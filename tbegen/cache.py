@@ -464,14 +464,25 @@ class RowCache:
 
     def drop(self, buffers, tables: Sequence[int]) -> None:
         """Writes back and empties the caches of cached tables `tables` (before a batch reads
-        and updates their backing rows directly)."""
-        self.flush(buffers, tables)
-        slots = ((self._slot_row >= 0) & self._of_tables(tables)).nonzero().squeeze(1)
-        if slots.numel():
-            c = self._slot_table[slots]
-            self._row_slot[self._t["rbase"][c] + self._slot_row[slots]] = -1
+        and updates their backing rows directly). Without a host wait: the host knows how many
+        rows each table holds (`_occupied`); all of them are written back while some slot may be
+        dirty (a clean row's bytes are its backing row's), and the statistics count the dirty ones."""
+        self._join_writeback()
+        occupied = [n if k in tables else 0 for k, n in enumerate(self._occupied)]
+        if sum(occupied):
+            T = self._t
+            slots = self._compact((self._slot_row >= 0) & self._of_tables(tables), sum(occupied))
+            c = self._slot_table[slots]  # (slots ascend, so their tables do)
+            rows = self._slot_row[slots]
+            written = self._dirty[slots]
+            self._device_stats[0] += written.sum()  # rows_written_back, bytes_written_back
+            self._device_stats[1] += (written * T["row_bytes"][c]).sum()
+            if self._maybe_dirty:
+                self._move(buffers, c, rows, slots - T["sbase"][c], to_slots=False, per_table=occupied)
+            self._row_slot[T["rbase"][c] + rows] = -1
             self._slot_row[slots] = -1
             self._last_used[slots] = 0
+            self._dirty[slots] = False
             self.epoch += 1
             self._release_all()
         for k in tables:
@@ -546,7 +557,7 @@ class RowCache:
         beside the batch's; bad indices): every later size is one of those numbers or the
         number of indices, so the host allocates and launches the rest without waiting for the
         device. A batch with more distinct rows of a compact table than its slots (overflow)
-        waits more (the table is written back and emptied)."""
+        waits twice (the summary is read again once that table's indices are left out)."""
         T = self._t
         dev = self.device
         N = indices.numel()
@@ -622,9 +633,8 @@ class RowCache:
             st["lookups"] += sum(looked_h[k] for k in over)
             st["unique_rows"] += sum(need_h[k] for k in over)
             bypassed = use & torch.isin(c, torch.tensor(over, device=dev))
-            if self.algorithm == "lfu":  # (a rare batch: it may wait)
-                rows, counts = torch.unique(flat[bypassed], return_counts=True)
-                self._counts[rows] += counts
+            if self.algorithm == "lfu":  # (each bypassed index counts 1, the others 0)
+                self._counts.index_put_((flat.clamp(0, self.num_rows - 1),), bypassed.to(torch.int64), accumulate=True)
             bypass = over
             use = use & ~bypassed
         # the distinct rows U (ascending), their tables, slots, and how often the batch reads them

@@ -198,3 +198,31 @@ def _torch_syncs(emb, data, pipelined):
         finally:
             torch.cuda.set_sync_debug_mode("default")
     return [str(w.message) for w in caught if "synchroniz" in str(w.message)]
+
+
+@pytest.mark.parametrize("algorithm", ["lru", "lfu"])
+def test_an_overflowing_compact_table_waits_twice(algorithm):
+    """A batch with more distinct rows of a compact table than its slots: the table is written
+    back and emptied without a wait, and the summary read again without its indices (two waits);
+    its backward, which empties the table again, none."""
+    tables = [(60, 64), (3000, 4), (400, 8)]
+    emb = TableBatchedEmbeddingBags(tables, optimizer="rowwise_adagrad", learning_rate=0.05,
+                                    placements=["managed_caching", "device", "managed_caching"],
+                                    cache_rows=[16, None, 200], cache_algorithm=algorithm)
+    assert emb._cache.direct == [False, True]
+    data = _zipf_batches(tables, [0, 1, 2], 8, seed=7, sizes=((32, 4),))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for idx, offsets, grad in data[:3]:
+            emb(idx, offsets).backward(grad)
+        before = emb.cache_stats()
+        with SyncAudit() as audit:
+            for k, (idx, offsets, grad) in enumerate(data[3:]):
+                audit.mark(f"forward {k}")
+                out = emb(idx, offsets)
+                audit.mark(f"backward {k}")
+                out.backward(grad)
+    after = emb.cache_stats()
+    assert after["bypasses"] - before["bypasses"] == 5 and after["rows_loaded"] > before["rows_loaded"]
+    for name, events in audit.sections.items():
+        assert len(events) <= (0 if name.startswith("backward") else 2), (name, audit.report(events))
