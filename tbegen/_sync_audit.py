@@ -29,19 +29,25 @@ native_functions.yaml, the tags torch.compile uses for the same reason):
   Tensor.tolist() and Tensor.numpy() (a device-to-host copy, then the host reads it), Tensor.cpu()
   and .to("cpu") of device values, torch.tensor / torch.as_tensor of a list holding tensors (one
   .item() per element on CUDA).
-- device-to-host copies into pageable memory (aten._to_copy / aten.copy_ to the CPU, unless
-  non_blocking into pinned memory), and explicit waits: torch.cuda.synchronize,
-  torch.cuda.Stream.synchronize, torch.cuda.Event.synchronize.
+- copies between host and device that are not non_blocking, in either direction: torch issues
+  them as cudaMemcpyAsync followed by cudaStreamSynchronize (at::cuda::memcpy_and_sync, which the
+  sync debug mode reports), so even a host-to-device copy waits for everything queued on the
+  stream. aten._to_copy / aten.copy_ between the CPU and a GPU without non_blocking, and
+  torch.tensor / torch.as_tensor with a `device` (the data is built on the host, then copied
+  that way); explicit waits: torch.cuda.synchronize, torch.cuda.Stream.synchronize,
+  torch.cuda.Event.synchronize.
 
-Not waits (and not counted): host-to-device copies (torch.tensor(python_list, device=...): the
-data is staged and the host goes on), indexing with integer tensors (aten.index.Tensor with
-int64 indices, index_select, gather, index_copy_, index_put_ with integer indices),
-repeat_interleave with output_size, nonzero_static, sort/argsort, cumsum, searchsorted, isin,
-masked_fill with a Python scalar, torch.where(cond, a, b), and every elementwise op.
+Not waits (and not counted): indexing with integer tensors (aten.index.Tensor with int64
+indices, index_select, gather, index_copy_, index_put_ with integer indices), x[idx] = a Python
+number (the value is filled on the device), repeat_interleave with output_size, nonzero_static,
+sort/argsort, cumsum, searchsorted, isin, masked_fill with a Python scalar, torch.where(cond, a,
+b), factories (zeros, full, arange, new_full with Python numbers: filled on the device), and
+every elementwise op.
 
-On the CPU every tensor stands for a device tensor (the code under audit is written for one
-device), so a .tolist() of a CPU tensor counts; values that were host values to begin with
-should stay Python numbers in such code.
+With `simulate` (the default where no GPU is present), every CPU tensor stands for a device
+tensor (the code under audit is written for one device): a .tolist() of a CPU tensor counts, and
+so does torch.tensor(data, device=...) whatever the device; values that were host values to
+begin with should stay Python numbers in such code.
 """
 
 from __future__ import annotations
@@ -129,9 +135,12 @@ def _why(func, args, kwargs) -> Optional[str]:
         dev = kwargs.get("device") if func is aten._to_copy.default else args[0].device
         blocking = not kwargs.get("non_blocking", False) if func is aten._to_copy.default else not (
             len(args) > 2 and args[2] or kwargs.get("non_blocking", False))
-        if (isinstance(src, torch.Tensor) and src.device.type != "cpu" and dev is not None
-                and torch.device(dev).type == "cpu" and blocking):
-            return "device-to-host copy into pageable memory"
+        if isinstance(src, torch.Tensor) and dev is not None and blocking:
+            to = torch.device(dev).type
+            if src.device.type != "cpu" and to == "cpu":
+                return "device-to-host copy (not non_blocking: torch synchronizes the stream)"
+            if src.device.type == "cpu" and to != "cpu":
+                return "host-to-device copy (not non_blocking: torch synchronizes the stream)"
     return None
 
 
@@ -144,8 +153,9 @@ class SyncAudit(TorchDispatchMode):
     audit.report(): one line per site, most first. `mark(name)` starts a new section (events
     recorded after it are listed under that name in audit.sections)."""
 
-    def __init__(self, paths: Optional[Sequence[str]] = None):
+    def __init__(self, paths: Optional[Sequence[str]] = None, simulate: Optional[bool] = None):
         super().__init__()
+        self.simulate = not torch.cuda.is_available() if simulate is None else bool(simulate)
         here = os.path.dirname(os.path.abspath(__file__))
         self.paths = tuple(os.path.abspath(p) for p in (paths or (here,)))
         self.events: List[SyncEvent] = []
@@ -240,10 +250,19 @@ class SyncAudit(TorchDispatchMode):
         self._wrap(torch.Tensor, "numpy", lambda t, *a, **k: "Tensor.numpy(): a device-to-host copy")
         self._wrap(torch.Tensor, "cpu", lambda t, *a, **k: "Tensor.cpu(): a device-to-host copy")
         self._wrap(torch.Tensor, "to", to_cpu)
+        def from_data(name):
+            def why(data=None, *a, **k):
+                if not isinstance(data, torch.Tensor) and _holds_tensor(data):
+                    return f"torch.{name} of a list holding tensors (each element read by the host)"
+                device = k.get("device")
+                if device is not None and (self.simulate or torch.device(device).type != "cpu"):
+                    return (f"torch.{name}(data, device=...): a host-to-device copy (not non_blocking: "
+                            f"torch synchronizes the stream)")
+                return None
+            return why
+
         for name in ("tensor", "as_tensor"):
-            self._wrap(torch, name, lambda data=None, *a, _n=name, **k: (
-                f"torch.{_n} of a list holding tensors (each element read by the host)"
-                if not isinstance(data, torch.Tensor) and _holds_tensor(data) else None))
+            self._wrap(torch, name, from_data(name))
         self._wrap(torch.cuda, "synchronize", lambda *a, **k: "torch.cuda.synchronize()")
         self._wrap(torch.cuda.Stream, "synchronize", lambda *a, **k: "Stream.synchronize()")
         self._wrap(torch.cuda.Event, "synchronize", lambda *a, **k: "Event.synchronize()")

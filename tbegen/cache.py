@@ -270,6 +270,7 @@ class RowCache:
         # whether some slot may be dirty (mark_dirty since the cache was last clean)
         self._occupied = [0] * len(self.tables)
         self._maybe_dirty = False
+        self._table_masks: Dict[Tuple[int, ...], torch.Tensor] = {}
         # statistics that the device counts (rows_written_back, bytes_written_back,
         # backing_lookups: read by report), kept across moves
         old_stats = getattr(self, "_device_stats", None)
@@ -460,7 +461,17 @@ class RowCache:
         return n
 
     def _of_tables(self, tables: Sequence[int]) -> torch.Tensor:
-        return torch.isin(self._slot_table, torch.tensor(list(tables), dtype=torch.int64, device=self.device))
+        return self._tables_mask(tables)[self._slot_table]
+
+    def _tables_mask(self, tables: Sequence[int]) -> torch.Tensor:
+        """Per cached table, whether it is one of `tables`, on the device; made once per set (a
+        tensor from a Python list is a blocking host-to-device copy: torch waits for the stream)."""
+        key = tuple(sorted(set(tables)))
+        mask = self._table_masks.get(key)
+        if mask is None:
+            mask = torch.tensor([k in key for k in range(len(self.tables))], device=self.device)
+            self._table_masks[key] = mask
+        return mask
 
     def drop(self, buffers, tables: Sequence[int]) -> None:
         """Writes back and empties the caches of cached tables `tables` (before a batch reads
@@ -606,6 +617,7 @@ class RowCache:
                 parts.append(others[T["sbase"] + T["C"]] - others[T["sbase"]])
             if check_bad:
                 parts.append((cached & ~valid).sum().reshape(1))
+            need_d, miss_d = parts[1], parts[2]
             summary = torch.cat(parts).tolist()  # (the batch's one host wait)
             looked_h, need_h, miss_h = summary[:nc], summary[nc:2 * nc], summary[2 * nc:3 * nc]
             unique_hits, index_hits = summary[3 * nc:3 * nc + 2]
@@ -632,7 +644,7 @@ class RowCache:
             st["backing_rows"] += sum(need_h[k] for k in over)
             st["lookups"] += sum(looked_h[k] for k in over)
             st["unique_rows"] += sum(need_h[k] for k in over)
-            bypassed = use & torch.isin(c, torch.tensor(over, device=dev))
+            bypassed = use & self._tables_mask(over)[c0]
             if self.algorithm == "lfu":  # (each bypassed index counts 1, the others 0)
                 self._counts.index_put_((flat.clamp(0, self.num_rows - 1),), bypassed.to(torch.int64), accumulate=True)
             bypass = over
@@ -670,9 +682,9 @@ class RowCache:
                 order = torch.argsort(-counts[missing], stable=True)  # most read first, then by row
                 order = order[torch.argsort(tU[missing][order], stable=True)]
                 missing = missing[order]
-                first_t = torch.tensor([sum(miss_h[:k]) for k in range(nc)], dtype=torch.int64, device=dev)
-                cap = torch.tensor(admit, dtype=torch.int64, device=dev)
-                mt = tU[missing]
+                mt = tU[missing]  # (ascending)
+                first_t = torch.searchsorted(mt, torch.arange(nc, device=dev))  # each table's first
+                cap = torch.minimum(miss_d, T["C"] - (need_d - miss_d))  # admit, on the device
                 missing = missing[self._compact(torch.arange(n_miss, device=dev) - first_t[mt] < cap[mt], sum(admit))]
             self._fill(buffers, U[missing], tU[missing], local_row[missing], hit_slots, admit, tick, held)
         slot = self._row_slot[U].to(torch.int64)
@@ -760,8 +772,7 @@ class RowCache:
         protected = torch.zeros(self.num_slots, dtype=torch.bool, device=dev) if held is None else held
         protected[hit_slots] = True
         order = self._victim_order(protected)
-        miss_t = torch.tensor(count_h, dtype=torch.int64, device=dev)
-        first = torch.cumsum(miss_t, 0) - miss_t
+        first = torch.searchsorted(mT, torch.arange(len(self.tables), device=dev))  # (mT ascends)
         rank = torch.arange(mU.numel(), device=dev) - first[mT]  # j-th row of its table
         victims = order[T["sbase"][mT] + rank]  # its j-th coldest slot (never a protected one)
         local_slot = victims - T["sbase"][mT]

@@ -13,7 +13,7 @@ HERE = __file__
 
 def _count(fn):
     x = torch.arange(12)
-    with SyncAudit(paths=[HERE]) as audit:
+    with SyncAudit(paths=[HERE], simulate=True) as audit:
         fn(x)
     return audit
 
@@ -39,6 +39,8 @@ def test_waiting_operations_are_counted_with_their_site():
         "tensor of tensors": lambda x: torch.tensor([x[0], x[1]]),
         "bincount": lambda x: torch.bincount(x),
         "equal": lambda x: torch.equal(x, x),
+        "tensor to the device": lambda x: torch.tensor([1, 2], device=x.device),
+        "as_tensor to the device": lambda x: torch.as_tensor([1, 2], device=x.device),
     }
     for name, fn in waits.items():
         audit = _count(fn)
@@ -59,6 +61,9 @@ def test_operations_that_do_not_wait_are_not_counted():
         "tensor of numbers": lambda x: torch.tensor([1, 2, 3]),
         "nonzero_static": lambda x: torch.nonzero_static(x > 3, size=4),
         "isin": lambda x: torch.isin(x, torch.tensor([1, 2])),
+        "factories": lambda x: (torch.zeros(3, device=x.device), torch.arange(4, device=x.device),
+                                x.new_full((2,), 7), torch.full_like(x, 3)),
+        "setitem of a number": lambda x: x.__setitem__(torch.tensor([1]), 5),
         "dtype change": lambda x: x.to(torch.int32),
     }
     for name, fn in quiet.items():
