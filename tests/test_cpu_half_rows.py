@@ -89,3 +89,85 @@ def test_half_rows_forward_no_grad_across_threads(dtype):
     finally:
         torch.set_num_threads(before)
     assert torch.equal(one, two)
+
+
+# ---- stochastic rounding: the vector form against the scalar formula (common.h) -------------------
+
+_M64 = (1 << 64) - 1
+
+
+def _random_bits(seed, step, keys, D):
+    """common.h's random_bits(seed, step, key, d) for keys (numpy int64, one per row) and d < D."""
+    import numpy as np
+
+    z = (seed * 0x9E3779B97F4A7C15) & _M64
+    z ^= (step + 0x632BE59BD9B4E019 + ((z << 6) & _M64) + (z >> 2)) & _M64
+    with np.errstate(over="ignore"):
+        k = keys.astype(np.uint64) * np.uint64(0xBF58476D1CE4E5B9)
+        zz = np.uint64(z) ^ (k + np.uint64(((z << 6) & _M64)) + np.uint64(z >> 2))
+        zz = (zz ^ (zz >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        zz = (zz ^ (zz >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        zz ^= zz >> np.uint64(31)
+        row = ((zz >> np.uint64(32)) ^ (zz & np.uint64(0xFFFFFFFF))).astype(np.uint32)
+        d = np.arange(D, dtype=np.uint32) * np.uint32(0x9E3779B9)
+        h = row[:, None] ^ d[None, :]
+        h ^= h >> np.uint32(16)
+        h *= np.uint32(0x85EBCA6B)
+        h ^= h >> np.uint32(13)
+        h *= np.uint32(0xC2B2AE35)
+        h ^= h >> np.uint32(16)
+    return h
+
+
+def _stochastic_round(x, bits, dtype):
+    """Half16Traits<dtype>::round(x, bits, true) (common.h), elementwise, in torch."""
+    nearest = x.to(dtype)
+    n = nearest.float()
+    nb = nearest.view(torch.int16).to(torch.int32) & 0xFFFF
+    up = n < x
+    negative = (nb & 0x8000) != 0
+    zero = (nb & 0x7FFF) == 0
+    ob = torch.where(zero, torch.where(up, 0x0001, 0x8001), torch.where(up != negative, nb + 1, nb - 1)) & 0xFFFF
+    other = ob.to(torch.int16).view(dtype)
+    o = other.float()
+    u = torch.from_numpy((bits >> 8).astype("float32")) * (1.0 / 16777216.0)
+    take = u * (o - n).abs() < (x - n).abs()
+    keep = (n == x) | ~(n.abs() <= 3.0e38) | ~(o.abs() <= 3.0e38) | ~take
+    return torch.where(keep, nearest, other)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_half_rows_stochastic_rounding_matches_the_scalar_formula(dtype):
+    """With stochastic rounding, each updated row is rounded as common.h's scalar formula rounds it,
+    bit for bit, for columns in vectors of 16 and for the columns after them (rows of 4-80)."""
+    import numpy as np
+
+    hp = dict(learning_rate=0.05, eps=1e-8)
+    half = tbegen.TableBatchedEmbeddingBags(TABLES, optimizer="rowwise_adagrad", weights_dtype=dtype,
+                                            stochastic_rounding=True, device="cpu", seed=1234, **hp)
+    full = tbegen.TableBatchedEmbeddingBags(TABLES, optimizer="rowwise_adagrad", weights_dtype=torch.float32,
+                                            device="cpu", **hp)
+    gen = torch.Generator().manual_seed(9)
+    for wh, wf in zip(half.split_embedding_weights(), full.split_embedding_weights()):
+        values = (torch.rand(wh.shape, generator=gen) - 0.5).to(dtype)
+        wh.copy_(values)
+        wf.copy_(values.float())
+    key_base = np.cumsum([0] + [rows for rows, _ in TABLES])
+    rounded_up = 0
+    for step in range(2):
+        indices, offsets, _ = _batch(29, gen)
+        out_h = half(indices, offsets)
+        out_f = full(indices, offsets)
+        grad = torch.randn(out_h.shape, generator=gen)
+        out_h.backward(grad)
+        out_f.backward(grad)
+        for t, (wh, wf) in enumerate(zip(half.split_embedding_weights(), full.split_embedding_weights())):
+            rows, D = TABLES[t]
+            bits = _random_bits(half.seed, half.step, np.arange(rows) + key_base[t], D)
+            expected = _stochastic_round(wf.detach(), bits, dtype)
+            assert torch.equal(wh.view(torch.int16), expected.view(torch.int16)), (
+                f"step {step + 1}, table {t} (dim {D}): {int((wh.view(torch.int16) != expected.view(torch.int16)).sum())} "
+                f"weights rounded differently from the scalar formula")
+            rounded_up += int((expected != wf.detach().to(dtype)).sum())
+            wf.copy_(wh.float())
+    assert rounded_up > 0, "no weight was rounded away from nearest: the test would not see a wrong draw"

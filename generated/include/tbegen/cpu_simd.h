@@ -224,6 +224,94 @@ inline void from_floats_nearest(const float* p, int64_t D, T* out) {
   for (; d < D; ++d) out[d] = T(p[d]);
 }
 
+// Stochastic rounding of p[0, D) to T (fp16 or bf16), 16 values at a time: the vector form of
+// common.h's Half16Traits<T>::round(p[d], random_bits(seed, step, key, d), true), bit for bit,
+// given row_bits = random_row_bits(seed, step, key). The columns past the last multiple of 16 (and
+// every column, where the vector forms are not compiled) are left to `rest(d0)`, which rounds
+// [d0, D) with the scalar functions. (One rounding with a hash per element was 60% of an fp16
+// rowwise_adagrad backward: benchmarks/NOTES-cpu.md.)
+template <typename T, class Rest>
+inline void from_floats_stochastic(const float* p, int64_t D, uint32_t row_bits, T* out, const Rest& rest) {
+  static_assert(std::is_same_v<T, c10::Half> || std::is_same_v<T, c10::BFloat16>,
+                "tbegen: from_floats_stochastic writes fp16 or bf16");
+  int64_t d = 0;
+#if defined(__AVX512F__) && TBEGEN_CPU_F16C
+  typedef uint32_t U32x16 __attribute__((vector_size(16 * sizeof(uint32_t))));
+  typedef int32_t I32x16 __attribute__((vector_size(16 * sizeof(int32_t))));
+  typedef uint16_t U16x16 __attribute__((vector_size(16 * sizeof(uint16_t))));
+  // the 16-bit patterns (in 32-bit lanes) of x rounded to nearest, and the floats they stand for
+  auto nearest_bits = [](const Vec<16>& x) TBEGEN_INLINE_LAMBDA {
+    U32x16 b;
+    if constexpr (std::is_same_v<T, c10::Half>) {
+      __m512 v;
+      __builtin_memcpy(&v, &x, sizeof(v));
+      const __m256i h = _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT);
+      U16x16 h16;
+      __builtin_memcpy(&h16, &h, sizeof(h16));
+      b = __builtin_convertvector(h16, U32x16);
+    } else {
+      U32x16 u;
+      __builtin_memcpy(&u, &x, sizeof(u));
+      const I32x16 nan = x != x;
+      b = nan ? U32x16{} + 0x7FC0u : (u + ((u >> 16) & 1u) + 0x7FFFu) >> 16;
+    }
+    return b;
+  };
+  auto widen = [](const U32x16& b) TBEGEN_INLINE_LAMBDA {
+    Vec<16> f;
+    if constexpr (std::is_same_v<T, c10::Half>) {
+      const U16x16 h16 = __builtin_convertvector(b, U16x16);
+      __m256i h;
+      __builtin_memcpy(&h, &h16, sizeof(h));
+      const __m512 v = _mm512_cvtph_ps(h);
+      __builtin_memcpy(&f, &v, sizeof(f));
+    } else {
+      const U32x16 u = b << 16;
+      __builtin_memcpy(&f, &u, sizeof(f));
+    }
+    return f;
+  };
+  auto magnitude = [](const Vec<16>& f) TBEGEN_INLINE_LAMBDA {
+    U32x16 u;
+    __builtin_memcpy(&u, &f, sizeof(u));
+    u &= 0x7FFFFFFFu;
+    Vec<16> a;
+    __builtin_memcpy(&a, &u, sizeof(a));
+    return a;
+  };
+  const U32x16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  for (; d + 16 <= D; d += 16) {
+    Vec<16> x;
+    __builtin_memcpy(&x, p + d, sizeof(x));
+    const U32x16 nb = nearest_bits(x);
+    const Vec<16> n = widen(nb);
+    // the neighbour of nearest on x's side (Half16Traits::step), as a 16-bit pattern
+    const I32x16 up = n < x;
+    const I32x16 negative = (nb & 0x8000u) != 0;
+    const I32x16 zero = (nb & 0x7FFFu) == 0;
+    const U32x16 ob = (zero ? (up ? U32x16{} + 0x0001u : U32x16{} + 0x8001u)
+                            : ((up != negative) ? nb + 1u : nb - 1u)) & 0xFFFFu;
+    const Vec<16> o = widen(ob);
+    // random_bits(seed, step, key, d) for the 16 columns (common.h: murmur3's finaliser)
+    U32x16 h = row_bits ^ ((lane + uint32_t(d)) * 0x9E3779B9u);
+    h ^= h >> 16;
+    h *= 0x85EBCA6Bu;
+    h ^= h >> 13;
+    h *= 0xC2B2AE35u;
+    h ^= h >> 16;
+    const Vec<16> u = __builtin_convertvector(h >> 8, Vec<16>) * (1.0f / 16777216.0f);
+    const I32x16 keep = (n == x) | !(magnitude(n) <= 3.0e38f) | !(magnitude(o) <= 3.0e38f) |
+                        !(u * magnitude(o - n) < magnitude(x - n));
+    const U16x16 result = __builtin_convertvector(keep ? nb : ob, U16x16);
+    __builtin_memcpy(out + d, &result, sizeof(result));
+  }
+#endif
+  (void)row_bits;
+  (void)out;
+  (void)p;
+  if (d < D) rest(d);
+}
+
 // The floats per vector for rows of D columns: 16, 8 or 4, the widest that divides D; 0: no
 // vector width divides D (the plain loops).
 inline int lanes_for(int64_t D) { return D % 16 == 0 ? 16 : D % 8 == 0 ? 8 : D % 4 == 0 ? 4 : 0; }
@@ -293,6 +381,10 @@ inline void to_floats(const T* p, int64_t D, float* out) {
 template <typename T>
 inline void from_floats_nearest(const float* p, int64_t D, T* out) {
   for (int64_t d = 0; d < D; ++d) out[d] = T(p[d]);
+}
+template <typename T, class Rest>
+inline void from_floats_stochastic(const float*, int64_t D, uint32_t, T*, const Rest& rest) {
+  if (D > 0) rest(0);
 }
 template <bool kWeighted, class Rows, class Weight, class Before>
 inline void sum_rows(int64_t n, int64_t D, const Rows& rows, const Weight& weight, const Before& before,

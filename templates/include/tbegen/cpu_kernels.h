@@ -536,10 +536,14 @@ void backward(const Batch& b, const int64_t* feat, int64_t total_hash_size, cons
         if (!ctx.stochastic_rounding) {
           simd::from_floats_nearest(row.w_, D, wrow);  // fp16, bf16: WeightTraits<W>::round's nearest, in vectors
         } else {
-          for (int d = 0; d < D; ++d) {
-            const uint32_t bits = random_bits(ctx.seed, ctx.step, key, d);
-            wrow[d] = WeightTraits<W>::round(row.w_[d], bits, true);
-          }
+          // stochastic: in vectors of 16 (cpu_simd.h), the columns past them here
+          auto rest = [&](int64_t d0) {
+            for (int d = int(d0); d < D; ++d) {
+              const uint32_t bits = random_bits(ctx.seed, ctx.step, key, d);
+              wrow[d] = WeightTraits<W>::round(row.w_[d], bits, true);
+            }
+          };
+          simd::from_floats_stochastic(row.w_, D, random_row_bits(ctx.seed, ctx.step, key), wrow, rest);
         }
       }
       first = last;
