@@ -1124,8 +1124,16 @@ class TableBatchedEmbeddingBags(nn.Module):
                 and indices.dtype is offsets.dtype and indices.dtype in INDEX_DTYPES and indices.dim() == 1
                 and offsets.dim() == 1 and indices.device == device and offsets.device == device
                 and offsets.numel() >= 1 and (offsets.numel() - 1) % F == 0):
-            # (the common call, checked in one expression: everything the checks below would pass)
+            # (the common call, checked in one expression: a shortcut through _check_input_fully,
+            # which gives the same result for every input this accepts: tests/test_module_input.py)
             return indices.contiguous(), offsets.contiguous(), None
+        return self._check_input_fully(indices, offsets, per_sample_weights)
+
+    def _check_input_fully(self, indices, offsets, per_sample_weights):
+        """The forward's input checked one property at a time (each failure named), index dtypes
+        made one, every tensor contiguous."""
+        device = self._registered("weights").device
+        F = self.layout.num_features
         for name, t in (("indices", indices), ("offsets", offsets)):
             if not isinstance(t, torch.Tensor):
                 raise TypeError(f"tbegen: {name} must be a torch.Tensor, got {type(t).__name__}")
