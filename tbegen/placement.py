@@ -30,11 +30,20 @@ hinted like a device table (tbegen/cache.py); its tables' ranges are hinted like
 On the CPU every buffer is host memory already: "managed" is accepted there and means just that,
 so that a model configured with placements runs unchanged (and bitwise the same) on the CPU.
 "managed_caching" runs its cache logic over the host buffers (the cache region is host memory
-too): the same code and the same numbers as on a GPU, so CI exercises it.
+too): the same code and the same numbers as on a GPU, so CI exercises it. A CPU buffer of 4 MB
+or more is advised into transparent huge pages (`advise_huge_pages`, Linux): the lookups and the
+update jump between rows of hundreds of megabytes, and with 4 KB pages a good part of their time
+is page walks (benchmarks/NOTES-cpu.md: forward -15%, backward -8% at CPU-2). TBEGEN_HUGE_PAGES=0
+leaves the buffers as torch allocates them.
 """
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import functools
+import os
+import sys
 from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -113,7 +122,10 @@ def allocate(ops, numel: int, dtype: torch.dtype, device: torch.device, placemen
     the device (the few bytes of the managed table in it are read from GPU memory)."""
     memory = buffer_memory(placements, device)
     if memory is None:
-        return torch.empty(numel, dtype=dtype, device=device)
+        buffer = torch.empty(numel, dtype=dtype, device=device)
+        if buffer.device.type == "cpu":
+            advise_huge_pages(buffer)
+        return buffer
     ops = _managed_ops(ops)
     if memory == "host":
         return ops.host_empty(numel, dtype, device)
@@ -123,6 +135,41 @@ def allocate(ops, numel: int, dtype: torch.dtype, device: torch.device, placemen
             if (placement in HOST_PREFERRED) == (location == "host"):
                 ops.managed_advise(buffer, start, count, location)
     return buffer
+
+
+# 2 MB huge pages; buffers from twice that size are advised (a smaller one would get a huge page
+# only where one falls inside it whole)
+_HUGE_PAGE = 2 << 20
+_MADV_HUGEPAGE = 14  # (linux/mman.h)
+
+
+@functools.lru_cache(maxsize=None)
+def _libc_madvise():
+    """libc's madvise, or None where there is none to call (not Linux, or switched off)."""
+    if not sys.platform.startswith("linux") or os.environ.get("TBEGEN_HUGE_PAGES", "1") == "0":
+        return None
+    try:
+        madvise = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True).madvise
+    except (OSError, AttributeError):
+        return None
+    madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    madvise.restype = ctypes.c_int
+    return madvise
+
+
+def advise_huge_pages(buffer: torch.Tensor) -> bool:
+    """Asks Linux to back the 2 MB-aligned part of a fresh (not yet written) CPU buffer with
+    transparent huge pages, where the system lets programs ask (transparent_hugepage "madvise" or
+    "always"; with "never" the advice has no effect). Only a hint: the contents and every result
+    are the same with or without it, and a refusal is ignored. True where the advice was taken."""
+    madvise = _libc_madvise()
+    nbytes = buffer.numel() * buffer.element_size()
+    if madvise is None or nbytes < 2 * _HUGE_PAGE:
+        return False
+    start = buffer.data_ptr()
+    first = -(-start // _HUGE_PAGE) * _HUGE_PAGE
+    length = (start + nbytes - first) // _HUGE_PAGE * _HUGE_PAGE
+    return length > 0 and madvise(first, length, _MADV_HUGEPAGE) == 0
 
 
 def memory_kind(ops, tensor: torch.Tensor) -> str:
