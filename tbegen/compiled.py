@@ -1,4 +1,4 @@
-"""The module's lookup as two opaque custom operators, for `torch.compile`.
+"""The module's lookup as opaque custom operators, for `torch.compile`.
 
 Under `torch.compile` (every mode: default, "reduce-overhead", fullgraph=True) the module's
 forward does not trace its eager path (which polls the error record, keeps the cache's tickets
@@ -8,20 +8,29 @@ traced code and then calls `tbegen_compile::lookup`, whose backward (registered 
 operators with fake (shape-only) implementations, so the compiler puts them in its graph as calls
 it does not look into; when the graph runs, they run the module's eager forward and backward
 bodies (the same code as without compile: the same bits), error polling included, so a bad index
-raises under compile exactly as it does eagerly.
+raises under compile exactly as it does eagerly. A module with a cache first calls
+`tbegen_compile::new_call` (in grad mode), whose number names the cache ticket the forward keeps
+for its backward.
 
 What the operators cannot take is the module itself: they take an integer handle that names it
 in a registry of weak references (`register`, called by the module's constructor and again when
 a module is copied or unpickled, so that a copy gets a handle of its own).
 
-Both operators are registered as having ordered side effects (`torch.library._register_effectful_op`,
+The operators are registered as having ordered side effects (`torch.library._register_effectful_op`,
 which PyTorch names for "an op that has side effects that is not capturable by the schema"): the
 compiler threads an effect token through them, so it neither drops a call whose output looks
-unused (the backward's gradient for the zero-size anchor is an empty tensor the compiler could
-fold away), nor merges two identical calls (a model that calls the module twice on the same batch
-gets two lookups and two updates, as in eager), nor reorders them. Both also carry the
-`cudagraph_unsafe` tag: mode="reduce-overhead" must not record them into a CUDA graph (a replay
-would repeat the recorded step's update without the host work around it).
+unused (the backward's result is an empty tensor when no gradient is asked of it), nor merges two
+identical calls (a model that calls the module twice on the same batch gets two lookups and two
+updates, as in eager), nor reorders them.
+
+mode="reduce-overhead" must not record them into a CUDA graph (a replay would repeat the recorded
+step's update without the host work around it). They carry the `cudagraph_unsafe` tag, but inductor
+does not see it through the effects wrapper, so they are also named in inductor's
+`custom_should_partition_ops` (PARTITION_OPS, set at import): its graph partitions put them outside
+every CUDA graph. And each returns one tensor: the outputs of an operator outside the CUDA graphs
+reach the next partition as they are, and a tuple of several (with a getter per element placed in a
+CUDA-graph partition) is what cudagraph trees refused on the H200 (benchmarks/NOTES-gpu.md,
+"reduce-overhead on CUDA: what the code says").
 """
 
 from __future__ import annotations
@@ -62,13 +71,57 @@ def _module(handle: int) -> Tuple[Any, Any]:
 
 _TAGS = (torch.Tag.cudagraph_unsafe,)
 
+# The operators inductor must keep out of CUDA graphs (mode="reduce-overhead"), by name. The
+# cudagraph_unsafe tag alone does not do it for these operators: an operator with registered
+# effects reaches inductor wrapped in the with_effects higher-order operator, and inductor looks
+# for the tag on the FX node's target, which is then with_effects, not the operator (torch 2.11
+# and 2.13: torch/_inductor/utils.py, is_cudagraph_unsafe_fx_node). Its graph partitioner also
+# splits on the operator names in `config.custom_should_partition_ops`, which it reads from the
+# lowered kernel's own operator (scheduler.should_partition), effects or not.
+PARTITION_OPS = ("tbegen_compile::lookup", "tbegen_compile::lookup_backward", "tbegen_compile::new_call")
+
+
+def partition_around_operators() -> bool:
+    """Adds PARTITION_OPS to torch._inductor.config.custom_should_partition_ops (kept: the names
+    already there; done at import). False where this torch has no such setting."""
+    import torch._inductor.config as inductor_config
+
+    names = getattr(inductor_config, "custom_should_partition_ops", None)
+    if names is None:
+        return False
+    missing = [n for n in PARTITION_OPS if n not in names]
+    if missing:
+        inductor_config.custom_should_partition_ops = [*names, *missing]
+    return True
+
+
+# Each operator returns ONE tensor. A graph partition that is not a CUDA graph (these operators',
+# and any on the CPU) hands its outputs to the next partition; for an operator of several outputs
+# that is the output tuple itself, read by the getter nodes of its elements, which inductor places
+# by their own device: a CUDA element's getter lands in a CUDA-graph partition, which then takes
+# the tuple as an input it cannot track or copy ("storage data ptrs are not allocated in pool"
+# when the element is returned, "assert isinstance(inp, (int, torch.Generator))" when it is
+# recorded). One tensor per operator is passed as itself.
+
+
+@torch.library.custom_op("tbegen_compile::new_call", mutates_args=(), tags=_TAGS)
+def new_call(handle: int) -> torch.Tensor:
+    """A fresh call number (int64 scalar on the CPU): names the cache ticket a compiled forward
+    keeps for its backward (only traced for modules with a cache, under grad mode)."""
+    return torch.tensor(next(_next_call), dtype=torch.int64)
+
+
+@new_call.register_fake
+def _(handle):
+    return torch.empty((), dtype=torch.int64, device="cpu")
+
 
 @torch.library.custom_op("tbegen_compile::lookup", mutates_args=(), tags=_TAGS)
 def lookup(first: torch.Tensor, indices: torch.Tensor, offsets: torch.Tensor,
-           per_sample_weights: Optional[torch.Tensor], handle: int, out_rows: int, out_width: int,
-           keep_ticket: bool) -> Tuple[torch.Tensor, torch.Tensor]:
-    """The module's eager forward body: returns the float32 lookup and a call token (int64 scalar
-    on the CPU; non-zero when a cache ticket is kept for the backward)."""
+           per_sample_weights: Optional[torch.Tensor], call: Optional[torch.Tensor], handle: int, out_rows: int,
+           out_width: int) -> torch.Tensor:
+    """The module's eager forward body: returns the float32 lookup. With `call` (new_call's
+    number), a cache ticket is kept under it for the backward."""
     module, _Lookup = _module(handle)
     module._check_buffers()
     module._errors.poll()
@@ -78,7 +131,7 @@ def lookup(first: torch.Tensor, indices: torch.Tensor, offsets: torch.Tensor,
     if module._cache is not None:
         ticket = module._take_prefetched(indices, offsets) or module._prepare(indices, offsets)
         offsets = ticket.offsets
-        if keep_ticket:
+        if call is not None:
             module._cache.hold(ticket)
     ctx = types.SimpleNamespace(save_for_backward=lambda *t: None)
     out = _Lookup.forward(ctx, module, first, indices if ticket is None else ticket.indices, offsets,
@@ -86,31 +139,29 @@ def lookup(first: torch.Tensor, indices: torch.Tensor, offsets: torch.Tensor,
     if tuple(out.shape) != (out_rows, out_width):  # (the fake implementation's shape must hold)
         raise RuntimeError(f"tbegen: compiled lookup produced shape {tuple(out.shape)}, expected "
                            f"{(out_rows, out_width)}")
-    call = 0
-    if ticket is not None and keep_ticket:
-        call = next(_next_call)
-        _TICKETS[(handle, call)] = ticket
-    return out, torch.tensor(call, dtype=torch.int64)
+    if ticket is not None and call is not None:
+        _TICKETS[(handle, int(call))] = ticket
+    return out
 
 
 @lookup.register_fake
-def _(first, indices, offsets, per_sample_weights, handle, out_rows, out_width, keep_ticket):
-    out = indices.new_empty((out_rows, out_width), dtype=torch.float32)
-    return out, torch.empty((), dtype=torch.int64, device="cpu")
+def _(first, indices, offsets, per_sample_weights, call, handle, out_rows, out_width):
+    return indices.new_empty((out_rows, out_width), dtype=torch.float32)
 
 
 @torch.library.custom_op("tbegen_compile::lookup_backward", mutates_args=(), tags=_TAGS)
-def lookup_backward(grad_output: torch.Tensor, call: torch.Tensor, first: torch.Tensor, indices: torch.Tensor,
-                    offsets: torch.Tensor, per_sample_weights: Optional[torch.Tensor], handle: int,
-                    need_first: bool, need_psw: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+def lookup_backward(grad_output: torch.Tensor, call: Optional[torch.Tensor], first: torch.Tensor,
+                    indices: torch.Tensor, offsets: torch.Tensor, per_sample_weights: Optional[torch.Tensor],
+                    handle: int, need_first: bool, need_psw: bool) -> torch.Tensor:
     """The module's eager backward body (the fused update, or the dense weight gradient; the
-    per-sample-weight gradient): returns (gradient of `first`, gradient of the per-sample weights,
-    empty when not needed)."""
+    per-sample-weight gradient). Returns what is needed, as one tensor: the gradient of `first`
+    (need_first: the dense mode's weights), of the per-sample weights (need_psw, float32), both
+    (one float32 vector: the first's values, then the per-sample weights'), or neither (an empty
+    float32 tensor)."""
     module, _Lookup = _module(handle)
-    key = int(call.item())
     ticket = None
-    if key:
-        ticket = _TICKETS.pop((handle, key), None)
+    if call is not None:
+        ticket = _TICKETS.pop((handle, int(call)), None)
         if ticket is None:
             raise RuntimeError("tbegen: a second backward through one compiled lookup of cached tables "
                                "(retain_graph=True) is not supported under torch.compile")
@@ -119,43 +170,70 @@ def lookup_backward(grad_output: torch.Tensor, call: torch.Tensor, first: torch.
         needs_input_grad=(False, need_first, False, False, need_psw, False),
     )
     grads = _Lookup.backward(ctx, grad_output)
-    grad_first = grads[1] if grads[1] is not None else first.new_zeros(first.shape)
-    grad_psw = grads[4] if grads[4] is not None else grad_output.new_empty((0,), dtype=torch.float32)
-    return grad_first, grad_psw
+    grad_first = None
+    if need_first:
+        grad_first = grads[1] if grads[1] is not None else torch.zeros_like(first, memory_format=torch.contiguous_format)
+    grad_psw = None
+    if need_psw:
+        grad_psw = grads[4] if grads[4] is not None else grad_output.new_zeros((per_sample_weights.shape[0],),
+                                                                               dtype=torch.float32)
+    if grad_first is not None and grad_psw is not None:
+        return torch.cat([grad_first.reshape(-1).to(torch.float32), grad_psw.to(torch.float32)])
+    if grad_first is not None:
+        return grad_first
+    if grad_psw is not None:
+        return grad_psw.to(torch.float32)
+    return grad_output.new_empty((0,), dtype=torch.float32)
 
 
 @lookup_backward.register_fake
 def _(grad_output, call, first, indices, offsets, per_sample_weights, handle, need_first, need_psw):
-    grad_first = first.new_empty(first.shape)
-    n = per_sample_weights.shape[0] if (need_psw and per_sample_weights is not None) else 0
-    return grad_first, grad_output.new_empty((n,), dtype=torch.float32)
+    n_psw = per_sample_weights.shape[0] if need_psw else 0
+    if need_first and need_psw:
+        return grad_output.new_empty((first.numel() + n_psw,), dtype=torch.float32)
+    if need_first:
+        return first.new_empty(first.shape)
+    return grad_output.new_empty((n_psw,), dtype=torch.float32)
 
 
 def _setup_context(ctx, inputs, output):
-    first, indices, offsets, per_sample_weights, handle, _rows, _width, _keep = inputs
+    first, indices, offsets, per_sample_weights, call, handle, _rows, _width = inputs
     ctx.handle = handle
     ctx.has_psw = per_sample_weights is not None
-    ctx.save_for_backward(output[1], first, indices, offsets,
+    ctx.has_call = call is not None
+    ctx.dense = bool(_module(handle)[0].dense_gradient)
+    ctx.first_shape, ctx.first_dtype = first.shape, first.dtype
+    ctx.save_for_backward(first, indices, offsets, *((call,) if call is not None else ()),
                           *((per_sample_weights,) if per_sample_weights is not None else ()))
-    ctx.mark_non_differentiable(output[1])
 
 
-def _backward(ctx, grad_out, _grad_call):
-    call, first, indices, offsets, *rest = ctx.saved_tensors
+def _backward(ctx, grad_out):
+    first, indices, offsets, *rest = ctx.saved_tensors
+    call = rest.pop(0) if ctx.has_call else None
     psw = rest[0] if ctx.has_psw else None
-    need_first = ctx.needs_input_grad[0]
+    # (the fused optimizers' first input is the zero-size anchor: it gets no gradient)
+    need_first = ctx.dense and ctx.needs_input_grad[0]
     need_psw = ctx.has_psw and ctx.needs_input_grad[3]
-    grad_first, grad_psw = lookup_backward(grad_out, call, first, indices, offsets, psw, ctx.handle,
-                                           need_first, need_psw)
-    return grad_first, None, None, (grad_psw if need_psw else None), None, None, None, None
+    grads = lookup_backward(grad_out, call, first, indices, offsets, psw, ctx.handle, need_first, need_psw)
+    grad_first = grad_psw = None
+    if need_first and need_psw:
+        n = first.numel()
+        grad_first = grads[:n].view(ctx.first_shape).to(ctx.first_dtype)
+        grad_psw = grads[n:]
+    elif need_first:
+        grad_first = grads
+    elif need_psw:
+        grad_psw = grads
+    return grad_first, None, None, grad_psw, None, None, None, None
 
 
 lookup.register_autograd(_backward, setup_context=_setup_context)
-# Both operators act on the module's state beyond their schema (the update, the error record, the
-# step count, the cache): ordered effects, so that the compiler neither drops, merges nor reorders
-# them (an effect token is threaded through the graph).
-torch.library._register_effectful_op("tbegen_compile::lookup", torch._library.effects.EffectType.ORDERED)
-torch.library._register_effectful_op("tbegen_compile::lookup_backward", torch._library.effects.EffectType.ORDERED)
+# The operators act on the module's state beyond their schema (the update, the error record, the
+# step count, the cache, the call numbers): ordered effects, so that the compiler neither drops,
+# merges nor reorders them (an effect token is threaded through the graph).
+for _name in ("tbegen_compile::new_call", "tbegen_compile::lookup", "tbegen_compile::lookup_backward"):
+    torch.library._register_effectful_op(_name, torch._library.effects.EffectType.ORDERED)
+partition_around_operators()
 
 
 def compiled_forward(module: Any, indices: torch.Tensor, offsets: torch.Tensor,
@@ -167,6 +245,7 @@ def compiled_forward(module: Any, indices: torch.Tensor, offsets: torch.Tensor,
     else:
         rows, width = (offsets.shape[0] - 1) // module.layout.num_features, module.layout.total_D
     first = module.weights if module.dense_gradient else module._compile_anchor
-    out, _call = lookup(first, indices, offsets, per_sample_weights,
-                        module._compile_handle, rows, width, torch.is_grad_enabled())
+    # (a cache ticket is kept for the backward under a call number: only with a cache, in grad mode)
+    call = new_call(module._compile_handle) if module._cache is not None and torch.is_grad_enabled() else None
+    out = lookup(first, indices, offsets, per_sample_weights, call, module._compile_handle, rows, width)
     return out if module.output_dtype == torch.float32 else out.to(module.output_dtype)
