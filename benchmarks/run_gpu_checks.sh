@@ -30,6 +30,6 @@ TRC=$PWD/benchmarks/fbgemm_subset:/tmp/site:/tmp/fbg_site:$PYTHONPATH
 PYTHONPATH=$TRC timeout $(cap 90) python3 -m pytest -q -s -p no:cacheprovider -m cuda tests/test_torchrec.py \
   tests/test_torchrec_config.py 2>&1 | grep -E "passed|failed|largest|Error" | tail -n 12 >> "$OUT/checks.log"
 say "TorchRec over NCCL, one rank"
-timeout $(cap 90) python3 benchmarks/tools/compile_probe.py fixed no-partition-names 2>&1 | grep -E "^step|^== variant|^[0-9]+ steps|^  pointer|^variant" | tail -n 24 >> "$OUT/checks.log"
+timeout $(cap 90) python3 benchmarks/tools/compile_probe.py fixed no-partition-names 2>&1 | grep -E "^step|^== variant|^[0-9]+ steps|^  pointer|^variant|^pool check" | tail -n 24 >> "$OUT/checks.log"
 say "compile probe"
 cat "$OUT/checks.log"

@@ -185,7 +185,7 @@ fi
 # extras.log; COMPILE_PROBE=1 runs it
 if [ "${COMPILE_PROBE:-0}" = 1 ]; then
   log "torch.compile reduce-overhead probe"
-  timeout $(cap 300) python3 benchmarks/tools/compile_probe.py 2>&1 | grep -E "^step|^== variant|^[0-9]+ steps|^  pointer|^variant|^tuple-ops" | tail -n 48 >> "$OUT/extras.log"
+  timeout $(cap 300) python3 benchmarks/tools/compile_probe.py 2>&1 | grep -E "^step|^== variant|^[0-9]+ steps|^  pointer|^variant|^tuple-ops|^pool check" | tail -n 48 >> "$OUT/extras.log"
 fi
 [ "${SANITIZE:-1}" = 1 ] && for tool in memcheck racecheck; do
   log "compute-sanitizer --tool $tool"

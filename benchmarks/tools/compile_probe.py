@@ -116,6 +116,21 @@ def run(variant: str) -> None:
     print(f"torch {torch.__version__}; graph_partition={inductor_config.graph_partition}; "
           f"custom_should_partition_ops={inductor_config.custom_should_partition_ops}", flush=True)
 
+    if DEVICE == "cuda":  # (explain a pool check's pointers while their tensors are still alive)
+        import torch._inductor.cudagraph_trees as cgt
+
+        pool_check = cgt.check_memory_pool
+
+        def explained_pool_check(*args, **kwargs):
+            try:
+                return pool_check(*args, **kwargs)
+            except Exception as e:
+                print(f"pool check failed: {str(e)[:300]}", flush=True)
+                _explain_pointers(str(e), named)
+                raise
+
+        cgt.check_memory_pool = explained_pool_check
+    named = {}
     calls = {"all": 0, "capturing": 0}
     module_of = compiled_._module
 
@@ -143,8 +158,8 @@ def run(variant: str) -> None:
     g = torch.Generator().manual_seed(5)
     batches = [(torch.randint(0, 40, (12,), generator=g).to(DEVICE), torch.tensor([0, 3, 6, 9, 12]).to(DEVICE))
                for _ in range(3)]
-    named = {**{f"emb.{k}": v for k, v in emb.state_dict().items()},
-             **{f"lin.{k}": v for k, v in lin.named_parameters()}}
+    named.update({**{f"emb.{k}": v for k, v in emb.state_dict().items()},
+             **{f"lin.{k}": v for k, v in lin.named_parameters()}})
     done = 0
     for i, (indices, offsets) in enumerate(batches):
         try:
