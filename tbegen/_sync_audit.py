@@ -34,12 +34,17 @@ native_functions.yaml, the tags torch.compile uses for the same reason):
   sync debug mode reports), so even a host-to-device copy waits for everything queued on the
   stream. aten._to_copy / aten.copy_ between the CPU and a GPU without non_blocking, and
   torch.tensor / torch.as_tensor with a `device` (the data is built on the host, then copied
-  that way); explicit waits: torch.cuda.synchronize, torch.cuda.Stream.synchronize,
-  torch.cuda.Event.synchronize.
+  that way); x[idx] = a Python number where idx holds an integer tensor or a list (advanced
+  indexing): for a CUDA tensor torch makes the number a CPU tensor (python_variable_indexing.cpp,
+  THPVariable_setitem) and index_put_ copies it to the device that way (_index_put_impl_,
+  value.to(self.device()); torch 2.11-2.13: pytorch PR 188330 removes it later), so
+  x.index_fill_(0, idx, number) is the way without a wait; explicit waits:
+  torch.cuda.synchronize, torch.cuda.Stream.synchronize, torch.cuda.Event.synchronize.
 
 Not waits (and not counted): indexing with integer tensors (aten.index.Tensor with int64
-indices, index_select, gather, index_copy_, index_put_ with integer indices), x[idx] = a Python
-number (the value is filled on the device), repeat_interleave with output_size, nonzero_static,
+indices, index_select, gather, index_copy_, index_put_ with integer indices and a device
+tensor as the value, index_fill_ with a number), x[i] = a Python number at an int or slice
+position (filled on the device), repeat_interleave with output_size, nonzero_static,
 sort/argsort, cumsum, searchsorted, isin, masked_fill with a Python scalar, torch.where(cond, a,
 b), factories (zeros, full, arange, new_full with Python numbers: filled on the device), and
 every elementwise op.
@@ -53,6 +58,7 @@ begin with should stay Python numbers in such code.
 from __future__ import annotations
 
 import collections
+import numbers
 import os
 import sys
 import threading
@@ -97,6 +103,17 @@ class SyncEvent:
 
 def _has_bool_index(indices) -> bool:
     return any(isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in indices or ())
+
+
+def _advanced_index(index) -> bool:
+    """Whether a __setitem__ index holds an integer tensor or a list (advanced indexing by
+    integers; a bool mask is aten.index_put_'s own rule above)."""
+    for i in (index if isinstance(index, tuple) else (index,)):
+        if isinstance(i, torch.Tensor) and i.dtype not in (torch.bool, torch.uint8) and i.dim() > 0:
+            return True
+        if isinstance(i, list):
+            return True
+    return False
 
 
 def _holds_tensor(data) -> bool:
@@ -263,6 +280,16 @@ class SyncAudit(TorchDispatchMode):
 
         for name in ("tensor", "as_tensor"):
             self._wrap(torch, name, from_data(name))
+
+        def setitem(t, index, value):
+            if isinstance(value, torch.Tensor) or not isinstance(value, numbers.Number):
+                return None
+            if not (self.simulate or t.device.type != "cpu") or not _advanced_index(index):
+                return None
+            return ("x[idx] = a Python number with a tensor index: a CPU scalar that index_put_ copies to the "
+                    "device (not non_blocking: torch synchronizes the stream; index_fill_ does not)")
+
+        self._wrap(torch.Tensor, "__setitem__", setitem)
         self._wrap(torch.cuda, "synchronize", lambda *a, **k: "torch.cuda.synchronize()")
         self._wrap(torch.cuda.Stream, "synchronize", lambda *a, **k: "Stream.synchronize()")
         self._wrap(torch.cuda.Event, "synchronize", lambda *a, **k: "Event.synchronize()")

@@ -490,10 +490,12 @@ class RowCache:
             self._device_stats[1] += (written * T["row_bytes"][c]).sum()
             if self._maybe_dirty:
                 self._move(buffers, c, rows, slots - T["sbase"][c], to_slots=False, per_table=occupied)
-            self._row_slot[T["rbase"][c] + rows] = -1
-            self._slot_row[slots] = -1
-            self._last_used[slots] = 0
-            self._dirty[slots] = False
+            # (index_fill_, not x[slots] = number: on CUDA that number is a CPU tensor which
+            # index_put_ copies to the device with a wait; _sync_audit.py)
+            self._row_slot.index_fill_(0, T["rbase"][c] + rows, -1)
+            self._slot_row.index_fill_(0, slots, -1)
+            self._last_used.index_fill_(0, slots, 0)
+            self._dirty.index_fill_(0, slots, False)
             self.epoch += 1
             self._release_all()
         for k in tables:
@@ -514,7 +516,7 @@ class RowCache:
 
     def mark_dirty(self, slots: torch.Tensor) -> None:
         if slots.numel():
-            self._dirty[slots] = True
+            self._dirty.index_fill_(0, slots, True)
             self._maybe_dirty = True
 
     # ---- batches in flight: their rows stay ----
@@ -550,7 +552,7 @@ class RowCache:
             return None
         mask = torch.zeros(self.num_slots, dtype=torch.bool, device=self.device)
         for t in self._held:
-            mask[t.slots] = True
+            mask.index_fill_(0, t.slots, True)
         return mask
 
     # ---- a batch ----
@@ -612,7 +614,7 @@ class RowCache:
             held = self._held_mask()
             if held is not None:  # per table, the held slots other than the batch's hit rows
                 mine = torch.zeros(self.num_slots + 1, dtype=torch.bool, device=dev)
-                mine[torch.where(hit_k, T["sbase"][tk] + slot_k, self.num_slots)] = True
+                mine.index_fill_(0, torch.where(hit_k, T["sbase"][tk] + slot_k, self.num_slots), True)
                 others = torch.cat([zero, torch.cumsum(held & ~mine[:-1], 0)])
                 parts.append(others[T["sbase"] + T["C"]] - others[T["sbase"]])
             if check_bad:
@@ -664,7 +666,7 @@ class RowCache:
         tick = self.tick
         h = self._compact(hit, n_unique - n_miss)
         hit_slots = T["sbase"][tU[h]] + slot[h]
-        self._last_used[hit_slots] = tick
+        self._last_used.index_fill_(0, hit_slots, tick)
         if self.algorithm == "lfu":
             self._counts[U] += counts
         # rows to load: every missing one, except where a direct table has more than its slots
@@ -770,7 +772,7 @@ class RowCache:
         T = self._t
         dev = self.device
         protected = torch.zeros(self.num_slots, dtype=torch.bool, device=dev) if held is None else held
-        protected[hit_slots] = True
+        protected.index_fill_(0, hit_slots, True)
         order = self._victim_order(protected)
         first = torch.searchsorted(mT, torch.arange(len(self.tables), device=dev))  # (mT ascends)
         rank = torch.arange(mU.numel(), device=dev) - first[mT]  # j-th row of its table
@@ -793,7 +795,7 @@ class RowCache:
             self._move(buffers, mT[e], old[e], local_slot[e], to_slots=False, staged=staged, per_table=evicted_h)
         self._write_staged(staged)
         if evicted:
-            self._row_slot[T["rbase"][mT[e]] + old[e]] = -1
+            self._row_slot.index_fill_(0, T["rbase"][mT[e]] + old[e], -1)
         # Some row's slot number is no longer valid, or a row that an earlier batch of a direct
         # table read in its backing row is now cached: batches prepared before are prepared again.
         self.epoch += 1
@@ -801,8 +803,8 @@ class RowCache:
         self._join_writeback()
         self._row_slot[mU] = local_slot.to(torch.int32)
         self._slot_row[victims] = mRow
-        self._last_used[victims] = tick
-        self._dirty[victims] = False
+        self._last_used.index_fill_(0, victims, tick)
+        self._dirty.index_fill_(0, victims, False)
         self._occupied = [min(C, n + a) for C, n, a in zip(self.slots, self._occupied, count_h)]
         st = self.stats
         st["rows_loaded"] += mU.numel()

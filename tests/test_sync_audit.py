@@ -41,6 +41,12 @@ def test_waiting_operations_are_counted_with_their_site():
         "equal": lambda x: torch.equal(x, x),
         "tensor to the device": lambda x: torch.tensor([1, 2], device=x.device),
         "as_tensor to the device": lambda x: torch.as_tensor([1, 2], device=x.device),
+        # (torch 2.11-2.13 on CUDA: the number becomes a CPU tensor that index_put_ copies to the
+        # device without non_blocking)
+        "setitem of a number at a tensor index": lambda x: x.__setitem__(torch.tensor([1, 3]), 5),
+        "setitem of a bool at a tensor index": lambda x: (x > 3).__setitem__(torch.tensor([1]), True),
+        "setitem of a number at a list index": lambda x: x.__setitem__([1, 3], 5),
+        "setitem of a number at a row and tensor index": lambda x: x.view(3, 4).__setitem__((1, torch.tensor([0, 2])), 7),
     }
     for name, fn in waits.items():
         audit = _count(fn)
@@ -63,7 +69,9 @@ def test_operations_that_do_not_wait_are_not_counted():
         "isin": lambda x: torch.isin(x, torch.tensor([1, 2])),
         "factories": lambda x: (torch.zeros(3, device=x.device), torch.arange(4, device=x.device),
                                 x.new_full((2,), 7), torch.full_like(x, 3)),
-        "setitem of a number": lambda x: x.__setitem__(torch.tensor([1]), 5),
+        "setitem of a number at a position or slice": lambda x: (x.__setitem__(1, 5), x.__setitem__(slice(0, 2), 5)),
+        "setitem of a device tensor at a tensor index": lambda x: x.__setitem__(torch.tensor([1]), x[2:3] * 2),
+        "index_fill_ with a number": lambda x: x.index_fill_(0, torch.tensor([1, 3]), 5),
         "dtype change": lambda x: x.to(torch.int32),
     }
     for name, fn in quiet.items():
@@ -71,7 +79,7 @@ def test_operations_that_do_not_wait_are_not_counted():
 
 
 def test_patched_methods_are_restored_and_sections_split():
-    before = (torch.Tensor.tolist, torch.Tensor.to, torch.tensor)
+    before = (torch.Tensor.tolist, torch.Tensor.to, torch.tensor, torch.Tensor.__setitem__)
     x = torch.arange(4)
     with SyncAudit(paths=[HERE]) as audit:
         audit.mark("a")
@@ -79,7 +87,7 @@ def test_patched_methods_are_restored_and_sections_split():
         audit.mark("b")
         x[x > 1]
         x.nonzero()
-    assert (torch.Tensor.tolist, torch.Tensor.to, torch.tensor) == before
-    assert "to" not in vars(torch.Tensor)  # (inherited again, as before)
+    assert (torch.Tensor.tolist, torch.Tensor.to, torch.tensor, torch.Tensor.__setitem__) == before
+    assert "to" not in vars(torch.Tensor) and "__setitem__" not in vars(torch.Tensor)  # (inherited again)
     assert [len(audit.sections[k]) for k in "ab"] == [1, 2]
     assert "in all" in audit.report()
