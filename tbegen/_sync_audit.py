@@ -37,7 +37,7 @@ native_functions.yaml, the tags torch.compile uses for the same reason):
   that way); x[idx] = a Python number where idx holds an integer tensor or a list (advanced
   indexing): for a CUDA tensor torch makes the number a CPU tensor (python_variable_indexing.cpp,
   THPVariable_setitem) and index_put_ copies it to the device that way (_index_put_impl_,
-  value.to(self.device()); torch 2.11-2.13: pytorch PR 188330 removes it later), so
+  value.to(self.device()) in torch 2.11 and 2.13; pytorch PR 188330 proposes its removal), so
   x.index_fill_(0, idx, number) is the way without a wait; explicit waits:
   torch.cuda.synchronize, torch.cuda.Stream.synchronize, torch.cuda.Event.synchronize.
 
