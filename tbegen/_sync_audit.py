@@ -35,16 +35,17 @@ native_functions.yaml, the tags torch.compile uses for the same reason):
   stream. aten._to_copy / aten.copy_ between the CPU and a GPU without non_blocking, and
   torch.tensor / torch.as_tensor with a `device` (the data is built on the host, then copied
   that way); x[idx] = a Python number where idx holds an integer tensor or a list (advanced
-  indexing): for a CUDA tensor torch makes the number a CPU tensor (python_variable_indexing.cpp,
-  THPVariable_setitem) and index_put_ copies it to the device that way (_index_put_impl_,
-  value.to(self.device()) in torch 2.11 and 2.13; pytorch PR 188330 proposes its removal), so
-  x.index_fill_(0, idx, number) is the way without a wait; explicit waits:
+  indexing), or ints for every dimension (one element): for a CUDA tensor torch makes the number
+  a CPU tensor (python_variable_indexing.cpp, THPVariable_setitem), which index_put_ copies to
+  the device that way (_index_put_impl_, value.to(self.device())) and so does the copy into one
+  element (at::indexing::copy_to; torch 2.11 and 2.13; pytorch PRs 188267 and 188330 propose
+  fills instead), so x.index_fill_(0, idx, number) and x[i:i + 1] = number do not wait; explicit waits:
   torch.cuda.synchronize, torch.cuda.Stream.synchronize, torch.cuda.Event.synchronize.
 
 Not waits (and not counted): indexing with integer tensors (aten.index.Tensor with int64
 indices, index_select, gather, index_copy_, index_put_ with integer indices and a device
-tensor as the value, index_fill_ with a number), x[i] = a Python number at an int or slice
-position (filled on the device), repeat_interleave with output_size, nonzero_static,
+tensor as the value, index_fill_ with a number), x[i] = a Python number where x[i] has more
+than one element, e.g. a slice (filled on the device), repeat_interleave with output_size, nonzero_static,
 sort/argsort, cumsum, searchsorted, isin, masked_fill with a Python scalar, torch.where(cond, a,
 b), factories (zeros, full, arange, new_full with Python numbers: filled on the device), and
 every elementwise op.
@@ -284,10 +285,17 @@ class SyncAudit(TorchDispatchMode):
         def setitem(t, index, value):
             if isinstance(value, torch.Tensor) or not isinstance(value, numbers.Number):
                 return None
-            if not (self.simulate or t.device.type != "cpu") or not _advanced_index(index):
+            if not (self.simulate or t.device.type != "cpu"):
                 return None
-            return ("x[idx] = a Python number with a tensor index: a CPU scalar that index_put_ copies to the "
-                    "device (not non_blocking: torch synchronizes the stream; index_fill_ does not)")
+            if _advanced_index(index):
+                return ("x[idx] = a Python number with a tensor index: a CPU scalar that index_put_ copies to the "
+                        "device (not non_blocking: torch synchronizes the stream; index_fill_ does not)")
+            ints = index if isinstance(index, tuple) else (index,)
+            if t.dim() > 0 and len(ints) == t.dim() and all(
+                    isinstance(i, numbers.Integral) and not isinstance(i, bool) for i in ints):
+                return ("x[i] = a Python number into one element: a CPU scalar copied to the device (not "
+                        "non_blocking: torch synchronizes the stream; a one-element slice is filled instead)")
+            return None
 
         self._wrap(torch.Tensor, "__setitem__", setitem)
         self._wrap(torch.cuda, "synchronize", lambda *a, **k: "torch.cuda.synchronize()")

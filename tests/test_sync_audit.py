@@ -47,6 +47,8 @@ def test_waiting_operations_are_counted_with_their_site():
         "setitem of a bool at a tensor index": lambda x: (x > 3).__setitem__(torch.tensor([1]), True),
         "setitem of a number at a list index": lambda x: x.__setitem__([1, 3], 5),
         "setitem of a number at a row and tensor index": lambda x: x.view(3, 4).__setitem__((1, torch.tensor([0, 2])), 7),
+        "setitem of a number into one element": lambda x: x.__setitem__(1, 5),
+        "setitem of a number into one element of a matrix": lambda x: x.view(3, 4).__setitem__((1, 2), 5),
     }
     for name, fn in waits.items():
         audit = _count(fn)
@@ -69,7 +71,7 @@ def test_operations_that_do_not_wait_are_not_counted():
         "isin": lambda x: torch.isin(x, torch.tensor([1, 2])),
         "factories": lambda x: (torch.zeros(3, device=x.device), torch.arange(4, device=x.device),
                                 x.new_full((2,), 7), torch.full_like(x, 3)),
-        "setitem of a number at a position or slice": lambda x: (x.__setitem__(1, 5), x.__setitem__(slice(0, 2), 5)),
+        "setitem of a number into a slice or a row": lambda x: (x.__setitem__(slice(1, 2), 5), x.view(3, 4).__setitem__(1, 5)),
         "setitem of a device tensor at a tensor index": lambda x: x.__setitem__(torch.tensor([1]), x[2:3] * 2),
         "index_fill_ with a number": lambda x: x.index_fill_(0, torch.tensor([1, 3]), 5),
         "dtype change": lambda x: x.to(torch.int32),
