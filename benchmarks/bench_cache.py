@@ -62,6 +62,9 @@ def parse_args(argv=None):
     ap.add_argument("--systems", default="tbegen,fbgemm", help="tbegen and/or fbgemm (skipped if it does not import)")
     ap.add_argument("--prefetch-ahead", action="store_true",
                     help="tbegen: also time steps that prefetch the next batch between forward and backward")
+    ap.add_argument("--row-copy", action="store_true",
+                    help="tbegen: also time the cached steps with TBEGEN_CACHE_ROW_COPY=1 (the cache's row moves with "
+                         "_copy_rows: loads and write-backs at once, each on half the SMs)")
     ap.add_argument("--profile", action="store_true",
                     help="after timing, profile 3 more tbegen steps per cached placement (torch.profiler): where the "
                          "host and the GPU spend the step, op by op, and how often the host waits (profile-*.txt)")
@@ -188,7 +191,7 @@ def count_host_waits(step, batches, steps: int = 3) -> float:
     return audit.count / steps
 
 
-def bench_tbegen(args, batches, grad, fraction, prefetch_ahead=False):
+def bench_tbegen(args, batches, grad, fraction, prefetch_ahead=False, row_copy=False):
     from tbegen import TableBatchedEmbeddingBags
 
     tables = [(args.rows, args.dim)] * args.tables
@@ -196,7 +199,15 @@ def bench_tbegen(args, batches, grad, fraction, prefetch_ahead=False):
     if fraction is not None:
         kw.update(placements="managed_caching", cache_load_factor=fraction, cache_algorithm=args.algorithm)
     t0 = time.perf_counter()
-    emb = TableBatchedEmbeddingBags(tables, **kw)
+    saved = os.environ.get("TBEGEN_CACHE_ROW_COPY")
+    os.environ["TBEGEN_CACHE_ROW_COPY"] = "1" if row_copy else "0"  # (read when the cache is made)
+    try:
+        emb = TableBatchedEmbeddingBags(tables, **kw)
+    finally:
+        if saved is None:
+            del os.environ["TBEGEN_CACHE_ROW_COPY"]
+        else:
+            os.environ["TBEGEN_CACHE_ROW_COPY"] = saved
     _sync()
     construct_s = time.perf_counter() - t0
 
@@ -210,7 +221,8 @@ def bench_tbegen(args, batches, grad, fraction, prefetch_ahead=False):
                    cuda=args.device != "cpu")
     if args.profile and fraction is not None:
         r["profile"] = profile_steps(args, step, batches, f"tbegen-{fraction:g}")
-    r.update(system="tbegen", construct_s=construct_s, prefetch_ahead=prefetch_ahead,
+    r.update(system="tbegen", construct_s=construct_s, prefetch_ahead=prefetch_ahead, row_copy=row_copy,
+             row_copy_blocks=emb._cache._row_copy_blocks if emb._cache is not None else None,
              peak_gpu_mem_gb=torch.cuda.max_memory_allocated() / 1e9 if args.device != "cpu" else None)
     if fraction is not None:
         s = emb.cache_stats()
@@ -327,7 +339,8 @@ def markdown(args, results, env) -> str:
         base = device_ms.get(r["system"])
         rows = r.get("cache_rows_per_table") or (r.get("cache_rows_total", 0) // args.tables if "cache_rows_total" in r else None)
         lines.append(
-            f"| {r['system']}{' (prefetch ahead)' if r.get('prefetch_ahead') else ''} | {r['placement']} | {fmt(rows, 'd')} "
+            f"| {r['system']}{' (row copy)' if r.get('row_copy') else ''}{' (prefetch ahead)' if r.get('prefetch_ahead') else ''} "
+            f"| {r['placement']} | {fmt(rows, 'd')} "
             f"| {r['step_ms']:.2f} | {r['wall_ms_per_step']:.2f} | {fmt(r['step_ms'] / base if base else None, '.2f')}x "
             f"| {fmt(r.get('hit_rate'))} | {fmt(r.get('unique_hit_rate'))} | {fmt(r.get('mb_moved_per_step'), '.1f')} "
             f"| {fmt(r.get('backing_lookups_per_step'), '.0f')} | {fmt(r.get('host_waits_per_step'), '.1f')} |"
@@ -379,6 +392,11 @@ def main(argv=None) -> int:
             record("tbegen", name, lambda: bench_tbegen(args, batches, grad, fraction))
             if args.prefetch_ahead and fraction is not None:
                 record("tbegen", name, lambda: bench_tbegen(args, batches, grad, fraction, prefetch_ahead=True))
+            if args.row_copy and fraction is not None:
+                record("tbegen", name, lambda: bench_tbegen(args, batches, grad, fraction, row_copy=True))
+                if args.prefetch_ahead:
+                    record("tbegen", name, lambda: bench_tbegen(args, batches, grad, fraction, prefetch_ahead=True,
+                                                                row_copy=True))
         if fb is not None:
             record("fbgemm", name, lambda: bench_fbgemm(args, fb, batches, grad, fraction))
     (out / "results.json").write_text(json.dumps(dict(args={k: v for k, v in vars(args).items()}, env=env,

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import os
 import warnings
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple, Union
@@ -146,7 +147,8 @@ class RowCache:
     """
 
     def __init__(self, layout, placements: Sequence[str], sizes: Sequence[int], algorithm: str,
-                 element_sizes: Sequence[int], row_sizes: Sequence[int], device: torch.device):
+                 element_sizes: Sequence[int], row_sizes: Sequence[int], device: torch.device,
+                 row_copy=None):
         if algorithm not in CACHE_ALGORITHMS:
             raise ValueError(f"tbegen: cache_algorithm must be one of {list(CACHE_ALGORITHMS)}, got {algorithm!r}")
         self.algorithm = algorithm
@@ -212,6 +214,9 @@ class RowCache:
         self.tick = 0
         self._warned = set()
         self.stats = self._zero_stats()
+        # The CUDA extension's _copy_rows operator (managed_memory.h), or None: the rows then move
+        # with torch's index kernels. Used only where TBEGEN_CACHE_ROW_COPY=1 (see _copy_blocks).
+        self._row_copy_op = row_copy
         self._allocate(device)
 
     # ---- the kernels' view: a cached table's features point at its slots ----
@@ -284,6 +289,18 @@ class RowCache:
         self._units = self._row_units()
         self._side = None  # the write-back stream (CUDA), made on first use
         self._writeback_pending = False
+        self._row_copy_blocks = self._copy_blocks(device)
+
+    def _copy_blocks(self, device: torch.device) -> int:
+        """The grid bound of each row copy on CUDA (_copy_rows), or 0 where the rows move with
+        torch's index kernels (the CPU; CUDA unless TBEGEN_CACHE_ROW_COPY=1, off until measured on
+        a GPU: benchmarks/NOTES-gpu.md, "Cache: both directions at once"). Half the SMs: the loads
+        of missed rows and the write-back of evicted ones then run at the same time, one towards
+        the GPU and one towards the host, and each keeps ~1 MB of rows in flight (8 warps a block,
+        4 rows a warp), well above what one direction of the host link needs to stay busy."""
+        if device.type != "cuda" or self._row_copy_op is None or os.environ.get("TBEGEN_CACHE_ROW_COPY", "0") != "1":
+            return 0
+        return max(1, torch.cuda.get_device_properties(device).multi_processor_count // 2)
 
     def to(self, device: torch.device) -> None:
         """Moves the cache's bookkeeping to `device`, empty (flush first: the slots' contents are
@@ -395,6 +412,9 @@ class RowCache:
         step = max(1, _CHUNK_ELEMENTS // unit)
         for buf in targets:
             view = _wide_rows(buf[: buf.numel() // unit * unit].view(-1, unit))
+            if staged is None and self._row_copy_blocks:  # (CUDA: from row to row, no temporary copy)
+                self._row_copy_op(view, dst, view, src, self._row_copy_blocks)
+                continue
             for lo in range(0, src.numel(), step):
                 _copy_or_stage(view, dst[lo:lo + step], view.index_select(0, src[lo:lo + step]), staged)
 
@@ -409,7 +429,7 @@ class RowCache:
             return
         if self.device.type != "cuda":
             for view, dst, rows in staged:
-                view.index_copy_(0, dst, rows)
+                self._write_rows(view, dst, rows)
             return
         current = torch.cuda.current_stream(self.device)
         if self._side is None:
@@ -417,10 +437,18 @@ class RowCache:
         self._side.wait_stream(current)
         with torch.cuda.stream(self._side):
             for view, dst, rows in staged:
-                view.index_copy_(0, dst, rows)
+                self._write_rows(view, dst, rows)
                 dst.record_stream(self._side)  # (freed by the allocator only after the side stream used them)
                 rows.record_stream(self._side)
         self._writeback_pending = True
+
+    def _write_rows(self, view: torch.Tensor, dst: torch.Tensor, rows: torch.Tensor) -> None:
+        """view[dst] = rows: with _copy_rows on a grid of half the SMs (beside the loads) where
+        it is used, else with index_copy_."""
+        if self._row_copy_blocks and rows.dim() == 2:
+            self._row_copy_op(view, dst, rows, None, self._row_copy_blocks)
+        else:
+            view.index_copy_(0, dst, rows)
 
     def _join_writeback(self) -> None:
         """The current stream waits for the write-backs issued on the side stream (before anything

@@ -1,5 +1,5 @@
 // tbegen runtime: the managed-memory operators declared (and documented) in managed_memory.h.
-// Host code only; included once, by the runtime translation unit cuda_forward.cu. Messages are
+// Host code only (the row cache's copy kernel is row_copy_cuda.cuh's); included once, by the runtime translation unit cuda_forward.cu. Messages are
 // built with TBEGEN_CHECK / tbegen::message (host.h), never c10::str: formatting an integer through
 // an ostream in this nvcc-compiled object crashed the process on the GPU machine (run K).
 #pragma once
@@ -19,6 +19,7 @@
 
 #include "tbegen/host.h"
 #include "tbegen/managed_memory.h"
+#include "tbegen/row_copy_cuda.cuh"
 
 namespace tbegen {
 namespace cuda {
@@ -196,6 +197,8 @@ void define_managed_memory_ops(torch::Library& m) {
   m.def("managed_advise(Tensor tensor, int start, int count, str location) -> ()", &managed::managed_advise);
   m.def("memory_kind(Tensor tensor) -> str", &managed::memory_kind);
   m.def("managed_preferred_location(Tensor tensor, int start, int count) -> int", &managed::managed_preferred_location);
+  m.def("_copy_rows(Tensor(a!) dst, Tensor? dst_rows, Tensor src, Tensor? src_rows, int max_blocks) -> ()",
+        &row_copy::copy_rows);
 }
 
 }  // namespace cuda

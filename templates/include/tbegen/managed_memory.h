@@ -24,6 +24,13 @@
 //   managed_preferred_location(Tensor tensor, int start, int count) -> int
 //       the preferred location shared by every page of that element range of a managed tensor:
 //       the device ordinal, -1 (host), or -2 (none, or the pages disagree).
+//   _copy_rows(Tensor(a!) dst, Tensor? dst_rows, Tensor src, Tensor? src_rows, int max_blocks) -> ()
+//       dst[dst_rows[i]] = src[src_rows[i]] for every i, bit for bit (a missing index tensor: i
+//       itself), on the current stream with at most max_blocks blocks (0: no bound); dst and src
+//       2-D with contiguous rows of the same byte width, on one CUDA device, possibly the same
+//       tensor (the rows written must not be rows read). For the row cache (tbegen/cache.py),
+//       whose own tables give the row numbers: they are not checked against the tensors. A
+//       bounded grid lets two copies run at once on two streams (row_copy_cuda.cuh says why).
 #pragma once
 
 namespace torch {
@@ -33,7 +40,7 @@ class Library;
 namespace tbegen {
 namespace cuda {
 
-// m.def(...) of the five operators above, with their (device-independent) implementations, in a
+// m.def(...) of the six operators above, with their (device-independent) implementations, in a
 // TORCH_LIBRARY_FRAGMENT(ns, m) block.
 void define_managed_memory_ops(torch::Library& m);
 

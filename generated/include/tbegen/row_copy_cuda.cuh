@@ -1,0 +1,145 @@
+// tbegen runtime: `_copy_rows`, the row copy of the row cache (tbegen/cache.py) on CUDA, declared
+// and documented in managed_memory.h. Included once, by the runtime translation unit
+// cuda_forward.cu.
+//
+// Why an operator of its own: a cache miss loads a row from host memory into its slot while an
+// evicted row is written from its slot back to host memory, the two crossing the host link in
+// opposite directions. torch's index_select / index_copy_ launch one block per few hundred bytes,
+// so whichever copy is launched first holds every SM until it is done and the other, on its side
+// stream, waits: the two directions take turns instead of sharing the link (the profile of cache
+// run 2, benchmarks/NOTES-gpu.md). Here the caller bounds the grid (`max_blocks`), so that two
+// copies on two streams run at once, each with enough rows in flight to fill its direction.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+
+#include "tbegen/host.h"
+
+namespace tbegen {
+namespace cuda {
+namespace row_copy {
+
+constexpr int kThreads = 256;
+constexpr int kWarpsPerBlock = kThreads / 32;
+constexpr int kRowsAtOnce = 4;  // rows a warp has in flight at once (their loads issued together)
+
+// Row i of the copy: dst row dst_rows[i] (or i) <- src row src_rows[i] (or i); rows of `vecs`
+// elements of type V, `dst_stride` / `src_stride` elements apart. A warp copies kRowsAtOnce rows at
+// a time, lane j taking elements j, j + 32, ... of each: every load of the group is issued before
+// the first store, so a warp waits on one round trip over the link per group, not one per row.
+template <typename V>
+__global__ void copy_rows_kernel(V* __restrict__ dst, const int64_t* __restrict__ dst_rows, int64_t dst_stride,
+                                 const V* __restrict__ src, const int64_t* __restrict__ src_rows, int64_t src_stride,
+                                 int64_t n, int64_t vecs) {
+  const int lane = threadIdx.x & 31;
+  const int64_t warp = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
+  const int64_t warps = (static_cast<int64_t>(gridDim.x) * blockDim.x) >> 5;
+  for (int64_t first = warp * kRowsAtOnce; first < n; first += warps * kRowsAtOnce) {
+    const int rows = static_cast<int>(n - first < kRowsAtOnce ? n - first : kRowsAtOnce);
+    const V* from[kRowsAtOnce];
+    V* to[kRowsAtOnce];
+#pragma unroll
+    for (int r = 0; r < kRowsAtOnce; ++r) {
+      const int64_t i = first + (r < rows ? r : 0);
+      from[r] = src + (src_rows != nullptr ? src_rows[i] : i) * src_stride;
+      to[r] = dst + (dst_rows != nullptr ? dst_rows[i] : i) * dst_stride;
+    }
+    for (int64_t j = lane; j < vecs; j += 32) {
+      V v[kRowsAtOnce];
+#pragma unroll
+      for (int r = 0; r < kRowsAtOnce; ++r) {
+        if (r < rows) v[r] = from[r][j];
+      }
+#pragma unroll
+      for (int r = 0; r < kRowsAtOnce; ++r) {
+        if (r < rows) to[r][j] = v[r];
+      }
+    }
+  }
+}
+
+// The widest element (16, 8, 4, 2 or 1 bytes) that divides the row's bytes, both strides in bytes
+// and both base addresses.
+inline int copy_unit(int64_t row_bytes, int64_t dst_stride_bytes, int64_t src_stride_bytes, const void* dst,
+                     const void* src) {
+  const uint64_t bits = static_cast<uint64_t>(row_bytes) | static_cast<uint64_t>(dst_stride_bytes) |
+                        static_cast<uint64_t>(src_stride_bytes) | reinterpret_cast<uintptr_t>(dst) |
+                        reinterpret_cast<uintptr_t>(src);
+  for (int unit = 16; unit > 1; unit /= 2) {
+    if (bits % static_cast<uint64_t>(unit) == 0) return unit;
+  }
+  return 1;
+}
+
+inline void check_rows(const c10::optional<at::Tensor>& rows, const char* name, const at::Tensor& like) {
+  if (!rows.has_value()) return;
+  TBEGEN_CHECK(rows->scalar_type() == at::kLong && rows->dim() == 1 && rows->is_contiguous(), "tbegen: _copy_rows: ",
+               name, " must be a contiguous 1-D int64 tensor, got ", dtype_name(rows->scalar_type()), " of shape ",
+               rows->sizes());
+  TBEGEN_CHECK(rows->device() == like.device(), "tbegen: _copy_rows: ", name, " is on ", rows->device(),
+               ", the rows on ", like.device());
+}
+
+// dst[dst_rows[i]] = src[src_rows[i]] for every i (a missing index tensor: i itself), bit for bit,
+// with at most `max_blocks` blocks (0: as many as the rows need) on the current stream. Row
+// numbers are the caller's (tbegen/cache.py computes them from its own tables): they are not
+// checked against the tensors, no more than an index the cache makes is. dst and src may be the
+// same tensor; the rows written must not be rows read.
+inline void copy_rows(const at::Tensor& dst, const c10::optional<at::Tensor>& dst_rows, const at::Tensor& src,
+                      const c10::optional<at::Tensor>& src_rows, int64_t max_blocks) {
+  TBEGEN_CHECK(dst.is_cuda() && src.is_cuda() && dst.device() == src.device(), "tbegen: _copy_rows: dst and src must be on "
+               "one CUDA device, got ", dst.device(), " and ", src.device());
+  TBEGEN_CHECK(dst.dim() == 2 && src.dim() == 2 && dst.stride(1) == 1 && src.stride(1) == 1, "tbegen: _copy_rows: dst "
+               "and src must be 2-D with contiguous rows, got shapes ", dst.sizes(), " and ", src.sizes());
+  const int64_t row_bytes = dst.size(1) * dst.element_size();
+  TBEGEN_CHECK(row_bytes == src.size(1) * src.element_size(), "tbegen: _copy_rows: dst rows have ", row_bytes,
+               " bytes, src rows ", src.size(1) * src.element_size());
+  TBEGEN_CHECK(max_blocks >= 0, "tbegen: _copy_rows: max_blocks must be >= 0, got ", max_blocks);
+  check_rows(dst_rows, "dst_rows", dst);
+  check_rows(src_rows, "src_rows", src);
+  const int64_t n = dst_rows.has_value() ? dst_rows->numel() : src_rows.has_value() ? src_rows->numel() : src.size(0);
+  TBEGEN_CHECK(!dst_rows.has_value() || !src_rows.has_value() || src_rows->numel() == n, "tbegen: _copy_rows: ",
+               n, " dst_rows but ", src_rows->numel(), " src_rows");
+  TBEGEN_CHECK(dst_rows.has_value() || n <= dst.size(0), "tbegen: _copy_rows: ", n, " rows into dst's ", dst.size(0));
+  TBEGEN_CHECK(src_rows.has_value() || n <= src.size(0), "tbegen: _copy_rows: ", n, " rows from src's ", src.size(0));
+  if (n == 0 || row_bytes == 0) return;
+  const c10::cuda::CUDAGuard guard(dst.device());
+  auto* d = static_cast<char*>(dst.data_ptr());
+  const auto* s = static_cast<const char*>(src.data_ptr());
+  const int64_t dst_stride_bytes = dst.stride(0) * dst.element_size();
+  const int64_t src_stride_bytes = src.stride(0) * src.element_size();
+  const int unit = copy_unit(row_bytes, dst_stride_bytes, src_stride_bytes, d, s);
+  const int64_t vecs = row_bytes / unit;
+  const int64_t groups = (n + kRowsAtOnce - 1) / kRowsAtOnce;
+  int64_t blocks = (groups + kWarpsPerBlock - 1) / kWarpsPerBlock;
+  if (max_blocks > 0) blocks = std::min(blocks, max_blocks);
+  blocks = std::min<int64_t>(blocks, 65535);
+  const int64_t* dr = dst_rows.has_value() ? dst_rows->data_ptr<int64_t>() : nullptr;
+  const int64_t* sr = src_rows.has_value() ? src_rows->data_ptr<int64_t>() : nullptr;
+  const auto stream = at::cuda::getCurrentCUDAStream(dst.get_device());
+  auto launch = [&](auto zero) {
+    using V = decltype(zero);
+    copy_rows_kernel<V><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
+        reinterpret_cast<V*>(d), dr, dst_stride_bytes / unit, reinterpret_cast<const V*>(s), sr,
+        src_stride_bytes / unit, n, vecs);
+  };
+  switch (unit) {
+    case 16: launch(uint4{}); break;
+    case 8: launch(uint2{}); break;
+    case 4: launch(uint32_t{}); break;
+    case 2: launch(uint16_t{}); break;
+    default: launch(uint8_t{}); break;
+  }
+  C10_CUDA_CHECK(cudaGetLastError());
+}
+
+}  // namespace row_copy
+}  // namespace cuda
+}  // namespace tbegen

@@ -1,0 +1,168 @@
+"""The row cache's row copies with `_copy_rows` (templates/include/tbegen/row_copy_cuda.cuh;
+tbegen/cache.py, TBEGEN_CACHE_ROW_COPY=1): the loads of missed rows go from backing row to slot
+without a temporary copy, and the write-back of evicted rows runs beside them on a grid of half
+the SMs.
+
+On the CPU the operator does not exist (it is CUDA's), so the cache's use of it is checked with a
+stand-in of the same contract: the cache then passes every row move through it, and training must
+stay bitwise that of device placement. The `cuda` tests check the operator itself (every element
+width it picks, both index tensors given or not, one tensor as source and destination, a grid of
+one block) and cached training with it on a GPU.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tbegen.module import TableBatchedEmbeddingBags
+
+from test_cache import BIG, GPU_MIXED, MIXED, TABLES, assert_same_tables, batches, train_both
+
+cuda = pytest.mark.cuda
+
+
+def copy_rows_reference(dst, dst_rows, src, src_rows, max_blocks, calls=None):
+    """_copy_rows's contract in torch: dst[dst_rows[i]] = src[src_rows[i]] (a missing index
+    tensor: i), bit for bit; rows of equal byte width, 2-D with contiguous rows."""
+    assert dst.dim() == 2 and src.dim() == 2 and dst.stride(1) == 1 and src.stride(1) == 1
+    assert dst.shape[1] * dst.element_size() == src.shape[1] * src.element_size()
+    assert max_blocks >= 0
+    for rows in (dst_rows, src_rows):
+        assert rows is None or (rows.dtype == torch.int64 and rows.dim() == 1)
+    n = dst_rows.numel() if dst_rows is not None else src_rows.numel() if src_rows is not None else src.shape[0]
+    moved = (src[:n] if src_rows is None else src[src_rows]).view(torch.uint8).view(dst.dtype)
+    if calls is not None:
+        calls.append((dst_rows is None, src_rows is None, n))
+    if dst_rows is None:
+        dst[:n] = moved
+    else:
+        dst[dst_rows] = moved
+
+
+def with_row_copy(module, op, blocks=3):
+    """The module's cache moving its rows through `op` (what TBEGEN_CACHE_ROW_COPY=1 does on CUDA)."""
+    module._cache._row_copy_op = op
+    module._cache._row_copy_blocks = blocks
+    return module
+
+
+@pytest.mark.parametrize("optimizer,algorithm,dtype", [
+    ("sgd", "lru", torch.float32),
+    ("adam", "lfu", torch.float32),            # per-element states move with their rows
+    ("rowwise_adagrad", "lru", torch.float16),  # a per-row state (moved with index_copy_) and 2-byte rows
+])
+def test_cache_moves_rows_through_the_operator_and_trains_like_device(optimizer, algorithm, dtype):
+    data = batches(TABLES, 8, weighted=True, seed=11)
+    kw = dict(optimizer=optimizer, learning_rate=0.05, weights_dtype=dtype, stochastic_rounding=False)
+    device = TableBatchedEmbeddingBags(TABLES, **kw)
+    calls = []
+    cached = with_row_copy(TableBatchedEmbeddingBags(TABLES, placements=MIXED, cache_rows=12, cache_algorithm=algorithm, **kw),
+                           lambda *a: copy_rows_reference(*a, calls=calls))
+    train_both(device, cached, data)
+    assert_same_tables(device, cached)
+    assert cached.cache_stats()["rows_written_back"] > 0
+    loads = [c for c in calls if not c[0] and not c[1]]  # (backing row -> slot, both indexed)
+    writes = [c for c in calls if not c[0] and c[1]]  # (gathered evicted rows -> backing rows)
+    assert loads and writes
+
+
+def test_a_wrong_operator_is_caught():
+    """The test above fails if the operator drops the write-back (the stand-in is what is tested)."""
+    def drops_writes(dst, dst_rows, src, src_rows, max_blocks):
+        if src_rows is not None:
+            copy_rows_reference(dst, dst_rows, src, src_rows, max_blocks)
+
+    data = batches(TABLES, 6, seed=12)
+    kw = dict(optimizer="sgd", learning_rate=0.05)
+    device = TableBatchedEmbeddingBags(TABLES, **kw)
+    cached = with_row_copy(TableBatchedEmbeddingBags(TABLES, placements=MIXED, cache_rows=12, **kw), drops_writes)
+    with pytest.raises(AssertionError):
+        train_both(device, cached, data)
+        assert_same_tables(device, cached)
+
+
+def test_off_on_the_cpu_and_by_default(monkeypatch):
+    monkeypatch.setenv("TBEGEN_CACHE_ROW_COPY", "1")
+    emb = TableBatchedEmbeddingBags(TABLES, optimizer="sgd", placements=MIXED, cache_rows=12)
+    assert emb._cache._row_copy_blocks == 0  # (no such operator in a CPU build, and a CPU device)
+
+
+# ---- on a GPU ------------------------------------------------------------------------------------
+
+
+def _ops():
+    return TableBatchedEmbeddingBags([(4, 4)], optimizer="sgd", device="cuda")._ops
+
+
+@cuda
+@pytest.mark.parametrize("dtype,width", [
+    (torch.complex128, 8),   # 16-byte elements (the cache's wide rows)
+    (torch.float32, 32),     # 128-byte rows: 16-byte units
+    (torch.float32, 6),      # 24-byte rows: 8-byte units
+    (torch.float32, 5),      # 20-byte rows: 4-byte units
+    (torch.float16, 3),      # 6-byte rows: 2-byte units
+    (torch.uint8, 13),       # 13-byte rows: 1-byte units
+    (torch.float32, 300),    # rows longer than a warp's 32 units
+])
+@pytest.mark.parametrize("max_blocks", [0, 1])
+def test_cuda_copy_rows_matches_indexing(dtype, width, max_blocks):
+    ops = _ops()
+    g = torch.Generator().manual_seed(width)
+    base = torch.randint(0, 256, (1000, width * torch.empty(0, dtype=dtype).element_size()), generator=g,
+                         dtype=torch.uint8).view(dtype).cuda()
+    n = 333
+    perm = torch.randperm(1000, generator=g)
+    src_rows, dst_rows = perm[:n].cuda(), perm[n:2 * n].cuda()  # (disjoint: one tensor is both ends)
+    other = torch.randint(0, 256, (n + 7, base.shape[1] * base.element_size()), generator=g,
+                          dtype=torch.uint8).view(dtype).cuda()
+    # (one tensor as both ends, with disjoint rows; dst without an index; src without an index)
+    for dr, sr, dst_is_base in ((dst_rows, src_rows, True), (None, src_rows, False), (dst_rows, None, True)):
+        got = [base.clone(), other.clone()]
+        want = [base.clone(), other.clone()]
+        for t in (got, want):
+            dst, src = (t[0], t[0] if sr is not None else t[1]) if dst_is_base else (t[1], t[0])
+            if t is got:
+                ops._copy_rows(dst, dr, src, sr, max_blocks)
+            else:
+                copy_rows_reference(dst, dr, src, sr, max_blocks)
+        torch.cuda.synchronize()
+        for x, y in zip(got, want):
+            assert torch.equal(x.view(torch.uint8), y.view(torch.uint8)), (dr is None, sr is None)
+
+
+@cuda
+def test_cuda_copy_rows_refuses_bad_arguments():
+    ops = _ops()
+    a = torch.zeros(10, 4, device="cuda")
+    rows = torch.arange(3, device="cuda")
+    for args, message in [
+        ((a, rows, a.cpu(), rows, 0), "one CUDA device"),
+        ((a, rows, torch.zeros(10, 5, device="cuda"), rows, 0), "bytes"),
+        ((a, rows.int(), a, rows, 0), "int64"),
+        ((a, rows, a, rows[:2], 0), "src_rows"),
+        ((a, None, torch.zeros(20, 4, device="cuda"), None, 0), "rows into dst"),
+        ((a, rows, a, rows, -1), "max_blocks"),
+        ((a.t(), rows, a, rows, 0), "contiguous rows"),
+    ]:
+        with pytest.raises(RuntimeError, match=message):
+            ops._copy_rows(*args)
+
+
+@cuda
+@pytest.mark.parametrize("optimizer,dtype,algorithm", [
+    ("sgd", torch.float32, "lru"),
+    ("adam", torch.float32, "lfu"),
+    ("rowwise_adagrad", torch.float16, "lru"),
+])
+def test_cuda_cached_training_with_row_copy_like_device(monkeypatch, optimizer, dtype, algorithm):
+    monkeypatch.setenv("TBEGEN_CACHE_ROW_COPY", "1")
+    data = batches(BIG, 6, B=64, L=8, seed=13, device="cuda", weighted=True)
+    kw = dict(optimizer=optimizer, weights_dtype=dtype, device="cuda", learning_rate=0.05, stochastic_rounding=False)
+    device = TableBatchedEmbeddingBags(BIG, **kw)
+    cached = TableBatchedEmbeddingBags(BIG, placements=GPU_MIXED, cache_rows=1000, cache_algorithm=algorithm, **kw)
+    assert cached._cache._row_copy_blocks > 0
+    train_both(device, cached, data)
+    torch.cuda.synchronize()
+    assert_same_tables(device, cached)
+    assert cached.cache_stats()["rows_written_back"] > 0
