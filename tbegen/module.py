@@ -625,6 +625,7 @@ class TableBatchedEmbeddingBags(nn.Module):
                 row_sizes=[torch.empty(0, dtype=self_state_dtypes[s.name]).element_size() for s in spec.states if s.per == "row"]
                 + ([int8_.QPARAM_BYTES] if dtype == torch.uint8 else []),
                 device=dev,
+                row_copy=getattr(self._ops, "_copy_rows", None),  # (CUDA builds only)
             )
 
         weights = self._initial_weights(dev)
