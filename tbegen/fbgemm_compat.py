@@ -1264,14 +1264,19 @@ class SplitTableBatchedEmbeddingBagsCodegen(nn.Module):
     def prefetch(self, indices: torch.Tensor, offsets: torch.Tensor, forward_stream: Any = None,
                  batch_size_per_feature_per_rank: Optional[List[List[int]]] = None) -> None:
         """FBGEMM's prefetch: loads the rows a batch reads of MANAGED_CACHING tables into their
-        caches ahead of `forward` with the same tensors (on the current stream; `forward_stream` is
-        accepted and not needed). Out-of-range indices are treated as `forward` treats them."""
-        if batch_size_per_feature_per_rank is not None:
-            raise NotImplementedError("tbegen: batch_size_per_feature_per_rank (variable batch size, VBE) is not supported")
+        caches ahead of `forward` with the same tensors (and, for a variable batch, the same
+        `batch_size_per_feature_per_rank`), on the current stream. `forward_stream`: the stream
+        the forward will run on (CUDA; the module's prefetch orders the two streams itself, see
+        docs/placements.md). Out-of-range indices are treated as `forward` treats them."""
         if self._bounds_check in ("WARNING", "IGNORE") and isinstance(indices, torch.Tensor):
-            # (the same tensor forward will make of them, so the prefetch is the forward's)
-            indices = self._zero_out_of_range(indices, offsets)
-        self._tbe.prefetch(indices, offsets)
+            # (the same tensor forward will make of them, so the prefetch is the forward's; a
+            # variable batch's bags as forward sees them, padded)
+            bags = offsets
+            if batch_size_per_feature_per_rank is not None:
+                bags = self._tbe.vbe_padded_offsets(offsets, batch_size_per_feature_per_rank)
+            indices = self._zero_out_of_range(indices, bags)
+        self._tbe.prefetch(indices, offsets, forward_stream=forward_stream,
+                           batch_size_per_feature_per_rank=batch_size_per_feature_per_rank)
 
     def cache_stats(self) -> Dict[str, Any]:
         """The MANAGED_CACHING tables' cache counters (tbegen's `cache_stats`)."""

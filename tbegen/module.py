@@ -408,7 +408,69 @@ class _Lookup(torch.autograd.Function):
             else:
                 module._run_backward(grad_output, module._buffer("weights"), indices, offsets, per_sample_weights,
                                      features=features, **vbe_kw)
+        if ctx.ticket is not None:  # (CUDA: what the next user of the cache on another stream waits for)
+            module._cache_order.leave(grad_output.device)
         return None, grad_weights, None, None, grad_psw, None, None, None
+
+
+class _CacheStreams:
+    """The row cache's last user on CUDA (docs/placements.md, "Prefetching on another stream"):
+    the stream it ran on and, once the cache has been used from more than one stream, an event
+    recorded after its kernels. `enter` (before a use of the cache: its state, its slots or the
+    rows the kernels update) makes the current stream wait for the last user's work when that ran
+    on another stream, on the device (an event wait: the host does not wait); `leave` (after the
+    use's kernels are queued) records that point. Without `leave` the next user on another stream
+    waits for everything its stream had queued by then (wait_stream). On the CPU: nothing. A copy
+    of the module starts with none (streams and events are not copied)."""
+
+    __slots__ = ("stream", "event", "several")
+
+    def __init__(self) -> None:
+        self.stream = None
+        self.event = None
+        self.several = False  # (events are recorded only once a second stream has been seen)
+
+    def __deepcopy__(self, memo) -> "_CacheStreams":
+        return _CacheStreams()
+
+    def __reduce__(self):
+        return (_CacheStreams, ())
+
+    def enter(self, device: torch.device) -> None:
+        if device.type != "cuda":
+            return
+        current = torch.cuda.current_stream(device)
+        last = self.stream
+        if last is not None and last != current:
+            if self.event is not None:
+                current.wait_event(self.event)
+            else:
+                current.wait_stream(last)
+            self.several = True
+        # (a use begins here: until its `leave`, no event marks its end)
+        self.stream, self.event = current, None
+
+    def leave(self, device: torch.device):
+        """Marks the end of a use of the cache on the current stream; returns that stream (None
+        on the CPU)."""
+        if device.type != "cuda":
+            return None
+        current = torch.cuda.current_stream(device)
+        event = None
+        if self.several:
+            event = torch.cuda.Event()
+            event.record(current)
+        self.stream, self.event = current, event
+        return current
+
+
+def _record_ticket(ticket: cache_.Ticket, stream) -> None:
+    """Records a ticket's tensors (made on the stream of a prefetch) as used by `stream`, so that
+    the caching allocator does not hand their memory out while that stream's kernels may still
+    read them."""
+    for t in (ticket.indices, ticket.slots, ticket.original, ticket.offsets, ticket.features):
+        if t.is_cuda:
+            t.record_stream(stream)
 
 
 class _HostConstants:
@@ -615,7 +677,10 @@ class TableBatchedEmbeddingBags(nn.Module):
         # the tables' part, self._full holds the whole buffers the kernels see.
         self._cache: Optional[cache_.RowCache] = None
         self._full: Dict[str, torch.Tensor] = {}
-        self._prefetched: List[Tuple[torch.Tensor, torch.Tensor, int, int, cache_.Ticket]] = []
+        # prefetched batches, oldest first: (indices, offsets, their versions, VBE sizes or None,
+        # the stream the prefetch ran on or None, ticket); and the cache's last user (CUDA streams)
+        self._prefetched: List[Tuple[torch.Tensor, torch.Tensor, int, int, Any, Any, cache_.Ticket]] = []
+        self._cache_order = _CacheStreams()
         if "managed_caching" in placements:
             self._cache = cache_.RowCache(
                 layout, placements, sizes, cache_algorithm,
@@ -761,25 +826,41 @@ class TableBatchedEmbeddingBags(nn.Module):
                            f"(table {table}, placement 'managed_caching') has {rows} rows (nothing was updated)")
 
     def _prepare(self, indices: torch.Tensor, offsets: torch.Tensor) -> cache_.Ticket:
+        self._cache_order.enter(self._registered("weights").device)
         if self._cache.needs_int64 and indices.dtype != torch.int64:
             indices, offsets = indices.to(torch.int64), offsets.to(torch.int64)
         batch = (offsets.numel() - 1) // self.layout.num_features
         bad = self._bad_cached_index if self._errors.mode == "raise" else None
         return self._cache.prepare(indices, offsets, batch, self._cache_buffers(), bad_index_error=bad)
 
-    def _take_prefetched(self, indices: torch.Tensor, offsets: torch.Tensor) -> Optional[cache_.Ticket]:
-        """The ticket `prefetch` made for these very tensors (unchanged since), if its slot
-        numbers are still valid; that entry and older ones are dropped."""
-        for k, (i, o, iv, ov, ticket) in enumerate(self._prefetched):
-            if i is indices and o is offsets:
+    def _take_prefetched(self, indices: torch.Tensor, offsets: torch.Tensor, sizes=None) -> Optional[cache_.Ticket]:
+        """The ticket `prefetch` made for these very tensors (unchanged since) and VBE sizes
+        (`sizes`: the plan's, None for a fixed batch), if its slot numbers are still valid; that
+        entry and older ones are dropped. On CUDA the current stream first waits for the cache's
+        last user (the prefetch, when it ran on another stream: no host wait), and the ticket's
+        tensors, made on the prefetch's stream, are recorded as used by this one."""
+        if not self._prefetched:
+            return None
+        self._cache_order.enter(self._registered("weights").device)
+        for k, (i, o, iv, ov, s, stream, ticket) in enumerate(self._prefetched):
+            if i is indices and o is offsets and (s is sizes or s == sizes):
                 del self._prefetched[: k + 1]
                 same = iv == indices._version and ov == offsets._version
-                return ticket if same and self._cache.valid(ticket) else None
+                if not (same and self._cache.valid(ticket)):
+                    return None
+                if stream is not None:
+                    current = torch.cuda.current_stream(stream.device)
+                    if current != stream:
+                        _record_ticket(ticket, current)
+                return ticket
         return None
 
     def _ticket_for_backward(self, ticket: cache_.Ticket) -> cache_.Ticket:
         """The batch's ticket, prepared again if rows were evicted since; its slots marked dirty;
-        the tables it reads in their backing rows (overflow) hold no cached copies."""
+        the tables it reads in their backing rows (overflow) hold no cached copies. (On CUDA the
+        backward's stream first waits for the cache's last user on another stream: a prefetch
+        of a later batch, say.)"""
+        self._cache_order.enter(ticket.slots.device)
         valid = self._cache.valid(ticket)
         self._cache.release(ticket)
         if not valid:
@@ -789,24 +870,62 @@ class TableBatchedEmbeddingBags(nn.Module):
         self._cache.mark_dirty(ticket.slots)
         return ticket
 
-    def prefetch(self, indices: torch.Tensor, offsets: torch.Tensor) -> None:
+    def _check_forward_stream(self, forward_stream):
+        """prefetch's forward_stream: None, or a CUDA stream of the module's device."""
+        if forward_stream is None:
+            return None
+        if not isinstance(forward_stream, torch.Stream):
+            raise TypeError(f"tbegen: prefetch's forward_stream must be a torch.cuda.Stream or None, "
+                            f"got {type(forward_stream).__name__}")
+        device = self._registered("weights").device
+        where = forward_stream.device
+        if where.type != "cuda" or device.type != "cuda" or where.index != device.index:
+            raise ValueError(f"tbegen: prefetch's forward_stream is a stream of {where} but the module's weights "
+                             f"are on {device}")
+        return forward_stream
+
+    def prefetch(self, indices: torch.Tensor, offsets: torch.Tensor, forward_stream=None,
+                 batch_size_per_feature_per_rank: Optional[Sequence[Sequence[int]]] = None) -> None:
         """Loads the rows a batch will read of the managed_caching tables into their caches now,
         ahead of `forward(indices, offsets)` with these same tensors (which then skips its own
         lookup while no row was evicted in between; FBGEMM's prefetch). Several batches may be
-        prefetched ahead, in the order of their forwards. Does nothing without cached tables."""
+        prefetched ahead, in the order of their forwards. Does nothing without cached tables
+        (the arguments are checked all the same).
+
+        `batch_size_per_feature_per_rank`: a variable batch (VBE), prefetched for the forward
+        given the same tensors and sizes (its offsets padded as that forward pads them).
+
+        Streams (CUDA; docs/placements.md, "Prefetching on another stream"): the prefetch runs on
+        the current stream. When that is not the stream of the cache's last user (the forward or
+        backward of the batch before, say), it first waits for that user's work, on the device
+        (no host wait); the forward that takes the prefetched batch waits likewise for the
+        prefetch, and the tensors it takes from it are recorded as used by its stream.
+        `forward_stream` (FBGEMM's argument: the stream the forward will run on, or None) gets
+        that record now as well."""
         self._check_buffers()
+        forward_stream = self._check_forward_stream(forward_stream)
+        sizes, given_offsets = None, offsets
+        if batch_size_per_feature_per_rank is not None:
+            plan = self._vbe_plan(batch_size_per_feature_per_rank)  # (a bad size: named)
+            offsets = self._vbe_pad(offsets, plan)  # (as the VBE forward pads them)
+            sizes = plan["sizes"]
         checked_indices, checked_offsets, _ = self._check_input(indices, offsets, None)
         if self._cache is None:
             return
         ticket = self._prepare(checked_indices, checked_offsets)
         self._cache.hold(ticket)  # (its rows stay until its backward, or until held too long)
-        self._prefetched.append((indices, offsets, indices._version, offsets._version, ticket))
+        stream = self._cache_order.leave(self._registered("weights").device)
+        if forward_stream is not None and forward_stream != stream:
+            _record_ticket(ticket, forward_stream)
+        self._prefetched.append((indices, given_offsets, indices._version, given_offsets._version, sizes, stream,
+                                 ticket))
         del self._prefetched[:-8]  # (prefetches never consumed by a forward are forgotten)
 
     def flush(self) -> None:
         """Writes the cached rows that the backward has changed (and their states) back to their
         tables' managed memory; they stay cached. Does nothing without cached tables."""
         if self._cache is not None:
+            self._cache_order.enter(self._registered("weights").device)
             self._cache.flush(self._cache_buffers())
 
     def drop_cache(self) -> None:
@@ -814,6 +933,7 @@ class TableBatchedEmbeddingBags(nn.Module):
         are about to be replaced through their views (TorchRec purges before it loads a
         state_dict). Does nothing without cached tables."""
         if self._cache is not None:
+            self._cache_order.enter(self._registered("weights").device)
             self._cache.invalidate()
             self._prefetched.clear()
 
@@ -835,7 +955,10 @@ class TableBatchedEmbeddingBags(nn.Module):
         them); `resident_rows`, `dirty_rows`, `cache_rows` ({table: slots}), `direct` ({table:
         whether its slots continue its rows}, docs/placements.md) and `algorithm`. An empty dict
         without cached tables."""
-        return {} if self._cache is None else self._cache.report()
+        if self._cache is None:
+            return {}
+        self._cache_order.enter(self._registered("weights").device)
+        return self._cache.report()
 
     def reset_cache_stats(self) -> None:
         if self._cache is not None:
@@ -1188,13 +1311,17 @@ class TableBatchedEmbeddingBags(nn.Module):
             return compiled_.compiled_forward(self, indices, offsets, per_sample_weights)
         return self._lookup(indices, offsets, per_sample_weights)
 
-    def _lookup(self, indices, offsets, per_sample_weights, bag_out=None, out_numel=-1) -> torch.Tensor:
+    def _lookup(self, indices, offsets, per_sample_weights, bag_out=None, out_numel=-1, given=None) -> torch.Tensor:
         """The eager forward: [B, total_D] (or [N, dim]), or with `bag_out` (a VBE batch padded to a
-        fixed batch, _forward_vbe) the 1-D VBE output of `out_numel` values."""
+        fixed batch, _forward_vbe) the 1-D VBE output of `out_numel` values. `given`: what a
+        prefetch of this batch was given (indices, offsets[, VBE sizes]), default these."""
         self._check_buffers()
         self._errors.poll()
-        given = (indices, offsets)
+        if given is None:
+            given = (indices, offsets)
         indices, offsets, per_sample_weights = self._check_input(indices, offsets, per_sample_weights)
+        if self._cache is not None:  # (CUDA: after the cache's last user on another stream, a prefetch say)
+            self._cache_order.enter(self._registered("weights").device)
         if self.training:
             self.run_table_stages()
         ticket = None
@@ -1217,6 +1344,8 @@ class TableBatchedEmbeddingBags(nn.Module):
                 self.__dict__["_anchor"] = first
         out = _Lookup.apply(self, first, indices if ticket is None else ticket.indices, offsets, per_sample_weights,
                             ticket, bag_out, out_numel)
+        if ticket is not None:
+            self._cache_order.leave(weights.device)
         # A narrow output: the float32 sums rounded to nearest (autograd widens the gradient back).
         return out if self.output_dtype == torch.float32 else out.to(self.output_dtype)
 
@@ -1451,9 +1580,10 @@ class TableBatchedEmbeddingBags(nn.Module):
         else:  # (a kept plan of another device, or offsets that do not fit: the checked way)
             plan = self._vbe_plan_eager(bsfr)
             padded = self._vbe_pad(offsets, plan)
+        given = (indices, offsets, plan["sizes"])  # (what a prefetch of this batch was given)
         if plan["direct"]:
-            return self._lookup(indices, padded, per_sample_weights, plan["bag_out"], plan["numel"])
-        out = self._lookup(indices, padded, per_sample_weights)
+            return self._lookup(indices, padded, per_sample_weights, plan["bag_out"], plan["numel"], given=given)
+        out = self._lookup(indices, padded, per_sample_weights, given=given)
         if self.pooling == "none":  # (one row per index: the bags' batch does not shape it)
             return out
         return self._vbe_gathered(out, plan)
@@ -1484,6 +1614,8 @@ class TableBatchedEmbeddingBags(nn.Module):
     def __setstate__(self, state) -> None:
         super().__setstate__(state)
         self._compile_init()
+        if "_cache_order" not in self.__dict__:  # (pickled before it existed)
+            self._cache_order = _CacheStreams()
 
     def run_table_stages(self) -> bool:
         """Runs the spec's whole-table stages (`table:`) for the next step, step + 1, over every row

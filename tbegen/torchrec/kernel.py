@@ -374,6 +374,8 @@ class TbegenEmbeddingBag(BaseBatchedEmbeddingBag[torch.Tensor], FusedOptimizerMo
             raise ValueError("tbegen: optimizer 'none' (dense gradients) is not a fused kernel; use TorchRec's DENSE kernel")
         self.init_parameters()
         self._optim = TbegenFusedOptimizer(self, pg)
+        # prefetched batches, oldest first: (the features' key, the indices and offsets prefetched)
+        self._prefetched_inputs: List[Tuple[Tuple[Any, ...], torch.Tensor, torch.Tensor]] = []
 
     @property
     def emb_module(self) -> TableBatchedEmbeddingBags:
@@ -400,24 +402,61 @@ class TbegenEmbeddingBag(BaseBatchedEmbeddingBag[torch.Tensor], FusedOptimizerMo
         # (called before a state_dict is loaded into the views: the cached copies are dropped, so
         # that the next batch loads the loaded rows)
         self._emb_module.drop_cache()
+        self._prefetched_inputs.clear()
+
+    def prefetch(self, features, forward_stream=None) -> None:
+        """Prefetches one batch of this group's features (a KJT) for its forward: TorchRec's
+        prefetch pipelines call the lookup's `prefetch` for the next batch (on their prefetch
+        stream) between this batch's forward and backward. The tbegen module prefetches the very
+        indices and offsets tensors that `forward` of the same features will pass it (converted
+        as it converts them; a variable batch with its per-rank sizes), so that forward finds
+        the prepared batch. TorchRec splits a lookup's KJT into its groups anew for the prefetch
+        and for the forward (new KJTs, new offsets), so the forward recognises the features by
+        their values and lengths (or offsets): the same memory, unchanged since (their version
+        counters), the same per-rank sizes. Nothing to do without FUSED_UVM_CACHING tables."""
+        if "managed_caching" not in self._emb_module.placements:
+            return
+        key = _features_key(features)
+        indices, offsets, sizes = self._converted(features)
+        self._emb_module.prefetch(indices, offsets, forward_stream=forward_stream,
+                                  batch_size_per_feature_per_rank=sizes)
+        self._prefetched_inputs.append((key, indices, offsets))
+        del self._prefetched_inputs[:-8]  # (as the module: prefetches never consumed are forgotten)
+
+    def _converted(self, features):
+        """(indices, offsets, batch_size_per_feature_per_rank or None) of `features`, as the
+        tbegen module takes them (TorchRec's index and offset types)."""
+        sizes = features.stride_per_key_per_rank() if features.variable_stride_per_key() else None
+        return (features.values().to(self._embedding_table_index_type),
+                features.offsets().to(self._embedding_table_offset_type), sizes)
+
+    def _module_inputs(self, features):
+        """What forward passes the tbegen module for `features` (_converted): a prefetched batch's
+        very tensors, when it is one (that entry and older ones are dropped)."""
+        if self._prefetched_inputs:
+            key = _features_key(features)
+            for k, (kept, indices, offsets) in enumerate(self._prefetched_inputs):
+                if _same_features(kept, key):
+                    del self._prefetched_inputs[: k + 1]
+                    return indices, offsets, key[4]
+        return self._converted(features)
 
     def forward(self, features, *args, **kwargs) -> torch.Tensor:
         if args or any(v is not None for v in kwargs.values()):
             raise NotImplementedError("tbegen: preallocated VBE outputs are not supported by the tbegen kernel")
-        if not features.variable_stride_per_key():
+        if not features.variable_stride_per_key() and not self._prefetched_inputs:
             return super().forward(features)
-        # Variable batch per feature (VBE): the KJT's per-rank strides are FBGEMM's
-        # batch_size_per_feature_per_rank; the output is the module's 1-D rank-major one, which is
-        # what TorchRec's variable-batch output all-to-all expects (as from FBGEMM's kernel).
+        # A prefetched batch (the tensors its prefetch passed the module), or a variable batch per
+        # feature (VBE): the KJT's per-rank strides are FBGEMM's batch_size_per_feature_per_rank;
+        # the output is the module's 1-D rank-major one, which is what TorchRec's variable-batch
+        # output all-to-all expects (as from FBGEMM's kernel).
         weights = features.weights_or_none()
         if weights is not None and not torch.is_floating_point(weights):
             weights = None
-        return self.emb_module(
-            features.values().to(self._embedding_table_index_type),
-            features.offsets().to(self._embedding_table_offset_type),
-            weights,
-            batch_size_per_feature_per_rank=features.stride_per_key_per_rank(),
-        )
+        indices, offsets, sizes = self._module_inputs(features)
+        if sizes is None:
+            return self.emb_module(indices, offsets, weights)
+        return self.emb_module(indices, offsets, weights, batch_size_per_feature_per_rank=sizes)
 
     @property
     def _param_per_table(self) -> Dict[str, TableBatchedEmbeddingSlice]:
@@ -452,6 +491,36 @@ class TbegenEmbeddingBag(BaseBatchedEmbeddingBag[torch.Tensor], FusedOptimizerMo
             param = nn.Parameter(tensor, requires_grad=False)
             param._in_backward_optimizers = [EmptyFusedOptimizer()]
             yield name, param
+
+
+def _features_key(features) -> Tuple[Any, ...]:
+    """What identifies a KJT's batch for the prefetch (TbegenEmbeddingBag.prefetch): its values and
+    the tensor its bags come from (lengths, else offsets), with their version counters then, and
+    its per-rank sizes (a variable batch) or None. Kept in a list, the key holds the tensors, so
+    their memory cannot be reused: another KJT whose tensors have the same address, dtype, shape
+    and strides and the same versions views the very same, unchanged, data."""
+    values = features.values()
+    bags = features.lengths_or_none()
+    if bags is None:
+        bags = features.offsets_or_none()
+    sizes = features.stride_per_key_per_rank() if features.variable_stride_per_key() else None
+    return (values, values._version, bags, None if bags is None else bags._version, sizes)
+
+
+def _same_tensor(a: Optional[torch.Tensor], b: Optional[torch.Tensor]) -> bool:
+    if a is b:
+        return True
+    if a is None or b is None:
+        return False
+    return (a.data_ptr() == b.data_ptr() and a.dtype == b.dtype and a.shape == b.shape
+            and a.stride() == b.stride() and a.device == b.device)
+
+
+def _same_features(kept: Tuple[Any, ...], key: Tuple[Any, ...]) -> bool:
+    """Whether the features of `key` (now) are those `kept` was taken of (_features_key)."""
+    values, values_version, bags, bags_version, sizes = kept
+    return (_same_tensor(values, key[0]) and values_version == key[1] and _same_tensor(bags, key[2])
+            and bags_version == key[3] and sizes == key[4])
 
 
 # ---- lookup and shardings -----------------------------------------------------------------------
@@ -510,6 +579,19 @@ class TbegenPooledEmbeddingsLookup(GroupedPooledEmbeddingsLookup):
             )
         _placements(config)  # refuses another kernel before anything is built
         return TbegenEmbeddingBag(config=config, pg=pg, device=device, sharding_type=sharding_type)
+
+    def prefetch(self, sparse_features, forward_stream=None) -> None:
+        """TorchRec's prefetch of a batch (its prefetch pipelines call it on their prefetch stream,
+        with the forward's stream as `forward_stream`): each group with FUSED_UVM_CACHING tables
+        prefetches its features in its kernel (TbegenEmbeddingBag.prefetch), which hands its
+        forward the very tensors it prefetched."""
+        kernels = [k for k in self._emb_modules if isinstance(k, TbegenEmbeddingBag)
+                   and "managed_caching" in k.emb_module.placements]
+        if not kernels:
+            return
+        for emb_op, features in zip(self._emb_modules, sparse_features.split(self._feature_splits)):
+            if any(emb_op is k for k in kernels):
+                emb_op.prefetch(features, forward_stream=forward_stream)
 
 
 def _tbegen_sharding(base, lookup_sharding_type: Optional[ShardingType], per_rank_configs: bool = False):

@@ -1,0 +1,485 @@
+"""prefetch as TorchRec's prefetch pipeline calls it (issues 25 and 27).
+
+TorchRec's PrefetchTrainPipelineSparseDist calls the sharded collection's `prefetch` for batch
+i + 1 on its prefetch stream between the forward and the backward of batch i; its lookup hands
+each group's features to the kernel's module with FBGEMM's keywords (`forward_stream`, and
+`batch_size_per_feature_per_rank` for a variable batch). Here:
+
+- the module's prefetch takes those arguments (bad ones named), and a variable batch (VBE) it
+  prefetched is taken by the VBE forward of the same tensors and sizes;
+- FBGEMM's class passes them through;
+- TorchRec (one gloo rank; the pipeline itself cannot run on the CPU: it prefetches only with a
+  data-dist stream, and then its forward refuses to run) with FUSED_UVM_CACHING tables, in
+  several groups (prefetch_pipeline=True: TorchRec then groups cached tables per width, and splits
+  each batch's features into new KJTs for the prefetch and again for the forward): the sharded
+  collection driven in the pipeline's order trains bit for bit as without prefetching, and every
+  forward takes its prefetched batch;
+- on CUDA (marker `cuda`): prefetches on a side stream (torch.cuda.Stream), in TorchRec's and in
+  FBGEMM's order, train bit for bit as in-step lookups, also when the stream of the cache's last
+  user is held back (torch.cuda._sleep), and add no host wait.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import pytest
+import torch
+
+from tbegen import TableBatchedEmbeddingBags
+from tbegen._sync_audit import SyncAudit
+
+TABLES = [(120, 8), (30, 16), (150, 4)]
+FEATURES = [0, 1, 2, 0]
+LR = 0.05
+
+
+@pytest.fixture(scope="module", autouse=True)
+def built(prebuilt):
+    TableBatchedEmbeddingBags([(4, 4)], optimizer="adam")
+
+
+def _module(device="cpu", **kw):
+    kw.setdefault("placements", ["managed_caching", "device", "managed_caching"])
+    # (room for two batches' rows, never for all of them: evictions, and no hold is let go)
+    kw.setdefault("cache_rows", [34, None, 40])
+    return TableBatchedEmbeddingBags(TABLES, optimizer="adam", learning_rate=LR, feature_table_map=FEATURES,
+                                     device=device, **kw)
+
+
+def _vbe_batches(steps, seed, device="cpu", R=2):
+    """`steps` variable batches (indices, offsets, batch_size_per_feature_per_rank, grad): feature f
+    has B[f][r] bags on rank r (0-2), bags of 0-2 rows; grad is the 1-D VBE output's gradient."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(steps):
+        sizes = torch.randint(0, 3, (len(FEATURES), R), generator=g).tolist()
+        idx, lengths, n_out = [], [], 0
+        for f, per_rank in enumerate(sizes):
+            E, D = TABLES[FEATURES[f]]
+            n = sum(per_rank)
+            ln = torch.randint(0, 3, (n,), generator=g)
+            lengths.append(ln)
+            idx.append(torch.randint(0, E, (int(ln.sum()),), generator=g))
+            n_out += n * D
+        lengths = torch.cat(lengths)
+        offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
+        grad = torch.randn(n_out, generator=g)
+        out.append((torch.cat(idx).to(device), offsets.to(device), sizes, grad.to(device)))
+    return out
+
+
+def _train_vbe(emb, data, prefetch):
+    """Trains on `data`; with `prefetch`, batch k + 1 is prefetched between the forward and the
+    backward of batch k (TorchRec's order), each forward given its own copy of the sizes."""
+    outs = []
+    if prefetch:
+        emb.prefetch(data[0][0], data[0][1], batch_size_per_feature_per_rank=data[0][2])
+    for k, (idx, offsets, sizes, grad) in enumerate(data):
+        out = emb(idx, offsets, batch_size_per_feature_per_rank=[list(s) for s in sizes])
+        if prefetch and k + 1 < len(data):
+            emb.prefetch(data[k + 1][0], data[k + 1][1], batch_size_per_feature_per_rank=data[k + 1][2])
+        out.backward(grad)
+        outs.append(out.detach().clone())
+    emb.flush()
+    return outs
+
+
+def _count_takes(emb):
+    """A list that gets, for each forward of `emb` with cached tables, whether it took a
+    prefetched batch (instead of looking its batch up itself)."""
+    takes = []
+    take = emb._take_prefetched
+
+    def counted(*args, **kwargs):
+        ticket = take(*args, **kwargs)
+        takes.append(ticket is not None)
+        return ticket
+
+    emb._take_prefetched = counted
+    return takes
+
+
+def _same_training(a, b):
+    assert len(a[0]) == len(b[0]) and all(torch.equal(x, y) for x, y in zip(a[0], b[0]))
+    assert torch.equal(a[1].weights.detach(), b[1].weights.detach())
+    for name, state in a[1].states.named_buffers():
+        assert torch.equal(state, getattr(b[1].states, name)), name
+
+
+def test_vbe_prefetch_is_taken_by_the_vbe_forward():
+    """A variable batch prefetched ahead (between the forward and the backward of the batch
+    before, the caches small enough for evictions) is the one its VBE forward uses: one lookup per
+    batch, and the training is bit for bit the training without prefetching."""
+    data = _vbe_batches(20, seed=3)
+    plain = _module()
+    fetched = _module()
+    takes = _count_takes(fetched)
+    a = (_train_vbe(plain, data, prefetch=False), plain)
+    b = (_train_vbe(fetched, data, prefetch=True), fetched)
+    _same_training(a, b)
+    assert fetched.cache_stats()["evictions"] > 0
+    assert takes == [True] * len(data)  # (each forward took its prefetch)
+    assert fetched._prefetched == []
+
+
+def test_vbe_prefetch_is_not_taken_by_another_batch():
+    """A VBE prefetch belongs to its tensors and sizes: a forward with other sizes (the same
+    number of bags), or a fixed-batch forward, looks its batch up itself, with the right result."""
+    emb, ref = _module(), _module()
+    idx = torch.tensor([1, 2, 3, 4, 5, 6, 7, 8, 9, 10])
+    offsets = torch.tensor([0, 2, 3, 5, 6, 7, 8, 10])  # 7 bags
+    sizes, other = [[1, 1], [1, 1], [1, 1], [0, 1]], [[1, 1], [1, 1], [0, 1], [1, 1]]
+    emb.prefetch(idx, offsets, batch_size_per_feature_per_rank=sizes)
+    got = emb(idx, offsets, batch_size_per_feature_per_rank=other)
+    assert torch.equal(got, ref(idx, offsets, batch_size_per_feature_per_rank=other))
+    assert emb.cache_stats()["prepares"] == 2 and len(emb._prefetched) == 1  # (still there for its own forward)
+    emb.prefetch(idx, offsets[:5], batch_size_per_feature_per_rank=[[1, 0], [1, 0], [1, 0], [1, 0]])
+    plain = torch.tensor([0, 2, 3, 5, 6])  # (a fixed batch of 1, not the prefetched tensors)
+    assert torch.equal(emb(idx[:6], plain), ref(idx[:6], plain))
+    assert emb.cache_stats()["prepares"] == 4
+
+
+def test_prefetch_arguments_are_checked_and_named():
+    emb = _module()
+    idx, offsets = torch.tensor([1, 2, 3, 4]), torch.tensor([0, 1, 2, 3, 4])
+    with pytest.raises(TypeError, match="forward_stream must be a torch.cuda.Stream or None, got str"):
+        emb.prefetch(idx, offsets, forward_stream="cuda")
+    with pytest.raises(ValueError, match="forward_stream is a stream of cpu but the module's weights are on cpu"):
+        emb.prefetch(idx, offsets, forward_stream=torch.Stream(device="cpu"))
+    with pytest.raises(ValueError, match=r"batch_size_per_feature_per_rank must be a list with one list .* \(4\)"):
+        emb.prefetch(idx, offsets, batch_size_per_feature_per_rank=[[1], [1]])
+    with pytest.raises(ValueError, match=r"batch_size_per_feature_per_rank\[1\]\[0\] must be a non-negative int"):
+        emb.prefetch(idx, offsets, batch_size_per_feature_per_rank=[[1], [-1], [1], [1]])
+    with pytest.raises(ValueError, match=r"with batch_size_per_feature_per_rank, offsets must be 1-D with .* = 6 entries"):
+        emb.prefetch(idx, offsets, batch_size_per_feature_per_rank=[[2], [1], [1], [1]])
+    assert emb.cache_stats()["prepares"] == 0 and emb._prefetched == []
+    # without cached tables: checked all the same, nothing kept
+    dev = _module(placements="device", cache_rows=None)
+    with pytest.raises(TypeError, match="forward_stream must be"):
+        dev.prefetch(idx, offsets, forward_stream=1)
+    dev.prefetch(idx, offsets, forward_stream=None, batch_size_per_feature_per_rank=[[1], [1], [1], [1]])
+    assert dev._prefetched == []
+
+
+def test_fbgemm_class_passes_stream_and_vbe_sizes_through(monkeypatch):
+    """FBGEMM's prefetch(indices, offsets, forward_stream, batch_size_per_feature_per_rank): handed
+    to the module as given (no NotImplementedError for VBE); with bounds_check_mode WARNING the
+    indices the module prefetches are those the forward will pass (out-of-range ones zeroed, the
+    bags of a variable batch taken as the forward takes them, padded)."""
+    from tbegen.fbgemm_compat import BoundsCheckMode, ComputeDevice, EmbeddingLocation, EmbOptimType
+    from tbegen.fbgemm_compat import SplitTableBatchedEmbeddingBagsCodegen as Compat
+
+    specs = [(E, D, EmbeddingLocation.HOST, ComputeDevice.CPU) for E, D in TABLES[:2]]
+    m = Compat(specs, optimizer=EmbOptimType.ADAM, learning_rate=LR, bounds_check_mode=BoundsCheckMode.WARNING)
+    seen = []
+    monkeypatch.setattr(m._tbe, "prefetch", lambda *a, **k: seen.append((a, k)))
+    idx = torch.tensor([1, 200, 3, 29, 30])  # 200 is out of table 0's range, 30 of table 1's
+    offsets = torch.tensor([0, 2, 3, 3, 5])  # VBE: feature 0 has 2 + 1 bags, feature 1 has 0 + 1
+    sizes = [[2, 1], [0, 1]]
+    with pytest.warns(UserWarning, match="out of range"):
+        m.prefetch(idx, offsets, forward_stream=None, batch_size_per_feature_per_rank=sizes)
+    (args, kwargs), = seen
+    assert torch.equal(args[0], torch.tensor([1, 0, 3, 29, 0])) and args[1] is offsets
+    assert kwargs == {"forward_stream": None, "batch_size_per_feature_per_rank": sizes}
+    stream = object()
+    m.prefetch(idx[:1], torch.tensor([0, 1, 1, 1, 1]), forward_stream=stream)
+    assert seen[1][1]["forward_stream"] is stream and seen[1][1]["batch_size_per_feature_per_rank"] is None
+
+
+# ---- TorchRec -----------------------------------------------------------------------------------
+
+RANK_TABLES = [("t0", 100, 8, "fused_uvm_caching"), ("t1", 61, 12, "fused"), ("t2", 150, 16, "fused_uvm_caching"),
+               ("t3", 160, 8, "fused_uvm_caching")]
+STEPS = 8
+LOAD_FACTOR = 0.1  # (10-16 slots a table: room for two batches' rows, 5 bags of 0-1 rows, not for all)
+
+
+def _rank_kjt(step, vbe):
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    gen = torch.Generator().manual_seed(50 + step)
+    keys, lengths, values, strides = [], [], [], []
+    for name, rows, _, _ in RANK_TABLES:
+        b = int(torch.randint(1, 6, (1,), generator=gen)) if vbe else 5
+        ln = torch.randint(0, 2, (b,), generator=gen)
+        keys.append("f_" + name)
+        strides.append([b])
+        lengths.append(ln)
+        values.append(torch.randint(0, rows, (int(ln.sum()),), generator=gen))
+    if not vbe:
+        return KeyedJaggedTensor(keys=keys, values=torch.cat(values), lengths=torch.cat(lengths).to(torch.int32))
+    B = max(s[0] for s in strides)
+    inverse = torch.stack([torch.arange(B) % s[0] for s in strides])
+    return KeyedJaggedTensor(keys=keys, values=torch.cat(values), lengths=torch.cat(lengths).to(torch.int32),
+                             stride_per_key_per_rank=strides, inverse_indices=(keys, inverse))
+
+
+def _rank_train(vbe, prefetch, lookup_prefetch=None):
+    """One gloo rank: an EmbeddingBagCollection sharded table-wise by tbegen's sharder with the
+    FUSED_UVM_CACHING kernel forced (the CPU planner does not offer it) and prefetch_pipeline on
+    (off for a variable batch);
+    STEPS steps, the loss a fixed projection of the pooled output. With `prefetch`, the sharded
+    collection is driven as PrefetchTrainPipelineSparseDist drives it: input_dist of batch i + 1,
+    forward of batch i (compute_and_output_dist), prefetch of batch i + 1, backward of batch i."""
+    import torch.distributed as dist
+    from torchrec.distributed.embedding_types import EmbeddingComputeKernel
+    from torchrec.distributed.embeddingbag import ShardedEmbeddingBagCollection
+    from torchrec.distributed.model_parallel import DistributedModelParallel
+    from torchrec.distributed.sharding_plan import construct_module_sharding_plan, table_wise
+    from torchrec.distributed.types import CacheParams, ShardingPlan
+    from torchrec.modules.embedding_configs import EmbeddingBagConfig
+    from torchrec.modules.embedding_modules import EmbeddingBagCollection
+
+    from tbegen.torchrec import TbegenEmbeddingBagCollectionSharder
+
+    class Sharder(TbegenEmbeddingBagCollectionSharder):
+        def compute_kernels(self, sharding_type, compute_device_type):
+            return [EmbeddingComputeKernel.FUSED.value, EmbeddingComputeKernel.FUSED_UVM_CACHING.value]
+
+    # (a variable batch over several groups meets TorchRec's preallocated VBE output, which the
+    # tbegen kernel refuses: the VBE run keeps its tables in one group)
+    sharder = Sharder("adam", learning_rate=LR, fused_params={"prefetch_pipeline": not vbe})
+    torch.manual_seed(0)
+    ebc = EmbeddingBagCollection(tables=[EmbeddingBagConfig(name=n, num_embeddings=E, embedding_dim=D,
+                                                            feature_names=["f_" + n]) for n, E, D, _ in RANK_TABLES],
+                                 device=torch.device("cpu"))
+    plan = construct_module_sharding_plan(ebc, {n: table_wise(rank=0, compute_kernel=k) for n, _, _, k in RANK_TABLES},
+                                          local_size=1, world_size=1, device_type="cpu", sharder=sharder)
+    for p in plan.values():
+        p.cache_params = CacheParams(load_factor=LOAD_FACTOR)
+    state = {k: v.detach().clone() for k, v in ebc.state_dict().items()}
+    dmp = DistributedModelParallel(ebc, device=torch.device("cpu"), plan=ShardingPlan({"": plan}), sharders=[sharder])
+    dmp.load_state_dict(state)
+    sebc = next(m for m in dmp.modules() if isinstance(m, ShardedEmbeddingBagCollection))
+    kernels = [k for lookup in sebc._lookups for k in lookup._emb_modules]
+    cached = [k for k in kernels if "managed_caching" in k.emb_module.placements]
+    takes = [_count_takes(k.emb_module) for k in cached]
+    if lookup_prefetch is not None:  # (the lookup's prefetch replaced, to show what it does)
+        for lookup in sebc._lookups:
+            lookup.prefetch = lookup_prefetch.__get__(lookup)
+    batches = [_rank_kjt(step, vbe) for step in range(STEPS)]
+
+    def input_dist(kjt):
+        ctx = sebc.create_context()
+        return ctx, sebc.input_dist(ctx, kjt).wait().wait()
+
+    outs = []
+    pending = None
+    if prefetch:
+        pending = input_dist(batches[0])
+        sebc.prefetch(dist_input=pending[1], forward_stream=None, ctx=pending[0])
+    for step in range(STEPS):
+        if prefetch:
+            ctx, features = pending
+            pending = input_dist(batches[step + 1]) if step + 1 < STEPS else None
+            pooled = sebc.compute_and_output_dist(ctx, features).wait()
+            if pending is not None:
+                sebc.prefetch(dist_input=pending[1], forward_stream=None, ctx=pending[0])
+        else:
+            pooled = dmp(batches[step])
+        values = pooled.values()
+        proj = torch.randn(values.shape, generator=torch.Generator().manual_seed(7 + step))
+        (values * proj).sum().backward()
+        outs.append(values.detach().clone())
+    def local(t):  # (a ShardedTensor's one local shard: the whole table on the one rank)
+        shards = t.local_shards() if hasattr(t, "local_shards") else None
+        return (shards[0].tensor if shards is not None else t).detach().clone()
+
+    weights = {k: local(v) for k, v in dmp.state_dict().items() if k.endswith(".weight")}
+    states = {}
+    for entry in dmp.fused_optimizer.state_dict()["state"].values():
+        states.update({k: local(v) for k, v in entry.items() if torch.is_tensor(v)})
+    return dict(outs=outs, weights=weights, states=states, groups=len(kernels), takes=takes,
+                left=[len(k.emb_module._prefetched) for k in cached],
+                evictions=sum(k.emb_module.cache_stats()["evictions"] for k in cached))
+
+
+def _rank_worker(rank, port, outdir):
+    import torch.distributed as dist
+    from torchrec.distributed.embedding_lookup import GroupedPooledEmbeddingsLookup
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        res = {}
+        for vbe in (False, True):
+            res[vbe, "plain"] = _rank_train(vbe, prefetch=False)
+            res[vbe, "prefetch"] = _rank_train(vbe, prefetch=True)
+        # TorchRec's own lookup prefetch in front of tbegen's kernels: the module prefetches
+        # features.values() / features.offsets() of KJTs split anew, not the forward's tensors
+        res["torchrec lookup"] = _rank_train(False, prefetch=True,
+                                             lookup_prefetch=GroupedPooledEmbeddingsLookup.prefetch)
+        torch.save(res, os.path.join(outdir, "rank0.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def torchrec_results(tmp_path_factory):
+    pytest.importorskip("torchrec")
+    pytest.importorskip("fbgemm_gpu")
+    from ranks import free_port  # (tests/ranks.py)
+
+    outdir = tmp_path_factory.mktemp("prefetch_pipeline")
+    torch.multiprocessing.start_processes(_rank_worker, args=(free_port(), str(outdir)), nprocs=1, join=True,
+                                          start_method="fork")
+    return torch.load(outdir / "rank0.pt", weights_only=False)
+
+
+@pytest.mark.parametrize("vbe", [False, True], ids=["fixed", "vbe"])
+def test_torchrec_prefetch_trains_like_no_prefetch(torchrec_results, vbe):
+    plain, fetched = torchrec_results[vbe, "plain"], torchrec_results[vbe, "prefetch"]
+    groups = 1 if vbe else 2  # (fixed: cached tables in two groups, per width, beside the fused one)
+    assert fetched["groups"] == (1 if vbe else 3) and len(fetched["takes"]) == groups
+    assert fetched["evictions"] > 0
+    assert all(torch.equal(a, b) for a, b in zip(plain["outs"], fetched["outs"]))
+    assert sorted(plain["weights"]) == sorted(fetched["weights"]) and sorted(plain["states"]) == sorted(fetched["states"])
+    for k in plain["weights"]:
+        assert torch.equal(plain["weights"][k], fetched["weights"][k]), k
+    for k in plain["states"]:
+        assert torch.equal(plain["states"][k], fetched["states"][k]), k
+    # every forward of each cached group took its prefetched batch
+    assert fetched["takes"] == [[True] * STEPS] * groups and fetched["left"] == [0] * groups
+
+
+def test_torchrecs_own_lookup_prefetch_misses_the_forward(torchrec_results):
+    """Why the kernel prefetches itself: through TorchRec's lookup prefetch, the module is handed
+    tensors the forward never passes, so every forward looks its batch up again (same numbers,
+    the prefetched batches left behind)."""
+    r, plain = torchrec_results["torchrec lookup"], torchrec_results[False, "plain"]
+    assert all(torch.equal(a, b) for a, b in zip(plain["outs"], r["outs"]))
+    assert r["takes"] == [[False] * STEPS] * 2 and r["left"] != [0, 0]
+
+
+# ---- CUDA: a prefetch on a side stream ----------------------------------------------------------
+
+
+def _cuda_batches(steps, seed):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    B = 4
+    for _ in range(steps):
+        lengths = torch.randint(0, 3, (len(FEATURES) * B,), generator=g)
+        idx = torch.cat([torch.randint(0, TABLES[FEATURES[k // B]][0], (int(n),), generator=g)
+                         for k, n in enumerate(lengths)])
+        offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
+        grad = torch.randn(B, sum(TABLES[t][1] for t in FEATURES), generator=g)
+        out.append((idx.cuda(), offsets.cuda(), grad.cuda()))
+    return out
+
+
+def _exact_fit_batches(steps, seed):
+    """Batches of the exact-fit module below: batch k reads rows 8k..8k+7 (mod 64) of its one
+    table, whose cache holds 8 rows, so each batch's rows evict all of the batch before's."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for k in range(steps):
+        idx = (torch.arange(8) + 8 * k) % 64
+        out.append((idx.cuda(), torch.arange(9).cuda(), torch.randn(8, 8, generator=g).cuda()))
+    return out
+
+
+def _cuda_train(emb, data, order, stream=None, sleep=0, audit=None, finish=True):
+    """order "in-step": no prefetch; "torchrec": batch k + 1 prefetched between forward and
+    backward of batch k; "fbgemm": after the backward of batch k. The prefetches run on `stream`
+    (the current one if None). `sleep`: cycles of torch.cuda._sleep queued on the current stream
+    before each forward ("torchrec") or backward ("fbgemm"), so that the cache's last user is still
+    to run when the next prefetch is queued."""
+    def prefetch(k):
+        if audit is not None:
+            audit.mark(f"prefetch {k}")
+        with torch.cuda.stream(stream or torch.cuda.current_stream()):
+            emb.prefetch(data[k][0], data[k][1], forward_stream=forward if stream is not None else None)
+
+    forward = torch.cuda.current_stream()
+    outs = []
+    if order != "in-step":
+        prefetch(0)
+    for k, (idx, offsets, grad) in enumerate(data):
+        if audit is not None:
+            audit.mark(f"forward {k}")
+        if sleep and order == "torchrec":
+            torch.cuda._sleep(sleep)
+        out = emb(idx, offsets)
+        if order == "torchrec" and k + 1 < len(data):
+            prefetch(k + 1)
+        if audit is not None:
+            audit.mark(f"backward {k}")
+        if sleep and order == "fbgemm":
+            torch.cuda._sleep(sleep)
+        out.backward(grad)
+        if order == "fbgemm" and k + 1 < len(data):
+            prefetch(k + 1)
+        outs.append(out.detach().clone())
+    if finish:
+        emb.flush()
+        torch.cuda.synchronize()
+    return outs, emb
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("order", ["torchrec", "fbgemm"])
+def test_cuda_side_stream_prefetch_equals_in_step(order):
+    """Prefetches on a torch.cuda.Stream of their own, the forward and backward on the default
+    stream: bit for bit the in-step training, and every forward takes its prefetched batch."""
+    data = _cuda_batches(10, seed=11)
+    want = _cuda_train(_module("cuda"), data, "in-step")
+    emb = _module("cuda")
+    takes = _count_takes(emb)
+    got = _cuda_train(emb, data, order, stream=torch.cuda.Stream())
+    _same_training(want, got)
+    assert got[1].cache_stats()["evictions"] > 0
+    assert takes == [True] * len(data)  # (every forward took its prefetch)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("order", ["torchrec", "fbgemm"])
+def test_cuda_side_stream_prefetch_waits_for_the_caches_last_user(order):
+    """Each prefetch evicts every row of the batch before (the exact-fit batches), and the
+    default stream is held back (torch.cuda._sleep, about 50 ms) before that batch's forward
+    (TorchRec's order) or backward (FBGEMM's): a prefetch that did not wait for them on the device
+    would move the rows out of their slots before the forward read them, or before the backward
+    updated them, and load the next batch's rows there (a different result, every step)."""
+    def make():
+        return TableBatchedEmbeddingBags([(64, 8)], optimizer="adam", learning_rate=LR, device="cuda",
+                                         placements="managed_caching", cache_rows=8)
+
+    data = _exact_fit_batches(8, seed=17)
+    want = _cuda_train(make(), data, "in-step")
+    got = _cuda_train(make(), data, order, stream=torch.cuda.Stream(), sleep=100_000_000)
+    _same_training(want, got)
+    assert got[1].cache_stats()["evictions"] >= 8 * (len(data) - 1)
+
+
+@pytest.mark.cuda
+def test_cuda_side_stream_prefetch_adds_no_host_wait():
+    """The ordering between the streams is event waits on the device: the prefetch on its own
+    stream waits for the host once (its batch's summary, as an in-step lookup), the forward and
+    the backward never (tbegen/_sync_audit.py; torch's sync debug mode agrees)."""
+    data = _cuda_batches(12, seed=13)
+    side = torch.cuda.Stream()
+    emb = _module("cuda")
+    _cuda_train(emb, data[:2], "in-step")
+    with SyncAudit() as audit:
+        _cuda_train(emb, data[2:], "torchrec", stream=side, audit=audit, finish=False)
+    for name, events in audit.sections.items():
+        mine = [e for e in events if "tbegen/" in e.site]
+        allowed = 1 if name.startswith("prefetch") else 0
+        assert len(mine) <= allowed, (name, audit.report(mine))
+    counts = []
+    for order, stream in (("in-step", None), ("torchrec", side)):
+        m = _module("cuda")
+        _cuda_train(m, data[:2], "in-step")
+        torch.cuda.synchronize()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                _cuda_train(m, data[2:], order, stream=stream, finish=False)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        counts.append(sum("synchroniz" in str(w.message) for w in caught))
+    assert counts[1] <= counts[0], counts
