@@ -774,10 +774,16 @@ class RowCache:
         (LFU); ties by slot number. Protected slots (rows of the batch) come last."""
         occupied = self._slot_row >= 0
         if self.algorithm == "lru" and self.tick < _TICK_LIMIT:
-            # one sort: table in the high bits, then empty (0) < last use (1 + tick) < protected
+            # one sort: table in the high bits, then empty (0) < last use (1 + last tick, at most
+            # 1 + tick) < protected (2 + tick); the key in 32 bits while it fits (the radix sort
+            # then makes half the passes of a 64-bit key: the same order, ties by slot number)
+            top = self.tick + 2
             score = torch.where(occupied, self._last_used + 1, torch.zeros_like(self._last_used))
-            score = torch.where(protected, torch.full_like(score, _TICK_LIMIT + 1), score)
-            return torch.argsort(self._slot_table * (_TICK_LIMIT + 2) + score, stable=True)
+            score = torch.where(protected, torch.full_like(score, top), score)
+            key = self._slot_table * (top + 1) + score
+            if len(self.tables) * (top + 1) < 2 ** 31:
+                key = key.to(torch.int32)
+            return torch.argsort(key, stable=True)
         recency = torch.where(occupied, self._last_used, torch.full_like(self._last_used, -1))
         recency = torch.where(protected, torch.full_like(recency, _NEVER), recency)
         order = torch.argsort(recency, stable=True)
