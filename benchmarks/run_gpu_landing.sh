@@ -6,8 +6,8 @@
 #      eleven extensions build at low priority (the benchmark's timed work is on the GPU), then the
 #      kernel profiles of the worst cells (PROFILE), an environment switch's A/B (AB_ENV) and the
 #      shape sweep (benchmarks/sweep_gpu.py; SWEEP=0 skips);
-#   3. every CUDA test (test_cuda, test_module, test_bad_input, the lane-split CPU/CUDA comparison,
-#      placements, state dtypes, int states, whole-table stages, int8 rows; EXTRA_TESTS adds files);
+#   3. every CUDA test (pytest -m cuda over tests/, but for FBGEMM_GPU's and TorchRec's files, which
+#      step 5 runs; TEST_FILES runs the files it names instead, EXTRA_TESTS adds files);
 #   4. compute-sanitizer memcheck and racecheck over benchmarks/sanitize_cases.py (into extras.log);
 #   5. FBGEMM_GPU differential tests (test_fbgemm_compat -m cuda), TorchRec over NCCL on one rank
 #      (test_torchrec -m cuda and examples/torchrec_training.py, with the wheels in .whl/).
@@ -150,10 +150,13 @@ fi
 log "all extensions built: $(( $(date +%s) - t0 )) s"
 
 xdist=$(python3 -c "import xdist" 2>/dev/null && echo "-n 12")
-OMP_NUM_THREADS=2 TBEGEN_RESULTS_DIR="$OUT" timeout $(cap ${TESTS_TIMEOUT:-200}) python3 -m pytest -q -p no:cacheprovider $xdist \
-  ${TEST_FILES:-tests/test_cuda.py tests/test_module.py tests/test_bad_input.py tests/test_cuda_lane_split.py \
-  tests/test_any_width.py tests/test_placements.py tests/test_state_dtypes.py tests/test_int_states.py \
-  tests/test_table_stages.py tests/test_cache.py tests/test_int8.py} ${EXTRA_TESTS:-} > "$OUT/pytest_cuda.log" 2>&1 || status=1
+# (default: every test marked cuda, in every file but those run below with FBGEMM_GPU and TorchRec on
+# their path; TEST_FILES names files to run whole instead)
+if [ -n "${TEST_FILES:-}" ]; then test_args="$TEST_FILES"; else
+  test_args="-m cuda tests --ignore=tests/test_fbgemm_compat.py --ignore=tests/test_torchrec.py --ignore=tests/test_torchrec_config.py"
+fi
+OMP_NUM_THREADS=2 TBEGEN_RESULTS_DIR="$OUT" timeout $(cap ${TESTS_TIMEOUT:-240}) python3 -m pytest -q -p no:cacheprovider $xdist \
+  $test_args ${EXTRA_TESTS:-} > "$OUT/pytest_cuda.log" 2>&1 || status=1
 # a test whose xdist worker crashed: again, alone, with Python's fault handler (its stack, if any)
 for t in $(grep -oE "crashed while running '[^']+'" "$OUT/pytest_cuda.log" | sed -E "s/.*'(.*)'/\1/"); do
   echo "== alone: $t" >> "$OUT/pytest_cuda.log"
