@@ -163,6 +163,106 @@ def test_prefetch_arguments_are_checked_and_named():
     assert dev._prefetched == []
 
 
+class _FakeStream:
+    """Stands in for a torch.cuda.Stream: records what it was made to wait for."""
+
+    def __init__(self, name, log):
+        self.name, self.log = name, log
+
+    def wait_event(self, event):
+        self.log.append((self.name, "waits for event", event.name))
+
+    def wait_stream(self, stream):
+        self.log.append((self.name, "waits for stream", stream.name))
+
+
+def test_cache_stream_rule_on_fake_streams(monkeypatch):
+    """The ordering rule (module._CacheStreams) with stand-in CUDA streams and events: a use on
+    another stream than the last user's waits for it (for its stream until a second stream has
+    been seen, then for the event recorded after its kernels), a use on the same stream does not
+    wait, and a use that recorded no end (torch.compile's path) is waited for as a stream."""
+    from tbegen.module import _CacheStreams
+
+    log, events = [], []
+    current = {}
+
+    class FakeEvent:
+        def __init__(self):
+            self.name = f"e{len(events)}"
+            events.append(self)
+
+        def record(self, stream):
+            log.append((stream.name, "records", self.name))
+
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current["s"])
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    D, S = _FakeStream("D", log), _FakeStream("S", log)
+    cuda = torch.device("cuda", 0)
+    order = _CacheStreams()
+
+    def use(stream, leave=True):
+        current["s"] = stream
+        order.enter(cuda)
+        if leave:
+            assert order.leave(cuda) is stream
+
+    use(D)  # forward of batch 0
+    use(D)  # its backward: the same stream, no wait
+    assert log == []
+    use(S)  # prefetch of batch 1 on a side stream: waits for all D queued (no event yet), records one
+    assert log == [("S", "waits for stream", "D"), ("S", "records", "e0")]
+    use(D)  # forward of batch 1: waits for the prefetch's event
+    use(S)  # prefetch of batch 2
+    use(D)  # backward of batch 1
+    assert log[2:] == [("D", "waits for event", "e0"), ("D", "records", "e1"), ("S", "waits for event", "e1"),
+                       ("S", "records", "e2"), ("D", "waits for event", "e2"), ("D", "records", "e3")]
+    del log[:]
+    use(S, leave=False)  # a use without an end recorded: the next user waits for its stream
+    use(D)
+    assert log == [("S", "waits for event", "e3"), ("D", "waits for stream", "S"), ("D", "records", "e4")]
+    # nothing on the CPU, and a copy of a module starts with no last user
+    order.enter(torch.device("cpu"))
+    assert order.leave(torch.device("cpu")) is None and order.stream is D
+    import copy
+    import pickle
+
+    assert copy.deepcopy(order).stream is None and pickle.loads(pickle.dumps(order)).stream is None
+
+
+def test_every_use_of_the_cache_is_ordered():
+    """Where the module applies the rule: the prefetch, the forward (before the whole-table stages
+    and the lookup or the prefetched batch) and the backward enter before using the cache and leave
+    after their kernels; flush, drop_cache and cache_stats enter."""
+    calls = []
+
+    class Recorder:
+        def enter(self, device):
+            calls.append("enter")
+
+        def leave(self, device):
+            calls.append("leave")
+
+    emb = _module()
+    emb._cache_order = Recorder()
+    idx, offsets = torch.tensor([1, 2, 3, 4]), torch.tensor([0, 1, 2, 3, 4])
+    emb.prefetch(idx, offsets)
+    assert calls == ["enter", "leave"]
+    del calls[:]
+    out = emb(idx, offsets)  # (takes the prefetched batch)
+    assert calls == ["enter", "enter", "leave"]
+    del calls[:]
+    out.sum().backward()
+    assert calls == ["enter", "leave"]
+    del calls[:]
+    emb(idx, offsets).sum().backward()  # (looks its batch up itself)
+    assert calls == ["enter", "enter", "leave", "enter", "leave"]
+    del calls[:]
+    emb.flush()
+    emb.cache_stats()
+    emb.drop_cache()
+    assert calls == ["enter"] * 3
+
+
 def test_fbgemm_class_passes_stream_and_vbe_sizes_through(monkeypatch):
     """FBGEMM's prefetch(indices, offsets, forward_stream, batch_size_per_feature_per_rank): handed
     to the module as given (no NotImplementedError for VBE); with bounds_check_mode WARNING the
@@ -354,6 +454,124 @@ def test_torchrecs_own_lookup_prefetch_misses_the_forward(torchrec_results):
     assert r["takes"] == [[False] * STEPS] * 2 and r["left"] != [0, 0]
 
 
+def _pipeline_train(device, pipeline):
+    """TorchRec's PrefetchTrainPipelineSparseDist itself (CUDA: it prefetches only with streams)
+    over the same sharded collection as _rank_train (fixed batches), or plain DMP training."""
+    from dataclasses import dataclass
+
+    from torchrec.distributed.embedding_types import EmbeddingComputeKernel
+    from torchrec.distributed.embeddingbag import ShardedEmbeddingBagCollection
+    from torchrec.distributed.model_parallel import DistributedModelParallel
+    from torchrec.distributed.sharding_plan import construct_module_sharding_plan, table_wise
+    from torchrec.distributed.train_pipeline import PrefetchTrainPipelineSparseDist
+    from torchrec.distributed.types import CacheParams, ShardingPlan
+    from torchrec.modules.embedding_configs import EmbeddingBagConfig
+    from torchrec.modules.embedding_modules import EmbeddingBagCollection
+    from torchrec.streamable import Pipelineable
+
+    from tbegen.torchrec import TbegenEmbeddingBagCollectionSharder
+
+    @dataclass
+    class Batch(Pipelineable):
+        kjt: object
+        proj: torch.Tensor
+
+        def to(self, device, non_blocking=False):
+            return Batch(self.kjt.to(device, non_blocking=non_blocking), self.proj.to(device, non_blocking=non_blocking))
+
+        def record_stream(self, stream):
+            self.kjt.record_stream(stream)
+            self.proj.record_stream(stream)
+
+    class Model(torch.nn.Module):
+        def __init__(self, ebc):
+            super().__init__()
+            self.ebc = ebc
+
+        def forward(self, batch):
+            values = self.ebc(batch.kjt).values()
+            return (values * batch.proj).sum(), values.detach()
+
+    class Sharder(TbegenEmbeddingBagCollectionSharder):
+        def compute_kernels(self, sharding_type, compute_device_type):
+            return [EmbeddingComputeKernel.FUSED.value, EmbeddingComputeKernel.FUSED_UVM_CACHING.value]
+
+    sharder = Sharder("adam", learning_rate=LR, fused_params={"prefetch_pipeline": True})
+    torch.manual_seed(0)
+    ebc = EmbeddingBagCollection(tables=[EmbeddingBagConfig(name=n, num_embeddings=E, embedding_dim=D,
+                                                            feature_names=["f_" + n]) for n, E, D, _ in RANK_TABLES],
+                                 device=torch.device("cpu"))
+    plan = construct_module_sharding_plan(ebc, {n: table_wise(rank=0, compute_kernel=k) for n, _, _, k in RANK_TABLES},
+                                          local_size=1, world_size=1, device_type=device.type, sharder=sharder)
+    for p in plan.values():
+        p.cache_params = CacheParams(load_factor=LOAD_FACTOR)
+    model = Model(ebc)
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    dmp = DistributedModelParallel(model, device=device, plan=ShardingPlan({"ebc": plan}), sharders=[sharder])
+    dmp.load_state_dict(state)
+    sebc = next(m for m in dmp.modules() if isinstance(m, ShardedEmbeddingBagCollection))
+    cached = [k for lookup in sebc._lookups for k in lookup._emb_modules if "managed_caching" in k.emb_module.placements]
+    takes = [_count_takes(k.emb_module) for k in cached]
+    total_D = sum(D for _, _, D, _ in RANK_TABLES)
+    batches = [Batch(_rank_kjt(step, False), torch.randn(5, total_D, generator=torch.Generator().manual_seed(7 + step)))
+               for step in range(STEPS)]
+    outs = []
+    if pipeline:
+        pipe = PrefetchTrainPipelineSparseDist(dmp, torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.0),
+                                               device)
+        it = iter(batches)
+        for _ in range(STEPS):
+            outs.append(pipe.progress(it).clone())
+    else:
+        for b in batches:
+            loss, values = dmp(b.to(device))
+            loss.backward()
+            outs.append(values.clone())
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    weights = {}
+    for k, v in dmp.state_dict().items():
+        if k.endswith(".weight"):
+            shards = v.local_shards() if hasattr(v, "local_shards") else None
+            weights[k] = (shards[0].tensor if shards is not None else v).detach().cpu().clone()
+    return dict(outs=[o.cpu() for o in outs], weights=weights, takes=takes)
+
+
+def _pipeline_worker(rank, port, outdir):
+    import torch.distributed as dist
+
+    from ranks import start_rank  # (tests/ranks.py)
+
+    device = start_rank(0, 1, port, on_gpu=True)
+    try:
+        res = {"plain": _pipeline_train(device, False), "pipeline": _pipeline_train(device, True)}
+        torch.save(res, os.path.join(outdir, "pipeline.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.cuda
+def test_cuda_torchrec_prefetch_pipeline_trains_like_plain_dmp(tmp_path):
+    """TorchRec's PrefetchTrainPipelineSparseDist on one NCCL rank, FUSED_UVM_CACHING tables in
+    two cached groups (prefetch_pipeline on): its prefetch stream, its forward and backward on
+    the default stream; bit for bit the plain DMP training, and every forward took its batch."""
+    pytest.importorskip("torchrec")
+    pytest.importorskip("fbgemm_gpu")
+    from ranks import free_port  # (tests/ranks.py)
+
+    for k, v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"), ("NVSHMEM_DISABLE_NVLS", "1")):
+        os.environ[k] = v
+    torch.multiprocessing.start_processes(_pipeline_worker, args=(free_port(), str(tmp_path)), nprocs=1, join=True,
+                                          start_method="spawn")
+    res = torch.load(tmp_path / "pipeline.pt", weights_only=False)
+    plain, piped = res["plain"], res["pipeline"]
+    assert len(piped["outs"]) == STEPS and all(torch.equal(a, b) for a, b in zip(plain["outs"], piped["outs"]))
+    assert sorted(plain["weights"]) == sorted(piped["weights"])
+    for k in plain["weights"]:
+        assert torch.equal(plain["weights"][k], piped["weights"][k]), k
+    assert len(piped["takes"]) == 2 and piped["takes"] == [[True] * STEPS] * 2
+
+
 # ---- CUDA: a prefetch on a side stream ----------------------------------------------------------
 
 
@@ -466,7 +684,7 @@ def test_cuda_side_stream_prefetch_adds_no_host_wait():
     with SyncAudit() as audit:
         _cuda_train(emb, data[2:], "torchrec", stream=side, audit=audit, finish=False)
     for name, events in audit.sections.items():
-        mine = [e for e in events if "tbegen/" in e.site]
+        mine = [e for e in events if "tbegen/cache.py:" in e.site]  # (the module's own, if any: torch's count below)
         allowed = 1 if name.startswith("prefetch") else 0
         assert len(mine) <= allowed, (name, audit.report(mine))
     counts = []

@@ -438,6 +438,10 @@ class TbegenEmbeddingBag(BaseBatchedEmbeddingBag[torch.Tensor], FusedOptimizerMo
             for k, (kept, indices, offsets) in enumerate(self._prefetched_inputs):
                 if _same_features(kept, key):
                     del self._prefetched_inputs[: k + 1]
+                    if indices.is_cuda:  # (made on the prefetch's stream: now used on this one too)
+                        stream = torch.cuda.current_stream(indices.device)
+                        indices.record_stream(stream)
+                        offsets.record_stream(stream)
                     return indices, offsets, key[4]
         return self._converted(features)
 
