@@ -414,20 +414,27 @@ class _Lookup(torch.autograd.Function):
 
 
 class _CacheStreams:
-    """The row cache's last user on CUDA (docs/placements.md, "Prefetching on another stream"):
-    the stream it ran on and, once the cache has been used from more than one stream, an event
-    recorded after its kernels. `enter` (before a use of the cache: its state, its slots or the
-    rows the kernels update) makes the current stream wait for the last user's work when that ran
-    on another stream, on the device (an event wait: the host does not wait); `leave` (after the
-    use's kernels are queued) records that point. Without `leave` the next user on another stream
-    waits for everything its stream had queued by then (wait_stream). On the CPU: nothing. A copy
-    of the module starts with none (streams and events are not copied)."""
+    """How the uses of the row cache are ordered on CUDA when they run on more than one stream
+    (docs/placements.md, "Prefetching on another stream"), without the host waiting. Two kinds
+    of use:
+    - a lookup or any other use of the cache's bookkeeping (which row is in which slot: a
+      forward's own lookup, a prefetch, a backward's second lookup, flush, drop, the
+      statistics) first waits, on the device, for the latest use on every other stream
+      (`enter`);
+    - the kernels of a batch whose ticket is valid touch only the batch's own slots, which no
+      lookup evicts while the batch holds them: its forward waits only for the prefetch that
+      made its ticket (`wait_for`), its backward for nothing on another stream (`enter` with
+      wait=False). So the prefetch of the next batch, issued on a side stream after this batch's
+      forward (TorchRec's prefetch pipeline), runs while this batch's backward does.
+    `leave` records the end of a use on the current stream: an event, once a second stream has
+    been seen (before that, the first use on another stream waits for all the first stream had
+    queued: wait_stream, as for a use that has not left yet). On the CPU: nothing. A copy of the
+    module starts with none (streams and events are not copied)."""
 
-    __slots__ = ("stream", "event", "several")
+    __slots__ = ("last", "several")
 
     def __init__(self) -> None:
-        self.stream = None
-        self.event = None
+        self.last: Dict[Any, Any] = {}  # stream -> the event after its latest use (None: wait for the stream)
         self.several = False  # (events are recorded only once a second stream has been seen)
 
     def __deepcopy__(self, memo) -> "_CacheStreams":
@@ -436,23 +443,36 @@ class _CacheStreams:
     def __reduce__(self):
         return (_CacheStreams, ())
 
-    def enter(self, device: torch.device) -> None:
+    def _wait(self, current, stream, event) -> None:
+        if event is not None:
+            current.wait_event(event)
+        else:
+            current.wait_stream(stream)
+        self.several = True
+
+    def enter(self, device: torch.device, wait: bool = True) -> None:
         if device.type != "cuda":
             return
         current = torch.cuda.current_stream(device)
-        last = self.stream
-        if last is not None and last != current:
-            if self.event is not None:
-                current.wait_event(self.event)
-            else:
-                current.wait_stream(last)
-            self.several = True
-        # (a use begins here: until its `leave`, no event marks its end)
-        self.stream, self.event = current, None
+        if wait:
+            for stream, event in self.last.items():
+                if stream != current:
+                    self._wait(current, stream, event)
+        self.last[current] = None  # (a use begins here: until its `leave`, no event marks its end)
+
+    def wait_for(self, point, device: torch.device) -> None:
+        """The current stream waits for one earlier use (`point`, what its `leave` returned)."""
+        if device.type != "cuda" or point is None:
+            return
+        current = torch.cuda.current_stream(device)
+        stream, event = point
+        if stream != current:
+            self._wait(current, stream, event)
+        self.last[current] = None
 
     def leave(self, device: torch.device):
-        """Marks the end of a use of the cache on the current stream; returns that stream (None
-        on the CPU)."""
+        """Marks the end of a use of the cache on the current stream; returns (stream, event)
+        for `wait_for` (None on the CPU)."""
         if device.type != "cuda":
             return None
         current = torch.cuda.current_stream(device)
@@ -460,8 +480,8 @@ class _CacheStreams:
         if self.several:
             event = torch.cuda.Event()
             event.record(current)
-        self.stream, self.event = current, event
-        return current
+        self.last[current] = event
+        return current, event
 
 
 def _record_ticket(ticket: cache_.Ticket, stream) -> None:
@@ -836,19 +856,21 @@ class TableBatchedEmbeddingBags(nn.Module):
     def _take_prefetched(self, indices: torch.Tensor, offsets: torch.Tensor, sizes=None) -> Optional[cache_.Ticket]:
         """The ticket `prefetch` made for these very tensors (unchanged since) and VBE sizes
         (`sizes`: the plan's, None for a fixed batch), if its slot numbers are still valid; that
-        entry and older ones are dropped. On CUDA the current stream first waits for the cache's
-        last user (the prefetch, when it ran on another stream: no host wait), and the ticket's
-        tensors, made on the prefetch's stream, are recorded as used by this one."""
+        entry and older ones are dropped. On CUDA the current stream first waits for that
+        prefetch, when it ran on another stream (no host wait; not for later uses of the cache,
+        which leave the batch's held slots alone: _CacheStreams), and the ticket's tensors, made
+        on the prefetch's stream, are recorded as used by this one."""
         if not self._prefetched:
             return None
-        self._cache_order.enter(self._registered("weights").device)
-        for k, (i, o, iv, ov, s, stream, ticket) in enumerate(self._prefetched):
+        for k, (i, o, iv, ov, s, point, ticket) in enumerate(self._prefetched):
             if i is indices and o is offsets and (s is sizes or s == sizes):
                 del self._prefetched[: k + 1]
                 same = iv == indices._version and ov == offsets._version
                 if not (same and self._cache.valid(ticket)):
-                    return None
-                if stream is not None:
+                    return None  # (the forward looks the batch up itself: _prepare)
+                if point is not None:
+                    stream = point[0]
+                    self._cache_order.wait_for(point, stream.device)
                     current = torch.cuda.current_stream(stream.device)
                     if current != stream:
                         _record_ticket(ticket, current)
@@ -858,11 +880,12 @@ class TableBatchedEmbeddingBags(nn.Module):
     def _ticket_for_backward(self, ticket: cache_.Ticket) -> cache_.Ticket:
         """The batch's ticket, prepared again if rows were evicted since; its slots marked dirty;
         the tables it reads in their backing rows (overflow) hold no cached copies. (On CUDA the
-        backward's stream first waits for the cache's last user on another stream: a prefetch
-        of a later batch, say.)"""
-        self._cache_order.enter(ticket.slots.device)
+        backward's stream waits for the cache's last use on another stream only where it looks
+        the batch up again or drops a table: a valid ticket's slots are the batch's own, so a
+        prefetch of a later batch on a side stream runs beside this backward; _CacheStreams.)"""
         valid = self._cache.valid(ticket)
         self._cache.release(ticket)
+        self._cache_order.enter(ticket.slots.device, wait=not valid or bool(ticket.bypass))
         if not valid:
             ticket = self._prepare(ticket.original, ticket.offsets)
         if ticket.bypass:  # (a prefetch since may have cached some of their rows)
@@ -914,10 +937,10 @@ class TableBatchedEmbeddingBags(nn.Module):
             return
         ticket = self._prepare(checked_indices, checked_offsets)
         self._cache.hold(ticket)  # (its rows stay until its backward, or until held too long)
-        stream = self._cache_order.leave(self._registered("weights").device)
-        if forward_stream is not None and forward_stream != stream:
+        point = self._cache_order.leave(self._registered("weights").device)  # ((stream, event): the forward waits for it)
+        if forward_stream is not None and point is not None and forward_stream != point[0]:
             _record_ticket(ticket, forward_stream)
-        self._prefetched.append((indices, given_offsets, indices._version, given_offsets._version, sizes, stream,
+        self._prefetched.append((indices, given_offsets, indices._version, given_offsets._version, sizes, point,
                                  ticket))
         del self._prefetched[:-8]  # (prefetches never consumed by a forward are forgotten)
 
@@ -1320,8 +1343,6 @@ class TableBatchedEmbeddingBags(nn.Module):
         if given is None:
             given = (indices, offsets)
         indices, offsets, per_sample_weights = self._check_input(indices, offsets, per_sample_weights)
-        if self._cache is not None:  # (CUDA: after the cache's last user on another stream, a prefetch say)
-            self._cache_order.enter(self._registered("weights").device)
         if self.training:
             self.run_table_stages()
         ticket = None

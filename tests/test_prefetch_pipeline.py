@@ -177,10 +177,12 @@ class _FakeStream:
 
 
 def test_cache_stream_rule_on_fake_streams(monkeypatch):
-    """The ordering rule (module._CacheStreams) with stand-in CUDA streams and events: a use on
-    another stream than the last user's waits for it (for its stream until a second stream has
-    been seen, then for the event recorded after its kernels), a use on the same stream does not
-    wait, and a use that recorded no end (torch.compile's path) is waited for as a stream."""
+    """The ordering rule (module._CacheStreams) with stand-in CUDA streams and events, in TorchRec's
+    prefetch pipeline's order (forward i, prefetch i + 1 on a side stream, backward i): a lookup
+    (enter) waits for the latest use on every other stream (for the stream itself until a second
+    stream has been seen, then for the event recorded after that use); a forward waits only for
+    the prefetch of its batch (wait_for); a backward of a valid ticket waits for nothing (so the
+    next batch's prefetch runs beside it); a use that recorded no end is waited for as a stream."""
     from tbegen.module import _CacheStreams
 
     log, events = [], []
@@ -200,47 +202,68 @@ def test_cache_stream_rule_on_fake_streams(monkeypatch):
     cuda = torch.device("cuda", 0)
     order = _CacheStreams()
 
-    def use(stream, leave=True):
+    def lookup(stream, leave=True):  # (a forward's own lookup, a prefetch, flush, ...)
         current["s"] = stream
         order.enter(cuda)
-        if leave:
-            assert order.leave(cuda) is stream
+        return order.leave(cuda) if leave else None
 
-    use(D)  # forward of batch 0
-    use(D)  # its backward: the same stream, no wait
+    def forward(point):  # (a forward given a prefetched batch)
+        current["s"] = D
+        order.wait_for(point, cuda)
+        return order.leave(cuda)
+
+    def backward():  # (a valid ticket's backward)
+        current["s"] = D
+        order.enter(cuda, wait=False)
+        return order.leave(cuda)
+
+    lookup(D)  # forward of batch 0, looking its batch up itself
+    backward()
     assert log == []
-    use(S)  # prefetch of batch 1 on a side stream: waits for all D queued (no event yet), records one
-    assert log == [("S", "waits for stream", "D"), ("S", "records", "e0")]
-    use(D)  # forward of batch 1: waits for the prefetch's event
-    use(S)  # prefetch of batch 2
-    use(D)  # backward of batch 1
-    assert log[2:] == [("D", "waits for event", "e0"), ("D", "records", "e1"), ("S", "waits for event", "e1"),
-                       ("S", "records", "e2"), ("D", "waits for event", "e2"), ("D", "records", "e3")]
+    p1 = lookup(S)  # prefetch of batch 1 on a side stream: waits for all D queued (no event yet)
+    assert p1[0] is S and log == [("S", "waits for stream", "D"), ("S", "records", "e0")]
     del log[:]
-    use(S, leave=False)  # a use without an end recorded: the next user waits for its stream
-    use(D)
-    assert log == [("S", "waits for event", "e3"), ("D", "waits for stream", "S"), ("D", "records", "e4")]
-    # nothing on the CPU, and a copy of a module starts with no last user
+    forward(p1)  # forward of batch 1: waits for its prefetch
+    p2 = lookup(S)  # prefetch of batch 2: after the forward of batch 1
+    backward()  # backward of batch 1: does not wait for the prefetch of batch 2
+    forward(p2)
+    assert log == [("D", "waits for event", "e0"), ("D", "records", "e1"),
+                   ("S", "waits for event", "e1"), ("S", "records", "e2"),
+                   ("D", "records", "e3"),
+                   ("D", "waits for event", "e2"), ("D", "records", "e4")]
+    del log[:]
+    lookup(S)  # the next prefetch waits for the backward and forward before it (D's latest use)
+    assert log == [("S", "waits for event", "e4"), ("S", "records", "e5")]
+    del log[:]
+    lookup(S, leave=False)  # a use without an end recorded (torch.compile's forward): waited for as a stream
+    lookup(D)
+    assert log == [("S", "waits for event", "e4"), ("D", "waits for stream", "S"), ("D", "records", "e6")]
+    # nothing on the CPU, and a copy of a module starts with no use recorded
     order.enter(torch.device("cpu"))
-    assert order.leave(torch.device("cpu")) is None and order.stream is D
+    assert order.leave(torch.device("cpu")) is None and set(order.last) == {D, S}
     import copy
     import pickle
 
-    assert copy.deepcopy(order).stream is None and pickle.loads(pickle.dumps(order)).stream is None
+    assert copy.deepcopy(order).last == {} and pickle.loads(pickle.dumps(order)).last == {}
 
 
 def test_every_use_of_the_cache_is_ordered():
-    """Where the module applies the rule: the prefetch, the forward (before the whole-table stages
-    and the lookup or the prefetched batch) and the backward enter before using the cache and leave
-    after their kernels; flush, drop_cache and cache_stats enter."""
+    """Where the module applies the rule: a prefetch and a forward's own lookup enter (wait) and
+    leave; a forward given its prefetched batch waits for that prefetch only; a backward whose
+    ticket is valid enters without waiting, one whose ticket is not (its rows evicted) waits and
+    looks its batch up again; flush, drop_cache and cache_stats enter."""
     calls = []
 
     class Recorder:
-        def enter(self, device):
-            calls.append("enter")
+        def enter(self, device, wait=True):
+            calls.append("enter" if wait else "begin")
+
+        def wait_for(self, point, device):
+            calls.append("wait_for")
 
         def leave(self, device):
             calls.append("leave")
+            return None
 
     emb = _module()
     emb._cache_order = Recorder()
@@ -249,13 +272,20 @@ def test_every_use_of_the_cache_is_ordered():
     assert calls == ["enter", "leave"]
     del calls[:]
     out = emb(idx, offsets)  # (takes the prefetched batch)
-    assert calls == ["enter", "enter", "leave"]
+    assert calls == ["leave"]  # (on the CPU the prefetch recorded no point to wait for)
+    emb._prefetched.clear()
     del calls[:]
     out.sum().backward()
+    assert calls == ["begin", "leave"]
+    del calls[:]
+    out = emb(idx, offsets)  # (looks its batch up itself)
     assert calls == ["enter", "leave"]
     del calls[:]
-    emb(idx, offsets).sum().backward()  # (looks its batch up itself)
-    assert calls == ["enter", "enter", "leave", "enter", "leave"]
+    emb._cache._release_all()  # (its rows no longer held: its ticket lasts only until the next load)
+    emb(torch.tensor([100, 25, 140, 110]), offsets)
+    del calls[:]
+    out.sum().backward()  # (its ticket is no longer valid: looked up again, after the others)
+    assert calls == ["enter", "enter", "leave"]
     del calls[:]
     emb.flush()
     emb.cache_stats()
