@@ -62,6 +62,9 @@ def parse_args(argv=None):
     ap.add_argument("--systems", default="tbegen,fbgemm", help="tbegen and/or fbgemm (skipped if it does not import)")
     ap.add_argument("--prefetch-ahead", action="store_true",
                     help="tbegen: also time steps that prefetch the next batch between forward and backward")
+    ap.add_argument("--pipelined", action="store_true",
+                    help="tbegen: also time steps in TorchRec's prefetch pipeline order: the next batch prefetched on a "
+                         "side stream between forward and backward (its prefetch runs beside the backward)")
     ap.add_argument("--row-copy", action="store_true",
                     help="tbegen: also time the cached steps with TBEGEN_CACHE_ROW_COPY=1 (the cache's row moves with "
                          "_copy_rows: loads and write-backs at once, each on half the SMs)")
@@ -191,7 +194,7 @@ def count_host_waits(step, batches, steps: int = 3) -> float:
     return audit.count / steps
 
 
-def bench_tbegen(args, batches, grad, fraction, prefetch_ahead=False, row_copy=False):
+def bench_tbegen(args, batches, grad, fraction, prefetch_ahead=False, row_copy=False, pipelined=False):
     from tbegen import TableBatchedEmbeddingBags
 
     tables = [(args.rows, args.dim)] * args.tables
@@ -211,9 +214,15 @@ def bench_tbegen(args, batches, grad, fraction, prefetch_ahead=False, row_copy=F
     _sync()
     construct_s = time.perf_counter() - t0
 
+    main = torch.cuda.current_stream() if pipelined else None
+    side = torch.cuda.Stream() if pipelined else None
+
     def step(batch, following):
         out = emb(batch["indices"], batch["offsets"])
-        if prefetch_ahead:
+        if pipelined:  # (TorchRec's PrefetchTrainPipelineSparseDist: after the forward, on its prefetch stream)
+            with torch.cuda.stream(side):
+                emb.prefetch(following["indices"], following["offsets"], forward_stream=main)
+        elif prefetch_ahead:
             emb.prefetch(following["indices"], following["offsets"])
         out.backward(grad)
 
@@ -222,6 +231,7 @@ def bench_tbegen(args, batches, grad, fraction, prefetch_ahead=False, row_copy=F
     if args.profile and fraction is not None:
         r["profile"] = profile_steps(args, step, batches, f"tbegen-{fraction:g}")
     r.update(system="tbegen", construct_s=construct_s, prefetch_ahead=prefetch_ahead, row_copy=row_copy,
+             pipelined=pipelined,
              row_copy_blocks=emb._cache._row_copy_blocks if emb._cache is not None else None,
              peak_gpu_mem_gb=torch.cuda.max_memory_allocated() / 1e9 if args.device != "cpu" else None)
     if fraction is not None:
@@ -339,7 +349,8 @@ def markdown(args, results, env) -> str:
         base = device_ms.get(r["system"])
         rows = r.get("cache_rows_per_table") or (r.get("cache_rows_total", 0) // args.tables if "cache_rows_total" in r else None)
         lines.append(
-            f"| {r['system']}{' (row copy)' if r.get('row_copy') else ''}{' (prefetch ahead)' if r.get('prefetch_ahead') else ''} "
+            f"| {r['system']}{' (row copy)' if r.get('row_copy') else ''}{' (prefetch ahead)' if r.get('prefetch_ahead') else ''}"
+            f"{' (pipelined)' if r.get('pipelined') else ''} "
             f"| {r['placement']} | {fmt(rows, 'd')} "
             f"| {r['step_ms']:.2f} | {r['wall_ms_per_step']:.2f} | {fmt(r['step_ms'] / base if base else None, '.2f')}x "
             f"| {fmt(r.get('hit_rate'))} | {fmt(r.get('unique_hit_rate'))} | {fmt(r.get('mb_moved_per_step'), '.1f')} "
@@ -392,11 +403,16 @@ def main(argv=None) -> int:
             record("tbegen", name, lambda: bench_tbegen(args, batches, grad, fraction))
             if args.prefetch_ahead and fraction is not None:
                 record("tbegen", name, lambda: bench_tbegen(args, batches, grad, fraction, prefetch_ahead=True))
+            if args.pipelined and fraction is not None and args.device != "cpu":
+                record("tbegen", name, lambda: bench_tbegen(args, batches, grad, fraction, pipelined=True))
             if args.row_copy and fraction is not None:
                 record("tbegen", name, lambda: bench_tbegen(args, batches, grad, fraction, row_copy=True))
                 if args.prefetch_ahead:
                     record("tbegen", name, lambda: bench_tbegen(args, batches, grad, fraction, prefetch_ahead=True,
                                                                 row_copy=True))
+                if args.pipelined and args.device != "cpu":
+                    record("tbegen", name, lambda: bench_tbegen(args, batches, grad, fraction, row_copy=True,
+                                                                pipelined=True))
         if fb is not None:
             record("fbgemm", name, lambda: bench_fbgemm(args, fb, batches, grad, fraction))
     (out / "results.json").write_text(json.dumps(dict(args={k: v for k, v in vars(args).items()}, env=env,
