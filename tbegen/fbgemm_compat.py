@@ -715,6 +715,9 @@ class SplitTableBatchedEmbeddingBagsCodegen(nn.Module):
         self._counter_adagradw = mode == "COUNTER" and counter_hyper.get("weight_decay_mode") == 3 if mode in (
             "COUNTER", "COWCLIP") else False
         self._warned_bounds = False
+        # (CUDA: the WARNING bounds check's finding, read by a later call without a host wait:
+        # (event, pinned [count, position, value, feature]); _poll_bounds_warning)
+        self._bounds_pending = None
         # Rows of the table each feature reads: the bounds check's limit per feature.
         self._rows_per_feature = torch.tensor(
             [tables[t][0] for t in self.feature_table_map], dtype=torch.int64, device=dev
@@ -1166,6 +1169,8 @@ class SplitTableBatchedEmbeddingBagsCodegen(nn.Module):
         """FBGEMM's WARNING / IGNORE bounds check: an index outside its table becomes 0."""
         if indices.dim() != 1 or indices.numel() == 0 or indices.device != self._rows_per_feature.device:
             return indices
+        if indices.is_cuda:
+            return self._zero_out_of_range_on_device(indices, offsets)
         feature = self._feature_of_each_index(offsets, indices.numel())
         if feature is None:
             return indices
@@ -1183,6 +1188,59 @@ class SplitTableBatchedEmbeddingBagsCodegen(nn.Module):
                 stacklevel=3,
             )
         return torch.where(bad, torch.zeros_like(indices), indices)
+
+    def _zero_out_of_range_on_device(self, indices: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        """_zero_out_of_range without a host wait (CUDA): each index's feature by a search of the
+        features' first offsets (offsets that are not F * B + 1 entries: the indices as given, the
+        operators name the problem), every index compared with its table's rows, the bad ones
+        replaced, whether there are any or not. The WARNING's finding (count, first position, its
+        value and feature) is copied to pinned memory behind an event and read by a later call
+        once the GPU has got there (_poll_bounds_warning): the warning comes a step or so late,
+        once per module, as FBGEMM's comes from its kernel. (FBGEMM's GPU bounds check likewise
+        fixes the indices on the device and does not stop the host.)"""
+        self._poll_bounds_warning()
+        F = self._tbe.num_features
+        if not isinstance(offsets, torch.Tensor) or offsets.dim() != 1 or offsets.numel() < 1 or (offsets.numel() - 1) % F:
+            return indices
+        B = (offsets.numel() - 1) // F
+        n = indices.numel()
+        starts = offsets[::B] if B > 0 else offsets[:1]  # (each feature's first offset, then the end)
+        feature = (torch.searchsorted(starts.to(torch.int64), torch.arange(n, device=indices.device), right=True) - 1)
+        feature = feature.clamp_(0, F - 1)
+        bad = (indices < 0) | (indices >= self._rows_per_feature[feature])
+        if self._bounds_check == "WARNING" and not self._warned_bounds and self._bounds_pending is None:
+            first = torch.argmax(bad.to(torch.uint8))  # (0 when none is bad: the count says so)
+            finding = torch.stack([bad.sum(), first, indices[first].to(torch.int64), feature[first]])
+            on_gpu = indices.is_cuda  # (the CPU runs this too, in tests: no event there)
+            pinned = torch.empty(4, dtype=torch.int64, pin_memory=on_gpu)
+            pinned.copy_(finding, non_blocking=on_gpu)
+            event = torch.cuda.Event() if on_gpu else None
+            if event is not None:
+                event.record()
+            self._bounds_pending = (event, pinned)
+        return torch.where(bad, torch.zeros_like(indices), indices)
+
+    def _poll_bounds_warning(self, wait: bool = False) -> None:
+        """Warns (once per module) of out-of-range indices that _zero_out_of_range_on_device found,
+        when the GPU has reached the copy of its finding (or, with `wait`, after waiting for it)."""
+        pending = self._bounds_pending
+        if pending is None:
+            return
+        event, pinned = pending
+        if event is not None:
+            if not wait and not event.query():
+                return
+            event.synchronize()
+        self._bounds_pending = None
+        count, first, value, feature = (int(v) for v in pinned.tolist())
+        if count and not self._warned_bounds:
+            self._warned_bounds = True
+            warnings.warn(
+                f"tbegen: {count} index(es) out of range of their table (the first: indices[{first}] = {value} for "
+                f"feature {feature}, whose table has {int(self._rows_per_feature[feature])} rows); set to 0 "
+                f"(bounds_check_mode WARNING; warned once per module, on the GPU a call or so after the batch)",
+                stacklevel=4,
+            )
 
     def _mask_weight_gradient(self, per_sample_weights, offsets, feature_requires_grad):
         F = self._tbe.num_features
