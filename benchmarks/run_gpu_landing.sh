@@ -219,6 +219,10 @@ TRC_PATH=$PWD/benchmarks/fbgemm_subset:/tmp/site:/tmp/fbg_site:$PYTHONPATH
 quiet() { grep -v "compat_table\|cannot determine\|\[0m\|\[33m\|^WARNING:root:$\|^WARNING:torchrec\|^ *$"; }
 PYTHONPATH=$TRC_PATH timeout $(cap 150) python3 -m pytest -q -p no:cacheprovider -m cuda tests/test_torchrec.py 2>&1 \
   | quiet | tail -n 25 >> "$OUT/extras.log"
+# TorchRec's PrefetchTrainPipelineSparseDist with cached tables (its CUDA cases need TorchRec on the
+# path; the CUDA test step above skipped them)
+PYTHONPATH=$TRC_PATH timeout $(cap 150) python3 -m pytest -q -p no:cacheprovider -m cuda tests/test_prefetch_pipeline.py \
+  tests/test_torchrec_vbe.py 2>&1 | quiet | tail -n 15 >> "$OUT/extras.log"
 # the TorchRec way against FBGEMM_GPU (adam and row-wise included), -s for its measured differences
 PYTHONPATH=$TRC_PATH timeout $(cap 150) python3 -m pytest -q -s -p no:cacheprovider -m cuda tests/test_torchrec_config.py 2>&1 \
   | quiet | grep -v "^\[rank\|^\[W" | tail -n 25 >> "$OUT/extras.log"
