@@ -95,7 +95,7 @@ if has cache; then
   if [ -d .anchor/bundle ] && python3 .anchor/unpack_bundle.py .anchor/bundle /tmp/fbg_site > /dev/null 2>&1; then
     fbg_path=/tmp/fbg_site:
   fi
-  PYTHONPATH=$fbg_path$PYTHONPATH CUDA_MODULE_LOADING=LAZY python3 benchmarks/bench_cache.py --tables 32 \
+  PYTHONPATH=$fbg_path$PYTHONPATH CUDA_MODULE_LOADING=LAZY timeout ${CACHE_TIMEOUT:-420} python3 benchmarks/bench_cache.py --tables 32 \
     --rows 1000000 --dim 128 --batch 16384 --pooling-factor 20 ${CACHE_OPTS:-} --out "$OUT/cache" \
     > "$OUT/cache.log" 2>&1 || status=1
   tail -n 14 "$OUT/cache.log"
