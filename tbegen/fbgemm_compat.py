@@ -716,7 +716,7 @@ class SplitTableBatchedEmbeddingBagsCodegen(nn.Module):
             "COUNTER", "COWCLIP") else False
         self._warned_bounds = False
         # (CUDA: the WARNING bounds check's finding, read by a later call without a host wait:
-        # (event, pinned [count, position, value, feature]); _poll_bounds_warning)
+        # (event, pinned [count, position, value, feature, its table's rows]); _poll_bounds_warning)
         self._bounds_pending = None
         # Rows of the table each feature reads: the bounds check's limit per feature.
         self._rows_per_feature = torch.tensor(
@@ -1194,7 +1194,7 @@ class SplitTableBatchedEmbeddingBagsCodegen(nn.Module):
         features' first offsets (offsets that are not F * B + 1 entries: the indices as given, the
         operators name the problem), every index compared with its table's rows, the bad ones
         replaced, whether there are any or not. The WARNING's finding (count, first position, its
-        value and feature) is copied to pinned memory behind an event and read by a later call
+        value, feature and table rows) is copied to pinned memory behind an event and read by a later call
         once the GPU has got there (_poll_bounds_warning): the warning comes a step or so late,
         once per module, as FBGEMM's comes from its kernel. (FBGEMM's GPU bounds check likewise
         fixes the indices on the device and does not stop the host.)"""
@@ -1205,18 +1205,23 @@ class SplitTableBatchedEmbeddingBagsCodegen(nn.Module):
         B = (offsets.numel() - 1) // F
         n = indices.numel()
         starts = offsets[::B] if B > 0 else offsets[:1]  # (each feature's first offset, then the end)
-        feature = (torch.searchsorted(starts.to(torch.int64), torch.arange(n, device=indices.device), right=True) - 1)
+        feature = (torch.searchsorted(starts.to(torch.int64).contiguous(), torch.arange(n, device=indices.device),
+                                      right=True) - 1)
         feature = feature.clamp_(0, F - 1)
-        bad = (indices < 0) | (indices >= self._rows_per_feature[feature])
+        rows = self._rows_per_feature[feature]
+        bad = (indices < 0) | (indices >= rows)
         if self._bounds_check == "WARNING" and not self._warned_bounds and self._bounds_pending is None:
-            first = torch.argmax(bad.to(torch.uint8))  # (0 when none is bad: the count says so)
-            finding = torch.stack([bad.sum(), first, indices[first].to(torch.int64), feature[first]])
+            # (the first bad one's entries picked by index_select with a 1-element index: x[t] with
+            # a 0-d tensor t reads t on the host, TensorIndexing.h's item(), a wait on the GPU)
+            first = torch.argmax(bad.to(torch.uint8)).reshape(1)  # (0 when none is bad: the count says so)
+            finding = torch.cat([bad.sum().reshape(1), first, indices.index_select(0, first).to(torch.int64),
+                                 feature.index_select(0, first), rows.index_select(0, first)])
             on_gpu = indices.is_cuda  # (the CPU runs this too, in tests: no event there)
-            pinned = torch.empty(4, dtype=torch.int64, pin_memory=on_gpu)
+            pinned = torch.empty(5, dtype=torch.int64, pin_memory=on_gpu)
             pinned.copy_(finding, non_blocking=on_gpu)
             event = torch.cuda.Event() if on_gpu else None
             if event is not None:
-                event.record()
+                event.record(torch.cuda.current_stream(indices.device))
             self._bounds_pending = (event, pinned)
         return torch.where(bad, torch.zeros_like(indices), indices)
 
@@ -1232,12 +1237,12 @@ class SplitTableBatchedEmbeddingBagsCodegen(nn.Module):
                 return
             event.synchronize()
         self._bounds_pending = None
-        count, first, value, feature = (int(v) for v in pinned.tolist())
+        count, first, value, feature, rows = (int(v) for v in pinned.tolist())  # (host memory: no wait)
         if count and not self._warned_bounds:
             self._warned_bounds = True
             warnings.warn(
                 f"tbegen: {count} index(es) out of range of their table (the first: indices[{first}] = {value} for "
-                f"feature {feature}, whose table has {int(self._rows_per_feature[feature])} rows); set to 0 "
+                f"feature {feature}, whose table has {rows} rows); set to 0 "
                 f"(bounds_check_mode WARNING; warned once per module, on the GPU a call or so after the batch)",
                 stacklevel=4,
             )

@@ -77,6 +77,25 @@ def test_device_path_warns_once_from_its_finding():
         m2._poll_bounds_warning()
 
 
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
+def test_device_path_and_its_warning_read_nothing_on_the_host(dtype):
+    """The device path with WARNING, then the poll that warns: no value of a (stand-in) device
+    tensor read by the host (the sync audit's simulate mode). x[t] with a 0-d tensor t is such a
+    read (TensorIndexing.h calls t.item()), and so was int() of the table's rows in the warning;
+    the pinned finding's tolist is host memory and is not counted here."""
+    from tbegen._sync_audit import SyncAudit
+
+    m = _compat(BoundsCheckMode.WARNING)
+    idx, offsets = _batch(3)
+    idx, offsets = idx.to(dtype), offsets.to(dtype)
+    with SyncAudit(simulate=True) as audit:
+        m._zero_out_of_range_on_device(idx, offsets)
+        with pytest.warns(UserWarning, match="out of range"):
+            m._poll_bounds_warning()
+    reads = [e for e in audit.events if not e.what.startswith("Tensor.tolist()")]
+    assert not reads, audit.report(reads)
+
 # ---- on the GPU ----------------------------------------------------------------------------------
 
 
