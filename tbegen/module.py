@@ -929,6 +929,10 @@ class TableBatchedEmbeddingBags(nn.Module):
         forward_stream = self._check_forward_stream(forward_stream)
         sizes, given_offsets = None, offsets
         if batch_size_per_feature_per_rank is not None:
+            if self._cache is not None:
+                # (first the wait for the cache's last user on another stream, as _prepare's: a kept
+                # plan may be that forward's, made on its stream, and the padding reads it)
+                self._cache_order.enter(self._registered("weights").device)
             plan = self._vbe_plan(batch_size_per_feature_per_rank)  # (a bad size: named)
             offsets = self._vbe_pad(offsets, plan)  # (as the VBE forward pads them)
             sizes = plan["sizes"]

@@ -318,6 +318,53 @@ def test_fbgemm_class_passes_stream_and_vbe_sizes_through(monkeypatch):
     assert seen[1][1]["forward_stream"] is stream and seen[1][1]["batch_size_per_feature_per_rank"] is None
 
 
+
+class _OrderRecorder:
+    """A stand-in of module._CacheStreams that records the calls in `calls`."""
+
+    def __init__(self, calls):
+        self.calls = calls
+
+    def enter(self, device, wait=True):
+        self.calls.append("enter" if wait else "begin")
+
+    def wait_for(self, point, device):
+        self.calls.append("wait_for")
+
+    def leave(self, device):
+        self.calls.append("leave")
+        return None
+
+
+def test_vbe_prefetch_waits_before_its_padding_reads_a_kept_plan(monkeypatch):
+    """A VBE prefetch pads the offsets with a kept plan of those sizes, which the last forward of
+    the same sizes may have made on its own stream (the plan's kernel still queued there when the
+    prefetch is issued on a side stream): the prefetch waits for the cache's last user before the
+    padding reads the plan, not only before its lookup. The module's prefetch and FBGEMM's (whose
+    WARNING check pads the offsets first)."""
+    from tbegen.fbgemm_compat import BoundsCheckMode, ComputeDevice, EmbeddingLocation, EmbOptimType
+    from tbegen.fbgemm_compat import SplitTableBatchedEmbeddingBagsCodegen as Compat
+
+    idx, offsets, sizes, grad = _vbe_batches(1, seed=5)[0]
+    emb = _module()
+    emb(idx, offsets, batch_size_per_feature_per_rank=sizes).backward(grad)  # (the plan kept)
+    # (FBGEMM's class with CPU tables has no cache: one stands in for its module's, whose prefetch
+    # is recorded, not run)
+    compat = Compat([(E, D, EmbeddingLocation.HOST, ComputeDevice.CPU) for E, D in TABLES],
+                    feature_table_map=FEATURES, optimizer=EmbOptimType.ADAM, learning_rate=LR,
+                    bounds_check_mode=BoundsCheckMode.WARNING)
+    monkeypatch.setattr(compat._tbe, "_cache", object())
+    for module, prefetch in ((emb, emb.prefetch), (compat._tbe, compat.prefetch)):
+        calls = []
+        module._cache_order = _OrderRecorder(calls)
+        pad = module._vbe_pad
+        monkeypatch.setattr(module, "_vbe_pad", lambda o, plan, pad=pad, calls=calls: (calls.append("pad"), pad(o, plan))[1])
+        if module is compat._tbe:
+            monkeypatch.setattr(module, "prefetch", lambda *a, calls=calls, **k: calls.append("prefetch"))
+        prefetch(idx, offsets, batch_size_per_feature_per_rank=sizes)
+        assert "pad" in calls and calls.index("enter") < calls.index("pad"), calls
+
+
 # ---- TorchRec -----------------------------------------------------------------------------------
 
 RANK_TABLES = [("t0", 100, 8, "fused_uvm_caching"), ("t1", 61, 12, "fused"), ("t2", 150, 16, "fused_uvm_caching"),
