@@ -22,6 +22,7 @@ each group's features to the kernel's module with FBGEMM's keywords (`forward_st
 from __future__ import annotations
 
 import os
+import random
 import warnings
 
 import pytest
@@ -364,6 +365,120 @@ def test_vbe_prefetch_waits_before_its_padding_reads_a_kept_plan(monkeypatch):
         prefetch(idx, offsets, batch_size_per_feature_per_rank=sizes)
         assert "pad" in calls and calls.index("enter") < calls.index("pad"), calls
 
+
+
+def _hot_batches(steps, seed, hot):
+    """Batches of the _module tables whose rows are drawn from the first `hot` of each table (a
+    small `hot`: batches share rows; a large one: they evict each other)."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    B = 4
+    for _ in range(steps):
+        lengths = torch.randint(0, 4, (len(FEATURES) * B,), generator=g)
+        idx = torch.cat([torch.randint(0, min(hot, TABLES[FEATURES[k // B]][0]), (int(n),), generator=g)
+                         for k, n in enumerate(lengths)])
+        offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
+        out.append((idx, offsets, torch.randn(B, sum(TABLES[t][1] for t in FEATURES), generator=g)))
+    return out
+
+
+def _touches_of_unwaited_uses(monkeypatch, seed):
+    """For _CacheStreams' uses that do not wait for other streams (a forward given its prefetched
+    batch waits only for that prefetch; a valid ticket's backward for nothing): every row load
+    into one of the ticket's slots, eviction of one, or table dropped between the making of the
+    ticket and that use, in host order (the order the streams' work is issued in), over TorchRec's
+    order and FBGEMM's, 1-5 batches prefetched ahead, holds let go at random, caches that overflow
+    or not. Returns (those touches, [forwards checked, backwards checked])."""
+    from tbegen import cache as cache_
+
+    rnd = random.Random(seed)
+    touched = []  # (kind, global slots) of every move and drop, in host order
+    move, drop = cache_.RowCache._move, cache_.RowCache.drop
+
+    def logged_move(self, buffers, c, rows, slots, to_slots, staged=None, per_table=None):
+        touched.append(("load" if to_slots else "evict", set((self._t["sbase"][c] + slots).tolist())))
+        return move(self, buffers, c, rows, slots, to_slots, staged, per_table)
+
+    def logged_drop(self, buffers, tables):
+        hard = self.hard_epoch
+        drop(self, buffers, tables)
+        if self.hard_epoch != hard:
+            touched.append(("drop", None))
+
+    monkeypatch.setattr(cache_.RowCache, "_move", logged_move)
+    monkeypatch.setattr(cache_.RowCache, "drop", logged_drop)
+    found, checked = [], [0, 0]
+    for run in range(5):
+        ahead, order = rnd.choice([1, 1, 2, 3, 5]), rnd.choice(["torchrec", "fbgemm"])
+        kw = {"cache_rows": [rnd.choice([12, 20, 34]), None, rnd.choice([16, 24, 40])]} if rnd.random() < 0.5 else {}
+        emb = _module(**kw)
+        made = {}
+        prepare, take, for_backward = emb._prepare, emb._take_prefetched, emb._ticket_for_backward
+
+        def check(ticket, use):
+            slots = set(ticket.slots.tolist())
+            found.extend((run, use, kind) for kind, s in touched[made[id(ticket)]:] if s is None or s & slots)
+
+        def made_now(*a, **k):
+            ticket = prepare(*a, **k)
+            made[id(ticket)] = len(touched)
+            return ticket
+
+        def taken(*a, **k):
+            ticket = take(*a, **k)
+            if ticket is not None:
+                checked[0] += 1
+                check(ticket, "forward")
+            return ticket
+
+        def backward(ticket):
+            if emb._cache.valid(ticket) and not ticket.bypass:  # (the backward that waits for nothing)
+                checked[1] += 1
+                check(ticket, "backward")
+            return for_backward(ticket)
+
+        emb._prepare, emb._take_prefetched, emb._ticket_for_backward = made_now, taken, backward
+        data = _hot_batches(16, 100 * seed + run, rnd.choice([40, 80, 150]))
+        queued = iter(data)
+
+        def prefetch():
+            batch = next(queued, None)
+            if batch is not None:
+                emb.prefetch(batch[0], batch[1])
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # (overflow warnings)
+            for _ in range(ahead):
+                prefetch()
+            for idx, offsets, grad in data:
+                out = emb(idx, offsets)
+                if order == "torchrec":
+                    prefetch()
+                if rnd.random() < 0.1:
+                    emb._cache._release_all()
+                out.backward(grad)
+                if order == "fbgemm":
+                    prefetch()
+    return found, checked
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_uses_that_do_not_wait_find_their_slots_untouched(monkeypatch, seed):
+    """What the stream rule rests on: no use that does not wait finds its slots touched since its
+    ticket was made (_touches_of_unwaited_uses)."""
+    found, checked = _touches_of_unwaited_uses(monkeypatch, seed)
+    assert checked[0] > 0 and checked[1] > 0
+    assert found == [], found[:5]
+
+
+def test_unwaited_uses_are_caught_when_held_slots_are_not_protected(monkeypatch):
+    """The check above can fail: with no slot protected for the batches in flight (their holds
+    ignored by the victim choice), loads and evictions take their slots."""
+    from tbegen import cache as cache_
+
+    monkeypatch.setattr(cache_.RowCache, "_held_mask", lambda self: None)
+    found, _ = _touches_of_unwaited_uses(monkeypatch, 0)
+    assert {use for _, use, _ in found} == {"forward", "backward"}
 
 # ---- TorchRec -----------------------------------------------------------------------------------
 
