@@ -102,20 +102,25 @@ def test_device_path_and_its_warning_read_nothing_on_the_host(dtype):
 @pytest.mark.cuda
 @pytest.mark.parametrize("mode", [BoundsCheckMode.WARNING, BoundsCheckMode.IGNORE])
 def test_cuda_bounds_check_waits_for_nothing_and_matches_the_cpu(mode):
+    """Each forward waits for nothing (sync debug mode 'error') and matches the CPU's; WARNING
+    warns once, from a later call (the next forward, once the GPU has copied the first batch's
+    finding: the .cpu() below waits for it) or the final poll, IGNORE never."""
     cpu, gpu = _compat(mode), _compat(mode, "cuda")
     gpu.load_state_dict({k: v.cuda() for k, v in cpu.state_dict().items()})
     torch.cuda.synchronize()
-    for seed in range(4):
-        idx, offsets = _batch(seed)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            want = cpu(idx, offsets)
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            got = gpu(idx.cuda(), offsets.cuda())
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-        torch.testing.assert_close(got.cpu(), want, rtol=1e-6, atol=1e-6)
-    if mode == BoundsCheckMode.WARNING:
-        with pytest.warns(UserWarning, match="out of range"):
-            gpu._poll_bounds_warning(wait=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for seed in range(4):
+            idx, offsets = _batch(seed)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                want = cpu(idx, offsets)
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                got = gpu(idx.cuda(), offsets.cuda())
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+            torch.testing.assert_close(got.cpu(), want, rtol=1e-6, atol=1e-6)
+        gpu._poll_bounds_warning(wait=True)
+    warned = [w for w in caught if "out of range" in str(w.message)]
+    assert len(warned) == (1 if mode == BoundsCheckMode.WARNING else 0), [str(w.message) for w in caught]
