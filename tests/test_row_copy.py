@@ -132,6 +132,20 @@ def test_cuda_copy_rows_matches_indexing(dtype, width, max_blocks):
 
 
 @cuda
+def test_cuda_copy_rows_skips_rows_outside_the_tensors():
+    """A row number outside its tensor is skipped on the device (nothing read or written out of
+    bounds, the other rows copied)."""
+    ops = _ops()
+    src = torch.arange(40, dtype=torch.float32, device="cuda").reshape(10, 4)
+    dst = torch.full((6, 4), -1.0, device="cuda")
+    ops._copy_rows(dst, torch.tensor([0, 6, 2, -1, 5], device="cuda"), src,
+                   torch.tensor([9, 1, 10, 3, -2], device="cuda"), 1)
+    want = torch.full((6, 4), -1.0)
+    want[0] = torch.arange(36, 40, dtype=torch.float32)  # (row 9; the others' dst or src is outside)
+    assert torch.equal(dst.cpu(), want)
+
+
+@cuda
 def test_cuda_copy_rows_refuses_bad_arguments():
     ops = _ops()
     a = torch.zeros(10, 4, device="cuda")

@@ -31,35 +31,40 @@ constexpr int kWarpsPerBlock = kThreads / 32;
 constexpr int kRowsAtOnce = 4;  // rows a warp has in flight at once (their loads issued together)
 
 // Row i of the copy: dst row dst_rows[i] (or i) <- src row src_rows[i] (or i); rows of `vecs`
-// elements of type V, `dst_stride` / `src_stride` elements apart. A warp copies kRowsAtOnce rows at
-// a time, lane j taking elements j, j + 32, ... of each: every load of the group is issued before
-// the first store, so a warp waits on one round trip over the link per group, not one per row.
+// elements of type V, `dst_stride` / `src_stride` elements apart, `dst_count` / `src_count` rows
+// in all. A warp copies kRowsAtOnce rows at a time, lane j taking elements j, j + 32, ... of each:
+// every load of the group is issued before the first store, so a warp waits on one round trip
+// over the link per group, not one per row. A row number outside its tensor is skipped (nothing
+// is read or written out of bounds; the cache's own row numbers never are).
 template <typename V>
 __global__ void copy_rows_kernel(V* __restrict__ dst, const int64_t* __restrict__ dst_rows, int64_t dst_stride,
-                                 const V* __restrict__ src, const int64_t* __restrict__ src_rows, int64_t src_stride,
-                                 int64_t n, int64_t vecs) {
+                                 int64_t dst_count, const V* __restrict__ src, const int64_t* __restrict__ src_rows,
+                                 int64_t src_stride, int64_t src_count, int64_t n, int64_t vecs) {
   const int lane = threadIdx.x & 31;
   const int64_t warp = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
   const int64_t warps = (static_cast<int64_t>(gridDim.x) * blockDim.x) >> 5;
   for (int64_t first = warp * kRowsAtOnce; first < n; first += warps * kRowsAtOnce) {
-    const int rows = static_cast<int>(n - first < kRowsAtOnce ? n - first : kRowsAtOnce);
     const V* from[kRowsAtOnce];
     V* to[kRowsAtOnce];
+    unsigned ok = 0;  // (bit r: row first + r is copied)
 #pragma unroll
     for (int r = 0; r < kRowsAtOnce; ++r) {
-      const int64_t i = first + (r < rows ? r : 0);
-      from[r] = src + (src_rows != nullptr ? src_rows[i] : i) * src_stride;
-      to[r] = dst + (dst_rows != nullptr ? dst_rows[i] : i) * dst_stride;
+      const int64_t i = first + r < n ? first + r : first;
+      const int64_t s = src_rows != nullptr ? src_rows[i] : i;
+      const int64_t d = dst_rows != nullptr ? dst_rows[i] : i;
+      if (first + r < n && s >= 0 && s < src_count && d >= 0 && d < dst_count) ok |= 1u << r;
+      from[r] = src + s * src_stride;
+      to[r] = dst + d * dst_stride;
     }
     for (int64_t j = lane; j < vecs; j += 32) {
       V v[kRowsAtOnce];
 #pragma unroll
       for (int r = 0; r < kRowsAtOnce; ++r) {
-        if (r < rows) v[r] = from[r][j];
+        if ((ok >> r) & 1u) v[r] = from[r][j];
       }
 #pragma unroll
       for (int r = 0; r < kRowsAtOnce; ++r) {
-        if (r < rows) to[r][j] = v[r];
+        if ((ok >> r) & 1u) to[r][j] = v[r];
       }
     }
   }
@@ -89,9 +94,10 @@ inline void check_rows(const c10::optional<at::Tensor>& rows, const char* name, 
 
 // dst[dst_rows[i]] = src[src_rows[i]] for every i (a missing index tensor: i itself), bit for bit,
 // with at most `max_blocks` blocks (0: as many as the rows need) on the current stream. Row
-// numbers are the caller's (tbegen/cache.py computes them from its own tables): they are not
-// checked against the tensors, no more than an index the cache makes is. dst and src may be the
-// same tensor; the rows written must not be rows read.
+// numbers are the caller's (tbegen/cache.py computes them from its own tables): checking them on
+// the host would wait for the device, so the kernel skips one outside its tensor instead (no
+// error is raised for it). dst and src may be the same tensor; the rows written must not be
+// rows read.
 inline void copy_rows(const at::Tensor& dst, const c10::optional<at::Tensor>& dst_rows, const at::Tensor& src,
                       const c10::optional<at::Tensor>& src_rows, int64_t max_blocks) {
   TBEGEN_CHECK(dst.is_cuda() && src.is_cuda() && dst.device() == src.device(), "tbegen: _copy_rows: dst and src must be on "
@@ -127,8 +133,8 @@ inline void copy_rows(const at::Tensor& dst, const c10::optional<at::Tensor>& ds
   auto launch = [&](auto zero) {
     using V = decltype(zero);
     copy_rows_kernel<V><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
-        reinterpret_cast<V*>(d), dr, dst_stride_bytes / unit, reinterpret_cast<const V*>(s), sr,
-        src_stride_bytes / unit, n, vecs);
+        reinterpret_cast<V*>(d), dr, dst_stride_bytes / unit, dst.size(0), reinterpret_cast<const V*>(s), sr,
+        src_stride_bytes / unit, src.size(0), n, vecs);
   };
   switch (unit) {
     case 16: launch(uint4{}); break;

@@ -29,8 +29,9 @@
 //       itself), on the current stream with at most max_blocks blocks (0: no bound); dst and src
 //       2-D with contiguous rows of the same byte width, on one CUDA device, possibly the same
 //       tensor (the rows written must not be rows read). For the row cache (tbegen/cache.py),
-//       whose own tables give the row numbers: they are not checked against the tensors. A
-//       bounded grid lets two copies run at once on two streams (row_copy_cuda.cuh says why).
+//       whose own tables give the row numbers: a row number outside its tensor is skipped on the
+//       device, without an error. A bounded grid lets two copies run at once on two streams
+//       (row_copy_cuda.cuh says why).
 #pragma once
 
 namespace torch {
