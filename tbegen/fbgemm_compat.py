@@ -1338,7 +1338,7 @@ class SplitTableBatchedEmbeddingBagsCodegen(nn.Module):
             if batch_size_per_feature_per_rank is not None:
                 if self._tbe._cache is not None:  # (as the module's prefetch: a kept plan may be the
                     # last forward's, on its stream, and the padding reads it)
-                    self._tbe._cache_order.enter(self._tbe.weights.device)
+                    self._tbe._cache_order.enter(self._tbe.weights.device, lookup=True)
                 bags = self._tbe.vbe_padded_offsets(offsets, batch_size_per_feature_per_rank)
             indices = self._zero_out_of_range(indices, bags)
         self._tbe.prefetch(indices, offsets, forward_stream=forward_stream,

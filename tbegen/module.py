@@ -415,26 +415,29 @@ class _Lookup(torch.autograd.Function):
 
 class _CacheStreams:
     """How the uses of the row cache are ordered on CUDA when they run on more than one stream
-    (docs/placements.md, "Prefetching on another stream"), without the host waiting. Two kinds
+    (docs/placements.md, "Prefetching on another stream"), without the host waiting. Three kinds
     of use:
-    - a lookup or any other use of the cache's bookkeeping (which row is in which slot: a
-      forward's own lookup, a prefetch, a backward's second lookup, flush, drop, the
-      statistics) first waits, on the device, for the latest use on every other stream
-      (`enter`);
-    - the kernels of a batch whose ticket is valid touch only the batch's own slots, which no
-      lookup evicts while the batch holds them: its forward waits only for the prefetch that
-      made its ticket (`wait_for`), its backward for nothing on another stream (`enter` with
-      wait=False). So the prefetch of the next batch, issued on a side stream after this batch's
-      forward (TorchRec's prefetch pipeline), runs while this batch's backward does.
-    `leave` records the end of a use on the current stream: an event, once a second stream has
-    been seen (before that, the first use on another stream waits for all the first stream had
-    queued: wait_stream, as for a use that has not left yet). On the CPU: nothing. A copy of the
-    module starts with none (streams and events are not copied)."""
+    - a *lookup* (a prefetch, a forward's own lookup) reads and changes which row is in which
+      slot but leaves the slots of held batches alone (`RowCache.hold`);
+    - a *settling* use touches any slot or dirty flag: a backward (its batch's slots), flush,
+      drop, the statistics;
+    - the kernels of a forward given a prefetched batch read only that batch's held slots.
+    Every lookup and settling use first waits, on the device, for the latest use on every other
+    stream (`enter`), except a backward whose ticket is valid: it waits only for the latest
+    settling use on every other stream (`enter(..., wait="settling")`), since lookups leave its
+    held slots alone; so the prefetch of batch i + 1, issued on a side stream after the forward
+    of batch i (TorchRec's prefetch pipeline), runs beside the backward of batch i. A forward
+    given a prefetched batch waits only for that prefetch (`wait_for`). `leave` records the end
+    of a use on the current stream: an event, once a second stream has been seen (before that,
+    or for a use that has not left, a later use on another stream waits for all that stream had
+    queued: wait_stream). On the CPU: nothing. A copy of the module starts with none (streams
+    and events are not copied)."""
 
-    __slots__ = ("last", "several")
+    __slots__ = ("last", "settling", "several")
 
     def __init__(self) -> None:
         self.last: Dict[Any, Any] = {}  # stream -> the event after its latest use (None: wait for the stream)
+        self.settling: Dict[Any, Any] = {}  # stream -> the event after its latest settling use (likewise)
         self.several = False  # (events are recorded only once a second stream has been seen)
 
     def __deepcopy__(self, memo) -> "_CacheStreams":
@@ -450,15 +453,21 @@ class _CacheStreams:
             current.wait_stream(stream)
         self.several = True
 
-    def enter(self, device: torch.device, wait: bool = True) -> None:
+    def enter(self, device: torch.device, wait=True, lookup: bool = False) -> None:
+        """Before a use on the current stream: wait=True waits for every other stream's latest
+        use, wait="settling" for its latest settling use only, wait=False for nothing; `lookup`:
+        the use leaves held slots alone (else it is a settling use)."""
         if device.type != "cuda":
             return
         current = torch.cuda.current_stream(device)
         if wait:
-            for stream, event in self.last.items():
+            for stream, event in (self.last if wait is True else self.settling).items():
                 if stream != current:
                     self._wait(current, stream, event)
-        self.last[current] = None  # (a use begins here: until its `leave`, no event marks its end)
+        # (a use begins here: until its `leave`, no event marks its end)
+        self.last[current] = None
+        if not lookup:
+            self.settling[current] = None
 
     def wait_for(self, point, device: torch.device) -> None:
         """The current stream waits for one earlier use (`point`, what its `leave` returned)."""
@@ -470,9 +479,9 @@ class _CacheStreams:
             self._wait(current, stream, event)
         self.last[current] = None
 
-    def leave(self, device: torch.device):
-        """Marks the end of a use of the cache on the current stream; returns (stream, event)
-        for `wait_for` (None on the CPU)."""
+    def leave(self, device: torch.device, lookup: bool = False):
+        """Marks the end of a use of the cache on the current stream (`lookup` as for `enter`);
+        returns (stream, event) for `wait_for` (None on the CPU)."""
         if device.type != "cuda":
             return None
         current = torch.cuda.current_stream(device)
@@ -481,6 +490,8 @@ class _CacheStreams:
             event = torch.cuda.Event()
             event.record(current)
         self.last[current] = event
+        if not lookup:
+            self.settling[current] = event
         return current, event
 
 
@@ -845,8 +856,11 @@ class TableBatchedEmbeddingBags(nn.Module):
         raise RuntimeError(f"tbegen: indices[{i}] = {value} is out of range for feature {feature}, whose table "
                            f"(table {table}, placement 'managed_caching') has {rows} rows (nothing was updated)")
 
-    def _prepare(self, indices: torch.Tensor, offsets: torch.Tensor) -> cache_.Ticket:
-        self._cache_order.enter(self._registered("weights").device)
+    def _prepare(self, indices: torch.Tensor, offsets: torch.Tensor, lookup: bool = True) -> cache_.Ticket:
+        """The cache's lookup of a batch (RowCache.prepare), after the cache's latest use on every
+        other stream (`lookup`: this use leaves held slots alone; a backward's second lookup is
+        part of a settling use)."""
+        self._cache_order.enter(self._registered("weights").device, lookup=lookup)
         if self._cache.needs_int64 and indices.dtype != torch.int64:
             indices, offsets = indices.to(torch.int64), offsets.to(torch.int64)
         batch = (offsets.numel() - 1) // self.layout.num_features
@@ -885,9 +899,9 @@ class TableBatchedEmbeddingBags(nn.Module):
         prefetch of a later batch on a side stream runs beside this backward; _CacheStreams.)"""
         valid = self._cache.valid(ticket)
         self._cache.release(ticket)
-        self._cache_order.enter(ticket.slots.device, wait=not valid or bool(ticket.bypass))
+        self._cache_order.enter(ticket.slots.device, wait=True if not valid or ticket.bypass else "settling")
         if not valid:
-            ticket = self._prepare(ticket.original, ticket.offsets)
+            ticket = self._prepare(ticket.original, ticket.offsets, lookup=False)
         if ticket.bypass:  # (a prefetch since may have cached some of their rows)
             self._cache.drop(self._cache_buffers(), ticket.bypass)
         self._cache.mark_dirty(ticket.slots)
@@ -932,16 +946,22 @@ class TableBatchedEmbeddingBags(nn.Module):
             if self._cache is not None:
                 # (first the wait for the cache's last user on another stream, as _prepare's: a kept
                 # plan may be that forward's, made on its stream, and the padding reads it)
-                self._cache_order.enter(self._registered("weights").device)
+                self._cache_order.enter(self._registered("weights").device, lookup=True)
             plan = self._vbe_plan(batch_size_per_feature_per_rank)  # (a bad size: named)
             offsets = self._vbe_pad(offsets, plan)  # (as the VBE forward pads them)
             sizes = plan["sizes"]
+            if plan["device"].type == "cuda" and "ready" not in plan:
+                # (a plan made here, on this stream: the forward that uses it on another stream
+                # waits for this point first, _forward_vbe)
+                event = torch.cuda.Event()
+                event.record()
+                plan["ready"] = (torch.cuda.current_stream(plan["device"]), event)
         checked_indices, checked_offsets, _ = self._check_input(indices, offsets, None)
         if self._cache is None:
             return
         ticket = self._prepare(checked_indices, checked_offsets)
         self._cache.hold(ticket)  # (its rows stay until its backward, or until held too long)
-        point = self._cache_order.leave(self._registered("weights").device)  # ((stream, event): the forward waits for it)
+        point = self._cache_order.leave(self._registered("weights").device, lookup=True)  # (the forward waits for it)
         if forward_stream is not None and point is not None and forward_stream != point[0]:
             _record_ticket(ticket, forward_stream)
         self._prefetched.append((indices, given_offsets, indices._version, given_offsets._version, sizes, point,
@@ -952,17 +972,21 @@ class TableBatchedEmbeddingBags(nn.Module):
         """Writes the cached rows that the backward has changed (and their states) back to their
         tables' managed memory; they stay cached. Does nothing without cached tables."""
         if self._cache is not None:
-            self._cache_order.enter(self._registered("weights").device)
+            device = self._registered("weights").device
+            self._cache_order.enter(device)
             self._cache.flush(self._cache_buffers())
+            self._cache_order.leave(device)
 
     def drop_cache(self) -> None:
         """Empties the caches WITHOUT writing their changed rows back: for when the tables' rows
         are about to be replaced through their views (TorchRec purges before it loads a
         state_dict). Does nothing without cached tables."""
         if self._cache is not None:
-            self._cache_order.enter(self._registered("weights").device)
+            device = self._registered("weights").device
+            self._cache_order.enter(device)
             self._cache.invalidate()
             self._prefetched.clear()
+            self._cache_order.leave(device)
 
     def _flush_and_empty(self) -> None:
         """Before the tables' memory is handed out (views, or a move): flushed, then emptied, so
@@ -984,8 +1008,11 @@ class TableBatchedEmbeddingBags(nn.Module):
         without cached tables."""
         if self._cache is None:
             return {}
-        self._cache_order.enter(self._registered("weights").device)
-        return self._cache.report()
+        device = self._registered("weights").device
+        self._cache_order.enter(device)
+        report = self._cache.report()
+        self._cache_order.leave(device)
+        return report
 
     def reset_cache_stats(self) -> None:
         if self._cache is not None:
@@ -1369,8 +1396,8 @@ class TableBatchedEmbeddingBags(nn.Module):
                 self.__dict__["_anchor"] = first
         out = _Lookup.apply(self, first, indices if ticket is None else ticket.indices, offsets, per_sample_weights,
                             ticket, bag_out, out_numel)
-        if ticket is not None:
-            self._cache_order.leave(weights.device)
+        if ticket is not None:  # (the forward reads only its batch's slots: a lookup's kind of use)
+            self._cache_order.leave(weights.device, lookup=True)
         # A narrow output: the float32 sums rounded to nearest (autograd widens the gradient back).
         return out if self.output_dtype == torch.float32 else out.to(self.output_dtype)
 
@@ -1600,6 +1627,9 @@ class TableBatchedEmbeddingBags(nn.Module):
                     plan = None
         if plan is None:
             plan = self._vbe_plan_eager(bsfr)
+        ready = plan.get("ready")  # (a plan a prefetch made on its stream: see prefetch)
+        if ready is not None and torch.cuda.current_stream(ready[0].device) != ready[0]:
+            torch.cuda.current_stream(ready[0].device).wait_event(ready[1])
         if type(offsets) is torch.Tensor and offsets.shape == plan["offsets_shape"] and offsets.device == plan["device"]:
             padded = offsets.index_select(0, plan["pad"])
         else:  # (a kept plan of another device, or offsets that do not fit: the checked way)

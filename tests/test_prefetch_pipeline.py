@@ -203,19 +203,24 @@ def test_cache_stream_rule_on_fake_streams(monkeypatch):
     cuda = torch.device("cuda", 0)
     order = _CacheStreams()
 
-    def lookup(stream, leave=True):  # (a forward's own lookup, a prefetch, flush, ...)
+    def lookup(stream, leave=True):  # (a forward's own lookup, a prefetch)
+        current["s"] = stream
+        order.enter(cuda, lookup=True)
+        return order.leave(cuda, lookup=True) if leave else None
+
+    def settle(stream):  # (flush, drop, the statistics)
         current["s"] = stream
         order.enter(cuda)
-        return order.leave(cuda) if leave else None
+        return order.leave(cuda)
 
     def forward(point):  # (a forward given a prefetched batch)
         current["s"] = D
         order.wait_for(point, cuda)
-        return order.leave(cuda)
+        return order.leave(cuda, lookup=True)
 
     def backward():  # (a valid ticket's backward)
         current["s"] = D
-        order.enter(cuda, wait=False)
+        order.enter(cuda, wait="settling")
         return order.leave(cuda)
 
     lookup(D)  # forward of batch 0, looking its batch up itself
@@ -236,12 +241,23 @@ def test_cache_stream_rule_on_fake_streams(monkeypatch):
     lookup(S)  # the next prefetch waits for the backward and forward before it (D's latest use)
     assert log == [("S", "waits for event", "e4"), ("S", "records", "e5")]
     del log[:]
+    # a flush on a third stream between a forward and its backward: the backward waits for it
+    # (a settling use), though not for the prefetch queued after it on S
+    X = _FakeStream("X", log)
+    settle(X)
+    lookup(S)
+    backward()
+    assert log == [("X", "waits for event", "e4"), ("X", "waits for event", "e5"), ("X", "records", "e6"),
+                   ("S", "waits for event", "e4"), ("S", "waits for event", "e6"), ("S", "records", "e7"),
+                   ("D", "waits for event", "e6"), ("D", "records", "e8")]
+    del log[:]
     lookup(S, leave=False)  # a use without an end recorded (torch.compile's forward): waited for as a stream
     lookup(D)
-    assert log == [("S", "waits for event", "e4"), ("D", "waits for stream", "S"), ("D", "records", "e6")]
+    assert log == [("S", "waits for event", "e8"), ("S", "waits for event", "e6"),
+                   ("D", "waits for stream", "S"), ("D", "waits for event", "e6"), ("D", "records", "e9")]
     # nothing on the CPU, and a copy of a module starts with no use recorded
     order.enter(torch.device("cpu"))
-    assert order.leave(torch.device("cpu")) is None and set(order.last) == {D, S}
+    assert order.leave(torch.device("cpu")) is None and set(order.last) == {D, S, X}
     import copy
     import pickle
 
@@ -255,32 +271,25 @@ def test_every_use_of_the_cache_is_ordered():
     looks its batch up again; flush, drop_cache and cache_stats enter."""
     calls = []
 
-    class Recorder:
-        def enter(self, device, wait=True):
-            calls.append("enter" if wait else "begin")
-
-        def wait_for(self, point, device):
-            calls.append("wait_for")
-
-        def leave(self, device):
-            calls.append("leave")
-            return None
+    class Recorder(_OrderRecorder):
+        def __init__(self):
+            super().__init__(calls)
 
     emb = _module()
     emb._cache_order = Recorder()
     idx, offsets = torch.tensor([1, 2, 3, 4]), torch.tensor([0, 1, 2, 3, 4])
     emb.prefetch(idx, offsets)
-    assert calls == ["enter", "leave"]
+    assert calls == ["enter lookup", "leave lookup"]
     del calls[:]
     out = emb(idx, offsets)  # (takes the prefetched batch)
-    assert calls == ["leave"]  # (on the CPU the prefetch recorded no point to wait for)
+    assert calls == ["leave lookup"]  # (on the CPU the prefetch recorded no point to wait for)
     emb._prefetched.clear()
     del calls[:]
     out.sum().backward()
-    assert calls == ["begin", "leave"]
+    assert calls == ["enter after settling uses", "leave"]
     del calls[:]
     out = emb(idx, offsets)  # (looks its batch up itself)
-    assert calls == ["enter", "leave"]
+    assert calls == ["enter lookup", "leave lookup"]
     del calls[:]
     emb._cache._release_all()  # (its rows no longer held: its ticket lasts only until the next load)
     emb(torch.tensor([100, 25, 140, 110]), offsets)
@@ -291,7 +300,7 @@ def test_every_use_of_the_cache_is_ordered():
     emb.flush()
     emb.cache_stats()
     emb.drop_cache()
-    assert calls == ["enter"] * 3
+    assert calls == ["enter", "leave"] * 3
 
 
 def test_fbgemm_class_passes_stream_and_vbe_sizes_through(monkeypatch):
@@ -326,14 +335,15 @@ class _OrderRecorder:
     def __init__(self, calls):
         self.calls = calls
 
-    def enter(self, device, wait=True):
-        self.calls.append("enter" if wait else "begin")
+    def enter(self, device, wait=True, lookup=False):
+        self.calls.append({True: "enter", "settling": "enter after settling uses", False: "begin"}[wait]
+                          + (" lookup" if lookup else ""))
 
     def wait_for(self, point, device):
         self.calls.append("wait_for")
 
-    def leave(self, device):
-        self.calls.append("leave")
+    def leave(self, device, lookup=False):
+        self.calls.append("leave lookup" if lookup else "leave")
         return None
 
 
@@ -363,7 +373,7 @@ def test_vbe_prefetch_waits_before_its_padding_reads_a_kept_plan(monkeypatch):
         if module is compat._tbe:
             monkeypatch.setattr(module, "prefetch", lambda *a, calls=calls, **k: calls.append("prefetch"))
         prefetch(idx, offsets, batch_size_per_feature_per_rank=sizes)
-        assert "pad" in calls and calls.index("enter") < calls.index("pad"), calls
+        assert "pad" in calls and calls.index("enter lookup") < calls.index("pad"), calls
 
 
 
