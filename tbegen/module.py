@@ -1573,7 +1573,19 @@ class TableBatchedEmbeddingBags(nn.Module):
     def vbe_padded_offsets(self, offsets: torch.Tensor, batch_size_per_feature_per_rank) -> torch.Tensor:
         """The offsets of a VBE batch (per feature, per rank, per sample) as those of the fixed
         batch F x max_B in which every feature's missing bags are empty (feature-major)."""
-        return self._vbe_pad(offsets, self._vbe_plan(batch_size_per_feature_per_rank))
+        plan = self._vbe_plan(batch_size_per_feature_per_rank)
+        if "ready" in plan:
+            self._vbe_plan_ready(plan)
+        return self._vbe_pad(offsets, plan)
+
+    @staticmethod
+    def _vbe_plan_ready(plan: Dict[str, Any]) -> None:
+        """A plan that a prefetch made on its stream (prefetch records plan["ready"]): the current
+        stream, if another, waits for that point before it reads the plan (no host wait)."""
+        stream, event = plan["ready"]
+        current = torch.cuda.current_stream(stream.device)
+        if current != stream:
+            current.wait_event(event)
 
     @staticmethod
     def _vbe_pad(offsets: torch.Tensor, plan: Dict[str, Any]) -> torch.Tensor:
@@ -1627,9 +1639,8 @@ class TableBatchedEmbeddingBags(nn.Module):
                     plan = None
         if plan is None:
             plan = self._vbe_plan_eager(bsfr)
-        ready = plan.get("ready")  # (a plan a prefetch made on its stream: see prefetch)
-        if ready is not None and torch.cuda.current_stream(ready[0].device) != ready[0]:
-            torch.cuda.current_stream(ready[0].device).wait_event(ready[1])
+        if "ready" in plan:  # (a plan a prefetch made on its stream)
+            self._vbe_plan_ready(plan)
         if type(offsets) is torch.Tensor and offsets.shape == plan["offsets_shape"] and offsets.device == plan["device"]:
             padded = offsets.index_select(0, plan["pad"])
         else:  # (a kept plan of another device, or offsets that do not fit: the checked way)

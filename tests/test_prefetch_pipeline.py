@@ -903,3 +903,36 @@ def test_cuda_side_stream_prefetch_adds_no_host_wait():
                 torch.cuda.set_sync_debug_mode("default")
         counts.append(sum("synchroniz" in str(w.message) for w in caught))
     assert counts[1] <= counts[0], counts
+
+
+def test_a_plan_made_by_a_prefetch_is_waited_for_on_another_stream(monkeypatch):
+    """A VBE plan that a prefetch made on its stream (plan["ready"]): the forward, or FBGEMM's
+    padding, on another stream waits for that point before reading the plan; on the same stream
+    it does not (stand-in streams and event)."""
+    log = []
+    S, D = _FakeStream("S", log), _FakeStream("D", log)
+    current = {"s": D}
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current["s"])
+    S.device = torch.device("cuda", 0)
+
+    class Event:
+        name = "e0"
+
+    plan = {"ready": (S, Event())}
+    TableBatchedEmbeddingBags._vbe_plan_ready(plan)
+    assert log == [("D", "waits for event", "e0")]
+    current["s"] = S
+    TableBatchedEmbeddingBags._vbe_plan_ready(plan)
+    assert log == [("D", "waits for event", "e0")]
+    # where the module calls it: the VBE forward and vbe_padded_offsets
+    emb = _module()
+    idx, offsets, sizes, grad = _vbe_batches(1, seed=7)[0]
+    waited = []
+    monkeypatch.setattr(TableBatchedEmbeddingBags, "_vbe_plan_ready", staticmethod(lambda p: waited.append(p)))
+    emb(idx, offsets, batch_size_per_feature_per_rank=sizes)  # (a plan made by the forward: no mark)
+    assert waited == []
+    plan = next(iter(emb._vbe_plans.values()))
+    plan["ready"] = (S, Event())  # (as a prefetch on CUDA marks it)
+    emb(idx, offsets, batch_size_per_feature_per_rank=sizes)
+    emb.vbe_padded_offsets(offsets, sizes)
+    assert waited == [plan, plan]
