@@ -584,6 +584,16 @@ class TbegenPooledEmbeddingsLookup(GroupedPooledEmbeddingsLookup):
         _placements(config)  # refuses another kernel before anything is built
         return TbegenEmbeddingBag(config=config, pg=pg, device=device, sharding_type=sharding_type)
 
+    def _forward_with_vbe_merging(self, features_by_group, device):
+        """A variable batch (VBE) over several kernels: TorchRec preallocates one 1-D output and has
+        FBGEMM's kernels write their parts into it (vbe_output, vbe_output_offsets); tbegen's
+        kernels return their own rank-major 1-D output, which TorchRec's split-and-concatenate
+        merge (its path for devices without the preallocated output) lays out the same way, rank
+        by rank, kernel by kernel, feature by feature. (TorchRec versions without this method
+        merge their own way and never call it.)"""
+        return self._merge_variable_batch_embeddings(self._forward(features_by_group),
+                                                     self._vbe_splits(features_by_group))
+
     def prefetch(self, sparse_features, forward_stream=None) -> None:
         """TorchRec's prefetch of a batch (its prefetch pipelines call it on their prefetch stream,
         with the forward's stream as `forward_stream`): each group with FUSED_UVM_CACHING tables
