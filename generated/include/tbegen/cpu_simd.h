@@ -368,6 +368,43 @@ inline void sum_rows(int64_t n, int64_t D, const Rows& rows, const Weight& weigh
   }
 }
 
+// out[0, D) = 0 + r0[0, D) and (0 + r0[0, D)) + r1[0, D), D a multiple of 4: the unweighted
+// sums of one and of two float rows that sum_rows computes (from 0, in order, then * 1: the
+// same bits, 0 + -0 being +0), inline, without sum_rows' call and chunk dispatch (the backward's
+// runs of one or two occurrences: most runs of a uniform batch).
+TBEGEN_INLINE_LAMBDA inline void sum_of_one(const float* r0, int64_t D, float* out) {
+  int64_t d = 0;
+  for (; d + 16 <= D; d += 16) {
+    Vec<16> x;
+    TBEGEN_VLOAD(x, r0 + d);
+    x = Vec<16>{} + x;
+    TBEGEN_VSTORE(out + d, x);
+  }
+  for (; d < D; d += 4) {
+    Vec<4> x;
+    TBEGEN_VLOAD(x, r0 + d);
+    x = Vec<4>{} + x;
+    TBEGEN_VSTORE(out + d, x);
+  }
+}
+TBEGEN_INLINE_LAMBDA inline void sum_of_two(const float* r0, const float* r1, int64_t D, float* out) {
+  int64_t d = 0;
+  for (; d + 16 <= D; d += 16) {
+    Vec<16> x, y;
+    TBEGEN_VLOAD(x, r0 + d);
+    TBEGEN_VLOAD(y, r1 + d);
+    x = (Vec<16>{} + x) + y;
+    TBEGEN_VSTORE(out + d, x);
+  }
+  for (; d < D; d += 4) {
+    Vec<4> x, y;
+    TBEGEN_VLOAD(x, r0 + d);
+    TBEGEN_VLOAD(y, r1 + d);
+    x = (Vec<4>{} + x) + y;
+    TBEGEN_VSTORE(out + d, x);
+  }
+}
+
 #undef TBEGEN_VLOAD
 #undef TBEGEN_VSTORE
 #else
@@ -385,6 +422,12 @@ inline void from_floats_nearest(const float* p, int64_t D, T* out) {
 template <typename T, class Rest>
 inline void from_floats_stochastic(const float*, int64_t D, uint32_t, T*, const Rest& rest) {
   if (D > 0) rest(0);
+}
+inline void sum_of_one(const float* r0, int64_t D, float* out) {
+  for (int64_t d = 0; d < D; ++d) out[d] = 0.0f + r0[d];
+}
+inline void sum_of_two(const float* r0, const float* r1, int64_t D, float* out) {
+  for (int64_t d = 0; d < D; ++d) out[d] = (0.0f + r0[d]) + r1[d];
 }
 template <bool kWeighted, class Rows, class Weight, class Before>
 inline void sum_rows(int64_t n, int64_t D, const Rows& rows, const Weight& weight, const Before& before,
