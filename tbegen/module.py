@@ -1581,11 +1581,16 @@ class TableBatchedEmbeddingBags(nn.Module):
     @staticmethod
     def _vbe_plan_ready(plan: Dict[str, Any]) -> None:
         """A plan that a prefetch made on its stream (prefetch records plan["ready"]): the current
-        stream, if another, waits for that point before it reads the plan (no host wait)."""
+        stream, if another, waits for that point before it reads the plan (no host wait), and the
+        plan's tensors are recorded as used by it (the caching allocator then does not hand their
+        memory out, once the plan is dropped, while this stream's kernels may still read them)."""
         stream, event = plan["ready"]
         current = torch.cuda.current_stream(stream.device)
         if current != stream:
             current.wait_event(event)
+            for key in ("pad", "bag_out"):
+                if plan.get(key) is not None:
+                    plan[key].record_stream(current)
 
     @staticmethod
     def _vbe_pad(offsets: torch.Tensor, plan: Dict[str, Any]) -> torch.Tensor:

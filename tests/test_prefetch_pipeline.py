@@ -918,12 +918,20 @@ def test_a_plan_made_by_a_prefetch_is_waited_for_on_another_stream(monkeypatch):
     class Event:
         name = "e0"
 
-    plan = {"ready": (S, Event())}
+    class Tensor:  # (records record_stream)
+        def __init__(self, name):
+            self.name = name
+
+        def record_stream(self, stream):
+            log.append((self.name, "recorded on", stream.name))
+
+    plan = {"ready": (S, Event()), "pad": Tensor("pad"), "bag_out": Tensor("bag_out")}
     TableBatchedEmbeddingBags._vbe_plan_ready(plan)
-    assert log == [("D", "waits for event", "e0")]
+    assert log == [("D", "waits for event", "e0"), ("pad", "recorded on", "D"), ("bag_out", "recorded on", "D")]
+    del log[:]
     current["s"] = S
     TableBatchedEmbeddingBags._vbe_plan_ready(plan)
-    assert log == [("D", "waits for event", "e0")]
+    assert log == []
     # where the module calls it: the VBE forward and vbe_padded_offsets
     emb = _module()
     idx, offsets, sizes, grad = _vbe_batches(1, seed=7)[0]
