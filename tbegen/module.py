@@ -21,6 +21,7 @@ at `layout.table_key_base[t]`). Where those buffers live is each table's placeme
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import inspect
 import itertools
@@ -469,15 +470,17 @@ class _CacheStreams:
         if not lookup:
             self.settling[current] = None
 
-    def wait_for(self, point, device: torch.device) -> None:
-        """The current stream waits for one earlier use (`point`, what its `leave` returned)."""
+    def wait_for(self, point, device: torch.device):
+        """The current stream waits for one earlier use (`point`, what its `leave` returned);
+        returns the current stream (None on the CPU)."""
         if device.type != "cuda" or point is None:
-            return
+            return None
         current = torch.cuda.current_stream(device)
         stream, event = point
         if stream != current:
             self._wait(current, stream, event)
         self.last[current] = None
+        return current
 
     def leave(self, device: torch.device, lookup: bool = False):
         """Marks the end of a use of the cache on the current stream (`lookup` as for `enter`);
@@ -709,7 +712,8 @@ class TableBatchedEmbeddingBags(nn.Module):
         self._cache: Optional[cache_.RowCache] = None
         self._full: Dict[str, torch.Tensor] = {}
         # prefetched batches, oldest first: (indices, offsets, their versions, VBE sizes or None,
-        # the stream the prefetch ran on or None, ticket); and the cache's last user (CUDA streams)
+        # the prefetch's end as _CacheStreams.leave returned it or None, ticket); and the order of
+        # the cache's uses across CUDA streams
         self._prefetched: List[Tuple[torch.Tensor, torch.Tensor, int, int, Any, Any, cache_.Ticket]] = []
         self._cache_order = _CacheStreams()
         if "managed_caching" in placements:
@@ -883,10 +887,8 @@ class TableBatchedEmbeddingBags(nn.Module):
                 if not (same and self._cache.valid(ticket)):
                     return None  # (the forward looks the batch up itself: _prepare)
                 if point is not None:
-                    stream = point[0]
-                    self._cache_order.wait_for(point, stream.device)
-                    current = torch.cuda.current_stream(stream.device)
-                    if current != stream:
+                    current = self._cache_order.wait_for(point, point[0].device)
+                    if current != point[0]:
                         _record_ticket(ticket, current)
                 return ticket
         return None
@@ -968,25 +970,30 @@ class TableBatchedEmbeddingBags(nn.Module):
                                  ticket))
         del self._prefetched[:-8]  # (prefetches never consumed by a forward are forgotten)
 
+    @contextlib.contextmanager
+    def _settling_use(self):
+        """A use of the cache that may touch any slot (flush, drop, the statistics), ordered after
+        the latest use on every other stream, its end recorded (_CacheStreams)."""
+        device = self._registered("weights").device
+        self._cache_order.enter(device)
+        yield
+        self._cache_order.leave(device)
+
     def flush(self) -> None:
         """Writes the cached rows that the backward has changed (and their states) back to their
         tables' managed memory; they stay cached. Does nothing without cached tables."""
         if self._cache is not None:
-            device = self._registered("weights").device
-            self._cache_order.enter(device)
-            self._cache.flush(self._cache_buffers())
-            self._cache_order.leave(device)
+            with self._settling_use():
+                self._cache.flush(self._cache_buffers())
 
     def drop_cache(self) -> None:
         """Empties the caches WITHOUT writing their changed rows back: for when the tables' rows
         are about to be replaced through their views (TorchRec purges before it loads a
         state_dict). Does nothing without cached tables."""
         if self._cache is not None:
-            device = self._registered("weights").device
-            self._cache_order.enter(device)
-            self._cache.invalidate()
-            self._prefetched.clear()
-            self._cache_order.leave(device)
+            with self._settling_use():
+                self._cache.invalidate()
+                self._prefetched.clear()
 
     def _flush_and_empty(self) -> None:
         """Before the tables' memory is handed out (views, or a move): flushed, then emptied, so
@@ -1008,11 +1015,8 @@ class TableBatchedEmbeddingBags(nn.Module):
         without cached tables."""
         if self._cache is None:
             return {}
-        device = self._registered("weights").device
-        self._cache_order.enter(device)
-        report = self._cache.report()
-        self._cache_order.leave(device)
-        return report
+        with self._settling_use():
+            return self._cache.report()
 
     def reset_cache_stats(self) -> None:
         if self._cache is not None:
