@@ -118,6 +118,20 @@ TBEGEN_INLINE_LAMBDA inline Vec<kLanes> load_floats(const T* p) {
   return x;
 }
 
+// `op` applied to the registers of type Reg that hold two vectors' lanes (a vector of kLanes
+// floats is sizeof(Vec) / sizeof(Reg) registers): the bits moved in and out with memcpy.
+template <typename Reg, int kLanes, typename Op>
+TBEGEN_INLINE_LAMBDA inline Vec<kLanes> in_registers(const Vec<kLanes>& x, const Vec<kLanes>& acc, Op op) {
+  constexpr int kRegs = int(sizeof(Vec<kLanes>) / sizeof(Reg));
+  Reg a[kRegs], b[kRegs], r[kRegs];
+  __builtin_memcpy(a, &x, sizeof(a));
+  __builtin_memcpy(b, &acc, sizeof(b));
+  for (int h = 0; h < kRegs; ++h) r[h] = op(a[h], b[h]);
+  Vec<kLanes> out;
+  __builtin_memcpy(&out, r, sizeof(out));
+  return out;
+}
+
 // acc + s * x with one rounding (a fused multiply-add), whatever the compiler would contract:
 // GCC fused `acc += s * x` for some vector widths and element types and not for others, so fp16
 // rows pooled with per-sample weights differed from float rows of the same values in the last bit.
@@ -125,43 +139,15 @@ template <int kLanes>
 TBEGEN_INLINE_LAMBDA inline Vec<kLanes> fma_lanes(float s, const Vec<kLanes>& x, const Vec<kLanes>& acc) {
 #if defined(__AVX512F__)
   if constexpr (kLanes == 16) {
-    __m512 a, b;
-    __builtin_memcpy(&a, &x, sizeof(a));
-    __builtin_memcpy(&b, &acc, sizeof(b));
-    const __m512 r = _mm512_fmadd_ps(_mm512_set1_ps(s), a, b);
-    Vec<kLanes> out;
-    __builtin_memcpy(&out, &r, sizeof(out));
-    return out;
+    return in_registers<__m512, kLanes>(x, acc, [s](__m512 a, __m512 b) { return _mm512_fmadd_ps(_mm512_set1_ps(s), a, b); });
   }
 #endif
 #if defined(__FMA__)
-#if !defined(__AVX512F__)
-  if constexpr (kLanes == 16) {  // two 8-float halves
-    __m256 a[2], b[2], r[2];
-    __builtin_memcpy(a, &x, sizeof(a));
-    __builtin_memcpy(b, &acc, sizeof(b));
-    for (int h = 0; h < 2; ++h) r[h] = _mm256_fmadd_ps(_mm256_set1_ps(s), a[h], b[h]);
-    Vec<kLanes> out;
-    __builtin_memcpy(&out, r, sizeof(out));
-    return out;
-  }
-#endif
-  if constexpr (kLanes == 8) {
-    __m256 a, b;
-    __builtin_memcpy(&a, &x, sizeof(a));
-    __builtin_memcpy(&b, &acc, sizeof(b));
-    const __m256 r = _mm256_fmadd_ps(_mm256_set1_ps(s), a, b);
-    Vec<kLanes> out;
-    __builtin_memcpy(&out, &r, sizeof(out));
-    return out;
+  if constexpr (kLanes == 16 || kLanes == 8) {  // (16 lanes without AVX-512: two 8-float halves;
+    // with it, the branch above has returned)
+    return in_registers<__m256, kLanes>(x, acc, [s](__m256 a, __m256 b) { return _mm256_fmadd_ps(_mm256_set1_ps(s), a, b); });
   } else if constexpr (kLanes == 4) {
-    __m128 a, b;
-    __builtin_memcpy(&a, &x, sizeof(a));
-    __builtin_memcpy(&b, &acc, sizeof(b));
-    const __m128 r = _mm_fmadd_ps(_mm_set1_ps(s), a, b);
-    Vec<kLanes> out;
-    __builtin_memcpy(&out, &r, sizeof(out));
-    return out;
+    return in_registers<__m128, kLanes>(x, acc, [s](__m128 a, __m128 b) { return _mm_fmadd_ps(_mm_set1_ps(s), a, b); });
   }
 #endif
   Vec<kLanes> out;
