@@ -48,6 +48,9 @@ CASES = {
     "mild": (16, 1_000_000, 128, 8, 512, 20, False),
     "skewed": (16, 1_000_000, 128, 8, 512, 20, True),
     "narrow-skewed": (32, 500_000, 32, 16, 256, 10, True),
+    # a production-sized rank's batch (TorchRec's table-wise sharding hands each rank every rank's
+    # bags): ~8 M lookups a step, so the kernels, not the host, are the step's time
+    "mild-large": (16, 1_000_000, 128, 8, 4096, 20, False),
 }
 SMALL = {
     "mild": (4, 1000, 16, 2, 16, 4, False),
