@@ -131,6 +131,17 @@ if [ -n "${SWEEP_AB_ENV:-}" ]; then
     || log "sweep A/B failed or timed out"
   cat /tmp/sweep_ab/sweep.md >> "$OUT/fbgemm.log" 2>/dev/null
 fi
+# the sweep's cells matching SWEEP_PROFILE_ONLY (a regex, e.g. the latency-bound "^(T=1|L=1|B=512) ")
+# with each system's kernels per step (sweep_gpu.py --profile): kernel time and launches against the
+# step's time, into fbgemm.log and fbgemm/sweep_profile.json
+if [ -n "${SWEEP_PROFILE_ONLY:-}" ]; then
+  echo "== sweep profile: cells matching '${SWEEP_PROFILE_ONLY}'" >> "$OUT/fbgemm.log"
+  PYTHONPATH=/tmp/fbg_site:$PYTHONPATH CUDA_MODULE_LOADING=LAZY timeout $(cap ${SWEEP_PROFILE_TIMEOUT:-60}) \
+    python3 benchmarks/sweep_gpu.py --only "$SWEEP_PROFILE_ONLY" --profile --out /tmp/sweep_prof >> "$OUT/fbgemm.log" 2>&1 \
+    || log "sweep profile failed or timed out"
+  cat /tmp/sweep_prof/sweep.md >> "$OUT/fbgemm.log" 2>/dev/null
+  cp /tmp/sweep_prof/sweep.json "$OUT/fbgemm/sweep_profile.json" 2>/dev/null
+fi
 # host time per forward and backward call on the latency-bound cells, both systems, and the CPU-side
 # operators of tbegen's backward (benchmarks/host_overhead.py), into fbgemm.log; HOST=1 runs it
 if [ "${HOST:-0}" = 1 ]; then

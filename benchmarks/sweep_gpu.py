@@ -173,6 +173,16 @@ def time_system(ref, emb, sets, grad, warmup, iters, torch):
     return ref.time_loop(fwd, bwd, len(sets), warmup, iters)
 
 
+def profile_system(ref, emb, sets, grad, torch) -> dict:
+    """Kernel time and launches per step (forward and backward), and the five longest kernels: in a
+    latency-bound cell, a step whose kernels add up to much less than its time waits for the host."""
+    rows = ref.profile_kernels(lambda i: emb(sets[i]["indices"], sets[i]["offsets"], per_sample_weights=sets[i]["psw"]),
+                               lambda out: out.backward(grad), len(sets))
+    return dict(us_per_step=sum(r["us_per_iter"] for r in rows),
+                launches_per_step=sum(r["calls_per_iter"] for r in rows),
+                top=[dict(name=r["name"][:120], us=round(r["us_per_iter"], 1), calls=r["calls_per_iter"]) for r in rows[:5]])
+
+
 # ---- the run ---------------------------------------------------------------------------------------
 
 
@@ -235,6 +245,8 @@ def run(args) -> int:
             for system in mods:
                 rs = rounds[system]
                 cell[system] = {k: statistics.median(r[k] for r in rs) for k in ("fwd_ms", "bwd_ms", "total_ms")}
+                if args.profile:
+                    cell[system]["kernels"] = profile_system(ref, mods[system], sets, grad, torch)
             del mods
             gc.collect()
             torch.cuda.empty_cache()
@@ -294,6 +306,16 @@ def markdown(summary: dict) -> str:
         lines.append(f"| {c['shape']} | {c['opt']} | {c['describe']} | {c['fbgemm']['bwd_ms']:.3f} / {c['tbegen']['bwd_ms']:.3f} "
                      f"| {c['bwd_speedup']:.2f}x | {c['fbgemm']['fwd_ms']:.3f} / {c['tbegen']['fwd_ms']:.3f} "
                      f"| {c['fwd_speedup']:.2f}x | {'' if share is None else f'{100 * share:.0f}%'} |")
+    profiled = [c for c in cells_ if "kernels" in c["fbgemm"] and "kernels" in c["tbegen"]]
+    if profiled:
+        lines += ["", "Kernels per step (torch.profiler, 3 steps; time of the CUDA kernels, not of the step):", "",
+                  "| shape | optimizer | step ms fbgemm / tbegen | kernel us fbgemm / tbegen | launches fbgemm / tbegen |",
+                  "|---|---|---|---|---|"]
+        for c in profiled:
+            f, t = c["fbgemm"], c["tbegen"]
+            lines.append(f"| {c['shape']} | {c['opt']} | {f['total_ms']:.3f} / {t['total_ms']:.3f} "
+                         f"| {f['kernels']['us_per_step']:.0f} / {t['kernels']['us_per_step']:.0f} "
+                         f"| {f['kernels']['launches_per_step']:.0f} / {t['kernels']['launches_per_step']:.0f} |")
     if failed:
         lines += ["", "Not timed:", ""]
         for c in failed:
@@ -314,6 +336,9 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--rounds", type=int, default=3, help="alternating timing rounds per system (median)")
+    ap.add_argument("--profile", action="store_true",
+                    help="also each system's CUDA kernels per step (the referee's profile_kernels, 3 steps): "
+                         "kernel time and launches per step, the five longest kernels, into sweep.json and the table")
     ap.add_argument("--budget-s", type=float, default=540, help="start no new cell after this many seconds")
     ap.add_argument("--list", action="store_true", help="print the cells and exit (no GPU needed)")
     args = ap.parse_args(argv)
