@@ -108,6 +108,37 @@ def _is_int(x) -> bool:
     return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
 
+# (the packers of _vbe_key, one per rank count: struct's "=Rq", R int64s in the native byte order)
+_VBE_PACKERS: Dict[int, Any] = {}
+_VBE_ROW_TYPES = frozenset((list, tuple))
+
+
+def _vbe_key(bsfr, num_features: int) -> Optional[bytes]:
+    """A VBE batch's sizes as its kept plan's key, or None: `bsfr` given as F = num_features lists
+    (or tuples) of R >= 1 integers becomes its F x R sizes as int64, feature-major, in one bytes
+    object (the buffer vbe_plan_tensor reads). One pass in C (struct packs row by row) that also
+    checks: a size that is not an integer (a float, even one equal to an int; a string), past
+    int64, or a row of another length raises inside struct, and bsfr then goes the checked way
+    (_vbe_sizes: converted or refused with a message). bools, numpy ints and one-element integer
+    tensors pack as their values, as _vbe_sizes converts them. Negative sizes pack: the plan
+    operator refuses them. (The kept-plan lookup of a 32 x 16 batch: 3.6 us, against 8.7 for a
+    tuple-of-tuples key, its hash, its comparison and a pass for the type check.)"""
+    if type(bsfr) not in _VBE_ROW_TYPES or len(bsfr) != num_features:
+        return None
+    try:
+        if not {*map(type, bsfr)} <= _VBE_ROW_TYPES:  # (a set's or a tensor's order is not the caller's)
+            return None
+        R = len(bsfr[0])
+        pack = _VBE_PACKERS.get(R)
+        if pack is None:
+            if R < 1:
+                return None
+            pack = _VBE_PACKERS[R] = struct.Struct(f"={R}q").pack
+        return b"".join(itertools.starmap(pack, bsfr))
+    except (struct.error, TypeError, ValueError, OverflowError, RuntimeError):
+        return None
+
+
 def _resolve_spec(optimizer) -> OptimizerSpec:
     if isinstance(optimizer, OptimizerSpec):
         return optimizer
@@ -1421,10 +1452,11 @@ class TableBatchedEmbeddingBags(nn.Module):
     # output is gathered instead (_BlocksOf, _RowsOf). See docs/module.md.
 
     _VBE_PLANS_KEPT = 64
-    # up to this many sizes a new plan passes them to vbe_plan as an int list, beyond it packed in an
-    # int64 tensor to vbe_plan_tensor (torch converts a list to int[] at ~25 ns an entry; packing
-    # costs ~1.5 us plus ~15 ns an entry: host_overhead_cpu.py --vbe 2x2,32x16)
-    _VBE_SIZES_AS_LIST = 64
+    # up to this many sizes a new plan passes them to vbe_plan as an int list, beyond it its key's
+    # int64 buffer (_vbe_key) as a tensor to vbe_plan_tensor (torch converts a list to int[] at ~25
+    # ns an entry, the buffer's copy into a tensor costs ~0.3 us more than a short list's: the two
+    # operator calls take the same time at ~16 sizes, vbe_plan_tensor 1.6 us less at 128)
+    _VBE_SIZES_AS_LIST = 16
     _VBE_DIRECT_DEVICES = ("cpu", "cuda")
 
     def _vbe_sizes(self, bsfr) -> torch.Tensor:
@@ -1466,15 +1498,15 @@ class TableBatchedEmbeddingBags(nn.Module):
                                  f"of ranks: feature 0 has {R}, feature {f} has {len(per_rank)}")
         raise ValueError(f"tbegen: batch_size_per_feature_per_rank is not F = {F} lists of R non-negative ints")
 
-    def _vbe_plan_eager(self, batch_size_per_feature_per_rank) -> Dict[str, Any]:
+    def _vbe_plan_eager(self, batch_size_per_feature_per_rank, key: Optional[bytes] = None) -> Dict[str, Any]:
         """The padding index (`pad`), the table of each padded bag's output offset (`bag_out`) and
         the totals of one batch_size_per_feature_per_rank, kept for the last distinct ones. A new
         one is one operator call (vbe_plan, include/tbegen/vbe.h: the host sums the [F, R] sizes,
-        one small copy and one kernel on CUDA; nothing waits for the device). A kept one costs a
-        dictionary lookup: lists of Python ints are their own key and go to the operator packed in
-        one int64 buffer (vbe_plan_tensor; anything else, e.g. a tensor, is checked and converted
-        first). The forward finds a kept plan itself (_forward_vbe); this is its way to a new one,
-        and the tests'."""
+        one small copy and one kernel on CUDA; nothing waits for the device). Plans are kept by
+        the sizes packed as int64 bytes (_vbe_key; `key`: that of these sizes where the caller has
+        it), which go to the operator as they are; anything else, e.g. a tensor, is checked and
+        converted first. The forward finds a kept plan itself (_forward_vbe); this is its way to a
+        new one, and the tests'."""
         bsfr = batch_size_per_feature_per_rank
         weights = self._registered("weights")
         device = weights.device
@@ -1487,55 +1519,42 @@ class TableBatchedEmbeddingBags(nn.Module):
         plans = self.__dict__.get("_vbe_plans")
         if plans is None:
             plans = self.__dict__["_vbe_plans"] = {}
-        sizes = flat = None  # F tuples of R ints, and the same feature-major in one list
-        if type(bsfr) in (list, tuple):
-            try:
-                sizes = tuple(map(tuple, bsfr))
-                # (only ints: the sum of anything else, e.g. of a float equal to a kept size, is
-                # not an int; a bool is an int, True a batch of 1)
-                if type(sum(map(sum, sizes))) is not int:
-                    sizes = None
-            except (TypeError, ValueError, ArithmeticError):
-                sizes = None
-        if sizes is not None:
-            plan = plans.get(sizes)
+        if key is None:
+            key = _vbe_key(bsfr, F)
+        device_of = weights.detach() if weights.requires_grad else weights
+        if key is not None:
+            plan = plans.get(key)
             if plan is not None and plan["device"] == device:
                 return plan
-            R = len(sizes[0]) if sizes else 0
-            if len(sizes) == F and R >= 1 and set(map(len, sizes)) == {R}:
-                if F * R <= self._VBE_SIZES_AS_LIST:
-                    flat = list(itertools.chain.from_iterable(sizes))
-                else:
-                    try:  # (the F x R ints packed into one int64 buffer: cheaper than a long int[])
-                        flat = torch.frombuffer(
-                            bytearray(struct.pack(f"{F * R}q", *itertools.chain.from_iterable(sizes))), dtype=torch.int64)
-                    except struct.error:  # (a size past int64: refused below, with a message)
-                        flat = None
-        device_of = weights.detach() if weights.requires_grad else weights
-        if flat is not None:
+            R = len(key) // (8 * F)
             try:
-                op = self._ops.vbe_plan if type(flat) is list else self._ops.vbe_plan_tensor
-                pad, bag_out, (total, max_B, n_out) = op(flat, R, dims, device_of)
+                if F * R <= self._VBE_SIZES_AS_LIST:
+                    pad, bag_out, (total, max_B, n_out) = self._ops.vbe_plan(
+                        memoryview(key).cast("q").tolist(), R, dims, device_of)
+                else:  # (the key's buffer itself: cheaper than a long int[])
+                    pad, bag_out, (total, max_B, n_out) = self._ops.vbe_plan_tensor(
+                        torch.frombuffer(bytearray(key), dtype=torch.int64), R, dims, device_of)
             except RuntimeError:
                 # (a negative size: the message naming it; else the operator's)
                 self._vbe_sizes(bsfr)
                 raise
         else:
             B = self._vbe_sizes(bsfr)  # [F, R] int64 on the CPU, checked (or a message naming the entry)
-            sizes, R = tuple(map(tuple, B.tolist())), B.shape[1]
-            plan = plans.get(sizes)
+            R = B.shape[1]
+            key = struct.pack(f"={F * R}q", *B.reshape(-1).tolist())
+            plan = plans.get(key)
             if plan is not None and plan["device"] == device:
                 return plan
             pad, bag_out, (total, max_B, n_out) = self._ops.vbe_plan_tensor(B.reshape(-1).contiguous(), R, dims,
                                                                             device_of)
-        plan = {"total_bags": total, "max_B": max_B, "pad": pad, "numel": n_out, "bag_out": bag_out, "sizes": sizes,
-                "device": device, "offsets_shape": torch.Size([total + 1]),
+        plan = {"total_bags": total, "max_B": max_B, "pad": pad, "numel": n_out, "bag_out": bag_out,
+                "sizes": key, "ranks": R, "device": device, "offsets_shape": (total + 1,),
                 # (how _forward_vbe runs this module's VBE batches eagerly: see _vbe_direct)
                 "direct": self.pooling != "none" and self._vbe_direct()}
-        plans.pop(sizes, None)  # (a plan of the same sizes on another device: the module was moved)
+        plans.pop(key, None)  # (a plan of the same sizes on another device: the module was moved)
         if len(plans) >= self._VBE_PLANS_KEPT:
             plans.pop(next(iter(plans)))
-        plans[sizes] = plan
+        plans[key] = plan
         return plan
 
     # (under torch.compile: a graph break, the plan built eagerly)
@@ -1546,7 +1565,7 @@ class TableBatchedEmbeddingBags(nn.Module):
         CPU, its per-value gather index on CUDA; made once per plan, when first needed."""
         if "gather" in plan:
             return plan["gather"]
-        B = torch.tensor(plan["sizes"], dtype=torch.int64)  # [F, R]
+        B = torch.frombuffer(bytearray(plan["sizes"]), dtype=torch.int64).view(-1, plan["ranks"])  # [F, R]
         F, R = B.shape
         device = self.weights.device
         dims_host = torch.tensor([self.layout.tables[t][1] for t in self.layout.feature_table_map], dtype=torch.int64)
@@ -1630,24 +1649,20 @@ class TableBatchedEmbeddingBags(nn.Module):
         if torch.compiler.is_compiling():
             return self._forward_vbe_traced(indices, offsets, per_sample_weights, batch_size_per_feature_per_rank)
         # A kept plan, found here with as little as can be (the host time of a VBE call beside the
-        # padded call's; benchmarks/host_overhead_cpu.py --vbe): the sizes as a tuple of tuples (the
-        # key), one dictionary lookup, and their sum, which is an int only if every size is one (a
-        # float, a tensor or another number equal to a kept size falls through to _vbe_plan_eager,
-        # which converts or refuses it). Anything else takes the checked way.
+        # padded call's; benchmarks/host_overhead_cpu.py --vbe): the sizes packed into their key
+        # (_vbe_key: one pass in C, which refuses what is not F lists of R integers: a float equal
+        # to a kept size goes the checked way) and one dictionary lookup; a new plan gets the key,
+        # so that the sizes are read once. Anything else takes the checked way.
         bsfr = batch_size_per_feature_per_rank
-        plan = None
-        if type(bsfr) in (list, tuple) and type(offsets) is torch.Tensor:
-            plans = self.__dict__.get("_vbe_plans")
-            if plans:
-                try:
-                    sizes = tuple(map(tuple, bsfr))
-                    plan = plans.get(sizes)
-                    if plan is not None and type(sum(map(sum, sizes))) is not int:
-                        plan = None
-                except (TypeError, ValueError, ArithmeticError):
-                    plan = None
+        state = self.__dict__
+        consts = state.get("_vbe_consts")
+        key = plan = None
+        if consts is not None:
+            key = _vbe_key(bsfr, consts[0])
+            if key is not None:
+                plan = state["_vbe_plans"].get(key)
         if plan is None:
-            plan = self._vbe_plan_eager(bsfr)
+            plan = self._vbe_plan_eager(bsfr, key)
         if "ready" in plan:  # (a plan a prefetch made on its stream)
             self._vbe_plan_ready(plan)
         if type(offsets) is torch.Tensor and offsets.shape == plan["offsets_shape"] and offsets.device == plan["device"]:

@@ -17,7 +17,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tbegen.module import TableBatchedEmbeddingBags
+from tbegen.module import TableBatchedEmbeddingBags, _vbe_key
 
 HAS_CUDA = torch.cuda.is_available()
 cuda = pytest.mark.cuda
@@ -748,7 +748,7 @@ def test_vbe_forward_finds_a_kept_plan_without_building_it_and_still_checks_the_
     built = []
     real = TableBatchedEmbeddingBags._vbe_plan_eager
     monkeypatch.setattr(TableBatchedEmbeddingBags, "_vbe_plan_eager",
-                        lambda self, bsfr: built.append(bsfr) or real(self, bsfr))
+                        lambda self, bsfr, key=None: built.append(bsfr) or real(self, bsfr, key))
     with torch.no_grad():
         again = emb(indices, offsets, batch_size_per_feature_per_rank=[[1, 2], [3, 0]])
         as_tuples = emb(indices, offsets, batch_size_per_feature_per_rank=((1, 2), (3, 0)))
@@ -768,6 +768,19 @@ def test_vbe_forward_finds_a_kept_plan_without_building_it_and_still_checks_the_
                          ([[1, 2], [3, "0"]], r"\[1\]\[1\] must be a non-negative int, got '0'")):
         with pytest.raises(ValueError, match=message):
             emb(indices, offsets, batch_size_per_feature_per_rank=bad)
+    # sizes whose int64 bytes equal a kept plan's key but are not F lists of R sizes, and a set
+    # for a row (no order), are refused, not served from the kept plan (_vbe_key); a tensor for a
+    # row goes the checked way, which converts it
+    three = make("sgd", [(5, 4), (6, 2), (7, 2)])
+    with torch.no_grad():
+        kept = three(indices, offsets, batch_size_per_feature_per_rank=[[1, 2], [3, 0], [0, 0]])
+        for bad, message in (([[1, 2, 3, 0, 0, 0]], r"one list of per-rank batch sizes per feature \(3\)"),
+                             ([[1, 2], [3], [0, 0, 0]], r"feature 0 has 2, feature 1 has 1"),
+                             ([[1, 2], {3, 0}, [0, 0]], r"\[1\] must be a non-empty list")):
+            with pytest.raises(ValueError, match=message):
+                three(indices, offsets, batch_size_per_feature_per_rank=bad)
+        assert torch.equal(three(indices, offsets, batch_size_per_feature_per_rank=[[1, 2], torch.tensor([3, 0]),
+                                                                                     [0, 0]]), kept)
     # offsets that do not fit the kept plan: the same errors as without one
     for bad_offsets, error, message in (
             (torch.tensor([0, 1, 2, 3, 4, 5]), ValueError, r"\(sum of all batch sizes\) \+ 1 = 7 entries"),
@@ -778,13 +791,13 @@ def test_vbe_forward_finds_a_kept_plan_without_building_it_and_still_checks_the_
             emb(indices, bad_offsets, batch_size_per_feature_per_rank=[[1, 2], [3, 0]])
     # a kept plan of another device is not used: the module's device decides (here a plan
     # recorded as made for the meta device is replaced by a CPU one)
-    plan = emb._vbe_plans[((1, 2), (3, 0))]
+    plan = emb._vbe_plans[_vbe_key([[1, 2], [3, 0]], 2)]
     plan["device"] = torch.device("meta")
     built.clear()
     with torch.no_grad():
         assert torch.equal(emb(indices, offsets, batch_size_per_feature_per_rank=[[1, 2], [3, 0]]), first)
-    assert len(built) == 1 and emb._vbe_plans[((1, 2), (3, 0))]["device"] == torch.device("cpu")
-    assert emb._vbe_plans[((1, 2), (3, 0))] is not plan
+    assert len(built) == 1 and emb._vbe_plans[_vbe_key([[1, 2], [3, 0]], 2)]["device"] == torch.device("cpu")
+    assert emb._vbe_plans[_vbe_key([[1, 2], [3, 0]], 2)] is not plan
 
 
 @cuda
