@@ -1508,24 +1508,25 @@ class TableBatchedEmbeddingBags(nn.Module):
         converted first. The forward finds a kept plan itself (_forward_vbe); this is its way to a
         new one, and the tests'."""
         bsfr = batch_size_per_feature_per_rank
+        state = self.__dict__
         weights = self._registered("weights")
         device = weights.device
-        consts = self.__dict__.get("_vbe_consts")
+        consts = state.get("_vbe_consts")
         if consts is None:  # (the features' count and widths: the layout is fixed at construction)
             layout = self.layout
-            consts = self.__dict__["_vbe_consts"] = (
+            consts = state["_vbe_consts"] = (
                 layout.num_features, [layout.tables[t][1] for t in layout.feature_table_map])
         F, dims = consts
-        plans = self.__dict__.get("_vbe_plans")
+        plans = state.get("_vbe_plans")
         if plans is None:
-            plans = self.__dict__["_vbe_plans"] = {}
+            plans = state["_vbe_plans"] = {}
         if key is None:
             key = _vbe_key(bsfr, F)
         device_of = weights.detach() if weights.requires_grad else weights
         if key is not None:
-            plan = plans.get(key)
-            if plan is not None and plan["device"] == device:
-                return plan
+            old = plans.get(key)
+            if old is not None and old["device"] == device:
+                return old
             R = len(key) // (8 * F)
             try:
                 if F * R <= self._VBE_SIZES_AS_LIST:
@@ -1542,18 +1543,27 @@ class TableBatchedEmbeddingBags(nn.Module):
             B = self._vbe_sizes(bsfr)  # [F, R] int64 on the CPU, checked (or a message naming the entry)
             R = B.shape[1]
             key = struct.pack(f"={F * R}q", *B.reshape(-1).tolist())
-            plan = plans.get(key)
-            if plan is not None and plan["device"] == device:
-                return plan
+            old = plans.get(key)
+            if old is not None and old["device"] == device:
+                return old
             pad, bag_out, (total, max_B, n_out) = self._ops.vbe_plan_tensor(B.reshape(-1).contiguous(), R, dims,
                                                                             device_of)
+        # How _forward_vbe runs this module's VBE batches eagerly (_vbe_direct), asked once per
+        # device and _vbe_direct (a subclass's, or one set on the instance) while it says yes
+        # (a microsecond or two of a step's host time otherwise)
+        direct_of = state.get("_vbe_direct") or type(self)._vbe_direct
+        known = state.get("_vbe_direct_known")
+        if known is not None and known[0] is direct_of and known[1] == device:
+            direct = True
+        else:
+            direct = self.pooling != "none" and self._vbe_direct()
+            state["_vbe_direct_known"] = (direct_of, device) if direct else None
         plan = {"total_bags": total, "max_B": max_B, "pad": pad, "numel": n_out, "bag_out": bag_out,
-                "sizes": key, "ranks": R, "device": device, "offsets_shape": (total + 1,),
-                # (how _forward_vbe runs this module's VBE batches eagerly: see _vbe_direct)
-                "direct": self.pooling != "none" and self._vbe_direct()}
-        plans.pop(key, None)  # (a plan of the same sizes on another device: the module was moved)
-        if len(plans) >= self._VBE_PLANS_KEPT:
-            plans.pop(next(iter(plans)))
+                "sizes": key, "ranks": R, "device": device, "offsets_shape": (total + 1,), "direct": direct}
+        if old is not None:  # (a plan of the same sizes on another device: the module was moved)
+            del plans[key]
+        elif len(plans) >= self._VBE_PLANS_KEPT:
+            del plans[next(iter(plans))]
         plans[key] = plan
         return plan
 

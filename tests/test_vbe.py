@@ -647,6 +647,25 @@ def test_vbe_plan_of_a_module_with_shared_tables_and_empty_ranks():
     assert torch.equal(plan["pad"], want[0]) and torch.equal(plan["bag_out"], want[1])
 
 
+def test_vbe_plan_asks_the_current_vbe_direct():
+    # a new plan records whether its batches take the direct path; the module remembers a yes per
+    # device and _vbe_direct, so that one set on the instance (bench_vbe's gathered runs) or a
+    # subclass's is still asked
+    emb = make("sgd", [(5, 4), (6, 2)])
+    assert emb._vbe_plan([[1, 2], [3, 0]])["direct"]
+    emb._vbe_direct = lambda: False
+    assert not emb._vbe_plan([[2, 2], [3, 0]])["direct"]
+    del emb._vbe_direct
+    assert emb._vbe_plan([[3, 2], [3, 0]])["direct"]
+
+    class Gathered(TableBatchedEmbeddingBags):
+        def _vbe_direct(self):
+            return False
+
+    sub = Gathered([(5, 4), (6, 2)], optimizer="sgd", device="cpu")
+    assert not sub._vbe_plan([[1, 2], [3, 0]])["direct"]
+
+
 def test_vbe_plan_is_kept_per_sizes_and_still_checks_the_input():
     emb = make("sgd", [(5, 4), (6, 2)])
     bsfr = [[1, 2], [3, 0]]
