@@ -532,6 +532,28 @@ def test_vbe_forward_checks_that_the_rows_tile_the_output(dims, table, size, mes
                                          torch.tensor(table))
 
 
+def test_vbe_forward_trusts_only_an_unchanged_plan_table_for_its_own_output():
+    # a bag_out table vbe_plan made tiles its output by construction: the forward skips its tiling
+    # check for it (vbe.h, VbePlanTables; on CUDA it skips zeroing the output), but not for another
+    # output size, other widths, or once the table was changed in place
+    emb = make("sgd", [(6, 4), (5, 3)])
+    indices = torch.tensor([1, 2, 0, 3, 4])
+    offsets = torch.tensor([0, 1, 2, 2, 3, 4, 5])  # (feature 0: 2 bags and a padding bag; feature 1: 3)
+    pad, table, (total, max_B, numel) = emb._ops.vbe_plan([1, 1, 2, 1], 2, [4, 3], emb.weights.detach())
+    assert (max_B, numel) == (3, 17) and table.tolist() == [0, 10, -1, 4, 7, 14]  # (rank-major)
+    out = emb._ops.forward(*op_args(emb, indices, offsets), None, 0, None, False, table, numel)
+    assert torch.equal(out, emb._ops.forward(*op_args(emb, indices, offsets), None, 0, None, False, table.clone(),
+                                             numel))
+    with pytest.raises(RuntimeError, match=r"leaves 3 of the variable-batch output's 20 elements unwritten"):
+        emb._ops.forward(*op_args(emb, indices, offsets), None, 0, None, False, table, numel + 3)
+    other = make("sgd", [(6, 4), (5, 2)])  # (feature 1 two wide: its rows 4..5, 7..8, 14..15)
+    with pytest.raises(RuntimeError, match=r"output's 17 elements are not rows of the features' widths"):
+        other._ops.forward(*op_args(other, indices, offsets), None, 0, None, False, table, numel)
+    table[4] = 4  # (in place: its version moves on) feature 1's second row over its first
+    with pytest.raises(RuntimeError, match=r"bag_output_offsets\[4\] = 4 overlaps an earlier bag's row"):
+        emb._ops.forward(*op_args(emb, indices, offsets), None, 0, None, False, table, numel)
+
+
 def test_vbe_operator_refuses_pooling_none_and_a_2d_gradient():
     emb = make("sgd", [(6, 4), (5, 4)], pooling="none")
     indices, offsets = torch.tensor([1, 2]), torch.tensor([0, 1, 2])

@@ -28,8 +28,13 @@ inline at::Tensor forward_cuda(const at::Tensor& weights, const at::Tensor& feat
   }
   // Sum/mean: the kernel writes every bag's columns (zeros for a bag with bad offsets); pooling
   // none leaves the row of a bad index or bag zero. A VBE output (vbe.h) starts zeroed: the real
-  // bags cover it, and its padding bags write nothing.
-  at::Tensor out = vbe ? at::zeros({output_size}, weights.options().dtype(at::kFloat))
+  // bags cover it, and its padding bags write nothing; unless its table is one vbe_plan made,
+  // unchanged, for this output and these widths (VbePlanTables: its real bags' rows tile it, so
+  // every element is written; no memset launch).
+  const bool tiles = vbe && VbePlanTables::instance().tiles(*bag_output_offsets, output_size,
+                                                            host_features_cache().get(features)->data(), b.F);
+  at::Tensor out = vbe ? (tiles ? at::empty({output_size}, weights.options().dtype(at::kFloat))
+                                : at::zeros({output_size}, weights.options().dtype(at::kFloat)))
                    : pooling == kPoolNone ? at::zeros({b.N, b.max_D}, weights.options().dtype(at::kFloat))
                                           : at::empty({b.B, b.total_D}, weights.options().dtype(at::kFloat));
   const at::Tensor error = error_record_for(error_record, weights);

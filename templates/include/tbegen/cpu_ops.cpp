@@ -51,6 +51,7 @@ std::tuple<at::Tensor, at::Tensor, std::vector<int64_t>> vbe_plan_cpu(at::IntArr
     for (int64_t i = begin; i < end; ++i) vbe_plan_entry(header.data(), F, R, t.max_B, i, p, o);
   });
   p[bags] = t.total_bags;
+  VbePlanTables::instance().remember(bag_out, t.numel, dims);  // (it tiles its output: the forward trusts it)
   return {pad, bag_out, {t.total_bags, t.max_B, t.numel}};
 }
 
@@ -85,7 +86,10 @@ at::Tensor forward_cpu(const at::Tensor& weights, const at::Tensor& features, in
   }
   const int64_t* bag_out = vbe ? bag_output_offsets->data_ptr<int64_t>() : nullptr;
   // (a VBE output is not zeroed: its real bags' rows tile it, which check_bag_output_values_host
-  // checks before the kernel writes them)
+  // checks before the kernel writes them, unless the table is one vbe_plan made, unchanged, for
+  // this output and these widths: VbePlanTables)
+  const bool tiles = vbe && VbePlanTables::instance().tiles(*bag_output_offsets, output_size,
+                                                            features.data_ptr<int64_t>(), b.F);
   at::Tensor out = vbe ? at::empty({output_size}, weights.options().dtype(at::kFloat))
                    : pooling == kPoolNone ? at::empty({b.N, b.max_D}, weights.options().dtype(at::kFloat))
                                           : at::empty({b.B, b.total_D}, weights.options().dtype(at::kFloat));
@@ -95,7 +99,7 @@ at::Tensor forward_cpu(const at::Tensor& weights, const at::Tensor& features, in
     const std::vector<int64_t> bad = bad_indices<I>(b, features, indices, offsets, error_record, skip_bad_indices);
     if (vbe) {
       check_bag_output_values_host<I>(b, features.data_ptr<int64_t>(), bag_out, offsets.data_ptr<I>(), output_size,
-                                      /*tiling=*/true);
+                                      /*tiling=*/!tiles);
     }
     if (bad.empty()) {
       forward<W, I>(b, features.data_ptr<int64_t>(), weights.data_ptr<W>(), indices.data_ptr<I>(),

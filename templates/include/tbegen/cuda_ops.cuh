@@ -247,12 +247,18 @@ inline bool aligned_to(const void* p, size_t bytes) { return reinterpret_cast<ui
 // an odd offset takes the any-width kernels). `classes`, if given, receives the narrowest feature
 // width of each width class (the forward picks its loop by the narrowest of all, the backward its
 // launches by the classes).
+// (one host copy per features tensor for the whole library: check_layout_and_choose, and the VBE
+// forward's widths)
+inline HostFeaturesCache& host_features_cache() {
+  static HostFeaturesCache cache;
+  return cache;
+}
+
 inline bool check_layout_and_choose(const Batch& b, const at::Tensor& features, const at::Tensor& weights,
                                     std::initializer_list<const void*> float_buffers,
                                     WidthClasses* classes = nullptr, int64_t max_width = kVectorMaxD,
                                     bool* float_rows_4wide = nullptr) {
-  static HostFeaturesCache cache;
-  const HostFeaturesCache::Copy feat = cache.get(features);
+  const HostFeaturesCache::Copy feat = host_features_cache().get(features);
   check_features(b, feat->data(), weights);
   if (classes != nullptr) {
     for (int64_t f = 0; f < b.F; ++f) classes->add((*feat)[f * kFeatColumns + kFeatDim]);

@@ -12,6 +12,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <mutex>
 #include <numeric>
 #include <tuple>
 #include <vector>
@@ -131,6 +132,66 @@ inline void check_bag_output_values_host(const Batch& b, const int64_t* feat, co
   TBEGEN_CHECK(covered == numel, "tbegen: bag_output_offsets leaves ", numel - covered, " of the variable-batch "
               "output's ", numel, " elements unwritten");
 }
+
+// ---- the tables the plan operator made ----
+//
+// A `bag_out` table made by vbe_plan (below) tiles the output of its plan's numel with the widths
+// it was made for, by construction. The forward otherwise makes sure of that itself (CPU: the
+// tiling pass of check_bag_output_values_host; CUDA, which cannot read the table on the host:
+// it zeroes the output first); for such a table, unchanged, it skips both. Unchanged: the same
+// tensor (its TensorImpl, held weakly so that its address is not reused while remembered, and
+// its data), its version counter as it was (every in-place change made through torch bumps it),
+// and the forward's output size and features' widths those of the plan. The last
+// kVbePlanTablesKept tables made are remembered (the module keeps 64 plans).
+class VbePlanTables {
+ public:
+  static VbePlanTables& instance() {
+    static VbePlanTables tables;
+    return tables;
+  }
+
+  void remember(const at::Tensor& table, int64_t numel, at::IntArrayRef dims) {
+    if (table.is_inference()) return;  // (no version counter to key on)
+    const std::lock_guard<std::mutex> lock(mutex_);
+    Entry& e = entries_[next_];
+    next_ = (next_ + 1) % kVbePlanTablesKept;
+    e = Entry{c10::weak_intrusive_ptr<c10::TensorImpl>(table.getIntrusivePtr()), table.data_ptr(), table._version(),
+              numel, std::vector<int64_t>(dims.begin(), dims.end())};
+  }
+
+  // Whether `table` is one remembered, unchanged, and `numel` and the F features' widths (`feat`,
+  // the features table's rows, host) are its plan's.
+  bool tiles(const at::Tensor& table, int64_t numel, const int64_t* feat, int64_t F) {
+    if (table.is_inference()) return false;
+    const std::lock_guard<std::mutex> lock(mutex_);
+    for (size_t k = 1; k <= kVbePlanTablesKept; ++k) {  // (the latest first)
+      const Entry& e = entries_[(next_ + kVbePlanTablesKept - k) % kVbePlanTablesKept];
+      if (e.impl._unsafe_get_target() != table.unsafeGetTensorImpl() || e.impl.expired()) continue;
+      if (e.data != table.data_ptr() || e.version != table._version() || e.numel != numel ||
+          int64_t(e.dims.size()) != F) {
+        return false;
+      }
+      for (int64_t f = 0; f < F; ++f) {
+        if (feat[f * kFeatColumns + kFeatDim] != e.dims[size_t(f)]) return false;
+      }
+      return true;
+    }
+    return false;
+  }
+
+ private:
+  static constexpr size_t kVbePlanTablesKept = 64;
+  struct Entry {
+    c10::weak_intrusive_ptr<c10::TensorImpl> impl{c10::intrusive_ptr<c10::TensorImpl>()};
+    const void* data = nullptr;
+    int64_t version = 0;
+    int64_t numel = 0;
+    std::vector<int64_t> dims;
+  };
+  std::mutex mutex_;
+  Entry entries_[kVbePlanTablesKept];
+  size_t next_ = 0;
+};
 
 // ---- the plan of a VBE batch (module.py _vbe_plan; the operator vbe_plan) ----
 //

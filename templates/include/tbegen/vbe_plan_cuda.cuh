@@ -44,6 +44,7 @@ inline std::tuple<at::Tensor, at::Tensor, std::vector<int64_t>> vbe_plan_cuda(at
   vbe_plan_kernel<<<grid_for((bags + kWarpSize) / kWarpSize), kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
       header.data_ptr<int64_t>(), F, R, t.max_B, t.total_bags, pad.data_ptr<int64_t>(), bag_out.data_ptr<int64_t>());
   TBEGEN_CUDA_CHECK(cudaGetLastError());
+  VbePlanTables::instance().remember(bag_out, t.numel, dims);  // (it tiles its output: the forward trusts it)
   return {pad, bag_out, {t.total_bags, t.max_B, t.numel}};
 }
 
