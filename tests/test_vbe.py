@@ -554,6 +554,30 @@ def test_vbe_forward_trusts_only_an_unchanged_plan_table_for_its_own_output():
         emb._ops.forward(*op_args(emb, indices, offsets), None, 0, None, False, table, numel)
 
 
+@cuda
+@pytest.mark.parametrize("dims", [(4, 8), (4, 3)])  # (the 4-wide kernels; the any-width ones)
+def test_cuda_vbe_forward_writes_every_element_of_a_plan_output(dims):
+    # with a table vbe_plan made, the CUDA forward does not zero its output (VbePlanTables): the
+    # memory it gets is first filled with NaN here, so that an element no bag wrote would show;
+    # empty bags (no lookups) and empty ranks included
+    gen = torch.Generator().manual_seed(3)
+    tables = [(6, dims[0]), (5, dims[1])]
+    bsfr = [[2, 0, 3], [1, 4, 0]]
+    indices, offsets, _ = vbe_batch([6, 5], bsfr, gen, weighted=False, max_L=2)
+    emb_cpu = make("sgd", tables)
+    emb = make("sgd", tables, device="cuda")
+    emb.load_state_dict(emb_cpu.state_dict())
+    numel = emb._vbe_plan(bsfr)["numel"]
+    for _ in range(3):
+        junk = torch.full((numel,), float("nan"), device="cuda")
+        del junk  # (its block goes back to the caching allocator, for the output to take)
+        with torch.no_grad():
+            out = emb(indices.cuda(), offsets.cuda(), batch_size_per_feature_per_rank=bsfr)
+            want = emb_cpu(indices, offsets, batch_size_per_feature_per_rank=bsfr)
+        assert not bool(out.isnan().any())
+        torch.testing.assert_close(out.cpu(), want, rtol=1e-6, atol=1e-6)
+
+
 def test_vbe_operator_refuses_pooling_none_and_a_2d_gradient():
     emb = make("sgd", [(6, 4), (5, 4)], pooling="none")
     indices, offsets = torch.tensor([1, 2]), torch.tensor([0, 1, 2])
