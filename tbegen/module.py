@@ -1559,7 +1559,9 @@ class TableBatchedEmbeddingBags(nn.Module):
             direct = self.pooling != "none" and self._vbe_direct()
             state["_vbe_direct_known"] = (direct_of, device) if direct else None
         plan = {"total_bags": total, "max_B": max_B, "pad": pad, "numel": n_out, "bag_out": bag_out,
-                "sizes": key, "ranks": R, "device": device, "offsets_shape": (total + 1,), "direct": direct}
+                "sizes": key, "ranks": R, "device": device, "offsets_shape": (total + 1,), "direct": direct,
+                # (every feature has max_B bags: `pad` is 0, 1, ..., total, the offsets need no padding)
+                "unpadded": total == F * max_B}
         if old is not None:  # (a plan of the same sizes on another device: the module was moved)
             del plans[key]
         elif len(plans) >= self._VBE_PLANS_KEPT:
@@ -1676,7 +1678,7 @@ class TableBatchedEmbeddingBags(nn.Module):
         if "ready" in plan:  # (a plan a prefetch made on its stream)
             self._vbe_plan_ready(plan)
         if type(offsets) is torch.Tensor and offsets.shape == plan["offsets_shape"] and offsets.device == plan["device"]:
-            padded = offsets.index_select(0, plan["pad"])
+            padded = offsets if plan["unpadded"] else offsets.index_select(0, plan["pad"])
         else:  # (a kept plan of another device, or offsets that do not fit: the checked way)
             plan = self._vbe_plan_eager(bsfr)
             padded = self._vbe_pad(offsets, plan)

@@ -802,6 +802,44 @@ def test_vbe_plan_refuses_bad_sizes_however_given():
             emb._vbe_plan(bad)
 
 
+def test_vbe_batch_whose_features_have_equal_totals_runs_unpadded(monkeypatch):
+    # every feature with as many bags as the largest (ranks of different batch sizes, the same for
+    # every feature): the padded batch is the VBE batch itself, so the forward takes the offsets
+    # as they are (no gather), and trains as the padded batch does
+    gen = torch.Generator().manual_seed(4)
+    tables = [(6, 4), (5, 2), (7, 3)]
+    for bsfr, unpadded in (([[1, 3], [2, 2], [0, 4]], True), ([[1, 3], [2, 1], [0, 4]], False)):
+        emb, ref = make("sgd", tables), make("sgd", tables)
+        ref.load_state_dict(emb.state_dict())
+        indices, offsets, psw = vbe_batch([6, 5, 7], bsfr, gen, weighted=True)
+        plan = emb._vbe_plan(bsfr)
+        assert plan["unpadded"] == unpadded
+        padded = emb.vbe_padded_offsets(offsets, bsfr)
+        gathers = []
+        real = torch.Tensor.index_select
+        monkeypatch.setattr(torch.Tensor, "index_select", lambda *a, **k: gathers.append(1) or real(*a, **k))
+        out = emb(indices, offsets, psw, batch_size_per_feature_per_rank=bsfr)
+        monkeypatch.undo()
+        assert len(gathers) == (0 if unpadded else 1)
+        grad = torch.randn(out.shape, generator=gen)
+        out.backward(grad)
+        # the same step on the padded batch: its output's real rows, rank-major, and its weights
+        full = ref(indices, padded, psw)
+        prefix = [[sum(bsfr[f][:r]) for r in range(2)] for f in range(3)]
+        dims = [4, 2, 3]
+        cols = [0, 4, 6]
+        rows = [(prefix[f][r] + j, f) for r in range(2) for f in range(3) for j in range(bsfr[f][r])]
+        want = torch.cat([full[b, cols[f]:cols[f] + dims[f]] for b, f in rows])
+        assert torch.equal(out, want)
+        grad_full = torch.zeros_like(full)
+        at = 0
+        for b, f in rows:
+            grad_full[b, cols[f]:cols[f] + dims[f]] = grad[at:at + dims[f]]
+            at += dims[f]
+        full.backward(grad_full)
+        assert torch.equal(emb.weights, ref.weights)
+
+
 def test_vbe_forward_finds_a_kept_plan_without_building_it_and_still_checks_the_input(monkeypatch):
     # the forward's own lookup of a kept plan (_forward_vbe): no call to _vbe_plan_eager for sizes
     # it has seen, given as a new list; floats, bad offsets and other devices' plans still go the
