@@ -45,10 +45,12 @@ def per_call_us(emb, indices, offsets, grad, calls: int, rounds: int, torch):
     return statistics.median(fwd), statistics.median(bwd), statistics.median(inf)
 
 
-def vbe_batch(F: int, R: int, torch):
+def vbe_batch(F: int, R: int, torch, unequal: bool = False):
     """A tiny VBE batch of F features x R ranks: (indices, VBE offsets, sizes, padded offsets,
-    output gradient, padded output gradient); every bag has one index, sizes 0-2 (not all 0)."""
-    sizes = [[(3 * f + 5 * r + 1) % 3 for r in range(R)] for f in range(F)]
+    output gradient, padded output gradient); every bag has one index, sizes 0-2 (not all 0).
+    Every feature gets the same sizes (so the same total: the module runs such a batch unpadded,
+    no gather of the offsets), or with `unequal` sizes that differ by feature (padding needed)."""
+    sizes = [[((f if unequal else 0) + 2 * r + 1) % 3 for r in range(R)] for f in range(F)]
     sizes[0][0] = max(sizes[0][0], 1)
     totals = [sum(row) for row in sizes]
     n, max_B = sum(totals), max(totals)
@@ -62,9 +64,10 @@ def vbe_batch(F: int, R: int, torch):
     return indices, offsets, sizes, padded, torch.ones(n * 4), torch.ones(max_B, F * 4)
 
 
-def vbe_per_call_us(emb, F: int, R: int, calls: int, rounds: int, torch, clock=time.perf_counter):
+def vbe_per_call_us(emb, F: int, R: int, calls: int, rounds: int, torch, clock=time.perf_counter,
+                    unequal: bool = False):
     """Best over rounds of the VBE and padded calls' us per call (see the module docstring)."""
-    indices, offsets, sizes, padded, grad, pgrad = vbe_batch(F, R, torch)
+    indices, offsets, sizes, padded, grad, pgrad = vbe_batch(F, R, torch, unequal)
     plans = lambda: emb.__dict__.get("_vbe_plans", {})  # noqa: E731
 
     def vbe_fwd():
@@ -131,6 +134,9 @@ def main(argv=None) -> int:
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--vbe", default=None, metavar="FxR[,FxR]",
                     help="time VBE calls beside padded ones at these shapes (features x ranks) instead")
+    ap.add_argument("--vbe-unequal", action="store_true",
+                    help="--vbe: batch sizes that differ by feature, so that the offsets need padding (a gather); "
+                         "by default every feature has the same sizes")
     ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                     help="--vbe: wall time (time.perf_counter) or the thread's CPU time (time.thread_time: "
                          "steadier on a loaded machine, where other processes take the core between calls)")
@@ -149,12 +155,13 @@ def main(argv=None) -> int:
             for shape in args.vbe.split(","):
                 F, R = (int(x) for x in shape.lower().split("x"))
                 emb = tbegen.TableBatchedEmbeddingBags([(8, 4)] * F, optimizer=name, device="cpu", seed=0)
-                vbe_per_call_us(emb, F, R, 50, 1, torch)  # warm-up (and the build)
+                vbe_per_call_us(emb, F, R, 50, 1, torch, unequal=args.vbe_unequal)  # warm-up (and the build)
                 clock = time.perf_counter if args.clock == "wall" else time.thread_time
-                best = vbe_per_call_us(emb, F, R, args.calls, args.rounds, torch, clock)
-                rows.append(dict(optimizer=name, features=F, ranks=R, **{k: round(v, 2) for k, v in best.items()}))
+                best = vbe_per_call_us(emb, F, R, args.calls, args.rounds, torch, clock, args.vbe_unequal)
+                rows.append(dict(optimizer=name, features=F, ranks=R, unequal=args.vbe_unequal,
+                                 **{k: round(v, 2) for k, v in best.items()}))
                 if not args.json:
-                    print(f"{name} F={F} R={R}: forward (no_grad) VBE {best['vbe_forward_no_grad']:6.2f} us, padded "
+                    print(f"{name} F={F} R={R}{' (unequal)' if args.vbe_unequal else ''}: forward (no_grad) VBE {best['vbe_forward_no_grad']:6.2f} us, padded "
                           f"{best['padded_forward_no_grad']:6.2f} us ({best['vbe_forward_no_grad'] / best['padded_forward_no_grad']:.2f}x); "
                           f"step VBE plan kept {best['vbe_step_plan_kept']:6.2f} us "
                           f"({best['vbe_step_plan_kept'] / best['padded_step']:.2f}x), new plan "

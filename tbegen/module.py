@@ -126,7 +126,7 @@ def _vbe_key(bsfr, num_features: int) -> Optional[bytes]:
     if type(bsfr) not in _VBE_ROW_TYPES or len(bsfr) != num_features:
         return None
     try:
-        if not {*map(type, bsfr)} <= _VBE_ROW_TYPES:  # (a set's or a tensor's order is not the caller's)
+        if not _VBE_ROW_TYPES.issuperset(map(type, bsfr)):  # (a set's or a tensor's order is not the caller's)
             return None
         R = len(bsfr[0])
         pack = _VBE_PACKERS.get(R)
@@ -134,9 +134,13 @@ def _vbe_key(bsfr, num_features: int) -> Optional[bytes]:
             if R < 1:
                 return None
             pack = _VBE_PACKERS[R] = struct.Struct(f"={R}q").pack
-        return b"".join(itertools.starmap(pack, bsfr))
+        return _join_bytes(_starmap(pack, bsfr))
     except (struct.error, TypeError, ValueError, OverflowError, RuntimeError):
         return None
+
+
+_join_bytes = b"".join
+_starmap = itertools.starmap
 
 
 def _resolve_spec(optimizer) -> OptimizerSpec:
