@@ -143,6 +143,23 @@ _join_bytes = b"".join
 _starmap = itertools.starmap
 
 
+class _VbePlans(dict):
+    """A module's kept VBE plans by key (_vbe_key), and the plan its last VBE forward used
+    (`last`): the forward compares its key with that plan's first (a memcmp) before it hashes the
+    key for the lookup (0.8 us for the 4 KB key of 32 x 16 sizes). Emptied, it forgets `last` too.
+    (A plain dict in its place, as a benchmark may set, works without the shortcut.)"""
+
+    __slots__ = ("last",)
+
+    def __init__(self):
+        super().__init__()
+        self.last = None
+
+    def clear(self) -> None:
+        super().clear()
+        self.last = None
+
+
 def _resolve_spec(optimizer) -> OptimizerSpec:
     if isinstance(optimizer, OptimizerSpec):
         return optimizer
@@ -1523,7 +1540,7 @@ class TableBatchedEmbeddingBags(nn.Module):
         F, dims = consts
         plans = state.get("_vbe_plans")
         if plans is None:
-            plans = state["_vbe_plans"] = {}
+            plans = state["_vbe_plans"] = _VbePlans()
         if key is None:
             key = _vbe_key(bsfr, F)
         device_of = weights.detach() if weights.requires_grad else weights
@@ -1676,7 +1693,10 @@ class TableBatchedEmbeddingBags(nn.Module):
         if consts is not None:
             key = _vbe_key(bsfr, consts[0])
             if key is not None:
-                plan = state["_vbe_plans"].get(key)
+                plans = state["_vbe_plans"]
+                plan = getattr(plans, "last", None)
+                if plan is None or plan["sizes"] != key:
+                    plan = plans.get(key)
         if plan is None:
             plan = self._vbe_plan_eager(bsfr, key)
         if "ready" in plan:  # (a plan a prefetch made on its stream)
@@ -1686,6 +1706,9 @@ class TableBatchedEmbeddingBags(nn.Module):
         else:  # (a kept plan of another device, or offsets that do not fit: the checked way)
             plan = self._vbe_plan_eager(bsfr)
             padded = self._vbe_pad(offsets, plan)
+        plans = state["_vbe_plans"]
+        if type(plans) is _VbePlans:
+            plans.last = plan  # (the next forward's first guess)
         given = (indices, offsets, plan["sizes"])  # (what a prefetch of this batch was given)
         if plan["direct"]:
             return self._lookup(indices, padded, per_sample_weights, plan["bag_out"], plan["numel"], given=given)

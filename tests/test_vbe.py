@@ -856,6 +856,13 @@ def test_vbe_forward_finds_a_kept_plan_without_building_it_and_still_checks_the_
         again = emb(indices, offsets, batch_size_per_feature_per_rank=[[1, 2], [3, 0]])
         as_tuples = emb(indices, offsets, batch_size_per_feature_per_rank=((1, 2), (3, 0)))
     assert built == [] and torch.equal(again, first) and torch.equal(as_tuples, first)
+    # (the last plan used is tried first; emptying the kept plans forgets it too: a new one is made)
+    assert emb._vbe_plans.last is emb._vbe_plans[_vbe_key([[1, 2], [3, 0]], 2)]
+    emb._vbe_plans.clear()
+    with torch.no_grad():
+        assert torch.equal(emb(indices, offsets, batch_size_per_feature_per_rank=[[1, 2], [3, 0]]), first)
+    assert built == [[[1, 2], [3, 0]]]
+    built.clear()
     # a bool is an int (True a batch of 1), kept plan or not; numpy ints and tensors are converted
     np = pytest.importorskip("numpy")
     for sizes in ([[True, 2], [3, False]], [[np.int64(1), 2], [3, np.int32(0)]], torch.tensor([[1, 2], [3, 0]]),
