@@ -111,6 +111,8 @@ def _is_int(x) -> bool:
 # (the packers of _vbe_key, one per rank count: struct's "=Rq", R int64s in the native byte order)
 _VBE_PACKERS: Dict[int, Any] = {}
 _VBE_ROW_TYPES = frozenset((list, tuple))
+_join_bytes = b"".join
+_starmap = itertools.starmap
 
 
 def _vbe_key(bsfr, num_features: int) -> Optional[bytes]:
@@ -121,8 +123,9 @@ def _vbe_key(bsfr, num_features: int) -> Optional[bytes]:
     int64, or a row of another length raises inside struct, and bsfr then goes the checked way
     (_vbe_sizes: converted or refused with a message). bools, numpy ints and one-element integer
     tensors pack as their values, as _vbe_sizes converts them. Negative sizes pack: the plan
-    operator refuses them. (The kept-plan lookup of a 32 x 16 batch: 3.6 us, against 8.7 for a
-    tuple-of-tuples key, its hash, its comparison and a pass for the type check.)"""
+    operator refuses them. (A kept plan's lookup at 32 x 16 sizes of ~300, fresh int objects as a
+    data loader makes them: 4.9 us, against 9.6 for a tuple-of-tuples key, its hash, its
+    comparison and a pass for the type check; benchmarks/NOTES-cpu.md, "VBE host time".)"""
     if type(bsfr) not in _VBE_ROW_TYPES or len(bsfr) != num_features:
         return None
     try:
@@ -138,9 +141,6 @@ def _vbe_key(bsfr, num_features: int) -> Optional[bytes]:
     except (struct.error, TypeError, ValueError, OverflowError, RuntimeError):
         return None
 
-
-_join_bytes = b"".join
-_starmap = itertools.starmap
 
 
 class _VbePlans(dict):
@@ -1688,12 +1688,11 @@ class TableBatchedEmbeddingBags(nn.Module):
         # so that the sizes are read once. Anything else takes the checked way.
         bsfr = batch_size_per_feature_per_rank
         state = self.__dict__
-        consts = state.get("_vbe_consts")
+        consts, plans = state.get("_vbe_consts"), state.get("_vbe_plans")
         key = plan = None
-        if consts is not None:
+        if consts is not None and plans is not None:
             key = _vbe_key(bsfr, consts[0])
             if key is not None:
-                plans = state["_vbe_plans"]
                 plan = getattr(plans, "last", None)
                 if plan is None or plan["sizes"] != key:
                     plan = plans.get(key)
@@ -1706,7 +1705,7 @@ class TableBatchedEmbeddingBags(nn.Module):
         else:  # (a kept plan of another device, or offsets that do not fit: the checked way)
             plan = self._vbe_plan_eager(bsfr)
             padded = self._vbe_pad(offsets, plan)
-        plans = state["_vbe_plans"]
+        plans = state.get("_vbe_plans")
         if type(plans) is _VbePlans:
             plans.last = plan  # (the next forward's first guess)
         given = (indices, offsets, plan["sizes"])  # (what a prefetch of this batch was given)
