@@ -106,7 +106,9 @@ def test_cuda_bounds_check_waits_for_nothing_and_matches_the_cpu(mode):
     warns once, from a later call (the next forward, once the GPU has copied the first batch's
     finding: the .cpu() below waits for it) or the final poll, IGNORE never."""
     cpu, gpu = _compat(mode), _compat(mode, "cuda")
-    gpu.load_state_dict({k: v.cuda() for k, v in cpu.state_dict().items()})
+    with torch.no_grad():  # (the same starting weights: the two placements' state_dict keys differ)
+        for theirs, ours in zip(cpu.split_embedding_weights(), gpu.split_embedding_weights()):
+            ours.copy_(theirs)
     torch.cuda.synchronize()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
