@@ -1,9 +1,9 @@
-"""The any-width backward's prefetching variant for wide rows (TBEGEN_ANY_WIDTH_PREFETCH=1; issue 29).
+"""The any-width backward's prefetching variant for wide rows (TBEGEN_ANY_WIDTH_PREFETCH; issue 29).
 
 Rows wider than the 4-wide backward takes (512 columns by default: 600- and 1024-wide fp32 rows,
 2048-wide fp16 rows, and odd widths) are updated by the any-width kernels
-(templates/include/tbegen/cuda_any_width.cuh). With the switch set, the launch takes their
-kPrefetch instantiation: the occurrence sum issues a row slice's loads together and starts from
+(templates/include/tbegen/cuda_any_width.cuh). With the switch at 1 (and, by default, for float
+rows wider than 512 columns) the launch takes their kPrefetch instantiation; at 0 never: the occurrence sum issues a row slice's loads together and starts from
 zero, and the warp prefetches the row into L1 before the optimizer's update. The arithmetic and its
 order are unchanged, so every weight, state and output must be bitwise those of the default
 kernels, for short runs (warp kernel), hot rows (segment and finish kernels), per-sample weights,
@@ -57,7 +57,7 @@ def _bits_equal(a, b):
 def test_prefetch_variant_gives_the_default_bits(load_ops, monkeypatch, name, case_id):
     spec, ops = load_ops(name)
     case = CASES[case_id]
-    monkeypatch.delenv(SWITCH, raising=False)
+    monkeypatch.setenv(SWITCH, "0")  # (the default kernels: unset takes the variant for wide float rows)
     out_d, w_d, st_d = _train(ops, spec, case, "cuda")
     monkeypatch.setenv(SWITCH, "1")
     out_v, w_v, st_v = _train(ops, spec, case, "cuda")
@@ -72,6 +72,9 @@ def test_prefetch_variant_gives_the_default_bits(load_ops, monkeypatch, name, ca
     for a, b in zip(out_v, out_d):
         assert _bits_equal(a, b), "forward output differs (the second step's uses the updated weights)"
     assert _bits_equal(w_v2, w_v) and all(_bits_equal(st_v2[k], st_v[k]) for k in st_v), "variant not deterministic"
+    monkeypatch.delenv(SWITCH)  # the default choice (the variant or not, by dtype and width): the same bits
+    out_a, w_a, st_a = _train(ops, spec, case, "cuda")
+    assert _bits_equal(w_a, w_d) and all(_bits_equal(st_a[k], st_d[k]) for k in st_d), "default choice differs"
 
 
 @pytest.mark.parametrize("case_id", ["fp32-D600-1024-weighted-hot", "fp16-D2048-weighted-hot"])

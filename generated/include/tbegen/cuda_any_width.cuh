@@ -27,10 +27,13 @@
 // per column); only the split of the row reductions over lanes differs, so results agree with
 // the 4-wide path to rounding, and are deterministic (bitwise) for a given layout.
 //
-// TBEGEN_ANY_WIDTH_PREFETCH=1 (read at every launch: launch_any_width) takes the kPrefetch
-// instantiation of the three update kernels (float and fp16 weights), a variant for wide rows
-// (issue 29: 600-1024-wide fp32 and 2048-wide fp16 rows) with the same arithmetic in the same
-// order, so the same bits (tests/test_wide_rows.py):
+// The kPrefetch instantiation of the three update kernels is a variant for wide rows (issue 29)
+// with the same arithmetic in the same order, so the same bits (tests/test_wide_rows.py). Which
+// one a launch takes (launch_any_width; TBEGEN_ANY_WIDTH_PREFETCH, read at every launch): by
+// default the variant for float weights when some row is wider than 512 columns (measured on the
+// H200, landing8: 1024-wide fp32 rows' backward 1.2-1.4x faster, sgd 7.95 -> 6.53 ms, adam 14.66
+// -> 10.49) and the default kernels otherwise; "1" the variant for float and fp16 weights whatever
+// the width (fp16's 2048-wide rows: not yet measured), "0" never. The variant:
 //  - with 4-wide float rows, the occurrence sum (add_occurrences_4wide_batched) issues each
 //    occurrence's 8 slice loads together (ptxas interleaves the default's loads with its sums:
 //    two 16-byte loads in flight per lane), starts from zero instead of re-loading the row that
@@ -59,14 +62,19 @@ namespace any_width {
 
 // ---- the prefetching variant (TBEGEN_ANY_WIDTH_PREFETCH) -----------------------------------------
 
-// The switch: unset, empty or "0" off, "1" on; anything else is refused (a typo must not time the
-// default path under the variant's name).
-inline bool prefetch_from_env() {
+// The switch: unset or empty kAuto, "0" kOff, "1" kOn; anything else is refused (a typo must not
+// time one path under the other's name).
+enum class PrefetchMode { kAuto, kOff, kOn };
+inline PrefetchMode prefetch_mode_from_env() {
   const char* v = std::getenv("TBEGEN_ANY_WIDTH_PREFETCH");
-  if (v == nullptr || *v == '\0' || std::strcmp(v, "0") == 0) return false;
-  if (std::strcmp(v, "1") == 0) return true;
-  throw std::invalid_argument(std::string("tbegen: TBEGEN_ANY_WIDTH_PREFETCH must be 0 or 1, got '") + v + "'");
+  if (v == nullptr || *v == '\0') return PrefetchMode::kAuto;
+  if (std::strcmp(v, "0") == 0) return PrefetchMode::kOff;
+  if (std::strcmp(v, "1") == 0) return PrefetchMode::kOn;
+  throw std::invalid_argument(std::string("tbegen: TBEGEN_ANY_WIDTH_PREFETCH must be 0 or 1 (or unset), got '") + v + "'");
 }
+
+// kAuto's choice: the variant where it was measured faster, float rows wider than this.
+constexpr int64_t kPrefetchAutoMinD = 512;
 
 // Asks L1 for the 128-byte lines that hold bytes [p, p + bytes): lane l the lines l, l + 32, ...
 // (a hint: no register waits for it; a later load of the line waits only for what is in flight).

@@ -162,7 +162,7 @@ cudaError_t launch_backward(const BackwardLaunch& l) {
 }
 
 // Launches the three any-width update kernels for optimizer Opt; returns the first launch error.
-// (kPrefetch: their prefetching variant, TBEGEN_ANY_WIDTH_PREFETCH=1, for float and fp16 weights.)
+// (kPrefetch: their prefetching variant for wide rows, chosen by launch_any_width below.)
 template <class Opt, typename W, bool kPrefetch>
 cudaError_t launch_any_width_kernels(const AnyWidthLaunch& l) {
   const typename Opt::Params& p = *static_cast<const typename Opt::Params*>(l.params);
@@ -181,11 +181,16 @@ cudaError_t launch_any_width_kernels(const AnyWidthLaunch& l) {
 }
 template <class Opt, typename W>
 cudaError_t launch_any_width(const AnyWidthLaunch& l) {
-  const bool prefetch = any_width::prefetch_from_env();  // (read, and checked, whatever the dtype)
-  if constexpr (std::is_same<W, float>::value || std::is_same<W, c10::Half>::value) {
-    if (prefetch) return launch_any_width_kernels<Opt, W, true>(l);
+  using any_width::PrefetchMode;
+  const PrefetchMode mode = any_width::prefetch_mode_from_env();  // (read, and checked, whatever the dtype)
+  if constexpr (std::is_same<W, float>::value) {
+    if (mode == PrefetchMode::kOn || (mode == PrefetchMode::kAuto && l.a.max_D > any_width::kPrefetchAutoMinD)) {
+      return launch_any_width_kernels<Opt, W, true>(l);
+    }
+  } else if constexpr (std::is_same<W, c10::Half>::value) {
+    if (mode == PrefetchMode::kOn) return launch_any_width_kernels<Opt, W, true>(l);
   }
-  (void)prefetch;  // (bf16 and int8 weights: the default kernels)
+  (void)mode;  // (bf16 and int8 weights: the default kernels)
   return launch_any_width_kernels<Opt, W, false>(l);
 }
 
