@@ -66,8 +66,9 @@ def parse_args(argv=None):
                     help="tbegen: also time steps in TorchRec's prefetch pipeline order: the next batch prefetched on a "
                          "side stream between forward and backward (its prefetch runs beside the backward)")
     ap.add_argument("--row-copy", action="store_true",
-                    help="tbegen: also time the cached steps with TBEGEN_CACHE_ROW_COPY=1 (the cache's row moves with "
-                         "_copy_rows: loads and write-backs at once, each on half the SMs)")
+                    help="tbegen: time the cached steps both ways: with TBEGEN_CACHE_ROW_COPY=1 (the default on CUDA: "
+                         "row moves with _copy_rows, loads and write-backs at once, each on half the SMs; rows "
+                         "labelled '(row copy)') and =0 (torch's index kernels; the unlabelled rows)")
     ap.add_argument("--profile", action="store_true",
                     help="after timing, profile 3 more tbegen steps per cached placement (torch.profiler): where the "
                          "host and the GPU spend the step, op by op, and how often the host waits (profile-*.txt)")
@@ -194,7 +195,7 @@ def count_host_waits(step, batches, steps: int = 3) -> float:
     return audit.count / steps
 
 
-def bench_tbegen(args, batches, grad, fraction, prefetch_ahead=False, row_copy=False, pipelined=False):
+def bench_tbegen(args, batches, grad, fraction, prefetch_ahead=False, row_copy=None, pipelined=False):
     from tbegen import TableBatchedEmbeddingBags
 
     tables = [(args.rows, args.dim)] * args.tables
@@ -203,12 +204,13 @@ def bench_tbegen(args, batches, grad, fraction, prefetch_ahead=False, row_copy=F
         kw.update(placements="managed_caching", cache_load_factor=fraction, cache_algorithm=args.algorithm)
     t0 = time.perf_counter()
     saved = os.environ.get("TBEGEN_CACHE_ROW_COPY")
-    os.environ["TBEGEN_CACHE_ROW_COPY"] = "1" if row_copy else "0"  # (read when the cache is made)
+    if row_copy is not None:  # (None: the module's default; read when the cache is made)
+        os.environ["TBEGEN_CACHE_ROW_COPY"] = "1" if row_copy else "0"
     try:
         emb = TableBatchedEmbeddingBags(tables, **kw)
     finally:
         if saved is None:
-            del os.environ["TBEGEN_CACHE_ROW_COPY"]
+            os.environ.pop("TBEGEN_CACHE_ROW_COPY", None)
         else:
             os.environ["TBEGEN_CACHE_ROW_COPY"] = saved
     _sync()
@@ -230,7 +232,8 @@ def bench_tbegen(args, batches, grad, fraction, prefetch_ahead=False, row_copy=F
                    cuda=args.device != "cpu")
     if args.profile and fraction is not None:
         r["profile"] = profile_steps(args, step, batches, f"tbegen-{fraction:g}")
-    r.update(system="tbegen", construct_s=construct_s, prefetch_ahead=prefetch_ahead, row_copy=row_copy,
+    r.update(system="tbegen", construct_s=construct_s, prefetch_ahead=prefetch_ahead,
+             row_copy=bool(emb._cache is not None and emb._cache._row_copy_blocks),
              pipelined=pipelined,
              row_copy_blocks=emb._cache._row_copy_blocks if emb._cache is not None else None,
              peak_gpu_mem_gb=torch.cuda.max_memory_allocated() / 1e9 if args.device != "cpu" else None)
@@ -400,11 +403,15 @@ def main(argv=None) -> int:
 
     for name, fraction in placements:
         if "tbegen" in args.system_list:
-            record("tbegen", name, lambda: bench_tbegen(args, batches, grad, fraction))
+            # (with --row-copy these rows are its other half, TBEGEN_CACHE_ROW_COPY=0; else the default)
+            plain = False if args.row_copy else None
+            record("tbegen", name, lambda: bench_tbegen(args, batches, grad, fraction, row_copy=plain))
             if args.prefetch_ahead and fraction is not None:
-                record("tbegen", name, lambda: bench_tbegen(args, batches, grad, fraction, prefetch_ahead=True))
+                record("tbegen", name, lambda: bench_tbegen(args, batches, grad, fraction, prefetch_ahead=True,
+                                                            row_copy=plain))
             if args.pipelined and fraction is not None and args.device != "cpu":
-                record("tbegen", name, lambda: bench_tbegen(args, batches, grad, fraction, pipelined=True))
+                record("tbegen", name, lambda: bench_tbegen(args, batches, grad, fraction, pipelined=True,
+                                                            row_copy=plain))
             if args.row_copy and fraction is not None:
                 record("tbegen", name, lambda: bench_tbegen(args, batches, grad, fraction, row_copy=True))
                 if args.prefetch_ahead:

@@ -41,7 +41,7 @@ def copy_rows_reference(dst, dst_rows, src, src_rows, max_blocks, calls=None):
 
 
 def with_row_copy(module, op, blocks=3):
-    """The module's cache moving its rows through `op` (what TBEGEN_CACHE_ROW_COPY=1 does on CUDA)."""
+    """The module's cache moving its rows through `op` (what it does on CUDA unless TBEGEN_CACHE_ROW_COPY=0)."""
     module._cache._row_copy_op = op
     module._cache._row_copy_blocks = blocks
     return module
@@ -82,10 +82,17 @@ def test_a_wrong_operator_is_caught():
         assert_same_tables(device, cached)
 
 
-def test_off_on_the_cpu_and_by_default(monkeypatch):
+def test_off_on_the_cpu(monkeypatch):
     monkeypatch.setenv("TBEGEN_CACHE_ROW_COPY", "1")
     emb = TableBatchedEmbeddingBags(TABLES, optimizer="sgd", placements=MIXED, cache_rows=12)
     assert emb._cache._row_copy_blocks == 0  # (no such operator in a CPU build, and a CPU device)
+
+
+@pytest.mark.parametrize("value", ["yes", "2", "off"])
+def test_switch_refuses_other_values(monkeypatch, value):
+    monkeypatch.setenv("TBEGEN_CACHE_ROW_COPY", value)
+    with pytest.raises(ValueError, match="TBEGEN_CACHE_ROW_COPY"):
+        TableBatchedEmbeddingBags(TABLES, optimizer="sgd", placements=MIXED, cache_rows=12)
 
 
 # ---- on a GPU ------------------------------------------------------------------------------------
@@ -170,7 +177,7 @@ def test_cuda_copy_rows_refuses_bad_arguments():
     ("rowwise_adagrad", torch.float16, "lru"),
 ])
 def test_cuda_cached_training_with_row_copy_like_device(monkeypatch, optimizer, dtype, algorithm):
-    monkeypatch.setenv("TBEGEN_CACHE_ROW_COPY", "1")
+    monkeypatch.delenv("TBEGEN_CACHE_ROW_COPY", raising=False)  # (on by default on CUDA)
     data = batches(BIG, 6, B=64, L=8, seed=13, device="cuda", weighted=True)
     kw = dict(optimizer=optimizer, weights_dtype=dtype, device="cuda", learning_rate=0.05, stochastic_rounding=False)
     device = TableBatchedEmbeddingBags(BIG, **kw)
@@ -180,3 +187,10 @@ def test_cuda_cached_training_with_row_copy_like_device(monkeypatch, optimizer, 
     torch.cuda.synchronize()
     assert_same_tables(device, cached)
     assert cached.cache_stats()["rows_written_back"] > 0
+
+
+@cuda
+def test_cuda_row_copy_off_with_the_switch_at_zero(monkeypatch):
+    monkeypatch.setenv("TBEGEN_CACHE_ROW_COPY", "0")
+    cached = TableBatchedEmbeddingBags(BIG, optimizer="sgd", device="cuda", placements=GPU_MIXED, cache_rows=1000)
+    assert cached._cache._row_copy_blocks == 0
