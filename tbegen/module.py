@@ -912,16 +912,18 @@ class TableBatchedEmbeddingBags(nn.Module):
         raise RuntimeError(f"tbegen: indices[{i}] = {value} is out of range for feature {feature}, whose table "
                            f"(table {table}, placement 'managed_caching') has {rows} rows (nothing was updated)")
 
-    def _prepare(self, indices: torch.Tensor, offsets: torch.Tensor, lookup: bool = True) -> cache_.Ticket:
+    def _prepare(self, indices: torch.Tensor, offsets: torch.Tensor, lookup: bool = True,
+                 defer: bool = False) -> Optional[cache_.Ticket]:
         """The cache's lookup of a batch (RowCache.prepare), after the cache's latest use on every
         other stream (`lookup`: this use leaves held slots alone; a backward's second lookup is
-        part of a settling use)."""
+        part of a settling use). `defer` (a prefetch): None where the batch would evict rows
+        held for other batches (RowCache.prepare)."""
         self._cache_order.enter(self._registered("weights").device, lookup=lookup)
         if self._cache.needs_int64 and indices.dtype != torch.int64:
             indices, offsets = indices.to(torch.int64), offsets.to(torch.int64)
         batch = (offsets.numel() - 1) // self.layout.num_features
         bad = self._bad_cached_index if self._errors.mode == "raise" else None
-        return self._cache.prepare(indices, offsets, batch, self._cache_buffers(), bad_index_error=bad)
+        return self._cache.prepare(indices, offsets, batch, self._cache_buffers(), bad_index_error=bad, defer=defer)
 
     def _take_prefetched(self, indices: torch.Tensor, offsets: torch.Tensor, sizes=None) -> Optional[cache_.Ticket]:
         """The ticket `prefetch` made for these very tensors (unchanged since) and VBE sizes
@@ -981,7 +983,10 @@ class TableBatchedEmbeddingBags(nn.Module):
         ahead of `forward(indices, offsets)` with these same tensors (which then skips its own
         lookup while no row was evicted in between; FBGEMM's prefetch). Several batches may be
         prefetched ahead, in the order of their forwards. Does nothing without cached tables
-        (the arguments are checked all the same).
+        (the arguments are checked all the same). Where the batch's rows would evict rows held
+        for batches forwarded or prefetched before it whose backwards have not run (a cache too
+        small for two batches), it changes nothing and the batch's forward looks it up itself
+        (`cache_stats()["deferred"]` counts these).
 
         `batch_size_per_feature_per_rank`: a variable batch (VBE), prefetched for the forward
         given the same tensors and sizes (its offsets padded as that forward pads them).
@@ -1013,9 +1018,11 @@ class TableBatchedEmbeddingBags(nn.Module):
         checked_indices, checked_offsets, _ = self._check_input(indices, offsets, None)
         if self._cache is None:
             return
-        ticket = self._prepare(checked_indices, checked_offsets)
-        self._cache.hold(ticket)  # (its rows stay until its backward, or until held too long)
+        ticket = self._prepare(checked_indices, checked_offsets, defer=True)
         point = self._cache_order.leave(self._registered("weights").device, lookup=True)  # (the forward waits for it)
+        if ticket is None:  # (deferred: the batch's rows do not fit beside those held for earlier batches)
+            return
+        self._cache.hold(ticket)  # (its rows stay until its backward, or until held too long)
         if forward_stream is not None and point is not None and forward_stream != point[0]:
             _record_ticket(ticket, forward_stream)
         self._prefetched.append((indices, given_offsets, indices._version, given_offsets._version, sizes, point,

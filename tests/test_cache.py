@@ -127,14 +127,28 @@ def test_fp16_stochastic_rounding_is_deterministic():
         torch.testing.assert_close(x.float(), y.float(), atol=2e-3, rtol=0)
 
 
-def test_prefetch_ahead_with_evictions_in_between():
-    """prefetch(batch k+1) between forward and backward of batch k, with a cache so small that
-    the prefetch evicts batch k's rows: the backward puts them back first; same numbers."""
+@pytest.mark.parametrize("defer", [True, False])
+def test_prefetch_ahead_with_evictions_in_between(defer):
+    """prefetch(batch k+1) between forward and backward of batch k, with a cache too small for
+    both batches: the prefetch is deferred (nothing moves; batch k+1's forward looks it up), so
+    every batch is looked up once. Without the deferral (the behaviour before landing8: every
+    hold let go, batch k's rows evicted, its backward putting them back, batch k+1's forward
+    looking up again) the batches are looked up more often; the numbers are the same either way."""
     data = batches(TABLES, 6, seed=7, weighted=True)
     kw = dict(optimizer="adam", learning_rate=0.05)
     device = train(TableBatchedEmbeddingBags(TABLES, **kw), data)
-    cached = _train_prefetching_ahead(TableBatchedEmbeddingBags(TABLES, placements=MIXED, cache_rows=12, **kw), data)
+    cached = TableBatchedEmbeddingBags(TABLES, placements=MIXED, cache_rows=12, **kw)
+    if not defer:
+        prepare = cached._cache.prepare
+        cached._cache.prepare = lambda *a, defer=False, **k: prepare(*a, **k)
+    _train_prefetching_ahead(cached, data)
     assert_same_tables(device, cached)
+    stats = cached.cache_stats()
+    if defer:
+        assert stats["deferred"] > 0
+        assert stats["prepares"] == len(data)  # each batch looked up once
+    else:
+        assert stats["deferred"] == 0 and stats["prepares"] > len(data)
 
 
 @pytest.mark.parametrize("algorithm", ["lru", "lfu"])
@@ -149,7 +163,7 @@ def test_prefetch_ahead_keeps_the_batch_in_flight(algorithm):
     _train_prefetching_ahead(cached, data)
     assert_same_tables(device, cached)
     stats = cached.cache_stats()
-    assert stats["evictions"] > 0
+    assert stats["evictions"] > 0 and stats["deferred"] == 0
     assert stats["prepares"] == len(data)  # no batch looked up a second time by its backward
 
 
