@@ -1069,7 +1069,8 @@ class TableBatchedEmbeddingBags(nn.Module):
         `backing_lookups`, `backing_rows` (indices and distinct rows read and updated in managed
         memory in place, because a batch had more distinct rows of a table than its cache holds),
         `bypasses` (of those, table-batches of "compact" tables, whose cache was emptied for
-        them); `resident_rows`, `dirty_rows`, `cache_rows` ({table: slots}), `direct` ({table:
+        them); `deferred` (prefetches that left their batch to its forward: `prefetch`);
+        `resident_rows`, `dirty_rows`, `cache_rows` ({table: slots}), `direct` ({table:
         whether its slots continue its rows}, docs/placements.md) and `algorithm`. An empty dict
         without cached tables."""
         if self._cache is None:
