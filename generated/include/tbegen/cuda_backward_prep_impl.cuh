@@ -65,6 +65,23 @@ static __global__ void __launch_bounds__(256) gather_occurrences_kernel(int64_t 
   }
 }
 
+// Step 3c of a VBE batch with TBEGEN_VBE_GRAD_OFFSETS=1 (Occurrences::grad_at): each occurrence's
+// output-gradient row offset in sorted order, bag_out[bag] of its sorted bag. One coalesced read
+// and write per occurrence, and the random read of bag_out that the update kernels would
+// otherwise make per occurrence, on their critical path, between the bag and the row.
+static __global__ void __launch_bounds__(256) gather_grad_offsets_kernel(int64_t n, int64_t nbags,
+                                                                         const int32_t* __restrict__ sorted_bag,
+                                                                         const int64_t* __restrict__ bag_out,
+                                                                         int32_t* grad_at) {
+  for (int64_t j = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; j < n; j += int64_t(gridDim.x) * blockDim.x) {
+    // (clamped: after malformed offsets some bags are never written, and nothing is updated; a
+    // bag with occurrences is no padding, so its offset is >= 0 and, the output being at most
+    // INT32_MAX elements (vbe_grad_offsets_enabled's caller), fits)
+    const int32_t bag = int32_t(min(max(int64_t(sorted_bag[j]), int64_t(0)), nbags - 1));
+    grad_at[j] = int32_t(bag_out[bag]);
+  }
+}
+
 // Bytes of an array of `n` elements of `size` bytes carved from a shared allocation, rounded up
 // to 256 so that every array starts 256-byte aligned (as an allocation of its own would).
 inline int64_t slice_bytes(int64_t n, int64_t size) { return (std::max<int64_t>(n, 1) * size + 255) / 256 * 256; }
@@ -92,7 +109,8 @@ void run_cub_in_turn(const at::Tensor& like, A1&& first, A2&& second, A3&& third
 template <typename K>
 void linearize_and_sort(const Batch& b, const ForwardArgs& fa, const at::Tensor& weights, const at::Tensor& indices,
                         const at::Tensor& offsets, int64_t total_hash_size, bool check_finite, bool values_are_bags,
-                        bool scaled, bool with_tickets, cudaStream_t stream, PreparedBackward& out) {
+                        bool scaled, bool with_tickets, const int64_t* vbe_grad_offsets, cudaStream_t stream,
+                        PreparedBackward& out) {
   TBEGEN_CHECK(!(scaled && values_are_bags), "tbegen: internal error: scaled occurrences need their positions");
   const auto bytes_opts = weights.options().dtype(at::kByte);
   const int n = int(b.N);
@@ -128,7 +146,8 @@ void linearize_and_sort(const Batch& b, const ForwardArgs& fa, const at::Tensor&
   unsorted.reset();
   // 3. runs: the sorted positions where the key changes; the long runs (at most n / threshold of
   //    them), and their segments. One allocation: starts, counts [runs, long runs] and the
-  //    tickets, long_ids, segments, and for step 3b the sorted bags and scales
+  //    tickets, long_ids, segments, for step 3b the sorted bags and scales, and for step 3c the
+  //    occurrences' output-gradient offsets
   const int32_t threshold = out.runs.max_segment_length_per_warp;
   out.max_long_runs = b.N / threshold + 1;
   const int64_t at_counts = int_bytes;
@@ -136,7 +155,8 @@ void linearize_and_sort(const Batch& b, const ForwardArgs& fa, const at::Tensor&
   const int64_t at_segments = at_long_ids + slice_bytes(out.max_long_runs, sizeof(int32_t));
   const int64_t at_bags = at_segments + slice_bytes(out.max_long_runs + 1, sizeof(int2));
   const int64_t at_scales = at_bags + (values_are_bags ? 0 : int_bytes);
-  at::Tensor run_storage = at::empty({at_scales + (scaled ? int_bytes : 0)}, bytes_opts);
+  const int64_t at_grad_at = at_scales + (scaled ? int_bytes : 0);
+  at::Tensor run_storage = at::empty({at_grad_at + (vbe_grad_offsets != nullptr ? int_bytes : 0)}, bytes_opts);
   uint8_t* base = run_storage.data_ptr<uint8_t>();
   int32_t* starts = reinterpret_cast<int32_t*>(base);
   int32_t* counts = reinterpret_cast<int32_t*>(base + at_counts);
@@ -144,6 +164,7 @@ void linearize_and_sort(const Batch& b, const ForwardArgs& fa, const at::Tensor&
   int2* segments = reinterpret_cast<int2*>(base + at_segments);
   int32_t* sorted_bag = values_are_bags ? sorted_values : reinterpret_cast<int32_t*>(base + at_bags);
   float* sorted_scale = scaled ? reinterpret_cast<float*>(base + at_scales) : nullptr;
+  int32_t* grad_at = vbe_grad_offsets != nullptr ? reinterpret_cast<int32_t*>(base + at_grad_at) : nullptr;
   if (with_tickets) {
     out.tickets = counts + 4;
     TBEGEN_CUDA_CHECK(cudaMemsetAsync(out.tickets, 0, 5 * sizeof(int32_t), stream));
@@ -177,6 +198,12 @@ void linearize_and_sort(const Batch& b, const ForwardArgs& fa, const at::Tensor&
         b.N, sorted_values, bag_of, scale_of, sorted_bag, sorted_scale);
     TBEGEN_CUDA_CHECK(cudaGetLastError());
   }
+  // 3c. (VBE, TBEGEN_VBE_GRAD_OFFSETS=1) each occurrence's output-gradient offset in sorted order
+  if (grad_at != nullptr) {
+    gather_grad_offsets_kernel<<<grid_for(b.N / kWarpSize + 1), kThreads, 0, stream>>>(b.N, b.F * b.B, sorted_bag,
+                                                                                       vbe_grad_offsets, grad_at);
+    TBEGEN_CUDA_CHECK(cudaGetLastError());
+  }
 
   out.runs.keys = sorted_keys;
   out.runs.wide_keys = sizeof(K) == 8;
@@ -188,6 +215,7 @@ void linearize_and_sort(const Batch& b, const ForwardArgs& fa, const at::Tensor&
   out.occurrences.position = sorted_values;  // (read for pooling none only)
   out.occurrences.bag = sorted_bag;
   out.occurrences.scale = sorted_scale;
+  out.occurrences.grad_at = grad_at;
   out.storage = {sorted, run_storage};
 }
 
@@ -195,7 +223,7 @@ PreparedBackward prepare_backward(const Batch& b, const at::Tensor& grad_output,
                                   const at::Tensor& features, int64_t total_hash_size, const at::Tensor& indices,
                                   const at::Tensor& offsets, const c10::optional<at::Tensor>& per_sample_weights,
                                   int64_t max_segment_length_per_warp, const at::Tensor& error, bool check_finite,
-                                  bool with_tickets) {
+                                  bool with_tickets, const int64_t* vbe_grad_offsets) {
   const auto stream = at::cuda::getCurrentCUDAStream();
   PreparedBackward out;
   out.runs.max_segment_length_per_warp = int32_t(std::min<int64_t>(max_segment_length_per_warp, INT32_MAX));
@@ -220,13 +248,15 @@ PreparedBackward prepare_backward(const Batch& b, const at::Tensor& grad_output,
   const bool scaled = b.weighted || b.pooling == kPoolMean;
   // sum/mean pooling without per-sample weights needs only each occurrence's bag
   const bool values_are_bags = !scaled && b.pooling != kPoolNone;
+  TBEGEN_CHECK(vbe_grad_offsets == nullptr || b.pooling != kPoolNone,
+               "tbegen: internal error: VBE gradient offsets for a batch without pooling");
   const ForwardArgs fa = forward_args(b, features, weights, per_sample_weights, nullptr, error);
   if (total_hash_size + 1 <= int64_t(INT32_MAX)) {
     linearize_and_sort<int32_t>(b, fa, weights, indices, offsets, total_hash_size, check_finite, values_are_bags,
-                                scaled, with_tickets, stream, out);
+                                scaled, with_tickets, vbe_grad_offsets, stream, out);
   } else {
     linearize_and_sort<int64_t>(b, fa, weights, indices, offsets, total_hash_size, check_finite, values_are_bags,
-                                scaled, with_tickets, stream, out);
+                                scaled, with_tickets, vbe_grad_offsets, stream, out);
   }
   if (check_finite && grad_output.numel() > 0) wait_event(checked, stream);
   return out;

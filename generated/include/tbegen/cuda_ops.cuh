@@ -397,6 +397,21 @@ inline int short_run_waves() {
   return n > 0 ? std::min(n, 64) : 0;
 }
 
+// Whether a VBE batch's backward gathers each occurrence's output-gradient row offset once after
+// the sort (Occurrences::grad_at, prepare_backward's step 3c) instead of the update kernels reading
+// the plan's bag_out table per occurrence, between the occurrence's bag and its row (issue 25: on
+// the H200 the kernel-bound VBE step, bench_vbe.py mild-large, was 1.04-1.05x the padded step, the
+// backward ~0.15 ms longer). TBEGEN_VBE_GRAD_OFFSETS: unset, empty or "0" off (the default), "1"
+// on; anything else is refused (a typo must not time one path under the other's name). Read at
+// every call; the same bits either way (the same rows summed in the same order). Outputs of more
+// than INT32_MAX elements keep the default (the offsets are int32).
+inline bool vbe_grad_offsets_enabled() {
+  const char* v = std::getenv("TBEGEN_VBE_GRAD_OFFSETS");
+  if (v == nullptr || *v == '\0' || std::strcmp(v, "0") == 0) return false;
+  TBEGEN_CHECK(std::strcmp(v, "1") == 0, "tbegen: TBEGEN_VBE_GRAD_OFFSETS must be 0 or 1 (or unset), got '", v, "'");
+  return true;
+}
+
 // The backward pass with an optimizer fused in (docs/algorithm.md): prepare_backward sorts and
 // segments the batch, then the optimizer's update kernels (`kernels`, launched with its `params`:
 // see cuda_backward.h) sum each unique row's gradient and update it once: one warp per short
@@ -428,10 +443,13 @@ __attribute__((visibility("hidden"))) void backward_cuda(
   const auto stream = at::cuda::getCurrentCUDAStream();
   const at::Tensor error = error_record_for(error_record, weights);
 
-  // (with the 4-wide kernels' ticket counters, zeroed: PreparedBackward::tickets)
+  // (with the 4-wide kernels' ticket counters, zeroed: PreparedBackward::tickets; for a VBE batch
+  // with TBEGEN_VBE_GRAD_OFFSETS=1, each occurrence's output-gradient offset)
+  const bool grad_offsets = bag_out != nullptr && b.pooling != kPoolNone && vbe_grad_offsets_enabled() &&
+                            grad_output.numel() <= int64_t(INT32_MAX);
   const PreparedBackward prep = prepare_backward(b, grad_output, weights, features, total_hash_size, indices, offsets,
                                                  per_sample_weights, max_segment_length_per_warp, error, check_finite,
-                                                 vector_path);
+                                                 vector_path, grad_offsets ? bag_out : nullptr);
 
   BackwardArgs a;
   a.feat = features.data_ptr<int64_t>();
@@ -442,6 +460,7 @@ __attribute__((visibility("hidden"))) void backward_cuda(
   a.pooling = pooling;
   a.grad_output = grad_output.data_ptr<float>();
   a.bag_out = bag_out;
+  a.grad_at_position = prep.occurrences.grad_at != nullptr;
   a.error = error.data_ptr<int64_t>();
   a.skip_bad_indices = skip_bad_indices;
   a.long_run_l2_hint = env_is_one("TBEGEN_LONG_RUN_L2_HINT");
