@@ -12,6 +12,10 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cstdlib>
+#include <cstring>
+#include <stdexcept>
+#include <string>
 #include <type_traits>
 
 #include "tbegen/cuda_any_width.cuh"
@@ -120,11 +124,25 @@ inline int short_run_grid(const BackwardLaunch& l, int resident_per_sm) {
   return l.short_run_waves > 0 ? within_waves(l.warp_blocks, l.short_run_waves, resident_per_sm, l.sms) : l.warp_blocks;
 }
 
+// TBEGEN_GROUP_ROWS_CACHED (issue 29, opt-in, read at every launch): "1" makes the group kernel
+// for float weights read and write its rows' weights and states with the default cache policy
+// instead of evict-first (backward_group_kernel's kStreamRows = false: the same bits); unset,
+// empty or "0" the default; anything else is refused (a typo must not time one path under the
+// other's name).
+inline bool group_rows_cached() {
+  const char* v = std::getenv("TBEGEN_GROUP_ROWS_CACHED");
+  if (v == nullptr || *v == '\0' || std::strcmp(v, "0") == 0) return false;
+  if (std::strcmp(v, "1") == 0) return true;
+  throw std::invalid_argument(std::string("tbegen: TBEGEN_GROUP_ROWS_CACHED must be 0 or 1 (or unset), got '") + v + "'");
+}
+
 // Launches the three update kernels for optimizer Opt; returns the first launch error.
 template <class Opt, typename W, int kVecs>
 cudaError_t launch_backward(const BackwardLaunch& l) {
   const typename Opt::Params& p = *static_cast<const typename Opt::Params*>(l.params);
   W* weights = static_cast<W*>(l.weights);
+  const bool rows_cached = group_rows_cached();  // (read, and checked, whichever kernel runs)
+  (void)rows_cached;
   if (l.long_runs) {
     // at most one resident wave of segment blocks: each block strides over the segments, so a
     // block that starts late (a second, partial wave: 1.6 waves in C2, ncu of run Y) ends late
@@ -149,6 +167,17 @@ cudaError_t launch_backward(const BackwardLaunch& l) {
   // TBEGEN_ELEMENT_LANE_GROUPS=0 (l.element_lane_groups).
   if constexpr (kVecs == 1 || (kVecs == 2 && Opt::kElementStates == 0)) {
     if (l.lane_groups && (Opt::kElementStates == 0 || l.element_lane_groups)) {
+      // TBEGEN_GROUP_ROWS_CACHED=1 (group_rows_cached): the variant whose rows take the default
+      // cache policy instead of evict-first, float weights only (the A/B's subject: fp32 rows of
+      // 20 columns); the same bits
+      if constexpr (std::is_same<W, float>::value) {
+        if (rows_cached) {
+          static const int resident_cached = resident_blocks_per_sm(backward_group_kernel<Opt, W, kVecs, false>, l.threads);
+          backward_group_kernel<Opt, W, kVecs, false><<<short_run_grid(l, resident_cached), l.threads, 0, l.stream>>>(
+              l.a, l.runs, l.occurrences, p, l.ctx, weights);
+          return cudaGetLastError();
+        }
+      }
       static const int resident_per_sm = resident_blocks_per_sm(backward_group_kernel<Opt, W, kVecs>, l.threads);
       backward_group_kernel<Opt, W, kVecs><<<short_run_grid(l, resident_per_sm), l.threads, 0, l.stream>>>(
           l.a, l.runs, l.occurrences, p, l.ctx, weights);

@@ -866,7 +866,9 @@ __device__ __forceinline__ void add_chunk_batched(const BackwardArgs& a, const O
 // (the host sends a module with a float16/bfloat16 state to the any-width kernels,
 // BackwardKernels::vector_states_fit): a run-time choice of state dtype here raised every
 // kernel's register count and made the float32 kernels spill (benchmarks/NOTES-gpu.md, run J).
-template <class Opt, typename W, class Row>
+// kOnce (load4_row): the streaming (evict-first) policy for the row's weights and states, the
+// default; the group kernel's TBEGEN_GROUP_ROWS_CACHED variant loads and stores them plainly.
+template <class Opt, typename W, bool kOnce = true, class Row>
 __device__ __forceinline__ void load_row(Row& row, const typename Opt::Params& p, const W* weights, int64_t key,
                                          int64_t woff) {
   constexpr int kVecs = Row::kN / 4;
@@ -874,9 +876,9 @@ __device__ __forceinline__ void load_row(Row& row, const typename Opt::Params& p
   for (int v = 0; v < kVecs; ++v) {
     const int d = v * 128 + 4 * row.lane;
     if (d < row.D) {
-      load_weights4<W, true>(weights + woff + d, &row.w_[v * 4]);
+      load_weights4<W, kOnce>(weights + woff + d, &row.w_[v * 4]);
 #pragma unroll
-      for (int k = 0; k < Opt::kElementStates; ++k) load4_row<true>(p.element_states[k] + woff + d, &row.element_[k][v * 4]);
+      for (int k = 0; k < Opt::kElementStates; ++k) load4_row<kOnce>(p.element_states[k] + woff + d, &row.element_[k][v * 4]);
 #pragma unroll
       for (int k = Opt::kElementStates; k < Opt::kElementStates + Opt::kTemporaries; ++k)
 #pragma unroll
@@ -884,13 +886,14 @@ __device__ __forceinline__ void load_row(Row& row, const typename Opt::Params& p
     }
   }
 #pragma unroll
-  for (int k = 0; k < Opt::kRowStates; ++k) row.row_[k] = __ldcs(p.row_states[k] + key);  // (streaming, as the rows)
+  for (int k = 0; k < Opt::kRowStates; ++k) row.row_[k] = kOnce ? __ldcs(p.row_states[k] + key) : p.row_states[k][key];  // (streaming, as the rows)
 #pragma unroll
   for (int k = 0; k < Opt::kIntRowStates; ++k) row.int_row_[k] = p.int_row_states[k][key];
 }
 
 // Writes an updated row's weights and states back.
-template <class Opt, typename W, class Row>
+// (kOnce: as load_row's.)
+template <class Opt, typename W, bool kOnce = true, class Row>
 __device__ __forceinline__ void store_row(Row& row, const typename Opt::Params& p, const RowUpdateContext& ctx,
                                           W* weights, int64_t key, int64_t woff) {
   constexpr int kVecs = Row::kN / 4;
@@ -898,14 +901,20 @@ __device__ __forceinline__ void store_row(Row& row, const typename Opt::Params& 
   for (int v = 0; v < kVecs; ++v) {
     const int d = v * 128 + 4 * row.lane;
     if (d < row.D) {
-      store_weights4<W, true>(weights + woff + d, &row.w_[v * 4], ctx, key, d);
+      store_weights4<W, kOnce>(weights + woff + d, &row.w_[v * 4], ctx, key, d);
 #pragma unroll
-      for (int k = 0; k < Opt::kElementStates; ++k) store4_row<true>(p.element_states[k] + woff + d, &row.element_[k][v * 4]);
+      for (int k = 0; k < Opt::kElementStates; ++k) store4_row<kOnce>(p.element_states[k] + woff + d, &row.element_[k][v * 4]);
     }
   }
   if (row.lane == 0) {
 #pragma unroll
-    for (int k = 0; k < Opt::kRowStates; ++k) __stcs(p.row_states[k] + key, row.row_[k]);
+    for (int k = 0; k < Opt::kRowStates; ++k) {
+      if (kOnce) {
+        __stcs(p.row_states[k] + key, row.row_[k]);
+      } else {
+        p.row_states[k][key] = row.row_[k];
+      }
+    }
 #pragma unroll
     for (int k = 0; k < Opt::kIntRowStates; ++k) p.int_row_states[k][key] = row.int_row_[k];
   }
@@ -1022,7 +1031,14 @@ __global__ void __launch_bounds__(256) backward_warp_kernel(BackwardArgs a, Runs
 // width class) has at most 64 columns and rows are at most 128 wide (kVecs = 1), or 256 wide for
 // optimizers without per-element state, else backward_warp_kernel (cuda_backward_kernels.cuh,
 // launch_backward, says why).
-template <class Opt, typename W, int kVecs>
+// kStreamRows: the rows' weights and states are read and written with the streaming (evict-first)
+// policy, as in the other update kernels (load4_row); false is the TBEGEN_GROUP_ROWS_CACHED=1
+// variant (issue 29), the same code with plain loads and stores, so the same bits. Why it exists:
+// a row of D = 20 floats (80 bytes) shares a 32-byte sector with its neighbour, so its store
+// writes part of a sector; if the evict-first line was evicted between the row's load and its
+// store, L2 holds a partial sector that costs a read from HBM to merge on the way out (the
+// evidence and the A/B to run: benchmarks/NOTES-gpu.md, "Narrow rows with an element state").
+template <class Opt, typename W, int kVecs, bool kStreamRows = true>
 __global__ void __launch_bounds__(256) backward_group_kernel(BackwardArgs a, Runs r, Occurrences o, typename Opt::Params p,
                                                              RowUpdateContext ctx, W* weights) {
   if (update_blocked(a)) return;
@@ -1075,7 +1091,7 @@ __global__ void __launch_bounds__(256) backward_group_kernel(BackwardArgs a, Run
       if (active) {
         locate_row(a, first.bag, key, &row.D, &woff);
         load_table_states<Opt>(row, p, first.bag, a.B);
-        load_row<Opt, W>(row, p, weights, key, woff);
+        load_row<Opt, W, kStreamRows>(row, p, weights, key, woff);
       }
 #pragma unroll
       for (int i = 0; i < row.kN; ++i) row.g_[i] = 0.0f;
@@ -1096,7 +1112,7 @@ __global__ void __launch_bounds__(256) backward_group_kernel(BackwardArgs a, Run
       }
       // every lane runs the update (its reductions are shuffles); a group without a run stores nothing
       Opt::update_row(row, p, sv);
-      if (active) store_row<Opt, W>(row, p, ctx, weights, key, woff);
+      if (active) store_row<Opt, W, kStreamRows>(row, p, ctx, weights, key, woff);
     }
   }
 }
