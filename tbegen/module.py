@@ -487,6 +487,10 @@ class _CacheStreams:
     and events are not copied)."""
 
     __slots__ = ("last", "settling", "several")
+    # streams remembered; past this, the one seen first is waited for by the current stream and
+    # forgotten (a loop that makes a new stream per step would otherwise make every use wait for
+    # every stream it ever saw)
+    _MAX_STREAMS = 8
 
     def __init__(self) -> None:
         self.last: Dict[Any, Any] = {}  # stream -> the event after its latest use (None: wait for the stream)
@@ -521,6 +525,20 @@ class _CacheStreams:
         self.last[current] = None
         if not lookup:
             self.settling[current] = None
+        self._forget_oldest(current)
+
+    def _forget_oldest(self, current) -> None:
+        """Past _MAX_STREAMS streams, the current stream waits for the one seen first (another),
+        which is then forgotten: its uses are behind the current stream's from here on. A later
+        settling use's wait then covers it by waiting for all the current stream queued (its
+        settling entry None: wait_stream), as this use may be a lookup, whose end is no settling
+        event."""
+        while len(self.last) > self._MAX_STREAMS:
+            stream = next(s for s in self.last if s != current)
+            event = self.last.pop(stream)
+            self.settling.pop(stream, None)
+            self._wait(current, stream, event)
+            self.settling[current] = None
 
     def wait_for(self, point, device: torch.device):
         """The current stream waits for one earlier use (`point`, what its `leave` returned);
@@ -532,6 +550,7 @@ class _CacheStreams:
         if stream != current:
             self._wait(current, stream, event)
         self.last[current] = None
+        self._forget_oldest(current)
         return current
 
     def leave(self, device: torch.device, lookup: bool = False):

@@ -164,6 +164,50 @@ def test_prefetch_arguments_are_checked_and_named():
     assert dev._prefetched == []
 
 
+def test_cache_streams_forget_the_oldest_past_eight(monkeypatch):
+    """A loop that makes a new stream for each prefetch: the rule remembers at most 8 streams (else
+    every use would wait for every stream ever seen); the stream forgotten is first waited for by
+    the current one, and a later settling use waits for all the current stream queued, which
+    covers it."""
+    from tbegen.module import _CacheStreams
+
+    log, events = [], []
+    current = {}
+
+    class FakeEvent:
+        def __init__(self):
+            self.name = f"e{len(events)}"
+            events.append(self)
+
+        def record(self, stream):
+            log.append((stream.name, "records", self.name))
+
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current["s"])
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    cuda = torch.device("cuda", 0)
+    order = _CacheStreams()
+    D = _FakeStream("D", log)
+    streams = [_FakeStream(f"S{k}", log) for k in range(12)]
+    for k, side in enumerate(streams):
+        current["s"] = D  # a flush on the main stream (a settling use)
+        order.enter(cuda)
+        order.leave(cuda)
+        current["s"] = side  # the next batch's prefetch on a new stream
+        del log[:]
+        order.enter(cuda, lookup=True)
+        order.leave(cuda, lookup=True)
+        assert len(order.last) <= _CacheStreams._MAX_STREAMS and set(order.settling) <= set(order.last)
+        waited = [entry[2] for entry in log if entry[0] == side.name and "waits" in entry[1]]
+        # it waits for every stream remembered, and for the one it makes the rule forget
+        assert len(waited) == min(k + 1, _CacheStreams._MAX_STREAMS) + (k + 2 > _CacheStreams._MAX_STREAMS)
+    assert D not in order.last or streams[0] not in order.last  # (the first seen were forgotten)
+    # a backward's settling wait after the forgetting: waits for all the latest stream queued
+    del log[:]
+    current["s"] = D
+    order.enter(cuda, wait="settling")
+    assert ("D", "waits for stream", "S11") in log
+
+
 class _FakeStream:
     """Stands in for a torch.cuda.Stream: records what it was made to wait for."""
 
