@@ -4,7 +4,8 @@ In a VBE batch the backward finds each occurrence's output-gradient row through 
 bag-to-output table (bag_output_offsets): by default the update kernels read bag_out[bag] per
 occurrence, between loading the occurrence's bag and its row (cuda_kernels.cuh, grad_row). With
 the switch at 1, prepare_backward gathers every occurrence's offset once after the sort
-(gather_grad_offsets_kernel) and the kernels fetch it with the bag (Occurrences::grad_at). The
+(gather_grad_offsets_kernel) and the kernels fetch it with the bag, reading the batch as pooling
+none with row stride 1 (BackwardArgs::pooling; the kernels' code is unchanged). The
 same rows are summed in the same order, so every output, weight, state and per-sample-weight
 gradient must be bitwise the default's: short runs (warp kernel, and the lane-group kernel for
 narrow tables), hot rows cut into segments (segment + finish kernels), per-sample weights, mean

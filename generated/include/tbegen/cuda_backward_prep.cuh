@@ -24,6 +24,9 @@ struct PreparedBackward {
   int64_t max_partials = 0;   // and partial sums of runs of several segments
   // with_tickets: the 4-wide kernels' 5 ticket counters, zeroed (backward_cuda); else nullptr
   int32_t* tickets = nullptr;
+  // Occurrences::position holds each occurrence's output-gradient offset (vbe_grad_offsets given:
+  // the update kernels then read the batch as pooling none with row stride 1, BackwardArgs::pooling)
+  bool grad_offsets = false;
   // the storage behind the pointers above (a few allocations, each carved into several arrays;
   // freed when this goes)
   std::vector<at::Tensor> storage;
@@ -34,8 +37,8 @@ struct PreparedBackward {
 // per-sample weights is recorded as a fatal error (that check runs on a side stream, joined
 // before this returns). With with_tickets, `tickets` points to 5 int32 counters zeroed on the
 // current stream. With vbe_grad_offsets (a VBE batch's bag_output_offsets, on the device, when
-// TBEGEN_VBE_GRAD_OFFSETS=1: vbe_grad_offsets_enabled), the occurrences also carry their
-// output-gradient row offsets (Occurrences::grad_at).
+// TBEGEN_VBE_GRAD_OFFSETS=1: vbe_grad_offsets_enabled), the occurrences' positions are their
+// output-gradient row offsets instead (PreparedBackward::grad_offsets).
 __attribute__((visibility("hidden"))) PreparedBackward prepare_backward(
     const Batch& b, const at::Tensor& grad_output, const at::Tensor& weights, const at::Tensor& features,
     int64_t total_hash_size, const at::Tensor& indices, const at::Tensor& offsets,

@@ -655,26 +655,24 @@ struct Occurrences {
   const int32_t* position;  // index position (for pooling none: the row of grad_output)
   const int32_t* bag;       // bag f * B + b of the index
   const float* scale;       // per-sample weight (/ L for mean); nullptr when every scale is 1
-  // A VBE batch with TBEGEN_VBE_GRAD_OFFSETS=1 (prepare_backward; issue 25): each occurrence's
-  // output-gradient row offset, bag_out[bag], gathered once after the sort (coalesced writes),
-  // so that the update kernels fetch it with the bag instead of reading bag_out at random per
-  // occurrence between the bag and the row. OccurrenceInfo::fetch reads it into `position`
-  // (unused by pooled batches), grad_row adds it (BackwardArgs::grad_at_position). int32: the
-  // host takes the variant only for outputs of at most INT32_MAX elements. nullptr: off.
-  const int32_t* grad_at = nullptr;
 };
 
 struct BackwardArgs {
   const int64_t* feat;
   int64_t B, total_D, max_D;
   FastDivisor by_B;  // bag -> feature (bag / B) without a division
+  // The update kernels read `pooling` only to find output-gradient rows (grad_row; mean pooling's
+  // 1 / L is in Occurrences::scale): kPoolNone means that occurrence j's row is at grad_output +
+  // position[j] * position_stride (max_D). A VBE batch with TBEGEN_VBE_GRAD_OFFSETS=1 (issue 25)
+  // goes that way too, with position_stride 1 and Occurrences::position each occurrence's
+  // bag_out[bag], gathered once after the sort (prepare_backward, step 3c), so that the kernels
+  // fetch it with the bag instead of reading bag_out at random per occurrence between the bag and
+  // the row; the default kernels' code is unchanged (the switch is a host-side choice).
   int64_t pooling;
+  int64_t position_stride = 0;
   const float* grad_output;
   // a VBE batch (vbe.h): bag b's output-gradient row at grad_output + bag_out[b]; else nullptr
   const int64_t* bag_out = nullptr;
-  // Occurrences::grad_at is set (TBEGEN_VBE_GRAD_OFFSETS=1): an occurrence's `position` is its
-  // output-gradient row's offset, and grad_row reads no bag_out
-  bool grad_at_position = false;
   const int64_t* error;
   bool skip_bad_indices;  // else a bad index anywhere in the batch blocks every update
   // Width classes (backward_cuda): when a batch mixes rows of several 4-wide slice counts, the
@@ -739,8 +737,7 @@ __device__ __forceinline__ void locate_row(const BackwardArgs& a, int32_t bag, i
 }
 
 __device__ __forceinline__ const float* grad_row(const BackwardArgs& a, int32_t position, int32_t bag) {
-  if (a.pooling == kPoolNone) return a.grad_output + int64_t(position) * a.max_D;
-  if (a.grad_at_position) return a.grad_output + position;  // (VBE: Occurrences::grad_at, fetched with the bag)
+  if (a.pooling == kPoolNone) return a.grad_output + int64_t(position) * a.position_stride;
   if (a.bag_out != nullptr) return a.grad_output + a.bag_out[bag];  // (a bag with occurrences is no padding)
   const int32_t f = a.by_B.quotient(bag);
   return a.grad_output + int64_t(bag - f * int32_t(a.B)) * a.total_D + a.feat[f * kFeatColumns + kFeatOutOffset];
@@ -755,7 +752,7 @@ struct OccurrenceInfo {
   __device__ __forceinline__ void fetch(const Occurrences& o, int64_t j, bool none_pooling) {
     bag = o.bag[j];
     scale = o.scale ? o.scale[j] : 1.0f;
-    position = none_pooling ? o.position[j] : o.grad_at ? o.grad_at[j] : 0;
+    position = none_pooling ? o.position[j] : 0;
   }
   __device__ __forceinline__ OccurrenceInfo from_lane(int src) const {
     OccurrenceInfo r;

@@ -65,7 +65,7 @@ static __global__ void __launch_bounds__(256) gather_occurrences_kernel(int64_t 
   }
 }
 
-// Step 3c of a VBE batch with TBEGEN_VBE_GRAD_OFFSETS=1 (Occurrences::grad_at): each occurrence's
+// Step 3c of a VBE batch with TBEGEN_VBE_GRAD_OFFSETS=1 (BackwardArgs::pooling): each occurrence's
 // output-gradient row offset in sorted order, bag_out[bag] of its sorted bag. One coalesced read
 // and write per occurrence, and the random read of bag_out that the update kernels would
 // otherwise make per occurrence, on their critical path, between the bag and the row.
@@ -212,10 +212,11 @@ void linearize_and_sort(const Batch& b, const ForwardArgs& fa, const at::Tensor&
   out.runs.long_ids = long_ids;
   out.runs.segments = segments;
   out.runs.n = n;
-  out.occurrences.position = sorted_values;  // (read for pooling none only)
+  // (read for pooling none only; a VBE batch's gathered offsets stand in for the positions)
+  out.occurrences.position = grad_at != nullptr ? grad_at : sorted_values;
+  out.grad_offsets = grad_at != nullptr;
   out.occurrences.bag = sorted_bag;
   out.occurrences.scale = sorted_scale;
-  out.occurrences.grad_at = grad_at;
   out.storage = {sorted, run_storage};
 }
 

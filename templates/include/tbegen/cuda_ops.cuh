@@ -457,10 +457,12 @@ __attribute__((visibility("hidden"))) void backward_cuda(
   a.by_B = FastDivisor::of(b.B);
   a.total_D = b.total_D;
   a.max_D = b.max_D;
-  a.pooling = pooling;
+  // (a VBE batch with gathered offsets: each occurrence's row at grad_output + position, read as
+  // pooling none with stride 1: BackwardArgs::pooling)
+  a.pooling = prep.grad_offsets ? kPoolNone : pooling;
+  a.position_stride = prep.grad_offsets ? 1 : b.max_D;
   a.grad_output = grad_output.data_ptr<float>();
   a.bag_out = bag_out;
-  a.grad_at_position = prep.occurrences.grad_at != nullptr;
   a.error = error.data_ptr<int64_t>();
   a.skip_bad_indices = skip_bad_indices;
   a.long_run_l2_hint = env_is_one("TBEGEN_LONG_RUN_L2_HINT");
