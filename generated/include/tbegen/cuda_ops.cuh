@@ -398,7 +398,7 @@ inline int short_run_waves() {
 }
 
 // Whether a VBE batch's backward gathers each occurrence's output-gradient row offset once after
-// the sort (Occurrences::grad_at, prepare_backward's step 3c) instead of the update kernels reading
+// the sort (prepare_backward's step 3c; BackwardArgs::pooling) instead of the update kernels reading
 // the plan's bag_out table per occurrence, between the occurrence's bag and its row (issue 25: on
 // the H200 the kernel-bound VBE step, bench_vbe.py mild-large, was 1.04-1.05x the padded step, the
 // backward ~0.15 ms longer). TBEGEN_VBE_GRAD_OFFSETS: unset, empty or "0" off (the default), "1"
