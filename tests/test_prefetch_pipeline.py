@@ -164,15 +164,11 @@ def test_prefetch_arguments_are_checked_and_named():
     assert dev._prefetched == []
 
 
-def test_cache_streams_forget_the_oldest_past_eight(monkeypatch):
-    """A loop that makes a new stream for each prefetch: the rule remembers at most 8 streams (else
-    every use would wait for every stream ever seen); the stream forgotten is first waited for by
-    the current one, and a later settling use waits for all the current stream queued, which
-    covers it."""
-    from tbegen.module import _CacheStreams
-
-    log, events = [], []
-    current = {}
+def _fake_cuda_streams(monkeypatch):
+    """torch.cuda.current_stream and torch.cuda.Event replaced by stand-ins: returns (log, current):
+    `log` collects (stream, what, event) entries, `current["s"]` is the stream current_stream
+    returns; events are named e0, e1, ... in the order they are made."""
+    log, events, current = [], [], {}
 
     class FakeEvent:
         def __init__(self):
@@ -184,6 +180,17 @@ def test_cache_streams_forget_the_oldest_past_eight(monkeypatch):
 
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current["s"])
     monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    return log, current
+
+
+def test_cache_streams_forget_the_oldest_past_eight(monkeypatch):
+    """A loop that makes a new stream for each prefetch: the rule remembers at most 8 streams (else
+    every use would wait for every stream ever seen); the stream forgotten is first waited for by
+    the current one, and a later settling use waits for all the current stream queued, which
+    covers it."""
+    from tbegen.module import _CacheStreams
+
+    log, current = _fake_cuda_streams(monkeypatch)
     cuda = torch.device("cuda", 0)
     order = _CacheStreams()
     D = _FakeStream("D", log)
@@ -230,19 +237,7 @@ def test_cache_stream_rule_on_fake_streams(monkeypatch):
     next batch's prefetch runs beside it); a use that recorded no end is waited for as a stream."""
     from tbegen.module import _CacheStreams
 
-    log, events = [], []
-    current = {}
-
-    class FakeEvent:
-        def __init__(self):
-            self.name = f"e{len(events)}"
-            events.append(self)
-
-        def record(self, stream):
-            log.append((stream.name, "records", self.name))
-
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current["s"])
-    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    log, current = _fake_cuda_streams(monkeypatch)
     D, S = _FakeStream("D", log), _FakeStream("S", log)
     cuda = torch.device("cuda", 0)
     order = _CacheStreams()
