@@ -244,6 +244,7 @@ def bench_tbegen(args, batches, grad, fraction, prefetch_ahead=False, row_copy=N
                  rows_written_back_per_step=s["rows_written_back"] / args.iters,
                  mb_moved_per_step=(s["bytes_loaded"] + s["bytes_written_back"]) / args.iters / 1e6,
                  backing_lookups_per_step=s["backing_lookups"] / args.iters, bypasses=s["bypasses"],
+                 lookups_per_step=s["prepares"] / args.iters, deferred_per_step=s["deferred"] / args.iters,
                  cache_rows_per_table=next(iter(s["cache_rows"].values())), direct=all(s["direct"].values()))
         r["host_waits_per_step"] = count_host_waits(step, batches)  # (after the statistics: extra steps)
     r["weights_finite"] = bool(torch.isfinite(emb.split_embedding_weights()[0]).all())
@@ -337,8 +338,9 @@ def markdown(args, results, env) -> str:
         f"GPU: {env['gpu']}; torch {env['torch']}; FBGEMM: {env['fbgemm']}.",
         "",
         "| system | placement | cache rows / table | step ms (median) | wall ms / step | vs device | hit rate (indices) "
-        "| hit rate (distinct rows) | MB moved / step | rows read in place / step | host waits / step |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| hit rate (distinct rows) | MB moved / step | rows read in place / step | host waits / step "
+        "| lookups / step (prefetches deferred) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     device_ms = {r["system"]: r["step_ms"] for r in results if r["placement"] == "device" and "step_ms" in r}
 
@@ -347,7 +349,7 @@ def markdown(args, results, env) -> str:
 
     for r in results:
         if "error" in r:
-            lines.append(f"| {r['system']} | {r['placement']} | | error: {r['error']} | | | | | | | |")
+            lines.append(f"| {r['system']} | {r['placement']} | | error: {r['error']} | | | | | | | | |")
             continue
         base = device_ms.get(r["system"])
         rows = r.get("cache_rows_per_table") or (r.get("cache_rows_total", 0) // args.tables if "cache_rows_total" in r else None)
@@ -357,14 +359,19 @@ def markdown(args, results, env) -> str:
             f"| {r['placement']} | {fmt(rows, 'd')} "
             f"| {r['step_ms']:.2f} | {r['wall_ms_per_step']:.2f} | {fmt(r['step_ms'] / base if base else None, '.2f')}x "
             f"| {fmt(r.get('hit_rate'))} | {fmt(r.get('unique_hit_rate'))} | {fmt(r.get('mb_moved_per_step'), '.1f')} "
-            f"| {fmt(r.get('backing_lookups_per_step'), '.0f')} | {fmt(r.get('host_waits_per_step'), '.1f')} |"
+            f"| {fmt(r.get('backing_lookups_per_step'), '.0f')} | {fmt(r.get('host_waits_per_step'), '.1f')} "
+            f"| {fmt(r.get('lookups_per_step'), '.2f')}"
+            f"{'' if r.get('deferred_per_step') is None else ' (' + fmt(r['deferred_per_step'], '.2f') + ')'} |"
         )
     lines += ["", "tbegen's hit rate (indices): indices of cached tables whose row was cached before the batch; "
               "(distinct rows): the same per batch's distinct rows (FBGEMM's: 1 - unique misses / distinct rows). "
               "Rows read in place: indices served from the tables' managed memory because the batch had more "
               "distinct rows of a table than its cache holds (docs/placements.md). With prefetch ahead, a batch whose rows "
               "a later prefetch moved is looked up again by its backward, and counted again. Host waits: tbegen's "
-              "operations per step that make the host wait for the GPU (tbegen/_sync_audit.py), over 3 more steps."]
+              "operations per step that make the host wait for the GPU (tbegen/_sync_audit.py), over 3 more steps. "
+              "Lookups: batches looked up (by a prefetch or a forward) per step, 1 when each batch is looked up once; "
+              "prefetches deferred: those that left their batch to its forward (it did not fit beside the batch in "
+              "flight; docs/placements.md)."]
     return "\n".join(lines) + "\n"
 
 

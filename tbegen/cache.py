@@ -211,6 +211,9 @@ class RowCache:
         self.epoch = 0
         self.hard_epoch = 0
         self._held: List[Ticket] = []
+        # batches in flight that read some rows in their backing rows (never held: any row moved
+        # into the cache invalidates them), for a prefetch to leave them alone (prepare's `defer`)
+        self._in_flight_backing: List[Ticket] = []
         self.tick = 0
         self._warned = set()
         self.stats = self._zero_stats()
@@ -564,9 +567,19 @@ class RowCache:
         if ticket.slots.numel() and not ticket.backing:
             self._held.append(ticket)
             del self._held[:-self._MAX_HELD]
+        elif ticket.backing and ticket.epoch == self.epoch:
+            self._in_flight_backing.append(ticket)
+            del self._in_flight_backing[:-self._MAX_HELD]
 
     def release(self, ticket: Ticket) -> None:
         self._held = [t for t in self._held if t is not ticket]
+        self._in_flight_backing = [t for t in self._in_flight_backing if t is not ticket]
+
+    def _backing_in_flight(self) -> bool:
+        """Whether a batch in flight read rows in their backing rows and is still valid (an older
+        one is prepared again by its backward whatever happens now)."""
+        self._in_flight_backing = [t for t in self._in_flight_backing if t.epoch == self.epoch]
+        return bool(self._in_flight_backing)
 
     def _release_all(self) -> None:
         self._held = []
@@ -692,6 +705,11 @@ class RowCache:
         # (then the slots not holding a hit take the batch's most read missing rows; the others
         # are read from the backing store in place)
         admit = [min(m, C - (n - m)) for m, n, C in zip(miss_h, need_h, self.slots)]
+        if defer and not bypass and sum(admit) and self._backing_in_flight():
+            # A batch in flight read rows in place: moving any row now would make its backward
+            # look it up again (and, in TorchRec's order, the prefetched batch after it): deferred.
+            st["deferred"] += 1
+            return None
         if held is not None and n_miss and any(
                 a > C - (n - m) - x for a, m, n, C, x in zip(admit, miss_h, need_h, self.slots, extra)):
             # The slots held for other batches are not victims, unless that would cost this batch:

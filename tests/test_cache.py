@@ -151,6 +151,28 @@ def test_prefetch_ahead_with_evictions_in_between(defer):
         assert stats["deferred"] == 0 and stats["prepares"] > len(data)
 
 
+@pytest.mark.parametrize("rule", [True, False])
+def test_prefetch_beside_a_batch_read_in_place(monkeypatch, rule):
+    """A batch with more distinct rows of a table than its cache holds reads the rest in their
+    backing rows, and any row moved into the cache afterwards makes its backward look it up again.
+    So a prefetch between its forward and backward that would move rows is deferred: each batch is
+    looked up once (without the rule: more often); the numbers are those of device placement."""
+    data = batches(TABLES, 6, B=6, L=3, seed=17, weighted=True)
+    kw = dict(optimizer="rowwise_adagrad", learning_rate=0.05)
+    device = train(TableBatchedEmbeddingBags(TABLES, **kw), data)
+    cached = TableBatchedEmbeddingBags(TABLES, placements=MIXED, cache_rows=4, **kw)
+    if not rule:
+        monkeypatch.setattr(cached._cache, "_backing_in_flight", lambda: False)
+    _train_prefetching_ahead(cached, data)
+    assert_same_tables(device, cached)
+    stats = cached.cache_stats()
+    assert stats["backing_lookups"] > 0  # (the batches do overflow the caches)
+    if rule:
+        assert stats["deferred"] > 0 and stats["prepares"] == len(data)
+    else:
+        assert stats["prepares"] > len(data)
+
+
 @pytest.mark.parametrize("algorithm", ["lru", "lfu"])
 def test_prefetch_ahead_keeps_the_batch_in_flight(algorithm):
     """prefetch(batch k+1) between forward and backward of batch k, with room for both batches
