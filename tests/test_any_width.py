@@ -393,6 +393,11 @@ def test_cuda_odd_widths_match_reference(load_ops, name, case):
     assert not result.failures, "\n".join(result.failures)
 
 
+def bits_equal(a, b):
+    """Same dtype, shape and elements (torch.equal): the kernel-variant tests' comparison."""
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(-1), b.view(-1))
+
+
 def _train(ops, spec, case, device, misalign=False):
     """Two fused steps from the same start on `device`; returns the weights and states. With
     `misalign`, the weights are a view one element into a larger buffer (so not 16-byte aligned)."""

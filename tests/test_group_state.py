@@ -24,7 +24,7 @@ from conftest import SPECS
 from tbegen import harness
 from tbegen.layout import make_layout
 
-from test_any_width import _train
+from test_any_width import _train, bits_equal as _bits_equal
 
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -47,10 +47,6 @@ CASES = {
                                                        hot=400, max_segment_length_per_warp=100000, steps=2,
                                                        seed=1103),
 }
-
-
-def _bits_equal(a, b):
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(-1), b.view(-1))
 
 
 @pytest.mark.parametrize("case_id", sorted(CASES))

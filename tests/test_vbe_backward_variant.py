@@ -19,6 +19,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from test_any_width import bits_equal as _bits_equal
 from test_vbe import make, run_vbe_and_padded, assert_same_training, vbe_batch
 
 pytestmark = [pytest.mark.cuda,
@@ -74,10 +75,6 @@ def _train(optimizer, case, switch, monkeypatch, steps=2, seed=11):
     torch.cuda.synchronize()
     states = {s.name: getattr(emb.states, s.name).clone() for s in emb.spec.states}
     return outs, psw_grads, emb.weights.detach().clone(), states
-
-
-def _bits_equal(a, b):
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(-1), b.view(-1))
 
 
 def _assert_same(got, want, what):

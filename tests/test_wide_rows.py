@@ -19,7 +19,7 @@ import torch
 from tbegen import harness
 from tbegen.layout import make_layout
 
-from test_any_width import _train
+from test_any_width import _train, bits_equal as _bits_equal
 
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -46,10 +46,6 @@ CASES = {
     "fp32-D1030-odd-hot": harness.Case(tables=((80, 1030), (40, 520)), B=32, max_L=6, weighted=True, hot=900,
                                        steps=2, seed=905),
 }
-
-
-def _bits_equal(a, b):
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(-1), b.view(-1))
 
 
 @pytest.mark.parametrize("case_id", sorted(CASES))
