@@ -1628,7 +1628,7 @@ class TableBatchedEmbeddingBags(nn.Module):
         B = torch.frombuffer(bytearray(plan["sizes"]), dtype=torch.int64).view(-1, plan["ranks"])  # [F, R]
         F, R = B.shape
         device = self.weights.device
-        dims_host = torch.tensor([self.layout.tables[t][1] for t in self.layout.feature_table_map], dtype=torch.int64)
+        dims_host = torch.tensor(self.__dict__["_vbe_consts"][1], dtype=torch.int64)  # (set by the plan's maker)
         if device.type == "cpu":
             # the output's blocks, rank-major: (first padded row, rows, first column, columns)
             col_h = (torch.cumsum(dims_host, 0) - dims_host).tolist()
