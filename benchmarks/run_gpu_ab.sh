@@ -1,0 +1,80 @@
+#!/usr/bin/env bash
+# Opt-in kernel variants against the defaults, in one device call (from the repository root; carry
+# .anchor): each A/B times the sweep's matching cells (benchmarks/sweep_gpu.py, FBGEMM_GPU and tbegen
+# in one process) with the defaults, then with the variant's environment switch, so that both
+# halves come from the same machine minutes apart and FBGEMM's two timings show the noise.
+#
+#   SWEEP_ABS   A/Bs separated by ';', each "ENV=VALUE[,ENV2=VALUE2]@REGEX" (REGEX as sweep_gpu --only)
+#   VBE_AB      an environment switch for bench_vbe.py's cases in VBE_CASES (default mild-large),
+#               tbegen alone, defaults then the switch (e.g. TBEGEN_VBE_GRAD_OFFSETS=1)
+#   NCU_ONLY    a sweep cell regex: ncu's SpeedOfLight and MemoryWorkloadAnalysis sections on the
+#               backward kernels of both systems in that cell (L2 hit rate, DRAM throughput)
+#   TEST_FILES  CUDA tests to run first (the variants' own bitwise tests)
+#   BUILD_SPECS the extensions to build first (default the four the sweep times)
+#   DEADLINE    seconds for the whole script (default 570)
+# Output under $OUT: ab.log (every table), ab.json (each A/B's sweep.json pair), env.txt.
+set -u
+OUT=${OUT:-/tmp/tbegen-gpu-out}
+mkdir -p "$OUT"
+export TORCH_CUDA_ARCH_LIST=9.0 TBEGEN_BUILD_DIR=$PWD/build/tbegen-cache PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+t_start=$(date +%s)
+cap() { local left=$(( ${DEADLINE:-570} - ($(date +%s) - t_start) )); [ $left -lt 5 ] && left=5; echo $(( $1 < left ? $1 : left )); }
+log() { echo "== $*" | tee -a "$OUT/ab.log"; }
+{
+  date -u +"date: %Y-%m-%d %H:%M UTC"; echo "tree: ${TREE:-not given}"
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | sed 's/^/gpu: /'
+  python3 -c "import torch, sys; print('python:', sys.version.split()[0]); print('torch:', torch.__version__, 'cuda', torch.version.cuda)"
+} | tee "$OUT/env.txt"
+python3 .anchor/unpack_bundle.py .anchor/bundle /tmp/fbg_site > /dev/null 2>&1 || log "FBGEMM bundle did not unpack"
+
+t0=$(date +%s)
+python3 -c "
+import sys; from tbegen import build; from tbegen.spec import find_spec
+build.prebuild([find_spec(n) for n in sys.argv[1:]], with_cuda=True)" ${BUILD_SPECS:-sgd rowwise_adagrad adagrad adam} \
+  >> "$OUT/ab.log" 2>&1 || log "build failed"
+log "build: $(( $(date +%s) - t0 )) s"
+
+if [ -n "${TEST_FILES:-}" ]; then
+  log "tests: $TEST_FILES"
+  xdist=$(python3 -c "import xdist" 2>/dev/null && echo "-n 8")
+  timeout $(cap ${TESTS_TIMEOUT:-120}) python3 -m pytest -q -p no:cacheprovider $xdist $TEST_FILES 2>&1 | tail -n 8 >> "$OUT/ab.log"
+  tail -n 1 "$OUT/ab.log"
+fi
+
+echo "{" > "$OUT/ab.json"
+IFS=';' read -ra abs <<< "${SWEEP_ABS:-}"
+for ab in "${abs[@]}"; do
+  [ -z "$ab" ] && continue
+  envs=${ab%%@*}; only=${ab#*@}
+  for side in defaults "$envs"; do
+    log "sweep A/B, $side, cells matching '$only'"
+    rm -rf /tmp/sweep_ab
+    [ "$side" = defaults ] && e="" || e=$(echo "$side" | tr ',' ' ')
+    env $e PYTHONPATH=/tmp/fbg_site:$PYTHONPATH CUDA_MODULE_LOADING=LAZY timeout $(cap ${SWEEP_AB_TIMEOUT:-90}) \
+      python3 benchmarks/sweep_gpu.py --only "$only" --out /tmp/sweep_ab >> /tmp/sweep_ab.log 2>&1 || log "failed or timed out"
+    cat /tmp/sweep_ab/sweep.md >> "$OUT/ab.log" 2>/dev/null
+    [ -f /tmp/sweep_ab/sweep.json ] && { printf '"%s | %s": ' "$only" "$side"; cat /tmp/sweep_ab/sweep.json; echo ","; } >> "$OUT/ab.json"
+  done
+done
+echo '"end": null}' >> "$OUT/ab.json"
+
+if [ -n "${VBE_AB:-}" ]; then
+  for side in defaults "$VBE_AB"; do
+    log "bench_vbe.py, $side, cases ${VBE_CASES:-mild-large}"
+    [ "$side" = defaults ] && e="" || e=$(echo "$side" | tr ',' ' ')
+    env $e timeout $(cap ${VBE_TIMEOUT:-90}) python3 benchmarks/bench_vbe.py --cases ${VBE_CASES:-mild-large} --no-fbgemm \
+      --rounds ${VBE_ROUNDS:-3} --out /tmp/vbe_ab 2>&1 | tail -n 12 >> "$OUT/ab.log" || log "failed or timed out"
+  done
+fi
+
+if [ -n "${NCU_ONLY:-}" ] && command -v ncu > /dev/null; then
+  for k in "regex:backward_(warp|segment|finish|group)_kernel" "regex:split_embedding_backward_codegen"; do
+    log "ncu $k, cell '$NCU_ONLY'"
+    env PYTHONPATH=/tmp/fbg_site:$PYTHONPATH CUDA_MODULE_LOADING=LAZY timeout $(cap ${NCU_TIMEOUT:-100}) ncu --clock-control none \
+      -k "$k" --launch-skip ${NCU_SKIP:-2} --launch-count ${NCU_COUNT:-4} --section SpeedOfLight --section MemoryWorkloadAnalysis \
+      --section Occupancy python3 benchmarks/sweep_gpu.py --only "$NCU_ONLY" --nsets 2 --warmup 2 --iters 2 --rounds 1 \
+      --out /tmp/ncu_sweep 2>&1 | grep -vE "^==PROF==|Warning" | grep -E "kernel|Hit Rate|Throughput|Duration|Memory \[%\]|Achieved Occupancy|Registers|Block Size|Grid Size|Theoretical Occ|Mem Busy|Max Bandwidth|L1/TEX|L2" >> "$OUT/ab.log" \
+      || log "ncu failed or timed out"
+  done
+fi
+log "done in $(( $(date +%s) - t_start )) s"
