@@ -611,7 +611,7 @@ __global__ void __launch_bounds__(256) backward_warp_kernel(BackwardArgs a, Runs
   }
 }
 
-// Long runs, first pass: one warp per segment of kSegmentLength occurrences. A run of one
+// Long runs, first pass: one warp per segment of r.segment_length occurrences. A run of one
 // segment is summed and updated here; a run of several leaves each segment's sum (max_D floats)
 // in `partial` for backward_finish_kernel.
 template <class Opt, typename W, bool kPrefetch = false>
@@ -638,8 +638,8 @@ __global__ void __launch_bounds__(256) backward_segment_kernel(BackwardArgs a, R
     const LongRun run = long_run(r, lo, num_runs);
     if (run.key >= r.skipped_key) continue;
     const int32_t seg = int32_t(s) - run.segments.x;
-    const int32_t begin = seg * kSegmentLength;
-    const int32_t end = begin + kSegmentLength < run.len ? begin + kSegmentLength : run.len;
+    const int32_t begin = seg * r.segment_length;
+    const int32_t end = begin + r.segment_length < run.len ? begin + r.segment_length : run.len;
     OptColumnRow<Opt> row;
     row.lane = lane;
     int64_t woff;

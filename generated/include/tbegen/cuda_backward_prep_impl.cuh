@@ -37,11 +37,12 @@ struct SegmentsOfLongRun {
   const int32_t* counts;
   const int32_t* long_ids;
   int32_t n;
+  int32_t length;  // occurrences per segment (Runs::segment_length)
   __device__ __forceinline__ int2 operator()(int32_t k) const {
     if (k >= counts[1]) return make_int2(0, 0);
     const int32_t run = long_ids[k];
     const int32_t end = run + 1 < counts[0] ? starts[run + 1] : n;
-    const int32_t segments = (end - starts[run] + kSegmentLength - 1) / kSegmentLength;
+    const int32_t segments = (end - starts[run] + length - 1) / length;
     return make_int2(segments, segments > 1 ? segments : 0);
   }
 };
@@ -171,7 +172,8 @@ void linearize_and_sort(const Batch& b, const ForwardArgs& fa, const at::Tensor&
   }
   const IsRunStart<K> is_start{sorted_keys};
   const IsLongRun is_long{starts, counts, n, threshold};
-  const SegmentsOfLongRun per_run{starts, counts, long_ids, n};
+  const int32_t segment_length = out.runs.segment_length;
+  const SegmentsOfLongRun per_run{starts, counts, long_ids, n, segment_length};
   auto segment_counts = thrust::make_transform_iterator(thrust::counting_iterator<int32_t>(0), per_run);
   run_cub_in_turn(
       weights,
@@ -187,10 +189,10 @@ void linearize_and_sort(const Batch& b, const ForwardArgs& fa, const at::Tensor&
         return cub::DeviceScan::ExclusiveScan(tmp, bytes, segment_counts, segments, SumInt2{}, make_int2(0, 0),
                                               int(out.max_long_runs + 1), stream);
       });
-  // each long run has at most len / kSegmentLength + 1 segments; runs of several segments
-  // (len > kSegmentLength) at most 2 len / kSegmentLength partial sums
-  out.max_segments = b.N / kSegmentLength + out.max_long_runs;
-  out.max_partials = 2 * (b.N / kSegmentLength) + 1;
+  // each long run has at most len / segment_length + 1 segments; runs of several segments
+  // (len > segment_length) at most 2 len / segment_length partial sums
+  out.max_segments = b.N / segment_length + out.max_long_runs;
+  out.max_partials = 2 * (b.N / segment_length) + 1;
 
   // 3b. each occurrence's bag and scale in sorted order, when the values were positions
   if (!values_are_bags) {
@@ -224,10 +226,12 @@ PreparedBackward prepare_backward(const Batch& b, const at::Tensor& grad_output,
                                   const at::Tensor& features, int64_t total_hash_size, const at::Tensor& indices,
                                   const at::Tensor& offsets, const c10::optional<at::Tensor>& per_sample_weights,
                                   int64_t max_segment_length_per_warp, const at::Tensor& error, bool check_finite,
-                                  bool with_tickets, const int64_t* vbe_grad_offsets) {
+                                  bool with_tickets, const int64_t* vbe_grad_offsets, int32_t segment_length) {
   const auto stream = at::cuda::getCurrentCUDAStream();
   PreparedBackward out;
+  TBEGEN_CHECK(segment_length >= 1, "tbegen: segment_length must be >= 1, got ", segment_length);
   out.runs.max_segment_length_per_warp = int32_t(std::min<int64_t>(max_segment_length_per_warp, INT32_MAX));
+  out.runs.segment_length = segment_length;
   out.runs.skipped_key = total_hash_size;
 
   // The finite check of grad_output reads it once, on a side stream, while the batch is sorted.

@@ -623,9 +623,10 @@ static __global__ void __launch_bounds__(256) check_finite_kernel(int64_t n, con
 }
 
 // Segments of long runs: a run of at least max_segment_length_per_warp occurrences is cut into
-// segments of kSegmentLength; each segment is summed by one warp, and a run of several segments
-// is finished by one more warp that adds the segments' partial sums in segment order (so the
-// result does not depend on which warp ran first) and updates the row.
+// segments of Runs::segment_length occurrences (kSegmentLength unless the host chose another:
+// cuda_ops.cuh, segment_length()); each segment is summed by one warp, and a run of several
+// segments is finished by one more warp that adds the segments' partial sums in segment order (so
+// the result does not depend on which warp ran first) and updates the row.
 constexpr int32_t kSegmentLength = 256;
 
 // The sorted view of a batch that the update kernels walk: run r (one per unique key) covers
@@ -639,6 +640,7 @@ struct Runs {
   const int2* segments;     // per long run: first segment, first partial-sum slot (exclusive scan)
   int32_t n;                // occurrences
   int32_t max_segment_length_per_warp;
+  int32_t segment_length;   // occurrences per segment of a long run (the last one may be shorter)
   int64_t skipped_key;      // the key of skipped bad indices (total_hash_size)
 
   __device__ __forceinline__ int64_t key_at(int64_t j) const {
@@ -1134,7 +1136,7 @@ __device__ __forceinline__ LongRun long_run(const Runs& r, int32_t k, int32_t nu
   return x;
 }
 
-// Long runs, first pass: one warp per segment of kSegmentLength occurrences (so that the work is
+// Long runs, first pass: one warp per segment of r.segment_length occurrences (so that the work is
 // cut into equal pieces however skewed the batch is). A run of one segment is summed and updated
 // here; a run of several leaves each segment's sum in `partial` for backward_finish_kernel.
 // (At least 3 blocks per multiprocessor, 80 registers: the batched sum's rows in flight would
@@ -1165,8 +1167,8 @@ __global__ void __launch_bounds__(256, 3) backward_segment_kernel(BackwardArgs a
     const LongRun run = long_run(r, lo, num_runs);
     if (run.key >= r.skipped_key) continue;
     const int32_t seg = int32_t(s) - run.segments.x;
-    const int32_t begin = seg * kSegmentLength;
-    const int32_t end = begin + kSegmentLength < run.len ? begin + kSegmentLength : run.len;
+    const int32_t begin = seg * r.segment_length;
+    const int32_t end = begin + r.segment_length < run.len ? begin + r.segment_length : run.len;
     OptRow<Opt, kVecs> row;
     row.lane = lane;
     int64_t woff;

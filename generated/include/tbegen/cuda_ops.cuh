@@ -412,6 +412,25 @@ inline bool vbe_grad_offsets_enabled() {
   return true;
 }
 
+// How many occurrences one warp sums in a long run's segment (Runs::segment_length):
+// kSegmentLength (256), or TBEGEN_SEGMENT_LENGTH=n, 16 <= n <= 65536 (anything else is refused: a
+// typo must not time one length under another's name). Read at every call. Shorter segments narrow
+// the band of sorted occurrences the resident warps read at once, so that the output-gradient rows
+// of the tables being summed stay in L2 (benchmarks/tools/l2_model.py: at D = 1024, B = 8192 the
+// band of 2112 warps x 256 occurrences spans ~3 tables' 32 MB of gradient rows), at the cost of
+// more partial sums (each a max_D-float row written by the segment kernel and read by the finish
+// kernel). Any length is deterministic; lengths differ in the order of a long run's float sum
+// (segments are summed, then their sums in segment order), so their bits differ by rounding.
+inline int32_t segment_length() {
+  const char* v = std::getenv("TBEGEN_SEGMENT_LENGTH");
+  if (v == nullptr || *v == '\0') return kSegmentLength;
+  char* end = nullptr;
+  const long long n = std::strtoll(v, &end, 10);
+  TBEGEN_CHECK(end != v && *end == '\0' && n >= 16 && n <= 65536,
+               "tbegen: TBEGEN_SEGMENT_LENGTH must be an occurrence count from 16 to 65536 (or unset), got '", v, "'");
+  return int32_t(n);
+}
+
 // The backward pass with an optimizer fused in (docs/algorithm.md): prepare_backward sorts and
 // segments the batch, then the optimizer's update kernels (`kernels`, launched with its `params`:
 // see cuda_backward.h) sum each unique row's gradient and update it once: one warp per short
@@ -449,7 +468,7 @@ __attribute__((visibility("hidden"))) void backward_cuda(
                             grad_output.numel() <= int64_t(INT32_MAX);
   const PreparedBackward prep = prepare_backward(b, grad_output, weights, features, total_hash_size, indices, offsets,
                                                  per_sample_weights, max_segment_length_per_warp, error, check_finite,
-                                                 vector_path, grad_offsets ? bag_out : nullptr);
+                                                 vector_path, grad_offsets ? bag_out : nullptr, segment_length());
 
   BackwardArgs a;
   a.feat = features.data_ptr<int64_t>();

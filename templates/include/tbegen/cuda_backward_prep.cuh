@@ -38,12 +38,14 @@ struct PreparedBackward {
 // before this returns). With with_tickets, `tickets` points to 5 int32 counters zeroed on the
 // current stream. With vbe_grad_offsets (a VBE batch's bag_output_offsets, on the device, when
 // TBEGEN_VBE_GRAD_OFFSETS=1: vbe_grad_offsets_enabled), the occurrences' positions are their
-// output-gradient row offsets instead (PreparedBackward::grad_offsets).
+// output-gradient row offsets instead (PreparedBackward::grad_offsets). Long runs are cut into
+// segments of `segment_length` occurrences (Runs::segment_length; the bounds above follow it).
 __attribute__((visibility("hidden"))) PreparedBackward prepare_backward(
     const Batch& b, const at::Tensor& grad_output, const at::Tensor& weights, const at::Tensor& features,
     int64_t total_hash_size, const at::Tensor& indices, const at::Tensor& offsets,
     const c10::optional<at::Tensor>& per_sample_weights, int64_t max_segment_length_per_warp,
-    const at::Tensor& error, bool check_finite, bool with_tickets, const int64_t* vbe_grad_offsets = nullptr);
+    const at::Tensor& error, bool check_finite, bool with_tickets, const int64_t* vbe_grad_offsets = nullptr,
+    int32_t segment_length = kSegmentLength);
 
 }  // namespace cuda
 }  // namespace tbegen
