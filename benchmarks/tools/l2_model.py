@@ -22,9 +22,14 @@ way). Printed: hit rate and the gradient bytes read from DRAM per kernel, per se
     python3 benchmarks/tools/l2_model.py --D 1024 --E 16384 --B 8192 --lengths 256,128,64,32
     python3 benchmarks/tools/l2_model.py --D 2048 --E 8192 --B 8192 --lengths 256,64,32   # fp16 rows, fp32 gradients
 
-A model, not a measurement: real L2 is set-associative, split in two partitions, and shared with
-the weights, states and partial sums at their own rates; ncu's L2 hit rate of the segment kernel
-(benchmarks/run_gpu_ab.sh NCU_ONLY) is the check.
+A model, not a measurement, and an optimistic one: real L2 is set-associative, hashed, split in
+two partitions (which may each keep a copy of a line that SMs on both sides read), and shared with
+the weights, states and partial sums at their own rates. Calibration: for C2 (T=32 E=1M D=128
+B=16384, Zipf 1.1; --warps 3168 --concurrent) it gives the segment kernel a hit rate of 0.885 at
+50 MB, where ncu measured 0.36-0.39 (benchmarks/NOTES-gpu.md, runs Y and Z); at 12 MB and two row
+lines per item it gives 0.53. So read its hit rates as an upper bound and its differences between
+segment lengths as a direction; ncu's L2 hit rate of the segment kernel (benchmarks/run_gpu_ab.sh
+NCU_ONLY) is the check.
 """
 
 from __future__ import annotations
@@ -67,41 +72,48 @@ def work_items(key, threshold, length):
     return short, segments
 
 
-def simulate(items, bag, warps, capacity_rows):
-    """Hits and misses of the gradient-row reads when `warps` warps take `items` in order."""
+def simulate(kernels, bag, capacity_rows, row_lines=1):
+    """Hits and misses of the gradient-row reads, per kernel, of kernels running at once and
+    sharing L2: `kernels` is a list of (items, warps); each kernel's warps take its items in order,
+    every warp reading one occurrence's row per tick. Each item also passes `row_lines` rows through
+    L2 when it ends (its weights and element states; 0 models them as evict-first: they take no
+    room from the gradient rows)."""
     cache = OrderedDict()
-    hits = misses = 0
-    nxt = 0
-    active = []
-    while nxt < len(items) and len(active) < warps:
-        active.append(list(items[nxt]))
-        nxt += 1
+    stats = [[0, 0] for _ in kernels]
+    nxt = [0] * len(kernels)
+    active = [[] for _ in kernels]
+    for k, (items, warps) in enumerate(kernels):
+        while nxt[k] < len(items) and len(active[k]) < warps:
+            active[k].append(list(items[nxt[k]]))
+            nxt[k] += 1
     passing = -1  # rows that only pass through L2 (weights, partial sums): keys no bag has
-    while active:
-        still = []
-        for item in active:
-            b = int(bag[item[0]])
-            if b in cache:
-                cache.move_to_end(b)
-                hits += 1
-            else:
-                cache[b] = None
-                misses += 1
-                if len(cache) > capacity_rows:
-                    cache.popitem(last=False)
-            item[0] += 1
-            if item[0] < item[1]:
-                still.append(item)
-                continue
-            cache[passing] = None
-            passing -= 1
-            if len(cache) > capacity_rows:
-                cache.popitem(last=False)
-            if nxt < len(items):
-                still.append(list(items[nxt]))
-                nxt += 1
-        active = still
-    return hits, misses
+    while any(active):
+        for k, (items, _) in enumerate(kernels):
+            still = []
+            for item in active[k]:
+                b = int(bag[item[0]])
+                if b in cache:
+                    cache.move_to_end(b)
+                    stats[k][0] += 1
+                else:
+                    cache[b] = None
+                    stats[k][1] += 1
+                    if len(cache) > capacity_rows:
+                        cache.popitem(last=False)
+                item[0] += 1
+                if item[0] < item[1]:
+                    still.append(item)
+                    continue
+                for _ in range(row_lines):
+                    cache[passing] = None
+                    passing -= 1
+                    if len(cache) > capacity_rows:
+                        cache.popitem(last=False)
+                if nxt[k] < len(items):
+                    still.append(list(items[nxt[k]]))
+                    nxt[k] += 1
+            active[k] = still
+    return stats
 
 
 def main(argv=None):
@@ -118,7 +130,13 @@ def main(argv=None):
                     help="resident warps of the segment kernel (132 SMs x 2 blocks x 8 warps: the any-width "
                          "prefetch kernels; the 4-wide kernels run 3 blocks: 3168)")
     ap.add_argument("--threshold", type=int, default=32, help="max_segment_length_per_warp")
+    ap.add_argument("--row-lines", type=int, default=1,
+                    help="row-sized lines each work item passes through L2 (weights; + 1 per element state: "
+                         "adagrad 2, adam 3); 0: rows read and written evict-first")
     ap.add_argument("--lengths", default="256,128,64,32", help="segment lengths to model")
+    ap.add_argument("--concurrent", action="store_true",
+                    help="the short runs' kernel beside the segment kernel (as on the GPU: two streams), "
+                         "each with half the warps, sharing L2; default one after the other, each with all")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
 
@@ -127,16 +145,22 @@ def main(argv=None):
     capacity = int(args.l2_mb * 2**20 / row_bytes)
     print(f"T={args.T} E={args.E} D={args.D} B={args.B} L={args.L} alpha={args.alpha}: {len(key)} occurrences, "
           f"gradient rows {row_bytes} B, one table's {args.B * row_bytes / 2**20:.0f} MB; L2 {args.l2_mb} MB "
-          f"({capacity} rows), {args.warps} warps")
+          f"({capacity} rows), {args.warps} warps, {args.row_lines} row line(s) per item")
     short, _ = work_items(key, args.threshold, 256)
-    h, m = simulate(short, bag, args.warps, capacity)
-    print(f"short runs ({len(short)} items, {h + m} occurrences): hit rate {h / max(h + m, 1):.3f}, "
-          f"{m * row_bytes / 1e9:.2f} GB from DRAM")
-    print("| segment length | segments | occurrences in flight | hit rate | gradient GB from DRAM | partial sums GB (written + read) |")
-    print("|---|---|---|---|---|---|")
+    if not args.concurrent:
+        (h, m), = simulate([(short, args.warps)], bag, capacity, args.row_lines)
+        print(f"short runs ({len(short)} items, {h + m} occurrences): hit rate {h / max(h + m, 1):.3f}, "
+              f"{m * row_bytes / 1e9:.2f} GB from DRAM")
+    print("| segment length | segments | occurrences in flight | hit rate | gradient GB from DRAM | partial sums GB (written + read) |"
+          + (" short runs' hit rate (beside) |" if args.concurrent else ""))
+    print("|---|---|---|---|---|---|" + ("---|" if args.concurrent else ""))
     for length in (int(x) for x in args.lengths.split(",")):
         _, segments = work_items(key, args.threshold, length)
-        h, m = simulate(segments, bag, args.warps, capacity)
+        if args.concurrent:
+            (h, m), (hs, ms) = simulate([(segments, args.warps // 2), (short, args.warps // 2)], bag, capacity,
+                                        args.row_lines)
+        else:
+            (h, m), = simulate([(segments, args.warps)], bag, capacity, args.row_lines)
         # runs of several segments write one partial sum per segment and read it back
         starts = {}
         for s, e in segments:
@@ -144,7 +168,8 @@ def main(argv=None):
         partials = sum(len(v) for v in starts.values() if len(v) > 1)
         n = sum(e - s for s, e in segments)
         print(f"| {length} | {len(segments)} | {min(args.warps * length, n)} | {h / max(h + m, 1):.3f} | "
-              f"{m * row_bytes / 1e9:.2f} | {2 * partials * args.D * 4 / 1e9:.2f} |")
+              f"{m * row_bytes / 1e9:.2f} | {2 * partials * args.D * 4 / 1e9:.2f} |"
+              + (f" {hs / max(hs + ms, 1):.3f} |" if args.concurrent else ""))
 
 
 if __name__ == "__main__":
