@@ -137,6 +137,9 @@ def main(argv=None):
     ap.add_argument("--concurrent", action="store_true",
                     help="the short runs' kernel beside the segment kernel (as on the GPU: two streams), "
                          "each with half the warps, sharing L2; default one after the other, each with all")
+    ap.add_argument("--unified", action="store_true",
+                    help="also model one kernel taking short runs and segments in one list, in key order, "
+                         "with all the warps")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
 
@@ -170,6 +173,14 @@ def main(argv=None):
         print(f"| {length} | {len(segments)} | {min(args.warps * length, n)} | {h / max(h + m, 1):.3f} | "
               f"{m * row_bytes / 1e9:.2f} | {2 * partials * args.D * 4 / 1e9:.2f} |"
               + (f" {hs / max(hs + ms, 1):.3f} |" if args.concurrent else ""))
+    if args.unified:
+        print("one kernel, short runs and segments in key order:")
+        for length in (int(x) for x in args.lengths.split(",")):
+            _, segments = work_items(key, args.threshold, length)
+            merged = sorted(short + segments)
+            (h, m), = simulate([(merged, args.warps)], bag, capacity, args.row_lines)
+            print(f"  segment length {length}: hit rate {h / max(h + m, 1):.3f}, {m * row_bytes / 1e9:.2f} GB of "
+                  f"gradient rows from DRAM (all occurrences)")
 
 
 if __name__ == "__main__":
