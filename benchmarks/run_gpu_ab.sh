@@ -9,6 +9,7 @@
 #               tbegen alone, defaults then the switch (e.g. TBEGEN_VBE_GRAD_OFFSETS=1)
 #   NCU_ONLY    a sweep cell regex: ncu's SpeedOfLight and MemoryWorkloadAnalysis sections on the
 #               backward kernels of both systems in that cell (L2 hit rate, DRAM throughput)
+#   NCU_AB      an environment switch (ENV=VALUE[,...]): tbegen's kernels under ncu again with it
 #   TEST_FILES  CUDA tests to run first (the variants' own bitwise tests)
 #   BUILD_SPECS the extensions to build first (default the four the sweep times)
 #   DEADLINE    seconds for the whole script (default 570)
@@ -68,9 +69,12 @@ if [ -n "${VBE_AB:-}" ]; then
 fi
 
 if [ -n "${NCU_ONLY:-}" ] && command -v ncu > /dev/null; then
-  for k in "regex:backward_(warp|segment|finish|group)_kernel" "regex:split_embedding_backward_codegen"; do
-    log "ncu $k, cell '$NCU_ONLY'"
-    env PYTHONPATH=/tmp/fbg_site:$PYTHONPATH CUDA_MODULE_LOADING=LAZY timeout $(cap ${NCU_TIMEOUT:-100}) ncu --clock-control none \
+  for run in "defaults|regex:backward_(warp|segment|finish|group)_kernel" "defaults|regex:split_embedding_backward_codegen" \
+             ${NCU_AB:+"$NCU_AB|regex:backward_(warp|segment|finish|group)_kernel"}; do
+    side=${run%%|*}; k=${run#*|}
+    [ "$side" = defaults ] && e="" || e=$(echo "$side" | tr ',' ' ')
+    log "ncu $k, cell '$NCU_ONLY', $side"
+    env $e PYTHONPATH=/tmp/fbg_site:$PYTHONPATH CUDA_MODULE_LOADING=LAZY timeout $(cap ${NCU_TIMEOUT:-100}) ncu --clock-control none \
       -k "$k" --launch-skip ${NCU_SKIP:-2} --launch-count ${NCU_COUNT:-4} --section SpeedOfLight --section MemoryWorkloadAnalysis \
       --section Occupancy python3 benchmarks/sweep_gpu.py --only "$NCU_ONLY" --nsets 2 --warmup 2 --iters 2 --rounds 1 \
       --out /tmp/ncu_sweep 2>&1 | grep -vE "^==PROF==|Warning" | grep -E "kernel|Hit Rate|Throughput|Duration|Memory \[%\]|Achieved Occupancy|Registers|Block Size|Grid Size|Theoretical Occ|Mem Busy|Max Bandwidth|L1/TEX|L2" >> "$OUT/ab.log" \
