@@ -918,7 +918,10 @@ def test_cuda_vbe_plan_equals_the_cpu_plan_without_waiting_for_the_device():
     # empty ranks and features; an all-empty batch; over a million padded bags (the grid-stride loop)
     cases = [[[3, 0, 2, 5], [0, 0, 0, 0], [1, 7, 0, 2]], [[0, 0], [0, 0], [0, 0]],
              [[400_000, 0], [1, 2], [0, 3]]]
-    cases += [torch.randint(0, 50, (3, R), generator=gen).tolist() for R in (1, 2, 5, 16, 64)]
+    # headers (9 + 6 R values for 3 features) on either side of the sizes the kernel takes as its
+    # argument (vbe_plan_cuda.cuh: 128, 512, 2048, 4000 values), and past them (the copied header)
+    cases += [torch.randint(0, 50, (3, R), generator=gen).tolist()
+              for R in (1, 2, 5, 16, 19, 20, 64, 84, 85, 340, 341, 665, 666, 1400)]
     for bsfr in cases:
         want = emb_cpu._vbe_plan(bsfr)
         torch.cuda.set_sync_debug_mode("error")  # (a pageable copy or a read-back would raise here)
@@ -929,3 +932,8 @@ def test_cuda_vbe_plan_equals_the_cpu_plan_without_waiting_for_the_device():
         assert got["pad"].is_cuda and got["bag_out"].is_cuda
         assert torch.equal(got["pad"].cpu(), want["pad"]) and torch.equal(got["bag_out"].cpu(), want["bag_out"])
         assert all(got[k] == want[k] for k in ("total_bags", "max_B", "numel"))
+        # (one allocation for both tables: they must not overlap)
+        bags = got["bag_out"].numel()
+        assert got["pad"].numel() == bags + 1 and got["pad"].is_contiguous() and got["bag_out"].is_contiguous()
+        assert got["bag_out"].data_ptr() + 8 * bags <= got["pad"].data_ptr() or \
+            got["pad"].data_ptr() + 8 * (bags + 1) <= got["bag_out"].data_ptr()
