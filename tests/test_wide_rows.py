@@ -1,4 +1,5 @@
-"""The any-width backward's prefetching variant for wide rows (TBEGEN_ANY_WIDTH_PREFETCH; issue 29).
+"""The any-width backward's prefetching variant for wide rows (TBEGEN_ANY_WIDTH_PREFETCH; issue 29),
+and its single work list (TBEGEN_ANY_WIDTH_ITEMS).
 
 Rows wider than the 4-wide backward takes (512 columns by default: 600- and 1024-wide fp32 rows,
 2048-wide fp16 rows, and odd widths) are updated by the any-width kernels
@@ -87,4 +88,56 @@ def test_prefetch_switch_refuses_other_values(load_ops, monkeypatch, value):
     spec, ops = load_ops("sgd")
     monkeypatch.setenv(SWITCH, value)
     with pytest.raises(Exception, match=SWITCH):
+        _train(ops, spec, CASES["fp32-D1024-mean-hot-one-warp"], "cuda")
+
+
+# ---- the single work list (TBEGEN_ANY_WIDTH_ITEMS): short runs and segments in key order ----------
+ITEMS = "TBEGEN_ANY_WIDTH_ITEMS"
+
+
+@pytest.mark.parametrize("length", [None, "64"])
+@pytest.mark.parametrize("case_id", sorted(CASES))
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_work_list_gives_the_variant_bits(load_ops, monkeypatch, name, case_id, length):
+    """The items kernel (one list: every short run and every long run's segments in key order, then
+    the finish kernel, on one stream) sums and updates exactly as the segment and warp kernels do
+    (the prefetching variant, which alone has it), at the default segment length and at 64."""
+    spec, ops = load_ops(name)
+    case = CASES[case_id]
+    monkeypatch.setenv(SWITCH, "1")
+    if length is not None:
+        monkeypatch.setenv("TBEGEN_SEGMENT_LENGTH", length)
+    monkeypatch.setenv(ITEMS, "0")
+    out_d, w_d, st_d = _train(ops, spec, case, "cuda")
+    monkeypatch.setenv(ITEMS, "1")
+    out_l, w_l, st_l = _train(ops, spec, case, "cuda")
+    out_l2, w_l2, st_l2 = _train(ops, spec, case, "cuda")
+    gen = torch.Generator().manual_seed(case.seed)
+    w0, _ = harness.initial_state(spec, make_layout(case.tables, case.feature_table_map), case, gen)
+    assert not torch.equal(w_d, w0), "the two steps left the weights as they were"
+    assert _bits_equal(w_l, w_d), f"weights differ from the two kernels': max |diff| {(w_l.double() - w_d.double()).abs().max():.3g}"
+    for k in st_d:
+        assert _bits_equal(st_l[k], st_d[k]), f"state {k} differs from the two kernels'"
+    for a, b in zip(out_l, out_d):
+        assert _bits_equal(a, b), "forward output differs (the second step's uses the updated weights)"
+    assert _bits_equal(w_l2, w_l) and all(_bits_equal(st_l2[k], st_l[k]) for k in st_l), "work list not deterministic"
+    monkeypatch.delenv(ITEMS)  # unset: the two kernels
+    _, w_u, st_u = _train(ops, spec, case, "cuda")
+    assert _bits_equal(w_u, w_d) and all(_bits_equal(st_u[k], st_d[k]) for k in st_d), "unset differs from =0"
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_work_list_matches_reference(load_ops, monkeypatch, name):
+    spec, ops = load_ops(name)
+    monkeypatch.setenv(ITEMS, "1")
+    monkeypatch.setenv("TBEGEN_SEGMENT_LENGTH", "64")
+    result = harness.run_case(spec, ops, CASES["fp32-D600-1024-weighted-hot"], device="cuda")
+    assert not result.failures, "\n".join(result.failures)
+
+
+@pytest.mark.parametrize("value", ["yes", "2", "true"])
+def test_work_list_switch_refuses_other_values(load_ops, monkeypatch, value):
+    spec, ops = load_ops("sgd")
+    monkeypatch.setenv(ITEMS, value)
+    with pytest.raises(Exception, match=ITEMS):
         _train(ops, spec, CASES["fp32-D1024-mean-hot-one-warp"], "cuda")

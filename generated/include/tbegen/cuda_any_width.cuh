@@ -659,6 +659,50 @@ __global__ void __launch_bounds__(256) backward_segment_kernel(BackwardArgs a, R
   }
 }
 
+// Short runs and long runs' segments from one list in key order (WorkItems, TBEGEN_ANY_WIDTH_ITEMS=1):
+// one warp per item, items taken in turn (grid-stride), so that the warps in flight sum one band of
+// the sorted batch (the two kernels above, on two streams, sum two bands, often in different tables,
+// whose output-gradient rows then compete for L2: benchmarks/tools/l2_model.py). An item is either a
+// whole run, summed and updated as backward_warp_kernel does (or a one-segment long run, as
+// backward_segment_kernel does: the same calls), or a segment of a run of several, whose sum goes
+// to its partial-sum slot for backward_finish_kernel: the same arithmetic in the same order as the
+// two kernels, so the same bits (tests/test_wide_rows.py).
+template <class Opt, typename W, bool kPrefetch>
+__global__ void __launch_bounds__(256) backward_items_kernel(BackwardArgs a, Runs r, WorkItems items, Occurrences o,
+                                                             typename Opt::Params p, RowUpdateContext ctx, W* weights,
+                                                             float* partial, float* scratch) {
+  if (update_blocked(a)) return;
+  // the values of the update that depend on the step only (Optimizer::StepValues), once per thread
+  const typename Opt::StepValues sv = Opt::step_values(p, ctx.step);
+  const int lane = threadIdx.x % kWarpSize;
+  const int64_t warps = int64_t(gridDim.x) * blockDim.x / kWarpSize;
+  const int32_t total = *items.total;
+  float* mine = warp_scratch<Opt, W>(scratch, a.max_D, p);
+  for (int64_t i = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / kWarpSize; i < total; i += warps) {
+    const int32_t start = items.start[i];
+    const int32_t end = items.start[i + 1];
+    const int64_t key = r.key_at(start);
+    if (key >= r.skipped_key) continue;  // (skipped bad indices update nothing)
+    const int32_t slot = items.partial[i];
+    OptColumnRow<Opt> row;
+    row.lane = lane;
+    int64_t woff;
+    locate_row(a, o.bag[start], key, &row.D, &woff);
+    if (slot < 0) {
+      load_table_states<Opt>(row, p, o.bag[start], a.B);
+      begin_row<Opt, W>(row, p, weights, key, woff, mine, a.max_D, !sums_from_zero<kPrefetch>(a), kPrefetch);
+      add_occurrences<kPrefetch>(a, o, row.D, lane, start, end, row.g_);
+      update_and_store<Opt, W>(row, p, ctx, sv, weights, key, woff, kPrefetch);
+    } else {
+      float* out = partial + int64_t(slot) * a.max_D;
+      if (!sums_from_zero<kPrefetch>(a)) {
+        for (int d = lane; d < row.D; d += kWarpSize) out[d] = 0.0f;
+      }
+      add_occurrences<kPrefetch>(a, o, row.D, lane, start, end, out);
+    }
+  }
+}
+
 // Long runs, second pass: one warp per run of several segments adds their partial sums in
 // segment order and updates the row.
 template <class Opt, typename W, bool kPrefetch = false>

@@ -60,6 +60,9 @@ struct AnyWidthLaunch {
   int segment_blocks = 0, finish_blocks = 0, warp_blocks = 0, threads = 0;
   cudaStream_t side = nullptr;
   cudaStream_t stream = nullptr;
+  // the single work list (TBEGEN_ANY_WIDTH_ITEMS=1; items.total nullptr: none), taken by the
+  // prefetching variant's backward_items_kernel on `stream` instead of the segment and warp kernels
+  WorkItems items;
 };
 
 // The any-width kernels of one weight dtype: their launch and their scratch rows per warp (which
@@ -191,11 +194,25 @@ cudaError_t launch_backward(const BackwardLaunch& l) {
 }
 
 // Launches the three any-width update kernels for optimizer Opt; returns the first launch error.
+// (The prefetching variant with a work list, l.items: the items kernel, then the finish kernel.)
 // (kPrefetch: their prefetching variant for wide rows, chosen by launch_any_width below.)
 template <class Opt, typename W, bool kPrefetch>
 cudaError_t launch_any_width_kernels(const AnyWidthLaunch& l) {
   const typename Opt::Params& p = *static_cast<const typename Opt::Params*>(l.params);
   W* weights = static_cast<W*>(l.weights);
+  if constexpr (kPrefetch) {
+    if (l.items.total != nullptr) {
+      // one list on `stream` (every item in key order, the whole grid on it), then the runs of
+      // several segments finished after it, on the same stream
+      any_width::backward_items_kernel<Opt, W, kPrefetch><<<l.warp_blocks, l.threads, 0, l.stream>>>(
+          l.a, l.runs, l.items, l.occurrences, p, l.ctx, weights, l.partial, l.scratch);
+      cudaError_t err = cudaGetLastError();
+      if (err != cudaSuccess) return err;
+      any_width::backward_finish_kernel<Opt, W, kPrefetch><<<l.finish_blocks, l.threads, 0, l.stream>>>(
+          l.a, l.runs, l.occurrences, p, l.ctx, weights, l.partial, l.side_scratch);
+      return cudaGetLastError();
+    }
+  }
   any_width::backward_segment_kernel<Opt, W, kPrefetch><<<l.segment_blocks, l.threads, 0, l.side>>>(
       l.a, l.runs, l.occurrences, p, l.ctx, weights, l.partial, l.side_scratch);
   cudaError_t err = cudaGetLastError();

@@ -27,6 +27,8 @@ struct PreparedBackward {
   // Occurrences::position holds each occurrence's output-gradient offset (vbe_grad_offsets given:
   // the update kernels then read the batch as pooling none with row stride 1, BackwardArgs::pooling)
   bool grad_offsets = false;
+  // work_items given: the short runs and the long runs' segments as one list (WorkItems)
+  WorkItems items;
   // the storage behind the pointers above (a few allocations, each carved into several arrays;
   // freed when this goes)
   std::vector<at::Tensor> storage;
@@ -40,12 +42,13 @@ struct PreparedBackward {
 // TBEGEN_VBE_GRAD_OFFSETS=1: vbe_grad_offsets_enabled), the occurrences' positions are their
 // output-gradient row offsets instead (PreparedBackward::grad_offsets). Long runs are cut into
 // segments of `segment_length` occurrences (Runs::segment_length; the bounds above follow it).
+// With work_items, also the any-width update's single work list (PreparedBackward::items).
 __attribute__((visibility("hidden"))) PreparedBackward prepare_backward(
     const Batch& b, const at::Tensor& grad_output, const at::Tensor& weights, const at::Tensor& features,
     int64_t total_hash_size, const at::Tensor& indices, const at::Tensor& offsets,
     const c10::optional<at::Tensor>& per_sample_weights, int64_t max_segment_length_per_warp,
     const at::Tensor& error, bool check_finite, bool with_tickets, const int64_t* vbe_grad_offsets = nullptr,
-    int32_t segment_length = kSegmentLength);
+    int32_t segment_length = kSegmentLength, bool work_items = false);
 
 }  // namespace cuda
 }  // namespace tbegen

@@ -336,6 +336,7 @@ inline void backward_any_width(const Batch& b, const BackwardArgs& a, const Prep
     l.threads = kThreads;
     l.side = side.stream();
     l.stream = stream.stream();
+    l.items = prep.items;
     TBEGEN_CUDA_CHECK(k.launch(l));
     // joined before the scratch tensors go back to the caching allocator (as in backward_cuda)
     order_after(joined, side, stream);
@@ -431,6 +432,22 @@ inline int32_t segment_length() {
   return int32_t(n);
 }
 
+// Whether the any-width update takes its work from one list in key order (prepare_backward's
+// WorkItems; any_width::backward_items_kernel on the caller's stream, then the finish kernel)
+// instead of the segment kernel on a side stream beside the warp kernel: the two kernels' warps sum
+// two bands of the sorted batch, often in different tables, whose output-gradient rows then compete
+// for L2 (benchmarks/tools/l2_model.py --unified). TBEGEN_ANY_WIDTH_ITEMS: unset, empty or "0" off
+// (the default), "1" on; anything else is refused. Only the prefetching variant has the items
+// kernel (TBEGEN_ANY_WIDTH_PREFETCH: by default float rows wider than 512 columns); elsewhere the
+// list is made and not used. The same bits either way (the same sums in the same order). Read at
+// every call.
+inline bool any_width_items_enabled() {
+  const char* v = std::getenv("TBEGEN_ANY_WIDTH_ITEMS");
+  if (v == nullptr || *v == '\0' || std::strcmp(v, "0") == 0) return false;
+  TBEGEN_CHECK(std::strcmp(v, "1") == 0, "tbegen: TBEGEN_ANY_WIDTH_ITEMS must be 0 or 1 (or unset), got '", v, "'");
+  return true;
+}
+
 // The backward pass with an optimizer fused in (docs/algorithm.md): prepare_backward sorts and
 // segments the batch, then the optimizer's update kernels (`kernels`, launched with its `params`:
 // see cuda_backward.h) sum each unique row's gradient and update it once: one warp per short
@@ -468,7 +485,8 @@ __attribute__((visibility("hidden"))) void backward_cuda(
                             grad_output.numel() <= int64_t(INT32_MAX);
   const PreparedBackward prep = prepare_backward(b, grad_output, weights, features, total_hash_size, indices, offsets,
                                                  per_sample_weights, max_segment_length_per_warp, error, check_finite,
-                                                 vector_path, grad_offsets ? bag_out : nullptr, segment_length());
+                                                 vector_path, grad_offsets ? bag_out : nullptr, segment_length(),
+                                                 !vector_path && any_width_items_enabled());
 
   BackwardArgs a;
   a.feat = features.data_ptr<int64_t>();

@@ -47,6 +47,25 @@ struct SegmentsOfLongRun {
   }
 };
 
+// Run r's (work items, partial sums) for the single work list (WorkItems): a short run is one item,
+// a long run its segments, and a long run of several segments takes as many partial sums (so that
+// each long run's first partial-sum slot is the one SegmentsOfLongRun gives it); (0, 0) past the
+// last run.
+struct ItemsOfRun {
+  const int32_t* starts;
+  const int32_t* counts;
+  int32_t n;
+  int32_t threshold;  // Runs::max_segment_length_per_warp
+  int32_t length;     // Runs::segment_length
+  __device__ __forceinline__ int2 operator()(int32_t r) const {
+    if (r >= counts[0]) return make_int2(0, 0);
+    const int32_t len = (r + 1 < counts[0] ? starts[r + 1] : n) - starts[r];
+    if (len < threshold) return make_int2(1, 0);
+    const int32_t segments = (len + length - 1) / length;
+    return make_int2(segments, segments > 1 ? segments : 0);
+  }
+};
+
 struct SumInt2 {
   __device__ __forceinline__ int2 operator()(const int2& x, const int2& y) const {
     return make_int2(x.x + y.x, x.y + y.y);
@@ -222,11 +241,70 @@ void linearize_and_sort(const Batch& b, const ForwardArgs& fa, const at::Tensor&
   out.storage = {sorted, run_storage};
 }
 
+// Step 4 (work_items): each run's items, from the exclusive scan of ItemsOfRun (`first`): item i's
+// first sorted position and partial-sum slot; the last item's end (n) after it, and the number of
+// items in counts[2]. One thread per run (a hot run writes its segments in turn).
+static __global__ void __launch_bounds__(256) build_work_items_kernel(const int32_t* __restrict__ starts, int32_t* counts,
+                                                                      int32_t n, const int2* __restrict__ first,
+                                                                      int32_t threshold, int32_t length,
+                                                                      int32_t* item_start, int32_t* item_partial) {
+  const int32_t runs = counts[0];
+  for (int64_t r = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; r < runs; r += int64_t(gridDim.x) * blockDim.x) {
+    const int32_t s = starts[r];
+    const int32_t len = (r + 1 < runs ? starts[r + 1] : n) - s;
+    const int2 f = first[r];
+    if (len < threshold) {
+      item_start[f.x] = s;
+      item_partial[f.x] = -1;
+      continue;
+    }
+    const int32_t segments = (len + length - 1) / length;
+    for (int32_t j = 0; j < segments; ++j) {
+      item_start[f.x + j] = s + j * length;
+      item_partial[f.x + j] = segments > 1 ? f.y + j : -1;
+    }
+  }
+  if (blockIdx.x == 0 && threadIdx.x == 0) {
+    const int32_t total = first[runs].x;
+    item_start[total] = n;
+    counts[2] = total;
+  }
+}
+
+// Step 4: the single work list of the any-width update (WorkItems), from the runs found in step 3.
+static void prepare_work_items(const at::Tensor& like, cudaStream_t stream, PreparedBackward& out) {
+  const int32_t n = out.runs.n;
+  // (at most n runs, so at most n items: a scan of n + 1 entries ends with the total)
+  const int64_t at_start = slice_bytes(int64_t(n) + 1, sizeof(int2));
+  const int64_t at_partial = at_start + slice_bytes(int64_t(n) + 1, sizeof(int32_t));
+  at::Tensor storage = at::empty({at_partial + slice_bytes(n, sizeof(int32_t))}, like.options().dtype(at::kByte));
+  uint8_t* base = storage.data_ptr<uint8_t>();
+  int2* first = reinterpret_cast<int2*>(base);
+  int32_t* item_start = reinterpret_cast<int32_t*>(base + at_start);
+  int32_t* item_partial = reinterpret_cast<int32_t*>(base + at_partial);
+  int32_t* counts = const_cast<int32_t*>(out.runs.counts);
+  const ItemsOfRun per_run{out.runs.starts, counts, n, out.runs.max_segment_length_per_warp, out.runs.segment_length};
+  auto item_counts = thrust::make_transform_iterator(thrust::counting_iterator<int32_t>(0), per_run);
+  run_cub(like, [&](void* tmp, size_t& bytes) {
+    return cub::DeviceScan::ExclusiveScan(tmp, bytes, item_counts, first, SumInt2{}, make_int2(0, 0), int(n) + 1,
+                                          stream);
+  });
+  build_work_items_kernel<<<grid_for(int64_t(n) / kWarpSize + 1), kThreads, 0, stream>>>(
+      out.runs.starts, counts, n, first, out.runs.max_segment_length_per_warp, out.runs.segment_length, item_start,
+      item_partial);
+  TBEGEN_CUDA_CHECK(cudaGetLastError());
+  out.items.start = item_start;
+  out.items.partial = item_partial;
+  out.items.total = counts + 2;
+  out.storage.push_back(storage);
+}
+
 PreparedBackward prepare_backward(const Batch& b, const at::Tensor& grad_output, const at::Tensor& weights,
                                   const at::Tensor& features, int64_t total_hash_size, const at::Tensor& indices,
                                   const at::Tensor& offsets, const c10::optional<at::Tensor>& per_sample_weights,
                                   int64_t max_segment_length_per_warp, const at::Tensor& error, bool check_finite,
-                                  bool with_tickets, const int64_t* vbe_grad_offsets, int32_t segment_length) {
+                                  bool with_tickets, const int64_t* vbe_grad_offsets, int32_t segment_length,
+                                  bool work_items) {
   const auto stream = at::cuda::getCurrentCUDAStream();
   PreparedBackward out;
   TBEGEN_CHECK(segment_length >= 1, "tbegen: segment_length must be >= 1, got ", segment_length);
@@ -263,6 +341,7 @@ PreparedBackward prepare_backward(const Batch& b, const at::Tensor& grad_output,
     linearize_and_sort<int64_t>(b, fa, weights, indices, offsets, total_hash_size, check_finite, values_are_bags,
                                 scaled, with_tickets, vbe_grad_offsets, stream, out);
   }
+  if (work_items && b.N > 0) prepare_work_items(weights, stream, out);
   if (check_finite && grad_output.numel() > 0) wait_event(checked, stream);
   return out;
 }

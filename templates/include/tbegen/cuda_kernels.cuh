@@ -651,6 +651,15 @@ struct Runs {
   }
 };
 
+// The any-width update's work in one list (TBEGEN_ANY_WIDTH_ITEMS=1; prepare_backward's step 4):
+// every short run one item, every long run its segments, in key order, so that one kernel's warps
+// sum one band of the sorted batch instead of two kernels' two bands in different tables.
+struct WorkItems {
+  const int32_t* start = nullptr;    // item i covers sorted positions [start[i], start[i + 1])
+  const int32_t* partial = nullptr;  // a segment of a run of several: its partial-sum slot; else -1
+  const int32_t* total = nullptr;    // device: the number of items (nullptr: no list was made)
+};
+
 // What the update kernels need of each occurrence, in sorted order, so that a run's entries are
 // contiguous (gathered once after the sort by gather_occurrences_kernel).
 struct Occurrences {
