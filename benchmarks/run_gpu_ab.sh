@@ -10,6 +10,7 @@
 #   NCU_ONLY    a sweep cell regex: ncu's SpeedOfLight and MemoryWorkloadAnalysis sections on the
 #               backward kernels of both systems in that cell (L2 hit rate, DRAM throughput)
 #   NCU_AB      an environment switch (ENV=VALUE[,...]): tbegen's kernels under ncu again with it
+#   PROFILE_ONLY a sweep cell regex: each system's kernels per step in those cells (sweep_gpu --profile)
 #   TEST_FILES  CUDA tests to run first (the variants' own bitwise tests)
 #   BUILD_SPECS the extensions to build first (default the four the sweep times)
 #   DEADLINE    seconds for the whole script (default 570)
@@ -58,6 +59,13 @@ for ab in "${abs[@]}"; do
   done
 done
 echo '"end": null}' >> "$OUT/ab.json"
+
+if [ -n "${PROFILE_ONLY:-}" ]; then
+  log "sweep profile, cells matching '$PROFILE_ONLY'"
+  PYTHONPATH=/tmp/fbg_site:$PYTHONPATH CUDA_MODULE_LOADING=LAZY timeout $(cap ${PROFILE_TIMEOUT:-60}) \
+    python3 benchmarks/sweep_gpu.py --only "$PROFILE_ONLY" --profile --out /tmp/sweep_prof >> /tmp/sweep_ab.log 2>&1 || log "failed or timed out"
+  cat /tmp/sweep_prof/sweep.md >> "$OUT/ab.log" 2>/dev/null
+fi
 
 if [ -n "${VBE_AB:-}" ]; then
   for side in defaults "$VBE_AB"; do
