@@ -14,7 +14,7 @@
 #   TEST_FILES  CUDA tests to run first (the variants' own bitwise tests)
 #   BUILD_SPECS the extensions to build first (default the four the sweep times)
 #   DEADLINE    seconds for the whole script (default 570)
-# Output under $OUT: ab.log (every table), ab.json (each A/B's sweep.json pair), env.txt.
+# Output under $OUT: ab.log (every table), ab.json (each A/B's sweep.json pair), profile.json, env.txt.
 set -u
 OUT=${OUT:-/tmp/tbegen-gpu-out}
 mkdir -p "$OUT"
@@ -64,7 +64,7 @@ if [ -n "${PROFILE_ONLY:-}" ]; then
   log "sweep profile, cells matching '$PROFILE_ONLY'"
   PYTHONPATH=/tmp/fbg_site:$PYTHONPATH CUDA_MODULE_LOADING=LAZY timeout $(cap ${PROFILE_TIMEOUT:-60}) \
     python3 benchmarks/sweep_gpu.py --only "$PROFILE_ONLY" --profile --out /tmp/sweep_prof >> /tmp/sweep_ab.log 2>&1 || log "failed or timed out"
-  cat /tmp/sweep_prof/sweep.md >> "$OUT/ab.log" 2>/dev/null
+  cat /tmp/sweep_prof/sweep.md >> "$OUT/ab.log" 2>/dev/null; cp /tmp/sweep_prof/sweep.json "$OUT/profile.json" 2>/dev/null
 fi
 
 if [ -n "${VBE_AB:-}" ]; then
