@@ -696,6 +696,11 @@ struct BackwardArgs {
   // short-run kernels do (load4_keep), or plainly (load4): TBEGEN_LONG_RUN_L2_HINT=1 / the default.
   // ncu of C2's segment kernel (run Z) found 39% L2 hits with the hint; the landing run times both.
   bool long_run_l2_hint = false;
+  // Whether the long runs' kernels sum rows of at most 32 columns with the warp's four groups of 8
+  // lanes loading other occurrences' rows (add_chunk_batched_narrow, add_partials_narrow: 32 rows
+  // in flight instead of 8, the sum in the same order) or with lanes 0-7 alone, the default
+  // (TBEGEN_SEGMENT_LANE_GROUPS=1 / unset or 0; the same bits either way).
+  bool segment_lane_groups = false;
   // Whether every output-gradient row, and every scratch and partial row of max_D floats, starts
   // on a 16-byte boundary and spans a multiple of 4 columns, whatever the widths: the any-width
   // kernels then sum occurrences 4 columns at a time (any_width::add_occurrences).
@@ -863,6 +868,90 @@ __device__ __forceinline__ void add_chunk_batched(const BackwardArgs& a, const O
 #pragma unroll
             for (int c = 0; c < 4; ++c) g[v * 4 + c] += scale[j] * x[j][v * 4 + c];
           }
+        }
+      }
+    }
+  }
+}
+
+// add_chunk_batched for rows of at most 32 columns (kVecs = 1; BackwardArgs::segment_lane_groups):
+// there only lanes 0-7 hold columns, so add_chunk_batched keeps 24 lanes idle and 8 rows in flight.
+// Here lane 8h + c loads columns 4c..4c+3 of occurrence 4i + h for i = 0..7, 32 rows in flight, and
+// lanes 0-7 (those whose columns are below D, as in add_chunk_batched) add occurrence 4i + h's
+// columns, shuffled from lane 8h + c, in occurrence order: the same products added in the same
+// order, so the same bits.
+__device__ __forceinline__ void add_chunk_batched_narrow(const BackwardArgs& a, const Occurrences& o, int D, int lane,
+                                                         int64_t first, int n, float* g) {
+  constexpr int kGroups = 4, kSteps = kWarpSize / kGroups;  // (n <= 32 = kGroups x kSteps: one batch)
+  const int group = lane / 8, column = lane % 8;
+  const float* my_row = a.grad_output;
+  float my_scale = 0.0f;
+  if (lane < n) {
+    OccurrenceInfo mine;
+    mine.fetch(o, first + lane, a.pooling == kPoolNone);
+    my_row = grad_row(a, mine.position, mine.bag);
+    my_scale = mine.scale;
+  }
+  float x[kSteps][4];
+#pragma unroll
+  for (int i = 0; i < kSteps; ++i) {
+    const int k = i * kGroups + group;  // this lane's occurrence at step i
+    const float* go = reinterpret_cast<const float*>(
+        __shfl_sync(kFullMask, reinterpret_cast<unsigned long long>(my_row), k));
+#pragma unroll
+    for (int c = 0; c < 4; ++c) x[i][c] = 0.0f;
+    if (k < n && 4 * column < D) {
+      if (a.long_run_l2_hint) {
+        load4_keep(go + 4 * column, x[i]);
+      } else {
+        load4(go + 4 * column, x[i]);
+      }
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < kSteps; ++i) {
+#pragma unroll
+    for (int h = 0; h < kGroups; ++h) {
+      const int k = i * kGroups + h;
+      const float s = __shfl_sync(kFullMask, my_scale, k);
+      float y[4];
+#pragma unroll
+      for (int c = 0; c < 4; ++c) y[c] = __shfl_sync(kFullMask, x[i][c], h * 8 + column);
+      if (k < n && 4 * lane < D) {
+#pragma unroll
+        for (int c = 0; c < 4; ++c) g[c] += s * y[c];
+      }
+    }
+  }
+}
+
+// The finish kernel's sum of a run's nseg partial sums (each `width` floats apart) for rows of at
+// most 32 columns (kVecs = 1; BackwardArgs::segment_lane_groups): lane 8h + c loads partial 4i + h's
+// columns 4c..4c+3, 16 partials in flight, and lanes 0-7 add them in segment order from shuffles, as
+// the default loop adds them: the same bits.
+__device__ __forceinline__ void add_partials_narrow(const float* in, int32_t nseg, int64_t width, int D, int lane,
+                                                    float* g) {
+  constexpr int kGroups = 4, kSteps = 4;
+  const int group = lane / 8, column = lane % 8;
+  for (int32_t j0 = 0; j0 < nseg; j0 += kGroups * kSteps) {
+    float x[kSteps][4];
+#pragma unroll
+    for (int i = 0; i < kSteps; ++i) {
+      const int32_t j = j0 + i * kGroups + group;
+#pragma unroll
+      for (int c = 0; c < 4; ++c) x[i][c] = 0.0f;
+      if (j < nseg && 4 * column < D) load4(in + int64_t(j) * width + 4 * column, x[i]);
+    }
+#pragma unroll
+    for (int i = 0; i < kSteps; ++i) {
+#pragma unroll
+      for (int h = 0; h < kGroups; ++h) {
+        float y[4];
+#pragma unroll
+        for (int c = 0; c < 4; ++c) y[c] = __shfl_sync(kFullMask, x[i][c], h * 8 + column);
+        if (j0 + i * kGroups + h < nseg && 4 * lane < D) {
+#pragma unroll
+          for (int c = 0; c < 4; ++c) g[c] += y[c];
         }
       }
     }
@@ -1186,9 +1275,14 @@ __global__ void __launch_bounds__(256, 3) backward_segment_kernel(BackwardArgs a
     if (run.nseg == 1) load_row<Opt, W>(row, p, weights, run.key, woff);
 #pragma unroll
     for (int i = 0; i < row.kN; ++i) row.g_[i] = 0.0f;
+    const bool narrow = kVecs == 1 && a.segment_lane_groups && row.D <= 32;
     for (int32_t base = begin; base < end; base += kWarpSize) {
       const int n = end - base < kWarpSize ? int(end - base) : kWarpSize;
-      add_chunk_batched<kVecs>(a, o, row.D, lane, run.first + base, n, row.g_);
+      if (narrow) {
+        add_chunk_batched_narrow(a, o, row.D, lane, run.first + base, n, row.g_);
+      } else {
+        add_chunk_batched<kVecs>(a, o, row.D, lane, run.first + base, n, row.g_);
+      }
     }
     if (run.nseg == 1) {
       update_and_store<Opt, W>(row, p, ctx, sv, weights, run.key, woff);
@@ -1225,6 +1319,11 @@ __global__ void __launch_bounds__(256) backward_finish_kernel(BackwardArgs a, Ru
 #pragma unroll
     for (int i = 0; i < row.kN; ++i) row.g_[i] = 0.0f;
     const float* in = partial + int64_t(run.segments.y) * kWidth;
+    if (kVecs == 1 && a.segment_lane_groups && row.D <= 32) {
+      add_partials_narrow(in, run.nseg, kWidth, row.D, lane, row.g_);
+      update_and_store<Opt, W>(row, p, ctx, sv, weights, run.key, woff);
+      continue;
+    }
 #pragma unroll 4
     for (int32_t j = 0; j < run.nseg; ++j) {
 #pragma unroll

@@ -432,6 +432,19 @@ inline int32_t segment_length() {
   return int32_t(n);
 }
 
+// Whether the 4-wide long runs' kernels sum rows of at most 32 columns with all four groups of 8
+// lanes loading (BackwardArgs::segment_lane_groups: add_chunk_batched_narrow, add_partials_narrow;
+// 32 rows in flight per warp instead of 8, for D=20/32 and skewed narrow tables, whose segment
+// kernel took 167 us against FBGEMM's 132 on the H200, landing8). TBEGEN_SEGMENT_LANE_GROUPS:
+// unset, empty or "0" off (the default), "1" on; anything else is refused. The same bits either
+// way (the same sums in the same order). Read at every call.
+inline bool segment_lane_groups_enabled() {
+  const char* v = std::getenv("TBEGEN_SEGMENT_LANE_GROUPS");
+  if (v == nullptr || *v == '\0' || std::strcmp(v, "0") == 0) return false;
+  TBEGEN_CHECK(std::strcmp(v, "1") == 0, "tbegen: TBEGEN_SEGMENT_LANE_GROUPS must be 0 or 1 (or unset), got '", v, "'");
+  return true;
+}
+
 // Whether the any-width update takes its work from one list in key order (prepare_backward's
 // WorkItems; any_width::backward_items_kernel on the caller's stream, then the finish kernel)
 // instead of the segment kernel on a side stream beside the warp kernel: the two kernels' warps sum
@@ -503,6 +516,7 @@ __attribute__((visibility("hidden"))) void backward_cuda(
   a.error = error.data_ptr<int64_t>();
   a.skip_bad_indices = skip_bad_indices;
   a.long_run_l2_hint = env_is_one("TBEGEN_LONG_RUN_L2_HINT");
+  a.segment_lane_groups = segment_lane_groups_enabled();
   a.float_rows_4wide = float_rows_4wide;
 
   // The long runs' kernels run on a side stream, concurrently with the short runs' kernel (they

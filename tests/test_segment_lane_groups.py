@@ -1,0 +1,84 @@
+"""Narrow hot rows summed by all four lane groups (TBEGEN_SEGMENT_LANE_GROUPS; issue 29).
+
+A hot row's run (at least max_segment_length_per_warp occurrences) is summed by the 4-wide
+segment kernel, a segment per warp, and a run of several segments is finished by one more warp
+that adds the segments' partial sums. For rows of at most 32 columns only lanes 0-7 hold columns;
+with the switch at 1 the warp's four groups of 8 lanes load other occurrences' rows (and partial
+sums) and lanes 0-7 add them in the same order, so every weight, state and output must be bitwise
+the default's: rows of 4, 8, 20 and 32 columns, beside wider ones (whose kernels are unchanged),
+weighted, mean, one segment and many (TBEGEN_SEGMENT_LENGTH=16: more partial sums than one round
+of the finish kernel's loads takes).
+CUDA only (`pytest -m cuda`; skipped without a GPU).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tbegen import harness
+from tbegen.layout import make_layout
+
+from test_any_width import _train, bits_equal
+
+pytestmark = [pytest.mark.cuda,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+SWITCH = "TBEGEN_SEGMENT_LANE_GROUPS"
+OPTIMIZERS = ["sgd", "rowwise_adagrad", "adagrad", "adam"]
+
+# Row 0 of the first table is hot (`hot` extra occurrences a step): its run is cut into segments.
+CASES = {
+    "fp32-D20-hot": harness.Case(tables=((400, 20),), B=64, max_L=8, hot=3000, steps=2, seed=971),
+    "fp32-D4-8-32-128-weighted-hot": harness.Case(tables=((300, 4), (200, 8), (250, 32), (100, 128)), B=48,
+                                                  max_L=6, weighted=True, hot=1200, steps=2, seed=972),
+    "fp32-D32-mean-hot-short-threshold": harness.Case(tables=((500, 32), (300, 16)), B=64, max_L=10,
+                                                      pooling="mean", hot=700, max_segment_length_per_warp=4,
+                                                      steps=2, seed=973),
+    "fp16-D20-64-hot": harness.Case(tables=((300, 20), (200, 64)), B=48, max_L=6, weights_dtype=torch.float16,
+                                    hot=900, steps=2, seed=974),
+}
+
+
+@pytest.mark.parametrize("length", [None, "16"])
+@pytest.mark.parametrize("case_id", sorted(CASES))
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_lane_groups_give_the_default_bits(load_ops, monkeypatch, name, case_id, length):
+    spec, ops = load_ops(name)
+    case = CASES[case_id]
+    if length is not None:
+        monkeypatch.setenv("TBEGEN_SEGMENT_LENGTH", length)
+    monkeypatch.setenv(SWITCH, "0")
+    out_d, w_d, st_d = _train(ops, spec, case, "cuda")
+    monkeypatch.setenv(SWITCH, "1")
+    out_v, w_v, st_v = _train(ops, spec, case, "cuda")
+    out_v2, w_v2, st_v2 = _train(ops, spec, case, "cuda")
+    gen = torch.Generator().manual_seed(case.seed)
+    w0, _ = harness.initial_state(spec, make_layout(case.tables, case.feature_table_map), case, gen)
+    assert not torch.equal(w_d, w0), "the two steps left the weights as they were"
+    assert bits_equal(w_v, w_d), f"weights differ from the default: max |diff| {(w_v.double() - w_d.double()).abs().max():.3g}"
+    for k in st_d:
+        assert bits_equal(st_v[k], st_d[k]), f"state {k} differs from the default"
+    for a, b in zip(out_v, out_d):
+        assert bits_equal(a, b), "forward output differs (the second step's uses the updated weights)"
+    assert bits_equal(w_v2, w_v) and all(bits_equal(st_v2[k], st_v[k]) for k in st_v), "variant not deterministic"
+    monkeypatch.delenv(SWITCH)
+    _, w_u, st_u = _train(ops, spec, case, "cuda")
+    assert bits_equal(w_u, w_d) and all(bits_equal(st_u[k], st_d[k]) for k in st_d), "unset differs from =0"
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_lane_groups_match_reference(load_ops, monkeypatch, name):
+    spec, ops = load_ops(name)
+    monkeypatch.setenv(SWITCH, "1")
+    monkeypatch.setenv("TBEGEN_SEGMENT_LENGTH", "16")
+    result = harness.run_case(spec, ops, CASES["fp32-D4-8-32-128-weighted-hot"], device="cuda")
+    assert not result.failures, "\n".join(result.failures)
+
+
+@pytest.mark.parametrize("value", ["yes", "2", "true"])
+def test_lane_groups_switch_refuses_other_values(load_ops, monkeypatch, value):
+    spec, ops = load_ops("sgd")
+    monkeypatch.setenv(SWITCH, value)
+    with pytest.raises(Exception, match=SWITCH):
+        _train(ops, spec, CASES["fp32-D20-hot"], "cuda")
