@@ -78,7 +78,7 @@ def runtime_kind(name: str):
     for kind, prefixes in KINDS:
         if any(name == p or name.startswith(p + "_") or name.startswith(p + "(") for p in prefixes):
             return kind
-    if name.startswith("cuda") or name.startswith("cu"):
+    if name.startswith("cuda") or (name.startswith("cu") and name[2:3].isupper()):
         return "other runtime calls"
     return None
 
@@ -87,6 +87,8 @@ def count(prof, steps: int) -> dict:
     ops, top, compute, tbegen_ops, allocs, runtime, runtime_us = (Counter() for _ in range(7))
     for e in prof.events():
         name = e.name
+        if e.device_type != torch.autograd.DeviceType.CPU:  # (the GPU's own kernel and copy records)
+            continue
         kind = runtime_kind(name) if not is_op(name) else None
         if kind is not None:
             runtime[kind] += 1

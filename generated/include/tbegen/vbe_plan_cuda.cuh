@@ -1,10 +1,10 @@
 // tbegen runtime: the CUDA operator vbe_plan, the plan of a variable-batch (VBE) batch (vbe.h):
 // the host sums the small [F, R] batch sizes into the plan's header and one kernel writes every
-// padded bag's `pad` and `bag_out` entries from it, into one allocation. The header reaches the
-// kernel as its argument where it fits (CUDA 13: up to 4000 values, F = 32 features of R = 16
-// ranks take 1120): no staging buffer, no copy, no device allocation for it; a larger header is
-// copied (pinned, without waiting). Nothing waits for the GPU: the totals the module needs come
-// from the host's sums. Compiled once for all optimizers, in cuda_forward.cu.
+// padded bag's `pad` and `bag_out` entries from it, into one allocation (vbe.h, vbe_plan_tables).
+// The header reaches the kernel as its argument where it fits (CUDA 13: up to 4000 values; F = 32
+// features of R = 16 ranks take 1120): no staging buffer, no copy, no device allocation for it; a
+// larger header is copied (pinned, without waiting). Nothing waits for the GPU: the totals the
+// module needs come from the host's sums. Compiled once for all optimizers, in cuda_forward.cu.
 #pragma once
 
 #include "tbegen/cuda_ops.cuh"
@@ -58,13 +58,6 @@ __global__ void vbe_plan_argument_kernel(const __grid_constant__ VbeHeaderArgume
   vbe_plan_entries(header.values, F, R, max_B, total_bags, pad, bag_out);
 }
 #endif
-
-// The plan's two tables, as views of one allocation: `bag_out` (F * max_B entries) at its start,
-// `pad` (F * max_B + 1) after it.
-inline std::pair<at::Tensor, at::Tensor> vbe_plan_tables(int64_t bags, const at::TensorOptions& on_device) {
-  const at::Tensor both = at::empty({2 * bags + 1}, on_device);
-  return {both.narrow(0, bags, bags + 1), both.narrow(0, 0, bags)};
-}
 
 inline void launch_vbe_plan(const int64_t* header, int64_t F, int64_t R, const VbeTotals& t, at::Tensor& pad,
                             at::Tensor& bag_out) {

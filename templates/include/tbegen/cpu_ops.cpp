@@ -43,10 +43,7 @@ std::tuple<at::Tensor, at::Tensor, std::vector<int64_t>> vbe_plan_cpu(at::IntArr
   std::vector<int64_t> header(size_t(vbe_plan_header_size(F, R)));
   const VbeTotals t = vbe_plan_header(sizes, num_ranks, dims, header.data());
   const int64_t bags = F * t.max_B;
-  // (both tables in one allocation, as on CUDA: `bag_out` at its start, `pad` after it)
-  const at::Tensor both = at::empty({2 * bags + 1}, at::TensorOptions().dtype(at::kLong));
-  at::Tensor pad = both.narrow(0, bags, bags + 1);
-  at::Tensor bag_out = both.narrow(0, 0, bags);
+  const auto [pad, bag_out] = vbe_plan_tables(bags, at::TensorOptions().dtype(at::kLong));  // (vbe.h)
   int64_t* p = pad.data_ptr<int64_t>();
   int64_t* o = bag_out.data_ptr<int64_t>();
   at::parallel_for(0, bags, 16384, [&](int64_t begin, int64_t end) {

@@ -15,6 +15,7 @@
 #include <mutex>
 #include <numeric>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include "tbegen/host.h"
@@ -277,6 +278,22 @@ inline VbeTotals vbe_plan_header(at::IntArrayRef sizes, int64_t num_ranks, at::I
   TBEGEN_CHECK(!__builtin_mul_overflow(F, t.max_B, &padded) && padded < (int64_t(1) << 62),
               "tbegen: batch_size_per_feature_per_rank: the padded batch of ", F, " x ", t.max_B, " bags is too large");
   return t;
+}
+
+// The plan's two tables in one allocation: `bag_out` (bags = F * max_B entries) at its start,
+// `pad` (bags + 1) after it; returns {pad, bag_out}. Each is a tensor of its own on the shared
+// storage, made without the dispatcher (narrow would dispatch narrow, slice and as_strided for
+// each: more host time than the allocation it saves); each has its own version counter, which
+// VbePlanTables reads (nothing writes the tables after the plan operator).
+inline std::pair<at::Tensor, at::Tensor> vbe_plan_tables(int64_t bags, const at::TensorOptions& options) {
+  const at::Tensor both = at::empty({2 * bags + 1}, options);
+  auto table = [&](int64_t offset, int64_t n) {
+    auto impl = c10::make_intrusive<c10::TensorImpl>(c10::Storage(both.storage()), both.key_set(), both.dtype());
+    const int64_t size[1] = {n}, stride[1] = {1};
+    impl->set_sizes_and_strides(at::IntArrayRef(size), at::IntArrayRef(stride), offset);
+    return at::Tensor(std::move(impl));
+  };
+  return {table(bags, bags + 1), table(0, bags)};
 }
 
 // Padded bag i = f * max_B + b (i < F * max_B): its `pad` entry, and its `bag_out` entry (-1 for
