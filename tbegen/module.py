@@ -1550,7 +1550,7 @@ class TableBatchedEmbeddingBags(nn.Module):
         """The padding index (`pad`), the table of each padded bag's output offset (`bag_out`) and
         the totals of one batch_size_per_feature_per_rank, kept for the last distinct ones. A new
         one is one operator call (vbe_plan, include/tbegen/vbe.h: the host sums the [F, R] sizes,
-        one small copy and one kernel on CUDA; nothing waits for the device). Plans are kept by
+        one kernel on CUDA, the header its argument; nothing waits for the device). Plans are kept by
         the sizes packed as int64 bytes (_vbe_key; `key`: that of these sizes where the caller has
         it), which go to the operator as they are; anything else, e.g. a tensor, is checked and
         converted first. The forward finds a kept plan itself (_forward_vbe); this is its way to a

@@ -201,7 +201,8 @@ class VbePlanTables {
 // bag first_f + min(b, B_f) starts, the last entry the VBE bag count; offsets[pad] are the padded
 // batch's offsets) and `bag_out` (F * max_B entries: bag_output_offsets above). The host sums the
 // small [F, R] sizes into a header; each padded bag's two entries then follow from it alone
-// (vbe_plan_entry), on the host for the CPU and in one kernel for CUDA, after one small copy.
+// (vbe_plan_entry), on the host for the CPU and in one kernel for CUDA, which takes the header as its
+// argument (vbe_plan_cuda.cuh).
 
 // The header's layout: per feature f, at f * kVbeFeatureColumns, its first bag in the VBE order
 // (features, then ranks, then samples), its bag count B_f and its width D_f; then, from
