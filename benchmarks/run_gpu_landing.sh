@@ -156,6 +156,10 @@ if [ "${VBE:-0}" = 1 ]; then
   echo "== VBE (benchmarks/bench_vbe.py)" >> "$OUT/fbgemm.log"
   PYTHONPATH=$PWD/benchmarks/fbgemm_subset:/tmp/fbg_site:$PYTHONPATH CUDA_MODULE_LOADING=LAZY timeout $(cap ${VBE_TIMEOUT:-90}) python3 benchmarks/bench_vbe.py \
     --gathered --rounds ${VBE_ROUNDS:-3} --out /tmp/vbe >> "$OUT/fbgemm.log" 2>&1 || log "bench_vbe.py failed or timed out"
+  # what a VBE step dispatches beyond the padded one, with the runtime calls' host time (narrow-skewed's shape)
+  echo "== VBE launches per step (benchmarks/vbe_step_ops.py)" >> "$OUT/fbgemm.log"
+  timeout $(cap 60) python3 benchmarks/vbe_step_ops.py --device cuda --batch 256 --rows 500000 --pooling-factor 10 \
+    --json "$OUT/vbe_step_ops.json" >> "$OUT/fbgemm.log" 2>&1 || log "vbe_step_ops.py failed or timed out"
 fi
 [ -z "$rest_pid" ] || wait $rest_pid || { status=1; log "build of the other extensions failed"; }
 log "all extensions built: $(( $(date +%s) - t0 )) s"
