@@ -640,7 +640,7 @@ struct Runs {
   const int2* segments;     // per long run: first segment, first partial-sum slot (exclusive scan)
   int32_t n;                // occurrences
   int32_t max_segment_length_per_warp;
-  int32_t segment_length;   // occurrences per segment of a long run (the last one may be shorter)
+  int32_t segment_length = kSegmentLength;  // occurrences per segment of a long run (the last may be shorter)
   int64_t skipped_key;      // the key of skipped bad indices (total_hash_size)
 
   __device__ __forceinline__ int64_t key_at(int64_t j) const {
