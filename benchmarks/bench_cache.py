@@ -70,8 +70,9 @@ def parse_args(argv=None):
                          "row moves with _copy_rows, loads and write-backs at once, each on half the SMs; rows "
                          "labelled '(row copy)') and =0 (torch's index kernels; the unlabelled rows)")
     ap.add_argument("--profile", action="store_true",
-                    help="after timing, profile 3 more tbegen steps per cached placement (torch.profiler): where the "
-                         "host and the GPU spend the step, op by op, and how often the host waits (profile-*.txt)")
+                    help="after timing, profile 3 more tbegen steps per cached placement (torch.profiler, tbegen's "
+                         "named ranges on): each CUDA stream's busy time and overlap, each range's GPU and host time, "
+                         "op by op, and how often the host waits (profile-*.txt; the trace in trace-*.json)")
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--seed", type=int, default=0)
@@ -155,26 +156,114 @@ def time_steps(step, batches, warmup: int, iters: int, after_warmup=None, cuda=T
 
 
 def profile_steps(args, step, batches, label: str, steps: int = 3) -> str:
-    """Profiles `steps` more steps (torch.profiler, host and GPU): writes the ops by host time and
-    by GPU time, and the host's waits for the GPU, into profile-LABEL.txt under --out; returns its name."""
+    """Profiles `steps` more steps (torch.profiler, host and GPU) with tbegen's named ranges on
+    (tbegen/_ranges.py: forward, backward, prefetch, the cache's lookup, host wait, fill,
+    write-back, load; also NVTX ranges under nsys): writes into profile-LABEL.txt under --out the
+    per-stream timeline summary (stream_summary: each CUDA stream's busy time, what of it ran
+    beside another stream, each range's GPU and host time per step), the ops by host time and by
+    GPU time, and the host's waits; and the trace itself (trace-LABEL.json, for chrome://tracing or
+    Perfetto). Returns the profile's file name."""
     from torch.profiler import ProfilerActivity, profile
+
+    from tbegen import _ranges
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device != "cpu" else [])
     n = len(batches)
-    with profile(activities=activities) as prof:
-        for i in range(steps):
-            step(batches[i % n], batches[(i + 1) % n])
-        _sync()
+    was_on = _ranges.enabled()
+    _ranges.enable(True)
+    try:
+        with profile(activities=activities) as prof:
+            for i in range(steps):
+                step(batches[i % n], batches[(i + 1) % n])
+            _sync()
+    finally:
+        _ranges.enable(was_on)
+    trace = Path(args.out) / f"trace-{label}.json"
+    prof.export_chrome_trace(str(trace))
     events = prof.key_averages()
     waits = {e.key: e.count for e in events
              if any(w in e.key for w in ("Synchronize", "cudaMemcpy", "item", "_local_scalar_dense", "tolist"))}
     lines = [f"# {label}: {steps} steps; the host's waits and copies (name: calls): {waits}", "",
+             *stream_summary(json.loads(trace.read_text()), steps), "",
              "## by host time (self)", events.table(sort_by="self_cpu_time_total", row_limit=30)]
     if args.device != "cpu":
         lines += ["## by GPU time", events.table(sort_by="cuda_time_total", row_limit=30)]
     name = f"profile-{label}.txt"
     (Path(args.out) / name).write_text("\n".join(lines))
     return name
+
+
+_GPU_WORK = ("kernel", "gpu_memcpy", "gpu_memset")
+
+
+def _merged(intervals):
+    """The union of (start, end) intervals, as sorted disjoint intervals."""
+    out = []
+    for a, b in sorted(intervals):
+        if out and a <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return out
+
+
+def _length(intervals) -> float:
+    return sum(b - a for a, b in intervals)
+
+
+def _intersection(xs, ys) -> float:
+    """Total length of the intersection of two sorted disjoint interval lists."""
+    i = j = 0
+    total = 0.0
+    while i < len(xs) and j < len(ys):
+        lo, hi = max(xs[i][0], ys[j][0]), min(xs[i][1], ys[j][1])
+        total += max(0.0, hi - lo)
+        if xs[i][1] < ys[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total
+
+
+def stream_summary(trace: dict, steps: int) -> list:
+    """Markdown lines from a torch.profiler chrome trace (its traceEvents; times in us): per CUDA
+    stream, the time its kernels, copies and fills kept it busy, and how much of that ran while
+    another stream was busy (overlap); per tbegen range (tbegen/_ranges.py), its time on each
+    stream (gpu_user_annotation: from its first kernel's start to its last one's end) and on the
+    host (user_annotation; tbegen.cache.host_wait is the host blocked on the lookup's summary), all
+    in ms per step."""
+    events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and "dur" in e]
+    busy = {}
+    for e in events:
+        if e.get("cat") in _GPU_WORK:
+            stream = e.get("args", {}).get("stream", e.get("tid"))
+            busy.setdefault(stream, []).append((float(e["ts"]), float(e["ts"]) + float(e["dur"])))
+    lines = [f"## per CUDA stream (ms per step, over {steps} steps)", "",
+             "| stream | busy | ops | beside another stream |", "|---|---|---|---|"]
+    merged = {s: _merged(v) for s, v in busy.items()}
+    for s in sorted(merged, key=lambda k: -_length(merged[k])):
+        others = _merged([iv for t, m in merged.items() if t != s for iv in m])
+        lines.append(f"| {s} | {_length(merged[s]) / 1e3 / steps:.3f} | {len(busy[s]) / steps:.0f} "
+                     f"| {_intersection(merged[s], others) / 1e3 / steps:.3f} |")
+    if not merged:
+        lines.append("| (no GPU activity in the trace) | | | |")
+    ranges = {}
+    for e in events:
+        name = e.get("name", "")
+        if not name.startswith("tbegen."):
+            continue
+        if e.get("cat") == "gpu_user_annotation":
+            where = f"stream {e.get('args', {}).get('stream', e.get('tid'))}"
+        elif e.get("cat") == "user_annotation":
+            where = "host"
+        else:
+            continue
+        ranges.setdefault((name, where), []).append(float(e["dur"]))
+    lines += ["", "## tbegen's ranges (ms per step; calls per step)", "", "| range | where | ms | calls |",
+              "|---|---|---|---|"]
+    for (name, where), durs in sorted(ranges.items()):
+        lines.append(f"| {name} | {where} | {sum(durs) / 1e3 / steps:.3f} | {len(durs) / steps:g} |")
+    return lines
 
 
 # ---- tbegen -------------------------------------------------------------------------------------------
@@ -231,7 +320,9 @@ def bench_tbegen(args, batches, grad, fraction, prefetch_ahead=False, row_copy=N
     r = time_steps(step, batches, args.warmup, args.iters, after_warmup=emb.reset_cache_stats,
                    cuda=args.device != "cpu")
     if args.profile and fraction is not None:
-        r["profile"] = profile_steps(args, step, batches, f"tbegen-{fraction:g}")
+        label = (f"tbegen-{fraction:g}{'-pipelined' if pipelined else ''}{'-ahead' if prefetch_ahead else ''}"
+                 f"{'-rowcopy0' if row_copy is False else ''}")
+        r["profile"] = profile_steps(args, step, batches, label)
     r.update(system="tbegen", construct_s=construct_s, prefetch_ahead=prefetch_ahead,
              row_copy=bool(emb._cache is not None and emb._cache._row_copy_blocks),
              pipelined=pipelined,

@@ -44,6 +44,7 @@ from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
+from ._ranges import span
 from .int8 import QPARAM_BYTES
 
 __all__ = ["CACHE_ALGORITHMS", "cache_sizes", "RowCache", "Ticket"]
@@ -211,6 +212,9 @@ class RowCache:
         self.epoch = 0
         self.hard_epoch = 0
         self._held: List[Ticket] = []
+        # holds were let go since the last move that waited for the kernels reading held batches
+        # (a prefetch's lookup does not wait for them: _before_unheld_move)
+        self._unheld = False
         # batches in flight that read some rows in their backing rows (never held: any row moved
         # into the cache invalidates them), for a prefetch to leave them alone (prepare's `defer`)
         self._in_flight_backing: List[Ticket] = []
@@ -508,11 +512,12 @@ class RowCache:
             self._table_masks[key] = mask
         return mask
 
-    def drop(self, buffers, tables: Sequence[int]) -> None:
+    def drop(self, buffers, tables: Sequence[int], readers_wait: Optional[callable] = None) -> None:
         """Writes back and empties the caches of cached tables `tables` (before a batch reads
         and updates their backing rows directly). Without a host wait: the host knows how many
         rows each table holds (`_occupied`); all of them are written back while some slot may be
         dirty (a clean row's bytes are its backing row's), and the statistics count the dirty ones."""
+        self._before_unheld_move(readers_wait, evicting_held=True)  # (`readers_wait`: a prefetch's)
         self._join_writeback()
         occupied = [n if k in tables else 0 for k, n in enumerate(self._occupied)]
         if sum(occupied):
@@ -566,10 +571,22 @@ class RowCache:
         tickets are then prepared again, as without holds)."""
         if ticket.slots.numel() and not ticket.backing:
             self._held.append(ticket)
-            del self._held[:-self._MAX_HELD]
+            if len(self._held) > self._MAX_HELD:
+                del self._held[:-self._MAX_HELD]
+                self._unheld = True
         elif ticket.backing and ticket.epoch == self.epoch:
             self._in_flight_backing.append(ticket)
             del self._in_flight_backing[:-self._MAX_HELD]
+
+    def _before_unheld_move(self, readers_wait: Optional[callable], evicting_held: bool = False) -> None:
+        """Before rows move out of slots that a batch in flight may read: `readers_wait` (a
+        prefetch's, which did not wait for the forwards that read held batches on other streams:
+        module._CacheStreams.wait_all) is called where holds were let go since the last such
+        point, or where this move evicts held slots (`evicting_held`: a drop). Without it, the
+        use waited for every other stream already."""
+        if readers_wait is not None and (self._unheld or (evicting_held and self._held)):
+            readers_wait()
+        self._unheld = False
 
     def release(self, ticket: Ticket) -> None:
         self._held = [t for t in self._held if t is not ticket]
@@ -582,6 +599,8 @@ class RowCache:
         return bool(self._in_flight_backing)
 
     def _release_all(self) -> None:
+        if self._held:
+            self._unheld = True
         self._held = []
         self.hard_epoch += 1
 
@@ -603,7 +622,8 @@ class RowCache:
     # ---- a batch ----
 
     def prepare(self, indices: torch.Tensor, offsets: torch.Tensor, batch: int, buffers, *,
-                bad_index_error: Optional[callable] = None, defer: bool = False) -> Optional[Ticket]:
+                bad_index_error: Optional[callable] = None, defer: bool = False,
+                readers_wait: Optional[callable] = None) -> Optional[Ticket]:
         """Makes every row that `indices` reads of a cached table resident and returns the
         indices the kernels read (see Ticket). `offsets` has F * batch + 1 entries (checked by the
         caller). Out-of-range indices of cached tables stay out of range for the kernels, which
@@ -618,7 +638,9 @@ class RowCache:
         waits twice (the summary is read again once that table's indices are left out).
 
         `defer` (a prefetch): where the batch's rows would need slots held for other batches,
-        None, with nothing changed (the forward looks the batch up then)."""
+        None, with nothing changed (the forward looks the batch up then). `readers_wait` (a
+        prefetch's, on CUDA): called before rows move out of slots whose holds were let go
+        (_before_unheld_move)."""
         T = self._t
         dev = self.device
         N = indices.numel()
@@ -668,7 +690,8 @@ class RowCache:
             if check_bad:
                 parts.append((cached & ~valid).sum().reshape(1))
             need_d, miss_d = parts[1], parts[2]
-            summary = torch.cat(parts).tolist()  # (the batch's one host wait)
+            with span("tbegen.cache.host_wait"):
+                summary = torch.cat(parts).tolist()  # (the batch's one host wait)
             looked_h, need_h, miss_h = summary[:nc], summary[nc:2 * nc], summary[2 * nc:3 * nc]
             unique_hits, index_hits = summary[3 * nc:3 * nc + 2]
             extra = summary[3 * nc + 2:4 * nc + 2] if held is not None else [0] * nc
@@ -688,7 +711,7 @@ class RowCache:
             over = tuple(k for k in range(nc) if need_h[k] > self.slots[k] and not self.direct[k])
             if not over:
                 break
-            self._overflow(buffers, over, need_h)
+            self._overflow(buffers, over, need_h, readers_wait)
             st["bypasses"] += len(over)
             st["backing_lookups"] += sum(looked_h[k] for k in over)
             st["backing_rows"] += sum(need_h[k] for k in over)
@@ -750,7 +773,9 @@ class RowCache:
                 first_t = torch.searchsorted(mt, torch.arange(nc, device=dev))  # each table's first
                 cap = torch.minimum(miss_d, T["C"] - (need_d - miss_d))  # admit, on the device
                 missing = missing[self._compact(torch.arange(n_miss, device=dev) - first_t[mt] < cap[mt], sum(admit))]
-            self._fill(buffers, U[missing], tU[missing], local_row[missing], hit_slots, admit, tick, held)
+            with span("tbegen.cache.fill"):
+                self._fill(buffers, U[missing], tU[missing], local_row[missing], hit_slots, admit, tick, held,
+                           readers_wait)
         slot = self._row_slot[U].to(torch.int64)
         resident = slot >= 0
         n_backing = [n - a - (n - m) for n, a, m in zip(need_h, admit, miss_h)]  # (direct tables only)
@@ -786,7 +811,7 @@ class RowCache:
             return torch.where(bad, torch.full_like(indices, -1), indices)
         return indices.clone()
 
-    def _overflow(self, buffers, over: Tuple[int, ...], need: Sequence[int]) -> None:
+    def _overflow(self, buffers, over: Tuple[int, ...], need: Sequence[int], readers_wait=None) -> None:
         """Cached tables `over` have more distinct rows in the batch than cache slots: the batch
         reads and updates their backing rows directly (see the module docstring)."""
         for k in over:
@@ -800,7 +825,8 @@ class RowCache:
                     f"cache_load_factor) or smaller batches avoid it. (Warned once per table.)",
                     RuntimeWarning, stacklevel=5,
                 )
-        self.drop(buffers, over)
+        with span("tbegen.cache.drop"):
+            self.drop(buffers, over, readers_wait)
 
     def _victim_order(self, protected: torch.Tensor) -> torch.Tensor:
         """All slots, grouped by table (each table's C slots at its sbase) and, within a table,
@@ -828,7 +854,8 @@ class RowCache:
             order = order[torch.argsort(freq[order], stable=True)]
         return order[torch.argsort(self._slot_table[order], stable=True)]
 
-    def _fill(self, buffers, mU, mT, mRow, hit_slots, count_h, tick, held: Optional[torch.Tensor] = None) -> None:
+    def _fill(self, buffers, mU, mT, mRow, hit_slots, count_h, tick, held: Optional[torch.Tensor] = None,
+              readers_wait: Optional[callable] = None) -> None:
         """Loads rows (cached keys mU of tables mT, grouped by table: count_h[c] of table c) into
         the coldest slots of their tables (the j-th row of a table into its j-th coldest slot),
         never into the batch's own slots (`hit_slots`) or those `held` for other batches.
@@ -837,6 +864,7 @@ class RowCache:
         how many of its victims hold a row (evicted: `_occupied`, which it keeps). Every evicted
         row is written back (a clean one's slot holds its backing row's bits, so that write
         changes nothing), unless no slot can be dirty; the statistics count the dirty ones."""
+        self._before_unheld_move(readers_wait)  # (holds let go since: their forwards may still read)
         T = self._t
         dev = self.device
         protected = torch.zeros(self.num_slots, dtype=torch.bool, device=dev) if held is None else held
@@ -859,15 +887,17 @@ class RowCache:
         # two cross the host link in opposite directions at once, and touch different backing
         # rows (an evicted row is resident, a loaded one is not). This stream waits for both.
         staged: list = []
-        if evicted and self._maybe_dirty:
-            self._move(buffers, mT[e], old[e], local_slot[e], to_slots=False, staged=staged, per_table=evicted_h)
-        self._write_staged(staged)
+        with span("tbegen.cache.writeback"):
+            if evicted and self._maybe_dirty:
+                self._move(buffers, mT[e], old[e], local_slot[e], to_slots=False, staged=staged, per_table=evicted_h)
+            self._write_staged(staged)
         if evicted:
             self._row_slot.index_fill_(0, T["rbase"][mT[e]] + old[e], -1)
         # Some row's slot number is no longer valid, or a row that an earlier batch of a direct
         # table read in its backing row is now cached: batches prepared before are prepared again.
         self.epoch += 1
-        self._move(buffers, mT, mRow, local_slot, to_slots=True, per_table=count_h)
+        with span("tbegen.cache.load"):
+            self._move(buffers, mT, mRow, local_slot, to_slots=True, per_table=count_h)
         self._join_writeback()
         self._row_slot[mU] = local_slot.to(torch.int32)
         self._slot_row[victims] = mRow

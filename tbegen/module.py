@@ -40,6 +40,7 @@ from . import compiled as compiled_
 from .capture import check_capturable
 from . import int8 as int8_
 from . import placement as placement_
+from ._ranges import span
 from .errors import BOUNDS_CHECK_MODES, ErrorRecord
 from .init import fill_uniform_
 from .layout import POOLING, Layout, make_layout
@@ -468,25 +469,32 @@ class _Lookup(torch.autograd.Function):
 
 class _CacheStreams:
     """How the uses of the row cache are ordered on CUDA when they run on more than one stream
-    (docs/placements.md, "Prefetching on another stream"), without the host waiting. Three kinds
+    (docs/placements.md, "Prefetching on another stream"), without the host waiting. Four kinds
     of use:
     - a *lookup* (a prefetch, a forward's own lookup) reads and changes which row is in which
       slot but leaves the slots of held batches alone (`RowCache.hold`);
     - a *settling* use touches any slot or dirty flag: a backward (its batch's slots), flush,
       drop, the statistics;
-    - the kernels of a forward given a prefetched batch read only that batch's held slots.
+    - a *read*: the kernels of a forward whose batch is held read only that batch's slots and
+      change nothing (`leave(..., read=True)`);
+    - the kernels of a forward given a prefetched batch begin with a wait for that prefetch only
+      (`wait_for`).
     Every lookup and settling use first waits, on the device, for the latest use on every other
-    stream (`enter`), except a backward whose ticket is valid: it waits only for the latest
-    settling use on every other stream (`enter(..., wait="settling")`), since lookups leave its
-    held slots alone; so the prefetch of batch i + 1, issued on a side stream after the forward
-    of batch i (TorchRec's prefetch pipeline), runs beside the backward of batch i. A forward
-    given a prefetched batch waits only for that prefetch (`wait_for`). `leave` records the end
-    of a use on the current stream: an event, once a second stream has been seen (before that,
-    or for a use that has not left, a later use on another stream waits for all that stream had
-    queued: wait_stream). On the CPU: nothing. A copy of the module starts with none (streams
-    and events are not copied)."""
+    stream (`enter`), with two exceptions. A backward whose ticket is valid waits only for the
+    latest settling use on every other stream (`enter(..., wait="settling")`), since lookups leave
+    its held slots alone; so the prefetch of batch i + 1, issued on a side stream after the forward
+    of batch i (TorchRec's prefetch pipeline), runs beside the backward of batch i. A prefetch
+    waits only for the latest lookup or settling use on every other stream (`wait="changes"`),
+    not for reads: its lookup leaves held slots alone, so the prefetch of batch i + 1 runs beside
+    the forward of batch i as well (it needs the backward of batch i - 1, whose rows it may evict
+    and write back). Where a lookup does move rows that a read may be using (holds let go:
+    `RowCache._before_unheld_move`), it first waits for every other stream's latest use
+    (`wait_all`). `leave` records the end of a use on the current stream: an event, once a second
+    stream has been seen (before that, or for a use that has not left, a later use on another
+    stream waits for all that stream had queued: wait_stream). On the CPU: nothing. A copy of the
+    module starts with none (streams and events are not copied)."""
 
-    __slots__ = ("last", "settling", "several")
+    __slots__ = ("last", "changes", "settling", "several")
     # streams remembered; past this, the one seen first is waited for by the current stream and
     # forgotten (a loop that makes a new stream per step would otherwise make every use wait for
     # every stream it ever saw)
@@ -494,6 +502,7 @@ class _CacheStreams:
 
     def __init__(self) -> None:
         self.last: Dict[Any, Any] = {}  # stream -> the event after its latest use (None: wait for the stream)
+        self.changes: Dict[Any, Any] = {}  # stream -> the event after its latest lookup or settling use (likewise)
         self.settling: Dict[Any, Any] = {}  # stream -> the event after its latest settling use (likewise)
         self.several = False  # (events are recorded only once a second stream has been seen)
 
@@ -512,37 +521,53 @@ class _CacheStreams:
 
     def enter(self, device: torch.device, wait=True, lookup: bool = False) -> None:
         """Before a use on the current stream: wait=True waits for every other stream's latest
-        use, wait="settling" for its latest settling use only, wait=False for nothing; `lookup`:
-        the use leaves held slots alone (else it is a settling use)."""
+        use, wait="changes" for its latest lookup or settling use (not reads), wait="settling" for
+        its latest settling use only, wait=False for nothing; `lookup`: the use leaves held slots
+        alone (else it is a settling use)."""
         if device.type != "cuda":
             return
         current = torch.cuda.current_stream(device)
         if wait:
-            for stream, event in (self.last if wait is True else self.settling).items():
+            waited = {True: self.last, "changes": self.changes, "settling": self.settling}[wait]
+            for stream, event in waited.items():
                 if stream != current:
                     self._wait(current, stream, event)
         # (a use begins here: until its `leave`, no event marks its end)
         self.last[current] = None
+        self.changes[current] = None
         if not lookup:
             self.settling[current] = None
         self._forget_oldest(current)
+
+    def wait_all(self, device: torch.device) -> None:
+        """Within a use: the current stream waits for every other stream's latest use, reads
+        included (before a lookup moves rows whose holds were let go: a forward's kernels on
+        another stream may still read them)."""
+        if device.type != "cuda":
+            return
+        current = torch.cuda.current_stream(device)
+        for stream, event in self.last.items():
+            if stream != current:
+                self._wait(current, stream, event)
 
     def _forget_oldest(self, current) -> None:
         """Past _MAX_STREAMS streams, the current stream waits for the one seen first (another),
         which is then forgotten: its uses are behind the current stream's from here on. A later
         settling use's wait then covers it by waiting for all the current stream queued (its
-        settling entry None: wait_stream), as this use may be a lookup, whose end is no settling
-        event."""
+        settling and changes entries None: wait_stream), as this use may be a lookup or a read,
+        whose end is no settling event."""
         while len(self.last) > self._MAX_STREAMS:
             stream = next(s for s in self.last if s != current)
             event = self.last.pop(stream)
+            self.changes.pop(stream, None)
             self.settling.pop(stream, None)
             self._wait(current, stream, event)
+            self.changes[current] = None
             self.settling[current] = None
 
     def wait_for(self, point, device: torch.device):
         """The current stream waits for one earlier use (`point`, what its `leave` returned);
-        returns the current stream (None on the CPU)."""
+        returns the current stream (None on the CPU). A read begins here (`leave(read=True)`)."""
         if device.type != "cuda" or point is None:
             return None
         current = torch.cuda.current_stream(device)
@@ -553,9 +578,10 @@ class _CacheStreams:
         self._forget_oldest(current)
         return current
 
-    def leave(self, device: torch.device, lookup: bool = False):
-        """Marks the end of a use of the cache on the current stream (`lookup` as for `enter`);
-        returns (stream, event) for `wait_for` (None on the CPU)."""
+    def leave(self, device: torch.device, lookup: bool = False, read: bool = False):
+        """Marks the end of a use of the cache on the current stream (`lookup` as for `enter`;
+        `read`: the kernels of a forward whose batch is held); returns (stream, event) for
+        `wait_for` (None on the CPU)."""
         if device.type != "cuda":
             return None
         current = torch.cuda.current_stream(device)
@@ -564,8 +590,10 @@ class _CacheStreams:
             event = torch.cuda.Event()
             event.record(current)
         self.last[current] = event
-        if not lookup:
-            self.settling[current] = event
+        if not read:
+            self.changes[current] = event
+            if not lookup:
+                self.settling[current] = event
         return current, event
 
 
@@ -936,13 +964,19 @@ class TableBatchedEmbeddingBags(nn.Module):
         """The cache's lookup of a batch (RowCache.prepare), after the cache's latest use on every
         other stream (`lookup`: this use leaves held slots alone; a backward's second lookup is
         part of a settling use). `defer` (a prefetch): None where the batch would evict rows
-        held for other batches (RowCache.prepare)."""
-        self._cache_order.enter(self._registered("weights").device, lookup=lookup)
+        held for other batches (RowCache.prepare); it waits for the latest lookup or settling use
+        on every other stream, not for the kernels of forwards that read held batches
+        (_CacheStreams: the prefetch of batch i + 1 runs beside the forward of batch i)."""
+        self._cache_order.enter(self._registered("weights").device, wait="changes" if defer else True, lookup=lookup)
         if self._cache.needs_int64 and indices.dtype != torch.int64:
             indices, offsets = indices.to(torch.int64), offsets.to(torch.int64)
         batch = (offsets.numel() - 1) // self.layout.num_features
         bad = self._bad_cached_index if self._errors.mode == "raise" else None
-        return self._cache.prepare(indices, offsets, batch, self._cache_buffers(), bad_index_error=bad, defer=defer)
+        device = self._registered("weights").device
+        readers_wait = (lambda: self._cache_order.wait_all(device)) if defer else None
+        with span("tbegen.cache.lookup"):
+            return self._cache.prepare(indices, offsets, batch, self._cache_buffers(), bad_index_error=bad,
+                                       defer=defer, readers_wait=readers_wait)
 
     def _take_prefetched(self, indices: torch.Tensor, offsets: torch.Tensor, sizes=None) -> Optional[cache_.Ticket]:
         """The ticket `prefetch` made for these very tensors (unchanged since) and VBE sizes
@@ -1037,7 +1071,8 @@ class TableBatchedEmbeddingBags(nn.Module):
         checked_indices, checked_offsets, _ = self._check_input(indices, offsets, None)
         if self._cache is None:
             return
-        ticket = self._prepare(checked_indices, checked_offsets, defer=True)
+        with span("tbegen.prefetch"):
+            ticket = self._prepare(checked_indices, checked_offsets, defer=True)
         point = self._cache_order.leave(self._registered("weights").device, lookup=True)  # (the forward waits for it)
         if ticket is None:  # (deferred: the batch's rows do not fit beside those held for earlier batches)
             return
@@ -1462,7 +1497,12 @@ class TableBatchedEmbeddingBags(nn.Module):
         ticket = None
         if self._cache is not None:
             # the batch's rows of cached tables made resident, its indices rewritten into slots
-            ticket = self._take_prefetched(*given) or self._prepare(indices, offsets)
+            ticket = self._take_prefetched(*given)
+            if ticket is None:
+                ticket = self._prepare(indices, offsets)
+                # (the lookup ends here, before the kernels: a prefetch on another stream waits for
+                # this point, not for the kernels, where they read a held batch; _CacheStreams)
+                self._cache_order.leave(self._registered("weights").device, lookup=True)
             offsets = ticket.offsets  # (int64 where the slots' indices need it)
             if torch.is_grad_enabled():
                 self._cache.hold(ticket)  # (its rows stay in their slots until its backward)
@@ -1477,10 +1517,12 @@ class TableBatchedEmbeddingBags(nn.Module):
             if first is None or first.device != weights.device:
                 first = torch.empty(0, device=weights.device, requires_grad=True)
                 self.__dict__["_anchor"] = first
-        out = _Lookup.apply(self, first, indices if ticket is None else ticket.indices, offsets, per_sample_weights,
-                            ticket, bag_out, out_numel)
-        if ticket is not None:  # (the forward reads only its batch's slots: a lookup's kind of use)
-            self._cache_order.leave(weights.device, lookup=True)
+        with span("tbegen.forward"):
+            out = _Lookup.apply(self, first, indices if ticket is None else ticket.indices, offsets,
+                                per_sample_weights, ticket, bag_out, out_numel)
+        if ticket is not None:  # (the forward reads only its batch's slots: a read where they are held)
+            held = any(t is ticket for t in self._cache._held)
+            self._cache_order.leave(weights.device, lookup=True, read=held)
         # A narrow output: the float32 sums rounded to nearest (autograd widens the gradient back).
         return out if self.output_dtype == torch.float32 else out.to(self.output_dtype)
 
@@ -1830,16 +1872,17 @@ class TableBatchedEmbeddingBags(nn.Module):
         hyperparameters = self._hyperparameters
         hyper = [hyperparameters[name] for name in c.hyper_names]
         layout = self.layout
-        self._ops.backward(
-            grad_output, weights, self._buffers["features"] if features is None else features, layout.total_D,
-            layout.max_D, c.total_keys, indices, offsets, per_sample_weights, self._pooling_id,
-            self.max_segment_length_per_warp,
-            # the dense gradient of mode "none" is rounded to nearest
-            self.stochastic_rounding and not c.dense_gradient,
-            self.seed, *states, *(self._table_state_args() if c.table_states else ()), *hyper, step,
-            errors.record, errors.skip_bad_indices, self.check_finite,
-            *(() if bag_output_offsets is None else (bag_output_offsets,)),
-        )
+        with span("tbegen.backward"):
+            self._ops.backward(
+                grad_output, weights, self._buffers["features"] if features is None else features, layout.total_D,
+                layout.max_D, c.total_keys, indices, offsets, per_sample_weights, self._pooling_id,
+                self.max_segment_length_per_warp,
+                # the dense gradient of mode "none" is rounded to nearest
+                self.stochastic_rounding and not c.dense_gradient,
+                self.seed, *states, *(self._table_state_args() if c.table_states else ()), *hyper, step,
+                errors.record, errors.skip_bad_indices, self.check_finite,
+                *(() if bag_output_offsets is None else (bag_output_offsets,)),
+            )
         errors.after_call(capturing)
         # The operators write in place without telling autograd; record it, so that a graph that
         # saved these tensors (e.g. a custom regulariser) notices they changed.

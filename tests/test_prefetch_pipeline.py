@@ -23,9 +23,11 @@ from __future__ import annotations
 
 import os
 import random
+import time
 import warnings
 
 import pytest
+
 import torch
 
 from tbegen import TableBatchedEmbeddingBags
@@ -234,7 +236,9 @@ def test_cache_stream_rule_on_fake_streams(monkeypatch):
     (enter) waits for the latest use on every other stream (for the stream itself until a second
     stream has been seen, then for the event recorded after that use); a forward waits only for
     the prefetch of its batch (wait_for); a backward of a valid ticket waits for nothing (so the
-    next batch's prefetch runs beside it); a use that recorded no end is waited for as a stream."""
+    next batch's prefetch runs beside it); a prefetch waits for the latest lookup or settling use
+    of every other stream, not for a forward's kernels reading held slots (so it runs beside the
+    forward of the batch before too); a use that recorded no end is waited for as a stream."""
     from tbegen.module import _CacheStreams
 
     log, current = _fake_cuda_streams(monkeypatch)
@@ -242,20 +246,25 @@ def test_cache_stream_rule_on_fake_streams(monkeypatch):
     cuda = torch.device("cuda", 0)
     order = _CacheStreams()
 
-    def lookup(stream, leave=True):  # (a forward's own lookup, a prefetch)
+    def lookup(stream, leave=True):  # (a forward's own lookup)
         current["s"] = stream
         order.enter(cuda, lookup=True)
         return order.leave(cuda, lookup=True) if leave else None
+
+    def prefetch(stream):  # (RowCache.prepare with defer: its lookup leaves held slots alone)
+        current["s"] = stream
+        order.enter(cuda, wait="changes", lookup=True)
+        return order.leave(cuda, lookup=True)
 
     def settle(stream):  # (flush, drop, the statistics)
         current["s"] = stream
         order.enter(cuda)
         return order.leave(cuda)
 
-    def forward(point):  # (a forward given a prefetched batch)
+    def forward(point):  # (a forward given a prefetched batch: its kernels read its held slots)
         current["s"] = D
         order.wait_for(point, cuda)
-        return order.leave(cuda, lookup=True)
+        return order.leave(cuda, lookup=True, read=True)
 
     def backward():  # (a valid ticket's backward)
         current["s"] = D
@@ -265,35 +274,45 @@ def test_cache_stream_rule_on_fake_streams(monkeypatch):
     lookup(D)  # forward of batch 0, looking its batch up itself
     backward()
     assert log == []
-    p1 = lookup(S)  # prefetch of batch 1 on a side stream: waits for all D queued (no event yet)
+    p1 = prefetch(S)  # prefetch of batch 1 on a side stream: waits for all D queued (no event yet)
     assert p1[0] is S and log == [("S", "waits for stream", "D"), ("S", "records", "e0")]
     del log[:]
-    forward(p1)  # forward of batch 1: waits for its prefetch
-    p2 = lookup(S)  # prefetch of batch 2: after the forward of batch 1
+    forward(p1)  # forward of batch 1: waits for its prefetch; its kernels read its held slots
+    p2 = prefetch(S)  # prefetch of batch 2 (D's latest change, the backward of batch 0, has no event)
     backward()  # backward of batch 1: does not wait for the prefetch of batch 2
     forward(p2)
     assert log == [("D", "waits for event", "e0"), ("D", "records", "e1"),
-                   ("S", "waits for event", "e1"), ("S", "records", "e2"),
+                   ("S", "waits for stream", "D"), ("S", "records", "e2"),
                    ("D", "records", "e3"),
                    ("D", "waits for event", "e2"), ("D", "records", "e4")]
     del log[:]
-    lookup(S)  # the next prefetch waits for the backward and forward before it (D's latest use)
-    assert log == [("S", "waits for event", "e4"), ("S", "records", "e5")]
+    # the next prefetch waits for the backward of batch 1 (e3), whose rows it may evict and write
+    # back, not for the forward of batch 2 (e4), which reads only held slots: the two run together
+    prefetch(S)
+    assert log == [("S", "waits for event", "e3"), ("S", "records", "e5")]
+    del log[:]
+    lookup(S)  # a forward's own lookup (it may let the holds go) waits for D's latest use, the read
+    assert log == [("S", "waits for event", "e4"), ("S", "records", "e6")]
     del log[:]
     # a flush on a third stream between a forward and its backward: the backward waits for it
     # (a settling use), though not for the prefetch queued after it on S
     X = _FakeStream("X", log)
     settle(X)
-    lookup(S)
+    prefetch(S)
     backward()
-    assert log == [("X", "waits for event", "e4"), ("X", "waits for event", "e5"), ("X", "records", "e6"),
-                   ("S", "waits for event", "e4"), ("S", "waits for event", "e6"), ("S", "records", "e7"),
-                   ("D", "waits for event", "e6"), ("D", "records", "e8")]
+    assert log == [("X", "waits for event", "e4"), ("X", "waits for event", "e6"), ("X", "records", "e7"),
+                   ("S", "waits for event", "e3"), ("S", "waits for event", "e7"), ("S", "records", "e8"),
+                   ("D", "waits for event", "e7"), ("D", "records", "e9")]
     del log[:]
     lookup(S, leave=False)  # a use without an end recorded (torch.compile's forward): waited for as a stream
     lookup(D)
-    assert log == [("S", "waits for event", "e8"), ("S", "waits for event", "e6"),
-                   ("D", "waits for stream", "S"), ("D", "waits for event", "e6"), ("D", "records", "e9")]
+    assert log == [("S", "waits for event", "e9"), ("S", "waits for event", "e7"),
+                   ("D", "waits for stream", "S"), ("D", "waits for event", "e7"), ("D", "records", "e10")]
+    del log[:]
+    # a lookup that moves rows whose holds were let go waits for every other stream's latest use
+    current["s"] = S
+    order.wait_all(cuda)
+    assert log == [("S", "waits for event", "e10"), ("S", "waits for event", "e7")]
     # nothing on the CPU, and a copy of a module starts with no use recorded
     order.enter(torch.device("cpu"))
     assert order.leave(torch.device("cpu")) is None and set(order.last) == {D, S, X}
@@ -318,17 +337,21 @@ def test_every_use_of_the_cache_is_ordered():
     emb._cache_order = Recorder()
     idx, offsets = torch.tensor([1, 2, 3, 4]), torch.tensor([0, 1, 2, 3, 4])
     emb.prefetch(idx, offsets)
-    assert calls == ["enter lookup", "leave lookup"]
+    assert calls == ["enter after changes lookup", "leave lookup"]  # (not after other streams' reads)
     del calls[:]
     out = emb(idx, offsets)  # (takes the prefetched batch)
-    assert calls == ["leave lookup"]  # (on the CPU the prefetch recorded no point to wait for)
+    assert calls == ["leave read"]  # (on the CPU the prefetch recorded no point to wait for)
     emb._prefetched.clear()
     del calls[:]
     out.sum().backward()
     assert calls == ["enter after settling uses", "leave"]
     del calls[:]
-    out = emb(idx, offsets)  # (looks its batch up itself)
-    assert calls == ["enter lookup", "leave lookup"]
+    out = emb(idx, offsets)  # (looks its batch up itself: the lookup ends before the kernels, which read)
+    assert calls == ["enter lookup", "leave lookup", "leave read"]
+    del calls[:]
+    with torch.no_grad():  # (a batch not held: its kernels' end is a lookup's, which a prefetch waits for)
+        emb(idx, offsets)
+    assert calls == ["enter lookup", "leave lookup", "leave lookup"]
     del calls[:]
     emb._cache._release_all()  # (its rows no longer held: its ticket lasts only until the next load)
     emb(torch.tensor([100, 25, 140, 110]), offsets)
@@ -375,14 +398,17 @@ class _OrderRecorder:
         self.calls = calls
 
     def enter(self, device, wait=True, lookup=False):
-        self.calls.append({True: "enter", "settling": "enter after settling uses", False: "begin"}[wait]
-                          + (" lookup" if lookup else ""))
+        self.calls.append({True: "enter", "changes": "enter after changes", "settling": "enter after settling uses",
+                           False: "begin"}[wait] + (" lookup" if lookup else ""))
+
+    def wait_all(self, device):
+        self.calls.append("wait_all")
 
     def wait_for(self, point, device):
         self.calls.append("wait_for")
 
-    def leave(self, device, lookup=False):
-        self.calls.append("leave lookup" if lookup else "leave")
+    def leave(self, device, lookup=False, read=False):
+        self.calls.append("leave read" if read else "leave lookup" if lookup else "leave")
         return None
 
 
@@ -431,26 +457,35 @@ def _hot_batches(steps, seed, hot):
     return out
 
 
-def _touches_of_unwaited_uses(monkeypatch, seed):
+def _touches_of_unwaited_uses(monkeypatch, seed, readers_wait=True):
     """For _CacheStreams' uses that do not wait for other streams (a forward given its prefetched
     batch waits only for that prefetch; a valid ticket's backward for nothing): every row load
     into one of the ticket's slots, eviction of one, or table dropped between the making of the
     ticket and that use, in host order (the order the streams' work is issued in), over TorchRec's
     order and FBGEMM's, 1-5 batches prefetched ahead, holds let go at random, caches that overflow
-    or not. Returns (those touches, [forwards checked, backwards checked])."""
+    or not. And for the kernels of a forward of a held batch (a read, which a prefetch does not
+    wait for): every such touch of its slots between that forward and its backward, unless a
+    `wait_all` (the prefetch waiting for every stream's latest use: holds let go) came between the
+    forward and the touch ("forward reads"). `readers_wait=False`: RowCache never calls that
+    wait (the check must then fail). Returns (those touches, [forwards checked, backwards checked])."""
     from tbegen import cache as cache_
+    from tbegen import module as module_
 
     rnd = random.Random(seed)
     touched = []  # (kind, global slots) of every move and drop, in host order
     move, drop = cache_.RowCache._move, cache_.RowCache.drop
+    monkeypatch.setattr(module_._CacheStreams, "wait_all", lambda self, device: touched.append(("waited", None)))
+    if not readers_wait:
+        monkeypatch.setattr(cache_.RowCache, "_before_unheld_move",
+                            lambda self, wait, evicting_held=False: setattr(self, "_unheld", False))
 
     def logged_move(self, buffers, c, rows, slots, to_slots, staged=None, per_table=None):
         touched.append(("load" if to_slots else "evict", set((self._t["sbase"][c] + slots).tolist())))
         return move(self, buffers, c, rows, slots, to_slots, staged, per_table)
 
-    def logged_drop(self, buffers, tables):
+    def logged_drop(self, buffers, tables, readers_wait=None):
         hard = self.hard_epoch
-        drop(self, buffers, tables)
+        drop(self, buffers, tables, readers_wait)
         if self.hard_epoch != hard:
             touched.append(("drop", None))
 
@@ -461,16 +496,19 @@ def _touches_of_unwaited_uses(monkeypatch, seed):
         ahead, order = rnd.choice([1, 1, 2, 3, 5]), rnd.choice(["torchrec", "fbgemm"])
         kw = {"cache_rows": [rnd.choice([12, 20, 34]), None, rnd.choice([16, 24, 40])]} if rnd.random() < 0.5 else {}
         emb = _module(**kw)
-        made = {}
+        made, reads = {}, {}
         prepare, take, for_backward = emb._prepare, emb._take_prefetched, emb._ticket_for_backward
 
         def check(ticket, use):
             slots = set(ticket.slots.tolist())
-            found.extend((run, use, kind) for kind, s in touched[made[id(ticket)]:] if s is None or s & slots)
+            found.extend((run, use, kind) for kind, s in touched[made[id(ticket)]:]
+                         if kind != "waited" and (s is None or s & slots))
 
         def made_now(*a, **k):
             ticket = prepare(*a, **k)
             made[id(ticket)] = len(touched)
+            if not k and ticket is not None and ticket.slots.numel() and not ticket.backing:
+                reads[id(ticket)] = len(touched)  # (a forward's own lookup, its batch then held)
             return ticket
 
         def taken(*a, **k):
@@ -478,9 +516,20 @@ def _touches_of_unwaited_uses(monkeypatch, seed):
             if ticket is not None:
                 checked[0] += 1
                 check(ticket, "forward")
+                reads[id(ticket)] = len(touched)
             return ticket
 
+        def check_reads(ticket):
+            slots = set(ticket.slots.tolist())
+            for kind, s in touched[reads.pop(id(ticket)):]:
+                if kind == "waited":
+                    break
+                if s is None or s & slots:
+                    found.append((run, "forward reads", kind))
+
         def backward(ticket):
+            if id(ticket) in reads:
+                check_reads(ticket)
             if emb._cache.valid(ticket) and not ticket.bypass:  # (the backward that waits for nothing)
                 checked[1] += 1
                 check(ticket, "backward")
@@ -502,6 +551,8 @@ def _touches_of_unwaited_uses(monkeypatch, seed):
             for idx, offsets, grad in data:
                 out = emb(idx, offsets)
                 if order == "torchrec":
+                    if rnd.random() < 0.1:
+                        emb._cache._release_all()
                     prefetch()
                 if rnd.random() < 0.1:
                     emb._cache._release_all()
@@ -527,7 +578,19 @@ def test_unwaited_uses_are_caught_when_held_slots_are_not_protected(monkeypatch)
 
     monkeypatch.setattr(cache_.RowCache, "_held_mask", lambda self: None)
     found, _ = _touches_of_unwaited_uses(monkeypatch, 0)
-    assert {use for _, use, _ in found} == {"forward", "backward"}
+    assert {use for _, use, _ in found} == {"forward", "backward", "forward reads"}
+
+
+@pytest.mark.parametrize("seed", [1, 2, 7])
+def test_prefetch_waits_for_forward_reads_where_holds_were_let_go(monkeypatch, seed):
+    """A prefetch does not wait for the kernels of forwards on other streams that read held
+    batches (_CacheStreams: it runs beside the forward of the batch before); where holds were let
+    go since (or a drop evicts held slots), RowCache calls the prefetch's `readers_wait` before
+    moving rows. test_uses_that_do_not_wait_find_their_slots_untouched checks that no prefetch
+    touches a reading forward's slots without that wait; without the call (these seeds: loads,
+    evictions and drops), prefetches do."""
+    found, _ = _touches_of_unwaited_uses(monkeypatch, seed, readers_wait=False)
+    assert "forward reads" in {use for _, use, _ in found}
 
 # ---- TorchRec -----------------------------------------------------------------------------------
 
@@ -915,6 +978,50 @@ def test_cuda_side_stream_prefetch_waits_for_the_caches_last_user(order):
     got = _cuda_train(make(), data, order, stream=torch.cuda.Stream(), sleep=100_000_000)
     _same_training(want, got)
     assert got[1].cache_stats()["evictions"] >= 8 * (len(data) - 1)
+
+
+@pytest.mark.cuda
+def test_cuda_pipelined_prefetch_does_not_wait_for_the_forward_before():
+    """TorchRec's order with the default stream held back (torch.cuda._sleep, ~50 ms) just before
+    the forward of batch k, which takes its prefetched batch: the prefetch of batch k + 1 on the
+    side stream waits for the backward of batch k - 1 (queued before the sleep), not for that
+    forward, so its one host wait (the summary) returns long before the sleep ends; the prefetch
+    that waited for the forward (before 2026-12-05) took the whole sleep. The training is bitwise
+    that of in-step lookups."""
+    data = _cuda_batches(8, seed=23)
+    side = torch.cuda.Stream()
+    want = _cuda_train(_module("cuda"), data, "in-step")
+    emb = _module("cuda")
+    _cuda_train(emb, data[:2], "torchrec", stream=side, finish=False)  # (events recorded from here on)
+    outs, took = [], []
+    with torch.cuda.stream(side):
+        emb.prefetch(data[2][0], data[2][1], forward_stream=torch.cuda.current_stream())
+    for k in range(2, len(data)):
+        idx, offsets, grad = data[k]
+        torch.cuda.synchronize()
+        torch.cuda._sleep(100_000_000)
+        out = emb(idx, offsets)
+        t0 = time.perf_counter()
+        if k + 1 < len(data):
+            with torch.cuda.stream(side):
+                emb.prefetch(data[k + 1][0], data[k + 1][1])
+        took.append(time.perf_counter() - t0)
+        out.backward(grad)
+        outs.append(out.detach().clone())
+    torch.cuda.synchronize()
+    sleep_s = _sleep_seconds(100_000_000)
+    assert emb.cache_stats()["deferred"] == 0
+    assert max(took[:-1]) < 0.5 * sleep_s, (took, sleep_s)
+    emb.flush()
+    _same_training((want[0][2:], want[1]), (outs, emb))
+
+
+def _sleep_seconds(cycles):
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    torch.cuda._sleep(cycles)
+    torch.cuda.synchronize()
+    return time.perf_counter() - t0
 
 
 @pytest.mark.cuda
