@@ -1045,10 +1045,13 @@ class TableBatchedEmbeddingBags(nn.Module):
         given the same tensors and sizes (its offsets padded as that forward pads them).
 
         Streams (CUDA; docs/placements.md, "Prefetching on another stream"): the prefetch runs on
-        the current stream. When that is not the stream of the cache's last user (the forward or
-        backward of the batch before, say), it first waits for that user's work, on the device
-        (no host wait); the forward that takes the prefetched batch waits likewise for the
-        prefetch, and the tensors it takes from it are recorded as used by its stream.
+        the current stream. It first waits, on the device (no host wait), for the latest use of
+        the cache on every other stream that changed it (a lookup, or the backward of the batch
+        before, say), not for the kernels of a forward that read a held batch: in TorchRec's order
+        the prefetch runs beside the forward of the batch before (a VBE prefetch, whose padding may
+        read a plan that forward made, waits for it). The forward that takes the prefetched batch
+        waits likewise for the prefetch, and the tensors it takes from it are recorded as used by
+        its stream.
         `forward_stream` (FBGEMM's argument: the stream the forward will run on, or None) gets
         that record now as well."""
         self._check_buffers()
