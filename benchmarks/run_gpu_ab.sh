@@ -5,6 +5,9 @@
 # halves come from the same machine minutes apart and FBGEMM's two timings show the noise.
 #
 #   SWEEP_ABS   A/Bs separated by ';', each "ENV=VALUE[,ENV2=VALUE2]@REGEX" (REGEX as sweep_gpu --only)
+#   VBE         1: bench_vbe.py's whole table beside FBGEMM's padded step (--gathered, VBE_ROUNDS rounds)
+#               and vbe_step_ops.py's runtime calls per step, here where nothing builds beside them
+#               (the small VBE cases are host-bound: a build at low priority still takes host time)
 #   VBE_AB      an environment switch for bench_vbe.py's cases in VBE_CASES (default mild-large),
 #               tbegen alone, defaults then the switch (e.g. TBEGEN_VBE_GRAD_OFFSETS=1)
 #   NCU_ONLY    a sweep cell regex: ncu's SpeedOfLight and MemoryWorkloadAnalysis sections on the
@@ -14,7 +17,8 @@
 #   TEST_FILES  CUDA tests to run first (the variants' own bitwise tests)
 #   BUILD_SPECS the extensions to build first (default the four the sweep times)
 #   DEADLINE    seconds for the whole script (default 570)
-# Output under $OUT: ab.log (every table), ab.json (each A/B's sweep.json pair), profile.json, env.txt.
+# Output under $OUT: ab.log (every table), ab.json (each A/B's sweep.json pair), profile.json,
+# vbe.json and vbe_step_ops.json (VBE=1), env.txt.
 set -u
 OUT=${OUT:-/tmp/tbegen-gpu-out}
 mkdir -p "$OUT"
@@ -65,6 +69,16 @@ if [ -n "${PROFILE_ONLY:-}" ]; then
   PYTHONPATH=/tmp/fbg_site:$PYTHONPATH CUDA_MODULE_LOADING=LAZY timeout $(cap ${PROFILE_TIMEOUT:-60}) \
     python3 benchmarks/sweep_gpu.py --only "$PROFILE_ONLY" --profile --out /tmp/sweep_prof >> /tmp/sweep_ab.log 2>&1 || log "failed or timed out"
   cat /tmp/sweep_prof/sweep.md >> "$OUT/ab.log" 2>/dev/null; cp /tmp/sweep_prof/sweep.json "$OUT/profile.json" 2>/dev/null
+fi
+
+if [ "${VBE:-0}" = 1 ]; then
+  log "bench_vbe.py beside FBGEMM's padded step"
+  PYTHONPATH=$PWD/benchmarks/fbgemm_subset:/tmp/fbg_site:$PYTHONPATH CUDA_MODULE_LOADING=LAZY timeout $(cap ${VBE_TIMEOUT:-100}) \
+    python3 benchmarks/bench_vbe.py --gathered --rounds ${VBE_ROUNDS:-3} --out /tmp/vbe_full > /tmp/vbe_full.log 2>&1 || log "failed or timed out"
+  tail -n 30 /tmp/vbe_full.log >> "$OUT/ab.log"; cp /tmp/vbe_full/results.json "$OUT/vbe.json" 2>/dev/null
+  log "vbe_step_ops.py (runtime calls per step)"
+  timeout $(cap 60) python3 benchmarks/vbe_step_ops.py --device cuda --batch 256 --rows 500000 --pooling-factor 10 \
+    --json "$OUT/vbe_step_ops.json" >> "$OUT/ab.log" 2>&1 || log "failed or timed out"
 fi
 
 if [ -n "${VBE_AB:-}" ]; then
