@@ -39,6 +39,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from tbegen import TableBatchedEmbeddingBags, _ranges  # noqa: E402
+from tbegen.cache import RowCache  # noqa: E402
 from tbegen._sync_audit import SyncAudit  # noqa: E402
 from tbegen.module import _CacheStreams  # noqa: E402
 
@@ -170,12 +171,32 @@ def timeline(args) -> List[str]:
             emb.prefetch(*data[i + 1])
             rec.current = D
 
+    # The write-back stream W (RowCache._side on CUDA; on the CPU the staged writes run at once):
+    # what it waits for and what waits for it, as _write_staged and _join_writeback order them.
+    write_staged, join = RowCache._write_staged, RowCache._join_writeback
+    pending = []
+
+    def staged_on_w(cache, staged):
+        if staged:
+            rec.add("W", f"waits for stream {rec.current.name} (the evicted rows' gathers)")
+            rec.add("W", f"writes the evicted rows back to the backing store ({len(staged)} staged writes)")
+            pending.append(True)
+        write_staged(cache, staged)
+
+    def joined(cache):
+        if pending:
+            rec.add(rec.current.name, "waits for stream W (the write-back)")
+            pending.clear()
+        join(cache)
+
     was_on = _ranges.enabled()
     _ranges.enable(True)
     remove = _ranges.listen(phase)
     try:
         with mock.patch.object(torch.cuda, "current_stream", lambda device=None: rec.current), \
-                mock.patch.object(torch.cuda, "Event", _Event):
+                mock.patch.object(torch.cuda, "Event", _Event), \
+                mock.patch.object(RowCache, "_write_staged", staged_on_w), \
+                mock.patch.object(RowCache, "_join_writeback", joined):
             rec.current = D
             if args.order != "in-step":
                 emb.prefetch(*data[0])
@@ -201,7 +222,7 @@ def parse_args(argv=None):
     ap.add_argument("--order", default="torchrec", choices=["torchrec", "fbgemm", "in-step"])
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--tables", type=int, default=2)
-    ap.add_argument("--rows", type=int, default=1000)
+    ap.add_argument("--rows", type=int, default=300, help="rows per table (the default: batches evict rows)")
     ap.add_argument("--dim", type=int, default=8)
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--pooling-factor", type=int, default=4)

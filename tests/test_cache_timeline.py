@@ -35,9 +35,10 @@ def test_pipelined_prefetch_waits_for_the_backward_before_not_the_forward():
     args = cache_timeline.parse_args(["--steps", "3"])
     steps = _steps(cache_timeline.timeline(args))
     assert sorted(steps) == [1, 2, 3]
+    written_back = []
     for i in (2, 3):  # (step 1 follows the first backward, which recorded no event: a stream wait)
         lines = steps[i]
-        p_waits = [x for x in lines if x.startswith("[P] waits")]
+        p_waits = [x for x in lines if x.startswith("[P] waits for e")]
         d_waits = [x for x in lines if x.startswith("[D] waits")]
         assert p_waits and all("after tbegen.backward" in x for x in p_waits), lines
         assert d_waits and all("(P after tbegen.prefetch)" in x for x in d_waits), lines
@@ -45,6 +46,13 @@ def test_pipelined_prefetch_waits_for_the_backward_before_not_the_forward():
         assert len(host) == 1 and "for P" in lines[host[0]]
         assert host[0] < lines.index("[D] begin tbegen.backward")
         assert lines.index("[D] end   tbegen.forward") < lines.index("[P] begin tbegen.prefetch")
+        # evicted rows go back on W, after P's gathers, and P joins W before its fill ends
+        w = [k for k, x in enumerate(lines) if x.startswith("[W]")]
+        if w:
+            written_back.append(i)
+            assert len(w) == 2 and lines[w[0]] == "[W] waits for stream P (the evicted rows' gathers)"
+            assert w[1] < lines.index("[P] waits for stream W (the write-back)") < lines.index("[P] end   tbegen.cache.fill")
+    assert written_back  # (the default shape evicts)
 
 
 def test_in_step_order_has_no_stream_waits():
@@ -52,7 +60,9 @@ def test_in_step_order_has_no_stream_waits():
 
     steps = _steps(cache_timeline.timeline(cache_timeline.parse_args(["--steps", "2", "--order", "in-step"])))
     for lines in steps.values():
-        assert not any("waits for" in x and not x.startswith("HOST") for x in lines)
+        # (the only stream waits: the write-back stream's, within the forward's own lookup's fill)
+        assert all(x in ("[W] waits for stream D (the evicted rows' gathers)", "[D] waits for stream W (the write-back)")
+                   for x in lines if "waits for" in x and not x.startswith("HOST"))
         assert sum(x.startswith("HOST WAITS") for x in lines) == 1
 
 
