@@ -473,6 +473,9 @@ def main(argv=None) -> int:
         return 2
     if args.device == "cpu":
         args.system_list = ["tbegen"]
+        if args.pipelined:  # (it needs a second CUDA stream)
+            print("# --pipelined is skipped on the CPU: benchmarks/cache_timeline.py prints that order's work per "
+                  "stream and its waits there", flush=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     fb, fb_error = (None, "not asked for") if "fbgemm" not in args.system_list else import_fbgemm()
