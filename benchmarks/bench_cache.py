@@ -319,10 +319,6 @@ def bench_tbegen(args, batches, grad, fraction, prefetch_ahead=False, row_copy=N
 
     r = time_steps(step, batches, args.warmup, args.iters, after_warmup=emb.reset_cache_stats,
                    cuda=args.device != "cpu")
-    if args.profile and fraction is not None:
-        label = (f"tbegen-{fraction:g}{'-pipelined' if pipelined else ''}{'-ahead' if prefetch_ahead else ''}"
-                 f"{'-rowcopy0' if row_copy is False else ''}")
-        r["profile"] = profile_steps(args, step, batches, label)
     r.update(system="tbegen", construct_s=construct_s, prefetch_ahead=prefetch_ahead,
              row_copy=bool(emb._cache is not None and emb._cache._row_copy_blocks),
              pipelined=pipelined,
@@ -338,6 +334,10 @@ def bench_tbegen(args, batches, grad, fraction, prefetch_ahead=False, row_copy=N
                  lookups_per_step=s["prepares"] / args.iters, deferred_per_step=s["deferred"] / args.iters,
                  cache_rows_per_table=next(iter(s["cache_rows"].values())), direct=all(s["direct"].values()))
         r["host_waits_per_step"] = count_host_waits(step, batches)  # (after the statistics: extra steps)
+    if args.profile and fraction is not None:  # (after the statistics too: its steps would count in them)
+        label = (f"tbegen-{fraction:g}{'-pipelined' if pipelined else ''}{'-ahead' if prefetch_ahead else ''}"
+                 f"{'-rowcopy0' if row_copy is False else ''}")
+        r["profile"] = profile_steps(args, step, batches, label)
     r["weights_finite"] = bool(torch.isfinite(emb.split_embedding_weights()[0]).all())
     del emb
     if args.device != "cpu":
