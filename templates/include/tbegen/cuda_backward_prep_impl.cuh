@@ -42,7 +42,9 @@ struct SegmentsOfLongRun {
     if (k >= counts[1]) return make_int2(0, 0);
     const int32_t run = long_ids[k];
     const int32_t end = run + 1 < counts[0] ? starts[run + 1] : n;
-    const int32_t segments = (end - starts[run] + length - 1) / length;
+    // (a run has at least one occurrence; len + length - 1 would overflow for a run of nearly
+    // 2^31 occurrences)
+    const int32_t segments = (end - starts[run] - 1) / length + 1;
     return make_int2(segments, segments > 1 ? segments : 0);
   }
 };
@@ -61,7 +63,7 @@ struct ItemsOfRun {
     if (r >= counts[0]) return make_int2(0, 0);
     const int32_t len = (r + 1 < counts[0] ? starts[r + 1] : n) - starts[r];
     if (len < threshold) return make_int2(1, 0);
-    const int32_t segments = (len + length - 1) / length;
+    const int32_t segments = (len - 1) / length + 1;  // (as SegmentsOfLongRun: len >= 1)
     return make_int2(segments, segments > 1 ? segments : 0);
   }
 };
@@ -258,7 +260,7 @@ static __global__ void __launch_bounds__(256) build_work_items_kernel(const int3
       item_partial[f.x] = -1;
       continue;
     }
-    const int32_t segments = (len + length - 1) / length;
+    const int32_t segments = (len - 1) / length + 1;  // (as SegmentsOfLongRun: len >= 1)
     for (int32_t j = 0; j < segments; ++j) {
       item_start[f.x + j] = s + j * length;
       item_partial[f.x + j] = segments > 1 ? f.y + j : -1;
@@ -341,7 +343,9 @@ PreparedBackward prepare_backward(const Batch& b, const at::Tensor& grad_output,
     linearize_and_sort<int64_t>(b, fa, weights, indices, offsets, total_hash_size, check_finite, values_are_bags,
                                 scaled, with_tickets, vbe_grad_offsets, stream, out);
   }
-  if (work_items && b.N > 0) prepare_work_items(weights, stream, out);
+  // (the list's scan takes n + 1 entries as an int: a batch of 2^31 - 1 indices keeps the two
+  // kernels, which give the same bits)
+  if (work_items && b.N > 0 && b.N < int64_t(INT32_MAX)) prepare_work_items(weights, stream, out);
   if (check_finite && grad_output.numel() > 0) wait_event(checked, stream);
   return out;
 }

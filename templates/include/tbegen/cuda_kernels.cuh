@@ -1266,7 +1266,8 @@ __global__ void __launch_bounds__(256, 3) backward_segment_kernel(BackwardArgs a
     if (run.key >= r.skipped_key) continue;
     const int32_t seg = int32_t(s) - run.segments.x;
     const int32_t begin = seg * r.segment_length;
-    const int32_t end = begin + r.segment_length < run.len ? begin + r.segment_length : run.len;
+    // (begin + segment_length could overflow for a run of nearly 2^31 occurrences)
+    const int32_t end = run.len - begin > r.segment_length ? begin + r.segment_length : run.len;
     OptRow<Opt, kVecs> row;
     row.lane = lane;
     int64_t woff;
