@@ -6,8 +6,8 @@ that adds the segments' partial sums. For rows of at most 32 columns only lanes 
 with the switch at 1 the warp's four groups of 8 lanes load other occurrences' rows (and partial
 sums) and lanes 0-7 add them in the same order, so every weight, state and output must be bitwise
 the default's: rows of 4, 8, 20 and 32 columns, beside wider ones (whose kernels are unchanged),
-weighted, mean, one segment and many (TBEGEN_SEGMENT_LENGTH=16: more partial sums than one round
-of the finish kernel's loads takes).
+weighted, mean, pooling none, one segment and many (TBEGEN_SEGMENT_LENGTH=16: more partial sums
+than one round of the finish kernel's loads takes).
 CUDA only (`pytest -m cuda`; skipped without a GPU).
 """
 
@@ -37,6 +37,9 @@ CASES = {
                                                       steps=2, seed=973),
     "fp16-D20-64-hot": harness.Case(tables=((300, 20), (200, 64)), B=48, max_L=6, weights_dtype=torch.float16,
                                     hot=900, steps=2, seed=974),
+    # pooling none: each occurrence's output-gradient row found from its position, not its bag
+    "fp32-D20-none-weighted-hot": harness.Case(tables=((300, 20), (200, 20)), B=48, max_L=6, pooling="none",
+                                               weighted=True, hot=1500, steps=2, seed=975),
 }
 
 
