@@ -141,3 +141,23 @@ def test_work_list_switch_refuses_other_values(load_ops, monkeypatch, value):
     monkeypatch.setenv(ITEMS, value)
     with pytest.raises(Exception, match=ITEMS):
         _train(ops, spec, CASES["fp32-D1024-mean-hot-one-warp"], "cuda")
+
+
+@pytest.mark.parametrize("items", ["0", "1"])
+def test_work_list_switch_picks_the_kernels(load_ops, monkeypatch, items):
+    """The bitwise test above would pass as well if the list were made and never launched (the two
+    kernels give the bits it compares with): the profiler names the any-width kernels that ran."""
+    from torch.profiler import ProfilerActivity, profile
+
+    spec, ops = load_ops("sgd")
+    monkeypatch.setenv(SWITCH, "1")
+    monkeypatch.setenv(ITEMS, items)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        _train(ops, spec, CASES["fp32-D600-1024-weighted-hot"], "cuda")
+        torch.cuda.synchronize()
+    names = [e.key for e in prof.key_averages()]
+    ran = {k: any(k in n for n in names) for k in ("backward_items_kernel", "backward_segment_kernel",
+                                                   "backward_warp_kernel", "backward_finish_kernel")}
+    expected = {"backward_items_kernel": items == "1", "backward_segment_kernel": items == "0",
+                "backward_warp_kernel": items == "0", "backward_finish_kernel": True}
+    assert ran == expected, f"kernels that ran {ran}, expected {expected}; profiler names: {names}"
