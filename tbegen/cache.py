@@ -383,8 +383,21 @@ class RowCache:
         slot = T["slot_kbase"][c] + slots
         src, dst = (back, slot) if to_slots else (slot, back)
         for buf, per in buffers:
-            if per == "row":
+            if per != "row":
+                continue
+            if not self._row_copy_blocks:
                 _copy_or_stage(buf, dst, buf.index_select(0, src), staged)
+                continue
+            # (CUDA: the per-row states too move with _copy_rows, as rows of one entry, on the
+            # bounded grid: index_select / index_copy_ would hold every SM, and the other
+            # direction's copy would wait for them)
+            view = buf.view(-1, 1)
+            if staged is None:
+                self._row_copy_op(view, dst, view, src, self._row_copy_blocks)
+            else:
+                gathered = torch.empty((src.numel(), 1), dtype=buf.dtype, device=buf.device)
+                self._row_copy_op(gathered, None, view, src, self._row_copy_blocks)
+                staged.append((view, dst, gathered))
 
     def _row_units(self) -> Dict[Tuple[str, int], int]:
         """For each layout kind and row width D, the largest unit (in entries) that divides every
@@ -455,9 +468,11 @@ class RowCache:
 
     def _write_rows(self, view: torch.Tensor, dst: torch.Tensor, rows: torch.Tensor) -> None:
         """view[dst] = rows: with _copy_rows on a grid of half the SMs (beside the loads) where
-        it is used, else with index_copy_."""
+        it is used (1-D rows, of a per-row state, as rows of one entry), else with index_copy_."""
         if self._row_copy_blocks and rows.dim() == 2:
             self._row_copy_op(view, dst, rows, None, self._row_copy_blocks)
+        elif self._row_copy_blocks and rows.dim() == 1:
+            self._row_copy_op(view.view(-1, 1), dst, rows.view(-1, 1), None, self._row_copy_blocks)
         else:
             view.index_copy_(0, dst, rows)
 

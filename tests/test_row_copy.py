@@ -50,21 +50,40 @@ def with_row_copy(module, op, blocks=3):
 @pytest.mark.parametrize("optimizer,algorithm,dtype", [
     ("sgd", "lru", torch.float32),
     ("adam", "lfu", torch.float32),            # per-element states move with their rows
-    ("rowwise_adagrad", "lru", torch.float16),  # a per-row state (moved with index_copy_) and 2-byte rows
+    ("rowwise_adagrad", "lru", torch.float16),  # a per-row state (rows of one entry) and 2-byte rows
 ])
 def test_cache_moves_rows_through_the_operator_and_trains_like_device(optimizer, algorithm, dtype):
     data = batches(TABLES, 8, weighted=True, seed=11)
     kw = dict(optimizer=optimizer, learning_rate=0.05, weights_dtype=dtype, stochastic_rounding=False)
     device = TableBatchedEmbeddingBags(TABLES, **kw)
     calls = []
-    cached = with_row_copy(TableBatchedEmbeddingBags(TABLES, placements=MIXED, cache_rows=12, cache_algorithm=algorithm, **kw),
-                           lambda *a: copy_rows_reference(*a, calls=calls))
+    cached = TableBatchedEmbeddingBags(TABLES, placements=MIXED, cache_rows=12, cache_algorithm=algorithm, **kw)
+    buffers = {buf.data_ptr(): per for buf, per in cached._cache_buffers()}
+    moved = []  # (layout of the buffer written or read in place, dst_rows given, src_rows given, row shape)
+
+    def op(dst, dst_rows, src, src_rows, max_blocks):
+        for t in (dst, src):
+            if t.data_ptr() in buffers:
+                moved.append((buffers[t.data_ptr()], dst_rows is not None, src_rows is not None, tuple(t.shape[1:])))
+        copy_rows_reference(dst, dst_rows, src, src_rows, max_blocks, calls=calls)
+
+    with_row_copy(cached, op)
     train_both(device, cached, data)
     assert_same_tables(device, cached)
     assert cached.cache_stats()["rows_written_back"] > 0
     loads = [c for c in calls if not c[0] and not c[1]]  # (backing row -> slot, both indexed)
     writes = [c for c in calls if not c[0] and c[1]]  # (gathered evicted rows -> backing rows)
     assert loads and writes
+    # every buffer's loads (both indexed) and write-back writes (dst indexed) go through the
+    # operator; a per-row state's also the write-back's gathers out of the slots (src indexed),
+    # as rows of one entry (its flat buffer viewed as (N, 1))
+    for per in set(buffers.values()):
+        kinds = {(d, s) for p, d, s, _ in moved if p == per}
+        assert {(True, True), (True, False)} <= kinds, (per, kinds)
+        if per == "row":
+            assert (False, True) in kinds
+            assert {shape for p, _, _, shape in moved if p == per} == {(1,)}
+    assert ("row" in buffers.values()) == (optimizer == "rowwise_adagrad")
 
 
 def test_a_wrong_operator_is_caught():
@@ -111,6 +130,12 @@ def _ops():
     (torch.float16, 3),      # 6-byte rows: 2-byte units
     (torch.uint8, 13),       # 13-byte rows: 1-byte units
     (torch.float32, 300),    # rows longer than a warp's 32 units
+    # rows of one unit (a lane per row: copy_narrow_rows_kernel)
+    (torch.float32, 1),      # 4-byte rows (a per-row state's)
+    (torch.float32, 2),      # 8-byte rows
+    (torch.float32, 4),      # 16-byte rows
+    (torch.float16, 1),      # 2-byte rows
+    (torch.uint8, 1),        # 1-byte rows
 ])
 @pytest.mark.parametrize("max_blocks", [0, 1])
 def test_cuda_copy_rows_matches_indexing(dtype, width, max_blocks):
@@ -150,6 +175,52 @@ def test_cuda_copy_rows_skips_rows_outside_the_tensors():
     want = torch.full((6, 4), -1.0)
     want[0] = torch.arange(36, 40, dtype=torch.float32)  # (row 9; the others' dst or src is outside)
     assert torch.equal(dst.cpu(), want)
+
+
+def copy_rows_skipping_reference(dst, dst_rows, src, src_rows):
+    """_copy_rows on the device with row numbers outside their tensors: those rows skipped."""
+    n = dst_rows.numel()
+    s = src_rows if src_rows is not None else torch.arange(n, device=dst.device)
+    keep = (s >= 0) & (s < src.shape[0]) & (dst_rows >= 0) & (dst_rows < dst.shape[0])
+    dst[dst_rows[keep]] = src[s[keep]]
+
+
+@cuda
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.float16, torch.float32, torch.float64, torch.complex128])
+@pytest.mark.parametrize("n", [1, 31, 127, 129, 333, 4099])  # (none a multiple of a warp's 32 x 4 rows)
+@pytest.mark.parametrize("max_blocks", [0, 1])
+def test_cuda_copy_rows_of_one_entry_like_the_cache(dtype, n, max_blocks):
+    """Rows of one element (a lane per row): a flat buffer viewed as (N, 1), as the cache moves
+    a per-row state, into itself (backing rows <-> slots, disjoint) and out of it into a gathered
+    copy and back (the staged write-back), with row numbers outside the tensors among them."""
+    ops = _ops()
+    g = torch.Generator().manual_seed(n)
+    size = 2 * n + 50
+    flat = torch.randint(0, 256, (size * torch.empty(0, dtype=dtype).element_size(),), generator=g,
+                         dtype=torch.uint8).view(dtype).cuda()
+    perm = torch.randperm(size, generator=g)
+    src_rows, dst_rows = perm[:n].clone(), perm[n:2 * n].clone()
+    bad = torch.randperm(n, generator=g)[: max(1, n // 10)]  # (some rows outside, either end)
+    src_rows[bad[::2]] = torch.tensor([-1, size, size + 7, -(1 << 40)])[torch.arange(bad[::2].numel()) % 4]
+    dst_rows[bad[1::2]] = torch.tensor([size, -3])[torch.arange(bad[1::2].numel()) % 2]
+    src_rows, dst_rows = src_rows.cuda(), dst_rows.cuda()
+    got, want = flat.clone(), flat.clone()
+    ops._copy_rows(got.view(-1, 1), dst_rows, got.view(-1, 1), src_rows, max_blocks)
+    copy_rows_skipping_reference(want.view(-1, 1), dst_rows, want.view(-1, 1), src_rows)
+    torch.cuda.synchronize()
+    assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+    assert not torch.equal(got.view(torch.uint8), flat.view(torch.uint8)) or n == 1
+    # the staged write-back: gathered out of the buffer (src indexed), then written (dst indexed)
+    gathered = torch.zeros(n, 1, dtype=dtype, device="cuda")
+    ops._copy_rows(gathered, None, got.view(-1, 1), src_rows, max_blocks)
+    expect = torch.zeros(n, 1, dtype=dtype, device="cuda")
+    copy_rows_skipping_reference(expect, torch.arange(n, device="cuda"), got.view(-1, 1), src_rows)
+    torch.cuda.synchronize()
+    assert torch.equal(gathered.view(torch.uint8), expect.view(torch.uint8))
+    ops._copy_rows(got.view(-1, 1), dst_rows, gathered, None, max_blocks)
+    copy_rows_skipping_reference(want.view(-1, 1), dst_rows, expect, None)
+    torch.cuda.synchronize()
+    assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
 
 
 @cuda

@@ -70,6 +70,50 @@ __global__ void copy_rows_kernel(V* __restrict__ dst, const int64_t* __restrict_
   }
 }
 
+// The same copy for rows of a single element (vecs == 1: rows of 4, 8 or 16 bytes, the per-row
+// states of the cache, viewed as (N, 1)). The kernel above would leave 31 of a warp's 32 lanes
+// idle on them; here each lane takes rows of its own, first + lane + 32 r for r < kRowsAtOnce, so
+// a warp has 32 kRowsAtOnce rows in flight: the row numbers of all of them are read, then every
+// row loaded, then every row stored. The same rows are copied and skipped as above (a row number
+// outside its tensor is skipped), bit for bit.
+template <typename V>
+__global__ void copy_narrow_rows_kernel(V* __restrict__ dst, const int64_t* __restrict__ dst_rows, int64_t dst_stride,
+                                        int64_t dst_count, const V* __restrict__ src,
+                                        const int64_t* __restrict__ src_rows, int64_t src_stride, int64_t src_count,
+                                        int64_t n) {
+  constexpr int64_t kWarpRows = 32 * kRowsAtOnce;
+  const int lane = threadIdx.x & 31;
+  const int64_t warp = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
+  const int64_t warps = (static_cast<int64_t>(gridDim.x) * blockDim.x) >> 5;
+  for (int64_t first = warp * kWarpRows; first < n; first += warps * kWarpRows) {
+    int64_t s[kRowsAtOnce];
+    int64_t d[kRowsAtOnce];
+#pragma unroll
+    for (int r = 0; r < kRowsAtOnce; ++r) {
+      const int64_t i = first + lane + 32 * r;
+      s[r] = -1;
+      d[r] = -1;
+      if (i < n) {
+        s[r] = src_rows != nullptr ? src_rows[i] : i;
+        d[r] = dst_rows != nullptr ? dst_rows[i] : i;
+      }
+    }
+    unsigned ok = 0;  // (bit r: row first + lane + 32 r is copied)
+    V v[kRowsAtOnce];
+#pragma unroll
+    for (int r = 0; r < kRowsAtOnce; ++r) {
+      if (s[r] >= 0 && s[r] < src_count && d[r] >= 0 && d[r] < dst_count) {
+        ok |= 1u << r;
+        v[r] = src[s[r] * src_stride];
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < kRowsAtOnce; ++r) {
+      if ((ok >> r) & 1u) dst[d[r] * dst_stride] = v[r];
+    }
+  }
+}
+
 // The widest element (16, 8, 4, 2 or 1 bytes) that divides the row's bytes, both strides in bytes
 // and both base addresses.
 inline int copy_unit(int64_t row_bytes, int64_t dst_stride_bytes, int64_t src_stride_bytes, const void* dst,
@@ -123,7 +167,9 @@ inline void copy_rows(const at::Tensor& dst, const c10::optional<at::Tensor>& ds
   const int64_t src_stride_bytes = src.stride(0) * src.element_size();
   const int unit = copy_unit(row_bytes, dst_stride_bytes, src_stride_bytes, d, s);
   const int64_t vecs = row_bytes / unit;
-  const int64_t groups = (n + kRowsAtOnce - 1) / kRowsAtOnce;
+  // (rows of one unit: a lane per row, 32 kRowsAtOnce rows a warp; wider rows: kRowsAtOnce a warp)
+  const int64_t warp_rows = vecs == 1 ? 32 * kRowsAtOnce : kRowsAtOnce;
+  const int64_t groups = (n + warp_rows - 1) / warp_rows;
   int64_t blocks = (groups + kWarpsPerBlock - 1) / kWarpsPerBlock;
   if (max_blocks > 0) blocks = std::min(blocks, max_blocks);
   blocks = std::min<int64_t>(blocks, 65535);
@@ -132,9 +178,15 @@ inline void copy_rows(const at::Tensor& dst, const c10::optional<at::Tensor>& ds
   const auto stream = at::cuda::getCurrentCUDAStream(dst.get_device());
   auto launch = [&](auto zero) {
     using V = decltype(zero);
-    copy_rows_kernel<V><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
-        reinterpret_cast<V*>(d), dr, dst_stride_bytes / unit, dst.size(0), reinterpret_cast<const V*>(s), sr,
-        src_stride_bytes / unit, src.size(0), n, vecs);
+    if (vecs == 1) {
+      copy_narrow_rows_kernel<V><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
+          reinterpret_cast<V*>(d), dr, dst_stride_bytes / unit, dst.size(0), reinterpret_cast<const V*>(s), sr,
+          src_stride_bytes / unit, src.size(0), n);
+    } else {
+      copy_rows_kernel<V><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
+          reinterpret_cast<V*>(d), dr, dst_stride_bytes / unit, dst.size(0), reinterpret_cast<const V*>(s), sr,
+          src_stride_bytes / unit, src.size(0), n, vecs);
+    }
   };
   switch (unit) {
     case 16: launch(uint4{}); break;
