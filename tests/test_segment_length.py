@@ -86,7 +86,7 @@ def test_segment_length_is_read(load_ops, monkeypatch):
     assert (w_s.double() - w_d.double()).abs().max() < 1e-3, "the two lengths disagree beyond rounding"
 
 
-@pytest.mark.parametrize("value", ["abc", "8", "70000", "-64", "64x"])
+@pytest.mark.parametrize("value", ["abc", "8", "70000", "-64", "64x", "+64", " 64"])
 def test_segment_length_refuses_bad_values(load_ops, monkeypatch, value):
     spec, ops = load_ops("sgd")
     monkeypatch.setenv(SWITCH, value)

@@ -141,6 +141,10 @@ def test_work_list_switch_refuses_other_values(load_ops, monkeypatch, value):
     monkeypatch.setenv(ITEMS, value)
     with pytest.raises(Exception, match=ITEMS):
         _train(ops, spec, CASES["fp32-D1024-mean-hot-one-warp"], "cuda")
+    # (also where the batch takes the 4-wide kernels, which never use the list: a typo is a typo)
+    narrow = harness.Case(tables=((50, 64),), B=8, max_L=4, steps=1, seed=961)
+    with pytest.raises(Exception, match=ITEMS):
+        _train(ops, spec, narrow, "cuda")
 
 
 @pytest.mark.parametrize("items", ["0", "1"])

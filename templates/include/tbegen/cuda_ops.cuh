@@ -427,7 +427,8 @@ inline int32_t segment_length() {
   if (v == nullptr || *v == '\0') return kSegmentLength;
   char* end = nullptr;
   const long long n = std::strtoll(v, &end, 10);
-  TBEGEN_CHECK(end != v && *end == '\0' && n >= 16 && n <= 65536,
+  // (digits only: strtoll alone would also take leading spaces and a sign)
+  TBEGEN_CHECK(*v >= '0' && *v <= '9' && end != v && *end == '\0' && n >= 16 && n <= 65536,
                "tbegen: TBEGEN_SEGMENT_LENGTH must be an occurrence count from 16 to 65536 (or unset), got '", v, "'");
   return int32_t(n);
 }
@@ -452,8 +453,8 @@ inline bool segment_lane_groups_enabled() {
 // for L2 (benchmarks/tools/l2_model.py --unified). TBEGEN_ANY_WIDTH_ITEMS: unset, empty or "0" off
 // (the default), "1" on; anything else is refused. Only the prefetching variant has the items
 // kernel (TBEGEN_ANY_WIDTH_PREFETCH: by default float rows wider than 512 columns); elsewhere the
-// list is made and not used. The same bits either way (the same sums in the same order). Read at
-// every call.
+// list is made and not used. The same bits either way (the same sums in the same order). Read (and
+// a bad value refused) at every call, whichever kernels the batch takes.
 inline bool any_width_items_enabled() {
   const char* v = std::getenv("TBEGEN_ANY_WIDTH_ITEMS");
   if (v == nullptr || *v == '\0' || std::strcmp(v, "0") == 0) return false;
@@ -499,7 +500,7 @@ __attribute__((visibility("hidden"))) void backward_cuda(
   const PreparedBackward prep = prepare_backward(b, grad_output, weights, features, total_hash_size, indices, offsets,
                                                  per_sample_weights, max_segment_length_per_warp, error, check_finite,
                                                  vector_path, grad_offsets ? bag_out : nullptr, segment_length(),
-                                                 !vector_path && any_width_items_enabled());
+                                                 any_width_items_enabled() && !vector_path);
 
   BackwardArgs a;
   a.feat = features.data_ptr<int64_t>();
