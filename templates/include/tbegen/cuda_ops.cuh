@@ -353,6 +353,15 @@ inline bool env_is_one(const char* name) {
   return v != nullptr && std::strcmp(v, "1") == 0;
 }
 
+// An opt-in switch `name`: unset, empty or "0" off, "1" on, anything else refused (a typo must not
+// time one path under the other's name). Read at every call.
+inline bool opt_in_switch(const char* name) {
+  const char* v = std::getenv(name);
+  if (v == nullptr || *v == '\0' || std::strcmp(v, "0") == 0) return false;
+  TBEGEN_CHECK(std::strcmp(v, "1") == 0, "tbegen: ", name, " must be 0 or 1 (or unset), got '", v, "'");
+  return true;
+}
+
 // The widest row the backward's 4-wide kernels take: 512 columns by default, or what the
 // environment sets in TBEGEN_BACKWARD_4WIDE_MAX_D (up to kVectorMaxD; read at every call, so that
 // a benchmark can time both in one process). A batch with a wider row takes the any-width kernels,
@@ -406,12 +415,7 @@ inline int short_run_waves() {
 // on; anything else is refused (a typo must not time one path under the other's name). Read at
 // every call; the same bits either way (the same rows summed in the same order). Outputs of more
 // than INT32_MAX elements keep the default (the offsets are int32).
-inline bool vbe_grad_offsets_enabled() {
-  const char* v = std::getenv("TBEGEN_VBE_GRAD_OFFSETS");
-  if (v == nullptr || *v == '\0' || std::strcmp(v, "0") == 0) return false;
-  TBEGEN_CHECK(std::strcmp(v, "1") == 0, "tbegen: TBEGEN_VBE_GRAD_OFFSETS must be 0 or 1 (or unset), got '", v, "'");
-  return true;
-}
+inline bool vbe_grad_offsets_enabled() { return opt_in_switch("TBEGEN_VBE_GRAD_OFFSETS"); }
 
 // How many occurrences one warp sums in a long run's segment (Runs::segment_length):
 // kSegmentLength (256), or TBEGEN_SEGMENT_LENGTH=n, 16 <= n <= 65536 (anything else is refused: a
@@ -439,12 +443,7 @@ inline int32_t segment_length() {
 // kernel took 167 us against FBGEMM's 132 on the H200, landing8). TBEGEN_SEGMENT_LANE_GROUPS:
 // unset, empty or "0" off (the default), "1" on; anything else is refused. The same bits either
 // way (the same sums in the same order). Read at every call.
-inline bool segment_lane_groups_enabled() {
-  const char* v = std::getenv("TBEGEN_SEGMENT_LANE_GROUPS");
-  if (v == nullptr || *v == '\0' || std::strcmp(v, "0") == 0) return false;
-  TBEGEN_CHECK(std::strcmp(v, "1") == 0, "tbegen: TBEGEN_SEGMENT_LANE_GROUPS must be 0 or 1 (or unset), got '", v, "'");
-  return true;
-}
+inline bool segment_lane_groups_enabled() { return opt_in_switch("TBEGEN_SEGMENT_LANE_GROUPS"); }
 
 // Whether the any-width update takes its work from one list in key order (prepare_backward's
 // WorkItems; any_width::backward_items_kernel on the caller's stream, then the finish kernel)
@@ -455,12 +454,7 @@ inline bool segment_lane_groups_enabled() {
 // kernel (TBEGEN_ANY_WIDTH_PREFETCH: by default float rows wider than 512 columns); elsewhere the
 // list is made and not used. The same bits either way (the same sums in the same order). Read (and
 // a bad value refused) at every call, whichever kernels the batch takes.
-inline bool any_width_items_enabled() {
-  const char* v = std::getenv("TBEGEN_ANY_WIDTH_ITEMS");
-  if (v == nullptr || *v == '\0' || std::strcmp(v, "0") == 0) return false;
-  TBEGEN_CHECK(std::strcmp(v, "1") == 0, "tbegen: TBEGEN_ANY_WIDTH_ITEMS must be 0 or 1 (or unset), got '", v, "'");
-  return true;
-}
+inline bool any_width_items_enabled() { return opt_in_switch("TBEGEN_ANY_WIDTH_ITEMS"); }
 
 // The backward pass with an optimizer fused in (docs/algorithm.md): prepare_backward sorts and
 // segments the batch, then the optimizer's update kernels (`kernels`, launched with its `params`:
