@@ -17,7 +17,7 @@
 #   TEST_FILES  CUDA tests to run first (the variants' own bitwise tests)
 #   BUILD_SPECS the extensions to build first (default the four the sweep times)
 #   DEADLINE    seconds for the whole script (default 570)
-# Output under $OUT: ab.log (every table), ab.json (each A/B's sweep.json pair), profile.json,
+# Output under $OUT: ab.log (every table), ab.json (each A/B's sweep.json pair), profile.json, build.log,
 # vbe.json and vbe_step_ops.json (VBE=1), env.txt.
 set -u
 OUT=${OUT:-/tmp/tbegen-gpu-out}
@@ -26,19 +26,12 @@ export TORCH_CUDA_ARCH_LIST=9.0 TBEGEN_BUILD_DIR=$PWD/build/tbegen-cache PYTHONP
 t_start=$(date +%s)
 cap() { local left=$(( ${DEADLINE:-570} - ($(date +%s) - t_start) )); [ $left -lt 5 ] && left=5; echo $(( $1 < left ? $1 : left )); }
 log() { echo "== $*" | tee -a "$OUT/ab.log"; }
-{
-  date -u +"date: %Y-%m-%d %H:%M UTC"; echo "tree: ${TREE:-not given}"
-  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | sed 's/^/gpu: /'
-  python3 -c "import torch, sys; print('python:', sys.version.split()[0]); print('torch:', torch.__version__, 'cuda', torch.version.cuda)"
-} | tee "$OUT/env.txt"
-python3 .anchor/unpack_bundle.py .anchor/bundle /tmp/fbg_site > /dev/null 2>&1 || log "FBGEMM bundle did not unpack"
-
-t0=$(date +%s)
-python3 -c "
-import sys; from tbegen import build; from tbegen.spec import find_spec
-build.prebuild([find_spec(n) for n in sys.argv[1:]], with_cuda=True)" ${BUILD_SPECS:-sgd rowwise_adagrad adagrad adam} \
-  >> "$OUT/ab.log" 2>&1 || log "build failed"
-log "build: $(( $(date +%s) - t0 )) s"
+# (the env header, FBGEMM's bundle and the build: benchmarks/tools/gpu_common.sh, as run_variants.sh)
+source benchmarks/tools/gpu_common.sh
+gpu_env_header
+unpack_fbgemm | tee -a "$OUT/ab.log"
+# shellcheck disable=SC2086
+build_specs "$OUT/build.log" ${BUILD_SPECS:-sgd rowwise_adagrad adagrad adam} | tee -a "$OUT/ab.log"
 
 if [ -n "${TEST_FILES:-}" ]; then
   log "tests: $TEST_FILES"

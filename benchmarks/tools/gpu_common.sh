@@ -1,4 +1,4 @@
-# Shared by the GPU experiment scripts (run_variants.sh): source it from
+# Shared by the GPU experiment scripts (run_variants.sh, run_gpu_ab.sh): source it from
 # the repository root after setting OUT.
 
 # The machine and software of the run, into $OUT/env.txt (and the terminal).
