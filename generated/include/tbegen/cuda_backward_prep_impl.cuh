@@ -31,7 +31,16 @@ struct IsLongRun {
   }
 };
 
-// Long run k's (segments, partial-sum slots): a run of one segment needs no partial sums.
+// A long run of `len` occurrences cut into segments of `length`: (segments, partial-sum slots); a
+// run of one segment needs no partial sums. (A run has at least one occurrence; len + length - 1
+// would overflow for a run of nearly 2^31 occurrences.) SegmentsOfLongRun and ItemsOfRun both count
+// with it, so that the work list's partial-sum slots are the long runs' scan's.
+__device__ __forceinline__ int2 segments_of_long_run(int32_t len, int32_t length) {
+  const int32_t segments = (len - 1) / length + 1;
+  return make_int2(segments, segments > 1 ? segments : 0);
+}
+
+// Long run k's (segments, partial-sum slots).
 struct SegmentsOfLongRun {
   const int32_t* starts;
   const int32_t* counts;
@@ -42,10 +51,7 @@ struct SegmentsOfLongRun {
     if (k >= counts[1]) return make_int2(0, 0);
     const int32_t run = long_ids[k];
     const int32_t end = run + 1 < counts[0] ? starts[run + 1] : n;
-    // (a run has at least one occurrence; len + length - 1 would overflow for a run of nearly
-    // 2^31 occurrences)
-    const int32_t segments = (end - starts[run] - 1) / length + 1;
-    return make_int2(segments, segments > 1 ? segments : 0);
+    return segments_of_long_run(end - starts[run], length);
   }
 };
 
@@ -62,9 +68,7 @@ struct ItemsOfRun {
   __device__ __forceinline__ int2 operator()(int32_t r) const {
     if (r >= counts[0]) return make_int2(0, 0);
     const int32_t len = (r + 1 < counts[0] ? starts[r + 1] : n) - starts[r];
-    if (len < threshold) return make_int2(1, 0);
-    const int32_t segments = (len - 1) / length + 1;  // (as SegmentsOfLongRun: len >= 1)
-    return make_int2(segments, segments > 1 ? segments : 0);
+    return len < threshold ? make_int2(1, 0) : segments_of_long_run(len, length);
   }
 };
 
@@ -248,22 +252,17 @@ void linearize_and_sort(const Batch& b, const ForwardArgs& fa, const at::Tensor&
 // items in counts[2]. One thread per run (a hot run writes its segments in turn).
 static __global__ void __launch_bounds__(256) build_work_items_kernel(const int32_t* __restrict__ starts, int32_t* counts,
                                                                       int32_t n, const int2* __restrict__ first,
-                                                                      int32_t threshold, int32_t length,
-                                                                      int32_t* item_start, int32_t* item_partial) {
+                                                                      int32_t length, int32_t* item_start,
+                                                                      int32_t* item_partial) {
   const int32_t runs = counts[0];
   for (int64_t r = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; r < runs; r += int64_t(gridDim.x) * blockDim.x) {
+    // (run r's items and partial sums are the scan's differences: ItemsOfRun counted them)
     const int32_t s = starts[r];
-    const int32_t len = (r + 1 < runs ? starts[r + 1] : n) - s;
-    const int2 f = first[r];
-    if (len < threshold) {
-      item_start[f.x] = s;
-      item_partial[f.x] = -1;
-      continue;
-    }
-    const int32_t segments = (len - 1) / length + 1;  // (as SegmentsOfLongRun: len >= 1)
-    for (int32_t j = 0; j < segments; ++j) {
+    const int2 f = first[r], next = first[r + 1];
+    const bool several = next.y > f.y;  // (a run of several segments: one partial sum each)
+    for (int32_t j = 0; j < next.x - f.x; ++j) {
       item_start[f.x + j] = s + j * length;
-      item_partial[f.x + j] = segments > 1 ? f.y + j : -1;
+      item_partial[f.x + j] = several ? f.y + j : -1;
     }
   }
   if (blockIdx.x == 0 && threadIdx.x == 0) {
@@ -292,8 +291,7 @@ static void prepare_work_items(const at::Tensor& like, cudaStream_t stream, Prep
                                           stream);
   });
   build_work_items_kernel<<<grid_for(int64_t(n) / kWarpSize + 1), kThreads, 0, stream>>>(
-      out.runs.starts, counts, n, first, out.runs.max_segment_length_per_warp, out.runs.segment_length, item_start,
-      item_partial);
+      out.runs.starts, counts, n, first, out.runs.segment_length, item_start, item_partial);
   TBEGEN_CUDA_CHECK(cudaGetLastError());
   out.items.start = item_start;
   out.items.partial = item_partial;
