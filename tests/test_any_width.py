@@ -398,6 +398,30 @@ def bits_equal(a, b):
     return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(-1), b.view(-1))
 
 
+def assert_switch_gives_default_bits(ops, spec, case, monkeypatch, switch, device="cuda", default="the default",
+                                     variant="variant"):
+    """The kernel-variant tests' comparison of an opt-in switch: two steps with `switch` at 1 give
+    bitwise the weights, states and outputs of two steps with it at 0 (which changed the weights),
+    twice the same, and unset gives the bits of 0 (`default`, `variant`: names for the messages)."""
+    monkeypatch.setenv(switch, "0")
+    out_d, w_d, st_d = _train(ops, spec, case, device)
+    monkeypatch.setenv(switch, "1")
+    out_v, w_v, st_v = _train(ops, spec, case, device)
+    out_v2, w_v2, st_v2 = _train(ops, spec, case, device)
+    gen = torch.Generator().manual_seed(case.seed)
+    w0, _ = harness.initial_state(spec, make_layout(case.tables, case.feature_table_map), case, gen)
+    assert not torch.equal(w_d, w0), "the two steps left the weights as they were"
+    assert bits_equal(w_v, w_d), f"weights differ from {default}: max |diff| {(w_v.double() - w_d.double()).abs().max():.3g}"
+    for k in st_d:
+        assert bits_equal(st_v[k], st_d[k]), f"state {k} differs from {default}"
+    for a, b in zip(out_v, out_d):
+        assert bits_equal(a, b), "forward output differs (the second step's uses the updated weights)"
+    assert bits_equal(w_v2, w_v) and all(bits_equal(st_v2[k], st_v[k]) for k in st_v), f"{variant} not deterministic"
+    monkeypatch.delenv(switch)
+    _, w_u, st_u = _train(ops, spec, case, device)
+    assert bits_equal(w_u, w_d) and all(bits_equal(st_u[k], st_d[k]) for k in st_d), "unset differs from =0"
+
+
 def _train(ops, spec, case, device, misalign=False):
     """Two fused steps from the same start on `device`; returns the weights and states. With
     `misalign`, the weights are a view one element into a larger buffer (so not 16-byte aligned)."""

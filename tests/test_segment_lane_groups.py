@@ -17,9 +17,8 @@ import pytest
 import torch
 
 from tbegen import harness
-from tbegen.layout import make_layout
 
-from test_any_width import _train, bits_equal
+from test_any_width import _train, assert_switch_gives_default_bits
 
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -51,23 +50,7 @@ def test_lane_groups_give_the_default_bits(load_ops, monkeypatch, name, case_id,
     case = CASES[case_id]
     if length is not None:
         monkeypatch.setenv("TBEGEN_SEGMENT_LENGTH", length)
-    monkeypatch.setenv(SWITCH, "0")
-    out_d, w_d, st_d = _train(ops, spec, case, "cuda")
-    monkeypatch.setenv(SWITCH, "1")
-    out_v, w_v, st_v = _train(ops, spec, case, "cuda")
-    out_v2, w_v2, st_v2 = _train(ops, spec, case, "cuda")
-    gen = torch.Generator().manual_seed(case.seed)
-    w0, _ = harness.initial_state(spec, make_layout(case.tables, case.feature_table_map), case, gen)
-    assert not torch.equal(w_d, w0), "the two steps left the weights as they were"
-    assert bits_equal(w_v, w_d), f"weights differ from the default: max |diff| {(w_v.double() - w_d.double()).abs().max():.3g}"
-    for k in st_d:
-        assert bits_equal(st_v[k], st_d[k]), f"state {k} differs from the default"
-    for a, b in zip(out_v, out_d):
-        assert bits_equal(a, b), "forward output differs (the second step's uses the updated weights)"
-    assert bits_equal(w_v2, w_v) and all(bits_equal(st_v2[k], st_v[k]) for k in st_v), "variant not deterministic"
-    monkeypatch.delenv(SWITCH)
-    _, w_u, st_u = _train(ops, spec, case, "cuda")
-    assert bits_equal(w_u, w_d) and all(bits_equal(st_u[k], st_d[k]) for k in st_d), "unset differs from =0"
+    assert_switch_gives_default_bits(ops, spec, case, monkeypatch, SWITCH)
 
 
 @pytest.mark.parametrize("name", OPTIMIZERS)

@@ -20,7 +20,7 @@ import torch
 from tbegen import harness
 from tbegen.layout import make_layout
 
-from test_any_width import _train, bits_equal as _bits_equal
+from test_any_width import _train, assert_switch_gives_default_bits, bits_equal as _bits_equal
 
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -107,23 +107,8 @@ def test_work_list_gives_the_variant_bits(load_ops, monkeypatch, name, case_id, 
     monkeypatch.setenv(SWITCH, "1")
     if length is not None:
         monkeypatch.setenv("TBEGEN_SEGMENT_LENGTH", length)
-    monkeypatch.setenv(ITEMS, "0")
-    out_d, w_d, st_d = _train(ops, spec, case, "cuda")
-    monkeypatch.setenv(ITEMS, "1")
-    out_l, w_l, st_l = _train(ops, spec, case, "cuda")
-    out_l2, w_l2, st_l2 = _train(ops, spec, case, "cuda")
-    gen = torch.Generator().manual_seed(case.seed)
-    w0, _ = harness.initial_state(spec, make_layout(case.tables, case.feature_table_map), case, gen)
-    assert not torch.equal(w_d, w0), "the two steps left the weights as they were"
-    assert _bits_equal(w_l, w_d), f"weights differ from the two kernels': max |diff| {(w_l.double() - w_d.double()).abs().max():.3g}"
-    for k in st_d:
-        assert _bits_equal(st_l[k], st_d[k]), f"state {k} differs from the two kernels'"
-    for a, b in zip(out_l, out_d):
-        assert _bits_equal(a, b), "forward output differs (the second step's uses the updated weights)"
-    assert _bits_equal(w_l2, w_l) and all(_bits_equal(st_l2[k], st_l[k]) for k in st_l), "work list not deterministic"
-    monkeypatch.delenv(ITEMS)  # unset: the two kernels
-    _, w_u, st_u = _train(ops, spec, case, "cuda")
-    assert _bits_equal(w_u, w_d) and all(_bits_equal(st_u[k], st_d[k]) for k in st_d), "unset differs from =0"
+    # (unset: the two kernels)
+    assert_switch_gives_default_bits(ops, spec, case, monkeypatch, ITEMS, default="the two kernels'", variant="work list")
 
 
 @pytest.mark.parametrize("name", OPTIMIZERS)
