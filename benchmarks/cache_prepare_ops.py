@@ -1,0 +1,232 @@
+#!/usr/bin/env python3
+"""The row cache's lookup (RowCache.prepare) and fill, counted on the CPU: operators dispatched,
+bytes of the tensors they make, and the host time of a prepare (issue 27).
+
+    python3 benchmarks/cache_prepare_ops.py                          # 8 x 100k x 16, B 2048, L 20
+    python3 benchmarks/cache_prepare_ops.py --cache 0.2 --algorithm lru --steps 3 --json out.json
+
+A C2-like shape scaled down (C2: 32 tables x 1M rows x 128 fp32, B 16384, L 20, Zipf 1.1,
+rowwise_adagrad): every table "managed_caching" with a cache of each --cache fraction of its
+rows, LRU and LFU. The batches are bench_cache.py's (Zipf(alpha) ranks, a random permutation of
+rows per table). Each batch is looked up as a training step does (the module's own bad-index
+check, then its slots marked dirty as the backward marks them), after --warmup batches that fill
+the cache, so the counted batches evict.
+
+Per prepare, split at the batch's host wait (the span "tbegen.cache.host_wait"; on CUDA the host
+dispatches everything "before" and then waits for the device to run it; "after" is what it
+dispatches once it has read the summary, the fill excluded, and "fill" the fill's operators, row
+copies included):
+  ops      aten operators dispatched (views included: each is a host-side dispatch on CUDA too;
+           on CUDA most of the others are a kernel launch at 5-10 us of host time each)
+  views    of those, views (no kernel, no bytes)
+  MB       bytes of the tensors they make (outputs other than views and in-place results: the
+           proxy for device time, each written once and most read again)
+  full     of those tensors, those of at least N / 2 entries or of one per cache slot (+1): full-size
+           passes over the batch's N indices or over the cache's slots
+and the host time of one prepare (median of --time-steps batches, no dispatch mode, one thread):
+a proxy only (the CPU runs the kernels too, so this is host dispatch plus CPU kernel time, not the
+GPU's host overhead).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import tbegen.cache as cache_mod  # noqa: E402
+from tbegen import TableBatchedEmbeddingBags  # noqa: E402
+
+PHASES = ("before", "after", "fill")
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts the operators dispatched while active, per phase (set from outside), with the bytes
+    and sizes of their non-view outputs."""
+
+    def __init__(self, n_indices: int, n_slots: int):
+        super().__init__()
+        self.n_indices, self.n_slots = n_indices, n_slots
+        self.phase = "before"
+        self.ops = {p: collections.Counter() for p in PHASES}
+        self.views = collections.Counter()
+        self.bytes = collections.Counter()
+        self.full = collections.Counter()
+        self.full_ops = {p: collections.Counter() for p in PHASES}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = str(func.overloadpacket).replace("aten.", "")
+        self.ops[self.phase][name] += 1
+        if func.is_view:
+            self.views[self.phase] += 1
+            return out
+        if func._schema.is_mutable:  # (in place: writes into a tensor it did not make)
+            return out
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self.bytes[self.phase] += t.numel() * t.element_size()
+                if 2 * t.numel() >= self.n_indices or self.n_slots <= t.numel() <= self.n_slots + 1:
+                    self.full[self.phase] += 1
+                    self.full_ops[self.phase][name] += 1
+        return out
+
+
+@contextlib.contextmanager
+def phases(counter: OpCounter):
+    """Moves the counter's phase at the cache's named ranges: after the host wait ("after"), into
+    the fill ("fill") and back."""
+    real = cache_mod.span
+
+    @contextlib.contextmanager
+    def span(name):
+        if counter is None:
+            with real(name):
+                yield
+            return
+        if name == "tbegen.cache.host_wait":
+            with real(name):
+                yield
+            counter.phase = "after"
+        elif name == "tbegen.cache.fill":
+            counter.phase = "fill"
+            with real(name):
+                yield
+            counter.phase = "after"
+        else:
+            with real(name):
+                yield
+
+    cache_mod.span = span
+    try:
+        yield
+    finally:
+        cache_mod.span = real
+
+
+def zipf_batches(T, E, B, L, alpha, count, seed):
+    """bench_cache.py's batches (table-major, T*B bags of L), on the CPU."""
+    gen = torch.Generator().manual_seed(seed)
+    weights = torch.arange(1, E + 1, dtype=torch.float64).pow(-alpha)
+    cdf = torch.cumsum(weights, 0)
+    cdf /= cdf[-1].item()
+    rank_to_row = torch.stack([torch.randperm(E, generator=gen) for _ in range(T)])
+    offsets = torch.arange(T * B + 1, dtype=torch.int64) * L
+    out = []
+    for _ in range(count):
+        u = torch.rand((T, B * L), dtype=torch.float64, generator=gen)
+        ranks = torch.searchsorted(cdf, u).clamp_(max=E - 1)
+        rows = torch.gather(rank_to_row, 1, ranks)
+        out.append((rows.reshape(-1).contiguous(), offsets))
+    return out
+
+
+def measure(args, fraction: float, algorithm: str) -> dict:
+    T, E, D, B, L = args.tables, args.rows, args.dim, args.batch, args.pooling_factor
+    emb = TableBatchedEmbeddingBags([(E, D)] * T, optimizer=args.optimizer, device="cpu", seed=args.seed,
+                                    placements="managed_caching", cache_load_factor=fraction,
+                                    cache_algorithm=algorithm)
+    cache = emb._cache
+    bad = emb._bad_cached_index if emb._errors.mode == "raise" else None
+    batches = zipf_batches(T, E, B, L, args.alpha, args.warmup + args.steps + args.time_steps, args.seed)
+
+    def prepare(indices, offsets):
+        ticket = cache.prepare(indices, offsets, B, emb._cache_buffers(), bad_index_error=bad)
+        cache.mark_dirty(ticket.slots)  # (as the batch's backward does)
+        return ticket
+
+    for indices, offsets in batches[:args.warmup]:
+        prepare(indices, offsets)
+    N = T * B * L
+    counters = []
+    for indices, offsets in batches[args.warmup:args.warmup + args.steps]:
+        counter = OpCounter(N, cache.num_slots)
+        with phases(counter), counter:
+            prepare(indices, offsets)
+        counters.append(counter)
+    times = []
+    for indices, offsets in batches[args.warmup + args.steps:]:
+        t0 = time.perf_counter()
+        prepare(indices, offsets)
+        times.append(time.perf_counter() - t0)
+    k = len(counters)
+    row = dict(cache=fraction, algorithm=algorithm, N=N, slots=cache.num_slots,
+               prepare_ms=statistics.median(times) * 1e3 if times else None)
+    for p in PHASES:
+        row[f"ops_{p}"] = sum(sum(c.ops[p].values()) for c in counters) / k
+        row[f"views_{p}"] = sum(c.views[p] for c in counters) / k
+        row[f"mb_{p}"] = sum(c.bytes[p] for c in counters) / k / 1e6
+        row[f"full_{p}"] = sum(c.full[p] for c in counters) / k
+    merged = {p: collections.Counter() for p in PHASES}
+    full_ops = {p: collections.Counter() for p in PHASES}
+    for c in counters:
+        for p in PHASES:
+            merged[p].update(c.ops[p])
+            full_ops[p].update(c.full_ops[p])
+    row["op_names"] = {p: {n: v / k for n, v in merged[p].most_common()} for p in PHASES}
+    row["full_op_names"] = {p: {n: v / k for n, v in full_ops[p].most_common()} for p in PHASES}
+    s = cache.report()
+    row.update(evictions=s["evictions"], bypasses=s["bypasses"], backing_rows=s["backing_rows"])
+    return row
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tables", type=int, default=8)
+    ap.add_argument("--rows", type=int, default=100_000)
+    ap.add_argument("--dim", type=int, default=16)
+    ap.add_argument("--batch", type=int, default=2048)
+    ap.add_argument("--pooling-factor", type=int, default=20)
+    ap.add_argument("--alpha", type=float, default=1.1)
+    ap.add_argument("--optimizer", default="rowwise_adagrad")
+    ap.add_argument("--cache", default="0.05,0.1,0.2", help="cache fractions, comma-separated")
+    ap.add_argument("--algorithm", default="lru,lfu", help="lru, lfu or both, comma-separated")
+    ap.add_argument("--warmup", type=int, default=4, help="batches before the counted ones")
+    ap.add_argument("--steps", type=int, default=2, help="batches counted (averaged)")
+    ap.add_argument("--time-steps", type=int, default=5, help="batches timed (median)")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--ops", action="store_true", help="also list each phase's operators by count")
+    ap.add_argument("--json", help="write the rows here")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    rows = []
+    print(f"# {args.tables} tables x {args.rows} rows x {args.dim}, B {args.batch}, L {args.pooling_factor}, "
+          f"Zipf {args.alpha}, {args.optimizer}; per prepare, averaged over {args.steps} evicting batches")
+    print("| cache | alg | ops before / after / fill (views) | MB before / after / fill | full-size before / after / fill "
+          "| prepare ms (CPU, proxy) |")
+    print("|---|---|---|---|---|---|")
+    for fraction in [float(x) for x in args.cache.split(",")]:
+        for algorithm in args.algorithm.split(","):
+            r = measure(args, fraction, algorithm)
+            rows.append(r)
+            ops = " / ".join(f"{r[f'ops_{p}']:.0f}" for p in PHASES)
+            views = " / ".join(f"{r[f'views_{p}']:.0f}" for p in PHASES)
+            mb = " / ".join(f"{r[f'mb_{p}']:.1f}" for p in PHASES)
+            full = " / ".join(f"{r[f'full_{p}']:.0f}" for p in PHASES)
+            print(f"| {fraction:g} | {algorithm} | {ops} ({views}) | {mb} | {full} | {r['prepare_ms']:.1f} |",
+                  flush=True)
+            if args.ops:
+                for p in PHASES:
+                    print(f"    {p}: " + ", ".join(f"{n} {v:g}" for n, v in r["op_names"][p].items()))
+                    print(f"    {p} full-size: " + ", ".join(f"{n} {v:g}" for n, v in r["full_op_names"][p].items()))
+    if args.json:
+        Path(args.json).write_text(json.dumps(dict(args=vars(args), rows=rows), indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
