@@ -114,6 +114,108 @@ __global__ void copy_narrow_rows_kernel(V* __restrict__ dst, const int64_t* __re
   }
 }
 
+// ---- the exchange: an evicted row written back and a missed row loaded, by the same warp ----
+//
+// The cache's fill (tbegen/cache.py, RowCache._fill) empties each victim slot and loads a missed
+// row into it. With two copies (the evicted rows gathered out of their slots, then written back
+// on a side stream, while the loads run on this one) the two directions of the host link are
+// shared only if the two kernels really run at once. Here one kernel does both for each victim:
+// the slot's old row and the arriving row are loaded together, then the old row is stored to its
+// backing row (a write across the link, which the warp does not wait for) and the arriving row to
+// the slot. No staging copy, no side stream: every warp keeps both directions busy.
+//
+// Entry i: slot row slot_rows[i]; its old row goes to out_rows[i] (skipped where out_rows is
+// missing or out_rows[i] is not a row of the tensor: an empty slot, or a clean one that need not be
+// written); then in_rows[i] arrives in the slot (skipped where it is not a row of the tensor). An
+// entry whose slot is not a row of the tensor is skipped whole. The caller's rows never overlap:
+// slots are distinct, and no slot, backing row written or backing row read is another entry's
+// (tbegen/cache.py: an evicted row is resident, a loaded one is not).
+template <typename V>
+__global__ void exchange_rows_kernel(V* __restrict__ rows, int64_t stride, int64_t count,
+                                     const int64_t* __restrict__ slot_rows, const int64_t* __restrict__ out_rows,
+                                     const int64_t* __restrict__ in_rows, int64_t n, int64_t vecs) {
+  const int lane = threadIdx.x & 31;
+  const int64_t warp = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
+  const int64_t warps = (static_cast<int64_t>(gridDim.x) * blockDim.x) >> 5;
+  for (int64_t first = warp * kRowsAtOnce; first < n; first += warps * kRowsAtOnce) {
+    V* slot[kRowsAtOnce];
+    V* out[kRowsAtOnce];
+    const V* in[kRowsAtOnce];
+    unsigned leaves = 0, arrives = 0;  // (bit r: entry first + r writes its old row back / loads a row)
+#pragma unroll
+    for (int r = 0; r < kRowsAtOnce; ++r) {
+      const int64_t i = first + r < n ? first + r : first;
+      const int64_t s = slot_rows[i];
+      const int64_t o = out_rows != nullptr ? out_rows[i] : -1;
+      const int64_t a = in_rows[i];
+      const bool entry = first + r < n && s >= 0 && s < count;
+      if (entry && o >= 0 && o < count) leaves |= 1u << r;
+      if (entry && a >= 0 && a < count) arrives |= 1u << r;
+      slot[r] = rows + s * stride;
+      out[r] = rows + o * stride;
+      in[r] = rows + a * stride;
+    }
+    for (int64_t j = lane; j < vecs; j += 32) {
+      V old[kRowsAtOnce], arriving[kRowsAtOnce];
+#pragma unroll
+      for (int r = 0; r < kRowsAtOnce; ++r) {
+        if ((leaves >> r) & 1u) old[r] = slot[r][j];
+        if ((arrives >> r) & 1u) arriving[r] = in[r][j];
+      }
+#pragma unroll
+      for (int r = 0; r < kRowsAtOnce; ++r) {
+        if ((leaves >> r) & 1u) out[r][j] = old[r];
+        if ((arrives >> r) & 1u) slot[r][j] = arriving[r];
+      }
+    }
+  }
+}
+
+// The same for rows of a single element (vecs == 1: the per-row states, viewed as (N, 1)): each
+// lane takes entries of its own, first + lane + 32 r for r < kRowsAtOnce, as copy_narrow_rows_kernel.
+template <typename V>
+__global__ void exchange_narrow_rows_kernel(V* __restrict__ rows, int64_t stride, int64_t count,
+                                            const int64_t* __restrict__ slot_rows,
+                                            const int64_t* __restrict__ out_rows,
+                                            const int64_t* __restrict__ in_rows, int64_t n) {
+  constexpr int64_t kWarpRows = 32 * kRowsAtOnce;
+  const int lane = threadIdx.x & 31;
+  const int64_t warp = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
+  const int64_t warps = (static_cast<int64_t>(gridDim.x) * blockDim.x) >> 5;
+  for (int64_t first = warp * kWarpRows; first < n; first += warps * kWarpRows) {
+    int64_t s[kRowsAtOnce], o[kRowsAtOnce], a[kRowsAtOnce];
+#pragma unroll
+    for (int r = 0; r < kRowsAtOnce; ++r) {
+      const int64_t i = first + lane + 32 * r;
+      s[r] = o[r] = a[r] = -1;
+      if (i < n) {
+        s[r] = slot_rows[i];
+        o[r] = out_rows != nullptr ? out_rows[i] : -1;
+        a[r] = in_rows[i];
+      }
+    }
+    unsigned leaves = 0, arrives = 0;
+    V old[kRowsAtOnce], arriving[kRowsAtOnce];
+#pragma unroll
+    for (int r = 0; r < kRowsAtOnce; ++r) {
+      const bool entry = s[r] >= 0 && s[r] < count;
+      if (entry && o[r] >= 0 && o[r] < count) {
+        leaves |= 1u << r;
+        old[r] = rows[s[r] * stride];
+      }
+      if (entry && a[r] >= 0 && a[r] < count) {
+        arrives |= 1u << r;
+        arriving[r] = rows[a[r] * stride];
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < kRowsAtOnce; ++r) {
+      if ((leaves >> r) & 1u) rows[o[r] * stride] = old[r];
+      if ((arrives >> r) & 1u) rows[s[r] * stride] = arriving[r];
+    }
+  }
+}
+
 // The widest element (16, 8, 4, 2 or 1 bytes) that divides the row's bytes, both strides in bytes
 // and both base addresses.
 inline int copy_unit(int64_t row_bytes, int64_t dst_stride_bytes, int64_t src_stride_bytes, const void* dst,
@@ -197,6 +299,62 @@ inline void copy_rows(const at::Tensor& dst, const c10::optional<at::Tensor>& ds
   }
   C10_CUDA_CHECK(cudaGetLastError());
 }
+
+// For every entry i: rows[out_rows[i]] = rows[slot_rows[i]] (the slot's old row written back;
+// no out_rows: none is), then rows[slot_rows[i]] = rows[in_rows[i]] (a missed row loaded), bit for
+// bit, on the current stream with at most `max_blocks` blocks (0: as many as the entries need).
+// `rows`: 2-D with contiguous rows, on a CUDA device (the cache's flat buffer seen as rows of a
+// unit: backing rows and slots in one tensor). Row numbers outside the tensor are skipped on the
+// device, as copy_rows does (see exchange_rows_kernel); the caller's rows must not overlap.
+inline void exchange_rows(const at::Tensor& rows, const at::Tensor& slot_rows, const c10::optional<at::Tensor>& out_rows,
+                          const at::Tensor& in_rows, int64_t max_blocks) {
+  TBEGEN_CHECK(rows.is_cuda(), "tbegen: _exchange_rows: rows must be on a CUDA device, got ", rows.device());
+  TBEGEN_CHECK(rows.dim() == 2 && rows.stride(1) == 1, "tbegen: _exchange_rows: rows must be 2-D with contiguous rows, "
+               "got shape ", rows.sizes(), " and strides ", rows.strides());
+  TBEGEN_CHECK(max_blocks >= 0, "tbegen: _exchange_rows: max_blocks must be >= 0, got ", max_blocks);
+  check_rows(slot_rows, "slot_rows", rows);
+  check_rows(out_rows, "out_rows", rows);
+  check_rows(in_rows, "in_rows", rows);
+  const int64_t n = slot_rows.numel();
+  TBEGEN_CHECK(in_rows.numel() == n && (!out_rows.has_value() || out_rows->numel() == n), "tbegen: _exchange_rows: ",
+               n, " slot_rows but ", in_rows.numel(), " in_rows and ", out_rows.has_value() ? out_rows->numel() : n,
+               " out_rows");
+  const int64_t row_bytes = rows.size(1) * rows.element_size();
+  if (n == 0 || row_bytes == 0) return;
+  const c10::cuda::CUDAGuard guard(rows.device());
+  auto* base = static_cast<char*>(rows.data_ptr());
+  const int64_t stride_bytes = rows.stride(0) * rows.element_size();
+  const int unit = copy_unit(row_bytes, stride_bytes, stride_bytes, base, base);
+  const int64_t vecs = row_bytes / unit;
+  const int64_t warp_rows = vecs == 1 ? 32 * kRowsAtOnce : kRowsAtOnce;
+  const int64_t groups = (n + warp_rows - 1) / warp_rows;
+  int64_t blocks = (groups + kWarpsPerBlock - 1) / kWarpsPerBlock;
+  if (max_blocks > 0) blocks = std::min(blocks, max_blocks);
+  blocks = std::min<int64_t>(blocks, 65535);
+  const int64_t* sr = slot_rows.data_ptr<int64_t>();
+  const int64_t* orows = out_rows.has_value() ? out_rows->data_ptr<int64_t>() : nullptr;
+  const int64_t* ir = in_rows.data_ptr<int64_t>();
+  const auto stream = at::cuda::getCurrentCUDAStream(rows.get_device());
+  auto launch = [&](auto zero) {
+    using V = decltype(zero);
+    if (vecs == 1) {
+      exchange_narrow_rows_kernel<V><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
+          reinterpret_cast<V*>(base), stride_bytes / unit, rows.size(0), sr, orows, ir, n);
+    } else {
+      exchange_rows_kernel<V><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
+          reinterpret_cast<V*>(base), stride_bytes / unit, rows.size(0), sr, orows, ir, n, vecs);
+    }
+  };
+  switch (unit) {
+    case 16: launch(uint4{}); break;
+    case 8: launch(uint2{}); break;
+    case 4: launch(uint32_t{}); break;
+    case 2: launch(uint16_t{}); break;
+    default: launch(uint8_t{}); break;
+  }
+  C10_CUDA_CHECK(cudaGetLastError());
+}
+
 
 }  // namespace row_copy
 }  // namespace cuda
