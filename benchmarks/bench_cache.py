@@ -69,6 +69,11 @@ def parse_args(argv=None):
                     help="tbegen: time the cached steps both ways: with TBEGEN_CACHE_ROW_COPY=1 (the default on CUDA: "
                          "row moves with _copy_rows, loads and write-backs at once, each on half the SMs; rows "
                          "labelled '(row copy)') and =0 (torch's index kernels; the unlabelled rows)")
+    ap.add_argument("--variant", action="append", default=[], metavar="ENV=VALUE[,ENV2=VALUE2]",
+                    help="tbegen: also time each cached cell (in-step, and pipelined with --pipelined) with these "
+                         "environment switches set while the module is made (where the cache reads them), e.g. "
+                         "TBEGEN_CACHE_EXCHANGE=1 or TBEGEN_CACHE_BACKING=host-huge; rows labelled with them. "
+                         "Repeatable")
     ap.add_argument("--profile", action="store_true",
                     help="after timing, profile 3 more tbegen steps per cached placement (torch.profiler, tbegen's "
                          "named ranges on): each CUDA stream's busy time and overlap, each range's GPU and host time, "
@@ -84,6 +89,12 @@ def parse_args(argv=None):
         if not 0.0 < f <= 1.0:
             ap.error(f"--cache: fractions must be in (0, 1], got {f}")
     args.system_list = [s for s in args.systems.split(",") if s]
+    args.variants = []
+    for text in args.variant:
+        pairs = [p.split("=", 1) for p in text.split(",") if p]
+        if not pairs or any(len(p) != 2 or not p[0] for p in pairs):
+            ap.error(f"--variant: expected ENV=VALUE[,ENV2=VALUE2], got {text!r}")
+        args.variants.append(dict(pairs))
     bad = set(args.system_list) - {"tbegen", "fbgemm"}
     if bad:
         ap.error(f"--systems: unknown {sorted(bad)} (tbegen, fbgemm)")
@@ -284,7 +295,7 @@ def count_host_waits(step, batches, steps: int = 3) -> float:
     return audit.count / steps
 
 
-def bench_tbegen(args, batches, grad, fraction, prefetch_ahead=False, row_copy=None, pipelined=False):
+def bench_tbegen(args, batches, grad, fraction, prefetch_ahead=False, row_copy=None, pipelined=False, variant=None):
     from tbegen import TableBatchedEmbeddingBags
 
     tables = [(args.rows, args.dim)] * args.tables
@@ -292,16 +303,19 @@ def bench_tbegen(args, batches, grad, fraction, prefetch_ahead=False, row_copy=N
     if fraction is not None:
         kw.update(placements="managed_caching", cache_load_factor=fraction, cache_algorithm=args.algorithm)
     t0 = time.perf_counter()
-    saved = os.environ.get("TBEGEN_CACHE_ROW_COPY")
+    switches = dict(variant or {})
     if row_copy is not None:  # (None: the module's default; read when the cache is made)
-        os.environ["TBEGEN_CACHE_ROW_COPY"] = "1" if row_copy else "0"
+        switches["TBEGEN_CACHE_ROW_COPY"] = "1" if row_copy else "0"
+    saved = {k: os.environ.get(k) for k in switches}
+    os.environ.update(switches)
     try:
         emb = TableBatchedEmbeddingBags(tables, **kw)
     finally:
-        if saved is None:
-            os.environ.pop("TBEGEN_CACHE_ROW_COPY", None)
-        else:
-            os.environ["TBEGEN_CACHE_ROW_COPY"] = saved
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
     _sync()
     construct_s = time.perf_counter() - t0
 
@@ -321,7 +335,7 @@ def bench_tbegen(args, batches, grad, fraction, prefetch_ahead=False, row_copy=N
                    cuda=args.device != "cpu")
     r.update(system="tbegen", construct_s=construct_s, prefetch_ahead=prefetch_ahead,
              row_copy=bool(emb._cache is not None and emb._cache._row_copy_blocks),
-             pipelined=pipelined,
+             pipelined=pipelined, variant=",".join(f"{k}={v}" for k, v in (variant or {}).items()) or None,
              row_copy_blocks=emb._cache._row_copy_blocks if emb._cache is not None else None,
              peak_gpu_mem_gb=torch.cuda.max_memory_allocated() / 1e9 if args.device != "cpu" else None)
     if fraction is not None:
@@ -336,7 +350,8 @@ def bench_tbegen(args, batches, grad, fraction, prefetch_ahead=False, row_copy=N
         r["host_waits_per_step"] = count_host_waits(step, batches)  # (after the statistics: extra steps)
     if args.profile and fraction is not None:  # (after the statistics too: its steps would count in them)
         label = (f"tbegen-{fraction:g}{'-pipelined' if pipelined else ''}{'-ahead' if prefetch_ahead else ''}"
-                 f"{'-rowcopy0' if row_copy is False else ''}")
+                 f"{'-rowcopy0' if row_copy is False else ''}"
+                 + "".join(f"-{k.removeprefix('TBEGEN_').lower()}{v}" for k, v in (variant or {}).items()))
         r["profile"] = profile_steps(args, step, batches, label)
     r["weights_finite"] = bool(torch.isfinite(emb.split_embedding_weights()[0]).all())
     del emb
@@ -446,7 +461,7 @@ def markdown(args, results, env) -> str:
         rows = r.get("cache_rows_per_table") or (r.get("cache_rows_total", 0) // args.tables if "cache_rows_total" in r else None)
         lines.append(
             f"| {r['system']}{' (row copy)' if r.get('row_copy') else ''}{' (prefetch ahead)' if r.get('prefetch_ahead') else ''}"
-            f"{' (pipelined)' if r.get('pipelined') else ''} "
+            f"{' (pipelined)' if r.get('pipelined') else ''}{' [' + r['variant'] + ']' if r.get('variant') else ''} "
             f"| {r['placement']} | {fmt(rows, 'd')} "
             f"| {r['step_ms']:.2f} | {r['wall_ms_per_step']:.2f} | {fmt(r['step_ms'] / base if base else None, '.2f')}x "
             f"| {fmt(r.get('hit_rate'))} | {fmt(r.get('unique_hit_rate'))} | {fmt(r.get('mb_moved_per_step'), '.1f')} "
@@ -521,6 +536,11 @@ def main(argv=None) -> int:
                 if args.pipelined and args.device != "cpu":
                     record("tbegen", name, lambda: bench_tbegen(args, batches, grad, fraction, row_copy=True,
                                                                 pipelined=True))
+            for variant in args.variants if fraction is not None else ():
+                record("tbegen", name, lambda: bench_tbegen(args, batches, grad, fraction, variant=variant))
+                if args.pipelined and args.device != "cpu":
+                    record("tbegen", name, lambda: bench_tbegen(args, batches, grad, fraction, pipelined=True,
+                                                                variant=variant))
         if fb is not None:
             record("fbgemm", name, lambda: bench_fbgemm(args, fb, batches, grad, fraction))
     (out / "results.json").write_text(json.dumps(dict(args={k: v for k, v in vars(args).items()}, env=env,
