@@ -15,6 +15,18 @@
                        "host" tables are hinted exactly as "managed" ones (preferred in host
                        memory, mapped for the GPU: the same access, only the allocator differs)
 
+TBEGEN_CACHE_BACKING (read each time a module allocates its buffers on a GPU) picks the host
+memory of the host-resident rows: unset (or "managed") as above; "host-huge" (issue 27, opt-in)
+page-locked host memory in 2 MB pieces, which the GPU translates with far fewer page-table walks
+when it reads or writes scattered rows: a module whose tables are all "host" allocates its
+buffers with host_empty_huge (an anonymous mapping advised into transparent huge pages before its
+first touch, then registered with CUDA: memory_kind "host-huge"), and a module with
+managed_caching tables with split_empty (one virtual range of CUDA's virtual memory API whose
+2 MB chunks are page-locked host memory for the host-preferred tables and GPU memory for device
+tables and the cache region: memory_kind "split"; nothing migrates, no hints). Other modules
+(managed tables without a cache) keep managed memory. Only where the bytes live changes: the
+kernels, the cache and every result are the same, bit for bit.
+
 How managed tables meet the kernels (docs/placements.md): the GPU kernels take one flat weights
 buffer and one buffer per optimizer state, with every table at its offset. A module with at least
 one managed table on a GPU therefore allocates each of those buffers whole in managed memory
@@ -48,7 +60,8 @@ from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
 
-__all__ = ["PLACEMENTS", "check_placements", "allocate", "memory_kind"]
+__all__ = ["PLACEMENTS", "CACHE_BACKINGS", "check_placements", "cache_backing", "allocate", "memory_kind",
+           "huge_page_share"]
 
 PLACEMENTS = ("device", "managed", "managed_caching", "host")
 # Placements whose tables live in host memory that the GPU maps (on a GPU).
@@ -87,13 +100,38 @@ def check_placements(placements: Union[None, str, Sequence[str]], num_tables: in
     return tuple(placements)
 
 
+# TBEGEN_CACHE_BACKING's values: "managed" (the default, also when unset or empty) and "host-huge"
+CACHE_BACKINGS = ("managed", "host-huge")
+
+
+def cache_backing() -> str:
+    """TBEGEN_CACHE_BACKING, checked: "managed" (unset or empty) or "host-huge"."""
+    value = os.environ.get("TBEGEN_CACHE_BACKING", "")
+    if value == "":
+        return "managed"
+    if value not in CACHE_BACKINGS:
+        raise ValueError(
+            f"tbegen: TBEGEN_CACHE_BACKING must be one of {list(CACHE_BACKINGS)} (or unset: managed memory), "
+            f"got {value!r}"
+        )
+    return value
+
+
 def buffer_memory(placements: Sequence[str], device: torch.device) -> Optional[str]:
-    """What the module's buffers are allocated in (as memory_kind names it): "host" (page-locked,
-    mapped) when every table is "host" on a GPU, "managed" when some table lives in host memory
-    otherwise, on a GPU, and None for ordinary tensors."""
-    if device.type != "cuda" or not any(p in HOST_PREFERRED for p in placements):
+    """What the module's buffers are allocated in (as memory_kind names it), on a GPU with some
+    table in host memory: "host" (page-locked, mapped) when every table is "host", else
+    "managed"; with TBEGEN_CACHE_BACKING=host-huge, "host-huge" for every table "host" and
+    "split" for a module with managed_caching tables. None for ordinary tensors (the CPU, or
+    every table "device"). The variable is read (and a bad value refused) wherever some table is
+    host-resident, on the CPU too, where it changes nothing."""
+    if not any(p in HOST_PREFERRED for p in placements):
         return None
-    return "host" if all(p == "host" for p in placements) else "managed"
+    huge = cache_backing() == "host-huge"
+    if device.type != "cuda":
+        return None
+    if all(p == "host" for p in placements):
+        return "host-huge" if huge else "host"
+    return "split" if huge and "managed_caching" in placements else "managed"
 
 
 def needs_managed(placements: Sequence[str], device: torch.device) -> bool:
@@ -129,12 +167,27 @@ def allocate(ops, numel: int, dtype: torch.dtype, device: torch.device, placemen
     ops = _managed_ops(ops)
     if memory == "host":
         return ops.host_empty(numel, dtype, device)
+    if memory == "host-huge":
+        return ops.host_empty_huge(numel, dtype, device)
+    if memory == "split":
+        return ops.split_empty(numel, dtype, device, split_device_ranges(placements, ranges))
     buffer = ops.managed_empty(numel, dtype, device)
     for location in ("host", "device"):
         for placement, (start, count) in zip(placements, ranges):
             if (placement in HOST_PREFERRED) == (location == "host"):
                 ops.managed_advise(buffer, start, count, location)
     return buffer
+
+
+def split_device_ranges(placements: Sequence[str], ranges: Sequence[Tuple[int, int]]) -> List[int]:
+    """split_empty's device_ranges: the (start, count) of every range whose placement is not
+    host-resident ("device" tables and the cache region), flattened; every chunk of the buffer
+    that none of them touches is host memory."""
+    out: List[int] = []
+    for placement, (start, count) in zip(placements, ranges):
+        if placement not in HOST_PREFERRED:
+            out += [int(start), int(count)]
+    return out
 
 
 # 2 MB huge pages; buffers from twice that size are advised (a smaller one would get a huge page
@@ -172,9 +225,42 @@ def advise_huge_pages(buffer: torch.Tensor) -> bool:
     return length > 0 and madvise(first, length, _MADV_HUGEPAGE) == 0
 
 
+def huge_page_share(address: int, nbytes: int, smaps: str = "/proc/self/smaps") -> Optional[float]:
+    """The share of this process's mappings that overlap [address, address + nbytes) that Linux
+    backs with transparent huge pages (AnonHugePages over Size, summed over those mappings, from
+    /proc/self/smaps), or None where that cannot be read (not Linux) or no mapping overlaps (GPU
+    memory, or memory the CUDA driver maps for itself). Whole mappings are counted: a buffer of
+    host_empty_huge is one mapping of its own (Linux may merge it with a neighbour of the same
+    kind). For registered host memory a CUDA tensor's data_ptr is the host address (unified
+    addressing on 64-bit Linux). A hint only, as the pages themselves are."""
+    try:
+        with open(smaps) as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    end = address + max(nbytes, 1)
+    size = huge = 0
+    inside = False
+    found = False
+    for line in lines:
+        head = line.split(None, 1)[0] if line else ""
+        if "-" in head and not head.endswith(":"):
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            inside = lo < end and address < hi
+            found = found or inside
+        elif inside and head == "Size:":
+            size += int(line.split()[1]) * 1024
+        elif inside and head == "AnonHugePages:":
+            huge += int(line.split()[1]) * 1024
+    if not found or size == 0:
+        return None
+    return huge / size
+
+
 def memory_kind(ops, tensor: torch.Tensor) -> str:
-    """What backs a tensor: "managed", "device", "host" (page-locked), "unregistered" (pageable
-    host memory), or "cpu" for a CPU tensor (no CUDA query)."""
+    """What backs a tensor: "managed", "device", "host" (page-locked), "host-huge" (page-locked,
+    from host_empty_huge), "split" (split_empty: host and GPU memory in one virtual range),
+    "unregistered" (pageable host memory), or "cpu" for a CPU tensor (no CUDA query)."""
     if tensor.device.type == "cpu":
         return "cpu"
     return _managed_ops(ops).memory_kind(tensor)

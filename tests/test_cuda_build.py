@@ -23,7 +23,8 @@ pytestmark = pytest.mark.skipif(
 OPS = ("forward", "grad_per_sample_weights", "backward")
 # The managed-memory operators of the runtime (include/tbegen/managed_memory.h): defined only in
 # CUDA builds, with catch-all kernels (managed_empty has no tensor argument to dispatch on).
-MANAGED_OPS = ("managed_empty", "managed_advise", "memory_kind", "managed_preferred_location")
+MANAGED_OPS = ("managed_empty", "managed_advise", "memory_kind", "managed_preferred_location", "host_empty_huge",
+               "split_empty")
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +75,11 @@ def test_managed_memory_operators_check_arguments_without_a_gpu(prebuilt):
         "for call in (lambda: ops.managed_empty(4, torch.float32, torch.device('cpu')),\n"
         "             lambda: ops.managed_empty(-1, torch.float32, torch.device('cuda')),\n"
         "             lambda: ops.managed_advise(torch.zeros(4), 0, 4, 'hbm'),\n"
-        "             lambda: ops.managed_advise(torch.zeros(4), 0, 4, 'host')):\n"
+        "             lambda: ops.managed_advise(torch.zeros(4), 0, 4, 'host'),\n"
+        "             lambda: ops.host_empty_huge(4, torch.float32, torch.device('cpu')),\n"
+        "             lambda: ops.host_empty_huge(-1, torch.float32, torch.device('cuda')),\n"
+        "             lambda: ops.split_empty(8, torch.float32, torch.device('cuda'), [0, 4, 6]),\n"
+        "             lambda: ops.split_empty(8, torch.float32, torch.device('cuda'), [6, 4])):\n"
         "    try:\n"
         "        call()\n"
         "        print('no error')\n"
@@ -83,11 +88,15 @@ def test_managed_memory_operators_check_arguments_without_a_gpu(prebuilt):
     )
     proc = subprocess.run([sys.executable, "-c", code, lib], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.splitlines()[-4:] == [
+    assert proc.stdout.splitlines()[-8:] == [
         "tbegen: managed_empty: device must be a CUDA device, got cpu",
         "tbegen: managed_empty: numel must be >= 0, got -1",
         "tbegen: managed_advise: location must be 'host' or 'device', got 'hbm'",
         "tbegen: managed_advise: the tensor must be a contiguous CUDA tensor",
+        "tbegen: host_empty_huge: device must be a CUDA device, got cpu",
+        "tbegen: host_empty_huge: numel must be >= 0, got -1",
+        "tbegen: split_empty: device_ranges must be (start, count) pairs, got 3 numbers",
+        "tbegen: split_empty: device range [6, 10) is not inside the 8 elements",
     ]
 
 

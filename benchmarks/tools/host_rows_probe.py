@@ -14,7 +14,19 @@ could back a table with:
   placements "managed" and "managed_caching" today: tbegen's managed_empty + managed_advise);
 - `managed-thp`: the same, its host range advised MADV_HUGEPAGE before the first touch (whether
   the GPU then maps it in large pages is what this measures);
-- `host`: cudaHostAlloc, mapped (tbegen's host_empty: placement "host").
+- `host`: cudaHostAlloc, mapped (tbegen's host_empty: placement "host");
+- `host-thp`: an anonymous mapping advised MADV_HUGEPAGE before its first touch, touched, then
+  cudaHostRegister'ed, mapped (tbegen's host_empty_huge: placement "host" with
+  TBEGEN_CACHE_BACKING=host-huge);
+- `split-host`: page-locked host memory from CUDA's virtual memory API (cuMemCreate on the GPU's
+  host NUMA node, mapped in chunks of >= 2 MB: tbegen's split_empty with no device range; the
+  backing store of managed_caching tables with TBEGEN_CACHE_BACKING=host-huge).
+
+After the table, a line per kind: what memory_kind says it is, and the share of its host mappings
+that Linux backs with transparent huge pages (AnonHugePages / Size in /proc/self/smaps; "n/a"
+where the driver maps the memory for itself and smaps cannot tell). If host-thp reads 100% huge
+and its random rows reach the in-order figures where managed and host do not, address translation
+was the limit.
 
 For each: H2D gather (host rows -> a device buffer), D2H scatter (device buffer -> host rows),
 both at once on two streams with half the SMs each (as the cache runs them), and the same with the
@@ -37,6 +49,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from tbegen.module import TableBatchedEmbeddingBags  # noqa: E402
+from tbegen.placement import huge_page_share  # noqa: E402
 
 MADV_HUGEPAGE = 14
 HUGE = 2 << 20
@@ -58,11 +71,17 @@ def host_table(ops, kind: str, rows: int, cols: int) -> torch.Tensor:
     numel = rows * cols
     if kind == "host":
         flat = ops.host_empty(numel, torch.float32, torch.device("cuda"))
-    else:
+    elif kind == "host-thp":
+        flat = ops.host_empty_huge(numel, torch.float32, torch.device("cuda"))
+    elif kind == "split-host":
+        flat = ops.split_empty(numel, torch.float32, torch.device("cuda"), [])
+    elif kind in ("managed", "managed-thp"):
         flat = ops.managed_empty(numel, torch.float32, torch.device("cuda"))
         if kind == "managed-thp" and not advise_huge(flat.data_ptr(), numel * 4):
             print("managed-thp: madvise(MADV_HUGEPAGE) refused; timing it anyway", file=sys.stderr)
         ops.managed_advise(flat, 0, numel, "host")
+    else:
+        raise ValueError(f"unknown kind {kind!r}: managed, managed-thp, host, host-thp or split-host")
     flat.fill_(1.0)  # (touches every page: host pages for managed memory preferred on the host)
     torch.cuda.synchronize()
     return flat.view(rows, cols)
@@ -88,7 +107,7 @@ def main(argv=None) -> None:
     ap.add_argument("--gb", type=float, default=8.0, help="host table size, GB (rows spread over all of it)")
     ap.add_argument("--row-bytes", type=int, default=512, help="row size (C2: 128 fp32 = 512)")
     ap.add_argument("--rows", type=int, default=1_000_000, help="rows copied each way per timing")
-    ap.add_argument("--kinds", default="managed,managed-thp,host")
+    ap.add_argument("--kinds", default="managed,managed-thp,host,host-thp,split-host")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
@@ -114,12 +133,17 @@ def main(argv=None) -> None:
           f"THP: {results['thp_enabled']}")
     print("| host memory | rows | H2D gather GB/s | D2H scatter GB/s | both at once GB/s (sum) |")
     print("|---|---|---|---|---|")
+    pages = []
     for kind in args.kinds.split(","):
         try:
             table = host_table(ops, kind, table_rows, cols)
         except RuntimeError as e:
             print(f"| {kind} | - | could not allocate: {str(e).splitlines()[0]} |")
             continue
+        share = huge_page_share(table.data_ptr(), table.numel() * table.element_size())
+        results.setdefault("memory", {})[kind] = {"memory_kind": ops.memory_kind(table), "huge_page_share": share}
+        pages.append(f"{kind}: memory_kind {ops.memory_kind(table)}, huge pages "
+                     + ("n/a" if share is None else f"{100 * share:.0f}%"))
         for order, rows in (("random", random_rows), ("in order", ordered_rows)):
             h2d = timed(lambda: ops._copy_rows(dev_a, None, table, rows, 0), args.reps)
             d2h = timed(lambda: ops._copy_rows(table, rows, dev_b, None, 0), args.reps)
@@ -146,6 +170,7 @@ def main(argv=None) -> None:
             print(f"| {kind} | {order} | {case['h2d_GBps']:.1f} | {case['d2h_GBps']:.1f} | {case['both_GBps']:.1f} |")
         del table
         torch.cuda.synchronize()
+    print("host pages (AnonHugePages / Size of the mappings, /proc/self/smaps): " + "; ".join(pages))
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
 

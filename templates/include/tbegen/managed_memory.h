@@ -12,6 +12,20 @@
 //   host_empty(int numel, ScalarType dtype, Device device) -> Tensor
 //       the same in page-locked host memory mapped for the GPU (cudaHostAlloc, mapped and
 //       portable), for modules whose tables are all placed "host"; freed with cudaFreeHost.
+//   host_empty_huge(int numel, ScalarType dtype, Device device) -> Tensor
+//       the same as host_empty (page-locked, mapped, portable), from an anonymous mapping of whole
+//       2 MB pages, 2 MB-aligned, advised MADV_HUGEPAGE before its first touch (so made of 2 MB
+//       pages where Linux's transparent huge pages allow it), touched (zeros), then registered
+//       (cudaHostRegister); freed by cudaHostUnregister + munmap. For modules whose tables are all
+//       "host", with TBEGEN_CACHE_BACKING=host-huge (tbegen/placement.py). Fewer, larger host
+//       pages for the GPU to translate when it reads scattered rows (issue 27).
+//   split_empty(int numel, ScalarType dtype, Device device, int[] device_ranges) -> Tensor
+//       one virtual address range (CUDA's virtual memory API: cuMemAddressReserve, cuMemCreate,
+//       cuMemMap) whose 2 MB chunks touched by the element ranges `device_ranges` ((start, count)
+//       pairs, flattened) are GPU memory and every other chunk page-locked host memory (the GPU's
+//       host NUMA node) read and written in place by the GPU; only the GPU maps it. For modules
+//       with managed_caching tables and TBEGEN_CACHE_BACKING=host-huge: the backing rows in host
+//       memory, the cache region in GPU memory, one pointer. Contents uninitialised.
 //   managed_advise(Tensor tensor, int start, int count, str location) -> ()
 //       hints for elements [start, start + count) of a managed tensor: "host" (preferred location
 //       host memory, mapped for the GPU: the GPU reads and writes the pages there, without moving
@@ -19,8 +33,10 @@
 //       the range to that location. The driver applies hints to whole pages (rounded outward), so
 //       a page shared by two ranges follows the later call.
 //   memory_kind(Tensor tensor) -> str
-//       what backs the tensor's data pointer, by cudaPointerGetAttributes: "managed", "device",
-//       "host" (page-locked host memory registered with CUDA) or "unregistered" (pageable host).
+//       what backs the tensor's data pointer: "host-huge" (host_empty_huge) or "split"
+//       (split_empty) for those allocations, else by cudaPointerGetAttributes: "managed",
+//       "device", "host" (page-locked host memory registered with CUDA) or "unregistered"
+//       (pageable host).
 //   managed_preferred_location(Tensor tensor, int start, int count) -> int
 //       the preferred location shared by every page of that element range of a managed tensor:
 //       the device ordinal, -1 (host), or -2 (none, or the pages disagree).
@@ -41,7 +57,7 @@ class Library;
 namespace tbegen {
 namespace cuda {
 
-// m.def(...) of the six operators above, with their (device-independent) implementations, in a
+// m.def(...) of the eight operators above, with their (device-independent) implementations, in a
 // TORCH_LIBRARY_FRAGMENT(ns, m) block.
 void define_managed_memory_ops(torch::Library& m);
 
