@@ -205,17 +205,22 @@ inline void* map_aligned(size_t bytes) {
   return reinterpret_cast<void*>(aligned);
 }
 
-// Frees what host_empty_huge allocated: unregistered (which waits for the device, as
-// cudaFreeHost does), then unmapped. If the unregistration fails the mapping is kept (leaked):
-// its pages may still be mapped for the GPU, and a new mapping at the same address could not be
-// registered. At process exit (the runtime unloading) nothing is freed.
-inline void release_huge(void* host, void* device_ptr, size_t bytes) {
+// Frees what host_empty_huge allocated, once the device is done with it (kernels queued before
+// the last reference went may still read it: cudaFreeHost would wait for them, so this waits for
+// `device` too), by cudaHostUnregister, then munmap. If the wait or the unregistration fails the
+// mapping is kept (leaked): its pages may still be mapped for the GPU, and a new mapping at the
+// same address could not be registered. At process exit (the runtime unloading) nothing is freed.
+inline void release_huge(void* host, void* device_ptr, size_t bytes, c10::DeviceIndex device) {
   unregister_range(device_ptr);
-  const cudaError_t err = cudaHostUnregister(host);
+  const c10::cuda::CUDAGuard guard(device);
+  cudaError_t err = cudaDeviceSynchronize();
+  if (err == cudaSuccess) {
+    err = cudaHostUnregister(host);
+  }
   if (err != cudaSuccess) {
     (void)cudaGetLastError();
     if (err != cudaErrorCudartUnloading) {
-      TORCH_WARN(::tbegen::message("tbegen: cudaHostUnregister of a table buffer (", bytes,
+      TORCH_WARN(::tbegen::message("tbegen: freeing a table buffer of page-locked host memory (", bytes,
                                    " bytes) failed: ", cudaGetErrorString(err), "; its memory is not freed"));
     }
     return;
@@ -266,7 +271,7 @@ inline at::Tensor host_empty_huge(int64_t numel, c10::ScalarType dtype, c10::Dev
   }
   register_range(device_ptr, mapped, "host-huge");
   return wrap(device_ptr, numel, dtype, target,
-              [host, device_ptr, mapped](void*) { release_huge(host, device_ptr, mapped); });
+              [host, device_ptr, mapped, index = target.index()](void*) { release_huge(host, device_ptr, mapped, index); });
 }
 
 // ---- split_empty: host and device memory in one virtual range (CUDA's virtual memory API) --------
