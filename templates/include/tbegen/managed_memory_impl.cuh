@@ -466,7 +466,7 @@ inline at::Tensor split_empty(int64_t numel, c10::ScalarType dtype, c10::Device 
   size_t chunk = kHugePage;
   for (const CUmemAllocationProp* prop : {&on_gpu, &on_host}) {
     size_t g = 0;
-    const CUresult r = d.granularity(&g, prop, CU_MEM_ALLOC_GRANULARITY_RECOMMENDED);
+    const CUresult r = d.granularity(&g, prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM);
     TBEGEN_CHECK(r == CUDA_SUCCESS && g > 0, "tbegen: split_empty: cuMemGetAllocationGranularity failed: ", driver_error(r));
     chunk = std::max(chunk, g);
   }
