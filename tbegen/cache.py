@@ -55,6 +55,10 @@ CACHE_ALGORITHMS = ("lru", "lfu")
 _CHUNK_ELEMENTS = 1 << 24
 _NEVER = torch.iinfo(torch.int64).max  # the score of a slot that may not be evicted
 _TICK_LIMIT = 1 << 40  # LRU sorts (table, last use) as one int64 while fewer batches were seen
+# prepare's sort keys of the indices it does not look up, after every row's key (num_rows + these):
+# out of range of a direct table (the kernels read -1), out of range of a compact table, and
+# every other one (not of a cached table, or of a table bypassing its cache: kept as given)
+_SENT_DIRECT_BAD, _SENT_KEEP_BAD, _SENT_KEEP = 0, 1, 2
 
 
 def _copy_or_stage(view: torch.Tensor, dst: torch.Tensor, rows: torch.Tensor, staged: Optional[list]) -> None:
@@ -274,7 +278,31 @@ class RowCache:
         self._t = {k: t(v) for k, v in h.items()}
         self._feature_cached_t = t(self._feature_cached)
         self._slot_table = torch.repeat_interleave(torch.arange(len(self.tables), device=device), self._t["C"])
-        self._row_slot = torch.full((self.num_rows,), -1, dtype=torch.int32, device=device)  # local slot of a row
+        # prepare's per-feature tables (padded as _feature_cached: indexed by feature + 1): the first
+        # row key of the feature's cached table (0 if none), its rows (0 if none: no index is valid),
+        # and the sort key of an index that is not looked up (see prepare)
+        nr = self.num_rows
+        fc = self._feature_cached
+        self._f_rbase = t([h["rbase"][c] if c >= 0 else 0 for c in fc])
+        self._f_rows = t([h["E"][c] if c >= 0 else 0 for c in fc])
+        self._f_sent = t([nr + (_SENT_DIRECT_BAD if self.direct[c] else _SENT_KEEP_BAD) if c >= 0 else nr + _SENT_KEEP
+                          for c in fc])
+        # sort keys in 32 bits while the rows and the three not-looked-up keys fit (the radix sort
+        # then makes half the passes)
+        self._key_type = torch.int32 if nr + _SENT_KEEP < 2 ** 31 else torch.int64
+        # the sorted keys' boundaries: each table's first key, then the three not-looked-up keys
+        self._edge_keys = torch.tensor(h["rbase"] + [nr + _SENT_DIRECT_BAD, nr + _SENT_KEEP_BAD, nr + _SENT_KEEP],
+                                       dtype=self._key_type, device=device)
+        # each table's first key after the first table's, then the end: searchsorted(right) of a
+        # looked-up key in it is the key's table
+        self._table_ends = torch.tensor(h["rbase"][1:] + [nr], dtype=self._key_type, device=device)
+        self._slot_bounds = t(h["sbase"] + [self.num_slots])  # each table's first slot, then the end
+        self._true1 = torch.ones(1, dtype=torch.bool, device=device)
+        self._iotas: Dict[torch.dtype, torch.Tensor] = {}  # 0, 1, 2, ... (_iota)
+        # local slot of a row (-1: not resident), and -1 for the three not-looked-up keys after
+        # the rows (so that a sorted key's slot is one gather, without a clamp)
+        self._row_slot_ext = torch.full((nr + _SENT_KEEP + 1,), -1, dtype=torch.int32, device=device)
+        self._row_slot = self._row_slot_ext[:nr]
         self._slot_row = torch.full((self.num_slots,), -1, dtype=torch.int64, device=device)  # local row in a slot
         self._last_used = torch.zeros(self.num_slots, dtype=torch.int64, device=device)
         self._dirty = torch.zeros(self.num_slots, dtype=torch.bool, device=device)
@@ -627,12 +655,30 @@ class RowCache:
                 and any(t is ticket for t in self._held))
 
     def _held_mask(self) -> Optional[torch.Tensor]:
+        """The slots held for batches in flight, with one more entry (False, never read: prepare's
+        index fills of "no slot" land there), or None where none is held."""
         if not self._held:
             return None
-        mask = torch.zeros(self.num_slots, dtype=torch.bool, device=self.device)
+        mask = torch.zeros(self.num_slots + 1, dtype=torch.bool, device=self.device)
         for t in self._held:
             mask.index_fill_(0, t.slots, True)
         return mask
+
+    def _iota(self, n: int, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+        """0, 1, ..., n - 1 on the device: a view of one kept tensor (grown when a batch needs
+        more), so that a batch's lookup does not write an arange per use. (Grown only in a lookup,
+        which runs after the cache's latest use on every other stream: the tensor it replaces is
+        not read any more.)"""
+        have = self._iotas.get(dtype)
+        if have is None or have.numel() < n:
+            have = torch.arange(max(n, 1024), dtype=dtype, device=self.device)
+            self._iotas[dtype] = have
+        return have[:n]
+
+    def _feature_mask(self, tables: Sequence[int]) -> torch.Tensor:
+        """Per feature (padded as _feature_cached), whether its cached table is one of `tables`."""
+        fc = self._feature_cached_t
+        return (fc >= 0) & self._tables_mask(tables)[fc.clamp(min=0)]
 
     # ---- a batch ----
 
@@ -642,8 +688,9 @@ class RowCache:
         """Makes every row that `indices` reads of a cached table resident and returns the
         indices the kernels read (see Ticket). `offsets` has F * batch + 1 entries (checked by the
         caller). Out-of-range indices of cached tables stay out of range for the kernels, which
-        treat them per bounds_check_mode (see _skip_bad); with `bad_index_error`, the first one
-        is passed to it (which raises) before anything changes.
+        treat them per bounds_check_mode: those of a direct table become -1 (its features reach
+        past its rows, into its slots), those of a compact table stay; with `bad_index_error`, the
+        first one is passed to it (which raises) before anything changes.
 
         Host waits (docs/placements.md, "The host's part"): one per batch, where the host reads
         the batch's summary (per table: distinct rows, missing rows, indices; hits; held slots
@@ -655,74 +702,90 @@ class RowCache:
         `defer` (a prefetch): where the batch's rows would need slots held for other batches,
         None, with nothing changed (the forward looks the batch up then). `readers_wait` (a
         prefetch's, on CUDA): called before rows move out of slots whose holds were let go
-        (_before_unheld_move)."""
+        (_before_unheld_move).
+
+        How (each step one pass over the N indices or the distinct rows, few of them; on CUDA
+        each operator is a launch the host pays for, benchmarks/cache_prepare_ops.py counts them):
+        each index's feature (one searchsorted of the features' first offsets), then its sort key,
+        rbase + index for an index looked up, else one of three keys after every row's
+        (_SENT_*); one stable sort of the keys; each distinct key's first entry; the running
+        counts of distinct and missing keys, read at each table's first key (the summary)."""
         T = self._t
         dev = self.device
         N = indices.numel()
-        idx = indices.to(torch.int64)
-        # each index's feature (-1 / F outside every bag), then its cached table (or -1)
-        bounds = (offsets[::batch] if batch > 0 else offsets[:1]).to(torch.int64).contiguous()
-        feature = torch.searchsorted(bounds, torch.arange(N, device=dev), right=True) - 1
-        c = self._feature_cached_t[(feature + 1).clamp(0, len(self._feature_cached) - 1)]
-        cached = c >= 0
-        c0 = c.clamp(min=0)
-        valid = cached & (idx >= 0) & (idx < T["E"][c0])
         empty = torch.empty(0, dtype=torch.int64, device=dev)
         if N == 0:
-            return Ticket(self._skip_bad(indices, c, valid), empty, self.epoch, indices, offsets, self._features[()])
+            return Ticket(indices.clone(), empty, self.epoch, indices, offsets, self._features[()])
         nc = len(self.tables)
+        nr = self.num_rows
         st = self.stats
-        bypass: Tuple[int, ...] = ()
-        use = valid  # the indices looked up in the cache (not those of tables bypassing it)
-        key_type = torch.int32 if self.num_rows < 2 ** 31 else torch.int64  # (32-bit keys sort in half the passes)
-        flat = T["rbase"][c0] + idx
+        # each index's feature + 1 (0 before every bag, F + 1 after them): the index of its
+        # entry in the per-feature tables
+        bounds = (offsets[::batch] if batch > 0 else offsets[:1]).contiguous()
+        fp = torch.searchsorted(bounds, self._iota(N, bounds.dtype), right=True, out_int32=True)
+        key = self._f_rbase[fp] + indices  # (int64) the index's row key, where valid
+        valid = (indices >= 0) & (indices < self._f_rows[fp])
         check_bad = bad_index_error is not None
+        # where the kind of index not looked up matters (bad ones counted, or made -1 for a
+        # direct table), each feature's own key; else one key for all
+        sent = self._f_sent[fp] if check_bad or any(self.direct) else nr + _SENT_KEEP
+        keys = torch.where(valid, key, sent).to(self._key_type)
+        bypass: Tuple[int, ...] = ()
+        ct = torch.int32 if N < 2 ** 31 - 1 else torch.int64  # (running counts)
+        ne = nc + 3  # the edges: each table's first key, then the three not-looked-up keys
         while True:  # (twice when a compact table overflows its cache: then without its indices)
-            # The batch's distinct rows, without a data-sized output: the keys sorted, indices that
-            # are not looked up last (key num_rows), each distinct key's first entry marked.
-            keys = torch.where(use, flat, torch.full_like(flat, self.num_rows)).to(key_type)
+            # The batch's distinct rows, without a data-sized output: the keys sorted (those not
+            # looked up last), each distinct key's first entry marked.
             sk, perm = torch.sort(keys, stable=True)
-            looked_up = sk < self.num_rows
-            first = torch.cat([looked_up[:1], (sk[1:] != sk[:-1]) & looked_up[1:]])
-            sk = sk.to(torch.int64)
-            tk = c0[perm]  # each sorted entry's cached table (ascending over the looked-up ones)
-            slot_k = self._row_slot[sk.clamp(max=self.num_rows - 1)].to(torch.int64)
-            hit_k = looked_up & (slot_k >= 0)
-            # per table (its entries are contiguous): indices, distinct rows, missing rows
-            edges = torch.searchsorted(sk, T["rbase_end"])
-            ranks = torch.cumsum(first, 0)
-            zero = torch.zeros(1, dtype=torch.int64, device=dev)
-            firsts = torch.cat([zero, ranks])
-            misses = torch.cat([zero, torch.cumsum(first & ~hit_k, 0)])
-            parts = [edges[1:] - edges[:-1], firsts[edges[1:]] - firsts[edges[:-1]],
-                     misses[edges[1:]] - misses[edges[:-1]], (first & hit_k).sum().reshape(1), hit_k.sum().reshape(1)]
+            first = torch.cat([self._true1, sk[1:] != sk[:-1]])
+            slot_k = self._row_slot_ext[sk]  # (int32; -1 for keys not looked up)
+            miss_k = slot_k < 0
+            # per table (its keys are contiguous), the running counts of entries (the edges),
+            # distinct keys and missing distinct keys at its first key: the host takes differences
+            edges = torch.searchsorted(sk, self._edge_keys)
+            running = torch.empty((2, N + 1), dtype=ct, device=dev)
+            running.select(1, 0).zero_()
+            torch.cumsum(first, 0, dtype=ct, out=running[0, 1:])
+            torch.cumsum(first & miss_k, 0, dtype=ct, out=running[1, 1:])
+            parts = [edges, running.index_select(1, edges).reshape(-1), miss_k.sum().reshape(1)]
             held = self._held_mask()
             if held is not None:  # per table, the held slots other than the batch's hit rows
-                mine = torch.zeros(self.num_slots + 1, dtype=torch.bool, device=dev)
-                mine.index_fill_(0, torch.where(hit_k, T["sbase"][tk] + slot_k, self.num_slots), True)
-                others = torch.cat([zero, torch.cumsum(held & ~mine[:-1], 0)])
-                parts.append(others[T["sbase"] + T["C"]] - others[T["sbase"]])
-            if check_bad:
-                parts.append((cached & ~valid).sum().reshape(1))
-            need_d, miss_d = parts[1], parts[2]
+                table_k = torch.searchsorted(self._table_ends, sk, right=True)
+                others = held.clone()
+                others.index_fill_(0, torch.where(miss_k, self.num_slots, self._slot_bounds[table_k] + slot_k), False)
+                held_running = torch.empty(self.num_slots + 1, dtype=torch.int64, device=dev)
+                held_running[:1].zero_()
+                torch.cumsum(others[:-1], 0, out=held_running[1:])
+                parts.append(held_running[self._slot_bounds])
             with span("tbegen.cache.host_wait"):
                 summary = torch.cat(parts).tolist()  # (the batch's one host wait)
-            looked_h, need_h, miss_h = summary[:nc], summary[nc:2 * nc], summary[2 * nc:3 * nc]
-            unique_hits, index_hits = summary[3 * nc:3 * nc + 2]
-            extra = summary[3 * nc + 2:4 * nc + 2] if held is not None else [0] * nc
+            e, r, m = summary[:ne], summary[ne:2 * ne], summary[2 * ne:3 * ne]
+            looked_h = [e[k + 1] - e[k] for k in range(nc)]
+            need_h = [r[k + 1] - r[k] for k in range(nc)]
+            miss_h = [m[k + 1] - m[k] for k in range(nc)]
+            n_looked = e[nc]
+            bad_direct = (e[nc], e[nc + 1])  # (sorted positions of a direct table's out-of-range indices)
+            index_hits = N - summary[3 * ne]
+            unique_hits = sum(need_h) - sum(miss_h)
+            if held is not None:
+                o = summary[3 * ne + 1:]
+                extra = [o[k + 1] - o[k] for k in range(nc)]
+            else:
+                extra = [0] * nc
             if check_bad:
                 check_bad = False
-                if summary[-1]:
-                    i = int((cached & ~valid).nonzero()[0, 0])
-                    bad_index_error(i, int(idx[i]), int(feature[i]), self.tables[int(c[i])], self.rows[int(c[i])])
+                if e[nc + 2] - e[nc]:
+                    fc = self._feature_cached_t[fp]
+                    i = int(((fc >= 0) & ~valid).nonzero()[0, 0])
+                    c_i = int(fc[i])
+                    bad_index_error(i, int(indices[i]), int(fp[i]) - 1, self.tables[c_i], self.rows[c_i])
             n_unique = sum(need_h)
             if n_unique == 0:
+                out = self._kept(indices, perm, bad_direct)
                 if not bypass:
-                    return Ticket(self._skip_bad(indices, c, valid), empty, self.epoch, indices, offsets,
-                                  self._features[()])
+                    return Ticket(out, empty, self.epoch, indices, offsets, self._features[()])
                 st["prepares"] += 1
-                return Ticket(self._skip_bad(indices, c, valid), empty, self.epoch, indices, offsets,
-                              self._features_for(bypass), bypass)
+                return Ticket(out, empty, self.epoch, indices, offsets, self._features_for(bypass), bypass)
             over = tuple(k for k in range(nc) if need_h[k] > self.slots[k] and not self.direct[k])
             if not over:
                 break
@@ -732,24 +795,25 @@ class RowCache:
             st["backing_rows"] += sum(need_h[k] for k in over)
             st["lookups"] += sum(looked_h[k] for k in over)
             st["unique_rows"] += sum(need_h[k] for k in over)
-            bypassed = use & self._tables_mask(over)[c0]
+            over_f = self._feature_mask(over)[fp]
             if self.algorithm == "lfu":  # (each bypassed index counts 1, the others 0)
-                self._counts.index_put_((flat.clamp(0, self.num_rows - 1),), bypassed.to(torch.int64), accumulate=True)
+                bypassed = over_f & (keys < nr)
+                self._counts.index_put_((key.clamp(0, nr - 1),), bypassed.to(torch.int64), accumulate=True)
             bypass = over
-            use = use & ~bypassed
+            keys = torch.where(over_f, nr + _SENT_KEEP, keys)  # (a compact table's indices: as given)
         # the distinct rows U (ascending), their tables, slots, and how often the batch reads them
         n_miss = sum(miss_h)
         # rows to load: every missing one, except where a direct table has more than its slots
         # (then the slots not holding a hit take the batch's most read missing rows; the others
         # are read from the backing store in place)
-        admit = [min(m, C - (n - m)) for m, n, C in zip(miss_h, need_h, self.slots)]
+        admit = [min(mi, C - (n - mi)) for mi, n, C in zip(miss_h, need_h, self.slots)]
         if defer and not bypass and sum(admit) and self._backing_in_flight():
             # A batch in flight read rows in place: moving any row now would make its backward
             # look it up again (and, in TorchRec's order, the prefetched batch after it): deferred.
             st["deferred"] += 1
             return None
         if held is not None and n_miss and any(
-                a > C - (n - m) - x for a, m, n, C, x in zip(admit, miss_h, need_h, self.slots, extra)):
+                a > C - (n - mi) - x for a, mi, n, C, x in zip(admit, miss_h, need_h, self.slots, extra)):
             # The slots held for other batches are not victims, unless that would cost this batch:
             # then every hold is let go (their backwards look their batches up again). A prefetch
             # (`defer`) instead leaves everything as it was, its batch to be looked up by its own
@@ -762,52 +826,87 @@ class RowCache:
                 return None
             self._release_all()
             held = None
-        at = self._compact(first, n_unique)  # (sorted positions of each distinct row's first entry)
+        ranks = running[0, 1:]  # (each sorted entry's distinct key, from 1)
+        # sorted positions of each distinct row's first entry, then the end of the looked-up ones
+        # (the first entry not looked up, or N)
+        at_end = torch.searchsorted(ranks, self._iota(n_unique + 2, ct)[1:])
+        at = at_end[:-1]
         U = sk[at]
-        tU = tk[at]
-        local_row = U - T["rbase"][tU]
-        slot = slot_k[at]
-        hit = slot >= 0
-        counts = torch.diff(at, append=at.new_full((1,), sum(looked_h)))
-        inverse = torch.empty_like(perm)
-        inverse[perm] = ranks - 1  # each index's distinct row (perm: every place written once)
+        tU = torch.searchsorted(self._table_ends, U, right=True)
+        slot = slot_k[at]  # (int32; -1: missing)
+        sbase_u = T["sbase"][tU]
+        counts = None
+        if self.algorithm == "lfu" or admit != miss_h:
+            counts = at_end[1:] - at  # how often the batch reads each distinct row
         self.tick += 1
         tick = self.tick
-        h = self._compact(hit, n_unique - n_miss)
-        hit_slots = T["sbase"][tU[h]] + slot[h]
-        self._last_used.index_fill_(0, hit_slots, tick)
         if self.algorithm == "lfu":
-            self._counts[U] += counts
+            self._counts.index_put_((U,), counts, accumulate=True)  # (U distinct: an add)
         if sum(admit):
-            missing = self._compact(~hit, n_miss)
-            if admit != miss_h:
-                order = torch.argsort(-counts[missing], stable=True)  # most read first, then by row
-                order = order[torch.argsort(tU[missing][order], stable=True)]
-                missing = missing[order]
+            if admit == miss_h:  # every missing row: the sorted positions of the missing firsts
+                at_miss = torch.searchsorted(running[1, 1:], self._iota(n_miss + 1, ct)[1:])
+                mU = sk[at_miss]
+                mT = torch.searchsorted(self._table_ends, mU, right=True)
+            else:
+                missing = self._compact(slot < 0, n_miss)
+                # per table, most read first, then by row: one stable sort of (table, n_looked - count)
+                order_key = torch.add(n_looked - counts[missing], tU[missing], alpha=n_looked + 1)
+                missing = missing[torch.argsort(order_key, stable=True)]
                 mt = tU[missing]  # (ascending)
-                first_t = torch.searchsorted(mt, torch.arange(nc, device=dev))  # each table's first
+                first_t = torch.searchsorted(mt, self._iota(nc))  # each table's first
+                need_d, miss_d = self._running_per_table(running, edges)
                 cap = torch.minimum(miss_d, T["C"] - (need_d - miss_d))  # admit, on the device
-                missing = missing[self._compact(torch.arange(n_miss, device=dev) - first_t[mt] < cap[mt], sum(admit))]
+                missing = missing[self._compact(self._iota(n_miss) - first_t[mt] < cap[mt], sum(admit))]
+                mU, mT = U[missing], tU[missing]
+            mRow = mU - T["rbase"][mT]
+            # the batch's own slots (its hit rows'; the others point at the extra entry)
+            protect = torch.where(slot < 0, self.num_slots, sbase_u + slot)
             with span("tbegen.cache.fill"):
-                self._fill(buffers, U[missing], tU[missing], local_row[missing], hit_slots, admit, tick, held,
-                           readers_wait)
-        slot = self._row_slot[U].to(torch.int64)
-        resident = slot >= 0
-        n_backing = [n - a - (n - m) for n, a, m in zip(need_h, admit, miss_h)]  # (direct tables only)
-        out = self._skip_bad(indices, c, valid)
-        row_of = inverse.clamp(0, n_unique - 1)
-        out = torch.where(use & resident[row_of], (slot + T["index_base"][tU])[row_of].to(indices.dtype), out)
+                self._fill(buffers, mU, mT, mRow, protect, admit, held, readers_wait)
+        n_backing = [n - a - (n - mi) for n, a, mi in zip(need_h, admit, miss_h)]  # (direct tables only)
+        slot = self._row_slot[U]
+        out_type = indices.dtype
+        if sum(n_backing):
+            resident = slot >= 0
+            # a row read in its backing row keeps its index (its row in the table)
+            value = torch.where(resident, slot + T["index_base"][tU], U - T["rbase"][tU])
+            slots = (sbase_u + slot)[self._compact(resident, n_unique - sum(n_backing))]
+            st["backing_rows"] += sum(n_backing)
+            self._device_stats[2] += (counts * ~resident).sum()  # backing_lookups (read in report)
+        else:
+            value = slot + T["index_base"][tU]
+            slots = sbase_u + slot
+        self._last_used.index_fill_(0, slots, tick)  # (the batch's hit rows and the rows it loaded)
+        # each index's value: that of its distinct row (by its sorted entry's rank), for the
+        # indices looked up; the others as given (-1 for a direct table's out-of-range ones)
+        by_rank = torch.empty(n_unique + 1, dtype=out_type, device=dev)  # (entry 0 never read)
+        by_rank[1:] = value
+        out = self._kept(indices, perm, bad_direct)
+        out.index_put_((perm[:n_looked],), by_rank[ranks[:n_looked]])
         st["prepares"] += 1
         st["lookups"] += sum(looked_h)
         st["hits"] += index_hits
         st["unique_rows"] += n_unique
         st["unique_hits"] += unique_hits
-        if sum(n_backing):
-            st["backing_rows"] += sum(n_backing)
-            self._device_stats[2] += (counts * ~resident).sum()  # backing_lookups (read in report)
-        slots = (T["sbase"][tU] + slot)[self._compact(resident, n_unique - sum(n_backing))]
         return Ticket(out, slots, self.epoch, indices, offsets,
                       self._features_for(bypass), bypass, self.hard_epoch, bool(bypass) or sum(n_backing) > 0)
+
+    def _running_per_table(self, running: torch.Tensor, edges: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """On the device, per cached table: its distinct and its missing rows in the batch."""
+        at = running.index_select(1, edges[:len(self.tables) + 1]).to(torch.int64)
+        per = at[:, 1:] - at[:, :-1]
+        return per[0], per[1]
+
+    def _kept(self, indices: torch.Tensor, perm: torch.Tensor, bad_direct: Tuple[int, int]) -> torch.Tensor:
+        """A copy of the indices, where out-of-range ones of direct tables (the sorted entries
+        bad_direct[0]..bad_direct[1]-1) are -1: their features reach past the table's rows, into
+        its slots, and -1 is out of range for the kernels, which skip or report it per
+        bounds_check_mode. Out-of-range indices of compact tables stay."""
+        out = indices.clone()
+        lo, hi = bad_direct
+        if hi > lo:
+            out.index_fill_(0, perm[lo:hi], -1)
+        return out
 
     def _compact(self, mask: torch.Tensor, k: int) -> torch.Tensor:
         """The positions of the `k` True entries of `mask`, ascending, where the caller knows `k`
@@ -815,16 +914,7 @@ class RowCache:
         the running count of True entries reaches i + 1."""
         if k == 0:
             return torch.empty(0, dtype=torch.int64, device=self.device)
-        return torch.searchsorted(torch.cumsum(mask, 0), torch.arange(1, k + 1, device=self.device))
-
-    def _skip_bad(self, indices: torch.Tensor, c: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-        """A copy of the indices, where out-of-range ones of direct tables are -1 (their features
-        reach past the table's rows, into its slots: -1 is out of range for the kernels, which
-        skip or report it per bounds_check_mode). Out-of-range indices of compact tables stay."""
-        if any(self.direct):
-            bad = (c >= 0) & ~valid & (self._t["direct"][c.clamp(min=0)] > 0)
-            return torch.where(bad, torch.full_like(indices, -1), indices)
-        return indices.clone()
+        return torch.searchsorted(torch.cumsum(mask, 0), self._iota(k + 1)[1:])
 
     def _overflow(self, buffers, over: Tuple[int, ...], need: Sequence[int], readers_wait=None) -> None:
         """Cached tables `over` have more distinct rows in the batch than cache slots: the batch
@@ -846,34 +936,34 @@ class RowCache:
     def _victim_order(self, protected: torch.Tensor) -> torch.Tensor:
         """All slots, grouped by table (each table's C slots at its sbase) and, within a table,
         coldest first: empty slots, then by last use (LRU) or by access count, then last use
-        (LFU); ties by slot number. Protected slots (rows of the batch) come last."""
-        occupied = self._slot_row >= 0
+        (LFU); ties by slot number. Protected slots (rows of the batch) come last. (An empty
+        slot's last use is 0, an occupied one's its batch's tick, from 1: drop, invalidate and
+        prepare keep it so.)"""
         if self.algorithm == "lru" and self.tick < _TICK_LIMIT:
-            # one sort: table in the high bits, then empty (0) < last use (1 + last tick, at most
-            # 1 + tick) < protected (2 + tick); the key in 32 bits while it fits (the radix sort
+            # one sort: table in the high bits, then empty (0) < last use (the last tick, at most
+            # tick) < protected (2 + tick); the key in 32 bits while it fits (the radix sort
             # then makes half the passes of a 64-bit key: the same order, ties by slot number)
             top = self.tick + 2
-            score = torch.where(occupied, self._last_used + 1, torch.zeros_like(self._last_used))
-            score = torch.where(protected, torch.full_like(score, top), score)
-            key = self._slot_table * (top + 1) + score
+            key = torch.add(torch.where(protected, top, self._last_used), self._slot_table, alpha=top + 1)
             if len(self.tables) * (top + 1) < 2 ** 31:
                 key = key.to(torch.int32)
             return torch.argsort(key, stable=True)
-        recency = torch.where(occupied, self._last_used, torch.full_like(self._last_used, -1))
-        recency = torch.where(protected, torch.full_like(recency, _NEVER), recency)
+        recency = torch.where(protected, _NEVER, self._last_used)
         order = torch.argsort(recency, stable=True)
         if self.algorithm == "lfu":
+            occupied = self._slot_row >= 0
             rows = self._t["rbase"][self._slot_table] + self._slot_row.clamp(min=0)
-            freq = torch.where(occupied, self._counts[rows], torch.full_like(recency, -1))
-            freq = torch.where(protected, torch.full_like(freq, _NEVER), freq)
+            freq = torch.where(occupied, self._counts[rows], -1)
+            freq = torch.where(protected, _NEVER, freq)
             order = order[torch.argsort(freq[order], stable=True)]
         return order[torch.argsort(self._slot_table[order], stable=True)]
 
-    def _fill(self, buffers, mU, mT, mRow, hit_slots, count_h, tick, held: Optional[torch.Tensor] = None,
+    def _fill(self, buffers, mU, mT, mRow, protect, count_h, held: Optional[torch.Tensor] = None,
               readers_wait: Optional[callable] = None) -> None:
         """Loads rows (cached keys mU of tables mT, grouped by table: count_h[c] of table c) into
         the coldest slots of their tables (the j-th row of a table into its j-th coldest slot),
-        never into the batch's own slots (`hit_slots`) or those `held` for other batches.
+        never into the batch's own slots (`protect`: slot numbers, num_slots for none) or those
+        `held` for other batches (num_slots + 1 entries). The caller marks the slots used.
 
         Without a host wait: a table's coldest slots are its empty ones first, so the host knows
         how many of its victims hold a row (evicted: `_occupied`, which it keeps). Every evicted
@@ -882,32 +972,36 @@ class RowCache:
         self._before_unheld_move(readers_wait)  # (holds let go since: their forwards may still read)
         T = self._t
         dev = self.device
-        protected = torch.zeros(self.num_slots, dtype=torch.bool, device=dev) if held is None else held
-        protected.index_fill_(0, hit_slots, True)
-        order = self._victim_order(protected)
-        first = torch.searchsorted(mT, torch.arange(len(self.tables), device=dev))  # (mT ascends)
-        rank = torch.arange(mU.numel(), device=dev) - first[mT]  # j-th row of its table
-        victims = order[T["sbase"][mT] + rank]  # its j-th coldest slot (never a protected one)
-        local_slot = victims - T["sbase"][mT]
+        S = self.num_slots
+        protected = torch.zeros(S + 1, dtype=torch.bool, device=dev) if held is None else held
+        protected.index_fill_(0, protect, True)
+        order = self._victim_order(protected[:S])
+        first = torch.searchsorted(mT, self._iota(len(self.tables)))  # (mT ascends)
+        sb = T["sbase"][mT]
+        # the j-th row of its table takes that table's j-th coldest slot (never a protected one)
+        victims = order[self._iota(mU.numel()) + (T["sbase"] - first)[mT]]
+        local_slot = victims - sb
         old = self._slot_row[victims]
         had = old >= 0
         written = had & self._dirty[victims]
-        self._device_stats[0] += written.sum()  # rows_written_back, bytes_written_back (read in report)
-        self._device_stats[1] += (written * T["row_bytes"][mT]).sum()
+        # rows_written_back, bytes_written_back (read in report)
+        self._device_stats[:2] += torch.stack([written.sum(), (written * T["row_bytes"][mT]).sum()])
         evicted_h = [max(0, a - (C - n)) for a, C, n in zip(count_h, self.slots, self._occupied)]
         evicted = sum(evicted_h)
-        e = self._compact(had, evicted)  # (the victims that hold a row, grouped by table)
         # The evicted rows are gathered out of their slots (GPU memory to GPU memory), then
         # written to their backing rows on a side stream while the new rows load on this one: the
         # two cross the host link in opposite directions at once, and touch different backing
         # rows (an evicted row is resident, a loaded one is not). This stream waits for both.
         staged: list = []
+        if evicted:
+            e = self._compact(had, evicted)  # (the victims that hold a row, grouped by table)
+            te, oe = mT[e], old[e]
         with span("tbegen.cache.writeback"):
             if evicted and self._maybe_dirty:
-                self._move(buffers, mT[e], old[e], local_slot[e], to_slots=False, staged=staged, per_table=evicted_h)
+                self._move(buffers, te, oe, local_slot[e], to_slots=False, staged=staged, per_table=evicted_h)
             self._write_staged(staged)
         if evicted:
-            self._row_slot.index_fill_(0, T["rbase"][mT[e]] + old[e], -1)
+            self._row_slot.index_fill_(0, T["rbase"][te] + oe, -1)
         # Some row's slot number is no longer valid, or a row that an earlier batch of a direct
         # table read in its backing row is now cached: batches prepared before are prepared again.
         self.epoch += 1
@@ -916,7 +1010,6 @@ class RowCache:
         self._join_writeback()
         self._row_slot[mU] = local_slot.to(torch.int32)
         self._slot_row[victims] = mRow
-        self._last_used.index_fill_(0, victims, tick)
         self._dirty.index_fill_(0, victims, False)
         self._occupied = [min(C, n + a) for C, n, a in zip(self.slots, self._occupied, count_h)]
         st = self.stats
