@@ -86,10 +86,10 @@ class OpCounter(TorchDispatchMode):
 
 
 @contextlib.contextmanager
-def phases(counter: OpCounter):
-    """Moves the counter's phase at the cache's named ranges: after the host wait ("after"), into
-    the fill ("fill") and back."""
-    real = cache_mod.span
+def phases(counter: OpCounter, module=cache_mod):
+    """Moves the counter's phase at the cache's named ranges (those of `module`, the cache's):
+    after the host wait ("after"), into the fill ("fill") and back."""
+    real = module.span
 
     @contextlib.contextmanager
     def span(name):
@@ -110,11 +110,11 @@ def phases(counter: OpCounter):
             with real(name):
                 yield
 
-    cache_mod.span = span
+    module.span = span
     try:
         yield
     finally:
-        cache_mod.span = real
+        module.span = real
 
 
 def zipf_batches(T, E, B, L, alpha, count, seed):
@@ -151,12 +151,14 @@ def measure(args, fraction: float, algorithm: str) -> dict:
     for indices, offsets in batches[:args.warmup]:
         prepare(indices, offsets)
     N = T * B * L
+    evictions = cache.stats["evictions"]
     counters = []
     for indices, offsets in batches[args.warmup:args.warmup + args.steps]:
         counter = OpCounter(N, cache.num_slots)
-        with phases(counter), counter:
+        with phases(counter, sys.modules[type(cache).__module__]), counter:
             prepare(indices, offsets)
         counters.append(counter)
+    counted_evictions = cache.stats["evictions"] - evictions
     times = []
     for indices, offsets in batches[args.warmup + args.steps:]:
         t0 = time.perf_counter()
@@ -179,11 +181,12 @@ def measure(args, fraction: float, algorithm: str) -> dict:
     row["op_names"] = {p: {n: v / k for n, v in merged[p].most_common()} for p in PHASES}
     row["full_op_names"] = {p: {n: v / k for n, v in full_ops[p].most_common()} for p in PHASES}
     s = cache.report()
-    row.update(evictions=s["evictions"], bypasses=s["bypasses"], backing_rows=s["backing_rows"])
+    row.update(evictions=s["evictions"], bypasses=s["bypasses"], backing_rows=s["backing_rows"],
+               counted_evictions=counted_evictions)
     return row
 
 
-def main(argv=None) -> int:
+def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tables", type=int, default=8)
     ap.add_argument("--rows", type=int, default=100_000)
@@ -201,7 +204,11 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--ops", action="store_true", help="also list each phase's operators by count")
     ap.add_argument("--json", help="write the rows here")
-    args = ap.parse_args(argv)
+    return ap.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
     torch.set_num_threads(args.threads)
     rows = []
     print(f"# {args.tables} tables x {args.rows} rows x {args.dim}, B {args.batch}, L {args.pooling_factor}, "

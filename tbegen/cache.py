@@ -664,16 +664,16 @@ class RowCache:
             mask.index_fill_(0, t.slots, True)
         return mask
 
-    def _iota(self, n: int, dtype: torch.dtype = torch.int64) -> torch.Tensor:
-        """0, 1, ..., n - 1 on the device: a view of one kept tensor (grown when a batch needs
-        more), so that a batch's lookup does not write an arange per use. (Grown only in a lookup,
-        which runs after the cache's latest use on every other stream: the tensor it replaces is
-        not read any more.)"""
+    def _iota(self, n: int, dtype: torch.dtype = torch.int64, start: int = 0) -> torch.Tensor:
+        """start, start + 1, ..., start + n - 1 on the device: a view of one kept tensor (grown
+        when a batch needs more), so that a batch's lookup does not write an arange per use.
+        (Grown only in a lookup, which runs after the cache's latest use on every other stream:
+        the tensor it replaces is not read any more.)"""
         have = self._iotas.get(dtype)
-        if have is None or have.numel() < n:
-            have = torch.arange(max(n, 1024), dtype=dtype, device=self.device)
+        if have is None or have.numel() < start + n:
+            have = torch.arange(max(start + n, 1024), dtype=dtype, device=self.device)
             self._iotas[dtype] = have
-        return have[:n]
+        return have[start:start + n]
 
     def _feature_mask(self, tables: Sequence[int]) -> torch.Tensor:
         """Per feature (padded as _feature_cached), whether its cached table is one of `tables`."""
@@ -829,7 +829,7 @@ class RowCache:
         ranks = running[0, 1:]  # (each sorted entry's distinct key, from 1)
         # sorted positions of each distinct row's first entry, then the end of the looked-up ones
         # (the first entry not looked up, or N)
-        at_end = torch.searchsorted(ranks, self._iota(n_unique + 2, ct)[1:])
+        at_end = torch.searchsorted(ranks, self._iota(n_unique + 1, ct, 1))
         at = at_end[:-1]
         U = sk[at]
         tU = torch.searchsorted(self._table_ends, U, right=True)
@@ -844,7 +844,7 @@ class RowCache:
             self._counts.index_put_((U,), counts, accumulate=True)  # (U distinct: an add)
         if sum(admit):
             if admit == miss_h:  # every missing row: the sorted positions of the missing firsts
-                at_miss = torch.searchsorted(running[1, 1:], self._iota(n_miss + 1, ct)[1:])
+                at_miss = torch.searchsorted(running[1, 1:], self._iota(n_miss, ct, 1))
                 mU = sk[at_miss]
                 mT = torch.searchsorted(self._table_ends, mU, right=True)
             else:
@@ -914,7 +914,7 @@ class RowCache:
         the running count of True entries reaches i + 1."""
         if k == 0:
             return torch.empty(0, dtype=torch.int64, device=self.device)
-        return torch.searchsorted(torch.cumsum(mask, 0), self._iota(k + 1)[1:])
+        return torch.searchsorted(torch.cumsum(mask, 0), self._iota(k, start=1))
 
     def _overflow(self, buffers, over: Tuple[int, ...], need: Sequence[int], readers_wait=None) -> None:
         """Cached tables `over` have more distinct rows in the batch than cache slots: the batch
