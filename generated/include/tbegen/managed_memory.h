@@ -48,6 +48,14 @@
 //       whose own tables give the row numbers: a row number outside its tensor is skipped on the
 //       device, without an error. A bounded grid lets two copies run at once on two streams
 //       (row_copy_cuda.cuh says why).
+//   _exchange_rows(Tensor(a!) rows, Tensor slot_rows, Tensor? out_rows, Tensor in_rows, int max_blocks) -> ()
+//       the row cache's fill in one kernel (TBEGEN_CACHE_EXCHANGE=1): for every entry i,
+//       rows[out_rows[i]] = rows[slot_rows[i]] (the slot's old row written back; no out_rows, or a
+//       row number outside the tensor: nothing written), then rows[slot_rows[i]] = rows[in_rows[i]]
+//       (a row outside the tensor: nothing loaded), bit for bit, by the same warp; an entry whose
+//       slot is outside the tensor is skipped. `rows` 2-D with contiguous rows on a CUDA device
+//       (backing rows and slots in one tensor); the three index tensors int64, one entry each per
+//       victim; the caller's rows never overlap. At most max_blocks blocks (0: no bound).
 #pragma once
 
 namespace torch {
@@ -57,7 +65,7 @@ class Library;
 namespace tbegen {
 namespace cuda {
 
-// m.def(...) of the eight operators above, with their (device-independent) implementations, in a
+// m.def(...) of the nine operators above, with their (device-independent) implementations, in a
 // TORCH_LIBRARY_FRAGMENT(ns, m) block.
 void define_managed_memory_ops(torch::Library& m);
 

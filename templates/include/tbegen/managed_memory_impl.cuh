@@ -581,6 +581,8 @@ void define_managed_memory_ops(torch::Library& m) {
   m.def("managed_preferred_location(Tensor tensor, int start, int count) -> int", &managed::managed_preferred_location);
   m.def("_copy_rows(Tensor(a!) dst, Tensor? dst_rows, Tensor src, Tensor? src_rows, int max_blocks) -> ()",
         &row_copy::copy_rows);
+  m.def("_exchange_rows(Tensor(a!) rows, Tensor slot_rows, Tensor? out_rows, Tensor in_rows, int max_blocks) -> ()",
+        &row_copy::exchange_rows);
 }
 
 }  // namespace cuda
