@@ -298,6 +298,7 @@ class RowCache:
         self._table_ends = torch.tensor(h["rbase"][1:] + [nr], dtype=self._key_type, device=device)
         self._slot_bounds = t(h["sbase"] + [self.num_slots])  # each table's first slot, then the end
         self._true1 = torch.ones(1, dtype=torch.bool, device=device)
+        self._row_and_bytes = t([1, self.row_bytes[0]])  # (a written-back row, where every row moves as many bytes)
         self._iotas: Dict[torch.dtype, torch.Tensor] = {}  # 0, 1, 2, ... (_iota)
         # local slot of a row (-1: not resident), and -1 for the three not-looked-up keys after
         # the rows (so that a sorted key's slot is one gather, without a clamp)
@@ -879,8 +880,7 @@ class RowCache:
         self._last_used.index_fill_(0, slots, tick)  # (the batch's hit rows and the rows it loaded)
         # each index's value: that of its distinct row (by its sorted entry's rank), for the
         # indices looked up; the others as given (-1 for a direct table's out-of-range ones)
-        by_rank = torch.empty(n_unique + 1, dtype=out_type, device=dev)  # (entry 0 never read)
-        by_rank[1:] = value
+        by_rank = torch.nn.functional.pad(value.to(out_type), (1, 0))  # (entry 0 never read)
         out = self._kept(indices, perm, bad_direct)
         out.index_put_((perm[:n_looked],), by_rank[ranks[:n_looked]])
         st["prepares"] += 1
@@ -982,23 +982,29 @@ class RowCache:
         victims = order[self._iota(mU.numel()) + (T["sbase"] - first)[mT]]
         local_slot = victims - sb
         old = self._slot_row[victims]
-        had = old >= 0
-        written = had & self._dirty[victims]
-        # rows_written_back, bytes_written_back (read in report)
-        self._device_stats[:2] += torch.stack([written.sum(), (written * T["row_bytes"][mT]).sum()])
         evicted_h = [max(0, a - (C - n)) for a, C, n in zip(count_h, self.slots, self._occupied)]
         evicted = sum(evicted_h)
+        # every victim holds a row where no table of the rows has an empty slot (a full cache)
+        full = evicted == mU.numel()
+        written = self._dirty[victims] if full else (old >= 0) & self._dirty[victims]
+        # rows_written_back, bytes_written_back (read in report)
+        if len(set(self.row_bytes)) == 1:
+            self._device_stats[:2] += written.sum() * self._row_and_bytes
+        else:
+            self._device_stats[:2] += torch.stack([written.sum(), (written * T["row_bytes"][mT]).sum()])
         # The evicted rows are gathered out of their slots (GPU memory to GPU memory), then
         # written to their backing rows on a side stream while the new rows load on this one: the
         # two cross the host link in opposite directions at once, and touch different backing
         # rows (an evicted row is resident, a loaded one is not). This stream waits for both.
         staged: list = []
-        if evicted:
-            e = self._compact(had, evicted)  # (the victims that hold a row, grouped by table)
-            te, oe = mT[e], old[e]
+        if full:
+            te, oe, le = mT, old, local_slot
+        elif evicted:  # (the victims that hold a row, grouped by table: a table's empty slots come first)
+            e = self._compact(old >= 0, evicted)
+            te, oe, le = mT[e], old[e], local_slot[e]
         with span("tbegen.cache.writeback"):
             if evicted and self._maybe_dirty:
-                self._move(buffers, te, oe, local_slot[e], to_slots=False, staged=staged, per_table=evicted_h)
+                self._move(buffers, te, oe, le, to_slots=False, staged=staged, per_table=evicted_h)
             self._write_staged(staged)
         if evicted:
             self._row_slot.index_fill_(0, T["rbase"][te] + oe, -1)
