@@ -29,8 +29,12 @@ and its random rows reach the in-order figures where managed and host do not, ad
 was the limit.
 
 For each: H2D gather (host rows -> a device buffer), D2H scatter (device buffer -> host rows),
-both at once on two streams with half the SMs each (as the cache runs them), and the same with the
-rows in order (the translation-friendly bound). Prints GB/s per case and writes --json.
+both at once on two streams with half the SMs each (as the cache runs them by default), for the
+kinds that can hold the cache's slots after the table in GPU memory (managed, managed-thp,
+split-host) the exchange (`_exchange_rows` on the whole grid: each slot's row written back to one
+host row and loaded from another by the same warp, as the fill with TBEGEN_CACHE_EXCHANGE=1), and
+the same with the rows in order (the translation-friendly bound). Prints GB/s per case (both
+directions summed for "both" and "exchange") and writes --json.
 
     python3 benchmarks/tools/host_rows_probe.py --gb 8 --rows 1000000 --json $OUT/host_rows.json
 
@@ -66,25 +70,35 @@ def advise_huge(ptr: int, nbytes: int) -> bool:
     return libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), MADV_HUGEPAGE) == 0
 
 
-def host_table(ops, kind: str, rows: int, cols: int) -> torch.Tensor:
-    """A (rows, cols) float32 table in host memory of `kind`, as a CUDA tensor the kernels can read."""
+# kinds whose tensor can end in GPU memory (the cache's layout: backing rows, then the slots)
+WITH_SLOTS = ("managed", "managed-thp", "split-host")
+
+
+def host_table(ops, kind: str, rows: int, cols: int, slots: int = 0) -> torch.Tensor:
+    """A (rows, cols) float32 table in host memory of `kind`, as a CUDA tensor the kernels can read;
+    with `slots` (kinds WITH_SLOTS only), that many more rows after it in GPU memory, as the
+    cache's slots follow its backing rows in one buffer."""
     numel = rows * cols
+    total = numel + slots * cols
     if kind == "host":
         flat = ops.host_empty(numel, torch.float32, torch.device("cuda"))
     elif kind == "host-thp":
         flat = ops.host_empty_huge(numel, torch.float32, torch.device("cuda"))
     elif kind == "split-host":
-        flat = ops.split_empty(numel, torch.float32, torch.device("cuda"), [])
+        flat = ops.split_empty(total, torch.float32, torch.device("cuda"), [numel, slots * cols] if slots else [])
     elif kind in ("managed", "managed-thp"):
-        flat = ops.managed_empty(numel, torch.float32, torch.device("cuda"))
+        flat = ops.managed_empty(total, torch.float32, torch.device("cuda"))
         if kind == "managed-thp" and not advise_huge(flat.data_ptr(), numel * 4):
             print("managed-thp: madvise(MADV_HUGEPAGE) refused; timing it anyway", file=sys.stderr)
         ops.managed_advise(flat, 0, numel, "host")
+        if slots:
+            ops.managed_advise(flat, numel, slots * cols, "device")
     else:
         raise ValueError(f"unknown kind {kind!r}: managed, managed-thp, host, host-thp or split-host")
+    assert slots == 0 or kind in WITH_SLOTS
     flat.fill_(1.0)  # (touches every page: host pages for managed memory preferred on the host)
     torch.cuda.synchronize()
-    return flat.view(rows, cols)
+    return flat.view(rows + slots, cols)
 
 
 def timed(fn, reps: int) -> float:
@@ -131,12 +145,12 @@ def main(argv=None) -> None:
                if Path("/sys/kernel/mm/transparent_hugepage/enabled").exists() else "?", "cases": []}
     print(f"{results['gpu']}: {n} rows of {args.row_bytes} B ({gbytes:.2f} GB) each way, host table {args.gb} GB; "
           f"THP: {results['thp_enabled']}")
-    print("| host memory | rows | H2D gather GB/s | D2H scatter GB/s | both at once GB/s (sum) |")
-    print("|---|---|---|---|---|")
+    print("| host memory | rows | H2D gather GB/s | D2H scatter GB/s | both at once GB/s (sum) | exchange GB/s (sum) |")
+    print("|---|---|---|---|---|---|")
     pages = []
     for kind in args.kinds.split(","):
         try:
-            table = host_table(ops, kind, table_rows, cols)
+            table = host_table(ops, kind, table_rows, cols, n if kind in WITH_SLOTS else 0)
         except RuntimeError as e:
             print(f"| {kind} | - | could not allocate: {str(e).splitlines()[0]} |")
             continue
@@ -166,8 +180,23 @@ def main(argv=None) -> None:
             t_both = timed(both, args.reps)
             case = {"kind": kind, "order": order, "h2d_GBps": gbytes / (h2d / 1e3), "d2h_GBps": gbytes / (d2h / 1e3),
                     "both_GBps": 2 * gbytes / (t_both / 1e3)}
+            exchange = "-"
+            if kind in WITH_SLOTS:
+                # (the fill with TBEGEN_CACHE_EXCHANGE=1: each of n slots, after the table in GPU
+                # memory, written back to one host row and loaded from another, by one kernel on
+                # the whole grid; out and in rows disjoint, as the cache's are)
+                slot_rows = torch.arange(table_rows, table_rows + n, device="cuda")
+                if order == "random":
+                    pair = torch.randperm(table_rows, device="cuda", generator=g)[:2 * n]
+                    in_rows, out_rows = pair[:n].contiguous(), pair[n:].contiguous()
+                else:
+                    in_rows, out_rows = ordered_rows, (torch.arange(n, 2 * n, device="cuda") % table_rows)
+                t_x = timed(lambda: ops._exchange_rows(table, slot_rows, out_rows, in_rows, 2 * half), args.reps)
+                case["exchange_GBps"] = 2 * gbytes / (t_x / 1e3)
+                exchange = f"{case['exchange_GBps']:.1f}"
             results["cases"].append(case)
-            print(f"| {kind} | {order} | {case['h2d_GBps']:.1f} | {case['d2h_GBps']:.1f} | {case['both_GBps']:.1f} |")
+            print(f"| {kind} | {order} | {case['h2d_GBps']:.1f} | {case['d2h_GBps']:.1f} | {case['both_GBps']:.1f} "
+                  f"| {exchange} |")
         del table
         torch.cuda.synchronize()
     print("host pages (AnonHugePages / Size of the mappings, /proc/self/smaps): " + "; ".join(pages))
