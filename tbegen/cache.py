@@ -228,6 +228,9 @@ class RowCache:
         # The CUDA extension's _copy_rows operator (managed_memory.h), or None: the rows then move
         # with torch's index kernels. Used on CUDA unless TBEGEN_CACHE_ROW_COPY=0 (see _copy_blocks).
         self._row_copy_op = row_copy
+        # LFU: at least every access count (the sum of all counted accesses; the counts only grow
+        # and are kept across moves): bounds the victim order's sort key
+        self._count_bound = 0
         self._allocate(device)
 
     # ---- the kernels' view: a cached table's features point at its slots ----
@@ -800,6 +803,7 @@ class RowCache:
             if self.algorithm == "lfu":  # (each bypassed index counts 1, the others 0)
                 bypassed = over_f & (keys < nr)
                 self._counts.index_put_((key.clamp(0, nr - 1),), bypassed.to(torch.int64), accumulate=True)
+                self._count_bound += sum(looked_h[k] for k in over)
             bypass = over
             keys = torch.where(over_f, nr + _SENT_KEEP, keys)  # (a compact table's indices: as given)
         # the distinct rows U (ascending), their tables, slots, and how often the batch reads them
@@ -843,6 +847,7 @@ class RowCache:
         tick = self.tick
         if self.algorithm == "lfu":
             self._counts.index_put_((U,), counts, accumulate=True)  # (U distinct: an add)
+            self._count_bound += n_looked
         if sum(admit):
             if admit == miss_h:  # every missing row: the sorted positions of the missing firsts
                 at_miss = torch.searchsorted(running[1, 1:], self._iota(n_miss, ct, 1))
@@ -953,6 +958,15 @@ class RowCache:
         if self.algorithm == "lfu":
             occupied = self._slot_row >= 0
             rows = self._t["rbase"][self._slot_table] + self._slot_row.clamp(min=0)
+            top = self._count_bound + 2  # (above every access count: protected)
+            if len(self.tables) * (top + 1) < 2 ** 62:
+                # one sort of (table, count) after the sort by last use: table in the high bits,
+                # then empty (0) < access count + 1 < protected (top); 32 bits while it fits
+                freq = torch.where(occupied, self._counts[rows] + 1, 0)
+                key = torch.add(torch.where(protected, top, freq), self._slot_table, alpha=top + 1)
+                if len(self.tables) * (top + 1) < 2 ** 31:
+                    key = key.to(torch.int32)
+                return order[torch.argsort(key[order], stable=True)]
             freq = torch.where(occupied, self._counts[rows], -1)
             freq = torch.where(protected, _NEVER, freq)
             order = order[torch.argsort(freq[order], stable=True)]
