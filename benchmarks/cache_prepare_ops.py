@@ -14,7 +14,8 @@ the cache, so the counted batches evict.
 
 Per prepare, split at the batch's host wait (the span "tbegen.cache.host_wait"; on CUDA the host
 dispatches everything "before" and then waits for the device to run it; "after" is what it
-dispatches once it has read the summary, the fill excluded, and "fill" the fill's operators, row
+dispatches once it has read the summary, the fill excluded (of those, "gap": the ones before the
+fill's first, the host's part between the wait and the fill), and "fill" the fill's operators, row
 copies included):
   ops      aten operators dispatched (views included: each is a host-side dispatch on CUDA too;
            on CUDA most of the others are a kernel launch at 5-10 us of host time each)
@@ -61,6 +62,8 @@ class OpCounter(TorchDispatchMode):
         super().__init__()
         self.n_indices, self.n_slots = n_indices, n_slots
         self.phase = "before"
+        self.gap = 0  # ops after the host wait and before the fill (in "after")
+        self.filled = False
         self.ops = {p: collections.Counter() for p in PHASES}
         self.views = collections.Counter()
         self.bytes = collections.Counter()
@@ -71,6 +74,8 @@ class OpCounter(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         name = str(func.overloadpacket).replace("aten.", "")
         self.ops[self.phase][name] += 1
+        if self.phase == "after" and not self.filled:
+            self.gap += 1
         if func.is_view:
             self.views[self.phase] += 1
             return out
@@ -103,6 +108,7 @@ def phases(counter: OpCounter, module=cache_mod):
             counter.phase = "after"
         elif name == "tbegen.cache.fill":
             counter.phase = "fill"
+            counter.filled = True
             with real(name):
                 yield
             counter.phase = "after"
@@ -178,6 +184,7 @@ def measure(args, fraction: float, algorithm: str) -> dict:
         for p in PHASES:
             merged[p].update(c.ops[p])
             full_ops[p].update(c.full_ops[p])
+    row["ops_gap"] = sum(c.gap for c in counters) / k
     row["op_names"] = {p: {n: v / k for n, v in merged[p].most_common()} for p in PHASES}
     row["full_op_names"] = {p: {n: v / k for n, v in full_ops[p].most_common()} for p in PHASES}
     s = cache.report()
@@ -213,9 +220,9 @@ def main(argv=None) -> int:
     rows = []
     print(f"# {args.tables} tables x {args.rows} rows x {args.dim}, B {args.batch}, L {args.pooling_factor}, "
           f"Zipf {args.alpha}, {args.optimizer}; per prepare, averaged over {args.steps} evicting batches")
-    print("| cache | alg | ops before / after / fill (views) | MB before / after / fill | full-size before / after / fill "
+    print("| cache | alg | ops before / after / fill (views) | gap | MB before / after / fill | full-size before / after / fill "
           "| prepare ms (CPU, proxy) |")
-    print("|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|")
     for fraction in [float(x) for x in args.cache.split(",")]:
         for algorithm in args.algorithm.split(","):
             r = measure(args, fraction, algorithm)
@@ -224,7 +231,8 @@ def main(argv=None) -> int:
             views = " / ".join(f"{r[f'views_{p}']:.0f}" for p in PHASES)
             mb = " / ".join(f"{r[f'mb_{p}']:.1f}" for p in PHASES)
             full = " / ".join(f"{r[f'full_{p}']:.0f}" for p in PHASES)
-            print(f"| {fraction:g} | {algorithm} | {ops} ({views}) | {mb} | {full} | {r['prepare_ms']:.1f} |",
+            print(f"| {fraction:g} | {algorithm} | {ops} ({views}) | {r['ops_gap']:.0f} | {mb} | {full} "
+                  f"| {r['prepare_ms']:.1f} |",
                   flush=True)
             if args.ops:
                 for p in PHASES:
