@@ -751,7 +751,8 @@ class RowCache:
             running.select(1, 0).zero_()
             torch.cumsum(first, 0, dtype=ct, out=running[0, 1:])
             torch.cumsum(first & miss_k, 0, dtype=ct, out=running[1, 1:])
-            parts = [edges, running.index_select(1, edges).reshape(-1), miss_k.sum().reshape(1)]
+            at_edges = running.index_select(1, edges)
+            parts = [edges, at_edges.reshape(-1), miss_k.sum().reshape(1)]
             held = self._held_mask()
             if held is not None:  # per table, the held slots other than the batch's hit rows
                 table_k = torch.searchsorted(self._table_ends, sk, right=True)
@@ -849,24 +850,28 @@ class RowCache:
             self._counts.index_put_((U,), counts, accumulate=True)  # (U distinct: an add)
             self._count_bound += n_looked
         if sum(admit):
+            missing_u = slot < 0
             if admit == miss_h:  # every missing row: the sorted positions of the missing firsts
                 at_miss = torch.searchsorted(running[1, 1:], self._iota(n_miss, ct, 1))
                 mU = sk[at_miss]
                 mT = torch.searchsorted(self._table_ends, mU, right=True)
             else:
-                missing = self._compact(slot < 0, n_miss)
+                missing = self._compact(missing_u, n_miss)
+                tm = tU[missing]
                 # per table, most read first, then by row: one stable sort of (table, n_looked - count)
-                order_key = torch.add(n_looked - counts[missing], tU[missing], alpha=n_looked + 1)
-                missing = missing[torch.argsort(order_key, stable=True)]
-                mt = tU[missing]  # (ascending)
-                first_t = torch.searchsorted(mt, self._iota(nc))  # each table's first
-                need_d, miss_d = self._running_per_table(running, edges)
-                cap = torch.minimum(miss_d, T["C"] - (need_d - miss_d))  # admit, on the device
-                missing = missing[self._compact(self._iota(n_miss) - first_t[mt] < cap[mt], sum(admit))]
-                mU, mT = U[missing], tU[missing]
+                order = torch.argsort(torch.add(n_looked - counts[missing], tm, alpha=n_looked + 1), stable=True)
+                missing, tm = missing[order], tm[order]  # (tm ascending)
+                # per table, on the device (the summary's running counts at its first key): its
+                # distinct and missing rows, the rows it admits, and where its missing rows start
+                # per table (the summary's running counts at its first key, on the device): where
+                # its missing rows end, less those it cannot admit (its distinct rows past its slots)
+                r = at_edges[0, :nc + 1]
+                end = at_edges[1, 1:nc + 1] - (r[1:] - r[:-1] - T["C"]).clamp(min=0)
+                sel = self._compact(self._iota(n_miss) < end[tm], sum(admit))
+                mU, mT = U[missing[sel]], tm[sel]
             mRow = mU - T["rbase"][mT]
             # the batch's own slots (its hit rows'; the others point at the extra entry)
-            protect = torch.where(slot < 0, self.num_slots, sbase_u + slot)
+            protect = torch.where(missing_u, self.num_slots, sbase_u + slot)
             with span("tbegen.cache.fill"):
                 self._fill(buffers, mU, mT, mRow, protect, admit, held, readers_wait)
         n_backing = [n - a - (n - mi) for n, a, mi in zip(need_h, admit, miss_h)]  # (direct tables only)
@@ -878,7 +883,7 @@ class RowCache:
             value = torch.where(resident, slot + T["index_base"][tU], U - T["rbase"][tU])
             slots = (sbase_u + slot)[self._compact(resident, n_unique - sum(n_backing))]
             st["backing_rows"] += sum(n_backing)
-            self._device_stats[2] += (counts * ~resident).sum()  # backing_lookups (read in report)
+            self._device_stats[2:].add_((counts * ~resident).sum())  # backing_lookups (read in report)
         else:
             value = slot + T["index_base"][tU]
             slots = sbase_u + slot
@@ -895,12 +900,6 @@ class RowCache:
         st["unique_hits"] += unique_hits
         return Ticket(out, slots, self.epoch, indices, offsets,
                       self._features_for(bypass), bypass, self.hard_epoch, bool(bypass) or sum(n_backing) > 0)
-
-    def _running_per_table(self, running: torch.Tensor, edges: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-        """On the device, per cached table: its distinct and its missing rows in the batch."""
-        at = running.index_select(1, edges[:len(self.tables) + 1]).to(torch.int64)
-        per = at[:, 1:] - at[:, :-1]
-        return per[0], per[1]
 
     def _kept(self, indices: torch.Tensor, perm: torch.Tensor, bad_direct: Tuple[int, int]) -> torch.Tensor:
         """A copy of the indices, where out-of-range ones of direct tables (the sorted entries
@@ -1003,9 +1002,9 @@ class RowCache:
         written = self._dirty[victims] if full else (old >= 0) & self._dirty[victims]
         # rows_written_back, bytes_written_back (read in report)
         if len(set(self.row_bytes)) == 1:
-            self._device_stats[:2] += written.sum() * self._row_and_bytes
+            self._device_stats[:2].add_(written.sum() * self._row_and_bytes)
         else:
-            self._device_stats[:2] += torch.stack([written.sum(), (written * T["row_bytes"][mT]).sum()])
+            self._device_stats[:2].add_(torch.stack([written.sum(), (written * T["row_bytes"][mT]).sum()]))
         # The evicted rows are gathered out of their slots (GPU memory to GPU memory), then
         # written to their backing rows on a side stream while the new rows load on this one: the
         # two cross the host link in opposite directions at once, and touch different backing
