@@ -286,13 +286,15 @@ class RowCache:
         # and the sort key of an index that is not looked up (see prepare)
         nr = self.num_rows
         fc = self._feature_cached
-        self._f_rbase = t([h["rbase"][c] if c >= 0 else 0 for c in fc])
-        self._f_rows = t([h["E"][c] if c >= 0 else 0 for c in fc])
-        self._f_sent = t([nr + (_SENT_DIRECT_BAD if self.direct[c] else _SENT_KEEP_BAD) if c >= 0 else nr + _SENT_KEEP
-                          for c in fc])
         # sort keys in 32 bits while the rows and the three not-looked-up keys fit (the radix sort
-        # then makes half the passes)
+        # then makes half the passes); the per-feature tables in that type too (their gathers
+        # over the N indices then write half the bytes)
         self._key_type = torch.int32 if nr + _SENT_KEEP < 2 ** 31 else torch.int64
+        kt = self._key_type
+        self._f_rbase = torch.tensor([h["rbase"][c] if c >= 0 else 0 for c in fc], dtype=kt, device=device)
+        self._f_rows = torch.tensor([h["E"][c] if c >= 0 else 0 for c in fc], dtype=kt, device=device)
+        self._f_sent = torch.tensor([nr + (_SENT_DIRECT_BAD if self.direct[c] else _SENT_KEEP_BAD) if c >= 0
+                                     else nr + _SENT_KEEP for c in fc], dtype=kt, device=device)
         # the sorted keys' boundaries: each table's first key, then the three not-looked-up keys
         self._edge_keys = torch.tensor(h["rbase"] + [nr + _SENT_DIRECT_BAD, nr + _SENT_KEEP_BAD, nr + _SENT_KEEP],
                                        dtype=self._key_type, device=device)
@@ -727,7 +729,9 @@ class RowCache:
         # entry in the per-feature tables
         bounds = (offsets[::batch] if batch > 0 else offsets[:1]).contiguous()
         fp = torch.searchsorted(bounds, self._iota(N, bounds.dtype), right=True, out_int32=True)
-        key = self._f_rbase[fp] + indices  # (int64) the index's row key, where valid
+        # the index's row key where it is valid (int64 with int64 indices; elsewhere any value, the
+        # where below takes the index's not-looked-up key there)
+        key = self._f_rbase[fp] + indices
         valid = (indices >= 0) & (indices < self._f_rows[fp])
         check_bad = bad_index_error is not None
         # where the kind of index not looked up matters (bad ones counted, or made -1 for a
