@@ -35,8 +35,8 @@ def built(prebuilt):
 # Per evicting prepare at 4 tables x 20k rows x 8, B 256, L 20, Zipf 1.1, a 10% cache,
 # rowwise_adagrad: (ops before the host wait, after it, in the fill; full-size outputs before it,
 # after it). Before this change: LRU (68, 55, 105; 40, 17), LFU (68, 58, 115; 40, 17). Now
-# LRU (37, 35, 91; 18, 2), LFU (37, 38, 104; 18, 2).
-BOUNDS = {"lru": (40, 40, 95, 20, 4), "lfu": (40, 42, 108, 20, 4)}
+# LRU (37, 33, 78; 18, 2), LFU (37, 36, 91; 18, 2).
+BOUNDS = {"lru": (40, 36, 82, 20, 4), "lfu": (40, 39, 95, 20, 4)}
 
 
 @pytest.mark.parametrize("algorithm", ["lru", "lfu"])
