@@ -4,13 +4,17 @@ bytes of the tensors they make, and the host time of a prepare (issue 27).
 
     python3 benchmarks/cache_prepare_ops.py                          # 8 x 100k x 16, B 2048, L 20
     python3 benchmarks/cache_prepare_ops.py --cache 0.2 --algorithm lru --steps 3 --json out.json
+    python3 benchmarks/cache_prepare_ops.py --pipelined    # the prefetch beside a held batch
 
 A C2-like shape scaled down (C2: 32 tables x 1M rows x 128 fp32, B 16384, L 20, Zipf 1.1,
 rowwise_adagrad): every table "managed_caching" with a cache of each --cache fraction of its
 rows, LRU and LFU. The batches are bench_cache.py's (Zipf(alpha) ranks, a random permutation of
 rows per table). Each batch is looked up as a training step does (the module's own bad-index
 check, then its slots marked dirty as the backward marks them), after --warmup batches that fill
-the cache, so the counted batches evict.
+the cache, so the counted batches evict. With --pipelined, in TorchRec's order: each batch's
+prefetch (prepare with defer) is counted while the previous batch is held (its forward ran), and
+that batch's backward follows (a deferred prefetch's batch is looked up by its forward, uncounted;
+the deferred column counts them).
 
 Per prepare, split at the batch's host wait (the span "tbegen.cache.host_wait"; on CUDA the host
 dispatches everything "before" and then waits for the device to run it; "after" is what it
@@ -149,29 +153,64 @@ def measure(args, fraction: float, algorithm: str) -> dict:
     bad = emb._bad_cached_index if emb._errors.mode == "raise" else None
     batches = zipf_batches(T, E, B, L, args.alpha, args.warmup + args.steps + args.time_steps, args.seed)
 
+    # (--pipelined) the batches prefetched and not yet through their backward, oldest first:
+    # [ticket, or None where its prefetch was deferred; indices; offsets]
+    flight = []
+
+    def forward():
+        """(--pipelined, not counted) The batch in flight's forward: its own lookup where its
+        prefetch was deferred, then its hold."""
+        if flight and flight[-1][0] is None:
+            flight[-1][0] = cache.prepare(flight[-1][1], flight[-1][2], B, emb._cache_buffers(), bad_index_error=bad)
+        if flight:
+            cache.hold(flight[-1][0])
+
     def prepare(indices, offsets):
-        ticket = cache.prepare(indices, offsets, B, emb._cache_buffers(), bad_index_error=bad)
-        cache.mark_dirty(ticket.slots)  # (as the batch's backward does)
+        """The counted lookup: in-step, a batch's (then its backward's dirty marks); with
+        --pipelined, the prefetch of this batch while the previous one is held (TorchRec's order)."""
+        if not args.pipelined:
+            ticket = cache.prepare(indices, offsets, B, emb._cache_buffers(), bad_index_error=bad)
+            cache.mark_dirty(ticket.slots)  # (as the batch's backward does)
+            return ticket
+        ticket = cache.prepare(indices, offsets, B, emb._cache_buffers(), bad_index_error=bad, defer=True)
+        flight.append([ticket, indices, offsets])
         return ticket
 
+    def backward():
+        """(--pipelined, not counted) The backward of the batch before the one just prefetched."""
+        if len(flight) > 1:
+            previous = flight.pop(0)[0]
+            valid = cache.valid(previous)
+            cache.release(previous)
+            if not valid:  # (its backward looks it up again)
+                previous = cache.prepare(previous.original, previous.offsets, B, emb._cache_buffers())
+            cache.mark_dirty(previous.slots)
+
     for indices, offsets in batches[:args.warmup]:
+        forward()
         prepare(indices, offsets)
+        backward()
     N = T * B * L
     evictions = cache.stats["evictions"]
     counters = []
     for indices, offsets in batches[args.warmup:args.warmup + args.steps]:
+        forward()
         counter = OpCounter(N, cache.num_slots)
         with phases(counter, sys.modules[type(cache).__module__]), counter:
             prepare(indices, offsets)
+        backward()
         counters.append(counter)
     counted_evictions = cache.stats["evictions"] - evictions
     times = []
     for indices, offsets in batches[args.warmup + args.steps:]:
+        forward()
         t0 = time.perf_counter()
         prepare(indices, offsets)
         times.append(time.perf_counter() - t0)
+        backward()
     k = len(counters)
-    row = dict(cache=fraction, algorithm=algorithm, N=N, slots=cache.num_slots,
+    row = dict(cache=fraction, algorithm=algorithm, N=N, slots=cache.num_slots, pipelined=args.pipelined,
+               deferred=cache.stats["deferred"],
                prepare_ms=statistics.median(times) * 1e3 if times else None)
     for p in PHASES:
         row[f"ops_{p}"] = sum(sum(c.ops[p].values()) for c in counters) / k
@@ -209,6 +248,8 @@ def parse_args(argv=None):
     ap.add_argument("--time-steps", type=int, default=5, help="batches timed (median)")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--pipelined", action="store_true",
+                    help="count the prefetch of each batch while the previous one is held (TorchRec's order)")
     ap.add_argument("--ops", action="store_true", help="also list each phase's operators by count")
     ap.add_argument("--json", help="write the rows here")
     return ap.parse_args(argv)
@@ -219,10 +260,11 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
     rows = []
     print(f"# {args.tables} tables x {args.rows} rows x {args.dim}, B {args.batch}, L {args.pooling_factor}, "
-          f"Zipf {args.alpha}, {args.optimizer}; per prepare, averaged over {args.steps} evicting batches")
+          f"Zipf {args.alpha}, {args.optimizer}; per {'prefetch beside a held batch' if args.pipelined else 'prepare'}, "
+          f"averaged over {args.steps} evicting batches")
     print("| cache | alg | ops before / after / fill (views) | gap | MB before / after / fill | full-size before / after / fill "
-          "| prepare ms (CPU, proxy) |")
-    print("|---|---|---|---|---|---|---|")
+          "| prepare ms (CPU, proxy) | deferred |")
+    print("|---|---|---|---|---|---|---|---|")
     for fraction in [float(x) for x in args.cache.split(",")]:
         for algorithm in args.algorithm.split(","):
             r = measure(args, fraction, algorithm)
@@ -232,7 +274,7 @@ def main(argv=None) -> int:
             mb = " / ".join(f"{r[f'mb_{p}']:.1f}" for p in PHASES)
             full = " / ".join(f"{r[f'full_{p}']:.0f}" for p in PHASES)
             print(f"| {fraction:g} | {algorithm} | {ops} ({views}) | {r['ops_gap']:.0f} | {mb} | {full} "
-                  f"| {r['prepare_ms']:.1f} |",
+                  f"| {r['prepare_ms']:.1f} | {r['deferred']} |",
                   flush=True)
             if args.ops:
                 for p in PHASES:
