@@ -153,7 +153,7 @@ class RowCache:
 
     def __init__(self, layout, placements: Sequence[str], sizes: Sequence[int], algorithm: str,
                  element_sizes: Sequence[int], row_sizes: Sequence[int], device: torch.device,
-                 row_copy=None):
+                 row_copy=None, row_exchange=None):
         if algorithm not in CACHE_ALGORITHMS:
             raise ValueError(f"tbegen: cache_algorithm must be one of {list(CACHE_ALGORITHMS)}, got {algorithm!r}")
         self.algorithm = algorithm
@@ -228,6 +228,9 @@ class RowCache:
         # The CUDA extension's _copy_rows operator (managed_memory.h), or None: the rows then move
         # with torch's index kernels. Used on CUDA unless TBEGEN_CACHE_ROW_COPY=0 (see _copy_blocks).
         self._row_copy_op = row_copy
+        # Its _exchange_rows operator, or None: with TBEGEN_CACHE_EXCHANGE=1 a fill writes each
+        # victim's old row back and loads the new one in one kernel per buffer (see _exchange_grid).
+        self._exchange_op = row_exchange
         # LFU: at least every access count (the sum of all counted accesses; the counts only grow
         # and are kept across moves): bounds the victim order's sort key
         self._count_bound = 0
@@ -331,6 +334,7 @@ class RowCache:
         self._side = None  # the write-back stream (CUDA), made on first use
         self._writeback_pending = False
         self._row_copy_blocks = self._copy_blocks(device)
+        self._exchange_blocks = self._exchange_grid(device)
 
     def _copy_blocks(self, device: torch.device) -> int:
         """The grid bound of each row copy on CUDA (_copy_rows), or 0 where the rows move with
@@ -346,6 +350,21 @@ class RowCache:
         if device.type != "cuda" or self._row_copy_op is None or flag == "0":
             return 0
         return max(1, torch.cuda.get_device_properties(device).multi_processor_count // 2)
+
+    def _exchange_grid(self, device: torch.device) -> int:
+        """The grid bound of the fill's exchange (_exchange_rows, row_copy_cuda.cuh), or 0 where the
+        fill makes two copies, the write-back on a side stream beside the loads (the default).
+        TBEGEN_CACHE_EXCHANGE=1 (opt-in until measured on a GPU: issue 27, benchmarks/NOTES-gpu.md
+        "Cache: the fill's two directions in one kernel") on CUDA with the row copy on: each
+        victim slot's old row and the row that replaces it move in the same warp, one kernel per
+        buffer, on the SMs that the two copies share today (half each). Unset, empty or "0": off;
+        anything else is refused. The same rows move either way, bit for bit."""
+        flag = os.environ.get("TBEGEN_CACHE_EXCHANGE", "")
+        if flag not in ("", "0", "1"):
+            raise ValueError(f"tbegen: TBEGEN_CACHE_EXCHANGE must be 0 or 1 (or unset), got {flag!r}")
+        if flag != "1" or not self._row_copy_blocks or self._exchange_op is None:
+            return 0
+        return 2 * self._row_copy_blocks
 
     def to(self, device: torch.device) -> None:
         """Moves the cache's bookkeeping to `device`, empty (flush first: the slots' contents are
@@ -475,6 +494,75 @@ class RowCache:
                 continue
             for lo in range(0, src.numel(), step):
                 _copy_or_stage(view, dst[lo:lo + step], view.index_select(0, src[lo:lo + step]), staged)
+
+    def _exchange(self, buffers, c: torch.Tensor, slots: torch.Tensor, out_rows: Optional[torch.Tensor],
+                  in_rows: torch.Tensor, per_table: Sequence[int]) -> None:
+        """The fill's moves in one kernel per buffer (TBEGEN_CACHE_EXCHANGE=1 on CUDA: _exchange_rows,
+        row_copy_cuda.cuh): for each victim, local slot `slots[i]` of cached table c[i], its old
+        row `out_rows[i]` (a local row of the table; -1 where the slot holds none; `out_rows` None:
+        nothing is written back) goes to its backing row and backing row `in_rows[i]` arrives in
+        the slot, in every buffer. Each warp then keeps both directions of the host link busy,
+        with no staging copy of the evicted rows and no side stream. `per_table`: how many of the
+        victims are of each cached table (known to the host: the rows of each width are picked
+        without a host wait)."""
+        if in_rows.numel() == 0:
+            return
+        T = self._t
+        int8_rows = any(per == "int8 rows" for _, per in buffers)
+        for D in self._dims:
+            if len(self._dims) == 1:
+                sel = None
+            else:
+                n = sum(k for k, d in zip(per_table, self.dims) if d == D)
+                if n == 0:
+                    continue
+                sel = self._compact(T["D"][c] == D, n)
+            cc, ss, ii = (c, slots, in_rows) if sel is None else (c[sel], slots[sel], in_rows[sel])
+            oo = out_rows if out_rows is None or sel is None else out_rows[sel]
+            slot = T["slot_woff"][cc] + ss * D
+            back_in = T["back_woff"][cc] + ii * D
+            back_out = None if oo is None else torch.where(oo >= 0, T["back_woff"][cc] + oo * D, -1)
+            self._exchange_runs(buffers, "element", slot, back_out, back_in, D, self._units[("element", D)])
+            if int8_rows:
+                q = QPARAM_BYTES
+                slot_bytes = slot + q * (T["slot_kbase"][cc] + ss)
+                in_bytes = back_in + q * (T["back_kbase"][cc] + ii)
+                out_bytes = None if oo is None else torch.where(
+                    oo >= 0, T["back_woff"][cc] + oo * D + q * (T["back_kbase"][cc] + oo), -1)
+                self._exchange_runs(buffers, "int8 rows", slot_bytes, out_bytes, in_bytes, D + q,
+                                    self._units[("int8 rows", D)])
+        row_buffers = [buf for buf, per in buffers if per == "row"]
+        if row_buffers:
+            slot = T["slot_kbase"][c] + slots
+            back_in = T["back_kbase"][c] + in_rows
+            back_out = None if out_rows is None else torch.where(out_rows >= 0, T["back_kbase"][c] + out_rows, -1)
+            for buf in row_buffers:  # (a per-row state: rows of one entry)
+                self._exchange_op(buf.view(-1, 1), slot, back_out, back_in, self._exchange_blocks)
+
+    def _exchange_runs(self, buffers, kind: str, slot: torch.Tensor, back_out: Optional[torch.Tensor],
+                       back_in: torch.Tensor, width: int, unit: int) -> None:
+        """_exchange for the buffers of layout `kind`: the runs of `width` entries at `slot`,
+        `back_out` (-1: none) and `back_in`, each buffer viewed as rows of `unit` entries (as
+        _copy_runs views them), a run being `width // unit` of those rows."""
+        targets = [buf for buf, per in buffers if per == kind]
+        if not targets:
+            return
+        per_run = width // unit
+        parts = torch.arange(per_run, device=self.device) if per_run > 1 else None
+
+        def unit_rows(start: torch.Tensor) -> torch.Tensor:
+            first = start // unit
+            return first if parts is None else (first[:, None] + parts).reshape(-1)
+
+        s, i = unit_rows(slot), unit_rows(back_in)
+        o = None
+        if back_out is not None:  # (a run without a row to write back stays -1 in all its parts)
+            none = back_out < 0
+            o = unit_rows(back_out.clamp(min=0))
+            o = torch.where(none if parts is None else none[:, None].expand(-1, per_run).reshape(-1), -1, o)
+        for buf in targets:
+            view = _wide_rows(buf[: buf.numel() // unit * unit].view(-1, unit))
+            self._exchange_op(view, s, o, i, self._exchange_blocks)
 
     # ---- write-back beside the loads (CUDA) ----
 
@@ -1009,28 +1097,37 @@ class RowCache:
             self._device_stats[:2].add_(written.sum() * self._row_and_bytes)
         else:
             self._device_stats[:2].add_(torch.stack([written.sum(), (written * T["row_bytes"][mT]).sum()]))
-        # The evicted rows are gathered out of their slots (GPU memory to GPU memory), then
-        # written to their backing rows on a side stream while the new rows load on this one: the
-        # two cross the host link in opposite directions at once, and touch different backing
-        # rows (an evicted row is resident, a loaded one is not). This stream waits for both.
+        # By default the evicted rows are gathered out of their slots (GPU memory to GPU memory),
+        # then written to their backing rows on a side stream while the new rows load on this one:
+        # the two cross the host link in opposite directions at once, and touch different backing
+        # rows (an evicted row is resident, a loaded one is not). This stream waits for both. With
+        # TBEGEN_CACHE_EXCHANGE=1 one kernel per buffer does both for each victim (_exchange; `old`
+        # is -1 for an empty slot: nothing written back for it).
+        exchange = self._exchange_blocks > 0
         staged: list = []
         if full:
             te, oe, le = mT, old, local_slot
         elif evicted:  # (the victims that hold a row, grouped by table: a table's empty slots come first)
             e = self._compact(old >= 0, evicted)
             te, oe, le = mT[e], old[e], local_slot[e]
-        with span("tbegen.cache.writeback"):
-            if evicted and self._maybe_dirty:
-                self._move(buffers, te, oe, le, to_slots=False, staged=staged, per_table=evicted_h)
-            self._write_staged(staged)
+        if exchange:
+            self._join_writeback()  # (a flush's or a drop's write-back, if one is in flight)
+            with span("tbegen.cache.exchange"):
+                self._exchange(buffers, mT, local_slot, old if evicted and self._maybe_dirty else None, mRow, count_h)
+        else:
+            with span("tbegen.cache.writeback"):
+                if evicted and self._maybe_dirty:
+                    self._move(buffers, te, oe, le, to_slots=False, staged=staged, per_table=evicted_h)
+                self._write_staged(staged)
         if evicted:
             self._row_slot.index_fill_(0, T["rbase"][te] + oe, -1)
         # Some row's slot number is no longer valid, or a row that an earlier batch of a direct
         # table read in its backing row is now cached: batches prepared before are prepared again.
         self.epoch += 1
-        with span("tbegen.cache.load"):
-            self._move(buffers, mT, mRow, local_slot, to_slots=True, per_table=count_h)
-        self._join_writeback()
+        if not exchange:
+            with span("tbegen.cache.load"):
+                self._move(buffers, mT, mRow, local_slot, to_slots=True, per_table=count_h)
+            self._join_writeback()
         self._row_slot[mU] = local_slot.to(torch.int32)
         self._slot_row[victims] = mRow
         self._dirty.index_fill_(0, victims, False)

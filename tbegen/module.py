@@ -825,6 +825,7 @@ class TableBatchedEmbeddingBags(nn.Module):
                 + ([int8_.QPARAM_BYTES] if dtype == torch.uint8 else []),
                 device=dev,
                 row_copy=getattr(self._ops, "_copy_rows", None),  # (CUDA builds only)
+                row_exchange=getattr(self._ops, "_exchange_rows", None),
             )
 
         weights = self._initial_weights(dev)
