@@ -114,6 +114,39 @@ def test_cached_int8_rows_fill_through_the_exchange_like_device(name):
     assert_same_int8_training(device, cached)
 
 
+def test_the_exchange_adds_no_host_wait():
+    """The fill through the exchange waits for nothing (its row lists come from sizes the host
+    knows): still one wait per batch, the summary's (test_cache_syncs' rule)."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    from tbegen._sync_audit import SyncAudit
+    from test_cache_syncs import MAX_WAITS_PER_PREPARE, _zipf_batches
+
+    tables = [(3000, 8), (2000, 16), (1000, 4)]
+    features = [0, 1, 2, 2]
+    emb = TableBatchedEmbeddingBags(tables, optimizer="rowwise_adagrad", feature_table_map=features,
+                                    placements="managed_caching", cache_rows=160)
+    used = []
+
+    def op(rows, slot_rows, out_rows, in_rows, max_blocks):
+        # (the operator is one opaque kernel launch on CUDA; the stand-in's own boolean indexing
+        # is kept out of the audit, which sees the arguments the cache computed)
+        used.append(out_rows is not None)
+        with _disable_current_modes():
+            exchange_rows_reference(rows, slot_rows, out_rows, in_rows, max_blocks)
+
+    with_exchange(emb, op)
+    data = _zipf_batches(tables, features, 30, seed=5, sizes=((8, 3),))
+    for idx, offsets, grad in data[:10]:
+        emb(idx, offsets).backward(grad)
+    with SyncAudit() as audit:
+        for idx, offsets, grad in data[10:]:
+            emb(idx, offsets).backward(grad)
+    mine = [e for e in audit.events if "tbegen/cache.py:" in e.site]
+    assert len(mine) == 20 * MAX_WAITS_PER_PREPARE, audit.report(mine)
+    assert any(used) and emb.cache_stats()["rows_written_back"] > 0
+
+
 def test_a_wrong_exchange_is_caught():
     """The test above fails if the operator drops the write-back (the stand-in is what is tested)."""
     def drops_write_back(rows, slot_rows, out_rows, in_rows, max_blocks):
