@@ -814,17 +814,18 @@ class RowCache:
         nr = self.num_rows
         st = self.stats
         # each index's feature + 1 (0 before every bag, F + 1 after them): the index of its
-        # entry in the per-feature tables
+        # entry in the per-feature tables. (Gathers here are index_select: it takes int32
+        # indices as they are, where x[i] converts them to int64 first, a hidden pass.)
         bounds = (offsets[::batch] if batch > 0 else offsets[:1]).contiguous()
         fp = torch.searchsorted(bounds, self._iota(N, bounds.dtype), right=True, out_int32=True)
         # the index's row key where it is valid (int64 with int64 indices; elsewhere any value, the
         # where below takes the index's not-looked-up key there)
-        key = self._f_rbase[fp] + indices
-        valid = (indices >= 0) & (indices < self._f_rows[fp])
+        key = self._f_rbase.index_select(0, fp) + indices
+        valid = (indices >= 0) & (indices < self._f_rows.index_select(0, fp))
         check_bad = bad_index_error is not None
         # where the kind of index not looked up matters (bad ones counted, or made -1 for a
         # direct table), each feature's own key; else one key for all
-        sent = self._f_sent[fp] if check_bad or any(self.direct) else nr + _SENT_KEEP
+        sent = self._f_sent.index_select(0, fp) if check_bad or any(self.direct) else nr + _SENT_KEEP
         keys = torch.where(valid, key, sent).to(self._key_type)
         bypass: Tuple[int, ...] = ()
         ct = torch.int32 if N < 2 ** 31 - 1 else torch.int64  # (running counts)
@@ -834,7 +835,7 @@ class RowCache:
             # looked up last), each distinct key's first entry marked.
             sk, perm = torch.sort(keys, stable=True)
             first = torch.cat([self._true1, sk[1:] != sk[:-1]])
-            slot_k = self._row_slot_ext[sk]  # (int32; -1 for keys not looked up)
+            slot_k = self._row_slot_ext.index_select(0, sk)  # (int32; -1 for keys not looked up)
             miss_k = slot_k < 0
             # per table (its keys are contiguous), the running counts of entries (the edges),
             # distinct keys and missing distinct keys at its first key: the host takes differences
@@ -849,7 +850,8 @@ class RowCache:
             if held is not None:  # per table, the held slots other than the batch's hit rows
                 table_k = torch.searchsorted(self._table_ends, sk, right=True)
                 others = held.clone()
-                others.index_fill_(0, torch.where(miss_k, self.num_slots, self._slot_bounds[table_k] + slot_k), False)
+                mine = torch.where(miss_k, self.num_slots, self._slot_bounds.index_select(0, table_k) + slot_k)
+                others.index_fill_(0, mine, False)
                 held_running = torch.empty(self.num_slots + 1, dtype=torch.int64, device=dev)
                 held_running[:1].zero_()
                 torch.cumsum(others[:-1], 0, out=held_running[1:])
@@ -892,7 +894,7 @@ class RowCache:
             st["backing_rows"] += sum(need_h[k] for k in over)
             st["lookups"] += sum(looked_h[k] for k in over)
             st["unique_rows"] += sum(need_h[k] for k in over)
-            over_f = self._feature_mask(over)[fp]
+            over_f = self._feature_mask(over).index_select(0, fp)
             if self.algorithm == "lfu":  # (each bypassed index counts 1, the others 0)
                 bypassed = over_f & (keys < nr)
                 self._counts.index_put_((key.clamp(0, nr - 1),), bypassed.to(torch.int64), accumulate=True)
@@ -929,10 +931,10 @@ class RowCache:
         # (the first entry not looked up, or N)
         at_end = torch.searchsorted(ranks, self._iota(n_unique + 1, ct, 1))
         at = at_end[:-1]
-        U = sk[at]
+        U = sk.index_select(0, at)
         tU = torch.searchsorted(self._table_ends, U, right=True)
-        slot = slot_k[at]  # (int32; -1: missing)
-        sbase_u = T["sbase"][tU]
+        slot = slot_k.index_select(0, at)  # (int32; -1: missing)
+        sbase_u = T["sbase"].index_select(0, tU)
         counts = None
         if self.algorithm == "lfu" or admit != miss_h:
             counts = at_end[1:] - at  # how often the batch reads each distinct row
@@ -945,7 +947,7 @@ class RowCache:
             missing_u = slot < 0
             if admit == miss_h:  # every missing row: the sorted positions of the missing firsts
                 at_miss = torch.searchsorted(running[1, 1:], self._iota(n_miss, ct, 1))
-                mU = sk[at_miss]
+                mU = sk.index_select(0, at_miss)
                 mT = torch.searchsorted(self._table_ends, mU, right=True)
             else:
                 missing = self._compact(missing_u, n_miss)
@@ -961,13 +963,13 @@ class RowCache:
                 end = at_edges[1, 1:nc + 1] - (r[1:] - r[:-1] - T["C"]).clamp(min=0)
                 sel = self._compact(self._iota(n_miss) < end[tm], sum(admit))
                 mU, mT = U[missing[sel]], tm[sel]
-            mRow = mU - T["rbase"][mT]
+            mRow = mU - T["rbase"].index_select(0, mT)
             # the batch's own slots (its hit rows'; the others point at the extra entry)
             protect = torch.where(missing_u, self.num_slots, sbase_u + slot)
             with span("tbegen.cache.fill"):
                 self._fill(buffers, mU, mT, mRow, protect, admit, held, readers_wait)
         n_backing = [n - a - (n - mi) for n, a, mi in zip(need_h, admit, miss_h)]  # (direct tables only)
-        slot = self._row_slot[U]
+        slot = self._row_slot.index_select(0, U)
         out_type = indices.dtype
         if sum(n_backing):
             resident = slot >= 0
@@ -977,14 +979,14 @@ class RowCache:
             st["backing_rows"] += sum(n_backing)
             self._device_stats[2:].add_((counts * ~resident).sum())  # backing_lookups (read in report)
         else:
-            value = slot + T["index_base"][tU]
+            value = slot + T["index_base"].index_select(0, tU)
             slots = sbase_u + slot
         self._last_used.index_fill_(0, slots, tick)  # (the batch's hit rows and the rows it loaded)
         # each index's value: that of its distinct row (by its sorted entry's rank), for the
         # indices looked up; the others as given (-1 for a direct table's out-of-range ones)
         by_rank = torch.nn.functional.pad(value.to(out_type), (1, 0))  # (entry 0 never read)
         out = self._kept(indices, perm, bad_direct)
-        out.index_put_((perm[:n_looked],), by_rank[ranks[:n_looked]])
+        out.index_put_((perm[:n_looked],), by_rank.index_select(0, ranks[:n_looked]))
         st["prepares"] += 1
         st["lookups"] += sum(looked_h)
         st["hits"] += index_hits
