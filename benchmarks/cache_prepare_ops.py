@@ -22,7 +22,9 @@ dispatches once it has read the summary, the fill excluded (of those, "gap": the
 fill's first, the host's part between the wait and the fill), and "fill" the fill's operators, row
 copies included):
   ops      aten operators dispatched (views included: each is a host-side dispatch on CUDA too;
-           on CUDA most of the others are a kernel launch at 5-10 us of host time each)
+           on CUDA most of the others are a kernel launch at 5-10 us of host time each), and the
+           int32 index tensors that advanced indexing (x[i], x[i] = v) converts to int64 below the
+           dispatcher, a hidden kernel each
   views    of those, views (no kernel, no bytes)
   MB       bytes of the tensors they make (outputs other than views and in-place results: the
            proxy for device time, each written once and most read again)
@@ -78,6 +80,12 @@ class OpCounter(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         name = str(func.overloadpacket).replace("aten.", "")
         self.ops[self.phase][name] += 1
+        if name in ("index", "index_put_", "index_put", "_index_put_impl_"):
+            # advanced indexing converts int32 index tensors to int64 first (make_info, below the
+            # dispatcher, unseen by this mode): a kernel and a pass over the index, counted here
+            for index in args[1]:
+                if isinstance(index, torch.Tensor) and index.dtype == torch.int32:
+                    self.ops[self.phase]["(int32 index to int64)"] += 1
         if self.phase == "after" and not self.filled:
             self.gap += 1
         if func.is_view:
@@ -274,7 +282,7 @@ def main(argv=None) -> int:
             mb = " / ".join(f"{r[f'mb_{p}']:.1f}" for p in PHASES)
             full = " / ".join(f"{r[f'full_{p}']:.0f}" for p in PHASES)
             print(f"| {fraction:g} | {algorithm} | {ops} ({views}) | {r['ops_gap']:.0f} | {mb} | {full} "
-                  f"| {r['prepare_ms']:.1f} | {r['deferred']} |",
+                  f"| {'-' if r['prepare_ms'] is None else format(r['prepare_ms'], '.1f')} | {r['deferred']} |",
                   flush=True)
             if args.ops:
                 for p in PHASES:
