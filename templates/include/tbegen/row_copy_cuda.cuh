@@ -229,6 +229,29 @@ inline int copy_unit(int64_t row_bytes, int64_t dst_stride_bytes, int64_t src_st
   return 1;
 }
 
+// The grid of a row kernel over n entries of rows of `vecs` units: a warp per kRowsAtOnce entries
+// (rows of one unit: a lane per entry, 32 kRowsAtOnce entries a warp), at most `max_blocks` blocks
+// (0: no bound) and 65535.
+inline int64_t row_grid(int64_t n, int64_t vecs, int64_t max_blocks) {
+  const int64_t warp_rows = vecs == 1 ? 32 * kRowsAtOnce : kRowsAtOnce;
+  const int64_t groups = (n + warp_rows - 1) / warp_rows;
+  int64_t blocks = (groups + kWarpsPerBlock - 1) / kWarpsPerBlock;
+  if (max_blocks > 0) blocks = std::min(blocks, max_blocks);
+  return std::min<int64_t>(blocks, 65535);
+}
+
+// launch(V{}) with V the element type of `unit` bytes (copy_unit's 16, 8, 4, 2 or 1).
+template <typename Launch>
+void with_unit_type(int unit, Launch&& launch) {
+  switch (unit) {
+    case 16: launch(uint4{}); break;
+    case 8: launch(uint2{}); break;
+    case 4: launch(uint32_t{}); break;
+    case 2: launch(uint16_t{}); break;
+    default: launch(uint8_t{}); break;
+  }
+}
+
 inline void check_rows(const c10::optional<at::Tensor>& rows, const char* name, const at::Tensor& like) {
   if (!rows.has_value()) return;
   TBEGEN_CHECK(rows->scalar_type() == at::kLong && rows->dim() == 1 && rows->is_contiguous(), "tbegen: _copy_rows: ",
@@ -269,12 +292,7 @@ inline void copy_rows(const at::Tensor& dst, const c10::optional<at::Tensor>& ds
   const int64_t src_stride_bytes = src.stride(0) * src.element_size();
   const int unit = copy_unit(row_bytes, dst_stride_bytes, src_stride_bytes, d, s);
   const int64_t vecs = row_bytes / unit;
-  // (rows of one unit: a lane per row, 32 kRowsAtOnce rows a warp; wider rows: kRowsAtOnce a warp)
-  const int64_t warp_rows = vecs == 1 ? 32 * kRowsAtOnce : kRowsAtOnce;
-  const int64_t groups = (n + warp_rows - 1) / warp_rows;
-  int64_t blocks = (groups + kWarpsPerBlock - 1) / kWarpsPerBlock;
-  if (max_blocks > 0) blocks = std::min(blocks, max_blocks);
-  blocks = std::min<int64_t>(blocks, 65535);
+  const int64_t blocks = row_grid(n, vecs, max_blocks);
   const int64_t* dr = dst_rows.has_value() ? dst_rows->data_ptr<int64_t>() : nullptr;
   const int64_t* sr = src_rows.has_value() ? src_rows->data_ptr<int64_t>() : nullptr;
   const auto stream = at::cuda::getCurrentCUDAStream(dst.get_device());
@@ -290,13 +308,7 @@ inline void copy_rows(const at::Tensor& dst, const c10::optional<at::Tensor>& ds
           src_stride_bytes / unit, src.size(0), n, vecs);
     }
   };
-  switch (unit) {
-    case 16: launch(uint4{}); break;
-    case 8: launch(uint2{}); break;
-    case 4: launch(uint32_t{}); break;
-    case 2: launch(uint16_t{}); break;
-    default: launch(uint8_t{}); break;
-  }
+  with_unit_type(unit, launch);
   C10_CUDA_CHECK(cudaGetLastError());
 }
 
@@ -326,11 +338,7 @@ inline void exchange_rows(const at::Tensor& rows, const at::Tensor& slot_rows, c
   const int64_t stride_bytes = rows.stride(0) * rows.element_size();
   const int unit = copy_unit(row_bytes, stride_bytes, stride_bytes, base, base);
   const int64_t vecs = row_bytes / unit;
-  const int64_t warp_rows = vecs == 1 ? 32 * kRowsAtOnce : kRowsAtOnce;
-  const int64_t groups = (n + warp_rows - 1) / warp_rows;
-  int64_t blocks = (groups + kWarpsPerBlock - 1) / kWarpsPerBlock;
-  if (max_blocks > 0) blocks = std::min(blocks, max_blocks);
-  blocks = std::min<int64_t>(blocks, 65535);
+  const int64_t blocks = row_grid(n, vecs, max_blocks);
   const int64_t* sr = slot_rows.data_ptr<int64_t>();
   const int64_t* orows = out_rows.has_value() ? out_rows->data_ptr<int64_t>() : nullptr;
   const int64_t* ir = in_rows.data_ptr<int64_t>();
@@ -345,13 +353,7 @@ inline void exchange_rows(const at::Tensor& rows, const at::Tensor& slot_rows, c
           reinterpret_cast<V*>(base), stride_bytes / unit, rows.size(0), sr, orows, ir, n, vecs);
     }
   };
-  switch (unit) {
-    case 16: launch(uint4{}); break;
-    case 8: launch(uint2{}); break;
-    case 4: launch(uint32_t{}); break;
-    case 2: launch(uint16_t{}); break;
-    default: launch(uint8_t{}); break;
-  }
+  with_unit_type(unit, launch);
   C10_CUDA_CHECK(cudaGetLastError());
 }
 
