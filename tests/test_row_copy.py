@@ -47,17 +47,29 @@ def with_row_copy(module, op, blocks=3):
     return module
 
 
-@pytest.mark.parametrize("optimizer,algorithm,dtype", [
+# The cached trainings the row-move tests run (here and in test_row_exchange.py): (optimizer,
+# cache algorithm, weights dtype)
+CACHED_CASES = [
     ("sgd", "lru", torch.float32),
     ("adam", "lfu", torch.float32),            # per-element states move with their rows
     ("rowwise_adagrad", "lru", torch.float16),  # a per-row state (rows of one entry) and 2-byte rows
-])
-def test_cache_moves_rows_through_the_operator_and_trains_like_device(optimizer, algorithm, dtype):
+]
+
+
+def cached_pair(optimizer, algorithm, dtype):
+    """(batches, a module of device-placed tables, the same tables cached in 12 slots each), for a
+    row-move test to train side by side."""
     data = batches(TABLES, 8, weighted=True, seed=11)
     kw = dict(optimizer=optimizer, learning_rate=0.05, weights_dtype=dtype, stochastic_rounding=False)
     device = TableBatchedEmbeddingBags(TABLES, **kw)
-    calls = []
     cached = TableBatchedEmbeddingBags(TABLES, placements=MIXED, cache_rows=12, cache_algorithm=algorithm, **kw)
+    return data, device, cached
+
+
+@pytest.mark.parametrize("optimizer,algorithm,dtype", CACHED_CASES)
+def test_cache_moves_rows_through_the_operator_and_trains_like_device(optimizer, algorithm, dtype):
+    data, device, cached = cached_pair(optimizer, algorithm, dtype)
+    calls = []
     buffers = {buf.data_ptr(): per for buf, per in cached._cache_buffers()}
     moved = []  # (layout of the buffer written or read in place, dst_rows given, src_rows given, row shape)
 
@@ -121,8 +133,9 @@ def _ops():
     return TableBatchedEmbeddingBags([(4, 4)], optimizer="sgd", device="cuda")._ops
 
 
-@cuda
-@pytest.mark.parametrize("dtype,width", [
+# Row shapes (element dtype, elements a row) covering every unit the row kernels pick (here and in
+# test_row_exchange.py)
+ROW_SHAPES = [
     (torch.complex128, 8),   # 16-byte elements (the cache's wide rows)
     (torch.float32, 32),     # 128-byte rows: 16-byte units
     (torch.float32, 6),      # 24-byte rows: 8-byte units
@@ -130,13 +143,17 @@ def _ops():
     (torch.float16, 3),      # 6-byte rows: 2-byte units
     (torch.uint8, 13),       # 13-byte rows: 1-byte units
     (torch.float32, 300),    # rows longer than a warp's 32 units
-    # rows of one unit (a lane per row: copy_narrow_rows_kernel)
+    # rows of one unit (a lane per row: the narrow kernels)
     (torch.float32, 1),      # 4-byte rows (a per-row state's)
     (torch.float32, 2),      # 8-byte rows
     (torch.float32, 4),      # 16-byte rows
     (torch.float16, 1),      # 2-byte rows
     (torch.uint8, 1),        # 1-byte rows
-])
+]
+
+
+@cuda
+@pytest.mark.parametrize("dtype,width", ROW_SHAPES)
 @pytest.mark.parametrize("max_blocks", [0, 1])
 def test_cuda_copy_rows_matches_indexing(dtype, width, max_blocks):
     ops = _ops()

@@ -19,7 +19,7 @@ import torch
 from tbegen.module import TableBatchedEmbeddingBags
 
 from test_cache import BIG, GPU_MIXED, MIXED, TABLES, assert_same_tables, batches, train_both
-from test_row_copy import copy_rows_reference, with_row_copy
+from test_row_copy import CACHED_CASES, ROW_SHAPES, cached_pair, copy_rows_reference, with_row_copy
 
 cuda = pytest.mark.cuda
 
@@ -58,16 +58,9 @@ def with_exchange(module, op, blocks=3):
     return module
 
 
-@pytest.mark.parametrize("optimizer,algorithm,dtype", [
-    ("sgd", "lru", torch.float32),
-    ("adam", "lfu", torch.float32),            # per-element states move with their rows
-    ("rowwise_adagrad", "lru", torch.float16),  # a per-row state (rows of one entry) and 2-byte rows
-])
+@pytest.mark.parametrize("optimizer,algorithm,dtype", CACHED_CASES)
 def test_cache_fills_through_the_exchange_and_trains_like_device(optimizer, algorithm, dtype):
-    data = batches(TABLES, 8, weighted=True, seed=11)
-    kw = dict(optimizer=optimizer, learning_rate=0.05, weights_dtype=dtype, stochastic_rounding=False)
-    device = TableBatchedEmbeddingBags(TABLES, **kw)
-    cached = TableBatchedEmbeddingBags(TABLES, placements=MIXED, cache_rows=12, cache_algorithm=algorithm, **kw)
+    data, device, cached = cached_pair(optimizer, algorithm, dtype)
     buffers = {buf.data_ptr(): per for buf, per in cached._cache_buffers()}
     calls = []
     layouts = set()
@@ -210,19 +203,7 @@ def _ops():
 
 
 @cuda
-@pytest.mark.parametrize("dtype,width", [
-    (torch.complex128, 8),   # 16-byte elements (the cache's wide rows)
-    (torch.float32, 32),     # 128-byte rows: 16-byte units
-    (torch.float32, 6),      # 24-byte rows: 8-byte units
-    (torch.float32, 5),      # 20-byte rows: 4-byte units
-    (torch.float16, 3),      # 6-byte rows: 2-byte units
-    (torch.uint8, 13),       # 13-byte rows: 1-byte units
-    (torch.float32, 300),    # rows longer than a warp's 32 units
-    (torch.float32, 1),      # rows of one unit (a lane per entry: exchange_narrow_rows_kernel)
-    (torch.float32, 4),      # 16-byte rows of one unit
-    (torch.float16, 1),      # 2-byte rows
-    (torch.uint8, 1),        # 1-byte rows
-])
+@pytest.mark.parametrize("dtype,width", ROW_SHAPES)
 @pytest.mark.parametrize("n", [1, 127, 333, 4099])  # (none a multiple of a warp's 32 x 4 entries)
 @pytest.mark.parametrize("max_blocks", [0, 1])
 def test_cuda_exchange_rows_matches_the_reference(dtype, width, n, max_blocks):
