@@ -247,6 +247,18 @@ inline at::Tensor host_empty_huge(int64_t numel, c10::ScalarType dtype, c10::Dev
   void* host = map_aligned(mapped);
   TBEGEN_CHECK(host != nullptr, "tbegen: host_empty_huge: mmap of ", mapped, " bytes (", numel, " x ", dtype,
                ") of anonymous host memory failed (errno ", errno, ")");
+  // Not inherited by a forked child (a DataLoader worker, say). The mapping is private and
+  // anonymous, and the driver pins its pages (pin_user_pages in current drivers). A fork then
+  // copies every pinned page into the child at once (Linux's early copy-on-write for pinned
+  // pages), and with an older driver's get_user_pages the parent's next CPU write would move
+  // its page away from the one the GPU reads. cudaHostAlloc's memory is the driver's own
+  // mapping and is not copied either.
+  if (madvise(host, mapped, MADV_DONTFORK) != 0) {
+    const int err = errno;
+    munmap(host, mapped);
+    TBEGEN_CHECK(false, "tbegen: host_empty_huge: madvise(MADV_DONTFORK) of ", mapped, " bytes failed (errno ", err,
+                 ")");
+  }
   // (a refusal, e.g. a kernel without transparent huge pages, leaves 4 KB pages: not an error)
   (void)madvise(host, mapped, MADV_HUGEPAGE);
   // First touch: one write per 4 KB page faults the mapping in now, in huge pages where the
