@@ -443,13 +443,21 @@ inline at::Tensor split_empty(int64_t numel, c10::ScalarType dtype, c10::Device 
   C10_CUDA_CHECK(cudaFree(nullptr));  // (the primary context current: the driver calls use it)
   const Driver& d = driver();
   const int dev = target.index();
-  auto attribute = [&](CUdevice_attribute a) {
+  // (a driver older than the headers refuses an attribute it does not know: CUDA 12.x runtimes run
+  // on drivers from 12.0, and the host NUMA attributes are 12.2's)
+  auto attribute = [&](CUdevice_attribute a, const char* name) {
     int v = 0;
     const CUresult r = d.device_get_attribute(&v, a, dev);
-    TBEGEN_CHECK(r == CUDA_SUCCESS, "tbegen: split_empty: cuDeviceGetAttribute failed: ", driver_error(r));
+    if (r != CUDA_SUCCESS) {
+      int version = 0;
+      (void)cudaDriverGetVersion(&version);
+      TBEGEN_CHECK(false, "tbegen: split_empty: the CUDA driver (", version / 1000, ".", version % 1000 / 10,
+                   ") does not report ", name, " for GPU ", dev, " (", driver_error(r), "); host memory through "
+                   "CUDA's virtual memory API needs a driver of CUDA 12.2 or later (or leave TBEGEN_CACHE_BACKING unset)");
+    }
     return v;
   };
-  TBEGEN_CHECK(attribute(CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED),
+  TBEGEN_CHECK(attribute(CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED, "VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED"),
                "tbegen: split_empty: GPU ", dev, " does not support CUDA's virtual memory management");
   CUmemAllocationProp on_gpu{};
   on_gpu.type = CU_MEM_ALLOCATION_TYPE_PINNED;
@@ -458,18 +466,25 @@ inline at::Tensor split_empty(int64_t numel, c10::ScalarType dtype, c10::Device 
   CUmemAllocationProp on_host{};
   on_host.type = CU_MEM_ALLOCATION_TYPE_PINNED;
 #if CUDA_VERSION >= 12020
-  const int numa = attribute(CU_DEVICE_ATTRIBUTE_HOST_NUMA_ID);
-  if (numa >= 0 && attribute(CU_DEVICE_ATTRIBUTE_HOST_NUMA_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED)) {
+  const int numa = attribute(CU_DEVICE_ATTRIBUTE_HOST_NUMA_ID, "HOST_NUMA_ID");
+  const bool numa_vmm = attribute(CU_DEVICE_ATTRIBUTE_HOST_NUMA_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED,
+                                  "HOST_NUMA_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED") != 0;
+  if (numa >= 0 && numa_vmm) {
     on_host.location.type = CU_MEM_LOCATION_TYPE_HOST_NUMA;
     on_host.location.id = numa;
   } else {
 #if CUDA_VERSION >= 13000
-    TBEGEN_CHECK(attribute(CU_DEVICE_ATTRIBUTE_HOST_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED),
+    TBEGEN_CHECK(attribute(CU_DEVICE_ATTRIBUTE_HOST_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED,
+                           "HOST_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED"),
                  "tbegen: split_empty: GPU ", dev, " cannot map host memory through CUDA's virtual memory management");
     on_host.location.type = CU_MEM_LOCATION_TYPE_HOST;
     on_host.location.id = 0;
 #else
-    TBEGEN_CHECK(false, "tbegen: split_empty: GPU ", dev, " cannot map host NUMA memory through CUDA's virtual memory management");
+    // (HOST_NUMA_ID -1: a system without NUMA, where cuMemCreate wants node 0, as its documentation says)
+    TBEGEN_CHECK(numa_vmm, "tbegen: split_empty: GPU ", dev,
+                 " cannot map host NUMA memory through CUDA's virtual memory management");
+    on_host.location.type = CU_MEM_LOCATION_TYPE_HOST_NUMA;
+    on_host.location.id = 0;
 #endif
   }
 #else
