@@ -181,7 +181,10 @@ def main(argv=None) -> None:
             case = {"kind": kind, "order": order, "h2d_GBps": gbytes / (h2d / 1e3), "d2h_GBps": gbytes / (d2h / 1e3),
                     "both_GBps": 2 * gbytes / (t_both / 1e3)}
             exchange = "-"
-            if kind in WITH_SLOTS:
+            if kind in WITH_SLOTS and 2 * n > table_rows:
+                # (its out and in rows must be disjoint, n each, as the cache's are)
+                exchange = "n/a: --rows over half the table's rows"
+            elif kind in WITH_SLOTS:
                 # (the fill with TBEGEN_CACHE_EXCHANGE=1: each of n slots, after the table in GPU
                 # memory, written back to one host row and loaded from another, by one kernel on
                 # the whole grid; out and in rows disjoint, as the cache's are)
