@@ -399,6 +399,10 @@ class RowCache:
 
     # ---- moving rows between the backing store and the slots ----
 
+    _KINDS = ("element", "int8 rows", "row")  # (a buffer's layout: see _move)
+
+    _move_shared: Optional[dict] = None  # (set by _fill around its two moves: see _move)
+
     def _move(self, buffers, c: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor, to_slots: bool,
               staged: Optional[list] = None, per_table: Optional[Sequence[int]] = None) -> None:
         """Copies rows (and their states) of cached tables `c` between backing row `rows` and local
@@ -408,49 +412,83 @@ class RowCache:
         With `staged` (a list), the sources are gathered now and the writes are appended to it as
         (view, destination rows, gathered rows), for `_write_staged` to issue later. With
         `per_table` (how many of the rows are of each cached table, known to the host), the rows
-        of each width are picked without a host wait."""
+        of each width are picked without a host wait. `_move_shared` (a dict that _fill sets
+        around two moves of the same `c`, `slots` and `per_table`, its write-back and its loads
+        where the cache is full; None elsewhere): the slots' positions (and the rows of each
+        width) made by the first, reused by the second.
+
+        The positions, per width D: for every layout kind present at once, in that kind's units
+        (the rows of `unit` entries each buffer is viewed as: _copy_runs), one gather of each
+        table's first unit (backing rows, slots) and one multiply-add, base + row * (units a row):
+        a [kinds, rows] tensor each way (the per-row states are rows of one entry: base = key
+        base, one unit a row)."""
         if rows.numel() == 0:
             return
         T = self._t
-        int8_rows = any(per == "int8 rows" for _, per in buffers)
+        shared = self._move_shared
+        if shared is not None:  # (only for the very tensors it was made for)
+            of = shared.setdefault("of", (c, slots, list(per_table or ())))
+            if not (of[0] is c and of[1] is slots and of[2] == list(per_table or ())):
+                shared = None
+        kinds = tuple(k for k in self._KINDS if any(per == k for _, per in buffers))
         for D in self._dims:
-            if len(self._dims) == 1:
-                sel = None
-            elif per_table is not None:
-                n = sum(k for k, d in zip(per_table, self.dims) if d == D)
-                if n == 0:
+            sel = None
+            if len(self._dims) > 1:
+                sel = None if shared is None else shared.get(("sel", D))
+                if sel is None:
+                    if per_table is not None:
+                        n = sum(k for k, d in zip(per_table, self.dims) if d == D)
+                        sel = self._compact(T["D"][c] == D, n) if n else False
+                    else:
+                        sel = (T["D"][c] == D).nonzero().squeeze(1)
+                    if shared is not None:
+                        shared[("sel", D)] = sel
+                if sel is False:  # (no row of this width)
                     continue
-                sel = self._compact(T["D"][c] == D, n)
-            else:
-                sel = (T["D"][c] == D).nonzero().squeeze(1)
-            cc, rr, ss = (c, rows, slots) if sel is None else (c[sel], rows[sel], slots[sel])
-            back = T["back_woff"][cc] + rr * D
-            slot = T["slot_woff"][cc] + ss * D
-            self._copy_runs(buffers, "element", back, slot, D, self._units[("element", D)], to_slots, staged)
-            if int8_rows:
-                back_bytes = back + QPARAM_BYTES * (T["back_kbase"][cc] + rr)
-                slot_bytes = slot + QPARAM_BYTES * (T["slot_kbase"][cc] + ss)
-                self._copy_runs(buffers, "int8 rows", back_bytes, slot_bytes, D + QPARAM_BYTES,
-                                self._units[("int8 rows", D)], to_slots, staged)
-        back = T["back_kbase"][c] + rows
-        slot = T["slot_kbase"][c] + slots
-        src, dst = (back, slot) if to_slots else (slot, back)
-        for buf, per in buffers:
-            if per != "row":
-                continue
-            if not self._row_copy_blocks:
-                _copy_or_stage(buf, dst, buf.index_select(0, src), staged)
-                continue
-            # (CUDA: the per-row states too move with _copy_rows, as rows of one entry, on the
-            # bounded grid: index_select / index_copy_ would hold every SM, and the other
-            # direction's copy would wait for them)
-            view = buf.view(-1, 1)
-            if staged is None:
-                self._row_copy_op(view, dst, view, src, self._row_copy_blocks)
-            else:
-                gathered = torch.empty((src.numel(), 1), dtype=buf.dtype, device=buf.device)
-                self._row_copy_op(gathered, None, view, src, self._row_copy_blocks)
-                staged.append((view, dst, gathered))
+            back_base, slot_base, per_row, units = self._run_tables(kinds, D)
+            cc = c if sel is None else c.index_select(0, sel)
+            rr = rows if sel is None else rows.index_select(0, sel)
+            back = torch.addcmul(back_base.index_select(1, cc), per_row, rr).unbind(0)
+            slot = None if shared is None else shared.get(("slot", D))
+            if slot is None:
+                ss = slots if sel is None else slots.index_select(0, sel)
+                slot = torch.addcmul(slot_base.index_select(1, cc), per_row, ss).unbind(0)
+                if shared is not None:
+                    shared[("slot", D)] = slot
+            for j, kind in enumerate(kinds):
+                self._copy_runs(buffers, kind, back[j], slot[j], units[j][1], units[j][0], to_slots, staged)
+
+    def _run_tables(self, kinds: Tuple[str, ...], D: int):
+        """For _move, the rows of width D of layout kinds `kinds`, on the cache's device (made once
+        per set, without a host copy): each table's first unit in its backing rows and in its
+        slots ([kinds, tables], int64; a table of another width has values never read), the units
+        a row spans ([kinds, 1]), and per kind (unit, units a row)."""
+        tables = getattr(self, "_runs", None)
+        if tables is None or tables[0] != self.device:
+            tables = self._runs = (self.device, {})
+        got = tables[1].get((kinds, D))
+        if got is None:
+            T = self._t
+            back, slot, units = [], [], []
+            for kind in kinds:
+                if kind == "element":
+                    unit = self._units[("element", D)]
+                    back.append(T["back_woff"] // unit)
+                    slot.append(T["slot_woff"] // unit)
+                    units.append((unit, D // unit))
+                elif kind == "int8 rows":
+                    unit = self._units[("int8 rows", D)]
+                    back.append((T["back_woff"] + QPARAM_BYTES * T["back_kbase"]) // unit)
+                    slot.append((T["slot_woff"] + QPARAM_BYTES * T["slot_kbase"]) // unit)
+                    units.append((unit, (D + QPARAM_BYTES) // unit))
+                else:  # (a per-row state: one entry per row key)
+                    back.append(T["back_kbase"])
+                    slot.append(T["slot_kbase"])
+                    units.append((1, 1))
+            per_row = torch.stack([torch.full((1,), n, dtype=torch.int64, device=self.device) for _, n in units])
+            got = (torch.stack(back), torch.stack(slot), per_row, units)
+            tables[1][(kinds, D)] = got
+        return got
 
     def _row_units(self) -> Dict[Tuple[str, int], int]:
         """For each layout kind and row width D, the largest unit (in entries) that divides every
@@ -468,32 +506,52 @@ class RowCache:
             units[("int8 rows", D)] = math.gcd(D + QPARAM_BYTES, *byte_starts)
         return units
 
-    def _copy_runs(self, buffers, kind: str, back: torch.Tensor, slot: torch.Tensor, width: int, unit: int,
+    def _copy_runs(self, buffers, kind: str, back: torch.Tensor, slot: torch.Tensor, per_run: int, unit: int,
                    to_slots: bool, staged: Optional[list] = None) -> None:
-        """In every buffer of layout `kind`, copies the runs of `width` entries starting at `back`
-        to those starting at `slot` (or the other way round). Every start is a multiple of `unit`,
-        which divides `width`: each buffer is viewed as rows of `unit` entries, and the runs move
-        as whole rows of that view (index_select, then index_copy_: row-wide copies, no per-entry
-        index), in chunks that bound the temporary copy. The slots never overlap the backing rows,
-        and each destination run is written once."""
+        """In every buffer of layout `kind`, copies the runs of `per_run` units starting at unit
+        `back` to those starting at unit `slot` (or the other way round): each buffer is viewed
+        as rows of `unit` entries, and the runs move as whole rows of that view (index_select,
+        then index_copy_: row-wide copies, no per-entry index), in chunks that bound the
+        temporary copy (one where it fits). A run of several units is expanded into its units
+        once for all the kind's buffers. The slots never overlap the backing rows, and each
+        destination run is written once. On CUDA the rows move with _copy_rows on its bounded
+        grid (a per-row state's staged gather too)."""
         targets = [buf for buf, per in buffers if per == kind]
         if not targets:
             return
         src, dst = (back, slot) if to_slots else (slot, back)
-        per_run = width // unit
-        src, dst = src // unit, dst // unit
         if per_run > 1:
-            parts = torch.arange(per_run, device=self.device)
-            src = (src[:, None] + parts).reshape(-1)
-            dst = (dst[:, None] + parts).reshape(-1)
+            parts = self._parts(per_run)
+            src = torch.add(src.unsqueeze(1), parts).view(-1)
+            dst = torch.add(dst.unsqueeze(1), parts).view(-1)
         step = max(1, _CHUNK_ELEMENTS // unit)
         for buf in targets:
-            view = _wide_rows(buf[: buf.numel() // unit * unit].view(-1, unit))
-            if staged is None and self._row_copy_blocks:  # (CUDA: from row to row, no temporary copy)
+            n = buf.numel()
+            view = _wide_rows((buf if n % unit == 0 else buf[: n // unit * unit]).view(-1, unit))
+            if self._row_copy_blocks and staged is None:  # (CUDA: from row to row, no temporary copy)
                 self._row_copy_op(view, dst, view, src, self._row_copy_blocks)
+                continue
+            if self._row_copy_blocks and kind == "row":
+                # (CUDA: a per-row state's evicted rows gathered on the bounded grid too:
+                # index_select would hold every SM, and the loads would wait for it)
+                gathered = torch.empty((src.numel(), 1), dtype=buf.dtype, device=buf.device)
+                self._row_copy_op(gathered, None, view, src, self._row_copy_blocks)
+                staged.append((view, dst, gathered))
+                continue
+            if src.numel() <= step:
+                _copy_or_stage(view, dst, view.index_select(0, src), staged)
                 continue
             for lo in range(0, src.numel(), step):
                 _copy_or_stage(view, dst[lo:lo + step], view.index_select(0, src[lo:lo + step]), staged)
+
+    def _parts(self, per_run: int) -> torch.Tensor:
+        """0, 1, ..., per_run - 1 on the device (kept: a run's units, _copy_runs)."""
+        parts = getattr(self, "_run_parts", {})
+        got = parts.get(per_run)
+        if got is None or got.device != self.device:
+            got = parts[per_run] = torch.arange(per_run, device=self.device)
+            self._run_parts = parts
+        return got
 
     def _exchange(self, buffers, c: torch.Tensor, slots: torch.Tensor, out_rows: Optional[torch.Tensor],
                   in_rows: torch.Tensor, per_table: Sequence[int]) -> None:
@@ -1038,6 +1096,62 @@ class RowCache:
         with span("tbegen.cache.drop"):
             self.drop(buffers, over, readers_wait)
 
+    def _cold_geometry(self) -> Optional[Tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]]:
+        """For _coldest, made on first use on the cache's device: each slot's local number, where
+        each slot goes in a [tables, most slots] grid (None where every table has as many slots:
+        the slots are that grid), and (LFU) each slot's table's first row key. None where that grid
+        would be more than twice the slots (tables of very different sizes: the sort then)."""
+        g = getattr(self, "_cold", None)
+        if g is not None and g[0] == self.device:
+            return g[1]
+        nt, width, S = len(self.tables), max(self.slots), self.num_slots
+        out = None
+        if nt * width <= 2 * S:
+            local = torch.arange(S, device=self.device) - self._t["sbase"][self._slot_table]
+            pad = None if nt * width == S else self._slot_table * width + local
+            rbase = self._t["rbase"][self._slot_table] if self.algorithm == "lfu" else None
+            out = (local, pad, rbase)
+        self._cold = (self.device, out)
+        return out
+
+    def _coldest(self, protected: torch.Tensor, k: int) -> Optional[torch.Tensor]:
+        """Per cached table, its `k` first slots in the victim order (see _victim_order: empty
+        slots, then by last use (LRU) or by access count, then last use (LFU); ties by slot
+        number; protected slots last), as local slot numbers, a [tables, k] tensor (a table of
+        fewer than k slots: its row past them is padding, never used): without sorting every
+        slot. Each slot's place in that order is one unique key per table (its score, then its
+        local slot number), so a table's k smallest keys, in order, are its first k slots:
+        torch.topk over each table's row of keys (a selection, then a sort of the k it keeps).
+        None where the key would not fit 63 bits, or the grid of tables would cost more than
+        twice the slots: then the caller sorts (_victim_order)."""
+        geometry = self._cold_geometry()
+        if geometry is None:
+            return None
+        local, pad, rbase = geometry
+        width = max(self.slots)
+        if self.algorithm == "lru":
+            if self.tick >= _TICK_LIMIT:
+                return None
+            top = self.tick + 2  # empty (0) < last use (the last tick, at most tick) < protected
+            score = torch.where(protected, top, self._last_used)
+            span_ = (top + 1) * width
+        else:
+            # access count + 1 (empty: 0; protected: top, above every count), then last use
+            top = self._count_bound + 2
+            span_ = (top + 1) * (self.tick + 1) * width
+            if span_ >= 2 ** 63:
+                return None
+            rows = torch.add(rbase, self._slot_row.clamp(min=0))
+            freq = (self._counts.index_select(0, rows) + 1) * (self._slot_row >= 0)
+            score = torch.where(protected, top * (self.tick + 1), torch.add(self._last_used, freq, alpha=self.tick + 1))
+        key = torch.add(local, score, alpha=width)  # (score, then local slot: unique within a table)
+        if span_ < 2 ** 31:  # (32 bits while it fits: the radix selection makes half the passes)
+            key = key.to(torch.int32)
+        if pad is not None:  # (the grid's cells past a table's slots: above every key)
+            key = torch.full((len(self.tables) * width,), span_, dtype=key.dtype,
+                             device=self.device).index_copy_(0, pad, key)
+        return torch.topk(key.view(len(self.tables), width), k, dim=1, largest=False, sorted=True).indices
+
     def _victim_order(self, protected: torch.Tensor) -> torch.Tensor:
         """All slots, grouped by table (each table's C slots at its sbase) and, within a table,
         coldest first: empty slots, then by last use (LRU) or by access count, then last use
@@ -1089,12 +1203,19 @@ class RowCache:
         S = self.num_slots
         protected = torch.zeros(S + 1, dtype=torch.bool, device=dev) if held is None else held
         protected.index_fill_(0, protect, True)
-        order = self._victim_order(protected[:S])
-        first = torch.searchsorted(mT, self._iota(len(self.tables)))  # (mT ascends)
+        nt, M = len(self.tables), mU.numel()
+        first = torch.searchsorted(mT, self._iota(nt))  # (mT ascends)
         sb = T["sbase"][mT]
         # the j-th row of its table takes that table's j-th coldest slot (never a protected one)
-        victims = order[self._iota(mU.numel()) + (T["sbase"] - first)[mT]]
-        local_slot = victims - sb
+        k = max(count_h)
+        coldest = self._coldest(protected[:S], k)
+        if coldest is not None:  # (table t's j-th: entry t * k + j of its k coldest)
+            local_slot = coldest.view(-1).index_select(0, self._iota(M) - torch.sub(first, self._iota(nt), alpha=k)[mT])
+            victims = sb + local_slot
+        else:
+            order = self._victim_order(protected[:S])
+            victims = order[self._iota(M) + (T["sbase"] - first)[mT]]
+            local_slot = victims - sb
         old = self._slot_row[victims]
         evicted_h = [max(0, a - (C - n)) for a, C, n in zip(count_h, self.slots, self._occupied)]
         evicted = sum(evicted_h)
@@ -1114,6 +1235,9 @@ class RowCache:
         # is -1 for an empty slot: nothing written back for it).
         exchange = self._exchange_blocks > 0
         staged: list = []
+        # (where the cache is full, the write-back and the loads are of the same tables and slots:
+        # the second move reuses the slots' positions the first made, _move)
+        self._move_shared = {} if full else None
         if full:
             te, oe, le = mT, old, local_slot
         elif evicted:  # (the victims that hold a row, grouped by table: a table's empty slots come first)
@@ -1137,6 +1261,7 @@ class RowCache:
             with span("tbegen.cache.load"):
                 self._move(buffers, mT, mRow, local_slot, to_slots=True, per_table=count_h)
             self._join_writeback()
+        self._move_shared = None
         self._row_slot[mU] = local_slot.to(torch.int32)
         self._slot_row[victims] = mRow
         self._dirty.index_fill_(0, victims, False)
