@@ -1,4 +1,4 @@
-# FROZEN REFERENCE (tests only): tbegen/cache.py as of commit 2a70003 (before the fill's victims
+# FROZEN REFERENCE (tests only): tbegen/cache.py as of commit 02e0adc (before the fill's victims
 # came from a per-table selection instead of a sort of every slot, and _move computed its positions
 # with fewer operators), kept verbatim below this note (only its two relative imports made absolute)
 # so that tests/test_cache_fill_ops.py can run the previous fill beside the new one and require the
@@ -766,10 +766,17 @@ class RowCache:
     def _iota(self, n: int, dtype: torch.dtype = torch.int64, start: int = 0) -> torch.Tensor:
         """start, start + 1, ..., start + n - 1 on the device: a view of one kept tensor (grown
         when a batch needs more), so that a batch's lookup does not write an arange per use.
-        (Grown only in a lookup, which runs after the cache's latest use on every other stream:
-        the tensor it replaces is not read any more.)"""
+        (Grown only within a use of the cache, which waited on the device for the latest use on
+        every other stream; but kernels queued on this stream since the last host wait may still
+        read the tensor it replaces, and the caching allocator hands a block out again on the
+        stream that allocated it without waiting for other streams: a prefetch stream's iota,
+        dropped by a lookup on the forward's stream, could be overwritten by the prefetch stream's
+        next allocation before this stream's kernels read it. So the old one is recorded as used
+        by this stream: its memory is reused only once this stream has passed this point.)"""
         have = self._iotas.get(dtype)
         if have is None or have.numel() < start + n:
+            if have is not None and have.is_cuda:
+                have.record_stream(torch.cuda.current_stream(self.device))
             have = torch.arange(max(start + n, 1024), dtype=dtype, device=self.device)
             self._iotas[dtype] = have
         return have[start:start + n]

@@ -3,7 +3,7 @@ _coldest, _move, _copy_runs): each table's coldest slots by a per-table selectio
 one unique key per slot) instead of a sort of every slot, and the row copies' positions computed
 with fewer operators. The same victims in the same order, so the same slots, row maps, last use,
 statistics, tickets and moved bits as before: checked here against the frozen previous cache
-(tests/_cache_fill_reference.py, commit 2a70003) by training both side by side on random
+(tests/_cache_fill_reference.py, commit 02e0adc) by training both side by side on random
 configurations (LRU/LFU, direct/compact tables, mixed widths, holds from prefetches, overflow,
 int8 rows, per-row states, tables of different cache sizes), and the selection itself against the
 previous sort on random cache states (including the paths that still sort)."""
