@@ -1167,6 +1167,22 @@ class RowCache:
             if len(self.tables) * (top + 1) < 2 ** 31:
                 key = key.to(torch.int32)
             return torch.argsort(key, stable=True)
+        if self.algorithm == "lfu":
+            top = self._count_bound + 2  # (above every access count: protected)
+            span_ = (top + 1) * (self.tick + 1)
+            if len(self.tables) * span_ < 2 ** 63:
+                # one sort: table in the high bits, then (empty 0 < access count + 1 < protected
+                # top) then last use (at most tick): where _coldest's key, which adds the local
+                # slot, would not fit, this one still does for long (the order of the two sorts
+                # below, ties by slot number)
+                rows = self._t["rbase"][self._slot_table] + self._slot_row.clamp(min=0)
+                freq = (self._counts.index_select(0, rows) + 1) * (self._slot_row >= 0)
+                score = torch.where(protected, top * (self.tick + 1),
+                                    torch.add(self._last_used, freq, alpha=self.tick + 1))
+                key = torch.add(score, self._slot_table, alpha=span_)
+                if len(self.tables) * span_ < 2 ** 31:
+                    key = key.to(torch.int32)
+                return torch.argsort(key, stable=True)
         recency = torch.where(protected, _NEVER, self._last_used)
         order = torch.argsort(recency, stable=True)
         if self.algorithm == "lfu":

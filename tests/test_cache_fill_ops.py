@@ -162,12 +162,15 @@ def test_coldest_is_the_head_of_the_victim_order(algorithm, slots, device_type):
     g = torch.Generator().manual_seed(sum(slots))
     sbase = [sum(slots[:t]) for t in range(len(slots))]
     wide = len(slots) * max(slots) > 2 * sum(slots)
-    for tick in (1, 3, 40, 2 ** 27, 2 ** 40 + 5):
+    for tick in (1, 3, 40, 2 ** 27, 2 ** 40 + 5, 2 ** 61):
         for _ in range(4 if max(slots) < 100 else 1):  # (large tables: the GPU's multi-block selection)
             protected = _random_state(cache, g, tick).to(device_type)
-            if algorithm == "lfu" and tick > 2 ** 30:
-                cache._count_bound = 2 ** 40  # (LFU's key past 63 bits)
+            if algorithm == "lfu" and tick == 2 ** 27 and _ % 2 == 0:
+                cache._count_bound = 2 ** 34  # (_coldest's key past 63 bits, the one sort's not)
+            elif algorithm == "lfu" and tick > 2 ** 30:
+                cache._count_bound = 2 ** 40 if tick < 2 ** 60 else 2 ** 62  # (both past: two or three sorts)
             order = _cache_fill_reference.RowCache._victim_order(cache, protected)
+            assert torch.equal(cache._victim_order(protected), order), tick  # (the sort, where it stays)
             for k in sorted({1, min(slots), max(slots)}):
                 got = cache._coldest(protected, k)
                 beyond = (tick >= cache_._TICK_LIMIT if algorithm == "lru"
