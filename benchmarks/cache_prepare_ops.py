@@ -35,9 +35,9 @@ a proxy only (the CPU runs the kernels too, so this is host dispatch plus CPU ke
 GPU's host overhead).
 
 At the defaults, 20%, the fill: 105 ops (LRU) / 115 (LFU) before issue 27's rework, 79 / 92 with
-the rework's lookup (one sort of every slot for the victims, LFU two; _move ~44 ops), 63 / 69 since
-b1b516d (each table's coldest slots by torch.topk of one unique key per slot; _move's positions in
-one gather and one addcmul per direction for every layout kind): benchmarks/NOTES-gpu.md, "Cache:
+the rework's lookup (one sort of every slot for the victims, LFU two; _move ~44 ops), 62 / 68 now
+(b1b516d and after: each table's coldest slots by torch.topk of one unique key per slot; _move's
+positions from one gather and one addcmul per direction for every layout kind): benchmarks/NOTES-gpu.md, "Cache:
 the fill's victims without a sort of every slot". (torch.topk's and the old sort's internal passes
 are not in MB: only the tensors an operator returns are.)
 """

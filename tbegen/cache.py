@@ -414,13 +414,13 @@ class RowCache:
         `per_table` (how many of the rows are of each cached table, known to the host), the rows
         of each width are picked without a host wait. `_move_shared` (a dict that _fill sets
         around two moves of the same `c`, `slots` and `per_table`, its write-back and its loads
-        where the cache is full; None elsewhere): the slots' positions (and the rows of each
-        width) made by the first, reused by the second.
+        where the cache is full; None elsewhere): the rows of each width, their tables' bases and
+        the slots' positions made by the first, reused by the second.
 
         The positions, per width D: for every layout kind present at once, in that kind's units
         (the rows of `unit` entries each buffer is viewed as: _copy_runs), one gather of each
-        table's first unit (backing rows, slots) and one multiply-add, base + row * (units a row):
-        a [kinds, rows] tensor each way (the per-row states are rows of one entry: base = key
+        table's first units (backing rows and slots) and one multiply-add each way, base + row *
+        (units a row): a [kinds, rows] tensor each way (the per-row states are rows of one entry: base = key
         base, one unit a row)."""
         if rows.numel() == 0:
             return
@@ -445,14 +445,20 @@ class RowCache:
                         shared[("sel", D)] = sel
                 if sel is False:  # (no row of this width)
                     continue
-            back_base, slot_base, per_row, units = self._run_tables(kinds, D)
+            bases, per_row, units = self._run_tables(kinds, D)
             cc = c if sel is None else c.index_select(0, sel)
             rr = rows if sel is None else rows.index_select(0, sel)
-            back = torch.addcmul(back_base.index_select(1, cc), per_row, rr).unbind(0)
+            # each row's table's first units, backing rows' then slots': one gather for both
+            got = None if shared is None else shared.get(("bases", D))
+            if got is None:
+                got = bases.index_select(1, cc).split(len(kinds))
+                if shared is not None:
+                    shared[("bases", D)] = got
+            back = torch.addcmul(got[0], per_row, rr).unbind(0)
             slot = None if shared is None else shared.get(("slot", D))
             if slot is None:
                 ss = slots if sel is None else slots.index_select(0, sel)
-                slot = torch.addcmul(slot_base.index_select(1, cc), per_row, ss).unbind(0)
+                slot = torch.addcmul(got[1], per_row, ss).unbind(0)
                 if shared is not None:
                     shared[("slot", D)] = slot
             for j, kind in enumerate(kinds):
@@ -460,9 +466,9 @@ class RowCache:
 
     def _run_tables(self, kinds: Tuple[str, ...], D: int):
         """For _move, the rows of width D of layout kinds `kinds`, on the cache's device (made once
-        per set, without a host copy): each table's first unit in its backing rows and in its
-        slots ([kinds, tables], int64; a table of another width has values never read), the units
-        a row spans ([kinds, 1]), and per kind (unit, units a row)."""
+        per set, without a host copy): each table's first unit in its backing rows, then in its
+        slots ([2 x kinds, tables], int64; a table of another width has values never read), the
+        units a row spans ([kinds, 1]), and per kind (unit, units a row)."""
         tables = getattr(self, "_runs", None)
         if tables is None or tables[0] != self.device:
             tables = self._runs = (self.device, {})
@@ -486,7 +492,7 @@ class RowCache:
                     slot.append(T["slot_kbase"])
                     units.append((1, 1))
             per_row = torch.stack([torch.full((1,), n, dtype=torch.int64, device=self.device) for _, n in units])
-            got = (torch.stack(back), torch.stack(slot), per_row, units)
+            got = (torch.stack(back + slot), per_row, units)
             tables[1][(kinds, D)] = got
         return got
 

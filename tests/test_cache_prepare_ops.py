@@ -37,9 +37,9 @@ def built(prebuilt):
 # after it, in the fill). Before this change: LRU (68, 55, 105; 40, 17, -), LFU (68, 58, 115;
 # 40, 17, -). Then (2a70003: the victims from a sort of every slot, _move unchanged) LRU
 # (37, 33, 79; 18, 2, 6), LFU (37, 37, 92; 18, 2, 18). Now (the victims by a per-table
-# selection, _move's positions in one gather and one multiply-add for every kind) LRU
-# (37, 33, 63; 18, 2, 4), LFU (37, 37, 70; 18, 2, 11).
-BOUNDS = {"lru": (40, 36, 66, 20, 4, 5), "lfu": (40, 39, 73, 20, 4, 12)}
+# selection, _move's positions from one gather and one multiply-add each way for every kind)
+# LRU (37, 33, 62; 18, 2, 5), LFU (37, 37, 69; 18, 2, 12).
+BOUNDS = {"lru": (40, 36, 65, 20, 4, 5), "lfu": (40, 39, 72, 20, 4, 13)}
 
 
 @pytest.mark.parametrize("algorithm", ["lru", "lfu"])
@@ -61,7 +61,7 @@ def test_operators_per_prefetch_beside_a_held_batch():
     """TorchRec's order (benchmarks/cache_prepare_ops.py --pipelined): each batch's prefetch while
     the previous batch is held, at 4 x 20k x 8, B 256, L 20, a 20% cache (room for both, no
     deferral). Before this change 85 / 54 / 104 ops (before the wait / after / fill); then 53 / 32 / 78
-    (2a70003); now 53 / 32 / 62 (the fill's victims by a per-table selection, _move's positions)."""
+    (2a70003); now 53 / 32 / 61 (the fill's victims by a per-table selection, _move's positions)."""
     import cache_prepare_ops
 
     args = cache_prepare_ops.parse_args(["--tables", "4", "--rows", "20000", "--dim", "8", "--batch", "256",
@@ -69,7 +69,7 @@ def test_operators_per_prefetch_beside_a_held_batch():
     row = cache_prepare_ops.measure(args, 0.2, "lru")
     assert row["counted_evictions"] > 0 and row["deferred"] == 0, row
     got = (row["ops_before"], row["ops_after"], row["ops_fill"])
-    assert got[0] <= 56 and got[1] <= 35 and got[2] <= 65, (got, row["op_names"])
+    assert got[0] <= 56 and got[1] <= 35 and got[2] <= 64, (got, row["op_names"])
 
 
 # ---- the same as the frozen cache on random batches ----------------------------------------------
