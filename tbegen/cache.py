@@ -20,7 +20,8 @@ holds 8 more bytes per slot key, and a row moves as its D + 8 bytes ("int8 rows"
 The cache is fully associative per table, with exact LRU or LFU replacement: a table's map from
 row to slot is a dense int32 array (4 bytes per row of the table, on the module's device), so a
 lookup is a gather, there are no conflict misses, and the victims are the globally coldest slots
-(a stable sort of the slots' scores, ties broken by slot number: deterministic). Everything is
+(ties broken by slot number: deterministic; each table's coldest by a selection over one unique
+key per slot, _coldest, not a sort of every slot). Everything is
 torch tensor operations on the module's device, so the same code serves CUDA and the CPU (where
 CI exercises it). On CUDA the host waits for the device once per batch, to read the batch's
 summary (prepare); every other size is known to the host (tests/test_cache_syncs.py counts the
