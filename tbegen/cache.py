@@ -1116,6 +1116,8 @@ class RowCache:
         if nt * width <= 2 * S:
             local = torch.arange(S, device=self.device) - self._t["sbase"][self._slot_table]
             pad = None if nt * width == S else self._slot_table * width + local
+            if width < 2 ** 31:  # (read by every fill: 4 bytes a slot; the key's add widens it)
+                local = local.to(torch.int32)
             rbase = self._t["rbase"][self._slot_table] if self.algorithm == "lfu" else None
             out = (local, pad, rbase)
         self._cold = (self.device, out)
