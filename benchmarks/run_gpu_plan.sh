@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# The next GPU session's three device calls (benchmarks/NOTES-gpu.md, "Next GPU session: the plan
+# (written 2026-12-05 09:20 UTC)"), one call per argument, from the repository root, so that the
+# long command lines are not retyped (or mistyped) in a call that costs a tenth of the session's
+# device time:
+#   bash benchmarks/run_gpu_plan.sh 1   # correctness: every CUDA test on the landed tree (~9.5 min; carry .anchor and .whl)
+#   bash benchmarks/run_gpu_plan.sh 2   # the kernel A/Bs beside FBGEMM (issue 29) and the VBE table (issue 25) (~9 min)
+#   bash benchmarks/run_gpu_plan.sh 3   # the cache (issue 27): the host-row probe, then bench_cache with each new
+#                                       # switch beside the default and FBGEMM (~9 min)
+#   DRY_RUN=1 bash benchmarks/run_gpu_plan.sh 1 2 3   # print the commands only (tests/test_gpu_plan.py reads them:
+#                                                      # every script, flag, switch and sweep regex they name exists)
+# Results under $OUT as the scripts called write them (run_gpu_landing.sh, run_gpu_ab.sh, run_gpu.sh).
+set -u
+OUT=${OUT:-/tmp/tbegen-gpu-out}
+export OUT
+
+run() {  # a command of the plan: printed (quoted as the shell reads it), and run unless DRY_RUN=1
+  printf '+'
+  printf ' %q' "$@"
+  printf '\n'
+  [ "${DRY_RUN:-0}" = 1 ] || "$@"
+}
+
+# The A/Bs of call 2: each "ENV=VALUE[,ENV2=VALUE2]@REGEX" (REGEX over the sweep's "shape optimizer"
+# names, benchmarks/sweep_gpu.py --list), joined by ';' for run_gpu_ab.sh's SWEEP_ABS.
+SWEEP_ABS_LIST=(
+  "TBEGEN_SEGMENT_LENGTH=64@^(D=1024|fp16 D=2048|D=512|base) "
+  "TBEGEN_SEGMENT_LENGTH=64,TBEGEN_ANY_WIDTH_ITEMS=1@^D=1024 "
+  "TBEGEN_ANY_WIDTH_PREFETCH=1,TBEGEN_SEGMENT_LENGTH=64,TBEGEN_ANY_WIDTH_ITEMS=1@^fp16 D=2048"
+  "TBEGEN_SEGMENT_LANE_GROUPS=1@^(D=(4|8|20|32) |random 3 )"
+  "TBEGEN_GROUP_ROWS_CACHED=1@^D=(4|8|20|32|64) "
+  "TBEGEN_WIDTH_CLASSES=0@^random 2 "
+  "TBEGEN_CLASS_STREAMS=0@^random 2 "
+)
+SWEEP_ABS=$(IFS=';'; echo "${SWEEP_ABS_LIST[*]}")
+# call 3's bench_cache options: two cache sizes, in-step and pipelined, the three variants beside the
+# default and FBGEMM, a per-stream profile of each tbegen cell
+CACHE_VARIANTS="--variant TBEGEN_CACHE_EXCHANGE=1 --variant TBEGEN_CACHE_BACKING=host-huge --variant TBEGEN_CACHE_EXCHANGE=1,TBEGEN_CACHE_BACKING=host-huge"
+CACHE_OPTS_PLAN="--cache 0.2,0.05 --optimizer rowwise_adagrad --pipelined --profile $CACHE_VARIANTS --warmup 6 --iters 8"
+
+call1() {
+  run env BENCH=0 SWEEP=0 PROFILE= GROUPS_AB=0 NCU=0 CACHE_BENCH=0 DEADLINE=570 bash benchmarks/run_gpu_landing.sh
+}
+
+call2() {
+  run env TEST_FILES="tests/test_group_state.py tests/test_vbe_backward_variant.py" SWEEP_ABS="$SWEEP_ABS" \
+    VBE=1 VBE_AB=TBEGEN_VBE_GRAD_OFFSETS=1 NCU_ONLY="^D=1024 sgd" NCU_AB="TBEGEN_SEGMENT_LENGTH=64,TBEGEN_ANY_WIDTH_ITEMS=1" \
+    PROFILE_ONLY="^(random 3|random 2) sgd" DEADLINE=560 bash benchmarks/run_gpu_ab.sh
+}
+
+call3() {
+  [ "${DRY_RUN:-0}" = 1 ] || mkdir -p "$OUT"
+  run timeout 120 python3 benchmarks/tools/host_rows_probe.py --gb 8 --json "$OUT/host_rows.json"
+  run env BUILD_SPECS="rowwise_adagrad sgd" CACHE_TIMEOUT=400 CACHE_OPTS="$CACHE_OPTS_PLAN" bash benchmarks/run_gpu.sh build cache
+}
+
+[ $# -gt 0 ] || { sed -n '2,12p' "$0"; exit 2; }
+status=0
+for call in "$@"; do
+  case "$call" in
+    1) call1 || status=1 ;;
+    2) call2 || status=1 ;;
+    3) call3 || status=1 ;;
+    *) echo "run_gpu_plan.sh: no call '$call' (1, 2 or 3)" >&2; exit 2 ;;
+  esac
+done
+exit $status

@@ -1,0 +1,152 @@
+"""The next GPU session's commands (benchmarks/run_gpu_plan.sh), checked on the CPU: device time is
+scarce (a call is a tenth of a session's), and a typo in a script name, a flag, a switch or a sweep
+regex would cost a whole call. The script prints its commands with DRY_RUN=1; every script they run
+must exist, every variable they set must be one the called script reads, every flag one the called
+Python script defines, every environment switch one that tbegen reads, every sweep regex must pick
+some cells, and every test file and optimizer must exist."""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PLAN = ROOT / "benchmarks" / "run_gpu_plan.sh"
+
+
+def plan_commands(*calls: str):
+    """The commands DRY_RUN=1 prints for `calls`, each split as the shell would."""
+    proc = subprocess.run(["bash", str(PLAN), *calls], cwd=ROOT, capture_output=True, text=True,
+                          env={**os.environ, "DRY_RUN": "1", "OUT": "/tmp/plan-out"})
+    assert proc.returncode == 0, proc.stderr
+    lines = [line[2:] for line in proc.stdout.splitlines() if line.startswith("+ ")]
+    assert lines, proc.stdout
+    return [shlex.split(line) for line in lines]
+
+
+def split_env(argv):
+    """(assignments of a leading `env`, the command after them and any `timeout N`)."""
+    env, rest = {}, list(argv)
+    if rest and rest[0] == "env":
+        rest = rest[1:]
+        while rest and re.match(r"^[A-Z_][A-Z0-9_]*=", rest[0]):
+            name, value = rest.pop(0).split("=", 1)
+            env[name] = value
+    if rest and rest[0] == "timeout":
+        rest = rest[2:]
+    return env, rest
+
+
+def script_text(path: Path) -> str:
+    """A shell script's text with the scripts it sources (benchmarks/tools/gpu_common.sh)."""
+    text = path.read_text()
+    for sourced in re.findall(r"^\s*source\s+(\S+)", text, flags=re.M):
+        text += (ROOT / sourced).read_text()
+    return text
+
+
+def python_flags(path: Path) -> set:
+    return set(re.findall(r"add_argument\(\s*\"(--[a-z0-9-]+)\"", path.read_text()))
+
+
+def known_switches() -> str:
+    """Where tbegen reads its TBEGEN_* switches: the runtime headers and the package."""
+    files = list((ROOT / "templates" / "include" / "tbegen").glob("*")) + list((ROOT / "tbegen").rglob("*.py"))
+    return "\n".join(f.read_text() for f in files if f.is_file())
+
+
+def is_read(switch: str, switches: str) -> bool:
+    """Whether tbegen reads `switch`: its name as a string literal ("TBEGEN_X": getenv, env_is_zero,
+    opt_in_switch, os.environ.get), not a longer name that starts with it."""
+    return re.search(r"[\"']" + switch + r"[\"']", switches) is not None
+
+
+def switch_names(text: str):
+    """The TBEGEN_* names of "ENV=VALUE[,ENV2=VALUE2]"."""
+    pairs = [p.split("=", 1) for p in text.split(",") if p]
+    assert pairs and all(len(p) == 2 and p[0] for p in pairs), text
+    return [name for name, _ in pairs]
+
+
+@pytest.fixture(scope="module")
+def sweep_names():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import sweep_gpu
+    finally:
+        sys.path.pop(0)
+    return [f"{s['name']} {opt}" for s, opt in sweep_gpu.cells()]
+
+
+def picks(regex: str, names) -> int:
+    return sum(bool(re.search(regex, n)) for n in names)
+
+
+def test_every_call_prints_its_commands():
+    assert len(plan_commands("1")) == 1 and len(plan_commands("2")) == 1 and len(plan_commands("3")) == 2
+    proc = subprocess.run(["bash", str(PLAN), "4"], cwd=ROOT, capture_output=True, text=True,
+                          env={**os.environ, "DRY_RUN": "1"})
+    assert proc.returncode == 2 and "no call '4'" in proc.stderr
+
+
+def test_the_plan_names_only_what_exists(sweep_names):
+    switches = known_switches()
+    specs = {p.stem for p in (ROOT / "optimizers").glob("*.yaml")}
+    for argv in plan_commands("1", "2", "3"):
+        env, cmd = split_env(argv)
+        if cmd[0] == "bash":  # a run script: it must read every variable it is given
+            script = ROOT / cmd[1]
+            assert script.is_file(), cmd[1]
+            text = script_text(script)
+            for name in env:
+                # (as $NAME / ${NAME...} in the shell, or os.environ's 'NAME' in its Python)
+                assert re.search(r"\$\{?" + name + r"\b|['\"]" + name + r"['\"]", text), f"{cmd[1]} does not read {name}"
+        else:  # python3 <script> <flags>
+            assert cmd[0] == "python3", cmd
+            script = ROOT / cmd[1]
+            assert script.is_file(), cmd[1]
+            flags = python_flags(script)
+            for arg in cmd[2:]:
+                if arg.startswith("--"):
+                    assert arg in flags, f"{cmd[1]} has no {arg}"
+        for name, value in env.items():
+            if name == "SWEEP_ABS":
+                for ab in value.split(";"):
+                    names, regex = ab.split("@", 1)
+                    for switch in switch_names(names):
+                        assert is_read(switch, switches), switch
+                    assert picks(regex, sweep_names) > 0, f"{regex!r} picks no sweep cell"
+            elif name in ("NCU_AB", "VBE_AB"):
+                for switch in switch_names(value):
+                    assert is_read(switch, switches), switch
+            elif name in ("NCU_ONLY", "PROFILE_ONLY"):
+                assert picks(value, sweep_names) > 0, f"{name}={value!r} picks no sweep cell"
+            elif name == "TEST_FILES":
+                for f in value.split():
+                    assert (ROOT / f).is_file(), f
+            elif name == "BUILD_SPECS":
+                assert set(value.split()) <= specs, value
+            elif name == "CACHE_OPTS":  # bench_cache.py's options (run_gpu.sh passes them on)
+                flags = python_flags(ROOT / "benchmarks" / "bench_cache.py")
+                opts = value.split()
+                for k, arg in enumerate(opts):
+                    if arg.startswith("--"):
+                        assert arg in flags, f"bench_cache.py has no {arg}"
+                    if arg == "--variant":
+                        for switch in switch_names(opts[k + 1]):
+                            assert is_read(switch, switches), switch
+
+
+def test_the_ab_regexes_pick_the_cells_the_notes_say(sweep_names):
+    """NOTES-gpu's plan: 16, 4, 4, 20, 20, 4 and 4 cells (a change to the sweep's shapes that
+    moved them would be noticed here, not on the GPU)."""
+    (argv,) = plan_commands("2")
+    env, _ = split_env(argv)
+    counts = [picks(ab.split("@", 1)[1], sweep_names) for ab in env["SWEEP_ABS"].split(";")]
+    assert counts == [16, 4, 4, 20, 20, 4, 4]
