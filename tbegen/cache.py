@@ -154,7 +154,7 @@ class RowCache:
 
     def __init__(self, layout, placements: Sequence[str], sizes: Sequence[int], algorithm: str,
                  element_sizes: Sequence[int], row_sizes: Sequence[int], device: torch.device,
-                 row_copy=None, row_exchange=None):
+                 row_copy=None, row_exchange=None, key_sort=None):
         if algorithm not in CACHE_ALGORITHMS:
             raise ValueError(f"tbegen: cache_algorithm must be one of {list(CACHE_ALGORITHMS)}, got {algorithm!r}")
         self.algorithm = algorithm
@@ -232,6 +232,9 @@ class RowCache:
         # Its _exchange_rows operator, or None: with TBEGEN_CACHE_EXCHANGE=1 a fill writes each
         # victim's old row back and loads the new one in one kernel per buffer (see _exchange_grid).
         self._exchange_op = row_exchange
+        # Its _sort_keys operator (cache_sort_cuda.cuh), or None: prepare's sort of the batch's keys
+        # then is torch.sort (see _key_sort_bits).
+        self._key_sort_op = key_sort
         # LFU: at least every access count (the sum of all counted accesses; the counts only grow
         # and are kept across moves): bounds the victim order's sort key
         self._count_bound = 0
@@ -336,6 +339,7 @@ class RowCache:
         self._writeback_pending = False
         self._row_copy_blocks = self._copy_blocks(device)
         self._exchange_blocks = self._exchange_grid(device)
+        self._key_sort_bits = self._key_sort_width(device)
 
     def _copy_blocks(self, device: torch.device) -> int:
         """The grid bound of each row copy on CUDA (_copy_rows), or 0 where the rows move with
@@ -366,6 +370,25 @@ class RowCache:
         if flag != "1" or not self._row_copy_blocks or self._exchange_op is None:
             return 0
         return 2 * self._row_copy_blocks
+
+    def _key_sort_width(self, device: torch.device) -> int:
+        """The key bits prepare's sort reads with the runtime's _sort_keys (on CUDA: the bits of the
+        largest key, nr + _SENT_KEEP; C2's 32 M rows: 25 bits, three radix passes instead of
+        torch.sort's four of a 32-bit key, and int32 positions instead of int64), or 0 where it
+        sorts with torch.sort (the CPU, a build without the operator, TBEGEN_CACHE_KEY_SORT=0: the
+        way back). Either way the same stable order: the same sorted keys and permutation."""
+        flag = os.environ.get("TBEGEN_CACHE_KEY_SORT", "")
+        if flag not in ("", "0", "1"):
+            raise ValueError(f"tbegen: TBEGEN_CACHE_KEY_SORT must be 0 or 1 (or unset), got {flag!r}")
+        if device.type != "cuda" or self._key_sort_op is None or flag == "0":
+            return 0
+        return (self.num_rows + _SENT_KEEP).bit_length()
+
+    def _sort_keys(self, keys: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """`keys` sorted stably, and each sorted key's position (int64, or int32 from _sort_keys)."""
+        if self._key_sort_bits and keys.numel() < 2 ** 31 - 1:
+            return self._key_sort_op(keys, self._key_sort_bits)
+        return torch.sort(keys, stable=True)
 
     def to(self, device: torch.device) -> None:
         """Moves the cache's bookkeeping to `device`, empty (flush first: the slots' contents are
@@ -905,7 +928,7 @@ class RowCache:
         while True:  # (twice when a compact table overflows its cache: then without its indices)
             # The batch's distinct rows, without a data-sized output: the keys sorted (those not
             # looked up last), each distinct key's first entry marked.
-            sk, perm = torch.sort(keys, stable=True)
+            sk, perm = self._sort_keys(keys)
             first = torch.cat([self._true1, sk[1:] != sk[:-1]])
             slot_k = self._row_slot_ext.index_select(0, sk)  # (int32; -1 for keys not looked up)
             miss_k = slot_k < 0
@@ -1075,7 +1098,7 @@ class RowCache:
         out = indices.clone()
         lo, hi = bad_direct
         if hi > lo:
-            out.index_fill_(0, perm[lo:hi], -1)
+            out.index_fill_(0, perm[lo:hi].to(torch.int64), -1)  # (index_fill_ takes int64 only)
         return out
 
     def _compact(self, mask: torch.Tensor, k: int) -> torch.Tensor:

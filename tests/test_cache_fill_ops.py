@@ -30,7 +30,7 @@ def _pair(monkeypatch, tables, **kw):
     """Two modules, one with the new cache and one with the frozen previous one."""
     new = TableBatchedEmbeddingBags(tables, **kw)
     with monkeypatch.context() as m:
-        m.setattr(cache_, "RowCache", lambda *a, **k: _cache_fill_reference.RowCache(*a, **k))
+        m.setattr(cache_, "RowCache", lambda *a, key_sort=None, **k: _cache_fill_reference.RowCache(*a, **k))
         old = TableBatchedEmbeddingBags(tables, **kw)
     assert isinstance(old._cache, _cache_fill_reference.RowCache) and type(new._cache) is cache_.RowCache
     for (x, _), (y, _) in zip(new._cache_buffers(), old._cache_buffers()):

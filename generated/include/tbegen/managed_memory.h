@@ -56,6 +56,11 @@
 //       slot is outside the tensor is skipped. `rows` 2-D with contiguous rows on a CUDA device
 //       (backing rows and slots in one tensor); the three index tensors int64, one entry each per
 //       victim; the caller's rows never overlap. At most max_blocks blocks (0: no bound).
+//   _sort_keys(Tensor keys, int end_bit) -> (Tensor, Tensor)
+//       the row cache's sort of a batch's keys (cache_sort_cuda.cuh): the keys (contiguous 1-D
+//       int32 or int64, each in [0, 2^end_bit)) sorted ascending and stably on their bits
+//       [0, end_bit), and each sorted key's position in `keys` as int32: the same sequence and
+//       permutation as torch.sort(keys, stable=True), with fewer passes and half-size positions.
 #pragma once
 
 namespace torch {
@@ -65,7 +70,7 @@ class Library;
 namespace tbegen {
 namespace cuda {
 
-// m.def(...) of the nine operators above, with their (device-independent) implementations, in a
+// m.def(...) of the ten operators above, with their (device-independent) implementations, in a
 // TORCH_LIBRARY_FRAGMENT(ns, m) block.
 void define_managed_memory_ops(torch::Library& m);
 

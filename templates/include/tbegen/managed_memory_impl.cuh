@@ -28,6 +28,7 @@
 
 #include "tbegen/host.h"
 #include "tbegen/managed_memory.h"
+#include "tbegen/cache_sort_cuda.cuh"
 #include "tbegen/row_copy_cuda.cuh"
 
 namespace tbegen {
@@ -610,6 +611,7 @@ void define_managed_memory_ops(torch::Library& m) {
         &row_copy::copy_rows);
   m.def("_exchange_rows(Tensor(a!) rows, Tensor slot_rows, Tensor? out_rows, Tensor in_rows, int max_blocks) -> ()",
         &row_copy::exchange_rows);
+  m.def("_sort_keys(Tensor keys, int end_bit) -> (Tensor, Tensor)", &cache_sort::sort_keys);
 }
 
 }  // namespace cuda
