@@ -378,6 +378,14 @@ def test_cache_sizes_and_refusals():
         TableBatchedEmbeddingBags(TABLES, optimizer="none", placements=MIXED)
 
 
+def bad_index_batches(tables):
+    """Three batches of one bag per feature (B = 1) with out-of-range indices of the first and the
+    last table (the last batch has no index of table 0 in range), for bounds_check_mode "warn"."""
+    offsets = torch.tensor([0, 2, 2, 3], dtype=torch.int64)
+    width = sum(D for _, D in tables)
+    return [[torch.tensor(i), offsets, None, torch.ones(1, width)] for i in ([3, 40, 7], [-1, 3, 7], [40, -1, 16])]
+
+
 def test_bad_index_of_a_cached_table():
     emb = TableBatchedEmbeddingBags(TABLES, optimizer="sgd", placements=MIXED, cache_rows=12)
     offsets = torch.tensor([0, 2, 2, 3], dtype=torch.int64)  # B = 1
@@ -388,8 +396,7 @@ def test_bad_index_of_a_cached_table():
     # of table 0 in range, and one of table 2 out of range (direct and compact tables)
     kw = dict(optimizer="sgd", bounds_check_mode="warn", learning_rate=0.5)
     for tables in (TABLES, COMPACT_TABLES):
-        width = sum(D for _, D in tables)
-        data = [[torch.tensor(i), offsets, None, torch.ones(1, width)] for i in ([3, 40, 7], [-1, 3, 7], [40, -1, 16])]
+        data = bad_index_batches(tables)
         with pytest.warns(RuntimeWarning, match="skipped"):
             device = train(TableBatchedEmbeddingBags(tables, **kw), data)
         with pytest.warns(RuntimeWarning, match="skipped"):

@@ -16,8 +16,8 @@ import torch
 
 from tbegen.module import TableBatchedEmbeddingBags
 
-from test_cache import BIG, COMPACT_TABLES, GPU_MIXED, MIXED, TABLES, assert_same_tables, batches, train, train_both
-from test_row_copy import CACHED_CASES, cached_pair
+from test_cache import COMPACT_TABLES, MIXED, TABLES, assert_same_tables, bad_index_batches, train, train_both
+from test_row_copy import CACHED_CASES, cached_pair, train_switch_both_ways
 
 cuda = pytest.mark.cuda
 
@@ -59,11 +59,9 @@ def test_bad_indices_through_the_operator_like_device():
     """Out-of-range indices of direct and compact cached tables (bounds_check_mode "warn"): their
     sorted positions (int32 from the operator) mark the ones the kernels skip, as with device
     placement."""
-    offsets = torch.tensor([0, 2, 2, 3], dtype=torch.int64)
     kw = dict(optimizer="sgd", bounds_check_mode="warn", learning_rate=0.5)
     for tables in (TABLES, COMPACT_TABLES):
-        width = sum(D for _, D in tables)
-        data = [[torch.tensor(i), offsets, None, torch.ones(1, width)] for i in ([3, 40, 7], [-1, 3, 7], [40, -1, 16])]
+        data = bad_index_batches(tables)
         with pytest.warns(RuntimeWarning, match="skipped"):
             device = train(TableBatchedEmbeddingBags(tables, **kw), data)
         cached = with_key_sort(TableBatchedEmbeddingBags(tables, placements=MIXED, cache_rows=12, **kw),
@@ -149,17 +147,5 @@ def test_cuda_sort_keys_refuses_bad_arguments():
     ("rowwise_adagrad", torch.float16, "lfu"),
 ])
 def test_cuda_cached_training_with_the_key_sort_like_without(monkeypatch, optimizer, dtype, algorithm):
-    data = batches(BIG, 6, B=64, L=8, seed=13, device="cuda", weighted=True)
-    kw = dict(optimizer=optimizer, weights_dtype=dtype, device="cuda", learning_rate=0.05, stochastic_rounding=False)
-    modules = {}
-    for flag in ("0", "1"):
-        monkeypatch.setenv("TBEGEN_CACHE_KEY_SORT", flag)
-        modules[flag] = TableBatchedEmbeddingBags(BIG, placements=GPU_MIXED, cache_rows=1000, cache_algorithm=algorithm, **kw)
-    assert modules["1"]._cache._key_sort_bits > 0 and modules["0"]._cache._key_sort_bits == 0
-    device = TableBatchedEmbeddingBags(BIG, **kw)
-    train_both(device, modules["1"], data)
-    train_both(TableBatchedEmbeddingBags(BIG, **kw), modules["0"], data)
-    torch.cuda.synchronize()
-    assert_same_tables(device, modules["1"])
-    assert_same_tables(modules["0"], modules["1"])
-    assert modules["1"].cache_stats() == modules["0"].cache_stats()
+    _, off, on = train_switch_both_ways(monkeypatch, "TBEGEN_CACHE_KEY_SORT", optimizer, dtype, algorithm)
+    assert on._cache._key_sort_bits > 0 and off._cache._key_sort_bits == 0

@@ -40,6 +40,26 @@ def copy_rows_reference(dst, dst_rows, src, src_rows, max_blocks, calls=None):
         dst[dst_rows] = moved
 
 
+def train_switch_both_ways(monkeypatch, switch, optimizer, dtype, algorithm):
+    """(device-placed module, cached module made with `switch`=0, cached module made with =1), all
+    three trained on the same CUDA batches, the cached ones beside a device-placed twin each: for a
+    cache switch's test that it changes nothing but speed (equal tables, equal statistics)."""
+    data = batches(BIG, 6, B=64, L=8, seed=13, device="cuda", weighted=True)
+    kw = dict(optimizer=optimizer, weights_dtype=dtype, device="cuda", learning_rate=0.05, stochastic_rounding=False)
+    device = TableBatchedEmbeddingBags(BIG, **kw)
+    modules = {}
+    for flag in ("0", "1"):
+        monkeypatch.setenv(switch, flag)
+        modules[flag] = TableBatchedEmbeddingBags(BIG, placements=GPU_MIXED, cache_rows=1000, cache_algorithm=algorithm, **kw)
+    train_both(device, modules["1"], data)
+    train_both(TableBatchedEmbeddingBags(BIG, **kw), modules["0"], data)
+    torch.cuda.synchronize()
+    assert_same_tables(device, modules["1"])
+    assert_same_tables(modules["0"], modules["1"])
+    assert modules["1"].cache_stats() == modules["0"].cache_stats()
+    return device, modules["0"], modules["1"]
+
+
 def with_row_copy(module, op, blocks=3):
     """The module's cache moving its rows through `op` (what it does on CUDA unless TBEGEN_CACHE_ROW_COPY=0)."""
     module._cache._row_copy_op = op

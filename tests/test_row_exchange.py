@@ -18,8 +18,9 @@ import torch
 
 from tbegen.module import TableBatchedEmbeddingBags
 
-from test_cache import BIG, GPU_MIXED, MIXED, TABLES, assert_same_tables, batches, train_both
-from test_row_copy import CACHED_CASES, ROW_SHAPES, cached_pair, copy_rows_reference, with_row_copy
+from test_cache import MIXED, TABLES, assert_same_tables, batches, train_both
+from test_row_copy import (CACHED_CASES, ROW_SHAPES, cached_pair, copy_rows_reference, train_switch_both_ways,
+                           with_row_copy)
 
 cuda = pytest.mark.cuda
 
@@ -253,18 +254,6 @@ def test_cuda_exchange_rows_refuses_bad_arguments():
     ("rowwise_adagrad", torch.float16, "lru"),
 ])
 def test_cuda_cached_training_with_the_exchange_like_without(monkeypatch, optimizer, dtype, algorithm):
-    data = batches(BIG, 6, B=64, L=8, seed=13, device="cuda", weighted=True)
-    kw = dict(optimizer=optimizer, weights_dtype=dtype, device="cuda", learning_rate=0.05, stochastic_rounding=False)
-    device = TableBatchedEmbeddingBags(BIG, **kw)
-    modules = {}
-    for flag in ("0", "1"):
-        monkeypatch.setenv("TBEGEN_CACHE_EXCHANGE", flag)
-        modules[flag] = TableBatchedEmbeddingBags(BIG, placements=GPU_MIXED, cache_rows=1000, cache_algorithm=algorithm, **kw)
-    assert modules["1"]._cache._exchange_blocks > 0 and modules["0"]._cache._exchange_blocks == 0
-    train_both(device, modules["1"], data)
-    train_both(TableBatchedEmbeddingBags(BIG, **kw), modules["0"], data)
-    torch.cuda.synchronize()
-    assert_same_tables(device, modules["1"])
-    assert_same_tables(modules["0"], modules["1"])
-    assert modules["1"].cache_stats() == modules["0"].cache_stats()
-    assert modules["1"].cache_stats()["rows_written_back"] > 0
+    _, off, on = train_switch_both_ways(monkeypatch, "TBEGEN_CACHE_EXCHANGE", optimizer, dtype, algorithm)
+    assert on._cache._exchange_blocks > 0 and off._cache._exchange_blocks == 0
+    assert on.cache_stats()["rows_written_back"] > 0
