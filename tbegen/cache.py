@@ -229,8 +229,8 @@ class RowCache:
         # The CUDA extension's _copy_rows operator (managed_memory.h), or None: the rows then move
         # with torch's index kernels. Used on CUDA unless TBEGEN_CACHE_ROW_COPY=0 (see _copy_blocks).
         self._row_copy_op = row_copy
-        # Its _exchange_rows operator, or None: with TBEGEN_CACHE_EXCHANGE=1 a fill writes each
-        # victim's old row back and loads the new one in one kernel per buffer (see _exchange_grid).
+        # Its _exchange_rows operator, or None: on CUDA (unless TBEGEN_CACHE_EXCHANGE=0) a fill writes
+        # each victim's old row back and loads the new one in one kernel per buffer (_exchange_grid).
         self._exchange_op = row_exchange
         # Its _sort_keys operator (cache_sort_cuda.cuh), or None: prepare's sort of the batch's keys
         # then is torch.sort (see _key_sort_bits).
@@ -358,16 +358,18 @@ class RowCache:
 
     def _exchange_grid(self, device: torch.device) -> int:
         """The grid bound of the fill's exchange (_exchange_rows, row_copy_cuda.cuh), or 0 where the
-        fill makes two copies, the write-back on a side stream beside the loads (the default).
-        TBEGEN_CACHE_EXCHANGE=1 (opt-in until measured on a GPU: issue 27, benchmarks/NOTES-gpu.md
-        "Cache: the fill's two directions in one kernel") on CUDA with the row copy on: each
-        victim slot's old row and the row that replaces it move in the same warp, one kernel per
-        buffer, on the SMs that the two copies share today (half each). Unset, empty or "0": off;
-        anything else is refused. The same rows move either way, bit for bit."""
+        fill makes two copies, the write-back on a side stream beside the loads. On CUDA with the
+        row copy on, the exchange is the default: each victim slot's old row and the row that
+        replaces it move in the same warp, one kernel per buffer, on the SMs that the two copies
+        shared (half each). Measured (docs/gpu-runs/2026-12-05-landing9, H100, C2 rowwise_adagrad,
+        the same run): the cached step 36.17 -> 31.62 ms in-step at 5% (FBGEMM 37.84), 21.62 ->
+        19.23 at 20% (FBGEMM 28.23); pipelined 37.67 -> 35.27 and 21.09 -> 19.42.
+        TBEGEN_CACHE_EXCHANGE=0 takes the two copies (the way back); unset, empty or "1": the
+        exchange; anything else is refused. The same rows move either way, bit for bit."""
         flag = os.environ.get("TBEGEN_CACHE_EXCHANGE", "")
         if flag not in ("", "0", "1"):
             raise ValueError(f"tbegen: TBEGEN_CACHE_EXCHANGE must be 0 or 1 (or unset), got {flag!r}")
-        if flag != "1" or not self._row_copy_blocks or self._exchange_op is None:
+        if flag == "0" or not self._row_copy_blocks or self._exchange_op is None:
             return 0
         return 2 * self._row_copy_blocks
 
@@ -585,7 +587,7 @@ class RowCache:
 
     def _exchange(self, buffers, c: torch.Tensor, slots: torch.Tensor, out_rows: Optional[torch.Tensor],
                   in_rows: torch.Tensor, per_table: Sequence[int]) -> None:
-        """The fill's moves in one kernel per buffer (TBEGEN_CACHE_EXCHANGE=1 on CUDA: _exchange_rows,
+        """The fill's moves in one kernel per buffer (the default on CUDA: _exchange_rows,
         row_copy_cuda.cuh): for each victim, local slot `slots[i]` of cached table c[i], its old
         row `out_rows[i]` (a local row of the table; -1 where the slot holds none; `out_rows` None:
         nothing is written back) goes to its backing row and backing row `in_rows[i]` arrives in
@@ -1275,12 +1277,12 @@ class RowCache:
             self._device_stats[:2].add_(written.sum() * self._row_and_bytes)
         else:
             self._device_stats[:2].add_(torch.stack([written.sum(), (written * T["row_bytes"][mT]).sum()]))
-        # By default the evicted rows are gathered out of their slots (GPU memory to GPU memory),
-        # then written to their backing rows on a side stream while the new rows load on this one:
-        # the two cross the host link in opposite directions at once, and touch different backing
-        # rows (an evicted row is resident, a loaded one is not). This stream waits for both. With
-        # TBEGEN_CACHE_EXCHANGE=1 one kernel per buffer does both for each victim (_exchange; `old`
-        # is -1 for an empty slot: nothing written back for it).
+        # On CUDA, by default, one kernel per buffer writes each victim's old row back and loads
+        # its new row (_exchange; `old` is -1 for an empty slot: nothing written back for it).
+        # Otherwise (the CPU, TBEGEN_CACHE_EXCHANGE=0) two copies: the evicted rows are gathered
+        # out of their slots, then written to their backing rows on a side stream while the new
+        # rows load on this one (opposite directions of the host link, different backing rows: an
+        # evicted row is resident, a loaded one is not); this stream waits for both.
         exchange = self._exchange_blocks > 0
         staged: list = []
         # (where the cache is full, the write-back and the loads are of the same tables and slots:

@@ -1,4 +1,4 @@
-"""The row cache's fill through `_exchange_rows` (TBEGEN_CACHE_EXCHANGE=1; the kernel in
+"""The row cache's fill through `_exchange_rows` (the default on CUDA, TBEGEN_CACHE_EXCHANGE=0 the way back; the kernel in
 templates/include/tbegen/row_copy_cuda.cuh, the cache's side in tbegen/cache.py, RowCache._exchange):
 each victim slot's old row is written back and the missed row loaded into it by one kernel, so
 that both directions of the host link are busy in every warp, with no staging copy and no side
@@ -51,7 +51,7 @@ def exchange_rows_reference(rows, slot_rows, out_rows, in_rows, max_blocks, call
 
 
 def with_exchange(module, op, blocks=3):
-    """The module's cache filling its slots through `op` (what TBEGEN_CACHE_EXCHANGE=1 does on CUDA);
+    """The module's cache filling its slots through `op` (what it does on CUDA unless TBEGEN_CACHE_EXCHANGE=0);
     its other moves (flush, drop) through a stand-in of _copy_rows."""
     with_row_copy(module, copy_rows_reference, blocks)
     module._cache._exchange_op = op
@@ -156,7 +156,8 @@ def test_a_wrong_exchange_is_caught():
 
 
 def test_fills_without_the_exchange_do_not_call_it():
-    """The default (switch off): the fills move rows with _copy_rows, never the exchange."""
+    """Without the exchange (the CPU, TBEGEN_CACHE_EXCHANGE=0): the fills move rows with _copy_rows,
+    never the exchange."""
     data = batches(TABLES, 6, seed=14)
     kw = dict(optimizer="sgd", learning_rate=0.05)
     device = TableBatchedEmbeddingBags(TABLES, **kw)
@@ -168,8 +169,12 @@ def test_fills_without_the_exchange_do_not_call_it():
     assert not called and cached.cache_stats()["rows_written_back"] > 0
 
 
-def test_off_on_the_cpu(monkeypatch):
-    monkeypatch.setenv("TBEGEN_CACHE_EXCHANGE", "1")
+@pytest.mark.parametrize("value", [None, "1"])  # (the default, and asked for)
+def test_off_on_the_cpu(monkeypatch, value):
+    if value is None:
+        monkeypatch.delenv("TBEGEN_CACHE_EXCHANGE", raising=False)
+    else:
+        monkeypatch.setenv("TBEGEN_CACHE_EXCHANGE", value)
     emb = TableBatchedEmbeddingBags(TABLES, optimizer="sgd", placements=MIXED, cache_rows=12)
     assert emb._cache._exchange_blocks == 0  # (no such operator in a CPU build, and a CPU device)
 
