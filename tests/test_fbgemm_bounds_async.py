@@ -117,9 +117,13 @@ def test_cuda_bounds_check_waits_for_nothing_and_matches_the_cpu(mode):
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 want = cpu(idx, offsets)
+            # (on the GPU before the check: a copy from pageable host memory is itself a wait,
+            # the caller's, not the forward's; landing9 failed here for that)
+            idx, offsets = idx.cuda(), offsets.cuda()
+            torch.cuda.synchronize()
             torch.cuda.set_sync_debug_mode("error")
             try:
-                got = gpu(idx.cuda(), offsets.cuda())
+                got = gpu(idx, offsets)
             finally:
                 torch.cuda.set_sync_debug_mode("default")
             torch.testing.assert_close(got.cpu(), want, rtol=1e-6, atol=1e-6)
