@@ -598,50 +598,38 @@ class RowCache:
         if in_rows.numel() == 0:
             return
         T = self._t
-        int8_rows = any(per == "int8 rows" for _, per in buffers)
+        kinds = tuple(k for k in self._KINDS if any(per == k for _, per in buffers))
         for D in self._dims:
-            if len(self._dims) == 1:
-                sel = None
-            else:
+            sel = None
+            if len(self._dims) > 1:
                 n = sum(k for k, d in zip(per_table, self.dims) if d == D)
                 if n == 0:
                     continue
                 sel = self._compact(T["D"][c] == D, n)
             cc, ss, ii = (c, slots, in_rows) if sel is None else (c[sel], slots[sel], in_rows[sel])
             oo = out_rows if out_rows is None or sel is None else out_rows[sel]
-            slot = T["slot_woff"][cc] + ss * D
-            back_in = T["back_woff"][cc] + ii * D
-            back_out = None if oo is None else torch.where(oo >= 0, T["back_woff"][cc] + oo * D, -1)
-            self._exchange_runs(buffers, "element", slot, back_out, back_in, D, self._units[("element", D)])
-            if int8_rows:
-                q = QPARAM_BYTES
-                slot_bytes = slot + q * (T["slot_kbase"][cc] + ss)
-                in_bytes = back_in + q * (T["back_kbase"][cc] + ii)
-                out_bytes = None if oo is None else torch.where(
-                    oo >= 0, T["back_woff"][cc] + oo * D + q * (T["back_kbase"][cc] + oo), -1)
-                self._exchange_runs(buffers, "int8 rows", slot_bytes, out_bytes, in_bytes, D + q,
-                                    self._units[("int8 rows", D)])
-        row_buffers = [buf for buf, per in buffers if per == "row"]
-        if row_buffers:
-            slot = T["slot_kbase"][c] + slots
-            back_in = T["back_kbase"][c] + in_rows
-            back_out = None if out_rows is None else torch.where(out_rows >= 0, T["back_kbase"][c] + out_rows, -1)
-            for buf in row_buffers:  # (a per-row state: rows of one entry)
-                self._exchange_op(buf.view(-1, 1), slot, back_out, back_in, self._exchange_blocks)
+            # each row's first unit in every layout kind's units, as _move places them (_run_tables)
+            bases, per_row, units = self._run_tables(kinds, D)
+            got = bases.index_select(1, cc).split(len(kinds))
+            slot = torch.addcmul(got[1], per_row, ss).unbind(0)
+            back_in = torch.addcmul(got[0], per_row, ii).unbind(0)
+            # (a slot without a row to write back: -1 in every kind)
+            back_out = ((None,) * len(kinds) if oo is None else
+                        torch.where(oo >= 0, torch.addcmul(got[0], per_row, oo.clamp(min=0)), -1).unbind(0))
+            for j, kind in enumerate(kinds):
+                self._exchange_runs(buffers, kind, slot[j], back_out[j], back_in[j], units[j][1], units[j][0])
 
     def _exchange_runs(self, buffers, kind: str, slot: torch.Tensor, back_out: Optional[torch.Tensor],
-                       back_in: torch.Tensor, width: int, unit: int) -> None:
-        """_exchange for the buffers of layout `kind`: the runs of `width` entries at `slot`,
-        `back_out` (-1: none) and `back_in`, each buffer viewed as rows of `unit` entries (as
-        _copy_runs views them), a run being `width // unit` of those rows."""
+                       back_in: torch.Tensor, per_run: int, unit: int) -> None:
+        """_exchange for the buffers of layout `kind`, each viewed as rows of `unit` entries (as
+        _copy_runs views them): the runs of `per_run` such rows from the first rows `slot`,
+        `back_out` (-1: none) and `back_in`."""
         targets = [buf for buf, per in buffers if per == kind]
         if not targets:
             return
-        per_run = width // unit
         parts = torch.arange(per_run, device=self.device) if per_run > 1 else None
 
-        def unit_rows(start: torch.Tensor) -> torch.Tensor:
-            first = start // unit
+        def unit_rows(first: torch.Tensor) -> torch.Tensor:
             return first if parts is None else (first[:, None] + parts).reshape(-1)
 
         s, i = unit_rows(slot), unit_rows(back_in)
