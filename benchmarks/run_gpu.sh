@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Everything the GPU machine checks, in one command (the device tool runs it from the repo root):
-#   benchmarks/run_gpu.sh [build] [diag] [tests] [sanitize] [bench] [profile] [fbgemm] [placements] [cache] [sweep] [large]
-#   (default: all but profile, placements, cache, sweep and large). Narrower runs: BUILD_SPECS="sgd adam" builds only those;
-#   TEST_FILES and TBEGEN_TEST_OPTIMIZERS="sgd adam" (see tests/conftest.py) narrow the tests step;
+#   benchmarks/run_gpu.sh [build] [diag] [tests] [sanitize] [bench] [profile] [fbgemm] [placements] [referee] [cache] [sweep] [large]
+#   (default: all but profile, placements, referee, cache, sweep and large). Narrower runs: BUILD_SPECS="sgd adam" builds only those;
+#   TEST_FILES, TEST_MARK=cuda and TBEGEN_TEST_OPTIMIZERS="sgd adam" (see tests/conftest.py) narrow the tests step;
 #   BENCH_OPTS=sgd,adam the bench step.
 # Logs and results go to $OUT (default /tmp/tbegen-gpu-out). See docs/gpu-results.md.
 # The device tool brings back at most 8 files a call: run `build diag tests sanitize` in one call
@@ -47,7 +47,7 @@ if has tests; then
   xdist=$(python3 -c "import xdist" 2>/dev/null && echo "-n ${XDIST:-12}")
   timeout_opt=$(python3 -c "import pytest_timeout" 2>/dev/null && echo "--timeout 300")
   OMP_NUM_THREADS=2 TBEGEN_RESULTS_DIR="$OUT" timeout ${TESTS_TIMEOUT:-480} python3 -m pytest \
-    ${TEST_FILES:-tests/test_cuda.py tests/test_module.py tests/test_placements.py tests/test_cache.py tests/test_any_width.py tests/test_state_dtypes.py tests/test_int_states.py tests/test_bad_input.py tests/test_cuda_lane_split.py} -q -p no:cacheprovider $xdist $timeout_opt \
+    ${TEST_FILES:-tests/test_cuda.py tests/test_module.py tests/test_placements.py tests/test_cache.py tests/test_any_width.py tests/test_state_dtypes.py tests/test_int_states.py tests/test_bad_input.py tests/test_cuda_lane_split.py} ${TEST_MARK:+-m $TEST_MARK} -q -p no:cacheprovider $xdist $timeout_opt \
     > "$OUT/pytest_cuda.log" 2>&1 || status=1
   grep -E "^(FAILED|ERROR)|passed|failed|crashed" "$OUT/pytest_cuda.log" | tail -n 30
   python3 benchmarks/summarize_results.py "$OUT" | tee "$OUT/numerics_table.md"
@@ -85,6 +85,21 @@ if has placements; then
     grep -E "fbgemm|tbegen" "$OUT/placements.log" | grep -vi "compat table" | tail -n 20
   else
     echo "placements: .anchor/bundle not carried; FBGEMM's MANAGED skipped" | tee -a "$OUT/placements.log"
+  fi
+fi
+if has referee; then
+  # issue 27's record: the referee's own --placements run (bench_tbe.py), FBGEMM's and tbegen's
+  # managed_caching at each fraction of C2's rows in one process, on fresh batches (the issue's
+  # command). REFEREE_PLACEMENTS (default cache:0.05,cache:0.1,cache:0.2), REFEREE_OPTS (default
+  # EXACT_SGD,EXACT_ROWWISE_ADAGRAD). Into $OUT/referee (results.jsonl, env.json) and referee.log.
+  if [ -d .anchor/bundle ] && python3 .anchor/unpack_bundle.py .anchor/bundle /tmp/fbg_site > /dev/null 2>&1; then
+    PYTHONPATH=/tmp/fbg_site:$PYTHONPATH CUDA_MODULE_LOADING=LAZY timeout ${REFEREE_TIMEOUT:-420} python3 .anchor/bench_tbe.py \
+      --configs C2 --systems fbgemm,tbegen --placements ${REFEREE_PLACEMENTS:-cache:0.05,cache:0.1,cache:0.2} \
+      --opts ${REFEREE_OPTS:-EXACT_SGD,EXACT_ROWWISE_ADAGRAD} --nsets 40 --warmup 20 --iters 20 --fast-init \
+      --budget-s $(( ${REFEREE_TIMEOUT:-420} - 40 )) --out "$OUT/referee" > "$OUT/referee.log" 2>&1 || status=1
+    grep -E "fbgemm|tbegen|hit" "$OUT/referee.log" | grep -vi "compat table" | tail -n 30
+  else
+    echo "referee: .anchor/bundle not carried; skipped" | tee -a "$OUT/referee.log"
   fi
 fi
 if has cache; then

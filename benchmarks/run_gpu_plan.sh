@@ -7,7 +7,9 @@
 #   bash benchmarks/run_gpu_plan.sh 2   # the kernel A/Bs beside FBGEMM (issue 29) and the VBE table (issue 25) (~9 min)
 #   bash benchmarks/run_gpu_plan.sh 3   # the cache (issue 27): the host-row probe, then bench_cache, the default beside
 #                                       # TBEGEN_CACHE_EXCHANGE=0 and FBGEMM at 10, 20, 5% (~9 min; CACHE_OPTIMIZER=sgd)
-#   DRY_RUN=1 bash benchmarks/run_gpu_plan.sh 1 2 3   # print the commands only (tests/test_gpu_plan.py reads them:
+#   bash benchmarks/run_gpu_plan.sh 4   # issue 27's record: the referee's --placements run, sgd and rowwise_adagrad at
+#                                       # 5, 10, 20%, after the CUDA tests of the cache and what changed since landing9
+#   DRY_RUN=1 bash benchmarks/run_gpu_plan.sh 1 2 3 4   # print the commands only (tests/test_gpu_plan.py reads them:
 #                                                      # every script, flag, switch and sweep regex they name exists)
 # Results under $OUT as the scripts called write them (run_gpu_landing.sh, run_gpu_ab.sh, run_gpu.sh).
 set -u
@@ -40,6 +42,12 @@ SWEEP_ABS=$(IFS=';'; echo "${SWEEP_ABS_LIST[*]}")
 CACHE_VARIANTS="--variant TBEGEN_CACHE_EXCHANGE=0"
 CACHE_OPTS_PLAN="--cache 0.1,0.2,0.05 --optimizer ${CACHE_OPTIMIZER:-rowwise_adagrad} --pipelined $CACHE_VARIANTS --warmup 6 --iters 8"
 
+# call 4's tests: the cache's CUDA tests (the exchange through _run_tables, 4ef64b2) and landing9's
+# four failures (fixed in 28c975a), with the four benchmarked optimizers only
+CHECK_FILES="tests/test_cache.py tests/test_cache_fill_ops.py tests/test_cache_iota_streams.py tests/test_cache_key_sort.py \
+tests/test_cache_prepare_ops.py tests/test_cache_syncs.py tests/test_cache_timeline.py tests/test_fbgemm_bounds_async.py \
+tests/test_host_huge.py tests/test_host_huge_fork.py tests/test_row_copy.py tests/test_row_exchange.py"
+
 call1() {
   run env BENCH=0 SWEEP=0 PROFILE= GROUPS_AB=0 NCU=0 CACHE_BENCH=0 DEADLINE=570 bash benchmarks/run_gpu_landing.sh
 }
@@ -57,14 +65,20 @@ call3() {
   run env BUILD_SPECS="rowwise_adagrad sgd" CACHE_TIMEOUT=400 CACHE_OPTS="$CACHE_OPTS_PLAN" bash benchmarks/run_gpu.sh build cache
 }
 
-[ $# -gt 0 ] || { sed -n '2,12p' "$0"; exit 2; }
+call4() {
+  run env BUILD_SPECS="sgd rowwise_adagrad adagrad adam" TEST_FILES="$CHECK_FILES" TEST_MARK=cuda TBEGEN_TEST_OPTIMIZERS="sgd rowwise_adagrad adagrad adam" \
+    TESTS_TIMEOUT=150 REFEREE_TIMEOUT=330 bash benchmarks/run_gpu.sh build tests referee
+}
+
+[ $# -gt 0 ] || { sed -n '2,14p' "$0"; exit 2; }
 status=0
 for call in "$@"; do
   case "$call" in
     1) call1 || status=1 ;;
     2) call2 || status=1 ;;
     3) call3 || status=1 ;;
-    *) echo "run_gpu_plan.sh: no call '$call' (1, 2 or 3)" >&2; exit 2 ;;
+    4) call4 || status=1 ;;
+    *) echo "run_gpu_plan.sh: no call '$call' (1, 2, 3 or 4)" >&2; exit 2 ;;
   esac
 done
 exit $status

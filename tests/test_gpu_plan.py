@@ -90,21 +90,25 @@ def picks(regex: str, names) -> int:
 
 def test_every_call_prints_its_commands():
     assert len(plan_commands("1")) == 1 and len(plan_commands("2")) == 1 and len(plan_commands("3")) == 2
-    proc = subprocess.run(["bash", str(PLAN), "4"], cwd=ROOT, capture_output=True, text=True,
+    assert len(plan_commands("4")) == 1
+    proc = subprocess.run(["bash", str(PLAN), "5"], cwd=ROOT, capture_output=True, text=True,
                           env={**os.environ, "DRY_RUN": "1"})
-    assert proc.returncode == 2 and "no call '4'" in proc.stderr
+    assert proc.returncode == 2 and "no call '5'" in proc.stderr
 
 
 def test_the_plan_names_only_what_exists(sweep_names):
     switches = known_switches()
     specs = {p.stem for p in (ROOT / "optimizers").glob("*.yaml")}
-    for argv in plan_commands("1", "2", "3"):
+    for argv in plan_commands("1", "2", "3", "4"):
         env, cmd = split_env(argv)
         if cmd[0] == "bash":  # a run script: it must read every variable it is given
             script = ROOT / cmd[1]
             assert script.is_file(), cmd[1]
             text = script_text(script)
             for name in env:
+                if name == "TBEGEN_TEST_OPTIMIZERS":  # read by the tests themselves
+                    assert is_read(name, (ROOT / "tests" / "conftest.py").read_text()), name
+                    continue
                 # (as $NAME / ${NAME...} in the shell, or os.environ's 'NAME' in its Python)
                 assert re.search(r"\$\{?" + name + r"\b|['\"]" + name + r"['\"]", text), f"{cmd[1]} does not read {name}"
         else:  # python3 <script> <flags>
@@ -130,7 +134,7 @@ def test_the_plan_names_only_what_exists(sweep_names):
             elif name == "TEST_FILES":
                 for f in value.split():
                     assert (ROOT / f).is_file(), f
-            elif name == "BUILD_SPECS":
+            elif name in ("BUILD_SPECS", "TBEGEN_TEST_OPTIMIZERS"):
                 assert set(value.split()) <= specs, value
             elif name == "CACHE_OPTS":  # bench_cache.py's options (run_gpu.sh passes them on)
                 flags = python_flags(ROOT / "benchmarks" / "bench_cache.py")
