@@ -89,15 +89,21 @@ if has placements; then
 fi
 if has referee; then
   # issue 27's record: the referee's own --placements run (bench_tbe.py), FBGEMM's and tbegen's
-  # managed_caching at each fraction of C2's rows in one process, on fresh batches (the issue's
-  # command). REFEREE_PLACEMENTS (default cache:0.05,cache:0.1,cache:0.2), REFEREE_OPTS (default
-  # EXACT_SGD,EXACT_ROWWISE_ADAGRAD). Into $OUT/referee (results.jsonl, env.json) and referee.log.
+  # managed_caching at each fraction of C2's rows on fresh batches (the issue's command), one
+  # process per fraction (FBGEMM and tbegen side by side in it; the referee runs system by system,
+  # so a budget cut inside one process would drop tbegen's cells). REFEREE_PLACEMENTS (default
+  # "cache:0.2 cache:0.1 cache:0.05"), REFEREE_OPTS (default EXACT_SGD,EXACT_ROWWISE_ADAGRAD),
+  # REFEREE_TIMEOUT for all of them. Into $OUT/referee/results.jsonl (appended) and referee.log.
   if [ -d .anchor/bundle ] && python3 .anchor/unpack_bundle.py .anchor/bundle /tmp/fbg_site > /dev/null 2>&1; then
-    PYTHONPATH=/tmp/fbg_site:$PYTHONPATH CUDA_MODULE_LOADING=LAZY timeout ${REFEREE_TIMEOUT:-420} python3 .anchor/bench_tbe.py \
-      --configs C2 --systems fbgemm,tbegen --placements ${REFEREE_PLACEMENTS:-cache:0.05,cache:0.1,cache:0.2} \
-      --opts ${REFEREE_OPTS:-EXACT_SGD,EXACT_ROWWISE_ADAGRAD} --nsets 40 --warmup 20 --iters 20 --fast-init \
-      --budget-s $(( ${REFEREE_TIMEOUT:-420} - 40 )) --out "$OUT/referee" > "$OUT/referee.log" 2>&1 || status=1
-    grep -E "fbgemm|tbegen|hit" "$OUT/referee.log" | grep -vi "compat table" | tail -n 30
+    places=(${REFEREE_PLACEMENTS:-cache:0.2 cache:0.1 cache:0.05})
+    each=$(( ${REFEREE_TIMEOUT:-420} / ${#places[@]} ))
+    for p in "${places[@]}"; do
+      echo "== bench_tbe.py --placements $p" >> "$OUT/referee.log"
+      PYTHONPATH=/tmp/fbg_site:$PYTHONPATH CUDA_MODULE_LOADING=LAZY timeout $each python3 .anchor/bench_tbe.py \
+        --configs C2 --systems fbgemm,tbegen --placements "$p" --opts ${REFEREE_OPTS:-EXACT_SGD,EXACT_ROWWISE_ADAGRAD} \
+        --nsets 40 --warmup 20 --iters 20 --fast-init --out "$OUT/referee" >> "$OUT/referee.log" 2>&1 || status=1
+    done
+    grep -E "^(==|C2 |total|budget)" "$OUT/referee.log" | tail -n 30
   else
     echo "referee: .anchor/bundle not carried; skipped" | tee -a "$OUT/referee.log"
   fi
