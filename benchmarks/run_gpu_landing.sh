@@ -220,12 +220,15 @@ if [ "${CACHE_BENCH:-1}" = 1 ]; then
     ${CACHE_OPTS:-} --out /tmp/cache_bench > /tmp/cache_bench.log 2>&1 || log "bench_cache.py failed or timed out"
   { tail -n 5 /tmp/cache_bench.log; cat /tmp/cache_bench/results.md 2>/dev/null; } >> "$OUT/extras.log"
 fi
-log "FBGEMM_GPU differential tests"
-# (FBGEMM's per-call "TBE B200 optimization" warnings left out; a failure's short traceback kept)
-TBEGEN_RESULTS_DIR="$OUT/fbgemm" PYTHONPATH=/tmp/fbg_site:$PYTHONPATH timeout $(cap 120) python3 -m pytest -q -p no:cacheprovider \
-  -rf --tb=short -m cuda tests/test_fbgemm_compat.py 2>&1 \
-  | grep -v "TBE B200 optimization\|return Variable._execution_engine\|^tests/test_fbgemm_compat.py::test_gpu_matches_fbgemm\|^ *$" \
-  | tail -n 40 >> "$OUT/extras.log"
+# (FBGEMM_DIFF=0 skips them: a call that has run them on the same tree)
+if [ "${FBGEMM_DIFF:-1}" = 1 ]; then
+  log "FBGEMM_GPU differential tests"
+  # (FBGEMM's per-call "TBE B200 optimization" warnings left out; a failure's short traceback kept)
+  TBEGEN_RESULTS_DIR="$OUT/fbgemm" PYTHONPATH=/tmp/fbg_site:$PYTHONPATH timeout $(cap 120) python3 -m pytest -q -p no:cacheprovider \
+    -rf --tb=short -m cuda tests/test_fbgemm_compat.py 2>&1 \
+    | grep -v "TBE B200 optimization\|return Variable._execution_engine\|^tests/test_fbgemm_compat.py::test_gpu_matches_fbgemm\|^ *$" \
+    | tail -n 40 >> "$OUT/extras.log"
+fi
 log "TorchRec over NCCL, one rank"
 # (benchmarks/fbgemm_subset on PYTHONPATH: every process, the spawned ranks too, imports fbgemm_gpu
 # from the bundle, which has FBGEMM_GPU's training libraries only)

@@ -9,7 +9,9 @@
 #                                       # TBEGEN_CACHE_EXCHANGE=0 and FBGEMM at 10, 20, 5% (~9 min; CACHE_OPTIMIZER=sgd)
 #   bash benchmarks/run_gpu_plan.sh 4   # issue 27's record: the referee's --placements run, sgd and rowwise_adagrad at
 #                                       # 5, 10, 20%, after the CUDA tests of the cache and what changed since landing9
-#   DRY_RUN=1 bash benchmarks/run_gpu_plan.sh 1 2 3 4   # print the commands only (tests/test_gpu_plan.py reads them:
+#   bash benchmarks/run_gpu_plan.sh 5   # issue 27's 10% and 20% cells in bench_cache (in-step and pipelined, the default
+#                                       # beside TBEGEN_CACHE_EXCHANGE=0 and FBGEMM), then TorchRec over NCCL (~9.5 min)
+#   DRY_RUN=1 bash benchmarks/run_gpu_plan.sh 1 2 3 4 5   # print the commands only (tests/test_gpu_plan.py reads them:
 #                                                      # every script, flag, switch and sweep regex they name exists)
 # Results under $OUT as the scripts called write them (run_gpu_landing.sh, run_gpu_ab.sh, run_gpu.sh).
 set -u
@@ -40,6 +42,7 @@ SWEEP_ABS=$(IFS=';'; echo "${SWEEP_ABS_LIST[*]}")
 # rowwise_adagrad or sgd (the issue's bar wants both: one call each). (Landing9 ran 0.2,0.05 with
 # the variants TBEGEN_CACHE_EXCHANGE=1, TBEGEN_CACHE_BACKING=host-huge and both.)
 CACHE_VARIANTS="--variant TBEGEN_CACHE_EXCHANGE=0"
+CACHE_C2="--tables 32 --rows 1000000 --dim 128 --batch 16384 --pooling-factor 20"  # (run_gpu.sh's cache step has them)
 CACHE_OPTS_PLAN="--cache 0.1,0.2,0.05 --optimizer ${CACHE_OPTIMIZER:-rowwise_adagrad} --pipelined $CACHE_VARIANTS --warmup 6 --iters 8"
 
 # call 4's tests: the cache's CUDA tests (the exchange through _run_tables, 4ef64b2) and landing9's
@@ -70,7 +73,13 @@ call4() {
     TESTS_TIMEOUT=150 REFEREE_TIMEOUT=330 bash benchmarks/run_gpu.sh build tests referee
 }
 
-[ $# -gt 0 ] || { sed -n '2,14p' "$0"; exit 2; }
+call5() {
+  run env BUILD_REST=0 BENCH=0 SWEEP=0 PROFILE= GROUPS_AB=0 NCU=0 SANITIZE=0 FBGEMM_DIFF=0 TEST_FILES=tests/test_cache_timeline.py \
+    EXTRA_TESTS="-m cuda" CACHE_TIMEOUT=300 CACHE_OPTS="$CACHE_C2 --cache 0.1,0.2 --optimizer rowwise_adagrad --pipelined $CACHE_VARIANTS --warmup 6 --iters 8" \
+    DEADLINE=585 bash benchmarks/run_gpu_landing.sh
+}
+
+[ $# -gt 0 ] || { sed -n '2,16p' "$0"; exit 2; }
 status=0
 for call in "$@"; do
   case "$call" in
@@ -78,7 +87,8 @@ for call in "$@"; do
     2) call2 || status=1 ;;
     3) call3 || status=1 ;;
     4) call4 || status=1 ;;
-    *) echo "run_gpu_plan.sh: no call '$call' (1, 2, 3 or 4)" >&2; exit 2 ;;
+    5) call5 || status=1 ;;
+    *) echo "run_gpu_plan.sh: no call '$call' (1 to 5)" >&2; exit 2 ;;
   esac
 done
 exit $status
