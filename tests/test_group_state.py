@@ -71,7 +71,7 @@ def test_cached_rows_variant_gives_the_default_bits(load_ops, monkeypatch, name,
     for a, b in zip(out_v, out_d):
         assert _bits_equal(a, b), "forward output differs (the second step's uses the updated weights)"
     assert _bits_equal(w_v2, w_v) and all(_bits_equal(st_v2[k], st_v[k]) for k in st_v), "variant not deterministic"
-    monkeypatch.delenv(SWITCH)  # unset: the default kernels
+    monkeypatch.delenv(SWITCH)  # unset: the cached rows for optimizers with state, else evict-first (the same bits)
     out_a, w_a, st_a = _train(ops, spec, case, "cuda")
     assert _bits_equal(w_a, w_d) and all(_bits_equal(st_a[k], st_d[k]) for k in st_d), "unset differs from =0"
 

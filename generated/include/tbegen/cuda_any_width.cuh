@@ -73,7 +73,8 @@ inline PrefetchMode prefetch_mode_from_env() {
   throw std::invalid_argument(std::string("tbegen: TBEGEN_ANY_WIDTH_PREFETCH must be 0 or 1 (or unset), got '") + v + "'");
 }
 
-// kAuto's choice: the variant where it was measured faster, float rows wider than this.
+// kAuto's choice: the variant where it was measured faster, float and fp16 rows wider than this
+// (fp16 since landing10, with the work list and 64-occurrence segments: cuda_ops.cuh, wide_half_rows).
 constexpr int64_t kPrefetchAutoMinD = 512;
 
 // Asks L1 for the 128-byte lines that hold bytes [p, p + bytes): lane l the lines l, l + 32, ...

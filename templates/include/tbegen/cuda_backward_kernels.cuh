@@ -127,16 +127,26 @@ inline int short_run_grid(const BackwardLaunch& l, int resident_per_sm) {
   return l.short_run_waves > 0 ? within_waves(l.warp_blocks, l.short_run_waves, resident_per_sm, l.sms) : l.warp_blocks;
 }
 
-// TBEGEN_GROUP_ROWS_CACHED (issue 29, opt-in, read at every launch): "1" makes the group kernel
-// for float weights read and write its rows' weights and states with the default cache policy
-// instead of evict-first (backward_group_kernel's kStreamRows = false: the same bits); unset,
-// empty or "0" the default; anything else is refused (a typo must not time one path under the
-// other's name).
-inline bool group_rows_cached() {
+// TBEGEN_GROUP_ROWS_CACHED (issue 29, read at every launch): whether the group kernel for float
+// weights reads and writes its rows' weights and states with the default cache policy instead of
+// evict-first (backward_group_kernel's kStreamRows = false: the same bits). Unset or empty: on for
+// optimizers with state (element or row-wise), off for stateless ones, as measured on the H200
+// (docs/gpu-runs/2026-12-05-landing10, T=32 E=500000 B=8192 L=20 Zipf 1.1, D = 4 to 64 beside
+// FBGEMM: the backward of adam 11-21% faster at D = 4-32, adagrad and rowwise_adagrad 8-24% at
+// D = 4-20, within +-5% at D = 32-64; sgd mixed, -10% to +11%); "0" off, "1" on; anything else is
+// refused (a typo must not time one path under the other's name).
+enum class RowsCachedMode { kAuto, kOff, kOn };
+inline RowsCachedMode group_rows_cached_mode() {
   const char* v = std::getenv("TBEGEN_GROUP_ROWS_CACHED");
-  if (v == nullptr || *v == '\0' || std::strcmp(v, "0") == 0) return false;
-  if (std::strcmp(v, "1") == 0) return true;
+  if (v == nullptr || *v == '\0') return RowsCachedMode::kAuto;
+  if (std::strcmp(v, "0") == 0) return RowsCachedMode::kOff;
+  if (std::strcmp(v, "1") == 0) return RowsCachedMode::kOn;
   throw std::invalid_argument(std::string("tbegen: TBEGEN_GROUP_ROWS_CACHED must be 0 or 1 (or unset), got '") + v + "'");
+}
+template <class Opt>
+bool group_rows_cached() {
+  const RowsCachedMode mode = group_rows_cached_mode();
+  return mode == RowsCachedMode::kOn || (mode == RowsCachedMode::kAuto && Opt::kElementStates + Opt::kRowStates + Opt::kIntRowStates > 0);
 }
 
 // Launches the three update kernels for optimizer Opt; returns the first launch error.
@@ -144,7 +154,7 @@ template <class Opt, typename W, int kVecs>
 cudaError_t launch_backward(const BackwardLaunch& l) {
   const typename Opt::Params& p = *static_cast<const typename Opt::Params*>(l.params);
   W* weights = static_cast<W*>(l.weights);
-  const bool rows_cached = group_rows_cached();  // (read, and checked, whichever kernel runs)
+  const bool rows_cached = group_rows_cached<Opt>();  // (read, and checked, whichever kernel runs)
   (void)rows_cached;
   if (l.long_runs) {
     // at most one resident wave of segment blocks: each block strides over the segments, so a
@@ -170,9 +180,8 @@ cudaError_t launch_backward(const BackwardLaunch& l) {
   // TBEGEN_ELEMENT_LANE_GROUPS=0 (l.element_lane_groups).
   if constexpr (kVecs == 1 || (kVecs == 2 && Opt::kElementStates == 0)) {
     if (l.lane_groups && (Opt::kElementStates == 0 || l.element_lane_groups)) {
-      // TBEGEN_GROUP_ROWS_CACHED=1 (group_rows_cached): the variant whose rows take the default
-      // cache policy instead of evict-first, float weights only (the A/B's subject: fp32 rows of
-      // 20 columns); the same bits
+      // group_rows_cached (by default for optimizers with state): the variant whose rows take the
+      // default cache policy instead of evict-first, float weights only; the same bits
       if constexpr (std::is_same<W, float>::value) {
         if (rows_cached) {
           static const int resident_cached = resident_blocks_per_sm(backward_group_kernel<Opt, W, kVecs, false>, l.threads);
@@ -234,7 +243,10 @@ cudaError_t launch_any_width(const AnyWidthLaunch& l) {
       return launch_any_width_kernels<Opt, W, true>(l);
     }
   } else if constexpr (std::is_same<W, c10::Half>::value) {
-    if (mode == PrefetchMode::kOn) return launch_any_width_kernels<Opt, W, true>(l);
+    // (fp16 rows wider than 512 columns by default since landing10: cuda_ops.cuh, wide_half_rows)
+    if (mode == PrefetchMode::kOn || (mode == PrefetchMode::kAuto && l.a.max_D > any_width::kPrefetchAutoMinD)) {
+      return launch_any_width_kernels<Opt, W, true>(l);
+    }
   }
   (void)mode;  // (bf16 and int8 weights: the default kernels)
   return launch_any_width_kernels<Opt, W, false>(l);

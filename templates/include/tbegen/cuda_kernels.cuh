@@ -624,7 +624,7 @@ static __global__ void __launch_bounds__(256) check_finite_kernel(int64_t n, con
 
 // Segments of long runs: a run of at least max_segment_length_per_warp occurrences is cut into
 // segments of Runs::segment_length occurrences (kSegmentLength unless the host chose another:
-// cuda_ops.cuh, segment_length()); each segment is summed by one warp, and a run of several
+// cuda_ops.cuh, segment_length(...)); each segment is summed by one warp, and a run of several
 // segments is finished by one more warp that adds the segments' partial sums in segment order (so
 // the result does not depend on which warp ran first) and updates the row.
 constexpr int32_t kSegmentLength = 256;

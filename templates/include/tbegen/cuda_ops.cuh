@@ -417,18 +417,42 @@ inline int short_run_waves() {
 // than INT32_MAX elements keep the default (the offsets are int32).
 inline bool vbe_grad_offsets_enabled() { return opt_in_switch("TBEGEN_VBE_GRAD_OFFSETS"); }
 
-// How many occurrences one warp sums in a long run's segment (Runs::segment_length):
-// kSegmentLength (256), or TBEGEN_SEGMENT_LENGTH=n, 16 <= n <= 65536 (anything else is refused: a
-// typo must not time one length under another's name). Read at every call. Shorter segments narrow
-// the band of sorted occurrences the resident warps read at once, so that the output-gradient rows
-// of the tables being summed stay in L2 (benchmarks/tools/l2_model.py: at D = 1024, B = 8192 the
-// band of 2112 warps x 256 occurrences spans ~3 tables' 32 MB of gradient rows), at the cost of
-// more partial sums (each a max_D-float row written by the segment kernel and read by the finish
-// kernel). Any length is deterministic; lengths differ in the order of a long run's float sum
-// (segments are summed, then their sums in segment order), so their bits differ by rounding.
-inline int32_t segment_length() {
+// Whether a batch's rows are wide fp16 rows: half weights wider than 512 columns, on the any-width
+// path. By default (issue 29) they take the prefetching any-width kernels (launch_any_width), with
+// the single work list (any_width_items) and 64-occurrence segments (segment_length): measured on
+// the H200 (docs/gpu-runs/2026-12-05-landing10, fp16 D=2048, T=32 E=8192 B=8192 L=20 Zipf 1.1, the
+// three together beside FBGEMM) the backward 17.6-29.0 -> 12.7-20.1 ms for sgd, rowwise_adagrad,
+// adagrad and adam (0.65-0.97x FBGEMM's -> 1.17-1.34x); 64-occurrence segments alone, without the
+// prefetching kernels, made the same cells 19-48% slower. TBEGEN_ANY_WIDTH_PREFETCH=0 keeps such
+// rows on the default kernels, and then the list and the segment length default as for any other.
+inline bool wide_half_rows(const at::Tensor& weights, int64_t max_D, bool vector_path) {
+  return weights.scalar_type() == at::kHalf && !vector_path && max_D > any_width::kPrefetchAutoMinD &&
+         any_width::prefetch_mode_from_env() != any_width::PrefetchMode::kOff;
+}
+
+// How many occurrences one warp sums in a long run's segment (Runs::segment_length): by default
+// kSegmentLength (256), and kShortSegmentLength (64) for the batches where 64 was measured faster
+// (issue 29, docs/gpu-runs/2026-12-05-landing10, H200, beside FBGEMM): wide fp16 rows
+// (wide_half_rows), and float rows of 385-512 columns on the 4-wide kernels (D=512, T=32 E=32768
+// B=8192 L=20 Zipf 1.1: the backward 9-14% faster for sgd, rowwise_adagrad, adagrad and adam,
+// 1.14-1.21x FBGEMM's -> 1.26-1.41x; at D=1024 and D=128 64 was 1-5% slower, so they keep 256; the
+// widest row of the batch decides, so a mixed batch whose widest table has 512 columns takes 64
+// for all of its tables). TBEGEN_SEGMENT_LENGTH=n, 16 <= n <= 65536, sets it for every batch
+// (anything else is refused: a typo must not time one length under another's name). Read at every
+// call. Shorter segments narrow the band of sorted occurrences the resident warps read at once, so
+// that the output-gradient rows of the tables being summed stay in L2 (benchmarks/tools/l2_model.py:
+// at D = 1024, B = 8192 the band of 2112 warps x 256 occurrences spans ~3 tables' 32 MB of gradient
+// rows), at the cost of more partial sums (each a max_D-float row written by the segment kernel and
+// read by the finish kernel). Any length is deterministic; lengths differ in the order of a long
+// run's float sum (segments are summed, then their sums in segment order), so their bits differ by
+// rounding.
+constexpr int32_t kShortSegmentLength = 64;
+inline int32_t segment_length(const at::Tensor& weights, int64_t max_D, bool vector_path) {
   const char* v = std::getenv("TBEGEN_SEGMENT_LENGTH");
-  if (v == nullptr || *v == '\0') return kSegmentLength;
+  if (v == nullptr || *v == '\0') {
+    const bool float_512 = weights.scalar_type() == at::kFloat && vector_path && max_D > 384 && max_D <= 512;
+    return float_512 || wide_half_rows(weights, max_D, vector_path) ? kShortSegmentLength : kSegmentLength;
+  }
   char* end = nullptr;
   const long long n = std::strtoll(v, &end, 10);
   // (digits only: strtoll alone would also take leading spaces and a sign)
@@ -449,12 +473,18 @@ inline bool segment_lane_groups_enabled() { return opt_in_switch("TBEGEN_SEGMENT
 // WorkItems; any_width::backward_items_kernel on the caller's stream, then the finish kernel)
 // instead of the segment kernel on a side stream beside the warp kernel: the two kernels' warps sum
 // two bands of the sorted batch, often in different tables, whose output-gradient rows then compete
-// for L2 (benchmarks/tools/l2_model.py --unified). TBEGEN_ANY_WIDTH_ITEMS: unset, empty or "0" off
-// (the default), "1" on; anything else is refused. Only the prefetching variant has the items
-// kernel (TBEGEN_ANY_WIDTH_PREFETCH: by default float rows wider than 512 columns); elsewhere the
-// list is made and not used. The same bits either way (the same sums in the same order). Read (and
-// a bad value refused) at every call, whichever kernels the batch takes.
-inline bool any_width_items_enabled() { return opt_in_switch("TBEGEN_ANY_WIDTH_ITEMS"); }
+// for L2 (benchmarks/tools/l2_model.py --unified). TBEGEN_ANY_WIDTH_ITEMS: unset or empty, on for
+// wide fp16 rows (wide_half_rows: measured there with the prefetching kernels and 64-occurrence
+// segments) and off elsewhere (fp32 D=1024, landing10: -4 to +3%, mixed); "0" off, "1" on; anything
+// else is refused. Only the prefetching variant has the items kernel (TBEGEN_ANY_WIDTH_PREFETCH: by
+// default float rows and fp16 rows wider than 512 columns); elsewhere the list is made and not
+// used. The same bits either way (the same sums in the same order). Read (and a bad value refused)
+// at every call, whichever kernels the batch takes.
+inline bool any_width_items_enabled(const at::Tensor& weights, int64_t max_D, bool vector_path) {
+  const char* v = std::getenv("TBEGEN_ANY_WIDTH_ITEMS");
+  if (v == nullptr || *v == '\0') return wide_half_rows(weights, max_D, vector_path);
+  return opt_in_switch("TBEGEN_ANY_WIDTH_ITEMS");
+}
 
 // The backward pass with an optimizer fused in (docs/algorithm.md): prepare_backward sorts and
 // segments the batch, then the optimizer's update kernels (`kernels`, launched with its `params`:
@@ -493,8 +523,9 @@ __attribute__((visibility("hidden"))) void backward_cuda(
                             grad_output.numel() <= int64_t(INT32_MAX);
   const PreparedBackward prep = prepare_backward(b, grad_output, weights, features, total_hash_size, indices, offsets,
                                                  per_sample_weights, max_segment_length_per_warp, error, check_finite,
-                                                 vector_path, grad_offsets ? bag_out : nullptr, segment_length(),
-                                                 any_width_items_enabled() && !vector_path);
+                                                 vector_path, grad_offsets ? bag_out : nullptr,
+                                                 segment_length(weights, b.max_D, vector_path),
+                                                 any_width_items_enabled(weights, b.max_D, vector_path) && !vector_path);
 
   BackwardArgs a;
   a.feat = features.data_ptr<int64_t>();
