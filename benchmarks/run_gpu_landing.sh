@@ -178,6 +178,13 @@ for t in $(grep -oE "crashed while running '[^']+'" "$OUT/pytest_cuda.log" | sed
   OMP_NUM_THREADS=2 timeout $(cap 60) python3 -X faulthandler -m pytest -q -p no:cacheprovider -p no:xdist "$t" >> "$OUT/pytest_cuda.log" 2>&1
   echo "== exit status $?" >> "$OUT/pytest_cuda.log"
 done
+# what only a process alone on the GPU can measure (the device's free memory after the 2 MB host
+# kinds' deleters), again without xdist
+if [ -z "${TEST_FILES:-}" ]; then
+  echo "== alone: tests/test_host_huge.py::test_cuda_the_deleters_free" >> "$OUT/pytest_cuda.log"
+  OMP_NUM_THREADS=2 timeout $(cap 60) python3 -m pytest -q -p no:cacheprovider -p no:xdist \
+    tests/test_host_huge.py::test_cuda_the_deleters_free 2>&1 | tail -n 3 >> "$OUT/pytest_cuda.log"
+fi
 grep -E "^(FAILED|ERROR)|passed|failed|^== (alone|exit)" "$OUT/pytest_cuda.log" | tail -n 15
 python3 benchmarks/summarize_results.py "$OUT" > "$OUT/numerics_table.md" 2>&1
 rm -f "$OUT"/harness_results_*.jsonl "$OUT"/*.jsonl

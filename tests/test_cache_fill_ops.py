@@ -114,6 +114,13 @@ def test_training_matches_the_previous_fill(monkeypatch, algorithm, config, opti
         return move(*a, **k)
 
     new._cache._move = counted_move
+    exchange = new._cache._exchange
+
+    def counted_exchange(*a, **k):  # (the fill's two directions in one kernel: CUDA's default, no _move)
+        paths["exchange"] = paths.get("exchange", 0) + 1
+        return exchange(*a, **k)
+
+    new._cache._exchange = counted_exchange
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # (the overflow warnings)
         for k, (idx, offsets, grad) in enumerate(data):
@@ -133,7 +140,10 @@ def test_training_matches_the_previous_fill(monkeypatch, algorithm, config, opti
     assert stats["evictions"] > 0 and stats["rows_written_back"] > 0, stats
     if config == 0:
         assert stats["bypasses"] > 0, stats
-    assert paths["shared"] > 0, paths
+    # a full cache's fill either loaded into the write-back's slot positions (_move's shared
+    # positions) or exchanged the rows in one kernel (on CUDA where the runtime has it: landing10
+    # ran these on an H200 and took the exchange for every fill)
+    assert paths.get("shared", 0) + paths.get("exchange", 0) > 0, paths
     if config == 2:  # (300 x 3 slots of 64: the grid would be 180 cells for 69 slots)
         assert paths["coldest"] == 0 and paths["sort"] > 0, paths
     else:

@@ -104,11 +104,14 @@ def test_device_path_and_its_warning_read_nothing_on_the_host(dtype):
 def test_cuda_bounds_check_waits_for_nothing_and_matches_the_cpu(mode):
     """Each forward waits for nothing (sync debug mode 'error') and matches the CPU's; WARNING
     warns once, from a later call (the next forward, once the GPU has copied the first batch's
-    finding: the .cpu() below waits for it) or the final poll, IGNORE never."""
+    finding: the .cpu() below waits for it) or the final poll, IGNORE never. (The module's first
+    forward reads its features table to the host once, HostFeaturesCache in cuda_ops.cuh, a wait
+    that landing10 saw here: a forward of an in-range batch first, outside the check.)"""
     cpu, gpu = _compat(mode), _compat(mode, "cuda")
     with torch.no_grad():  # (the same starting weights: the two placements' state_dict keys differ)
         for theirs, ours in zip(cpu.split_embedding_weights(), gpu.split_embedding_weights()):
             ours.copy_(theirs)
+        gpu(torch.zeros(len(FTM), dtype=torch.int64, device="cuda"), torch.arange(len(FTM) + 1, device="cuda"))
     torch.cuda.synchronize()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

@@ -362,6 +362,10 @@ def test_cuda_the_deleters_free():
         del s
     torch.cuda.synchronize()
     assert host_before - _mem_available() < (512 << 20)
-    assert gpu_before - torch.cuda.mem_get_info()[0] < (256 << 20)
+    # (the device's free memory is the only measure of what the deleters' cudaFree returned, and it
+    # counts every process on the GPU: under xdist, the other workers' tests moved it by 5.8 GB in
+    # landing10. The GPU runs rerun this test alone: benchmarks/run_gpu_landing.sh)
+    if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) <= 1:
+        assert gpu_before - torch.cuda.mem_get_info()[0] < (256 << 20)
     # the registry forgot them: a device pointer reused by torch's allocator is "device" again
     assert ops.memory_kind(torch.empty(n, device="cuda")) == "device"
