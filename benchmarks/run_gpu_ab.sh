@@ -52,7 +52,9 @@ for ab in "${abs[@]}"; do
     env $e PYTHONPATH=/tmp/fbg_site:$PYTHONPATH CUDA_MODULE_LOADING=LAZY timeout $(cap ${SWEEP_AB_TIMEOUT:-90}) \
       python3 benchmarks/sweep_gpu.py --only "$only" --out /tmp/sweep_ab >> /tmp/sweep_ab.log 2>&1 || log "failed or timed out"
     cat /tmp/sweep_ab/sweep.md >> "$OUT/ab.log" 2>/dev/null
-    [ -f /tmp/sweep_ab/sweep.json ] && { printf '"%s | %s": ' "$only" "$side"; cat /tmp/sweep_ab/sweep.json; echo ","; } >> "$OUT/ab.json"
+    # (the defaults' key names the A/B it belongs to: two A/Bs on the same cells keep both halves)
+    key=$side; [ "$side" = defaults ] && key="defaults (beside $envs)"
+    [ -f /tmp/sweep_ab/sweep.json ] && { printf '"%s | %s": ' "$only" "$key"; cat /tmp/sweep_ab/sweep.json; echo ","; } >> "$OUT/ab.json"
   done
 done
 echo '"end": null}' >> "$OUT/ab.json"
