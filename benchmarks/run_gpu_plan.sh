@@ -35,6 +35,7 @@ SWEEP_ABS_LIST=(
   "TBEGEN_GROUP_ROWS_CACHED=1@^D=(4|8|20|32|64) "
   "TBEGEN_WIDTH_CLASSES=0@^random 2 "
   "TBEGEN_CLASS_STREAMS=0@^random 2 "
+  "TBEGEN_LINEARIZE_SPREAD=1@^random 3 "
 )
 SWEEP_ABS=$(IFS=';'; echo "${SWEEP_ABS_LIST[*]}")
 # call 3's bench_cache options: the three cache sizes, in-step and pipelined, the default (since

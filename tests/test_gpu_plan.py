@@ -148,9 +148,9 @@ def test_the_plan_names_only_what_exists(sweep_names):
 
 
 def test_the_ab_regexes_pick_the_cells_the_notes_say(sweep_names):
-    """NOTES-gpu's plan: 16, 4, 4, 20, 20, 4 and 4 cells (a change to the sweep's shapes that
+    """NOTES-gpu's plan: 16, 4, 4, 20, 20, 4, 4 and 4 cells (a change to the sweep's shapes that
     moved them would be noticed here, not on the GPU)."""
     (argv,) = plan_commands("2")
     env, _ = split_env(argv)
     counts = [picks(ab.split("@", 1)[1], sweep_names) for ab in env["SWEEP_ABS"].split(";")]
-    assert counts == [16, 4, 4, 20, 20, 4, 4]
+    assert counts == [16, 4, 4, 20, 20, 4, 4, 4]

@@ -549,17 +549,23 @@ __global__ void __launch_bounds__(256) grad_psw_kernel(ForwardArgs a, const floa
 // the index's position, with its bag and gradient scale (per-sample weight, divided by the bag
 // length for mean pooling) beside. A warp takes 32 bags at a time (one per lane, which checks its
 // offsets) and walks their indices 32 at a time, so every read and write is contiguous; each lane
-// finds its index's bag by a binary search over the lanes' bag starts.
+// finds its index's bag by a binary search over the lanes' bag starts. With `spread` > 1 (a power
+// of two dividing the warps of a block; TBEGEN_LINEARIZE_SPREAD, linearize_spread) that many warps
+// share each group of 32 bags, warp p of them taking the group's 32-index blocks p, p + spread,
+// ...: for batches of few, long bags (T=8 B=4096 L=80: 1024 groups of 2560 indices, 8 warps per
+// multiprocessor of the H200) more warps in flight; every index is written as with one warp.
 template <typename I, typename K>
 __global__ void __launch_bounds__(256) linearize_kernel(ForwardArgs a, const I* __restrict__ indices,
                                                         const I* __restrict__ offsets,
                                                         int64_t total_hash_size, bool check_finite, K* keys,
-                                                        int32_t* values, int32_t* bag_of, float* scale_of) {
+                                                        int32_t* values, int32_t* bag_of, float* scale_of,
+                                                        int spread) {
   const int lane = threadIdx.x % kWarpSize;
   const int64_t nbags = a.F * a.B;
-  const int64_t warps = int64_t(gridDim.x) * blockDim.x / kWarpSize;
-  for (int64_t bag0 = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / kWarpSize * kWarpSize; bag0 < nbags;
-       bag0 += warps * kWarpSize) {
+  const int64_t warp = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / kWarpSize;
+  const int64_t groups_at_once = int64_t(gridDim.x) * blockDim.x / kWarpSize / spread;
+  const int part = int(warp % spread);
+  for (int64_t bag0 = warp / spread * kWarpSize; bag0 < nbags; bag0 += groups_at_once * kWarpSize) {
     const int64_t my_bag = bag0 + lane;
     int64_t start = a.N, end = a.N;  // (lanes past the last bag: empty, after every index)
     bool ok = true;
@@ -570,7 +576,7 @@ __global__ void __launch_bounds__(256) linearize_kernel(ForwardArgs a, const I* 
     const int32_t my_feature = my_bag < nbags ? int32_t(my_bag / a.B) : 0;  // (once per bag, not per index)
     const int64_t first = __shfl_sync(kFullMask, start, 0);
     const int64_t last = __shfl_sync(kFullMask, end, kWarpSize - 1);
-    for (int64_t base = first; base < last; base += kWarpSize) {
+    for (int64_t base = first + int64_t(part) * kWarpSize; base < last; base += int64_t(spread) * kWarpSize) {
       const int64_t i = base + lane;
       // the bag of index i: the last lane whose bag starts at or before i
       int l = 0;

@@ -108,6 +108,22 @@ static __global__ void __launch_bounds__(256) gather_grad_offsets_kernel(int64_t
   }
 }
 
+// How many warps share each group of 32 bags in the linearize (linearize_kernel's `spread`):
+// TBEGEN_LINEARIZE_SPREAD (issue 29; opt-in until timed on a GPU): unset, empty or "0" one warp per
+// group (the default), "1" the batch's choice, anything else refused. The choice: doubled (up to
+// 8, a divisor of a block's 8 warps) while the warps stay within half of what the multiprocessors
+// hold (32 each) and each warp keeps at least 4 blocks of 32 indices to walk; 1 wherever the
+// batch has many bags (C2's 16385 groups: 1). Every index gets the same key and value either way.
+inline int linearize_spread(int64_t nbags, int64_t N) {
+  if (!opt_in_switch("TBEGEN_LINEARIZE_SPREAD")) return 1;
+  const int64_t groups = nbags / kWarpSize + 1;
+  const int64_t room = int64_t(at::cuda::getCurrentDeviceProperties()->multiProcessorCount) * 32;
+  const int64_t per_group = N / groups;
+  int spread = 1;
+  while (spread < 8 && groups * spread * 2 <= room && per_group >= int64_t(kWarpSize) * spread * 2 * 4) spread *= 2;
+  return spread;
+}
+
 // Bytes of an array of `n` elements of `size` bytes carved from a shared allocation, rounded up
 // to 256 so that every array starts 256-byte aligned (as an allocation of its own would).
 inline int64_t slice_bytes(int64_t n, int64_t size) { return (std::max<int64_t>(n, 1) * size + 255) / 256 * 256; }
@@ -151,11 +167,12 @@ void linearize_and_sort(const Batch& b, const ForwardArgs& fa, const at::Tensor&
       values_are_bags ? at::Tensor() : at::empty({int_bytes * (scaled ? 2 : 1)}, bytes_opts);
   int32_t* bag_of = values_are_bags ? nullptr : reinterpret_cast<int32_t*>(per_position.data_ptr<uint8_t>());
   float* scale_of = scaled ? reinterpret_cast<float*>(per_position.data_ptr<uint8_t>() + int_bytes) : nullptr;
+  const int spread = linearize_spread(b.F * b.B, b.N);
   dispatch_index(indices, [&](auto i) {
     using I = decltype(i);
-    linearize_kernel<I, K><<<grid_for(b.F * b.B / kWarpSize + 1), kThreads, 0, stream>>>(
+    linearize_kernel<I, K><<<grid_for((b.F * b.B / kWarpSize + 1) * spread), kThreads, 0, stream>>>(
         fa, indices.data_ptr<I>(), offsets.data_ptr<I>(), total_hash_size, check_finite, keys, values, bag_of,
-        scale_of);
+        scale_of, spread);
     TBEGEN_CUDA_CHECK(cudaGetLastError());
   });
   // 2. sort (key, value) pairs on the bits a key can use (the skipped-index key included); the
