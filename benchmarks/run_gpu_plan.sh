@@ -41,8 +41,9 @@ SWEEP_ABS=$(IFS=';'; echo "${SWEEP_ABS_LIST[*]}")
 # call 3's bench_cache options: the three cache sizes, in-step and pipelined, the default (since
 # landing9 the exchange) beside the two copies (TBEGEN_CACHE_EXCHANGE=0) and FBGEMM; CACHE_OPTIMIZER
 # rowwise_adagrad or sgd (the issue's bar wants both: one call each). (Landing9 ran 0.2,0.05 with
-# the variants TBEGEN_CACHE_EXCHANGE=1, TBEGEN_CACHE_BACKING=host-huge and both.)
-CACHE_VARIANTS="--variant TBEGEN_CACHE_EXCHANGE=0"
+# the variants TBEGEN_CACHE_EXCHANGE=1, TBEGEN_CACHE_BACKING=host-huge and both.) And the per-row
+# states in the rows' warps (TBEGEN_CACHE_EXCHANGE_STATES=1, opt-in: its default flips on a gain).
+CACHE_VARIANTS="--variant TBEGEN_CACHE_EXCHANGE_STATES=1 --variant TBEGEN_CACHE_EXCHANGE=0"
 CACHE_C2="--tables 32 --rows 1000000 --dim 128 --batch 16384 --pooling-factor 20"  # (run_gpu.sh's cache step has them)
 CACHE_OPTS_PLAN="--cache 0.1,0.2,0.05 --optimizer ${CACHE_OPTIMIZER:-rowwise_adagrad} --pipelined $CACHE_VARIANTS --warmup 6 --iters 8"
 

@@ -154,7 +154,7 @@ class RowCache:
 
     def __init__(self, layout, placements: Sequence[str], sizes: Sequence[int], algorithm: str,
                  element_sizes: Sequence[int], row_sizes: Sequence[int], device: torch.device,
-                 row_copy=None, row_exchange=None, key_sort=None):
+                 row_copy=None, row_exchange=None, key_sort=None, row_exchange_states=None):
         if algorithm not in CACHE_ALGORITHMS:
             raise ValueError(f"tbegen: cache_algorithm must be one of {list(CACHE_ALGORITHMS)}, got {algorithm!r}")
         self.algorithm = algorithm
@@ -232,6 +232,9 @@ class RowCache:
         # Its _exchange_rows operator, or None: on CUDA (unless TBEGEN_CACHE_EXCHANGE=0) a fill writes
         # each victim's old row back and loads the new one in one kernel per buffer (_exchange_grid).
         self._exchange_op = row_exchange
+        # Its _exchange_rows_with_states operator, or None: with TBEGEN_CACHE_EXCHANGE_STATES=1 the
+        # exchange moves each victim's per-row states in the warp that moves its row (_exchange_states_on).
+        self._exchange_states_op = row_exchange_states
         # Its _sort_keys operator (cache_sort_cuda.cuh), or None: prepare's sort of the batch's keys
         # then is torch.sort (see _key_sort_bits).
         self._key_sort_op = key_sort
@@ -339,6 +342,7 @@ class RowCache:
         self._writeback_pending = False
         self._row_copy_blocks = self._copy_blocks(device)
         self._exchange_blocks = self._exchange_grid(device)
+        self._exchange_states = self._exchange_states_on()
         self._key_sort_bits = self._key_sort_width(device)
 
     def _copy_blocks(self, device: torch.device) -> int:
@@ -372,6 +376,22 @@ class RowCache:
         if flag == "0" or not self._row_copy_blocks or self._exchange_op is None:
             return 0
         return 2 * self._row_copy_blocks
+
+    def _exchange_states_on(self) -> bool:
+        """Whether the fill's exchange moves the per-row states with their rows (_exchange_rows_with_states,
+        row_copy_cuda.cuh): one launch per width for the weights and the per-row states together,
+        the warp that moves victim i's row also moving victim i's states, so that the states'
+        small host reads are in flight with the row's loads instead of in kernels of their own
+        after every row (rowwise_adagrad's momentum: ~1.6 M scattered 4-byte host reads a step at
+        a 5% cache of C2, 2.0-3.1 ms of its forward over sgd's on the H200, issue 27). Opt-in
+        while it is measured: TBEGEN_CACHE_EXCHANGE_STATES=1 (and the exchange on); unset, empty
+        or "0": a kernel per buffer (the way it was); anything else is refused. Only where the
+        buffers are of the "element" and "row" layouts (not int8 rows: _exchange). The same rows
+        and states move either way, bit for bit."""
+        flag = os.environ.get("TBEGEN_CACHE_EXCHANGE_STATES", "")
+        if flag not in ("", "0", "1"):
+            raise ValueError(f"tbegen: TBEGEN_CACHE_EXCHANGE_STATES must be 0 or 1 (or unset), got {flag!r}")
+        return flag == "1" and self._exchange_blocks > 0 and self._exchange_states_op is not None
 
     def _key_sort_width(self, device: torch.device) -> int:
         """The key bits prepare's sort reads with the runtime's _sort_keys (on CUDA: the bits of the
@@ -616,8 +636,36 @@ class RowCache:
             # (a slot without a row to write back: -1 in every kind)
             back_out = ((None,) * len(kinds) if oo is None else
                         torch.where(oo >= 0, torch.addcmul(got[0], per_row, oo.clamp(min=0)), -1).unbind(0))
+            if self._exchange_states and kinds == ("element", "row") and self._exchange_with_states(
+                    buffers, slot, back_out, back_in, units[0]):
+                continue
             for j, kind in enumerate(kinds):
                 self._exchange_runs(buffers, kind, slot[j], back_out[j], back_in[j], units[j][1], units[j][0])
+
+    def _exchange_with_states(self, buffers, slot, back_out, back_in, unit_run) -> bool:
+        """_exchange's moves of one width where the buffers are of the "element" and "row" layouts
+        (TBEGEN_CACHE_EXCHANGE_STATES=1): one _exchange_rows_with_states launch per element buffer,
+        the first ones carrying the per-row state buffers (up to 4 each), so that victim i's states
+        move in the warp that moves its row. `slot`, `back_out`, `back_in`: the victims' first
+        units (element kind, then row kind: _run_tables); `unit_run`: the element kind's (unit,
+        units a row). Each element buffer is viewed as rows of a whole row (D entries) starting
+        at every unit (rows `unit` entries apart, overlapping where a row spans several units),
+        so that one entry is one victim's row. False (nothing moved) where the states outnumber
+        what the element buffers carry."""
+        per_launch = 4  # (the operator's kMaxStates)
+        elements = [buf for buf, per in buffers if per == "element"]
+        states = [buf for buf, per in buffers if per == "row"]
+        if not elements or len(states) > per_launch * len(elements):
+            return False
+        unit, per_run = unit_run
+        width = unit * per_run
+        for k, buf in enumerate(elements):
+            count = (buf.numel() - width) // unit + 1 if buf.numel() >= width else 0
+            view = buf.as_strided((count, width), (unit, 1))
+            mine = states[k * per_launch:(k + 1) * per_launch]
+            self._exchange_states_op(view, slot[0], back_out[0], back_in[0], mine, slot[1], back_out[1], back_in[1],
+                                     self._exchange_blocks)
+        return True
 
     def _exchange_runs(self, buffers, kind: str, slot: torch.Tensor, back_out: Optional[torch.Tensor],
                        back_in: torch.Tensor, per_run: int, unit: int) -> None:

@@ -826,6 +826,7 @@ class TableBatchedEmbeddingBags(nn.Module):
                 device=dev,
                 row_copy=getattr(self._ops, "_copy_rows", None),  # (CUDA builds only)
                 row_exchange=getattr(self._ops, "_exchange_rows", None),
+                row_exchange_states=getattr(self._ops, "_exchange_rows_with_states", None),
                 key_sort=getattr(self._ops, "_sort_keys", None),
             )
 

@@ -91,7 +91,8 @@ def _random_batch(g, tables, features, dtype):
 
 def _cache_of(monkeypatch, cls, tables, **kw):
     with monkeypatch.context() as m:
-        m.setattr(cache_, "RowCache", lambda *a, row_copy=None, row_exchange=None, key_sort=None, **k: cls(*a, **k))
+        m.setattr(cache_, "RowCache", lambda *a, row_copy=None, row_exchange=None, key_sort=None,
+                  row_exchange_states=None, **k: cls(*a, **k))
         emb = TableBatchedEmbeddingBags(tables, device="cpu", seed=1, **kw)
     assert isinstance(emb._cache, cls)
     return emb

@@ -44,7 +44,8 @@ def _zipf_batches(tables, features, steps, seed, sizes=((4, 2), (8, 3), (32, 4))
 
 def _with_reference_cache(monkeypatch, *args, **kwargs):
     """A module whose cache is the frozen one from before issue 27."""
-    def frozen(*a, row_copy=None, row_exchange=None, key_sort=None, **kw):  # (the frozen cache moves its rows with torch's kernels only)
+    # (the frozen cache moves its rows with torch's kernels only)
+    def frozen(*a, row_copy=None, row_exchange=None, key_sort=None, row_exchange_states=None, **kw):
         return _cache_reference.RowCache(*a, **kw)
 
     with monkeypatch.context() as m:

@@ -56,6 +56,17 @@
 //       slot is outside the tensor is skipped. `rows` 2-D with contiguous rows on a CUDA device
 //       (backing rows and slots in one tensor); the three index tensors int64, one entry each per
 //       victim; the caller's rows never overlap. At most max_blocks blocks (0: no bound).
+//   _exchange_rows_with_states(Tensor(a!) rows, Tensor slot_rows, Tensor? out_rows, Tensor in_rows,
+//                              Tensor(b!)[] states, Tensor state_slot_rows, Tensor? state_out_rows,
+//                              Tensor state_in_rows, int max_blocks) -> ()
+//       _exchange_rows of `rows` together with the rows' per-row states (TBEGEN_CACHE_EXCHANGE_STATES=1):
+//       for every entry i, the row exchange above, and in each of `states` (at most 4, each 1-D
+//       contiguous with elements of 1, 2, 4 or 8 bytes, on the rows' device) the same exchange of
+//       entry state_slot_rows[i] / state_out_rows[i] / state_in_rows[i] (the states' own row
+//       numbers, a row outside that state skipped as above), by the warp that moves row i: the
+//       states' loads in flight with the row's. `rows` may overlap itself (stride(0) smaller than
+//       a row: runs of several units from any unit). Bit for bit the same as _exchange_rows on the
+//       rows and then on each state viewed as rows of one element.
 //   _sort_keys(Tensor keys, int end_bit) -> (Tensor, Tensor)
 //       the row cache's sort of a batch's keys (cache_sort_cuda.cuh): the keys (contiguous 1-D
 //       int32 or int64, each in [0, 2^end_bit)) sorted ascending and stably on their bits
@@ -70,7 +81,7 @@ class Library;
 namespace tbegen {
 namespace cuda {
 
-// m.def(...) of the ten operators above, with their (device-independent) implementations, in a
+// m.def(...) of the eleven operators above, with their (device-independent) implementations, in a
 // TORCH_LIBRARY_FRAGMENT(ns, m) block.
 void define_managed_memory_ops(torch::Library& m);
 

@@ -611,6 +611,9 @@ void define_managed_memory_ops(torch::Library& m) {
         &row_copy::copy_rows);
   m.def("_exchange_rows(Tensor(a!) rows, Tensor slot_rows, Tensor? out_rows, Tensor in_rows, int max_blocks) -> ()",
         &row_copy::exchange_rows);
+  m.def("_exchange_rows_with_states(Tensor(a!) rows, Tensor slot_rows, Tensor? out_rows, Tensor in_rows, "
+        "Tensor(b!)[] states, Tensor state_slot_rows, Tensor? state_out_rows, Tensor state_in_rows, int max_blocks) -> ()",
+        &row_copy::exchange_rows_with_states);
   m.def("_sort_keys(Tensor keys, int end_bit) -> (Tensor, Tensor)", &cache_sort::sort_keys);
 }
 

@@ -358,6 +358,299 @@ inline void exchange_rows(const at::Tensor& rows, const at::Tensor& slot_rows, c
 }
 
 
+// ---- the exchange with the rows' per-row states, by the same warps ----
+//
+// A cached row of an optimizer with per-row states (rowwise_adagrad's momentum: one float a row)
+// moves with them: each a separate buffer, one entry a row. Exchanged by kernels of their own
+// after the rows' (exchange_narrow_rows_kernel), the states' small host reads and writes wait,
+// latency-bound, behind every row. Here the warp that exchanges victim i's row also exchanges
+// victim i's states: their loads are issued before the row's first store, so that they are in
+// flight together with the row's loads, and stored after the row.
+//
+// Up to kMaxStates state buffers, each 1-D with elements of 1, 2, 4 or 8 bytes (moved as bits);
+// the states' entry i is exchanged exactly as _exchange_rows exchanges a buffer seen as rows of one
+// element, with the states' own row numbers (state_slot_rows[i], state_out_rows[i],
+// state_in_rows[i]: the per-row states are numbered by row key, the rows by unit), each state's
+// entry skipped where its own slot is outside it, and its write-back or load where that row is.
+constexpr int kMaxStates = 4;
+static_assert(kRowsAtOnce * kMaxStates <= 32, "a lane per state entry of a warp's entries");
+
+struct RowStates {
+  char* data[kMaxStates];
+  int64_t count[kMaxStates];  // (entries)
+  int bytes[kMaxStates];      // (bytes an entry: 1, 2, 4 or 8)
+  int n;                      // (state buffers, at most kMaxStates)
+};
+
+__device__ __forceinline__ uint64_t load_state(const char* p, int bytes) {
+  switch (bytes) {
+    case 8: return *reinterpret_cast<const uint64_t*>(p);
+    case 4: return *reinterpret_cast<const uint32_t*>(p);
+    case 2: return *reinterpret_cast<const uint16_t*>(p);
+    default: return *reinterpret_cast<const uint8_t*>(p);
+  }
+}
+
+__device__ __forceinline__ void store_state(char* p, int bytes, uint64_t v) {
+  switch (bytes) {
+    case 8: *reinterpret_cast<uint64_t*>(p) = v; break;
+    case 4: *reinterpret_cast<uint32_t*>(p) = static_cast<uint32_t>(v); break;
+    case 2: *reinterpret_cast<uint16_t*>(p) = static_cast<uint16_t>(v); break;
+    default: *reinterpret_cast<uint8_t*>(p) = static_cast<uint8_t>(v); break;
+  }
+}
+
+// One state entry's exchange, split around the rows': begin() reads the row numbers and issues the
+// loads, end() stores (after the rows' loads were issued; nothing waits for a load before then).
+struct StateMove {
+  char* slot;
+  char* out;
+  uint64_t old, arriving;
+  int bytes;
+  bool leaves, arrives;
+
+  __device__ __forceinline__ void begin(const RowStates& st, int k, int64_t i, const int64_t* __restrict__ slot_rows,
+                                        const int64_t* __restrict__ out_rows, const int64_t* __restrict__ in_rows) {
+    // (state k's fields picked by value: indexing the kernel's parameter by a runtime k would copy
+    // it to a stack frame)
+    char* data = st.data[0];
+    int64_t count = st.count[0];
+    bytes = st.bytes[0];
+#pragma unroll
+    for (int j = 1; j < kMaxStates; ++j) {
+      if (k == j) {
+        data = st.data[j];
+        count = st.count[j];
+        bytes = st.bytes[j];
+      }
+    }
+    const int64_t s = slot_rows[i];
+    const int64_t o = out_rows != nullptr ? out_rows[i] : -1;
+    const int64_t a = in_rows[i];
+    const bool entry = s >= 0 && s < count;
+    leaves = entry && o >= 0 && o < count;
+    arrives = entry && a >= 0 && a < count;
+    slot = data + s * bytes;
+    out = data + o * bytes;
+    old = leaves ? load_state(slot, bytes) : 0;
+    arriving = arrives ? load_state(data + a * bytes, bytes) : 0;
+  }
+
+  __device__ __forceinline__ void end() const {
+    if (leaves) store_state(out, bytes, old);
+    if (arrives) store_state(slot, bytes, arriving);
+  }
+};
+
+// exchange_rows_kernel's rows (a warp per kRowsAtOnce entries, lane j on elements j, j + 32, ...),
+// and their states: lane r + kRowsAtOnce k (k < the states' count) takes state k of entry first + r,
+// its loads issued before the rows' loop and its stores after it.
+template <typename V>
+__global__ void exchange_rows_states_kernel(V* __restrict__ rows, int64_t stride, int64_t count,
+                                            const int64_t* __restrict__ slot_rows,
+                                            const int64_t* __restrict__ out_rows,
+                                            const int64_t* __restrict__ in_rows, int64_t n, int64_t vecs,
+                                            const RowStates states, const int64_t* __restrict__ state_slot_rows,
+                                            const int64_t* __restrict__ state_out_rows,
+                                            const int64_t* __restrict__ state_in_rows) {
+  const int lane = threadIdx.x & 31;
+  const int64_t warp = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
+  const int64_t warps = (static_cast<int64_t>(gridDim.x) * blockDim.x) >> 5;
+  const int k = lane / kRowsAtOnce;  // (this lane's state, of entry first + lane % kRowsAtOnce)
+  for (int64_t first = warp * kRowsAtOnce; first < n; first += warps * kRowsAtOnce) {
+    StateMove state;
+    const int64_t mine = first + lane % kRowsAtOnce;
+    const bool moves_state = k < states.n && mine < n;
+    if (moves_state) state.begin(states, k, mine, state_slot_rows, state_out_rows, state_in_rows);
+    V* slot[kRowsAtOnce];
+    V* out[kRowsAtOnce];
+    const V* in[kRowsAtOnce];
+    unsigned leaves = 0, arrives = 0;  // (bit r: entry first + r writes its old row back / loads a row)
+#pragma unroll
+    for (int r = 0; r < kRowsAtOnce; ++r) {
+      const int64_t i = first + r < n ? first + r : first;
+      const int64_t s = slot_rows[i];
+      const int64_t o = out_rows != nullptr ? out_rows[i] : -1;
+      const int64_t a = in_rows[i];
+      const bool entry = first + r < n && s >= 0 && s < count;
+      if (entry && o >= 0 && o < count) leaves |= 1u << r;
+      if (entry && a >= 0 && a < count) arrives |= 1u << r;
+      slot[r] = rows + s * stride;
+      out[r] = rows + o * stride;
+      in[r] = rows + a * stride;
+    }
+    for (int64_t j = lane; j < vecs; j += 32) {
+      V old[kRowsAtOnce], arriving[kRowsAtOnce];
+#pragma unroll
+      for (int r = 0; r < kRowsAtOnce; ++r) {
+        if ((leaves >> r) & 1u) old[r] = slot[r][j];
+        if ((arrives >> r) & 1u) arriving[r] = in[r][j];
+      }
+#pragma unroll
+      for (int r = 0; r < kRowsAtOnce; ++r) {
+        if ((leaves >> r) & 1u) out[r][j] = old[r];
+        if ((arrives >> r) & 1u) slot[r][j] = arriving[r];
+      }
+    }
+    if (moves_state) state.end();
+  }
+}
+
+// The same for rows of a single unit (vecs == 1), as exchange_narrow_rows_kernel: each lane takes
+// entries first + lane + 32 r for r < kRowsAtOnce, their rows and every state of them; the rows'
+// loads and the first state's are issued before the first store.
+template <typename V>
+__global__ void exchange_narrow_rows_states_kernel(V* __restrict__ rows, int64_t stride, int64_t count,
+                                                   const int64_t* __restrict__ slot_rows,
+                                                   const int64_t* __restrict__ out_rows,
+                                                   const int64_t* __restrict__ in_rows, int64_t n,
+                                                   const RowStates states,
+                                                   const int64_t* __restrict__ state_slot_rows,
+                                                   const int64_t* __restrict__ state_out_rows,
+                                                   const int64_t* __restrict__ state_in_rows) {
+  constexpr int64_t kWarpRows = 32 * kRowsAtOnce;
+  const int lane = threadIdx.x & 31;
+  const int64_t warp = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
+  const int64_t warps = (static_cast<int64_t>(gridDim.x) * blockDim.x) >> 5;
+  for (int64_t first = warp * kWarpRows; first < n; first += warps * kWarpRows) {
+    int64_t s[kRowsAtOnce], o[kRowsAtOnce], a[kRowsAtOnce];
+#pragma unroll
+    for (int r = 0; r < kRowsAtOnce; ++r) {
+      const int64_t i = first + lane + 32 * r;
+      s[r] = o[r] = a[r] = -1;
+      if (i < n) {
+        s[r] = slot_rows[i];
+        o[r] = out_rows != nullptr ? out_rows[i] : -1;
+        a[r] = in_rows[i];
+      }
+    }
+    unsigned leaves = 0, arrives = 0;
+    V old[kRowsAtOnce], arriving[kRowsAtOnce];
+#pragma unroll
+    for (int r = 0; r < kRowsAtOnce; ++r) {
+      const bool entry = s[r] >= 0 && s[r] < count;
+      if (entry && o[r] >= 0 && o[r] < count) {
+        leaves |= 1u << r;
+        old[r] = rows[s[r] * stride];
+      }
+      if (entry && a[r] >= 0 && a[r] < count) {
+        arrives |= 1u << r;
+        arriving[r] = rows[a[r] * stride];
+      }
+    }
+    // (the first state's loads issued with the rows', the others' after them: kRowsAtOnce moves
+    // live at a time, not kRowsAtOnce kMaxStates, which would not fit in registers)
+    StateMove state[kRowsAtOnce];
+#pragma unroll
+    for (int r = 0; r < kRowsAtOnce; ++r) {
+      const int64_t i = first + lane + 32 * r;
+      if (states.n > 0 && i < n) state[r].begin(states, 0, i, state_slot_rows, state_out_rows, state_in_rows);
+    }
+#pragma unroll
+    for (int r = 0; r < kRowsAtOnce; ++r) {
+      if ((leaves >> r) & 1u) rows[o[r] * stride] = old[r];
+      if ((arrives >> r) & 1u) rows[s[r] * stride] = arriving[r];
+    }
+    for (int k = 0; k < states.n; ++k) {
+      if (k > 0) {
+#pragma unroll
+        for (int r = 0; r < kRowsAtOnce; ++r) {
+          const int64_t i = first + lane + 32 * r;
+          if (i < n) state[r].begin(states, k, i, state_slot_rows, state_out_rows, state_in_rows);
+        }
+      }
+#pragma unroll
+      for (int r = 0; r < kRowsAtOnce; ++r) {
+        if (first + lane + 32 * r < n) state[r].end();
+      }
+    }
+  }
+}
+
+inline void check_exchange_rows(const c10::optional<at::Tensor>& rows, const char* name, const at::Tensor& like,
+                                int64_t n) {
+  if (!rows.has_value()) return;
+  TBEGEN_CHECK(rows->scalar_type() == at::kLong && rows->dim() == 1 && rows->is_contiguous(),
+               "tbegen: _exchange_rows_with_states: ", name, " must be a contiguous 1-D int64 tensor, got ",
+               dtype_name(rows->scalar_type()), " of shape ", rows->sizes());
+  TBEGEN_CHECK(rows->device() == like.device(), "tbegen: _exchange_rows_with_states: ", name, " is on ", rows->device(),
+               ", the rows on ", like.device());
+  TBEGEN_CHECK(rows->numel() == n, "tbegen: _exchange_rows_with_states: ", n, " slot_rows but ", rows->numel(), " ",
+               name);
+}
+
+// exchange_rows(rows, slot_rows, out_rows, in_rows), and for each state buffer s of `states`:
+// exchange_rows(s seen as rows of one element, state_slot_rows, state_out_rows, state_in_rows), in
+// one kernel (entry i's row and states by the same warp), on the current stream with at most
+// `max_blocks` blocks (0: as many as the entries need). `rows` may be a view whose rows overlap
+// (stride(0) smaller than a row: rows of several units starting at any unit, as the cache places
+// them); the caller's rows never overlap. Up to kMaxStates states, 1-D contiguous, of 1, 2, 4 or
+// 8 bytes an element, on the rows' device; the six index tensors int64, one entry each per entry.
+inline void exchange_rows_with_states(const at::Tensor& rows, const at::Tensor& slot_rows,
+                                      const c10::optional<at::Tensor>& out_rows, const at::Tensor& in_rows,
+                                      at::TensorList states, const at::Tensor& state_slot_rows,
+                                      const c10::optional<at::Tensor>& state_out_rows,
+                                      const at::Tensor& state_in_rows, int64_t max_blocks) {
+  TBEGEN_CHECK(rows.is_cuda(), "tbegen: _exchange_rows_with_states: rows must be on a CUDA device, got ", rows.device());
+  TBEGEN_CHECK(rows.dim() == 2 && rows.stride(1) == 1 && rows.stride(0) > 0,
+               "tbegen: _exchange_rows_with_states: rows must be 2-D with contiguous rows, got shape ", rows.sizes(),
+               " and strides ", rows.strides());
+  TBEGEN_CHECK(max_blocks >= 0, "tbegen: _exchange_rows_with_states: max_blocks must be >= 0, got ", max_blocks);
+  const int64_t n = slot_rows.numel();
+  check_exchange_rows(slot_rows, "slot_rows", rows, n);
+  check_exchange_rows(out_rows, "out_rows", rows, n);
+  check_exchange_rows(in_rows, "in_rows", rows, n);
+  check_exchange_rows(state_slot_rows, "state_slot_rows", rows, n);
+  check_exchange_rows(state_out_rows, "state_out_rows", rows, n);
+  check_exchange_rows(state_in_rows, "state_in_rows", rows, n);
+  TBEGEN_CHECK(static_cast<int64_t>(states.size()) <= kMaxStates, "tbegen: _exchange_rows_with_states: at most ",
+               kMaxStates, " state buffers, got ", states.size());
+  RowStates st{};
+  st.n = static_cast<int>(states.size());
+  for (int k = 0; k < st.n; ++k) {
+    const at::Tensor& s = states[k];
+    TBEGEN_CHECK(s.device() == rows.device(), "tbegen: _exchange_rows_with_states: states[", k, "] is on ", s.device(),
+                 ", the rows on ", rows.device());
+    const int64_t bytes = s.element_size();
+    TBEGEN_CHECK(s.dim() == 1 && s.is_contiguous() && (bytes == 1 || bytes == 2 || bytes == 4 || bytes == 8),
+                 "tbegen: _exchange_rows_with_states: states[", k, "] must be a contiguous 1-D tensor of 1, 2, 4 or ",
+                 "8-byte elements, got ", dtype_name(s.scalar_type()), " of shape ", s.sizes(), " and strides ",
+                 s.strides());
+    st.data[k] = static_cast<char*>(s.data_ptr());
+    st.count[k] = s.numel();
+    st.bytes[k] = static_cast<int>(bytes);
+  }
+  const int64_t row_bytes = rows.size(1) * rows.element_size();
+  if (n == 0) return;
+  if (row_bytes == 0 && st.n == 0) return;
+  const c10::cuda::CUDAGuard guard(rows.device());
+  auto* base = static_cast<char*>(rows.data_ptr());
+  const int64_t stride_bytes = rows.stride(0) * rows.element_size();
+  const int unit = copy_unit(row_bytes, stride_bytes, stride_bytes, base, base);
+  const int64_t vecs = row_bytes / unit;
+  const int64_t blocks = row_grid(n, std::max<int64_t>(vecs, 1), max_blocks);
+  const int64_t* sr = slot_rows.data_ptr<int64_t>();
+  const int64_t* orows = out_rows.has_value() ? out_rows->data_ptr<int64_t>() : nullptr;
+  const int64_t* ir = in_rows.data_ptr<int64_t>();
+  const int64_t* ssr = state_slot_rows.data_ptr<int64_t>();
+  const int64_t* sor = state_out_rows.has_value() ? state_out_rows->data_ptr<int64_t>() : nullptr;
+  const int64_t* sir = state_in_rows.data_ptr<int64_t>();
+  const auto stream = at::cuda::getCurrentCUDAStream(rows.get_device());
+  auto launch = [&](auto zero) {
+    using V = decltype(zero);
+    if (vecs == 1) {
+      exchange_narrow_rows_states_kernel<V><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
+          reinterpret_cast<V*>(base), stride_bytes / unit, rows.size(0), sr, orows, ir, n, st, ssr, sor, sir);
+    } else {
+      exchange_rows_states_kernel<V><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
+          reinterpret_cast<V*>(base), stride_bytes / unit, rows.size(0), sr, orows, ir, n, vecs, st, ssr, sor, sir);
+    }
+  };
+  with_unit_type(unit, launch);
+  C10_CUDA_CHECK(cudaGetLastError());
+}
+
+
 }  // namespace row_copy
 }  // namespace cuda
 }  // namespace tbegen
