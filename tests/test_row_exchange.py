@@ -559,21 +559,22 @@ def test_states_switch_refuses_other_values(monkeypatch, value):
 
 
 def test_states_reference_by_hand():
-    """The contract the CUDA test below holds the kernel to, on a small case by hand: overlapping
-    rows (3 entries from every second one), rows outside either tensor skipped, the states at
-    their own positions, in every element width."""
-    flat = torch.arange(20, dtype=torch.float32)
-    rows = flat.as_strided((9, 3), (2, 1))  # (row r: entries 2r, 2r + 1, 2r + 2)
+    """The contract the CUDA test below holds the kernel to, on a small case by hand: a view of
+    overlapping rows (3 entries from every second one; the rows the entries name never overlap),
+    rows outside either tensor skipped, the states at their own positions, in three widths."""
+    flat = torch.arange(28, dtype=torch.float32)
+    rows = flat.as_strided((13, 3), (2, 1))  # (row r: entries 2r, 2r + 1, 2r + 2; the even rows are disjoint)
     momentum = torch.arange(100, 110, dtype=torch.float32)
     counter = torch.arange(200, 210, dtype=torch.int64)
     half = torch.arange(10, dtype=torch.float16)
-    slot, out, inn = torch.tensor([0, 3, 9, 6]), torch.tensor([4, -1, 5, 8]), torch.tensor([2, 7, 1, 10])
+    slot, out, inn = torch.tensor([0, 6, 13, 10]), torch.tensor([4, -1, 2, 12]), torch.tensor([2, 8, 4, 99])
     s_slot, s_out, s_in = torch.tensor([1, 0, 2, 11]), torch.tensor([5, 6, -1, 7]), torch.tensor([8, -3, 9, 4])
     want_flat = flat.clone()
-    want_flat[8:11] = flat[0:3]     # entry 0: slot 0's old row to row 4
-    want_flat[16:19] = flat[12:15]  # entry 3: slot 6's old row to row 8
-    want_flat[0:3] = flat[4:7]      # entry 0: row 2 arrives in slot 0
-    want_flat[6:9] = flat[14:17]    # entry 1: row 7 arrives in slot 3 (entry 2: no slot; entry 3: no row 10)
+    want_flat[8:11] = flat[0:3]     # entry 0: slot 0's old row to row 4, and row 2 arrives in it
+    want_flat[0:3] = flat[4:7]
+    want_flat[12:15] = flat[16:19]  # entry 1: nothing written back, row 8 arrives in slot 6
+    want_flat[24:27] = flat[20:23]  # entry 3: slot 10's old row to row 12, row 99 is outside
+    # (entry 2: slot 13 is outside, the entry is skipped)
     wants = []
     for s in (momentum, counter, half):
         w = s.clone()
@@ -638,14 +639,22 @@ def _random_entries(n, size, g):
 def test_cuda_exchange_rows_with_states_matches_the_reference(dtype, width, unit, n, max_blocks, nstates):
     ops = _ops()
     g = torch.Generator().manual_seed(width * 7919 + n * 13 + nstates)
-    count = 3 * n + 40
+    # entries' rows a whole row apart (per_run units; from unit 1 where a row spans several: the
+    # view's overlapping rows, as the cache places them), never overlapping each other
+    per_run, shift = width // unit, (1 if width > unit else 0)
+    groups = 3 * n + 40
+    count = groups * per_run + shift
     numel = (count - 1) * unit + width
     base = torch.randint(0, 256, (numel * torch.empty(0, dtype=dtype).element_size(),), generator=g,
                          dtype=torch.uint8).view(dtype).cuda()
     state_dtypes = [torch.float32, torch.int64, torch.float16, torch.bfloat16][:nstates]
     ssize = 3 * n + 17
     state_base = [torch.randint(-1000, 1000, (ssize,), generator=g).to(d).cuda() for d in state_dtypes]
-    slot, out, inn = (x.cuda() for x in _random_entries(n, count, g))
+
+    def place(x):  # (a group's first row; the numbers outside the groups stay outside the view)
+        return torch.where((x >= 0) & (x < groups), x * per_run + shift, torch.where(x >= groups, x - groups + count, x))
+
+    slot, out, inn = (place(x).cuda() for x in _random_entries(n, groups, g))
     s_slot, s_out, s_in = (x.cuda() for x in _random_entries(n, ssize, g))
     for with_out in (True, False):
         got, want = base.clone(), base.clone()
