@@ -81,6 +81,8 @@ def test_managed_memory_operators_check_arguments_without_a_gpu(prebuilt):
         "             lambda: ops.split_empty(8, torch.float32, torch.device('cuda'), [0, 4, 6]),\n"
         "             lambda: ops.split_empty(8, torch.float32, torch.device('cuda'), [6, 4]),\n"
         "             lambda: ops._exchange_rows(torch.zeros(4, 2), torch.arange(2), None, torch.arange(2), 0),\n"
+        "             lambda: ops._exchange_rows_with_states(torch.zeros(4, 2), torch.arange(2), None, torch.arange(2),\n"
+        "                                                    [torch.zeros(4)], torch.arange(2), None, torch.arange(2), 0),\n"
         "             lambda: ops._sort_keys(torch.arange(4, dtype=torch.int32), 5)):\n"
         "    try:\n"
         "        call()\n"
@@ -90,7 +92,7 @@ def test_managed_memory_operators_check_arguments_without_a_gpu(prebuilt):
     )
     proc = subprocess.run([sys.executable, "-c", code, lib], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.splitlines()[-10:] == [
+    assert proc.stdout.splitlines()[-11:] == [
         "tbegen: managed_empty: device must be a CUDA device, got cpu",
         "tbegen: managed_empty: numel must be >= 0, got -1",
         "tbegen: managed_advise: location must be 'host' or 'device', got 'hbm'",
@@ -100,6 +102,7 @@ def test_managed_memory_operators_check_arguments_without_a_gpu(prebuilt):
         "tbegen: split_empty: device_ranges must be (start, count) pairs, got 3 numbers",
         "tbegen: split_empty: device range [6, 10) is not inside the 8 elements",
         "tbegen: _exchange_rows: rows must be on a CUDA device, got cpu",
+        "tbegen: _exchange_rows_with_states: rows must be on a CUDA device, got cpu",
         "tbegen: _sort_keys: keys must be on a CUDA device, got cpu",
     ]
 
