@@ -11,7 +11,9 @@
 #                                       # 5, 10, 20%, after the CUDA tests of the cache and what changed since landing9
 #   bash benchmarks/run_gpu_plan.sh 5   # issue 27's 10% and 20% cells in bench_cache (in-step and pipelined, the default
 #                                       # beside TBEGEN_CACHE_EXCHANGE=0 and FBGEMM), then TorchRec over NCCL (~9.5 min)
-#   DRY_RUN=1 bash benchmarks/run_gpu_plan.sh 1 2 3 4 5   # print the commands only (tests/test_gpu_plan.py reads them:
+#   bash benchmarks/run_gpu_plan.sh 6   # issue 25's VBE table alone (bench_vbe beside FBGEMM's padded step, then the
+#                                       # TBEGEN_VBE_GRAD_OFFSETS=1 A/B on mild and mild-large; ~5 min; landing10 ran out of time)
+#   DRY_RUN=1 bash benchmarks/run_gpu_plan.sh 1 2 3 4 5 6   # print the commands only (tests/test_gpu_plan.py reads them:
 #                                                      # every script, flag, switch and sweep regex they name exists)
 # Results under $OUT as the scripts called write them (run_gpu_landing.sh, run_gpu_ab.sh, run_gpu.sh).
 set -u
@@ -81,7 +83,12 @@ call5() {
     DEADLINE=585 bash benchmarks/run_gpu_landing.sh
 }
 
-[ $# -gt 0 ] || { sed -n '2,16p' "$0"; exit 2; }
+call6() {
+  run env BUILD_SPECS="sgd rowwise_adagrad" TEST_FILES="tests/test_vbe.py tests/test_vbe_backward_variant.py" \
+    VBE=1 VBE_AB=TBEGEN_VBE_GRAD_OFFSETS=1 VBE_CASES=mild,mild-large DEADLINE=420 bash benchmarks/run_gpu_ab.sh
+}
+
+[ $# -gt 0 ] || { sed -n '2,18p' "$0"; exit 2; }
 status=0
 for call in "$@"; do
   case "$call" in
@@ -90,7 +97,8 @@ for call in "$@"; do
     3) call3 || status=1 ;;
     4) call4 || status=1 ;;
     5) call5 || status=1 ;;
-    *) echo "run_gpu_plan.sh: no call '$call' (1 to 5)" >&2; exit 2 ;;
+    6) call6 || status=1 ;;
+    *) echo "run_gpu_plan.sh: no call '$call' (1 to 6)" >&2; exit 2 ;;
   esac
 done
 exit $status

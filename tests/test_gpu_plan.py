@@ -90,16 +90,16 @@ def picks(regex: str, names) -> int:
 
 def test_every_call_prints_its_commands():
     assert len(plan_commands("1")) == 1 and len(plan_commands("2")) == 1 and len(plan_commands("3")) == 2
-    assert len(plan_commands("4")) == 1 and len(plan_commands("5")) == 1
-    proc = subprocess.run(["bash", str(PLAN), "6"], cwd=ROOT, capture_output=True, text=True,
+    assert len(plan_commands("4")) == 1 and len(plan_commands("5")) == 1 and len(plan_commands("6")) == 1
+    proc = subprocess.run(["bash", str(PLAN), "7"], cwd=ROOT, capture_output=True, text=True,
                           env={**os.environ, "DRY_RUN": "1"})
-    assert proc.returncode == 2 and "no call '6'" in proc.stderr
+    assert proc.returncode == 2 and "no call '7'" in proc.stderr
 
 
 def test_the_plan_names_only_what_exists(sweep_names):
     switches = known_switches()
     specs = {p.stem for p in (ROOT / "optimizers").glob("*.yaml")}
-    for argv in plan_commands("1", "2", "3", "4", "5"):
+    for argv in plan_commands("1", "2", "3", "4", "5", "6"):
         env, cmd = split_env(argv)
         if cmd[0] == "bash":  # a run script: it must read every variable it is given
             script = ROOT / cmd[1]
@@ -129,6 +129,10 @@ def test_the_plan_names_only_what_exists(sweep_names):
             elif name in ("NCU_AB", "VBE_AB"):
                 for switch in switch_names(value):
                     assert is_read(switch, switches), switch
+            elif name == "VBE_CASES":  # bench_vbe.py's case names
+                text = (ROOT / "benchmarks" / "bench_vbe.py").read_text()
+                for case in value.split(","):
+                    assert f'"{case}":' in text, f"bench_vbe.py has no case {case!r}"
             elif name in ("NCU_ONLY", "PROFILE_ONLY"):
                 assert picks(value, sweep_names) > 0, f"{name}={value!r} picks no sweep cell"
             elif name == "TEST_FILES":
