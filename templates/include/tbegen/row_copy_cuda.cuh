@@ -130,6 +130,46 @@ __global__ void copy_narrow_rows_kernel(V* __restrict__ dst, const int64_t* __re
 // entry whose slot is not a row of the tensor is skipped whole. The caller's rows never overlap:
 // slots are distinct, and no slot, backing row written or backing row read is another entry's
 // (tbegen/cache.py: an evicted row is resident, a loaded one is not).
+// One warp's share of exchange_rows_kernel: the rows of entries first .. first + kRowsAtOnce - 1,
+// lane `lane` on their elements lane, lane + 32, ... (all loads of a round before its stores).
+template <typename V>
+__device__ __forceinline__ void exchange_row_group(V* __restrict__ rows, int64_t stride, int64_t count,
+                                                   const int64_t* __restrict__ slot_rows,
+                                                   const int64_t* __restrict__ out_rows,
+                                                   const int64_t* __restrict__ in_rows, int64_t n, int64_t vecs,
+                                                   int64_t first, int lane) {
+  V* slot[kRowsAtOnce];
+  V* out[kRowsAtOnce];
+  const V* in[kRowsAtOnce];
+  unsigned leaves = 0, arrives = 0;  // (bit r: entry first + r writes its old row back / loads a row)
+#pragma unroll
+  for (int r = 0; r < kRowsAtOnce; ++r) {
+    const int64_t i = first + r < n ? first + r : first;
+    const int64_t s = slot_rows[i];
+    const int64_t o = out_rows != nullptr ? out_rows[i] : -1;
+    const int64_t a = in_rows[i];
+    const bool entry = first + r < n && s >= 0 && s < count;
+    if (entry && o >= 0 && o < count) leaves |= 1u << r;
+    if (entry && a >= 0 && a < count) arrives |= 1u << r;
+    slot[r] = rows + s * stride;
+    out[r] = rows + o * stride;
+    in[r] = rows + a * stride;
+  }
+  for (int64_t j = lane; j < vecs; j += 32) {
+    V old[kRowsAtOnce], arriving[kRowsAtOnce];
+#pragma unroll
+    for (int r = 0; r < kRowsAtOnce; ++r) {
+      if ((leaves >> r) & 1u) old[r] = slot[r][j];
+      if ((arrives >> r) & 1u) arriving[r] = in[r][j];
+    }
+#pragma unroll
+    for (int r = 0; r < kRowsAtOnce; ++r) {
+      if ((leaves >> r) & 1u) out[r][j] = old[r];
+      if ((arrives >> r) & 1u) slot[r][j] = arriving[r];
+    }
+  }
+}
+
 template <typename V>
 __global__ void exchange_rows_kernel(V* __restrict__ rows, int64_t stride, int64_t count,
                                      const int64_t* __restrict__ slot_rows, const int64_t* __restrict__ out_rows,
@@ -138,36 +178,7 @@ __global__ void exchange_rows_kernel(V* __restrict__ rows, int64_t stride, int64
   const int64_t warp = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
   const int64_t warps = (static_cast<int64_t>(gridDim.x) * blockDim.x) >> 5;
   for (int64_t first = warp * kRowsAtOnce; first < n; first += warps * kRowsAtOnce) {
-    V* slot[kRowsAtOnce];
-    V* out[kRowsAtOnce];
-    const V* in[kRowsAtOnce];
-    unsigned leaves = 0, arrives = 0;  // (bit r: entry first + r writes its old row back / loads a row)
-#pragma unroll
-    for (int r = 0; r < kRowsAtOnce; ++r) {
-      const int64_t i = first + r < n ? first + r : first;
-      const int64_t s = slot_rows[i];
-      const int64_t o = out_rows != nullptr ? out_rows[i] : -1;
-      const int64_t a = in_rows[i];
-      const bool entry = first + r < n && s >= 0 && s < count;
-      if (entry && o >= 0 && o < count) leaves |= 1u << r;
-      if (entry && a >= 0 && a < count) arrives |= 1u << r;
-      slot[r] = rows + s * stride;
-      out[r] = rows + o * stride;
-      in[r] = rows + a * stride;
-    }
-    for (int64_t j = lane; j < vecs; j += 32) {
-      V old[kRowsAtOnce], arriving[kRowsAtOnce];
-#pragma unroll
-      for (int r = 0; r < kRowsAtOnce; ++r) {
-        if ((leaves >> r) & 1u) old[r] = slot[r][j];
-        if ((arrives >> r) & 1u) arriving[r] = in[r][j];
-      }
-#pragma unroll
-      for (int r = 0; r < kRowsAtOnce; ++r) {
-        if ((leaves >> r) & 1u) out[r][j] = old[r];
-        if ((arrives >> r) & 1u) slot[r][j] = arriving[r];
-      }
-    }
+    exchange_row_group(rows, stride, count, slot_rows, out_rows, in_rows, n, vecs, first, lane);
   }
 }
 
@@ -462,36 +473,7 @@ __global__ void exchange_rows_states_kernel(V* __restrict__ rows, int64_t stride
     const int64_t mine = first + lane % kRowsAtOnce;
     const bool moves_state = k < states.n && mine < n;
     if (moves_state) state.begin(states, k, mine, state_slot_rows, state_out_rows, state_in_rows);
-    V* slot[kRowsAtOnce];
-    V* out[kRowsAtOnce];
-    const V* in[kRowsAtOnce];
-    unsigned leaves = 0, arrives = 0;  // (bit r: entry first + r writes its old row back / loads a row)
-#pragma unroll
-    for (int r = 0; r < kRowsAtOnce; ++r) {
-      const int64_t i = first + r < n ? first + r : first;
-      const int64_t s = slot_rows[i];
-      const int64_t o = out_rows != nullptr ? out_rows[i] : -1;
-      const int64_t a = in_rows[i];
-      const bool entry = first + r < n && s >= 0 && s < count;
-      if (entry && o >= 0 && o < count) leaves |= 1u << r;
-      if (entry && a >= 0 && a < count) arrives |= 1u << r;
-      slot[r] = rows + s * stride;
-      out[r] = rows + o * stride;
-      in[r] = rows + a * stride;
-    }
-    for (int64_t j = lane; j < vecs; j += 32) {
-      V old[kRowsAtOnce], arriving[kRowsAtOnce];
-#pragma unroll
-      for (int r = 0; r < kRowsAtOnce; ++r) {
-        if ((leaves >> r) & 1u) old[r] = slot[r][j];
-        if ((arrives >> r) & 1u) arriving[r] = in[r][j];
-      }
-#pragma unroll
-      for (int r = 0; r < kRowsAtOnce; ++r) {
-        if ((leaves >> r) & 1u) out[r][j] = old[r];
-        if ((arrives >> r) & 1u) slot[r][j] = arriving[r];
-      }
-    }
+    exchange_row_group(rows, stride, count, slot_rows, out_rows, in_rows, n, vecs, first, lane);
     if (moves_state) state.end();
   }
 }
