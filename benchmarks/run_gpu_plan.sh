@@ -13,7 +13,9 @@
 #                                       # beside TBEGEN_CACHE_EXCHANGE=0 and FBGEMM), then TorchRec over NCCL (~9.5 min)
 #   bash benchmarks/run_gpu_plan.sh 6   # issue 25's VBE table alone (bench_vbe beside FBGEMM's padded step, then the
 #                                       # TBEGEN_VBE_GRAD_OFFSETS=1 A/B on mild and mild-large; ~5 min; landing10 ran out of time)
-#   DRY_RUN=1 bash benchmarks/run_gpu_plan.sh 1 2 3 4 5 6   # print the commands only (tests/test_gpu_plan.py reads them:
+#   bash benchmarks/run_gpu_plan.sh 7   # issue 27's pipelined 20% step, tbegen alone with --profile (per-stream busy time,
+#                                       # each range's GPU and host ms: what S, H and F of the chain cost; ~4 min)
+#   DRY_RUN=1 bash benchmarks/run_gpu_plan.sh 1 2 3 4 5 6 7   # print the commands only (tests/test_gpu_plan.py reads them:
 #                                                      # every script, flag, switch and sweep regex they name exists)
 # Results under $OUT as the scripts called write them (run_gpu_landing.sh, run_gpu_ab.sh, run_gpu.sh).
 set -u
@@ -88,7 +90,14 @@ call6() {
     VBE=1 VBE_AB=TBEGEN_VBE_GRAD_OFFSETS=1 VBE_CASES=mild,mild-large DEADLINE=420 bash benchmarks/run_gpu_ab.sh
 }
 
-[ $# -gt 0 ] || { sed -n '2,18p' "$0"; exit 2; }
+call7() {
+  # (the profile's trace JSONs are large: left behind; profile-*.txt come back)
+  run env BUILD_SPECS="rowwise_adagrad" CACHE_TIMEOUT=240 CACHE_TRACES=0 \
+    CACHE_OPTS="--cache 0.2 --optimizer rowwise_adagrad --pipelined --profile --systems tbegen --warmup 6 --iters 8" \
+    bash benchmarks/run_gpu.sh build cache
+}
+
+[ $# -gt 0 ] || { sed -n '2,20p' "$0"; exit 2; }
 status=0
 for call in "$@"; do
   case "$call" in
@@ -98,7 +107,8 @@ for call in "$@"; do
     4) call4 || status=1 ;;
     5) call5 || status=1 ;;
     6) call6 || status=1 ;;
-    *) echo "run_gpu_plan.sh: no call '$call' (1 to 6)" >&2; exit 2 ;;
+    7) call7 || status=1 ;;
+    *) echo "run_gpu_plan.sh: no call '$call' (1 to 7)" >&2; exit 2 ;;
   esac
 done
 exit $status
