@@ -10,6 +10,8 @@ previous sort on random cache states (including the paths that still sort)."""
 
 from __future__ import annotations
 
+import inspect
+
 import warnings
 
 import pytest
@@ -26,11 +28,18 @@ def built(prebuilt):
         TableBatchedEmbeddingBags([(4, 4)], optimizer=name)
 
 
+def _frozen_cache(*a, **k):
+    """The frozen previous cache, given only the arguments it takes (the module passes the present
+    cache's, which grow: key_sort, row_exchange_states, ...)."""
+    takes = inspect.signature(_cache_fill_reference.RowCache.__init__).parameters
+    return _cache_fill_reference.RowCache(*a, **{n: v for n, v in k.items() if n in takes})
+
+
 def _pair(monkeypatch, tables, **kw):
     """Two modules, one with the new cache and one with the frozen previous one."""
     new = TableBatchedEmbeddingBags(tables, **kw)
     with monkeypatch.context() as m:
-        m.setattr(cache_, "RowCache", lambda *a, key_sort=None, **k: _cache_fill_reference.RowCache(*a, **k))
+        m.setattr(cache_, "RowCache", _frozen_cache)
         old = TableBatchedEmbeddingBags(tables, **kw)
     assert isinstance(old._cache, _cache_fill_reference.RowCache) and type(new._cache) is cache_.RowCache
     for (x, _), (y, _) in zip(new._cache_buffers(), old._cache_buffers()):
