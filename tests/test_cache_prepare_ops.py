@@ -10,6 +10,8 @@ out of range, int32 indices, several features of one table."""
 
 from __future__ import annotations
 
+import inspect
+
 import sys
 import warnings
 from pathlib import Path
@@ -91,8 +93,10 @@ def _random_batch(g, tables, features, dtype):
 
 def _cache_of(monkeypatch, cls, tables, **kw):
     with monkeypatch.context() as m:
-        m.setattr(cache_, "RowCache", lambda *a, row_copy=None, row_exchange=None, key_sort=None,
-                  row_exchange_states=None, **k: cls(*a, **k))
+        # (the arguments of the frozen cache's constructor only: the runtime's row operators,
+        # however many the present cache takes, are left out on both sides)
+        takes = inspect.signature(_cache_reference.RowCache.__init__).parameters
+        m.setattr(cache_, "RowCache", lambda *a, **k: cls(*a, **{n: v for n, v in k.items() if n in takes}))
         emb = TableBatchedEmbeddingBags(tables, device="cpu", seed=1, **kw)
     assert isinstance(emb._cache, cls)
     return emb

@@ -8,6 +8,8 @@ forwards without a backward and flushes in between."""
 
 from __future__ import annotations
 
+import inspect
+
 import warnings
 
 import pytest
@@ -44,9 +46,12 @@ def _zipf_batches(tables, features, steps, seed, sizes=((4, 2), (8, 3), (32, 4))
 
 def _with_reference_cache(monkeypatch, *args, **kwargs):
     """A module whose cache is the frozen one from before issue 27."""
-    # (the frozen cache moves its rows with torch's kernels only)
-    def frozen(*a, row_copy=None, row_exchange=None, key_sort=None, row_exchange_states=None, **kw):
-        return _cache_reference.RowCache(*a, **kw)
+    # (the frozen cache moves its rows with torch's kernels only: of the present cache's
+    # arguments, it is given those its constructor takes)
+    takes = inspect.signature(_cache_reference.RowCache.__init__).parameters
+
+    def frozen(*a, **kw):
+        return _cache_reference.RowCache(*a, **{n: v for n, v in kw.items() if n in takes})
 
     with monkeypatch.context() as m:
         m.setattr(cache_, "RowCache", frozen)
