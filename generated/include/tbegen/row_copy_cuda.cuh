@@ -182,19 +182,18 @@ __global__ void exchange_rows_kernel(V* __restrict__ rows, int64_t stride, int64
   }
 }
 
-// The same for rows of a single element (vecs == 1: the per-row states, viewed as (N, 1)): each
-// lane takes entries of its own, first + lane + 32 r for r < kRowsAtOnce, as copy_narrow_rows_kernel.
+// One lane's entries of an exchange of rows of a single unit (exchange_narrow_rows_kernel and its
+// states variant): entries first + lane + 32 r for r < kRowsAtOnce, their slot, write-back and
+// arriving rows; load() reads the old and the arriving units, store() writes them.
 template <typename V>
-__global__ void exchange_narrow_rows_kernel(V* __restrict__ rows, int64_t stride, int64_t count,
-                                            const int64_t* __restrict__ slot_rows,
-                                            const int64_t* __restrict__ out_rows,
-                                            const int64_t* __restrict__ in_rows, int64_t n) {
-  constexpr int64_t kWarpRows = 32 * kRowsAtOnce;
-  const int lane = threadIdx.x & 31;
-  const int64_t warp = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
-  const int64_t warps = (static_cast<int64_t>(gridDim.x) * blockDim.x) >> 5;
-  for (int64_t first = warp * kWarpRows; first < n; first += warps * kWarpRows) {
-    int64_t s[kRowsAtOnce], o[kRowsAtOnce], a[kRowsAtOnce];
+struct NarrowExchange {
+  int64_t s[kRowsAtOnce], o[kRowsAtOnce], a[kRowsAtOnce];
+  V old[kRowsAtOnce], arriving[kRowsAtOnce];
+  unsigned leaves = 0, arrives = 0;  // (bit r: entry r writes its old row back / loads a row)
+
+  __device__ __forceinline__ void load(const V* __restrict__ rows, int64_t stride, int64_t count,
+                                       const int64_t* __restrict__ slot_rows, const int64_t* __restrict__ out_rows,
+                                       const int64_t* __restrict__ in_rows, int64_t n, int64_t first, int lane) {
 #pragma unroll
     for (int r = 0; r < kRowsAtOnce; ++r) {
       const int64_t i = first + lane + 32 * r;
@@ -205,8 +204,6 @@ __global__ void exchange_narrow_rows_kernel(V* __restrict__ rows, int64_t stride
         a[r] = in_rows[i];
       }
     }
-    unsigned leaves = 0, arrives = 0;
-    V old[kRowsAtOnce], arriving[kRowsAtOnce];
 #pragma unroll
     for (int r = 0; r < kRowsAtOnce; ++r) {
       const bool entry = s[r] >= 0 && s[r] < count;
@@ -219,11 +216,32 @@ __global__ void exchange_narrow_rows_kernel(V* __restrict__ rows, int64_t stride
         arriving[r] = rows[a[r] * stride];
       }
     }
+  }
+
+  __device__ __forceinline__ void store(V* __restrict__ rows, int64_t stride) const {
 #pragma unroll
     for (int r = 0; r < kRowsAtOnce; ++r) {
       if ((leaves >> r) & 1u) rows[o[r] * stride] = old[r];
       if ((arrives >> r) & 1u) rows[s[r] * stride] = arriving[r];
     }
+  }
+};
+
+// The same for rows of a single element (vecs == 1: the per-row states, viewed as (N, 1)): each
+// lane takes entries of its own, first + lane + 32 r for r < kRowsAtOnce, as copy_narrow_rows_kernel.
+template <typename V>
+__global__ void exchange_narrow_rows_kernel(V* __restrict__ rows, int64_t stride, int64_t count,
+                                            const int64_t* __restrict__ slot_rows,
+                                            const int64_t* __restrict__ out_rows,
+                                            const int64_t* __restrict__ in_rows, int64_t n) {
+  constexpr int64_t kWarpRows = 32 * kRowsAtOnce;
+  const int lane = threadIdx.x & 31;
+  const int64_t warp = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
+  const int64_t warps = (static_cast<int64_t>(gridDim.x) * blockDim.x) >> 5;
+  for (int64_t first = warp * kWarpRows; first < n; first += warps * kWarpRows) {
+    NarrowExchange<V> x;
+    x.load(rows, stride, count, slot_rows, out_rows, in_rows, n, first, lane);
+    x.store(rows, stride);
   }
 }
 
@@ -495,31 +513,8 @@ __global__ void exchange_narrow_rows_states_kernel(V* __restrict__ rows, int64_t
   const int64_t warp = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
   const int64_t warps = (static_cast<int64_t>(gridDim.x) * blockDim.x) >> 5;
   for (int64_t first = warp * kWarpRows; first < n; first += warps * kWarpRows) {
-    int64_t s[kRowsAtOnce], o[kRowsAtOnce], a[kRowsAtOnce];
-#pragma unroll
-    for (int r = 0; r < kRowsAtOnce; ++r) {
-      const int64_t i = first + lane + 32 * r;
-      s[r] = o[r] = a[r] = -1;
-      if (i < n) {
-        s[r] = slot_rows[i];
-        o[r] = out_rows != nullptr ? out_rows[i] : -1;
-        a[r] = in_rows[i];
-      }
-    }
-    unsigned leaves = 0, arrives = 0;
-    V old[kRowsAtOnce], arriving[kRowsAtOnce];
-#pragma unroll
-    for (int r = 0; r < kRowsAtOnce; ++r) {
-      const bool entry = s[r] >= 0 && s[r] < count;
-      if (entry && o[r] >= 0 && o[r] < count) {
-        leaves |= 1u << r;
-        old[r] = rows[s[r] * stride];
-      }
-      if (entry && a[r] >= 0 && a[r] < count) {
-        arrives |= 1u << r;
-        arriving[r] = rows[a[r] * stride];
-      }
-    }
+    NarrowExchange<V> x;
+    x.load(rows, stride, count, slot_rows, out_rows, in_rows, n, first, lane);
     // (the first state's loads issued with the rows', the others' after them: kRowsAtOnce moves
     // live at a time, not kRowsAtOnce kMaxStates, which would not fit in registers)
     StateMove state[kRowsAtOnce];
@@ -528,11 +523,7 @@ __global__ void exchange_narrow_rows_states_kernel(V* __restrict__ rows, int64_t
       const int64_t i = first + lane + 32 * r;
       if (states.n > 0 && i < n) state[r].begin(states, 0, i, state_slot_rows, state_out_rows, state_in_rows);
     }
-#pragma unroll
-    for (int r = 0; r < kRowsAtOnce; ++r) {
-      if ((leaves >> r) & 1u) rows[o[r] * stride] = old[r];
-      if ((arrives >> r) & 1u) rows[s[r] * stride] = arriving[r];
-    }
+    x.store(rows, stride);
     for (int k = 0; k < states.n; ++k) {
       if (k > 0) {
 #pragma unroll
