@@ -281,14 +281,40 @@ void with_unit_type(int unit, Launch&& launch) {
   }
 }
 
-inline void check_rows(const c10::optional<at::Tensor>& rows, const char* name, const at::Tensor& like) {
+// An index tensor `name` of operator `op`: int64, 1-D, contiguous, on the rows' device, and (n >= 0)
+// of n entries.
+inline void check_rows(const c10::optional<at::Tensor>& rows, const char* name, const at::Tensor& like,
+                       const char* op = "_copy_rows", int64_t n = -1) {
   if (!rows.has_value()) return;
-  TBEGEN_CHECK(rows->scalar_type() == at::kLong && rows->dim() == 1 && rows->is_contiguous(), "tbegen: _copy_rows: ",
+  TBEGEN_CHECK(rows->scalar_type() == at::kLong && rows->dim() == 1 && rows->is_contiguous(), "tbegen: ", op, ": ",
                name, " must be a contiguous 1-D int64 tensor, got ", dtype_name(rows->scalar_type()), " of shape ",
                rows->sizes());
-  TBEGEN_CHECK(rows->device() == like.device(), "tbegen: _copy_rows: ", name, " is on ", rows->device(),
+  TBEGEN_CHECK(rows->device() == like.device(), "tbegen: ", op, ": ", name, " is on ", rows->device(),
                ", the rows on ", like.device());
+  TBEGEN_CHECK(n < 0 || rows->numel() == n, "tbegen: ", op, ": ", n, " slot_rows but ", rows->numel(), " ", name);
 }
+
+// A 2-D tensor of rows as the exchange kernels see it: in units of the widest element that divides
+// its rows, its stride and its base (copy_unit), and the three index tensors' data.
+struct ExchangeView {
+  char* base;
+  int unit;
+  int64_t vecs, stride;  // (the row and the stride, in units)
+  const int64_t *slot, *out, *in;
+
+  ExchangeView(const at::Tensor& rows, const at::Tensor& slot_rows, const c10::optional<at::Tensor>& out_rows,
+               const at::Tensor& in_rows) {
+    base = static_cast<char*>(rows.data_ptr());
+    const int64_t row_bytes = rows.size(1) * rows.element_size();
+    const int64_t stride_bytes = rows.stride(0) * rows.element_size();
+    unit = copy_unit(row_bytes, stride_bytes, stride_bytes, base, base);
+    vecs = row_bytes / unit;
+    stride = stride_bytes / unit;
+    slot = slot_rows.data_ptr<int64_t>();
+    out = out_rows.has_value() ? out_rows->data_ptr<int64_t>() : nullptr;
+    in = in_rows.data_ptr<int64_t>();
+  }
+};
 
 // dst[dst_rows[i]] = src[src_rows[i]] for every i (a missing index tensor: i itself), bit for bit,
 // with at most `max_blocks` blocks (0: as many as the rows need) on the current stream. Row
@@ -363,26 +389,20 @@ inline void exchange_rows(const at::Tensor& rows, const at::Tensor& slot_rows, c
   const int64_t row_bytes = rows.size(1) * rows.element_size();
   if (n == 0 || row_bytes == 0) return;
   const c10::cuda::CUDAGuard guard(rows.device());
-  auto* base = static_cast<char*>(rows.data_ptr());
-  const int64_t stride_bytes = rows.stride(0) * rows.element_size();
-  const int unit = copy_unit(row_bytes, stride_bytes, stride_bytes, base, base);
-  const int64_t vecs = row_bytes / unit;
-  const int64_t blocks = row_grid(n, vecs, max_blocks);
-  const int64_t* sr = slot_rows.data_ptr<int64_t>();
-  const int64_t* orows = out_rows.has_value() ? out_rows->data_ptr<int64_t>() : nullptr;
-  const int64_t* ir = in_rows.data_ptr<int64_t>();
+  const ExchangeView v(rows, slot_rows, out_rows, in_rows);
+  const int64_t blocks = row_grid(n, v.vecs, max_blocks);
   const auto stream = at::cuda::getCurrentCUDAStream(rows.get_device());
   auto launch = [&](auto zero) {
     using V = decltype(zero);
-    if (vecs == 1) {
+    if (v.vecs == 1) {
       exchange_narrow_rows_kernel<V><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
-          reinterpret_cast<V*>(base), stride_bytes / unit, rows.size(0), sr, orows, ir, n);
+          reinterpret_cast<V*>(v.base), v.stride, rows.size(0), v.slot, v.out, v.in, n);
     } else {
       exchange_rows_kernel<V><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
-          reinterpret_cast<V*>(base), stride_bytes / unit, rows.size(0), sr, orows, ir, n, vecs);
+          reinterpret_cast<V*>(v.base), v.stride, rows.size(0), v.slot, v.out, v.in, n, v.vecs);
     }
   };
-  with_unit_type(unit, launch);
+  with_unit_type(v.unit, launch);
   C10_CUDA_CHECK(cudaGetLastError());
 }
 
@@ -540,18 +560,6 @@ __global__ void exchange_narrow_rows_states_kernel(V* __restrict__ rows, int64_t
   }
 }
 
-inline void check_exchange_rows(const c10::optional<at::Tensor>& rows, const char* name, const at::Tensor& like,
-                                int64_t n) {
-  if (!rows.has_value()) return;
-  TBEGEN_CHECK(rows->scalar_type() == at::kLong && rows->dim() == 1 && rows->is_contiguous(),
-               "tbegen: _exchange_rows_with_states: ", name, " must be a contiguous 1-D int64 tensor, got ",
-               dtype_name(rows->scalar_type()), " of shape ", rows->sizes());
-  TBEGEN_CHECK(rows->device() == like.device(), "tbegen: _exchange_rows_with_states: ", name, " is on ", rows->device(),
-               ", the rows on ", like.device());
-  TBEGEN_CHECK(rows->numel() == n, "tbegen: _exchange_rows_with_states: ", n, " slot_rows but ", rows->numel(), " ",
-               name);
-}
-
 // exchange_rows(rows, slot_rows, out_rows, in_rows), and for each state buffer s of `states`:
 // exchange_rows(s seen as rows of one element, state_slot_rows, state_out_rows, state_in_rows), in
 // one kernel (entry i's row and states by the same warp), on the current stream with at most
@@ -564,18 +572,19 @@ inline void exchange_rows_with_states(const at::Tensor& rows, const at::Tensor& 
                                       at::TensorList states, const at::Tensor& state_slot_rows,
                                       const c10::optional<at::Tensor>& state_out_rows,
                                       const at::Tensor& state_in_rows, int64_t max_blocks) {
+  constexpr const char* kOp = "_exchange_rows_with_states";
   TBEGEN_CHECK(rows.is_cuda(), "tbegen: _exchange_rows_with_states: rows must be on a CUDA device, got ", rows.device());
   TBEGEN_CHECK(rows.dim() == 2 && rows.stride(1) == 1 && rows.stride(0) > 0,
                "tbegen: _exchange_rows_with_states: rows must be 2-D with contiguous rows, got shape ", rows.sizes(),
                " and strides ", rows.strides());
   TBEGEN_CHECK(max_blocks >= 0, "tbegen: _exchange_rows_with_states: max_blocks must be >= 0, got ", max_blocks);
   const int64_t n = slot_rows.numel();
-  check_exchange_rows(slot_rows, "slot_rows", rows, n);
-  check_exchange_rows(out_rows, "out_rows", rows, n);
-  check_exchange_rows(in_rows, "in_rows", rows, n);
-  check_exchange_rows(state_slot_rows, "state_slot_rows", rows, n);
-  check_exchange_rows(state_out_rows, "state_out_rows", rows, n);
-  check_exchange_rows(state_in_rows, "state_in_rows", rows, n);
+  check_rows(slot_rows, "slot_rows", rows, kOp, n);
+  check_rows(out_rows, "out_rows", rows, kOp, n);
+  check_rows(in_rows, "in_rows", rows, kOp, n);
+  check_rows(state_slot_rows, "state_slot_rows", rows, kOp, n);
+  check_rows(state_out_rows, "state_out_rows", rows, kOp, n);
+  check_rows(state_in_rows, "state_in_rows", rows, kOp, n);
   TBEGEN_CHECK(static_cast<int64_t>(states.size()) <= kMaxStates, "tbegen: _exchange_rows_with_states: at most ",
                kMaxStates, " state buffers, got ", states.size());
   RowStates st{};
@@ -597,29 +606,23 @@ inline void exchange_rows_with_states(const at::Tensor& rows, const at::Tensor& 
   if (n == 0) return;
   if (row_bytes == 0 && st.n == 0) return;
   const c10::cuda::CUDAGuard guard(rows.device());
-  auto* base = static_cast<char*>(rows.data_ptr());
-  const int64_t stride_bytes = rows.stride(0) * rows.element_size();
-  const int unit = copy_unit(row_bytes, stride_bytes, stride_bytes, base, base);
-  const int64_t vecs = row_bytes / unit;
-  const int64_t blocks = row_grid(n, std::max<int64_t>(vecs, 1), max_blocks);
-  const int64_t* sr = slot_rows.data_ptr<int64_t>();
-  const int64_t* orows = out_rows.has_value() ? out_rows->data_ptr<int64_t>() : nullptr;
-  const int64_t* ir = in_rows.data_ptr<int64_t>();
+  const ExchangeView v(rows, slot_rows, out_rows, in_rows);
+  const int64_t blocks = row_grid(n, std::max<int64_t>(v.vecs, 1), max_blocks);
   const int64_t* ssr = state_slot_rows.data_ptr<int64_t>();
   const int64_t* sor = state_out_rows.has_value() ? state_out_rows->data_ptr<int64_t>() : nullptr;
   const int64_t* sir = state_in_rows.data_ptr<int64_t>();
   const auto stream = at::cuda::getCurrentCUDAStream(rows.get_device());
   auto launch = [&](auto zero) {
     using V = decltype(zero);
-    if (vecs == 1) {
+    if (v.vecs == 1) {
       exchange_narrow_rows_states_kernel<V><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
-          reinterpret_cast<V*>(base), stride_bytes / unit, rows.size(0), sr, orows, ir, n, st, ssr, sor, sir);
+          reinterpret_cast<V*>(v.base), v.stride, rows.size(0), v.slot, v.out, v.in, n, st, ssr, sor, sir);
     } else {
       exchange_rows_states_kernel<V><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
-          reinterpret_cast<V*>(base), stride_bytes / unit, rows.size(0), sr, orows, ir, n, vecs, st, ssr, sor, sir);
+          reinterpret_cast<V*>(v.base), v.stride, rows.size(0), v.slot, v.out, v.in, n, v.vecs, st, ssr, sor, sir);
     }
   };
-  with_unit_type(unit, launch);
+  with_unit_type(v.unit, launch);
   C10_CUDA_CHECK(cudaGetLastError());
 }
 
