@@ -437,7 +437,8 @@ inline bool wide_half_rows(const at::Tensor& weights, int64_t max_D, bool vector
 // B=8192 L=20 Zipf 1.1: the backward 9-14% faster for sgd, rowwise_adagrad, adagrad and adam,
 // 1.14-1.21x FBGEMM's -> 1.26-1.41x; at D=1024 and D=128 64 was 1-5% slower, so they keep 256; the
 // widest row of the batch decides, so a mixed batch whose widest table has 512 columns takes 64
-// for all of its tables). TBEGEN_SEGMENT_LENGTH=n, 16 <= n <= 65536, sets it for every batch
+// for all of its tables): `measured_shorter` (short_segments_measured_faster). TBEGEN_SEGMENT_LENGTH=n,
+// 16 <= n <= 65536, sets it for every batch
 // (anything else is refused: a typo must not time one length under another's name). Read at every
 // call. Shorter segments narrow the band of sorted occurrences the resident warps read at once, so
 // that the output-gradient rows of the tables being summed stay in L2 (benchmarks/tools/l2_model.py:
@@ -447,12 +448,13 @@ inline bool wide_half_rows(const at::Tensor& weights, int64_t max_D, bool vector
 // run's float sum (segments are summed, then their sums in segment order), so their bits differ by
 // rounding.
 constexpr int32_t kShortSegmentLength = 64;
-inline int32_t segment_length(const at::Tensor& weights, int64_t max_D, bool vector_path) {
+inline bool short_segments_measured_faster(const at::Tensor& weights, int64_t max_D, bool vector_path,
+                                           bool wide_half) {
+  return wide_half || (weights.scalar_type() == at::kFloat && vector_path && max_D > 384 && max_D <= 512);
+}
+inline int32_t segment_length(bool measured_shorter) {
   const char* v = std::getenv("TBEGEN_SEGMENT_LENGTH");
-  if (v == nullptr || *v == '\0') {
-    const bool float_512 = weights.scalar_type() == at::kFloat && vector_path && max_D > 384 && max_D <= 512;
-    return float_512 || wide_half_rows(weights, max_D, vector_path) ? kShortSegmentLength : kSegmentLength;
-  }
+  if (v == nullptr || *v == '\0') return measured_shorter ? kShortSegmentLength : kSegmentLength;
   char* end = nullptr;
   const long long n = std::strtoll(v, &end, 10);
   // (digits only: strtoll alone would also take leading spaces and a sign)
@@ -480,9 +482,9 @@ inline bool segment_lane_groups_enabled() { return opt_in_switch("TBEGEN_SEGMENT
 // default float rows and fp16 rows wider than 512 columns); elsewhere the list is made and not
 // used. The same bits either way (the same sums in the same order). Read (and a bad value refused)
 // at every call, whichever kernels the batch takes.
-inline bool any_width_items_enabled(const at::Tensor& weights, int64_t max_D, bool vector_path) {
+inline bool any_width_items_enabled(bool wide_half) {
   const char* v = std::getenv("TBEGEN_ANY_WIDTH_ITEMS");
-  if (v == nullptr || *v == '\0') return wide_half_rows(weights, max_D, vector_path);
+  if (v == nullptr || *v == '\0') return wide_half;
   return opt_in_switch("TBEGEN_ANY_WIDTH_ITEMS");
 }
 
@@ -519,13 +521,16 @@ __attribute__((visibility("hidden"))) void backward_cuda(
 
   // (with the 4-wide kernels' ticket counters, zeroed: PreparedBackward::tickets; for a VBE batch
   // with TBEGEN_VBE_GRAD_OFFSETS=1, each occurrence's output-gradient offset)
+  // (the wide fp16 rows' choices, made once: the work list and the segment length follow it)
+  const bool wide_half = wide_half_rows(weights, b.max_D, vector_path);
   const bool grad_offsets = bag_out != nullptr && b.pooling != kPoolNone && vbe_grad_offsets_enabled() &&
                             grad_output.numel() <= int64_t(INT32_MAX);
   const PreparedBackward prep = prepare_backward(b, grad_output, weights, features, total_hash_size, indices, offsets,
                                                  per_sample_weights, max_segment_length_per_warp, error, check_finite,
                                                  vector_path, grad_offsets ? bag_out : nullptr,
-                                                 segment_length(weights, b.max_D, vector_path),
-                                                 any_width_items_enabled(weights, b.max_D, vector_path) && !vector_path);
+                                                 segment_length(short_segments_measured_faster(weights, b.max_D,
+                                                                                               vector_path, wide_half)),
+                                                 any_width_items_enabled(wide_half) && !vector_path);
 
   BackwardArgs a;
   a.feat = features.data_ptr<int64_t>();
