@@ -591,15 +591,10 @@ def test_states_reference_by_hand():
     assert calls == [dict(out=True, leaves=2, arrives=2, width=3, overlapping=True, states=3, state_arrives=6)]
 
 
-def test_states_reference_refuses_bad_arguments():
-    """The stand-in refuses what the operator refuses (the cuda test below holds the operator to
-    the same words), so that the cache's use of it is held to the contract on the CPU too."""
-    rows = torch.zeros(10, 4)
-    r = torch.arange(3)
-    s = torch.zeros(10)
-    ok = (rows, r, None, r, [s], r, None, r, 0)
-    exchange_rows_with_states_reference(*ok)
-    for bad, message in [
+def _bad_states_arguments(rows, r, s):
+    """(arguments, the refusal's words) that the operator and its stand-in both refuse, for rows of
+    10 x 4, the entries `r` (3 of them) and a state `s` of 10 entries, all on one device."""
+    return [
         ((rows, r.int(), None, r, [s], r, None, r, 0), "slot_rows must be a contiguous 1-D int64"),
         ((rows, r, None, r, [s], r, None, r.int(), 0), "state_in_rows must be a contiguous 1-D int64"),
         ((rows, r, None, r[:2], [s], r, None, r, 0), "3 slot_rows but 2 in_rows"),
@@ -610,7 +605,18 @@ def test_states_reference_refuses_bad_arguments():
         ((rows, r, None, r, [s] * 5, r, None, r, 0), "at most 4"),
         ((rows, r, None, r, [s], r, None, r, -1), "max_blocks"),
         ((rows.t(), r, None, r, [s], r, None, r, 0), "contiguous rows"),
-    ]:
+    ]
+
+
+def test_states_reference_refuses_bad_arguments():
+    """The stand-in refuses what the operator refuses (the cuda test below holds the operator to
+    the same words), so that the cache's use of it is held to the contract on the CPU too."""
+    rows = torch.zeros(10, 4)
+    r = torch.arange(3)
+    s = torch.zeros(10)
+    ok = (rows, r, None, r, [s], r, None, r, 0)
+    exchange_rows_with_states_reference(*ok)
+    for bad, message in _bad_states_arguments(rows, r, s):
         with pytest.raises(RuntimeError, match=message):
             exchange_rows_with_states_reference(*bad)
 
@@ -681,17 +687,7 @@ def test_cuda_exchange_rows_with_states_refuses_bad_arguments():
         ((a.cpu(), r.cpu(), None, r.cpu(), [s.cpu()], r.cpu(), None, r.cpu(), 0), "CUDA device"),
         ((a, r, None, r, [s.cpu()], r, None, r, 0), r"states\[0\] is on cpu"),
         ((a, r, None, r, [s], r.cpu(), None, r, 0), "state_slot_rows is on cpu"),
-        ((a, r.int(), None, r, [s], r, None, r, 0), "slot_rows must be a contiguous 1-D int64"),
-        ((a, r, None, r, [s], r, None, r.int(), 0), "state_in_rows must be a contiguous 1-D int64"),
-        ((a, r, None, r[:2], [s], r, None, r, 0), "3 slot_rows but 2 in_rows"),
-        ((a, r, None, r, [s], r, r[:1], r, 0), "3 slot_rows but 1 state_out_rows"),
-        ((a, r, None, r, [s.to(torch.complex128)], r, None, r, 0), r"states\[0\] must be"),
-        ((a, r, None, r, [s.view(5, 2)], r, None, r, 0), r"states\[0\] must be"),
-        ((a, r, None, r, [s[::2]], r, None, r, 0), r"states\[0\] must be"),
-        ((a, r, None, r, [s] * 5, r, None, r, 0), "at most 4"),
-        ((a, r, None, r, [s], r, None, r, -1), "max_blocks"),
-        ((a.t(), r, None, r, [s], r, None, r, 0), "contiguous rows"),
-    ]:
+    ] + _bad_states_arguments(a, r, s):
         with pytest.raises(RuntimeError, match=message):
             ops._exchange_rows_with_states(*args)
 
