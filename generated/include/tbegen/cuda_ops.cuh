@@ -361,6 +361,13 @@ inline bool opt_in_switch(const char* name) {
   TBEGEN_CHECK(std::strcmp(v, "1") == 0, "tbegen: ", name, " must be 0 or 1 (or unset), got '", v, "'");
   return true;
 }
+// A switch whose unset (or empty) value is `unset`: "0" off, "1" on, anything else refused (as
+// opt_in_switch). For the variants made the default once a GPU measured them faster.
+inline bool switch_or(const char* name, bool unset) {
+  const char* v = std::getenv(name);
+  if (v == nullptr || *v == '\0') return unset;
+  return opt_in_switch(name);
+}
 
 // The widest row the backward's 4-wide kernels take: 512 columns by default, or what the
 // environment sets in TBEGEN_BACKWARD_4WIDE_MAX_D (up to kVectorMaxD; read at every call, so that
@@ -411,11 +418,14 @@ inline int short_run_waves() {
 // the sort (prepare_backward's step 3c; BackwardArgs::pooling) instead of the update kernels reading
 // the plan's bag_out table per occurrence, between the occurrence's bag and its row (issue 25: on
 // the H200 the kernel-bound VBE step, bench_vbe.py mild-large, was 1.04-1.05x the padded step, the
-// backward ~0.15 ms longer). TBEGEN_VBE_GRAD_OFFSETS: unset, empty or "0" off (the default), "1"
-// on; anything else is refused (a typo must not time one path under the other's name). Read at
-// every call; the same bits either way (the same rows summed in the same order). Outputs of more
-// than INT32_MAX elements keep the default (the offsets are int32).
-inline bool vbe_grad_offsets_enabled() { return opt_in_switch("TBEGEN_VBE_GRAD_OFFSETS"); }
+// backward ~0.15 ms longer). TBEGEN_VBE_GRAD_OFFSETS: unset, empty or "1" on (the default since
+// docs/gpu-runs/2026-12-05-landing11: on the H100 the kept-plan VBE step over the padded step went
+// 1.043 -> 1.014 (mild sgd), 1.045 -> 1.026 (mild rowwise_adagrad), 1.038 -> 1.020 (mild-large
+// rowwise_adagrad), 1.021 -> 1.026 (mild-large sgd)), "0" off; anything else is refused (a typo
+// must not time one path under the other's name). Read at every call; the same bits either way
+// (the same rows summed in the same order). Outputs of more than INT32_MAX elements read bag_out
+// (the offsets are int32).
+inline bool vbe_grad_offsets_enabled() { return switch_or("TBEGEN_VBE_GRAD_OFFSETS", true); }
 
 // Whether a batch's rows are wide fp16 rows: half weights wider than 512 columns, on the any-width
 // path. By default (issue 29) they take the prefetching any-width kernels (launch_any_width), with
