@@ -54,6 +54,10 @@ CASES = {
 def test_prefetch_variant_gives_the_default_bits(load_ops, monkeypatch, name, case_id):
     spec, ops = load_ops(name)
     case = CASES[case_id]
+    # One segment length for both kernels: unset, wide fp16 rows on the variant take 64-occurrence
+    # segments (cuda_ops.cuh, short_segments_measured_faster), the default kernels 256, and lengths
+    # differ in a hot row's rounding (tests/test_segment_length.py), not in what the kernels compute.
+    monkeypatch.setenv("TBEGEN_SEGMENT_LENGTH", "256")
     monkeypatch.setenv(SWITCH, "0")  # (the default kernels: unset takes the variant for wide float rows)
     out_d, w_d, st_d = _train(ops, spec, case, "cuda")
     monkeypatch.setenv(SWITCH, "1")
@@ -69,9 +73,15 @@ def test_prefetch_variant_gives_the_default_bits(load_ops, monkeypatch, name, ca
     for a, b in zip(out_v, out_d):
         assert _bits_equal(a, b), "forward output differs (the second step's uses the updated weights)"
     assert _bits_equal(w_v2, w_v) and all(_bits_equal(st_v2[k], st_v[k]) for k in st_v), "variant not deterministic"
-    monkeypatch.delenv(SWITCH)  # the default choice (the variant or not, by dtype and width): the same bits
+    # the default choice (every case here takes the variant: float rows and fp16 rows wider than 512
+    # columns), with the segment length it takes: 64 for the wide fp16 rows, 256 for the float ones
+    monkeypatch.delenv(SWITCH)
+    monkeypatch.delenv("TBEGEN_SEGMENT_LENGTH")
     out_a, w_a, st_a = _train(ops, spec, case, "cuda")
-    assert _bits_equal(w_a, w_d) and all(_bits_equal(st_a[k], st_d[k]) for k in st_d), "default choice differs"
+    monkeypatch.setenv(SWITCH, "1")
+    monkeypatch.setenv("TBEGEN_SEGMENT_LENGTH", "64" if case.weights_dtype == torch.float16 else "256")
+    out_e, w_e, st_e = _train(ops, spec, case, "cuda")
+    assert _bits_equal(w_a, w_e) and all(_bits_equal(st_a[k], st_e[k]) for k in st_e), "default choice differs"
 
 
 @pytest.mark.parametrize("case_id", ["fp32-D600-1024-weighted-hot", "fp16-D2048-weighted-hot"])
