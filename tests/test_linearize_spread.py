@@ -3,9 +3,10 @@
 The linearize (templates/include/tbegen/cuda_kernels.cuh, linearize_kernel) writes each index's
 key and value, a warp per 32 bags walking their indices 32 at a time. A batch of few, long bags
 (the sweep's "random 3": T=8 B=4096 L=80) gives 1024 such warps, 8 per multiprocessor of the H200;
-with the switch at 1 up to 8 warps share a group, each walking every spread-th block of 32 of its
+with the switch at 1 (the default since landing11: random 3's backward 10-31% faster on the H100)
+up to 8 warps share a group, each walking every spread-th block of 32 of its
 indices, so every index gets the same key and value: every weight, state and output must be
-bitwise the default's, in batches where the choice is 2, 4 and 8 warps (few bags of up to 400
+bitwise those of one warp per group (=0), in batches where the choice is 2, 4 and 8 warps (few bags of up to 400
 indices), and 1 (many short bags: the switch changes nothing there), weighted, mean and sum,
 int32 and int64 indices, with hot rows.
 CUDA only (`pytest -m cuda`; skipped without a GPU).

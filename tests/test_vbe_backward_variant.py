@@ -1,13 +1,13 @@
 """The VBE backward's gathered gradient offsets (TBEGEN_VBE_GRAD_OFFSETS; issue 25).
 
 In a VBE batch the backward finds each occurrence's output-gradient row through the plan's
-bag-to-output table (bag_output_offsets): by default the update kernels read bag_out[bag] per
-occurrence, between loading the occurrence's bag and its row (cuda_kernels.cuh, grad_row). With
-the switch at 1, prepare_backward gathers every occurrence's offset once after the sort
+bag-to-output table (bag_output_offsets): with the switch at 0 the update kernels read bag_out[bag]
+per occurrence, between loading the occurrence's bag and its row (cuda_kernels.cuh, grad_row). With
+the switch at 1 (the default since landing11), prepare_backward gathers every occurrence's offset once after the sort
 (gather_grad_offsets_kernel) and the kernels fetch it with the bag, reading the batch as pooling
 none with row stride 1 (BackwardArgs::pooling; the kernels' code is unchanged). The
 same rows are summed in the same order, so every output, weight, state and per-sample-weight
-gradient must be bitwise the default's: short runs (warp kernel, and the lane-group kernel for
+gradient must be bitwise those of =0: short runs (warp kernel, and the lane-group kernel for
 narrow tables), hot rows cut into segments (segment + finish kernels), per-sample weights, mean
 pooling, unweighted sum (the case whose sorted values are the bags themselves), the any-width
 kernels at D=1024 (and an odd width), and fixed batches (which the switch must not touch).
@@ -97,13 +97,13 @@ def test_gathered_offsets_give_the_default_bits(optimizer, case_id, monkeypatch)
     default = _train(optimizer, case, "0", monkeypatch)
     variant = _train(optimizer, case, "1", monkeypatch)
     again = _train(optimizer, case, "1", monkeypatch)
-    unset = _train(optimizer, case, "", monkeypatch)  # (empty: the default)
+    unset = _train(optimizer, case, "", monkeypatch)  # (empty: the default, =1)
     # the steps moved the weights (else equality would prove nothing)
     fresh = make(optimizer, case[0], case[1], device="cuda", pooling=case[5], weights_dtype=case[6])
     assert not torch.equal(default[2], fresh.weights.detach()), "the steps left the weights as they were"
     _assert_same(variant, default, "TBEGEN_VBE_GRAD_OFFSETS=1 against =0")
     _assert_same(again, variant, "TBEGEN_VBE_GRAD_OFFSETS=1 twice (determinism)")
-    _assert_same(unset, default, "TBEGEN_VBE_GRAD_OFFSETS empty against =0")
+    _assert_same(unset, variant, "TBEGEN_VBE_GRAD_OFFSETS empty (the default) against =1")
 
 
 @pytest.mark.parametrize("optimizer", OPTIMIZERS)
