@@ -70,6 +70,23 @@ def _copy_or_stage(view: torch.Tensor, dst: torch.Tensor, rows: torch.Tensor, st
         staged.append((view, dst, rows))
 
 
+def _hand_off(tensors, stream) -> None:
+    """Records the CUDA tensors among `tensors` as used by `stream` (the exchange stream's kernels
+    read them, RowCache._launch_aside): the caching allocator then hands their memory out again
+    only once that stream has passed this point, though the stream that made them drops them now."""
+    for t in tensors:
+        if isinstance(t, torch.Tensor) and t.is_cuda:
+            t.record_stream(stream)
+
+
+def _launch(launches: Optional[list], op, *args) -> None:
+    """op(*args) now, or, with `launches` (a list), appended to it for later (RowCache._launch_aside)."""
+    if launches is None:
+        op(*args)
+    else:
+        launches.append((op, args))
+
+
 def _wide_rows(view: torch.Tensor) -> torch.Tensor:
     """The same rows, their bytes seen as 16-byte elements where they divide into them (and start
     16-byte aligned): a row copy then moves 16 bytes per element, not 2 or 4 (the copies are of
@@ -340,9 +357,17 @@ class RowCache:
         self._units = self._row_units()
         self._side = None  # the write-back stream (CUDA), made on first use
         self._writeback_pending = False
+        # TBEGEN_CACHE_LOOKUP_STREAM=1 (_exchange_aside_on): a prefetch's exchange kernels run on
+        # the exchange stream (made on first use), the latest of them followed by `_aside_done`
+        # ((stream, event), waited for by every other move: _join_aside); `_aside_new`: the same,
+        # set by the prefetch that launched them, for the module to take (take_aside)
+        self._aside_stream = None
+        self._aside_done = None
+        self._aside_new = None
         self._row_copy_blocks = self._copy_blocks(device)
         self._exchange_blocks = self._exchange_grid(device)
         self._exchange_states = self._exchange_states_on()
+        self._aside = self._exchange_aside_on()
         self._key_sort_bits = self._key_sort_width(device)
 
     def _copy_blocks(self, device: torch.device) -> int:
@@ -393,6 +418,37 @@ class RowCache:
             raise ValueError(f"tbegen: TBEGEN_CACHE_EXCHANGE_STATES must be 0 or 1 (or unset), got {flag!r}")
         return flag == "1" and self._exchange_blocks > 0 and self._exchange_states_op is not None
 
+    def _exchange_aside_on(self) -> bool:
+        """Whether a prefetch's exchange kernels run on a stream of the cache's own, so that the
+        next prefetch's lookup, on the prefetch stream, runs beside them (issue 27; docs/placements.md,
+        "Prefetching on another stream"). Opt-in while it is measured: TBEGEN_CACHE_LOOKUP_STREAM=1
+        (where the fill exchanges: CUDA, the exchange on); unset, empty or "0": the exchange on the
+        prefetch's stream (the way it was); anything else is refused. The same rows move, bit for bit.
+
+        Why: TorchRec's order queues the prefetch of batch i + 1 on the stream that holds batch i's
+        exchange kernels (queued by the prefetch of batch i), so its lookup, and its one host wait
+        (the summary), waited for the rest of that exchange: exchange(i), lookup(i + 1), host wait,
+        exchange(i + 1) in series (H100, C2 at a 20% cache: 20.1 ms a step, the exchange ~12.3 ms of
+        it, landing11). The lookup reads only the bookkeeping (which row is in which slot, scores,
+        dirty flags, holds), never the rows the exchange moves, so it need not wait for them.
+
+        Which stream moves: the exchange, not the lookup. The lookup stays on the caller's stream
+        because its inputs (the indices and offsets) are ready on that stream (TorchRec's prefetch
+        stream waits there for its data-dist stream): a lookup on a stream of its own would have to
+        wait for the caller's stream, exchange(i) included. The ordering (_launch_aside): the
+        exchange stream waits for an event recorded on the prefetch's stream after the fill's
+        bookkeeping and index arithmetic; its own order keeps exchange(i + 1) after exchange(i) (a
+        row evicted by one and loaded by the next goes host-ward, then back); every other move of
+        rows (flush, drop, a fill on another stream, the way back) first waits for the exchange
+        stream's latest event (_join_aside); the forward that takes the prefetched batch waits for
+        that prefetch's exchange event (module.prefetch / _CacheStreams.wait_for), and every use
+        that waits for all other streams (a forward's own lookup, a backward's second lookup,
+        flush, the statistics) for it too (_CacheStreams.moved)."""
+        flag = os.environ.get("TBEGEN_CACHE_LOOKUP_STREAM", "")
+        if flag not in ("", "0", "1"):
+            raise ValueError(f"tbegen: TBEGEN_CACHE_LOOKUP_STREAM must be 0 or 1 (or unset), got {flag!r}")
+        return flag == "1" and self._exchange_blocks > 0
+
     def _key_sort_width(self, device: torch.device) -> int:
         """The key bits prepare's sort reads with the runtime's _sort_keys (on CUDA: the bits of the
         largest key, nr + _SENT_KEEP; C2's 32 M rows: 25 bits, three radix passes instead of
@@ -416,6 +472,7 @@ class RowCache:
         """Moves the cache's bookkeeping to `device`, empty (flush first: the slots' contents are
         not carried). The LFU access counts are kept."""
         self._join_writeback()
+        self._join_aside()
         self._allocate(device)
         self.epoch += 1
         self._release_all()
@@ -606,7 +663,7 @@ class RowCache:
         return got
 
     def _exchange(self, buffers, c: torch.Tensor, slots: torch.Tensor, out_rows: Optional[torch.Tensor],
-                  in_rows: torch.Tensor, per_table: Sequence[int]) -> None:
+                  in_rows: torch.Tensor, per_table: Sequence[int], launches: Optional[list] = None) -> None:
         """The fill's moves in one kernel per buffer (the default on CUDA: _exchange_rows,
         row_copy_cuda.cuh): for each victim, local slot `slots[i]` of cached table c[i], its old
         row `out_rows[i]` (a local row of the table; -1 where the slot holds none; `out_rows` None:
@@ -614,7 +671,9 @@ class RowCache:
         the slot, in every buffer. Each warp then keeps both directions of the host link busy,
         with no staging copy of the evicted rows and no side stream. `per_table`: how many of the
         victims are of each cached table (known to the host: the rows of each width are picked
-        without a host wait)."""
+        without a host wait). `launches` (a list, TBEGEN_CACHE_LOOKUP_STREAM=1): the index
+        arithmetic runs now, on this stream, and each kernel launch is appended to it as
+        (operator, arguments) for _launch_aside to issue on the exchange stream."""
         if in_rows.numel() == 0:
             return
         T = self._t
@@ -637,12 +696,14 @@ class RowCache:
             back_out = ((None,) * len(kinds) if oo is None else
                         torch.where(oo >= 0, torch.addcmul(got[0], per_row, oo.clamp(min=0)), -1).unbind(0))
             if self._exchange_states and kinds == ("element", "row") and self._exchange_with_states(
-                    buffers, slot, back_out, back_in, units[0]):
+                    buffers, slot, back_out, back_in, units[0], launches):
                 continue
             for j, kind in enumerate(kinds):
-                self._exchange_runs(buffers, kind, slot[j], back_out[j], back_in[j], units[j][1], units[j][0])
+                self._exchange_runs(buffers, kind, slot[j], back_out[j], back_in[j], units[j][1], units[j][0],
+                                    launches)
 
-    def _exchange_with_states(self, buffers, slot, back_out, back_in, unit_run) -> bool:
+    def _exchange_with_states(self, buffers, slot, back_out, back_in, unit_run,
+                              launches: Optional[list] = None) -> bool:
         """_exchange's moves of one width where the buffers are of the "element" and "row" layouts
         (TBEGEN_CACHE_EXCHANGE_STATES=1): one _exchange_rows_with_states launch per element buffer,
         the first ones carrying the per-row state buffers (up to 4 each), so that victim i's states
@@ -663,12 +724,12 @@ class RowCache:
             count = (buf.numel() - width) // unit + 1 if buf.numel() >= width else 0
             view = buf.as_strided((count, width), (unit, 1))
             mine = states[k * per_launch:(k + 1) * per_launch]
-            self._exchange_states_op(view, slot[0], back_out[0], back_in[0], mine, slot[1], back_out[1], back_in[1],
-                                     self._exchange_blocks)
+            _launch(launches, self._exchange_states_op, view, slot[0], back_out[0], back_in[0], mine, slot[1],
+                    back_out[1], back_in[1], self._exchange_blocks)
         return True
 
     def _exchange_runs(self, buffers, kind: str, slot: torch.Tensor, back_out: Optional[torch.Tensor],
-                       back_in: torch.Tensor, per_run: int, unit: int) -> None:
+                       back_in: torch.Tensor, per_run: int, unit: int, launches: Optional[list] = None) -> None:
         """_exchange for the buffers of layout `kind`, each viewed as rows of `unit` entries (as
         _copy_runs views them): the runs of `per_run` such rows from the first rows `slot`,
         `back_out` (-1: none) and `back_in`."""
@@ -688,7 +749,7 @@ class RowCache:
             o = torch.where(none if parts is None else none[:, None].expand(-1, per_run).reshape(-1), -1, o)
         for buf in targets:
             view = _wide_rows(buf[: buf.numel() // unit * unit].view(-1, unit))
-            self._exchange_op(view, s, o, i, self._exchange_blocks)
+            _launch(launches, self._exchange_op, view, s, o, i, self._exchange_blocks)
 
     # ---- write-back beside the loads (CUDA) ----
 
@@ -724,6 +785,57 @@ class RowCache:
         else:
             view.index_copy_(0, dst, rows)
 
+    def _launch_aside(self, launches: list) -> None:
+        """Issues a prefetch's exchange kernels (`launches`: (operator, arguments), _exchange) on the
+        exchange stream (TBEGEN_CACHE_LOOKUP_STREAM=1, _exchange_aside_on), so that the next
+        prefetch's lookup on this stream does not queue behind them. Who reads and writes what:
+        - the exchange kernels read their index tensors (made on this stream by the fill's index
+          arithmetic, just queued) and read and write the buffers' victim slots and the backing
+          rows of the victims' old and new rows; they touch no bookkeeping tensor;
+        - the lookup of the next batch (this stream) reads and writes the bookkeeping only (row to
+          slot, slot to row, last use, dirty flags, counts, holds), which this fill wrote on this
+          stream before the event below: that batch sees this fill's slot map without waiting
+          for the rows to arrive.
+        So the exchange stream waits for an event recorded here, after this fill's bookkeeping and
+        index arithmetic (everything its kernels read, and the waits this stream made for the
+        backward whose rows may be evicted), and its own order keeps each exchange after the one
+        before. The index tensors are recorded as used by the exchange stream (_hand_off: this
+        stream drops them on return). The event after the kernels (`_aside_done`, also handed to
+        the module through `_aside_new`) is what the forward of the batch, and every other move of
+        rows, waits for."""
+        current = torch.cuda.current_stream(self.device)
+        if self._aside_stream is None:
+            self._aside_stream = torch.cuda.Stream(self.device)
+        side = self._aside_stream
+        ready = torch.cuda.Event()
+        ready.record(current)
+        side.wait_event(ready)
+        with torch.cuda.stream(side):
+            for op, args in launches:
+                _hand_off([a for a in args if isinstance(a, torch.Tensor)], side)
+                op(*args)
+        done = torch.cuda.Event()
+        done.record(side)
+        self._aside_done = self._aside_new = (side, done)
+
+    def _join_aside(self) -> None:
+        """The current stream waits for the exchange stream's latest kernels (before it moves rows
+        itself: a row they write back may be loaded again, a slot they load may be evicted)."""
+        if self._aside_done is not None:
+            torch.cuda.current_stream(self.device).wait_event(self._aside_done[1])
+
+    def take_aside(self):
+        """(stream, event) after the exchange kernels the latest prepare issued on the exchange
+        stream, once (None where it issued none): for the module's stream order."""
+        got, self._aside_new = self._aside_new, None
+        return got
+
+    def __getstate__(self):
+        # (streams and events are not copied: a copy starts with none, its moves on its own streams)
+        state = dict(self.__dict__)
+        state.update(_side=None, _writeback_pending=False, _aside_stream=None, _aside_done=None, _aside_new=None)
+        return state
+
     def _join_writeback(self) -> None:
         """The current stream waits for the write-backs issued on the side stream (before anything
         reads or writes the backing rows or the slots again)."""
@@ -748,6 +860,7 @@ class RowCache:
         """Writes every dirty slot (of cached tables `tables`, default all) back to its row; the
         rows stay resident (clean). Returns the rows written."""
         self._join_writeback()
+        self._join_aside()
         dirty = self._dirty if tables is None else self._dirty & self._of_tables(tables)
         dirty = dirty.nonzero().squeeze(1)
         n = dirty.numel()
@@ -782,6 +895,7 @@ class RowCache:
         dirty (a clean row's bytes are its backing row's), and the statistics count the dirty ones."""
         self._before_unheld_move(readers_wait, evicting_held=True)  # (`readers_wait`: a prefetch's)
         self._join_writeback()
+        self._join_aside()
         occupied = [n if k in tables else 0 for k, n in enumerate(self._occupied)]
         if sum(occupied):
             T = self._t
@@ -808,6 +922,7 @@ class RowCache:
         """Empties the cache without writing anything back (after the backing rows were replaced,
         or after a flush)."""
         self._join_writeback()
+        self._join_aside()
         self._row_slot.fill_(-1)
         self._slot_row.fill_(-1)
         self._last_used.zero_()
@@ -1100,7 +1215,7 @@ class RowCache:
             # the batch's own slots (its hit rows'; the others point at the extra entry)
             protect = torch.where(missing_u, self.num_slots, sbase_u + slot)
             with span("tbegen.cache.fill"):
-                self._fill(buffers, mU, mT, mRow, protect, admit, held, readers_wait)
+                self._fill(buffers, mU, mT, mRow, protect, admit, held, readers_wait, aside=defer and self._aside)
         n_backing = [n - a - (n - mi) for n, a, mi in zip(need_h, admit, miss_h)]  # (direct tables only)
         slot = self._row_slot.index_select(0, U)
         out_type = indices.dtype
@@ -1273,7 +1388,7 @@ class RowCache:
         return order[torch.argsort(self._slot_table[order], stable=True)]
 
     def _fill(self, buffers, mU, mT, mRow, protect, count_h, held: Optional[torch.Tensor] = None,
-              readers_wait: Optional[callable] = None) -> None:
+              readers_wait: Optional[callable] = None, aside: bool = False) -> None:
         """Loads rows (cached keys mU of tables mT, grouped by table: count_h[c] of table c) into
         the coldest slots of their tables (the j-th row of a table into its j-th coldest slot),
         never into the batch's own slots (`protect`: slot numbers, num_slots for none) or those
@@ -1282,8 +1397,14 @@ class RowCache:
         Without a host wait: a table's coldest slots are its empty ones first, so the host knows
         how many of its victims hold a row (evicted: `_occupied`, which it keeps). Every evicted
         row is written back (a clean one's slot holds its backing row's bits, so that write
-        changes nothing), unless no slot can be dirty; the statistics count the dirty ones."""
+        changes nothing), unless no slot can be dirty; the statistics count the dirty ones.
+
+        `aside` (a prefetch's fill with TBEGEN_CACHE_LOOKUP_STREAM=1): the exchange kernels are
+        issued on the exchange stream after this fill's bookkeeping (_launch_aside); otherwise the
+        rows move on this stream, after the exchange stream's latest kernels."""
         self._before_unheld_move(readers_wait)  # (holds let go since: their forwards may still read)
+        if not aside:
+            self._join_aside()
         T = self._t
         dev = self.device
         S = self.num_slots
@@ -1320,6 +1441,7 @@ class RowCache:
         # rows load on this one (opposite directions of the host link, different backing rows: an
         # evicted row is resident, a loaded one is not); this stream waits for both.
         exchange = self._exchange_blocks > 0
+        launches = [] if aside and exchange else None
         staged: list = []
         # (where the cache is full, the write-back and the loads are of the same tables and slots:
         # the second move reuses the slots' positions the first made, _move)
@@ -1332,7 +1454,8 @@ class RowCache:
         if exchange:
             self._join_writeback()  # (a flush's or a drop's write-back, if one is in flight)
             with span("tbegen.cache.exchange"):
-                self._exchange(buffers, mT, local_slot, old if evicted and self._maybe_dirty else None, mRow, count_h)
+                self._exchange(buffers, mT, local_slot, old if evicted and self._maybe_dirty else None, mRow, count_h,
+                               launches)
         else:
             with span("tbegen.cache.writeback"):
                 if evicted and self._maybe_dirty:
@@ -1351,6 +1474,9 @@ class RowCache:
         self._row_slot[mU] = local_slot.to(torch.int32)
         self._slot_row[victims] = mRow
         self._dirty.index_fill_(0, victims, False)
+        if launches:
+            with span("tbegen.cache.exchange"):
+                self._launch_aside(launches)
         self._occupied = [min(C, n + a) for C, n, a in zip(self.slots, self._occupied, count_h)]
         st = self.stats
         st["rows_loaded"] += mU.numel()

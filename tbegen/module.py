@@ -489,9 +489,16 @@ class _CacheStreams:
     the forward of batch i as well (it needs the backward of batch i - 1, whose rows it may evict
     and write back). Where a lookup does move rows that a read may be using (holds let go:
     `RowCache._before_unheld_move`), it first waits for every other stream's latest use
-    (`wait_all`). `leave` records the end of a use on the current stream: an event, once a second
-    stream has been seen (before that, or for a use that has not left, a later use on another
-    stream waits for all that stream had queued: wait_stream). On the CPU: nothing. A copy of the
+    (`wait_all`). With TBEGEN_CACHE_LOOKUP_STREAM=1 a prefetch's row exchange runs on the cache's
+    exchange stream (RowCache._launch_aside): `moved` makes every use that waits for all other
+    streams (wait=True, wait_all) wait for its latest event, and the forward that takes the batch
+    waits for that prefetch's exchange (the event after the point's stream and event, `wait_for`);
+    a prefetch (wait="changes") and a valid ticket's backward (wait="settling") do not (RowCache
+    orders the exchange stream after the fill's bookkeeping, and each move of rows on another
+    stream after the exchange stream: _join_aside). `leave` records the end of a use on the
+    current stream: an event, once a second stream has been seen (before that, or for a use that
+    has not left, a later use on another stream waits for all that stream had queued:
+    wait_stream). On the CPU: nothing. A copy of the
     module starts with none (streams and events are not copied)."""
 
     __slots__ = ("last", "changes", "settling", "several")
@@ -565,15 +572,29 @@ class _CacheStreams:
             self.changes[current] = None
             self.settling[current] = None
 
+    def moved(self, device: torch.device, stream, event) -> None:
+        """Rows move on `stream` (the cache's exchange stream, not a stream any use runs on) until
+        `event`: a later use that waits for every other stream waits for it (`last`); lookups and
+        valid tickets' backwards do not (RowCache._launch_aside says why)."""
+        if device.type != "cuda":
+            return
+        self.last[stream] = event
+        self.several = True
+        self._forget_oldest(torch.cuda.current_stream(device))
+
     def wait_for(self, point, device: torch.device):
-        """The current stream waits for one earlier use (`point`, what its `leave` returned);
-        returns the current stream (None on the CPU). A read begins here (`leave(read=True)`)."""
+        """The current stream waits for one earlier use (`point`, what its `leave` returned, and
+        after it, where the use's rows move on the cache's exchange stream, the event after them:
+        waited for on any stream); returns the current stream (None on the CPU). A read begins here
+        (`leave(read=True)`)."""
         if device.type != "cuda" or point is None:
             return None
         current = torch.cuda.current_stream(device)
-        stream, event = point
+        stream, event = point[0], point[1]
         if stream != current:
             self._wait(current, stream, event)
+        for rows in point[2:]:
+            current.wait_event(rows)
         self.last[current] = None
         self._forget_oldest(current)
         return current
@@ -1079,7 +1100,12 @@ class TableBatchedEmbeddingBags(nn.Module):
             return
         with span("tbegen.prefetch"):
             ticket = self._prepare(checked_indices, checked_offsets, defer=True)
-        point = self._cache_order.leave(self._registered("weights").device, lookup=True)  # (the forward waits for it)
+        device = self._registered("weights").device
+        point = self._cache_order.leave(device, lookup=True)  # (the forward waits for it)
+        moved = self._cache.take_aside()
+        if moved is not None:  # (its exchange on the cache's exchange stream: TBEGEN_CACHE_LOOKUP_STREAM=1)
+            self._cache_order.moved(device, *moved)
+            point = point + (moved[1],)  # (the forward waits for its rows too)
         if ticket is None:  # (deferred: the batch's rows do not fit beside those held for earlier batches)
             return
         self._cache.hold(ticket)  # (its rows stay until its backward, or until held too long)
