@@ -337,6 +337,8 @@ def bench_tbegen(args, batches, grad, fraction, prefetch_ahead=False, row_copy=N
              row_copy=bool(emb._cache is not None and emb._cache._row_copy_blocks),
              pipelined=pipelined, variant=",".join(f"{k}={v}" for k, v in (variant or {}).items()) or None,
              row_copy_blocks=emb._cache._row_copy_blocks if emb._cache is not None else None,
+             # (TBEGEN_CACHE_LOOKUP_STREAM=1 took: prefetches' exchanges on the cache's own stream)
+             exchange_stream=bool(emb._cache is not None and emb._cache._aside),
              peak_gpu_mem_gb=torch.cuda.max_memory_allocated() / 1e9 if args.device != "cpu" else None)
     if fraction is not None:
         s = emb.cache_stats()
