@@ -501,7 +501,7 @@ class _CacheStreams:
     wait_stream). On the CPU: nothing. A copy of the
     module starts with none (streams and events are not copied)."""
 
-    __slots__ = ("last", "changes", "settling", "several")
+    __slots__ = ("last", "changes", "settling", "marks", "marked", "several")
     # streams remembered; past this, the one seen first is waited for by the current stream and
     # forgotten (a loop that makes a new stream per step would otherwise make every use wait for
     # every stream it ever saw)
@@ -511,6 +511,11 @@ class _CacheStreams:
         self.last: Dict[Any, Any] = {}  # stream -> the event after its latest use (None: wait for the stream)
         self.changes: Dict[Any, Any] = {}  # stream -> the event after its latest lookup or settling use (likewise)
         self.settling: Dict[Any, Any] = {}  # stream -> the event after its latest settling use (likewise)
+        # stream -> the event after the bookkeeping of its latest lookup or settling use: its end,
+        # or, for a backward, the point after its dirty flags (`mark`), before its kernels; what a
+        # prefetch's lookup waits for with TBEGEN_CACHE_LOOKUP_STREAM=1 (wait="marks")
+        self.marks: Dict[Any, Any] = {}
+        self.marked = set()  # streams whose use in progress recorded its mark
         self.several = False  # (events are recorded only once a second stream has been seen)
 
     def __deepcopy__(self, memo) -> "_CacheStreams":
@@ -535,13 +540,15 @@ class _CacheStreams:
             return
         current = torch.cuda.current_stream(device)
         if wait:
-            waited = {True: self.last, "changes": self.changes, "settling": self.settling}[wait]
+            waited = {True: self.last, "changes": self.changes, "settling": self.settling, "marks": self.marks}[wait]
             for stream, event in waited.items():
                 if stream != current:
                     self._wait(current, stream, event)
         # (a use begins here: until its `leave`, no event marks its end)
         self.last[current] = None
         self.changes[current] = None
+        self.marks[current] = None
+        self.marked.discard(current)
         if not lookup:
             self.settling[current] = None
         self._forget_oldest(current)
@@ -568,9 +575,40 @@ class _CacheStreams:
             event = self.last.pop(stream)
             self.changes.pop(stream, None)
             self.settling.pop(stream, None)
+            self.marks.pop(stream, None)
             self._wait(current, stream, event)
             self.changes[current] = None
             self.settling[current] = None
+            self.marks[current] = None
+
+    def mark(self, device: torch.device) -> None:
+        """Within a settling use (a backward, TBEGEN_CACHE_LOOKUP_STREAM=1): its bookkeeping is
+        done (the dirty flags of its batch marked), what follows on this stream are its kernels,
+        which touch only its batch's slots. A prefetch's lookup (wait="marks") waits for this
+        point, not for the kernels; the exchange that may evict the batch's rows waits for the
+        use's end (`wait_rows`)."""
+        if device.type != "cuda":
+            return
+        current = torch.cuda.current_stream(device)
+        event = None
+        if self.several:
+            event = torch.cuda.Event()
+            event.record(current)
+        self.marks[current] = event
+        self.marked.add(current)
+
+    def wait_rows(self, stream, device: torch.device) -> None:
+        """`stream` (the cache's exchange stream, or the prefetch's stream before it moves rows
+        itself) waits for the latest lookup or settling use of every other stream but the current
+        one (which it follows already): what a prefetch's lookup did not wait for with
+        TBEGEN_CACHE_LOOKUP_STREAM=1 (wait="marks": the kernels of the backward before, which
+        update rows this exchange may write back)."""
+        if device.type != "cuda":
+            return
+        current = torch.cuda.current_stream(device)
+        for other, event in self.changes.items():
+            if other != stream and other != current:
+                self._wait(stream, other, event)
 
     def moved(self, device: torch.device, stream, event) -> None:
         """Rows move on `stream` (the cache's exchange stream, not a stream any use runs on) until
@@ -613,6 +651,10 @@ class _CacheStreams:
         self.last[current] = event
         if not read:
             self.changes[current] = event
+            if current in self.marked:  # (its mark stays: the point after its bookkeeping)
+                self.marked.discard(current)
+            else:
+                self.marks[current] = event
             if not lookup:
                 self.settling[current] = event
         return current, event
@@ -991,16 +1033,21 @@ class TableBatchedEmbeddingBags(nn.Module):
         held for other batches (RowCache.prepare); it waits for the latest lookup or settling use
         on every other stream, not for the kernels of forwards that read held batches
         (_CacheStreams: the prefetch of batch i + 1 runs beside the forward of batch i)."""
-        self._cache_order.enter(self._registered("weights").device, wait="changes" if defer else True, lookup=lookup)
+        aside = defer and self._cache._aside  # (TBEGEN_CACHE_LOOKUP_STREAM=1: RowCache._launch_aside)
+        wait = "marks" if aside else "changes" if defer else True
+        self._cache_order.enter(self._registered("weights").device, wait=wait, lookup=lookup)
         if self._cache.needs_int64 and indices.dtype != torch.int64:
             indices, offsets = indices.to(torch.int64), offsets.to(torch.int64)
         batch = (offsets.numel() - 1) // self.layout.num_features
         bad = self._bad_cached_index if self._errors.mode == "raise" else None
         device = self._registered("weights").device
         readers_wait = (lambda: self._cache_order.wait_all(device)) if defer else None
+        # (with the exchange aside, the lookup waited only for other streams' bookkeeping: moves of
+        # rows, on the exchange stream or on this one, first wait for the rest, _CacheStreams.wait_rows)
+        more = {"rows_wait": lambda stream: self._cache_order.wait_rows(stream, device)} if aside else {}
         with span("tbegen.cache.lookup"):
             return self._cache.prepare(indices, offsets, batch, self._cache_buffers(), bad_index_error=bad,
-                                       defer=defer, readers_wait=readers_wait)
+                                       defer=defer, readers_wait=readers_wait, **more)
 
     def _take_prefetched(self, indices: torch.Tensor, offsets: torch.Tensor, sizes=None) -> Optional[cache_.Ticket]:
         """The ticket `prefetch` made for these very tensors (unchanged since) and VBE sizes
@@ -1038,6 +1085,8 @@ class TableBatchedEmbeddingBags(nn.Module):
         if ticket.bypass:  # (a prefetch since may have cached some of their rows)
             self._cache.drop(self._cache_buffers(), ticket.bypass)
         self._cache.mark_dirty(ticket.slots)
+        if self._cache._aside:  # (its bookkeeping ends here: a prefetch's lookup waits for this point)
+            self._cache_order.mark(ticket.slots.device)
         return ticket
 
     def _check_forward_stream(self, forward_stream):
@@ -1102,7 +1151,7 @@ class TableBatchedEmbeddingBags(nn.Module):
             ticket = self._prepare(checked_indices, checked_offsets, defer=True)
         device = self._registered("weights").device
         point = self._cache_order.leave(device, lookup=True)  # (the forward waits for it)
-        moved = self._cache.take_aside()
+        moved = self._cache.take_aside() if self._cache._aside else None
         if moved is not None:  # (its exchange on the cache's exchange stream: TBEGEN_CACHE_LOOKUP_STREAM=1)
             self._cache_order.moved(device, *moved)
             point = point + (moved[1],)  # (the forward waits for its rows too)
@@ -1620,7 +1669,7 @@ class TableBatchedEmbeddingBags(nn.Module):
                                  f"of ranks: feature 0 has {R}, feature {f} has {len(per_rank)}")
         raise ValueError(f"tbegen: batch_size_per_feature_per_rank is not F = {F} lists of R non-negative ints")
 
-    def _vbe_plan_eager(self, batch_size_per_feature_per_rank, key: Optional[bytes] = None) -> Dict[str, Any]:
+    def _vbe_plan_eager(self, batch_size_per_feature_per_rank, key: Optional[bytes] = None, offsets=None):
         """The padding index (`pad`), the table of each padded bag's output offset (`bag_out`) and
         the totals of one batch_size_per_feature_per_rank, kept for the last distinct ones. A new
         one is one operator call (vbe_plan, include/tbegen/vbe.h: the host sums the [F, R] sizes,
@@ -1628,7 +1677,11 @@ class TableBatchedEmbeddingBags(nn.Module):
         the sizes packed as int64 bytes (_vbe_key; `key`: that of these sizes where the caller has
         it), which go to the operator as they are; anything else, e.g. a tensor, is checked and
         converted first. The forward finds a kept plan itself (_forward_vbe); this is its way to a
-        new one, and the tests'."""
+        new one, and the tests'. With `offsets` (the forward's: a 1-D int32/int64 tensor on the
+        weights' device) and sizes that pack into a key, the same call makes the padded batch's
+        offsets too (vbe_plan_padded: the plan's kernel writes offsets[pad], no gather of its own)
+        and returns (plan, padded offsets), the latter None where the offsets do not fit the sizes
+        or the plan was kept."""
         bsfr = batch_size_per_feature_per_rank
         state = self.__dict__
         weights = self._registered("weights")
@@ -1648,10 +1701,14 @@ class TableBatchedEmbeddingBags(nn.Module):
         if key is not None:
             old = plans.get(key)
             if old is not None and old["device"] == device:
-                return old
+                return old if offsets is None else (old, None)
             R = len(key) // (8 * F)
             try:
-                if F * R <= self._VBE_SIZES_AS_LIST:
+                if offsets is not None:
+                    pad, bag_out, (total, max_B, n_out), padded = self._ops.vbe_plan_padded(
+                        torch.frombuffer(bytearray(key), dtype=torch.int64), R, dims, offsets)
+                    padded = padded if padded.numel() else None  # (empty: the offsets do not fit the sizes)
+                elif F * R <= self._VBE_SIZES_AS_LIST:
                     pad, bag_out, (total, max_B, n_out) = self._ops.vbe_plan(
                         memoryview(key).cast("q").tolist(), R, dims, device_of)
                 else:  # (the key's buffer itself: cheaper than a long int[])
@@ -1662,12 +1719,13 @@ class TableBatchedEmbeddingBags(nn.Module):
                 self._vbe_sizes(bsfr)
                 raise
         else:
+            padded = None
             B = self._vbe_sizes(bsfr)  # [F, R] int64 on the CPU, checked (or a message naming the entry)
             R = B.shape[1]
             key = struct.pack(f"={F * R}q", *B.reshape(-1).tolist())
             old = plans.get(key)
             if old is not None and old["device"] == device:
-                return old
+                return old if offsets is None else (old, None)
             pad, bag_out, (total, max_B, n_out) = self._ops.vbe_plan_tensor(B.reshape(-1).contiguous(), R, dims,
                                                                             device_of)
         # How _forward_vbe runs this module's VBE batches eagerly (_vbe_direct), asked once per
@@ -1689,7 +1747,7 @@ class TableBatchedEmbeddingBags(nn.Module):
         elif len(plans) >= self._VBE_PLANS_KEPT:
             del plans[next(iter(plans))]
         plans[key] = plan
-        return plan
+        return plan if offsets is None else (plan, padded)
 
     # (under torch.compile: a graph break, the plan built eagerly)
     _vbe_plan = torch.compiler.disable(_vbe_plan_eager)
@@ -1797,15 +1855,24 @@ class TableBatchedEmbeddingBags(nn.Module):
                 plan = getattr(plans, "last", None)
                 if plan is None or plan["sizes"] != key:
                     plan = plans.get(key)
+        padded = None
         if plan is None:
-            plan = self._vbe_plan_eager(bsfr, key)
+            if (key is not None and type(offsets) is torch.Tensor and offsets.dim() == 1
+                    and offsets.dtype in INDEX_DTYPES and offsets.device == self._registered("weights").device):
+                # a new plan with the padded offsets written by its own kernel (vbe_plan_padded):
+                # no gather, its launch and its allocation (TorchRec's case: new sizes every step)
+                plan, padded = self._vbe_plan_eager(bsfr, key, offsets)
+            else:
+                plan = self._vbe_plan_eager(bsfr, key)
         if "ready" in plan:  # (a plan a prefetch made on its stream)
             self._vbe_plan_ready(plan)
-        if type(offsets) is torch.Tensor and offsets.shape == plan["offsets_shape"] and offsets.device == plan["device"]:
-            padded = offsets if plan["unpadded"] else offsets.index_select(0, plan["pad"])
-        else:  # (a kept plan of another device, or offsets that do not fit: the checked way)
-            plan = self._vbe_plan_eager(bsfr)
-            padded = self._vbe_pad(offsets, plan)
+        if padded is None:
+            if (type(offsets) is torch.Tensor and offsets.shape == plan["offsets_shape"]
+                    and offsets.device == plan["device"]):
+                padded = offsets if plan["unpadded"] else offsets.index_select(0, plan["pad"])
+            else:  # (a kept plan of another device, or offsets that do not fit: the checked way)
+                plan = self._vbe_plan_eager(bsfr)
+                padded = self._vbe_pad(offsets, plan)
         plans = state.get("_vbe_plans")
         if type(plans) is _VbePlans:
             plans.last = plan  # (the next forward's first guess)

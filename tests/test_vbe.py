@@ -851,7 +851,7 @@ def test_vbe_forward_finds_a_kept_plan_without_building_it_and_still_checks_the_
     built = []
     real = TableBatchedEmbeddingBags._vbe_plan_eager
     monkeypatch.setattr(TableBatchedEmbeddingBags, "_vbe_plan_eager",
-                        lambda self, bsfr, key=None: built.append(bsfr) or real(self, bsfr, key))
+                        lambda self, bsfr, key=None, offsets=None: built.append(bsfr) or real(self, bsfr, key, offsets))
     with torch.no_grad():
         again = emb(indices, offsets, batch_size_per_feature_per_rank=[[1, 2], [3, 0]])
         as_tuples = emb(indices, offsets, batch_size_per_feature_per_rank=((1, 2), (3, 0)))
@@ -937,3 +937,131 @@ def test_cuda_vbe_plan_equals_the_cpu_plan_without_waiting_for_the_device():
         assert got["pad"].numel() == bags + 1 and got["pad"].is_contiguous() and got["bag_out"].is_contiguous()
         assert got["bag_out"].data_ptr() + 8 * bags <= got["pad"].data_ptr() or \
             got["pad"].data_ptr() + 8 * (bags + 1) <= got["bag_out"].data_ptr()
+
+
+# ---- a new plan with its padded offsets (vbe_plan_padded) ----------------------------------------
+
+
+@settings(max_examples=120, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@given(case=plan_sizes, int32=st.booleans())
+def test_vbe_plan_padded_operator_equals_the_plan_and_the_gathered_offsets(case, int32, sgd_ops):
+    # the tables of vbe_plan_tensor and offsets[pad] (what the forward gathered before), the
+    # offsets' dtype kept; offsets that do not hold total + 1 entries give an empty tensor
+    sizes, dims = case
+    B = torch.tensor(sizes, dtype=torch.int64).reshape(-1)
+    pad, bag_out, totals = sgd_ops.vbe_plan_tensor(B, len(sizes[0]), dims, torch.empty(0))
+    total = totals[0]
+    lengths = (torch.arange(total, dtype=torch.int64) * 7) % 5
+    offsets = torch.zeros(total + 1, dtype=torch.int32 if int32 else torch.int64)
+    offsets[1:] = torch.cumsum(lengths, 0)
+    got_pad, got_bag_out, got_totals, padded = sgd_ops.vbe_plan_padded(B, len(sizes[0]), dims, offsets)
+    assert torch.equal(got_pad, pad) and torch.equal(got_bag_out, bag_out) and list(got_totals) == list(totals)
+    assert padded.dtype == offsets.dtype and torch.equal(padded, offsets.index_select(0, pad))
+    for wrong in (offsets[:-1], torch.cat([offsets, offsets[-1:]])):
+        assert sgd_ops.vbe_plan_padded(B, len(sizes[0]), dims, wrong)[3].numel() == 0
+
+
+def test_vbe_plan_padded_operator_checks_its_offsets(sgd_ops):
+    B = torch.tensor([1, 2, 3, 0])
+    for bad, message in ((torch.zeros(7), "offsets must be a 1-D int32 or int64 tensor"),
+                         (torch.zeros(7, 1, dtype=torch.int64), "offsets must be a 1-D int32 or int64 tensor")):
+        with pytest.raises(RuntimeError, match=message):
+            sgd_ops.vbe_plan_padded(B, 2, [4, 2], bad)
+    with pytest.raises(RuntimeError, match=r"batch_size_per_feature_per_rank\[1\]\[0\] must be a non-negative"):
+        sgd_ops.vbe_plan_padded(torch.tensor([1, 2, -3, 0]), 2, [4, 2], torch.zeros(1, dtype=torch.int64))
+    # (a non-contiguous offsets tensor is read as its values)
+    offsets = torch.arange(10, dtype=torch.int64)[::2]
+    pad, _, _, padded = sgd_ops.vbe_plan_padded(torch.tensor([1, 2, 1, 0]), 2, [4, 2], offsets)
+    assert not offsets.is_contiguous() and padded.numel() == 7 and torch.equal(padded, offsets.index_select(0, pad))
+
+
+@pytest.mark.parametrize("int32", [False, True])
+def test_vbe_new_plan_makes_the_padded_offsets_without_a_gather(int32, monkeypatch):
+    # every step new sizes (TorchRec's case): after the first call, the forward makes each new plan
+    # with its padded offsets (vbe_plan_padded) and gathers nothing; output and training the
+    # padded batch's bitwise, as the kept plans' (the same sizes again: the gather)
+    gathers = []
+    index_select = torch.Tensor.index_select
+    monkeypatch.setattr(torch.Tensor, "index_select",
+                        lambda self, *a, **k: gathers.append(1) or index_select(self, *a, **k))
+    tables = [(20, 4), (30, 3), (25, 8)]
+    vbe, pad_emb = make("rowwise_adagrad", tables), make("rowwise_adagrad", tables)
+    gen = torch.Generator().manual_seed(4)
+    steps = [[[3, 0, 2], [1, 1, 1], [0, 4, 0]], [[2, 2, 2], [0, 0, 1], [5, 0, 1]], [[1, 0, 0], [0, 3, 0], [2, 2, 0]],
+             [[3, 0, 2], [1, 1, 1], [0, 4, 0]]]
+    dtype = torch.int32 if int32 else torch.int64
+    for k, bsfr in enumerate(steps * 2):
+        indices, offsets, _ = vbe_batch([20, 30, 25], bsfr, gen, weighted=False)
+        indices, offsets = indices.to(dtype), offsets.to(dtype)
+        gathers.clear()
+        out = vbe(indices, offsets, batch_size_per_feature_per_rank=bsfr)
+        new_plan = k in (1, 2)  # (the first call: no key yet; step 3 repeats step 0's sizes; then all kept)
+        assert gathers == ([] if new_plan else [1]), (k, gathers)
+        padded = vbe_padded_by_hand(offsets, bsfr)
+        out_pad = pad_emb(indices, padded)
+        grad = torch.randn(out.numel(), generator=gen)
+        assert torch.equal(out.detach(), rank_major(out_pad.detach(), bsfr, [4, 3, 8]))
+        out.backward(grad)
+        out_pad.backward(padded_grad(grad, bsfr, [4, 3, 8], out_pad.shape))
+        assert torch.equal(vbe.weights, pad_emb.weights)
+        assert torch.equal(vbe.optimizer_state("momentum"), pad_emb.optimizer_state("momentum"))
+
+
+def vbe_padded_by_hand(offsets, bsfr):
+    """The offsets of the fixed batch F x max_B in which every feature's missing bags are empty."""
+    totals = [sum(row) for row in bsfr]
+    max_B, pad, start = max(totals), [], 0
+    for B_f in totals:
+        pad += [start + min(b, B_f) for b in range(max_B)]
+        start += B_f
+    return offsets[torch.tensor(pad + [start])]
+
+
+def rank_major(out_pad, bsfr, dims):
+    """The padded output's real rows in FBGEMM's 1-D rank-major VBE order."""
+    col = [sum(dims[:f]) for f in range(len(dims))]
+    parts = []
+    for r in range(len(bsfr[0])):
+        for f in range(len(bsfr)):
+            first = sum(bsfr[f][:r])
+            parts.append(out_pad[first:first + bsfr[f][r], col[f]:col[f] + dims[f]].reshape(-1))
+    return torch.cat(parts)
+
+
+def padded_grad(grad, bsfr, dims, shape):
+    """The 1-D VBE gradient placed at its rows of the padded output (zeros elsewhere)."""
+    full = torch.zeros(shape)
+    col = [sum(dims[:f]) for f in range(len(dims))]
+    at = 0
+    for r in range(len(bsfr[0])):
+        for f in range(len(bsfr)):
+            first, n = sum(bsfr[f][:r]), bsfr[f][r] * dims[f]
+            full[first:first + bsfr[f][r], col[f]:col[f] + dims[f]] = grad[at:at + n].view(-1, dims[f])
+            at += n
+    return full
+
+
+@cuda
+def test_cuda_vbe_plan_padded_equals_the_gathered_offsets_without_waiting_for_the_device():
+    # the kernel argument's header sizes and the copied header beyond them (as the plan test above),
+    # int32 and int64 offsets; offsets that do not fit: an empty tensor
+    gen = torch.Generator().manual_seed(12)
+    emb = make("sgd", [(5, 4), (6, 3), (7, 8)], device="cuda")
+    ops = emb._ops
+    cases = [[[3, 0, 2, 5], [0, 0, 0, 0], [1, 7, 0, 2]], [[0, 0], [0, 0], [0, 0]], [[400_000, 0], [1, 2], [0, 3]]]
+    cases += [torch.randint(0, 50, (3, R), generator=gen).tolist() for R in (1, 5, 20, 85, 341, 666, 1400)]
+    for bsfr in cases:
+        B = torch.tensor(bsfr, dtype=torch.int64).reshape(-1)
+        total = int(B.sum())
+        for dtype in (torch.int64, torch.int32):
+            offsets = torch.cumsum(torch.randint(0, 4, (total + 1,), generator=gen), 0).to(dtype).cuda()
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                pad, bag_out, totals, padded = ops.vbe_plan_padded(B, len(bsfr[0]), [4, 3, 8], offsets)
+                wrong = ops.vbe_plan_padded(B, len(bsfr[0]), [4, 3, 8], offsets[:-1])[3]
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+            want = ops.vbe_plan_tensor(B, len(bsfr[0]), [4, 3, 8], offsets)
+            assert torch.equal(pad, want[0]) and torch.equal(bag_out, want[1]) and list(totals) == list(want[2])
+            assert padded.is_cuda and padded.dtype == dtype and torch.equal(padded, offsets.index_select(0, pad))
+            assert wrong.numel() == 0

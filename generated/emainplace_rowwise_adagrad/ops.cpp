@@ -65,6 +65,7 @@ TORCH_LIBRARY(tbegen_emainplace_rowwise_adagrad, m) {
   m.def("describe_error(Tensor record, bool with_index_errors) -> str");
   m.def("vbe_plan(int[] sizes, int num_ranks, int[] dims, Tensor device_of) -> (Tensor, Tensor, int[])");
   m.def("vbe_plan_tensor(Tensor sizes, int num_ranks, int[] dims, Tensor device_of) -> (Tensor, Tensor, int[])");
+  m.def("vbe_plan_padded(Tensor sizes, int num_ranks, int[] dims, Tensor offsets) -> (Tensor, Tensor, int[], Tensor)");
   m.def("table_update(Tensor(a!) weights, Tensor features, int total_hash_size, bool stochastic_rounding, int seed, Tensor(b!) momentum, float learning_rate, float eps, float weight_decay, int weight_decay_mode, float max_norm, int step_ema, int step_start, float step_ema_coef, int step) -> bool");
 }
 
@@ -76,6 +77,7 @@ TORCH_LIBRARY_IMPL(tbegen_emainplace_rowwise_adagrad, CPU, m) {
   m.impl("describe_error", &tbegen::cpu::describe_error);
   m.impl("vbe_plan", &tbegen::cpu::vbe_plan_cpu);
   m.impl("vbe_plan_tensor", &tbegen::cpu::vbe_plan_tensor_cpu);
+  m.impl("vbe_plan_padded", &tbegen::cpu::vbe_plan_padded_cpu);
   m.impl("table_update", &tbegen::opt_emainplace_rowwise_adagrad::table_update_cpu);
 }
 #endif

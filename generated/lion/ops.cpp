@@ -55,6 +55,7 @@ TORCH_LIBRARY(tbegen_lion, m) {
   m.def("describe_error(Tensor record, bool with_index_errors) -> str");
   m.def("vbe_plan(int[] sizes, int num_ranks, int[] dims, Tensor device_of) -> (Tensor, Tensor, int[])");
   m.def("vbe_plan_tensor(Tensor sizes, int num_ranks, int[] dims, Tensor device_of) -> (Tensor, Tensor, int[])");
+  m.def("vbe_plan_padded(Tensor sizes, int num_ranks, int[] dims, Tensor offsets) -> (Tensor, Tensor, int[], Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(tbegen_lion, CPU, m) {
@@ -65,5 +66,6 @@ TORCH_LIBRARY_IMPL(tbegen_lion, CPU, m) {
   m.impl("describe_error", &tbegen::cpu::describe_error);
   m.impl("vbe_plan", &tbegen::cpu::vbe_plan_cpu);
   m.impl("vbe_plan_tensor", &tbegen::cpu::vbe_plan_tensor_cpu);
+  m.impl("vbe_plan_padded", &tbegen::cpu::vbe_plan_padded_cpu);
 }
 #endif

@@ -66,6 +66,7 @@ TORCH_LIBRARY(tbegen_rowwise_adagrad_with_counter, m) {
   m.def("describe_error(Tensor record, bool with_index_errors) -> str");
   m.def("vbe_plan(int[] sizes, int num_ranks, int[] dims, Tensor device_of) -> (Tensor, Tensor, int[])");
   m.def("vbe_plan_tensor(Tensor sizes, int num_ranks, int[] dims, Tensor device_of) -> (Tensor, Tensor, int[])");
+  m.def("vbe_plan_padded(Tensor sizes, int num_ranks, int[] dims, Tensor offsets) -> (Tensor, Tensor, int[], Tensor)");
   m.def("table_update(Tensor(a!) weights, Tensor features, int total_hash_size, bool stochastic_rounding, int seed, Tensor(b!) momentum, Tensor(c!) prev_iter, Tensor(d!) row_counter, Tensor(e!) max_counter, Tensor feature_table, float learning_rate, float eps, float weight_decay, int weight_decay_mode, int regularization_mode, int counter_halflife, int adjustment_iter, float adjustment_ub, int learning_rate_mode, int max_counter_update_freq, float tail_id_threshold, int is_tail_id_thresh_ratio, float weight_norm_coefficient, float lower_bound, int step) -> bool");
 }
 
@@ -77,6 +78,7 @@ TORCH_LIBRARY_IMPL(tbegen_rowwise_adagrad_with_counter, CPU, m) {
   m.impl("describe_error", &tbegen::cpu::describe_error);
   m.impl("vbe_plan", &tbegen::cpu::vbe_plan_cpu);
   m.impl("vbe_plan_tensor", &tbegen::cpu::vbe_plan_tensor_cpu);
+  m.impl("vbe_plan_padded", &tbegen::cpu::vbe_plan_padded_cpu);
   m.impl("table_update", &tbegen::opt_rowwise_adagrad_with_counter::table_update_cpu);
 }
 #endif

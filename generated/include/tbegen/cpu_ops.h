@@ -71,6 +71,12 @@ inline int64_t* record_data(const c10::optional<at::Tensor>& record) {
 [[gnu::visibility("hidden")]] std::tuple<at::Tensor, at::Tensor, std::vector<int64_t>> vbe_plan_tensor_cpu(
     const at::Tensor& sizes, int64_t num_ranks, at::IntArrayRef dims, const at::Tensor& device_of);
 
+// The plan of a new VBE batch with its padded offsets, in one call: (pad, bag_out, totals as
+// vbe_plan's, offsets[pad]: the offsets of the padded batch, offsets' dtype; empty where offsets do
+// not hold total_bags + 1 entries). The module's forward makes a new plan with it (module.py).
+[[gnu::visibility("hidden")]] std::tuple<at::Tensor, at::Tensor, std::vector<int64_t>, at::Tensor>
+vbe_plan_padded_cpu(const at::Tensor& sizes, int64_t num_ranks, at::IntArrayRef dims, const at::Tensor& offsets);
+
 template <class Opt>
 void backward_cpu(const at::Tensor& grad_output, const at::Tensor& weights, const at::Tensor& features,
                   int64_t total_D, int64_t max_D, int64_t total_hash_size, const at::Tensor& indices,

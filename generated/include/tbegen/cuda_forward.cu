@@ -25,6 +25,7 @@ void register_forward_cuda(torch::Library& m) {
   m.impl("grad_per_sample_weights", &grad_per_sample_weights_cuda);
   m.impl("vbe_plan", &vbe_plan_cuda);
   m.impl("vbe_plan_tensor", &vbe_plan_tensor_cuda);
+  m.impl("vbe_plan_padded", &vbe_plan_padded_cuda);
 }
 
 int launch_table_stages_on(int64_t device_index, TableLaunch launch, TableLaunchFn fn) {

@@ -240,6 +240,17 @@ inline at::IntArrayRef vbe_sizes_of(const at::Tensor& sizes) {
   return at::IntArrayRef(sizes.data_ptr<int64_t>(), size_t(sizes.numel()));
 }
 
+// vbe_plan_padded's offsets (the VBE batch's, per feature, per rank, per sample; total_bags + 1 of
+// them where they fit the sizes): 1-D int32 or int64 on the plan's device. Returns whether their
+// count fits the sizes; where it does not, the operator returns no padded offsets (an empty tensor)
+// and the module gathers and refuses them with its own message (module.py, _vbe_pad).
+inline bool check_vbe_plan_offsets(const at::Tensor& offsets, const VbeTotals& t) {
+  TBEGEN_CHECK(offsets.dim() == 1 && (offsets.scalar_type() == at::kLong || offsets.scalar_type() == at::kInt),
+              "tbegen: vbe_plan_padded: offsets must be a 1-D int32 or int64 tensor, got ",
+              dtype_name(offsets.scalar_type()), " of shape ", offsets.sizes());
+  return offsets.numel() == t.total_bags + 1;
+}
+
 // Writes the header (vbe_plan_header_size(F, R) values) of checked inputs at `header`, checking
 // the values; returns the totals.
 inline VbeTotals vbe_plan_header(at::IntArrayRef sizes, int64_t num_ranks, at::IntArrayRef dims, int64_t* header) {

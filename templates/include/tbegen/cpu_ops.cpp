@@ -35,29 +35,67 @@ std::string describe_error(const at::Tensor& record, bool with_index_errors) {
   return describe_error_record(record, with_index_errors);
 }
 
-std::tuple<at::Tensor, at::Tensor, std::vector<int64_t>> vbe_plan_cpu(at::IntArrayRef sizes, int64_t num_ranks,
-                                                                      at::IntArrayRef dims, const at::Tensor& device_of) {
+namespace {
+
+// vbe_plan_cpu's tables, and with `offsets` (1-D, contiguous, total_bags + 1 of them) the padded
+// batch's offsets in the same pass: padded[i] = offsets[pad[i]] (vbe.h, vbe_plan_padded).
+template <typename I>
+std::tuple<at::Tensor, at::Tensor, std::vector<int64_t>, at::Tensor> vbe_plan_on_cpu(
+    at::IntArrayRef sizes, int64_t num_ranks, at::IntArrayRef dims, const at::Tensor& device_of,
+    const at::Tensor* offsets) {
   check_vbe_plan_inputs(sizes, num_ranks, dims);
   TBEGEN_CHECK(device_of.device().is_cpu(), "tbegen: vbe_plan: the CPU operator got a tensor on ", device_of.device());
   const int64_t F = int64_t(dims.size()), R = num_ranks;
   std::vector<int64_t> header(size_t(vbe_plan_header_size(F, R)));
   const VbeTotals t = vbe_plan_header(sizes, num_ranks, dims, header.data());
   const int64_t bags = F * t.max_B;
+  at::Tensor padded, given;
+  if (offsets != nullptr) {
+    if (check_vbe_plan_offsets(*offsets, t)) {
+      given = offsets->contiguous();
+      padded = at::empty({bags + 1}, given.options());
+    } else {
+      padded = at::empty({0}, offsets->options());  // (they do not fit: the module's message)
+    }
+  }
   const auto [pad, bag_out] = vbe_plan_tables(bags, at::TensorOptions().dtype(at::kLong));  // (vbe.h)
   int64_t* p = pad.data_ptr<int64_t>();
   int64_t* o = bag_out.data_ptr<int64_t>();
+  const I* off = given.defined() ? given.data_ptr<I>() : nullptr;
+  I* pd = given.defined() ? padded.data_ptr<I>() : nullptr;
   at::parallel_for(0, bags, 16384, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) vbe_plan_entry(header.data(), F, R, t.max_B, i, p, o);
+    for (int64_t i = begin; i < end; ++i) {
+      vbe_plan_entry(header.data(), F, R, t.max_B, i, p, o);
+      if (pd != nullptr) pd[i] = off[p[i]];
+    }
   });
   p[bags] = t.total_bags;
+  if (pd != nullptr) pd[bags] = off[t.total_bags];
   VbePlanTables::instance().remember(bag_out, t.numel, dims);  // (it tiles its output: the forward trusts it)
-  return {pad, bag_out, {t.total_bags, t.max_B, t.numel}};
+  return {pad, bag_out, {t.total_bags, t.max_B, t.numel}, padded};
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor, std::vector<int64_t>> vbe_plan_cpu(at::IntArrayRef sizes, int64_t num_ranks,
+                                                                      at::IntArrayRef dims, const at::Tensor& device_of) {
+  auto [pad, bag_out, totals, padded] = vbe_plan_on_cpu<int64_t>(sizes, num_ranks, dims, device_of, nullptr);
+  return {pad, bag_out, totals};
 }
 
 std::tuple<at::Tensor, at::Tensor, std::vector<int64_t>> vbe_plan_tensor_cpu(const at::Tensor& sizes, int64_t num_ranks,
                                                                              at::IntArrayRef dims,
                                                                              const at::Tensor& device_of) {
   return vbe_plan_cpu(vbe_sizes_of(sizes), num_ranks, dims, device_of);
+}
+
+std::tuple<at::Tensor, at::Tensor, std::vector<int64_t>, at::Tensor> vbe_plan_padded_cpu(
+    const at::Tensor& sizes, int64_t num_ranks, at::IntArrayRef dims, const at::Tensor& offsets) {
+  const at::IntArrayRef B = vbe_sizes_of(sizes);
+  if (offsets.scalar_type() == at::kInt) {
+    return vbe_plan_on_cpu<int32_t>(B, num_ranks, dims, offsets, &offsets);
+  }
+  return vbe_plan_on_cpu<int64_t>(B, num_ranks, dims, offsets, &offsets);
 }
 
 // Checks the batch's indices and offsets (host.h, check_indices_host) and returns the positions of
