@@ -785,7 +785,7 @@ class RowCache:
         else:
             view.index_copy_(0, dst, rows)
 
-    def _launch_aside(self, launches: list) -> None:
+    def _launch_aside(self, launches: list, rows_wait: Optional[callable] = None) -> None:
         """Issues a prefetch's exchange kernels (`launches`: (operator, arguments), _exchange) on the
         exchange stream (TBEGEN_CACHE_LOOKUP_STREAM=1, _exchange_aside_on), so that the next
         prefetch's lookup on this stream does not queue behind them. Who reads and writes what:
@@ -810,6 +810,8 @@ class RowCache:
         ready = torch.cuda.Event()
         ready.record(current)
         side.wait_event(ready)
+        if rows_wait is not None:  # (what the prefetch's lookup did not wait for: module._CacheStreams.mark)
+            rows_wait(side)
         with torch.cuda.stream(side):
             for op, args in launches:
                 _hand_off([a for a in args if isinstance(a, torch.Tensor)], side)
@@ -818,11 +820,14 @@ class RowCache:
         done.record(side)
         self._aside_done = self._aside_new = (side, done)
 
-    def _join_aside(self) -> None:
+    def _join_aside(self, rows_wait: Optional[callable] = None) -> None:
         """The current stream waits for the exchange stream's latest kernels (before it moves rows
-        itself: a row they write back may be loaded again, a slot they load may be evicted)."""
+        itself: a row they write back may be loaded again, a slot they load may be evicted), and,
+        with `rows_wait` (prepare's), for what its lookup did not wait for."""
         if self._aside_done is not None:
             torch.cuda.current_stream(self.device).wait_event(self._aside_done[1])
+        if rows_wait is not None:
+            rows_wait(torch.cuda.current_stream(self.device))
 
     def take_aside(self):
         """(stream, event) after the exchange kernels the latest prepare issued on the exchange
@@ -888,14 +893,15 @@ class RowCache:
             self._table_masks[key] = mask
         return mask
 
-    def drop(self, buffers, tables: Sequence[int], readers_wait: Optional[callable] = None) -> None:
+    def drop(self, buffers, tables: Sequence[int], readers_wait: Optional[callable] = None,
+             rows_wait: Optional[callable] = None) -> None:
         """Writes back and empties the caches of cached tables `tables` (before a batch reads
         and updates their backing rows directly). Without a host wait: the host knows how many
         rows each table holds (`_occupied`); all of them are written back while some slot may be
         dirty (a clean row's bytes are its backing row's), and the statistics count the dirty ones."""
         self._before_unheld_move(readers_wait, evicting_held=True)  # (`readers_wait`: a prefetch's)
         self._join_writeback()
-        self._join_aside()
+        self._join_aside(rows_wait)  # (`rows_wait`: a prefetch's, prepare)
         occupied = [n if k in tables else 0 for k, n in enumerate(self._occupied)]
         if sum(occupied):
             T = self._t
@@ -1026,7 +1032,7 @@ class RowCache:
 
     def prepare(self, indices: torch.Tensor, offsets: torch.Tensor, batch: int, buffers, *,
                 bad_index_error: Optional[callable] = None, defer: bool = False,
-                readers_wait: Optional[callable] = None) -> Optional[Ticket]:
+                readers_wait: Optional[callable] = None, rows_wait: Optional[callable] = None) -> Optional[Ticket]:
         """Makes every row that `indices` reads of a cached table resident and returns the
         indices the kernels read (see Ticket). `offsets` has F * batch + 1 entries (checked by the
         caller). Out-of-range indices of cached tables stay out of range for the kernels, which
@@ -1044,7 +1050,11 @@ class RowCache:
         `defer` (a prefetch): where the batch's rows would need slots held for other batches,
         None, with nothing changed (the forward looks the batch up then). `readers_wait` (a
         prefetch's, on CUDA): called before rows move out of slots whose holds were let go
-        (_before_unheld_move).
+        (_before_unheld_move). `rows_wait` (a prefetch's with TBEGEN_CACHE_LOOKUP_STREAM=1, whose
+        lookup waited only for the bookkeeping of other streams' uses, module._CacheStreams.mark):
+        rows_wait(stream) makes `stream` wait for the rest of them (the kernels of the backward
+        before, which update rows a fill may evict), before rows move: on the exchange stream
+        (_launch_aside) or on this one (a drop: _join_aside).
 
         How (each step one pass over the N indices or the distinct rows, few of them; on CUDA
         each operator is a launch the host pays for, benchmarks/cache_prepare_ops.py counts them):
@@ -1136,7 +1146,7 @@ class RowCache:
             over = tuple(k for k in range(nc) if need_h[k] > self.slots[k] and not self.direct[k])
             if not over:
                 break
-            self._overflow(buffers, over, need_h, readers_wait)
+            self._overflow(buffers, over, need_h, readers_wait, rows_wait)
             st["bypasses"] += len(over)
             st["backing_lookups"] += sum(looked_h[k] for k in over)
             st["backing_rows"] += sum(need_h[k] for k in over)
@@ -1215,7 +1225,8 @@ class RowCache:
             # the batch's own slots (its hit rows'; the others point at the extra entry)
             protect = torch.where(missing_u, self.num_slots, sbase_u + slot)
             with span("tbegen.cache.fill"):
-                self._fill(buffers, mU, mT, mRow, protect, admit, held, readers_wait, aside=defer and self._aside)
+                self._fill(buffers, mU, mT, mRow, protect, admit, held, readers_wait, aside=defer and self._aside,
+                           rows_wait=rows_wait)
         n_backing = [n - a - (n - mi) for n, a, mi in zip(need_h, admit, miss_h)]  # (direct tables only)
         slot = self._row_slot.index_select(0, U)
         out_type = indices.dtype
@@ -1262,7 +1273,8 @@ class RowCache:
             return torch.empty(0, dtype=torch.int64, device=self.device)
         return torch.searchsorted(torch.cumsum(mask, 0), self._iota(k, start=1))
 
-    def _overflow(self, buffers, over: Tuple[int, ...], need: Sequence[int], readers_wait=None) -> None:
+    def _overflow(self, buffers, over: Tuple[int, ...], need: Sequence[int], readers_wait=None,
+                  rows_wait=None) -> None:
         """Cached tables `over` have more distinct rows in the batch than cache slots: the batch
         reads and updates their backing rows directly (see the module docstring)."""
         for k in over:
@@ -1277,7 +1289,10 @@ class RowCache:
                     RuntimeWarning, stacklevel=5,
                 )
         with span("tbegen.cache.drop"):
-            self.drop(buffers, over, readers_wait)
+            if rows_wait is None:
+                self.drop(buffers, over, readers_wait)
+            else:
+                self.drop(buffers, over, readers_wait, rows_wait=rows_wait)
 
     def _cold_geometry(self) -> Optional[Tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]]:
         """For _coldest, made on first use on the cache's device: each slot's local number, where
@@ -1388,7 +1403,8 @@ class RowCache:
         return order[torch.argsort(self._slot_table[order], stable=True)]
 
     def _fill(self, buffers, mU, mT, mRow, protect, count_h, held: Optional[torch.Tensor] = None,
-              readers_wait: Optional[callable] = None, aside: bool = False) -> None:
+              readers_wait: Optional[callable] = None, aside: bool = False,
+              rows_wait: Optional[callable] = None) -> None:
         """Loads rows (cached keys mU of tables mT, grouped by table: count_h[c] of table c) into
         the coldest slots of their tables (the j-th row of a table into its j-th coldest slot),
         never into the batch's own slots (`protect`: slot numbers, num_slots for none) or those
@@ -1476,7 +1492,7 @@ class RowCache:
         self._dirty.index_fill_(0, victims, False)
         if launches:
             with span("tbegen.cache.exchange"):
-                self._launch_aside(launches)
+                self._launch_aside(launches, rows_wait)
         self._occupied = [min(C, n + a) for C, n, a in zip(self.slots, self._occupied, count_h)]
         st = self.stats
         st["rows_loaded"] += mU.numel()

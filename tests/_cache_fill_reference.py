@@ -730,6 +730,8 @@ class RowCache:
             readers_wait()
         self._unheld = False
 
+    _aside = False  # (this cache never exchanges on a stream of its own: TBEGEN_CACHE_LOOKUP_STREAM)
+
     def release(self, ticket: Ticket) -> None:
         self._held = [t for t in self._held if t is not ticket]
         self._in_flight_backing = [t for t in self._in_flight_backing if t is not ticket]

@@ -483,10 +483,7 @@ class RowCache:
     def release(self, ticket: Ticket) -> None:
         self._held = [t for t in self._held if t is not ticket]
 
-    def take_aside(self):
-        """(The module's call after a prefetch: this cache never exchanges on a stream of its own,
-        TBEGEN_CACHE_LOOKUP_STREAM.)"""
-        return None
+    _aside = False  # (this cache never exchanges on a stream of its own: TBEGEN_CACHE_LOOKUP_STREAM)
 
     def _release_all(self) -> None:
         self._held = []

@@ -185,6 +185,12 @@ class _Shadow:
     def moved(self, device, stream, event):
         return self.inner.moved(CUDA, stream, event)
 
+    def mark(self, device):
+        return self.inner.mark(CUDA)
+
+    def wait_rows(self, stream, device):
+        return self.inner.wait_rows(stream, CUDA)
+
 
 @contextlib.contextmanager
 def _simulated(monkeypatch):
@@ -337,22 +343,27 @@ def _sections(sim, marks):
 
 
 def test_the_order_of_the_streams(monkeypatch):
-    """TorchRec's order with the switch: each prefetch's X waits for an event that P recorded after
-    the fill's bookkeeping, then runs its exchange; the next prefetch's P waits for the backward
-    before (D), never for X; the forward that takes the batch waits for that prefetch's X event;
-    the backward of a valid ticket waits for nothing; the flush waits for X's latest event."""
+    """TorchRec's order with the switch: each prefetch's P waits for the point after the bookkeeping
+    of the backward before (its dirty flags: `mark`), not for that backward's kernels, and never
+    for X; X waits for an event that P recorded after the fill's bookkeeping and for the end of
+    that backward (whose rows the exchange may write back), then runs the exchange; the forward
+    that takes the batch waits for that prefetch's X event; the backward of a valid ticket waits
+    for nothing; the flush waits for X's latest event."""
     want, want_module, got, emb, sim, calls, marks, _ = _lazy_run(monkeypatch, "torchrec", seed=3)
     _same(want, want_module, got, emb)
     sections = _sections(sim, marks)
     x_events = {}
     for k in range(1, 11):
-        pre = sections[f"prefetch {k + 1}"]
+        pre, back = sections[f"prefetch {k + 1}"], sections[f"backward {k - 1}"]
+        # the backward before: its mark (after its dirty flags), then its end
+        back_mark, back_end = [e[2] for e in back if e[0] == "D" and e[1] == "records"]
         assert not [e for e in pre if e[0] == "P" and e[3] == "X"], pre  # (P never waits for X)
-        assert any(e[0] == "P" and e[1] == "waits" and e[3] == "D" for e in pre), pre  # (the backward before)
+        assert [e[2] for e in pre if e[0] == "P" and e[1] == "waits"] == [back_mark], (pre, back)
         x = [e for e in pre if e[0] == "X"]
-        assert [e[1] for e in x] == ["waits", "records"] and x[0][3] == "P", pre
-        x_events[k + 1] = x[1][2]
-        # X's wait is for the event P recorded last before it (after the fill's bookkeeping)
+        assert [e[1] for e in x] == ["waits", "waits", "records"] and x[0][3] == "P", pre
+        assert x[1][2:] == (back_end, "D"), (x, back)
+        x_events[k + 1] = x[2][2]
+        # X's first wait is for the event P recorded last before it (after the fill's bookkeeping)
         p_records = [e[2] for e in pre[:pre.index(x[0])] if e[0] == "P" and e[1] == "records"]
         assert p_records and p_records[-1] == x[0][2]
         assert not [e for e in sections[f"backward {k}"] if e[1] == "waits"], sections[f"backward {k}"]
@@ -370,9 +381,9 @@ def test_the_bookkeeping_is_written_before_the_exchange_stream_is_released(monke
     snaps, checked = [], []
     launch, fill = cache_.RowCache._launch_aside, cache_.RowCache._fill
 
-    def snapshot(self, launches):
+    def snapshot(self, launches, rows_wait=None):
         snaps.append([t.clone() for t in (self._row_slot, self._slot_row, self._dirty)])
-        launch(self, launches)
+        launch(self, launches, rows_wait)
 
     def checked_fill(self, *args, **kwargs):
         n = len(snaps)
