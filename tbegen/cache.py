@@ -437,7 +437,10 @@ class RowCache:
         stream waits there for its data-dist stream): a lookup on a stream of its own would have to
         wait for the caller's stream, exchange(i) included. The ordering (_launch_aside): the
         exchange stream waits for an event recorded on the prefetch's stream after the fill's
-        bookkeeping and index arithmetic; its own order keeps exchange(i + 1) after exchange(i) (a
+        bookkeeping and index arithmetic, and for the end of the backward before (the prefetch's
+        lookup waited only for that backward's dirty flags, module._CacheStreams.mark: its kernels
+        update rows this exchange may write back; `rows_wait`); its own order keeps exchange(i + 1)
+        after exchange(i) (a
         row evicted by one and loaded by the next goes host-ward, then back); every other move of
         rows (flush, drop, a fill on another stream, the way back) first waits for the exchange
         stream's latest event (_join_aside); the forward that takes the prefetched batch waits for

@@ -493,9 +493,11 @@ class _CacheStreams:
     exchange stream (RowCache._launch_aside): `moved` makes every use that waits for all other
     streams (wait=True, wait_all) wait for its latest event, and the forward that takes the batch
     waits for that prefetch's exchange (the event after the point's stream and event, `wait_for`);
-    a prefetch (wait="changes") and a valid ticket's backward (wait="settling") do not (RowCache
-    orders the exchange stream after the fill's bookkeeping, and each move of rows on another
-    stream after the exchange stream: _join_aside). `leave` records the end of a use on the
+    a prefetch and a valid ticket's backward (wait="settling") do not (RowCache orders the
+    exchange stream after the fill's bookkeeping, and each move of rows on another stream after
+    the exchange stream: _join_aside). The prefetch's lookup then waits only for other streams'
+    bookkeeping (wait="marks": a backward's `mark`, after its dirty flags, before its kernels);
+    its moves of rows wait for the rest (`wait_rows`). `leave` records the end of a use on the
     current stream: an event, once a second stream has been seen (before that, or for a use that
     has not left, a later use on another stream waits for all that stream had queued:
     wait_stream). On the CPU: nothing. A copy of the
