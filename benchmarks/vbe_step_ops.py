@@ -23,7 +23,10 @@ when each step does the same):
 - `allocation ops`: the aten::empty* calls (every tensor an operator or the module makes
   dispatches one; on CUDA each is a request to the caching allocator);
 - CUDA only: the runtime calls by kind, and the host time each kind took (the profiler's CPU
-  duration of those calls).
+  duration of those calls);
+- with --python: the Python the step runs, counted (no clock: the same on any machine for the same
+  tree): `python calls` (function calls of any module, C functions included: cProfile's count) and
+  `tbegen lines` (lines executed in tbegen/*.py, by file: sys.settrace), per step.
 The tbegen operators' own insides differ between the CPU and CUDA builds (the CUDA operators make
 scratch tensors and launch several kernels each; the CPU ones mostly work in place): on the CPU,
 the counts of the module's Python and the aten operators around the tbegen ones are what carries
@@ -122,6 +125,40 @@ def count(prof, steps: int) -> dict:
     return out
 
 
+def count_python(step, steps: int) -> dict:
+    """The Python one step runs (after the profiled steps, so warm): cProfile's function calls, and
+    the lines executed in tbegen's own files (sys.settrace), per step."""
+    import cProfile
+    import pstats
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(steps):
+        step()
+    prof.disable()
+    calls = pstats.Stats(prof).total_calls
+    root = str(Path(__file__).resolve().parents[1] / "tbegen")
+    lines = Counter()
+
+    def tracer(frame, event, arg):
+        if not frame.f_code.co_filename.startswith(root):
+            return None  # (no line events for frames outside tbegen)
+
+        def local(frame, event, arg):
+            if event == "line":
+                lines[Path(frame.f_code.co_filename).name] += 1
+            return local
+        return local(frame, event, arg)
+
+    sys.settrace(tracer)
+    try:
+        for _ in range(steps):
+            step()
+    finally:
+        sys.settrace(None)
+    per = lambda v: v // steps if v % steps == 0 else round(v / steps, 2)  # noqa: E731
+    return {"python calls": per(calls), "tbegen lines": {k: per(v) for k, v in sorted(lines.items())}}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cpu")
@@ -133,6 +170,8 @@ def main(argv=None) -> int:
     ap.add_argument("--pooling-factor", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--python", action="store_true",
+                    help="also count the Python function calls and tbegen's executed lines per step")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
     if args.device == "cpu":
@@ -183,6 +222,8 @@ def main(argv=None) -> int:
         if dev == "cuda":
             torch.cuda.synchronize()
         result["steps"][name] = count(prof, args.steps)
+        if args.python:
+            result["steps"][name].update(count_python(step, args.steps))
     emb.check_errors()
 
     def diff(a, b):
@@ -192,8 +233,9 @@ def main(argv=None) -> int:
     s = result["steps"]
     result["vbe minus padded"] = {
         m: {part: diff(s[m][part], s[base][part]) for part in ("top ops", "compute ops", "tbegen operators",
-                                                                "allocation ops", "runtime calls")
+                                                                "allocation ops", "runtime calls", "tbegen lines")
             if part in s[m]} | {"ops": s[m]["ops"] - s[base]["ops"]}
+        | ({"python calls": s[m]["python calls"] - s[base]["python calls"]} if "python calls" in s[m] else {})
         for m, base in (("vbe_kept", "padded"), ("vbe_new", "padded"), ("vbe_forward", "padded_forward"))}
     print(f"{result['device']}, {args.optimizer}, F x R = {F} x {R}, {result['bags']} bags padded to "
           f"{result['padded_bags']}; per step:")
@@ -201,6 +243,8 @@ def main(argv=None) -> int:
         line = (f"  {name:<15} ops {c['ops']:6.1f}  compute {sum(c['compute ops'].values()):5.1f}  "
                 f"tbegen {sum(c['tbegen operators'].values()):4.1f}  allocation ops "
                 f"{sum(c['allocation ops'].values()):5.1f}")
+        if "python calls" in c:
+            line += f"  python calls {c['python calls']}  tbegen lines {sum(c['tbegen lines'].values())}"
         if "runtime calls" in c:
             line += "  | " + ", ".join(f"{k} {v}" for k, v in c["runtime calls"].items())
         print(line)

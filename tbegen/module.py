@@ -1679,11 +1679,11 @@ class TableBatchedEmbeddingBags(nn.Module):
         the sizes packed as int64 bytes (_vbe_key; `key`: that of these sizes where the caller has
         it), which go to the operator as they are; anything else, e.g. a tensor, is checked and
         converted first. The forward finds a kept plan itself (_forward_vbe); this is its way to a
-        new one, and the tests'. With `offsets` (the forward's: a 1-D int32/int64 tensor on the
-        weights' device) and sizes that pack into a key, the same call makes the padded batch's
-        offsets too (vbe_plan_padded: the plan's kernel writes offsets[pad], no gather of its own)
-        and returns (plan, padded offsets), the latter None where the offsets do not fit the sizes
-        or the plan was kept."""
+        new one, and the tests'. With `offsets` (the forward's, as given) it returns (plan, padded
+        offsets): where the sizes pack into a key and the offsets are a 1-D int32/int64 tensor on
+        the weights' device, a new plan's operator (vbe_plan_padded) writes offsets[pad] beside
+        the plan's tables, no gather of its own; otherwise (also for offsets that do not fit the
+        sizes, or a plan kept already) None, and the caller gathers or refuses them."""
         bsfr = batch_size_per_feature_per_rank
         state = self.__dict__
         weights = self._registered("weights")
@@ -1706,16 +1706,19 @@ class TableBatchedEmbeddingBags(nn.Module):
                 return old if offsets is None else (old, None)
             R = len(key) // (8 * F)
             try:
-                if offsets is not None:
+                if (offsets is not None and type(offsets) is torch.Tensor and offsets.ndim == 1
+                        and offsets.dtype in INDEX_DTYPES and offsets.device == device):
                     pad, bag_out, (total, max_B, n_out), padded = self._ops.vbe_plan_padded(
                         torch.frombuffer(bytearray(key), dtype=torch.int64), R, dims, offsets)
                     padded = padded if padded.numel() else None  # (empty: the offsets do not fit the sizes)
                 elif F * R <= self._VBE_SIZES_AS_LIST:
                     pad, bag_out, (total, max_B, n_out) = self._ops.vbe_plan(
                         memoryview(key).cast("q").tolist(), R, dims, device_of)
+                    padded = None
                 else:  # (the key's buffer itself: cheaper than a long int[])
                     pad, bag_out, (total, max_B, n_out) = self._ops.vbe_plan_tensor(
                         torch.frombuffer(bytearray(key), dtype=torch.int64), R, dims, device_of)
+                    padded = None
             except RuntimeError:
                 # (a negative size: the message naming it; else the operator's)
                 self._vbe_sizes(bsfr)
@@ -1857,15 +1860,12 @@ class TableBatchedEmbeddingBags(nn.Module):
                 plan = getattr(plans, "last", None)
                 if plan is None or plan["sizes"] != key:
                     plan = plans.get(key)
-        padded = None
         if plan is None:
-            if (key is not None and type(offsets) is torch.Tensor and offsets.dim() == 1
-                    and offsets.dtype in INDEX_DTYPES and offsets.device == self._registered("weights").device):
-                # a new plan with the padded offsets written by its own kernel (vbe_plan_padded):
-                # no gather, its launch and its allocation (TorchRec's case: new sizes every step)
-                plan, padded = self._vbe_plan_eager(bsfr, key, offsets)
-            else:
-                plan = self._vbe_plan_eager(bsfr, key)
+            # (a new plan comes with the padded offsets where they fit: vbe_plan_padded writes them,
+            # so no gather, its launch and its allocation: TorchRec's case, new sizes every step)
+            plan, padded = self._vbe_plan_eager(bsfr, key, offsets)
+        else:
+            padded = None
         if "ready" in plan:  # (a plan a prefetch made on its stream)
             self._vbe_plan_ready(plan)
         if padded is None:
