@@ -446,10 +446,14 @@ def _cuda_module(monkeypatch, switch, make):
     return emb
 
 
-def _cuda_pipelined(emb, data, side, hold_back=0):
+def _cuda_pipelined(emb, data, side, hold_back=0, late_backward=0):
     """bench_cache's --pipelined step: forward(i) on the current stream, prefetch(i + 1) on `side`
     (forward_stream given), backward(i). `hold_back`: cycles of torch.cuda._sleep queued on the
-    exchange stream before each prefetch (once it exists), so that its kernels run late."""
+    exchange stream before each prefetch (once it exists), so that its kernels run late;
+    `late_backward`: the same on the current stream before each backward, so that the next
+    prefetch's lookup (which waits only for the backward's dirty flags) and above all its
+    exchange (which must wait for the backward's updates of the rows it writes back) are issued
+    while the backward has not run."""
     main = torch.cuda.current_stream()
 
     def prefetch(k):
@@ -466,6 +470,8 @@ def _cuda_pipelined(emb, data, side, hold_back=0):
         out = emb(idx, offsets)
         if k + 1 < len(data):
             prefetch(k + 1)
+        if late_backward:
+            torch.cuda._sleep(late_backward)
         out.backward(grad)
         outs.append(out.detach().clone())
     emb.flush()
@@ -497,14 +503,15 @@ def _exact_fit(steps, seed):
 @pytest.mark.parametrize("case", ["evicting", "exact-fit", "rowwise_adagrad"])
 def test_cuda_exchange_stream_trains_like_in_step(monkeypatch, case):
     """Pipelined training with the switch on (its exchange stream also held back ~50 ms before
-    each prefetch), with it off, and in-step: bitwise the same outputs, weights and states.
+    each prefetch; or the backwards held back ~50 ms), with it off, and in-step: bitwise the same
+    outputs, weights and states.
     What would fail if the order were wrong: a forward that did not wait for its prefetch's
     exchange reads slots whose rows have not arrived (the outputs differ; with the stream held
     back, every step); a lookup that saw stale slot tags (not ordered after the previous fill's
     bookkeeping) would take a slot for a row it no longer holds, or load a resident row into a
     second slot (the weights differ at the flush: two slots of one row, one written back last);
-    an exchange not ordered after the backward whose rows it evicts writes back rows before
-    their update (the weights differ)."""
+    an exchange not ordered after the backward whose rows it evicts (wait_rows) writes back rows
+    before their update, with the backwards held back (the weights differ)."""
     if case == "exact-fit":
         def make():
             return TableBatchedEmbeddingBags([(64, 8)], optimizer="adam", learning_rate=LR, device="cuda",
@@ -531,7 +538,9 @@ def test_cuda_exchange_stream_trains_like_in_step(monkeypatch, case):
     got_on = _cuda_pipelined(on, data, side)
     late = _cuda_module(monkeypatch, "1", make)
     got_late = _cuda_pipelined(late, data, side, hold_back=100_000_000)
-    for outs, emb in ((got_off, off), (got_on, on), (got_late, late)):
+    slow = _cuda_module(monkeypatch, "1", make)
+    got_slow = _cuda_pipelined(slow, data, side, late_backward=100_000_000)
+    for outs, emb in ((got_off, off), (got_on, on), (got_late, late), (got_slow, slow)):
         _same(want, ref, outs, emb)
     stats = on.cache_stats()
     assert stats["evictions"] > 0 and on._cache._aside_stream is not None
