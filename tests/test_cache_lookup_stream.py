@@ -250,17 +250,23 @@ def _lazy_op(sim, X, calls):
     return op
 
 
-def _train(emb, data, order, sim=None, D=None, P=None, mark=None):
+def _train(emb, data, order, sim=None, D=None, P=None, mark=None, let_go=0.0):
     """order "in-step" (each forward looks its batch up), "torchrec" (forward i on D, prefetch of
     i + 1 on P, backward i on D: bench_cache's --pipelined step), "ahead" (as torchrec, two
-    batches ahead: the prefetch of i + 2 after the forward of i). Returns the outputs."""
-    ahead = {"in-step": 0, "torchrec": 1, "ahead": 2}[order]
+    batches ahead: the prefetch of i + 2 after the forward of i), "fbgemm" (the prefetch of i + 1
+    after the backward of i). `let_go`: the chance, before each prefetch, that every hold is let
+    go (as a cache too small for the batches in flight does; their backwards then look their
+    batches up again). Returns the outputs."""
+    ahead = {"in-step": 0, "torchrec": 1, "ahead": 2, "fbgemm": 1}[order]
+    rnd = torch.Generator().manual_seed(99)
 
     def on(stream):
         return torch.cuda.stream(stream) if sim is not None else contextlib.nullcontext()
 
     def prefetch(k):
         if k < len(data):
+            if let_go and float(torch.rand(1, generator=rnd)) < let_go:
+                emb._cache._release_all()
             if mark is not None:
                 mark(f"prefetch {k}")
             with on(P):
@@ -273,11 +279,13 @@ def _train(emb, data, order, sim=None, D=None, P=None, mark=None):
         if mark is not None:
             mark(f"forward {k}")
         out = emb(idx, offsets)
-        if ahead:
+        if ahead and order != "fbgemm":
             prefetch(k + ahead)
         if mark is not None:
             mark(f"backward {k}")
         out.backward(grad)
+        if order == "fbgemm":
+            prefetch(k + 1)
         outs.append(out.detach().clone())
     if mark is not None:
         mark("flush")
@@ -294,7 +302,7 @@ def _same(a_outs, a, b_outs, b):
         assert torch.equal(state, getattr(b.states, name)), name
 
 
-def _lazy_run(monkeypatch, order, seed, cache_rows=(34, None, 40), hot=150, steps=12):
+def _lazy_run(monkeypatch, order, seed, cache_rows=(34, None, 40), hot=150, steps=12, let_go=0.0):
     """In-step training (exchange at once, switch off) and `order` with the switch on and the lazy
     exchange stream: (reference outputs, reference module, outputs, module, sim, calls, log marks)."""
     data = _batches(steps, seed, hot)
@@ -309,7 +317,8 @@ def _lazy_run(monkeypatch, order, seed, cache_rows=(34, None, 40), hot=150, step
         emb._cache_order = _Shadow()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            got = _train(emb, data, order, sim, D, P, mark=lambda text: marks.append((text, len(sim.log))))
+            got = _train(emb, data, order, sim, D, P, mark=lambda text: marks.append((text, len(sim.log))),
+                         let_go=let_go)
         assert sim.queue == [], "the flush waits for the exchange stream"
     return want, want_module, got, emb, sim, calls, marks, made
 
@@ -419,6 +428,19 @@ def test_the_lazy_stream_catches_a_missing_wait(monkeypatch, broken):
     else:
         with pytest.raises(AssertionError, match="the flush waits for the exchange stream"):
             _lazy_run(monkeypatch, "torchrec", seed=0)
+
+
+@pytest.mark.parametrize("order", ["torchrec", "fbgemm", "ahead"])
+@pytest.mark.parametrize("seed", [7, 8])
+def test_holds_let_go_with_the_lazy_stream(monkeypatch, order, seed):
+    """Holds let go at random before prefetches (their batches' backwards look them up again; the
+    prefetch's fill first waits for every other stream, exchange stream included): bitwise the
+    in-step training, in TorchRec's, FBGEMM's and the two-ahead order."""
+    want, want_module, got, emb, sim, *_ = _lazy_run(monkeypatch, order, seed, let_go=0.3)
+    _same(want, want_module, got, emb)
+    assert emb.cache_stats()["evictions"] > 0
+    if order != "fbgemm":  # (holds let go while a batch is held: the prefetch's fill waited for X, wait_all)
+        assert any(e[0] == "P" and e[1] == "waits" and e[3] == "X" for e in sim.log)
 
 
 @pytest.mark.parametrize("seed", [5, 6])
