@@ -71,9 +71,9 @@ if [ "${VBE:-0}" = 1 ]; then
   PYTHONPATH=$PWD/benchmarks/fbgemm_subset:/tmp/fbg_site:$PYTHONPATH CUDA_MODULE_LOADING=LAZY timeout $(cap ${VBE_TIMEOUT:-100}) \
     python3 benchmarks/bench_vbe.py --gathered --rounds ${VBE_ROUNDS:-3} --out /tmp/vbe_full > /tmp/vbe_full.log 2>&1 || log "failed or timed out"
   tail -n 30 /tmp/vbe_full.log >> "$OUT/ab.log"; cp /tmp/vbe_full/results.json "$OUT/vbe.json" 2>/dev/null
-  log "vbe_step_ops.py (runtime calls per step)"
+  log "vbe_step_ops.py (runtime calls, Python calls and tbegen lines per step)"
   timeout $(cap 60) python3 benchmarks/vbe_step_ops.py --device cuda --batch 256 --rows 500000 --pooling-factor 10 \
-    --json "$OUT/vbe_step_ops.json" >> "$OUT/ab.log" 2>&1 || log "failed or timed out"
+    --python --json "$OUT/vbe_step_ops.json" >> "$OUT/ab.log" 2>&1 || log "failed or timed out"
 fi
 
 if [ -n "${VBE_AB:-}" ]; then
