@@ -360,12 +360,29 @@ def test_the_order_of_the_streams(monkeypatch):
     for nothing; the flush waits for X's latest event."""
     want, want_module, got, emb, sim, calls, marks, _ = _lazy_run(monkeypatch, "torchrec", seed=3)
     _same(want, want_module, got, emb)
+    _check_order(sim, marks)
+
+
+@pytest.mark.parametrize("broken", ["wait_rows", "mark"])
+def test_the_order_check_catches_a_missing_wait(monkeypatch, broken):
+    """The order test can fail: without wait_rows the exchange does not wait for the backward
+    before (the lazy stream cannot show that on the CPU: the backward has run when the host issues
+    the exchange); without mark the lookup waits for that backward's end."""
+    monkeypatch.setattr(module_._CacheStreams, broken, lambda self, *args: None)
+    _, _, _, _, sim, _, marks, _ = _lazy_run(monkeypatch, "torchrec", seed=3)
+    with pytest.raises(AssertionError):
+        _check_order(sim, marks)
+
+
+def _check_order(sim, marks):
     sections = _sections(sim, marks)
     x_events = {}
     for k in range(1, 11):
         pre, back = sections[f"prefetch {k + 1}"], sections[f"backward {k - 1}"]
         # the backward before: its mark (after its dirty flags), then its end
-        back_mark, back_end = [e[2] for e in back if e[0] == "D" and e[1] == "records"]
+        recorded = [e[2] for e in back if e[0] == "D" and e[1] == "records"]
+        assert len(recorded) == 2, back
+        back_mark, back_end = recorded
         assert not [e for e in pre if e[0] == "P" and e[3] == "X"], pre  # (P never waits for X)
         assert [e[2] for e in pre if e[0] == "P" and e[1] == "waits"] == [back_mark], (pre, back)
         x = [e for e in pre if e[0] == "X"]
