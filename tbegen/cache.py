@@ -440,13 +440,12 @@ class RowCache:
         bookkeeping and index arithmetic, and for the end of the backward before (the prefetch's
         lookup waited only for that backward's dirty flags, module._CacheStreams.mark: its kernels
         update rows this exchange may write back; `rows_wait`); its own order keeps exchange(i + 1)
-        after exchange(i) (a
-        row evicted by one and loaded by the next goes host-ward, then back); every other move of
-        rows (flush, drop, a fill on another stream, the way back) first waits for the exchange
-        stream's latest event (_join_aside); the forward that takes the prefetched batch waits for
-        that prefetch's exchange event (module.prefetch / _CacheStreams.wait_for), and every use
-        that waits for all other streams (a forward's own lookup, a backward's second lookup,
-        flush, the statistics) for it too (_CacheStreams.moved)."""
+        after exchange(i) (a row evicted by one and loaded by the next goes host-ward, then back);
+        every other move of rows (flush, drop, a fill on another stream, the way back) first waits
+        for the exchange stream's latest event (_join_aside); the forward that takes the
+        prefetched batch waits for that prefetch's exchange event (module.prefetch /
+        _CacheStreams.wait_for), and every use that waits for all other streams (a forward's own
+        lookup, a backward's second lookup, flush, the statistics) for it too (_CacheStreams.moved)."""
         flag = os.environ.get("TBEGEN_CACHE_LOOKUP_STREAM", "")
         if flag not in ("", "0", "1"):
             raise ValueError(f"tbegen: TBEGEN_CACHE_LOOKUP_STREAM must be 0 or 1 (or unset), got {flag!r}")
@@ -800,9 +799,10 @@ class RowCache:
           stream before the event below: that batch sees this fill's slot map without waiting
           for the rows to arrive.
         So the exchange stream waits for an event recorded here, after this fill's bookkeeping and
-        index arithmetic (everything its kernels read, and the waits this stream made for the
-        backward whose rows may be evicted), and its own order keeps each exchange after the one
-        before. The index tensors are recorded as used by the exchange stream (_hand_off: this
+        index arithmetic (everything its kernels read), and, through `rows_wait` (the module's
+        _CacheStreams.wait_rows), for the end of the other streams' latest uses: the backward
+        before, whose kernels update rows this exchange may write back (this stream waited only
+        for that backward's dirty flags); its own order keeps each exchange after the one before. The index tensors are recorded as used by the exchange stream (_hand_off: this
         stream drops them on return). The event after the kernels (`_aside_done`, also handed to
         the module through `_aside_new`) is what the forward of the batch, and every other move of
         rows, waits for."""
