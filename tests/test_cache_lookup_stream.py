@@ -638,3 +638,55 @@ def test_cuda_prefetch_lookup_does_not_wait_for_the_previous_exchange(monkeypatc
         took[switch] = times
     assert max(took["1"]) < 0.5 * sleep_s, (took, sleep_s)
     assert min(took["0"]) > 0.8 * sleep_s, (took, sleep_s)  # (the old order: the host waited for the sleep)
+
+
+@cuda
+def test_cuda_exchange_stream_adds_no_host_wait(monkeypatch):
+    """The exchange stream's order is event waits on the device: with the switch the pipelined
+    steps make no more synchronizing calls than without it (torch's sync debug mode), and the
+    prefetch's host waits stay its one summary read (tbegen/_sync_audit.py)."""
+    from tbegen._sync_audit import SyncAudit
+
+    data = _batches(10, seed=37, device="cuda")
+
+    def steps(emb, side, audit=None):
+        main = torch.cuda.current_stream()
+        for k in range(3, len(data) - 1):
+            if audit is not None:
+                audit.mark(f"forward {k}")
+            out = emb(data[k][0], data[k][1])
+            if audit is not None:
+                audit.mark(f"prefetch {k + 1}")
+            with torch.cuda.stream(side):
+                emb.prefetch(data[k + 1][0], data[k + 1][1], forward_stream=main)
+            if audit is not None:
+                audit.mark(f"backward {k}")
+            out.backward(data[k][2])
+
+    def fresh(switch):
+        emb = _cuda_module(monkeypatch, switch, lambda: _module("cuda"))
+        side = torch.cuda.Stream()
+        _cuda_pipelined(emb, data[:4], side)  # (the exchange stream made, events recorded from here on)
+        with torch.cuda.stream(side):
+            emb.prefetch(data[3][0], data[3][1], forward_stream=torch.cuda.current_stream())
+        torch.cuda.synchronize()
+        return emb, side
+
+    emb, side = fresh("1")
+    with SyncAudit() as audit:
+        steps(emb, side, audit)
+    for name, events in audit.sections.items():
+        mine = [e for e in events if "tbegen/cache.py:" in e.site]
+        assert len(mine) <= (1 if name.startswith("prefetch") else 0), (name, audit.report(mine))
+    counts = {}
+    for switch in ("0", "1"):
+        emb, side = fresh(switch)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                steps(emb, side)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        counts[switch] = sum("synchroniz" in str(w.message) for w in caught)
+    assert counts["1"] <= counts["0"], counts
