@@ -1153,10 +1153,16 @@ class TableBatchedEmbeddingBags(nn.Module):
             ticket = self._prepare(checked_indices, checked_offsets, defer=True)
         device = self._registered("weights").device
         point = self._cache_order.leave(device, lookup=True)  # (the forward waits for it)
-        moved = self._cache.take_aside() if self._cache._aside else None
-        if moved is not None:  # (its exchange on the cache's exchange stream: TBEGEN_CACHE_LOOKUP_STREAM=1)
-            self._cache_order.moved(device, *moved)
-            point = point + (moved[1],)  # (the forward waits for its rows too)
+        if self._cache._aside:  # (TBEGEN_CACHE_LOOKUP_STREAM=1: exchanges on the cache's exchange stream)
+            moved = self._cache.take_aside()
+            if moved is not None:
+                self._cache_order.moved(device, *moved)
+            latest = self._cache._aside_done
+            if latest is not None and point is not None:
+                # the forward waits for the exchange stream's latest kernels: this prefetch's, or,
+                # where it loaded nothing, those that loaded its hits (not yet waited for by a
+                # forward on another stream than the one that took the earlier batches)
+                point = point + (latest[1],)
         if ticket is None:  # (deferred: the batch's rows do not fit beside those held for earlier batches)
             return
         self._cache.hold(ticket)  # (its rows stay until its backward, or until held too long)

@@ -460,6 +460,36 @@ def test_holds_let_go_with_the_lazy_stream(monkeypatch, order, seed):
         assert any(e[0] == "P" and e[1] == "waits" and e[3] == "X" for e in sim.log)
 
 
+def test_a_prefetch_of_hits_only_still_orders_its_forward_after_the_exchange(monkeypatch):
+    """A prefetch that loads nothing (its rows all loaded by the prefetch before it, whose exchange
+    has not run) issues no exchange, but the forward that takes it, on a third stream that waited
+    for nothing else, must still wait for the exchange stream: the point carries its latest event.
+    (Without it, that forward reads slots whose rows have not arrived.)"""
+    (idx, offsets, grad), = _batches(1, seed=9)
+    again = (idx.clone(), offsets.clone())  # (the same rows, other tensors: a second prefetch)
+    want_module = with_exchange(_module(), exchange_rows_reference)
+    want = want_module(*again)
+    want.backward(grad)
+    want_module.flush()
+    calls = []
+    with _simulated(monkeypatch) as (sim, D, P, X, made):
+        E = _Stream("E", sim)
+        emb = with_exchange(_module(), _lazy_op(sim, X, calls))
+        emb._cache._aside = True
+        emb._cache_order = _Shadow()
+        with torch.cuda.stream(P):
+            emb.prefetch(idx, offsets)
+            loads = len(sim.queue)
+            emb.prefetch(*again)
+        assert loads > 0 and len(sim.queue) == loads  # (the second loaded nothing: no new exchange)
+        with torch.cuda.stream(E):
+            out = emb(*again)
+            assert sim.queue == []  # (E waited for the exchange stream before the forward's kernels)
+            out.backward(grad)
+        emb.flush()
+    _same([want.detach()], want_module, [out.detach()], emb)
+
+
 @pytest.mark.parametrize("seed", [5, 6])
 def test_overflow_and_deferred_prefetches_with_the_lazy_stream(monkeypatch, seed):
     """Small caches (batches that overflow a compact table's cache: its drop moves rows on P, after
