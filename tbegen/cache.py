@@ -443,7 +443,7 @@ class RowCache:
         after exchange(i) (a row evicted by one and loaded by the next goes host-ward, then back);
         every other move of rows (flush, drop, a fill on another stream, the way back) first waits
         for the exchange stream's latest event (_join_aside); the forward that takes the
-        prefetched batch waits for that prefetch's exchange event (module.prefetch /
+        prefetched batch waits for the exchange stream's latest event then (module.prefetch /
         _CacheStreams.wait_for), and every use that waits for all other streams (a forward's own
         lookup, a backward's second lookup, flush, the statistics) for it too (_CacheStreams.moved)."""
         flag = os.environ.get("TBEGEN_CACHE_LOOKUP_STREAM", "")

@@ -492,7 +492,7 @@ class _CacheStreams:
     (`wait_all`). With TBEGEN_CACHE_LOOKUP_STREAM=1 a prefetch's row exchange runs on the cache's
     exchange stream (RowCache._launch_aside): `moved` makes every use that waits for all other
     streams (wait=True, wait_all) wait for its latest event, and the forward that takes the batch
-    waits for that prefetch's exchange (the event after the point's stream and event, `wait_for`);
+    waits for the exchange stream's latest event at that prefetch (the point's third element, `wait_for`);
     a prefetch and a valid ticket's backward (wait="settling") do not (RowCache orders the
     exchange stream after the fill's bookkeeping, and each move of rows on another stream after
     the exchange stream: _join_aside). The prefetch's lookup then waits only for other streams'
