@@ -802,7 +802,8 @@ class RowCache:
         index arithmetic (everything its kernels read), and, through `rows_wait` (the module's
         _CacheStreams.wait_rows), for the end of the other streams' latest uses: the backward
         before, whose kernels update rows this exchange may write back (this stream waited only
-        for that backward's dirty flags); its own order keeps each exchange after the one before. The index tensors are recorded as used by the exchange stream (_hand_off: this
+        for that backward's dirty flags); its own order keeps each exchange after the one before.
+        The index tensors are recorded as used by the exchange stream (_hand_off: this
         stream drops them on return). The event after the kernels (`_aside_done`, also handed to
         the module through `_aside_new`) is what the forward of the batch, and every other move of
         rows, waits for."""
