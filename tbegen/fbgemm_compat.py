@@ -1060,11 +1060,17 @@ class SplitTableBatchedEmbeddingBagsCodegen(nn.Module):
             raise NotImplementedError(f"tbegen: forward argument(s) {', '.join(given)} are not supported")
         # With variable batch sizes (VBE) the helpers below see the bags as the module runs them:
         # each feature padded to the largest batch with empty bags (same indices, same order).
-        bags = offsets
+        bags, prepared = offsets, None
         if batch_size_per_feature_per_rank is not None and (
                 per_sample_weights is not None and feature_requires_grad is not None
                 or self._bounds_check in ("WARNING", "IGNORE")):
-            bags = self._tbe.vbe_padded_offsets(offsets, batch_size_per_feature_per_rank)
+            if torch.compiler.is_compiling():  # (the plan built eagerly: a graph break)
+                bags = self._tbe.vbe_padded_offsets(offsets, batch_size_per_feature_per_rank)
+            else:
+                # (the plan and the padded offsets as the module's VBE forward finds or makes
+                # them, handed to that forward below: it does not look them up and gather again)
+                prepared = self._tbe._vbe_prepare(offsets, batch_size_per_feature_per_rank)
+                bags = prepared[1]
         if self._bounds_check in ("WARNING", "IGNORE") and isinstance(indices, torch.Tensor):
             indices = self._zero_out_of_range(indices, bags)
         if per_sample_weights is not None and feature_requires_grad is not None:
@@ -1073,8 +1079,17 @@ class SplitTableBatchedEmbeddingBagsCodegen(nn.Module):
         # before the forward of the steps that max_counter_update_freq divides)
         if batch_size_per_feature_per_rank is not None:
             # FBGEMM's VBE output: 1-D, rank-major (for each rank, each feature's B[f][r] x D_f)
-            return self._tbe(indices, offsets, per_sample_weights,
-                             batch_size_per_feature_per_rank=batch_size_per_feature_per_rank)
+            if prepared is None:
+                return self._tbe(indices, offsets, per_sample_weights,
+                                 batch_size_per_feature_per_rank=batch_size_per_feature_per_rank)
+            # (handed for this one call, which takes it for these very objects: never left behind)
+            state = self._tbe.__dict__
+            state["_vbe_handed"] = (offsets, batch_size_per_feature_per_rank, prepared)
+            try:
+                return self._tbe(indices, offsets, per_sample_weights,
+                                 batch_size_per_feature_per_rank=batch_size_per_feature_per_rank)
+            finally:
+                state["_vbe_handed"] = None
         out = self._tbe(indices, offsets, per_sample_weights)
         if self.use_writeback_bwd_prehook and torch.is_grad_enabled() and out.requires_grad:
             out = _KeepGradient.apply(out, self._writeback_keep(indices, offsets))

@@ -1848,15 +1848,15 @@ class TableBatchedEmbeddingBags(nn.Module):
             setattr(cls, "_vbe_direct_backward", ok)
         return ok
 
-    def _forward_vbe(self, indices, offsets, per_sample_weights, batch_size_per_feature_per_rank) -> torch.Tensor:
-        if torch.compiler.is_compiling():
-            return self._forward_vbe_traced(indices, offsets, per_sample_weights, batch_size_per_feature_per_rank)
-        # A kept plan, found here with as little as can be (the host time of a VBE call beside the
-        # padded call's; benchmarks/host_overhead_cpu.py --vbe): the sizes packed into their key
-        # (_vbe_key: one pass in C, which refuses what is not F lists of R integers: a float equal
-        # to a kept size goes the checked way) and one dictionary lookup; a new plan gets the key,
-        # so that the sizes are read once. Anything else takes the checked way.
-        bsfr = batch_size_per_feature_per_rank
+    def _vbe_prepare(self, offsets, bsfr):
+        """(plan, padded offsets) of a VBE batch: its kept plan, found with as little as can be
+        (the host time of a VBE call beside the padded call's; benchmarks/host_overhead_cpu.py
+        --vbe): the sizes packed into their key (_vbe_key: one pass in C, which refuses what is not
+        F lists of R integers: a float equal to a kept size goes the checked way) and one
+        dictionary lookup, then the offsets' gather; or a new plan, which gets the key (the sizes
+        are read once) and makes the padded offsets in its own operator call (vbe_plan_padded: no
+        gather, its launch and its allocation; TorchRec's case, new sizes every step). Anything
+        else takes the checked way (a clear error for bad sizes or offsets)."""
         state = self.__dict__
         consts, plans = state.get("_vbe_consts"), state.get("_vbe_plans")
         key = plan = None
@@ -1867,8 +1867,6 @@ class TableBatchedEmbeddingBags(nn.Module):
                 if plan is None or plan["sizes"] != key:
                     plan = plans.get(key)
         if plan is None:
-            # (a new plan comes with the padded offsets where they fit: vbe_plan_padded writes them,
-            # so no gather, its launch and its allocation: TorchRec's case, new sizes every step)
             plan, padded = self._vbe_plan_eager(bsfr, key, offsets)
         else:
             padded = None
@@ -1884,6 +1882,18 @@ class TableBatchedEmbeddingBags(nn.Module):
         plans = state.get("_vbe_plans")
         if type(plans) is _VbePlans:
             plans.last = plan  # (the next forward's first guess)
+        return plan, padded
+
+    def _forward_vbe(self, indices, offsets, per_sample_weights, batch_size_per_feature_per_rank) -> torch.Tensor:
+        if torch.compiler.is_compiling():
+            return self._forward_vbe_traced(indices, offsets, per_sample_weights, batch_size_per_feature_per_rank)
+        handed = self.__dict__.get("_vbe_handed")
+        if handed is not None and handed[0] is offsets and handed[1] is batch_size_per_feature_per_rank:
+            # (what the FBGEMM class's forward found for these very objects just before this call,
+            # for its own checks of the padded batch: fbgemm_compat.py; not looked up again)
+            plan, padded = handed[2]
+        else:
+            plan, padded = self._vbe_prepare(offsets, batch_size_per_feature_per_rank)
         given = (indices, offsets, plan["sizes"])  # (what a prefetch of this batch was given)
         if plan["direct"]:
             return self._lookup(indices, padded, per_sample_weights, plan["bag_out"], plan["numel"], given=given)

@@ -1065,3 +1065,63 @@ def test_cuda_vbe_plan_padded_equals_the_gathered_offsets_without_waiting_for_th
             assert torch.equal(pad, want[0]) and torch.equal(bag_out, want[1]) and list(totals) == list(want[2])
             assert padded.is_cuda and padded.dtype == dtype and torch.equal(padded, offsets.index_select(0, pad))
             assert wrong.numel() == 0
+
+
+def test_fbgemm_class_vbe_forward_looks_the_plan_up_and_gathers_once(monkeypatch):
+    # the FBGEMM class pads the offsets for its bounds check (WARNING, its default) and hands the
+    # plan and padded offsets to the module's VBE forward: one key and one gather per forward (two
+    # before), the same output and training as bounds_check_mode NONE, and nothing left behind
+    import tbegen.module as module_
+    from tbegen.fbgemm_compat import BoundsCheckMode, ComputeDevice, EmbeddingLocation, EmbOptimType
+    from tbegen.fbgemm_compat import SplitTableBatchedEmbeddingBagsCodegen as Compat
+
+    keys, gathers = [], []
+    key, index_select = module_._vbe_key, torch.Tensor.index_select
+    monkeypatch.setattr(module_, "_vbe_key", lambda *a: keys.append(1) or key(*a))
+    monkeypatch.setattr(torch.Tensor, "index_select", lambda self, *a, **k: gathers.append(1) or index_select(self, *a, **k))
+    specs = [(12, d, EmbeddingLocation.HOST, ComputeDevice.CPU) for d in (4, 8, 12)]
+    made = {mode: Compat(specs, optimizer=EmbOptimType.EXACT_ROWWISE_ADAGRAD, learning_rate=0.2, eps=1e-4,
+                         bounds_check_mode=getattr(BoundsCheckMode, mode)) for mode in ("WARNING", "NONE")}
+    with torch.no_grad():
+        for a, b in zip(made["WARNING"].split_embedding_weights(), made["NONE"].split_embedding_weights()):
+            a.copy_(b)
+    gen = torch.Generator().manual_seed(6)
+    for bsfr in ([[2, 3], [0, 4], [1, 1]], [[2, 3], [0, 4], [1, 1]], [[5, 0], [2, 2], [0, 3]]):
+        indices, offsets, _ = vbe_batch([12] * 3, bsfr, gen, weighted=False)
+        grad = None
+        outs = {}
+        for mode, emb in made.items():
+            keys.clear(), gathers.clear()
+            outs[mode] = emb(indices, offsets, batch_size_per_feature_per_rank=[list(r) for r in bsfr])
+            if mode == "WARNING":
+                # (a kept plan: its key once and one gather; a new one: its key once, no gather)
+                assert len(keys) == 1 and len(gathers) <= 1, (keys, gathers)
+                assert emb._tbe.__dict__["_vbe_handed"] is None
+            grad = torch.randn(outs[mode].shape, generator=gen) if grad is None else grad
+            outs[mode].backward(grad)
+        assert torch.equal(outs["WARNING"], outs["NONE"])
+        for a, b in zip(made["WARNING"].split_embedding_weights(), made["NONE"].split_embedding_weights()):
+            assert torch.equal(a, b)
+    # a forward that fails leaves nothing handed either
+    emb = made["WARNING"]
+    handle = emb._tbe.register_forward_pre_hook(lambda *a: (_ for _ in ()).throw(RuntimeError("hook")))
+    with pytest.raises(RuntimeError, match="hook"):
+        emb(indices, offsets, batch_size_per_feature_per_rank=bsfr)
+    handle.remove()
+    assert emb._tbe.__dict__["_vbe_handed"] is None
+
+
+def test_vbe_forward_takes_a_handed_plan_only_for_the_same_objects():
+    # (the FBGEMM class's hand-off: a plan handed for other offsets or sizes objects, even equal
+    # ones, is not used)
+    emb = make("sgd", [(5, 4), (6, 2)])
+    indices, offsets = torch.tensor([1, 2, 3, 4, 0, 5]), torch.tensor([0, 1, 2, 3, 4, 5, 6])
+    bsfr = [[1, 2], [3, 0]]
+    with torch.no_grad():
+        want = emb(indices, offsets, batch_size_per_feature_per_rank=bsfr)
+        wrong_plan, wrong_padded = emb._vbe_prepare(torch.tensor([0, 1, 2, 3, 4, 5, 6]), [[2, 1], [0, 3]])
+        for other_offsets, other_bsfr in ((offsets.clone(), bsfr), (offsets, [list(r) for r in bsfr])):
+            emb.__dict__["_vbe_handed"] = (other_offsets, other_bsfr, (wrong_plan, wrong_padded))
+            assert torch.equal(emb(indices, offsets, batch_size_per_feature_per_rank=bsfr), want)
+        emb.__dict__["_vbe_handed"] = (offsets, bsfr, (wrong_plan, wrong_padded))
+        assert not torch.equal(emb(indices, offsets, batch_size_per_feature_per_rank=bsfr), want)
