@@ -19,8 +19,9 @@ the deferred column counts them).
 Per prepare, split at the batch's host wait (the span "tbegen.cache.host_wait"; on CUDA the host
 dispatches everything "before" and then waits for the device to run it; "after" is what it
 dispatches once it has read the summary, the fill excluded (of those, "gap": the ones before the
-fill's first, the host's part between the wait and the fill), and "fill" the fill's operators, row
-copies included):
+fill's first, the host's part between the wait and the fill; "to move": the gap and the fill's
+operators before its first row move, which on CUDA the device waits for before the exchange
+kernel, the step's largest, can start), and "fill" the fill's operators, row copies included):
   ops      aten operators dispatched (views included: each is a host-side dispatch on CUDA too;
            on CUDA most of the others are a kernel launch at 5-10 us of host time each), and the
            int32 index tensors that advanced indexing (x[i], x[i] = v) converts to int64 below the
@@ -77,6 +78,8 @@ class OpCounter(TorchDispatchMode):
         self.phase = "before"
         self.gap = 0  # ops after the host wait and before the fill (in "after")
         self.filled = False
+        self.to_move = 0  # the fill's ops before its first row move (exchange, write-back or load)
+        self.moved = False
         self.ops = {p: collections.Counter() for p in PHASES}
         self.views = collections.Counter()
         self.bytes = collections.Counter()
@@ -95,6 +98,8 @@ class OpCounter(TorchDispatchMode):
                     self.ops[self.phase]["(int32 index to int64)"] += 1
         if self.phase == "after" and not self.filled:
             self.gap += 1
+        if self.phase == "fill" and not self.moved:
+            self.to_move += 1
         if func.is_view:
             self.views[self.phase] += 1
             return out
@@ -131,6 +136,10 @@ def phases(counter: OpCounter, module=cache_mod):
             with real(name):
                 yield
             counter.phase = "after"
+        elif name in ("tbegen.cache.writeback", "tbegen.cache.load"):  # (the exchange: its first kernel)
+            counter.moved = True
+            with real(name):
+                yield
         else:
             with real(name):
                 yield
@@ -165,6 +174,17 @@ def measure(args, fraction: float, algorithm: str) -> dict:
                                     placements="managed_caching", cache_load_factor=fraction,
                                     cache_algorithm=algorithm)
     cache = emb._cache
+    if args.exchange:
+        # CUDA's fill path (one _exchange_rows launch per buffer), counted on the CPU: the operator
+        # is CUDA's, so a stand-in that moves nothing takes its place (the cache's bookkeeping never
+        # reads the rows; the weights trained here are not looked at)
+        def first_kernel(rows, slot_rows, out_rows, in_rows, max_blocks):
+            if counted:  # ('to move' ends at the first exchange kernel, its index arithmetic included)
+                counted[-1].moved = True
+
+        cache._exchange_op = first_kernel
+        cache._row_copy_blocks = cache._exchange_blocks = 2
+    counted = []  # (the counter of the prepare being counted, for the stand-in)
     bad = emb._bad_cached_index if emb._errors.mode == "raise" else None
     batches = zipf_batches(T, E, B, L, args.alpha, args.warmup + args.steps + args.time_steps, args.seed)
 
@@ -211,6 +231,7 @@ def measure(args, fraction: float, algorithm: str) -> dict:
     for indices, offsets in batches[args.warmup:args.warmup + args.steps]:
         forward()
         counter = OpCounter(N, cache.num_slots)
+        counted.append(counter)
         with phases(counter, sys.modules[type(cache).__module__]), counter:
             prepare(indices, offsets)
         backward()
@@ -239,6 +260,9 @@ def measure(args, fraction: float, algorithm: str) -> dict:
             merged[p].update(c.ops[p])
             full_ops[p].update(c.full_ops[p])
     row["ops_gap"] = sum(c.gap for c in counters) / k
+    # (what the host dispatches between reading the summary and the first row move: on CUDA the
+    # device waits for these before the exchange kernel, the step's largest, can start)
+    row["ops_to_move"] = row["ops_gap"] + sum(c.to_move for c in counters) / k
     row["op_names"] = {p: {n: v / k for n, v in merged[p].most_common()} for p in PHASES}
     row["full_op_names"] = {p: {n: v / k for n, v in full_ops[p].most_common()} for p in PHASES}
     s = cache.report()
@@ -266,6 +290,9 @@ def parse_args(argv=None):
     ap.add_argument("--pipelined", action="store_true",
                     help="count the prefetch of each batch while the previous one is held (TorchRec's order)")
     ap.add_argument("--ops", action="store_true", help="also list each phase's operators by count")
+    ap.add_argument("--exchange", action="store_true",
+                    help="the fill as on CUDA (its rows through _exchange_rows, here a stand-in that moves nothing): "
+                         "'to move' then counts what the device waits for before the exchange kernel")
     ap.add_argument("--json", help="write the rows here")
     return ap.parse_args(argv)
 
@@ -277,9 +304,9 @@ def main(argv=None) -> int:
     print(f"# {args.tables} tables x {args.rows} rows x {args.dim}, B {args.batch}, L {args.pooling_factor}, "
           f"Zipf {args.alpha}, {args.optimizer}; per {'prefetch beside a held batch' if args.pipelined else 'prepare'}, "
           f"averaged over {args.steps} evicting batches")
-    print("| cache | alg | ops before / after / fill (views) | gap | MB before / after / fill | full-size before / after / fill "
-          "| prepare ms (CPU, proxy) | deferred |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| cache | alg | ops before / after / fill (views) | gap | to move | MB before / after / fill "
+          "| full-size before / after / fill | prepare ms (CPU, proxy) | deferred |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for fraction in [float(x) for x in args.cache.split(",")]:
         for algorithm in args.algorithm.split(","):
             r = measure(args, fraction, algorithm)
@@ -288,7 +315,7 @@ def main(argv=None) -> int:
             views = " / ".join(f"{r[f'views_{p}']:.0f}" for p in PHASES)
             mb = " / ".join(f"{r[f'mb_{p}']:.1f}" for p in PHASES)
             full = " / ".join(f"{r[f'full_{p}']:.0f}" for p in PHASES)
-            print(f"| {fraction:g} | {algorithm} | {ops} ({views}) | {r['ops_gap']:.0f} | {mb} | {full} "
+            print(f"| {fraction:g} | {algorithm} | {ops} ({views}) | {r['ops_gap']:.0f} | {r['ops_to_move']:.0f} | {mb} | {full} "
                   f"| {'-' if r['prepare_ms'] is None else format(r['prepare_ms'], '.1f')} | {r['deferred']} |",
                   flush=True)
             if args.ops:

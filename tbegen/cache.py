@@ -694,9 +694,9 @@ class RowCache:
             got = bases.index_select(1, cc).split(len(kinds))
             slot = torch.addcmul(got[1], per_row, ss).unbind(0)
             back_in = torch.addcmul(got[0], per_row, ii).unbind(0)
-            # (a slot without a row to write back: -1 in every kind)
+            # (a slot without a row to write back: -1 in every kind; its addcmul is discarded)
             back_out = ((None,) * len(kinds) if oo is None else
-                        torch.where(oo >= 0, torch.addcmul(got[0], per_row, oo.clamp(min=0)), -1).unbind(0))
+                        torch.where(oo >= 0, torch.addcmul(got[0], per_row, oo), -1).unbind(0))
             if self._exchange_states and kinds == ("element", "row") and self._exchange_with_states(
                     buffers, slot, back_out, back_in, units[0], launches):
                 continue
@@ -744,11 +744,9 @@ class RowCache:
             return first if parts is None else (first[:, None] + parts).reshape(-1)
 
         s, i = unit_rows(slot), unit_rows(back_in)
-        o = None
-        if back_out is not None:  # (a run without a row to write back stays -1 in all its parts)
-            none = back_out < 0
-            o = unit_rows(back_out.clamp(min=0))
-            o = torch.where(none if parts is None else none[:, None].expand(-1, per_run).reshape(-1), -1, o)
+        o = back_out  # (-1 or a row: one unit row per row as it is)
+        if back_out is not None and parts is not None:  # (a run without a row to write back stays -1 in all its parts)
+            o = torch.where(back_out[:, None] < 0, -1, back_out[:, None] + parts).reshape(-1)
         for buf in targets:
             view = _wide_rows(buf[: buf.numel() // unit * unit].view(-1, unit))
             _launch(launches, self._exchange_op, view, s, o, i, self._exchange_blocks)
@@ -1448,12 +1446,6 @@ class RowCache:
         evicted = sum(evicted_h)
         # every victim holds a row where no table of the rows has an empty slot (a full cache)
         full = evicted == mU.numel()
-        written = self._dirty[victims] if full else (old >= 0) & self._dirty[victims]
-        # rows_written_back, bytes_written_back (read in report)
-        if len(set(self.row_bytes)) == 1:
-            self._device_stats[:2].add_(written.sum() * self._row_and_bytes)
-        else:
-            self._device_stats[:2].add_(torch.stack([written.sum(), (written * T["row_bytes"][mT]).sum()]))
         # On CUDA, by default, one kernel per buffer writes each victim's old row back and loads
         # its new row (_exchange; `old` is -1 for an empty slot: nothing written back for it).
         # Otherwise (the CPU, TBEGEN_CACHE_EXCHANGE=0) two copies: the evicted rows are gathered
@@ -1466,17 +1458,27 @@ class RowCache:
         # (where the cache is full, the write-back and the loads are of the same tables and slots:
         # the second move reuses the slots' positions the first made, _move)
         self._move_shared = {} if full else None
+        if exchange:
+            # (queued first: the device waits for every operator the host dispatches between the
+            # batch's host wait and this, the step's largest kernel; the statistics and the
+            # evicted rows' compaction below only read `old`, `victims` and the dirty flags, which
+            # the exchange leaves alone, so the host dispatches them while it runs)
+            self._join_writeback()  # (a flush's or a drop's write-back, if one is in flight)
+            with span("tbegen.cache.exchange"):
+                self._exchange(buffers, mT, local_slot, old if evicted and self._maybe_dirty else None, mRow, count_h,
+                               launches)
+        written = self._dirty[victims] if full else (old >= 0) & self._dirty[victims]
+        # rows_written_back, bytes_written_back (read in report)
+        if len(set(self.row_bytes)) == 1:
+            self._device_stats[:2].add_(written.sum() * self._row_and_bytes)
+        else:
+            self._device_stats[:2].add_(torch.stack([written.sum(), (written * T["row_bytes"][mT]).sum()]))
         if full:
             te, oe, le = mT, old, local_slot
         elif evicted:  # (the victims that hold a row, grouped by table: a table's empty slots come first)
             e = self._compact(old >= 0, evicted)
             te, oe, le = mT[e], old[e], local_slot[e]
-        if exchange:
-            self._join_writeback()  # (a flush's or a drop's write-back, if one is in flight)
-            with span("tbegen.cache.exchange"):
-                self._exchange(buffers, mT, local_slot, old if evicted and self._maybe_dirty else None, mRow, count_h,
-                               launches)
-        else:
+        if not exchange:
             with span("tbegen.cache.writeback"):
                 if evicted and self._maybe_dirty:
                     self._move(buffers, te, oe, le, to_slots=False, staged=staged, per_table=evicted_h)
