@@ -526,6 +526,16 @@ class _CacheStreams:
     def __reduce__(self):
         return (_CacheStreams, ())
 
+    def _point(self, device: torch.device):
+        """(the current stream, an event recorded on it now): the event only once a second stream
+        has used the cache (None: a stream that waits for this point waits for the stream)."""
+        current = torch.cuda.current_stream(device)
+        event = None
+        if self.several:
+            event = torch.cuda.Event()
+            event.record(current)
+        return current, event
+
     def _wait(self, current, stream, event) -> None:
         if event is not None:
             current.wait_event(event)
@@ -591,11 +601,7 @@ class _CacheStreams:
         use's end (`wait_rows`)."""
         if device.type != "cuda":
             return
-        current = torch.cuda.current_stream(device)
-        event = None
-        if self.several:
-            event = torch.cuda.Event()
-            event.record(current)
+        current, event = self._point(device)
         self.marks[current] = event
         self.marked.add(current)
 
@@ -645,11 +651,7 @@ class _CacheStreams:
         `wait_for` (None on the CPU)."""
         if device.type != "cuda":
             return None
-        current = torch.cuda.current_stream(device)
-        event = None
-        if self.several:
-            event = torch.cuda.Event()
-            event.record(current)
+        current, event = self._point(device)
         self.last[current] = event
         if not read:
             self.changes[current] = event

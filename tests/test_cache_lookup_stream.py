@@ -35,20 +35,12 @@ from tbegen import cache as cache_
 from tbegen import module as module_
 from tbegen.module import TableBatchedEmbeddingBags
 
+from test_prefetch_pipeline import FEATURES, LR, TABLES, built  # noqa: F401 (built: the module's autouse build)
 from test_row_exchange import exchange_rows_reference, with_exchange
 
 cuda = pytest.mark.cuda
 CUDA = torch.device("cuda", 0)
 SWITCH = "TBEGEN_CACHE_LOOKUP_STREAM"
-
-TABLES = [(120, 8), (30, 16), (150, 4)]
-FEATURES = [0, 1, 2, 0]
-LR = 0.05
-
-
-@pytest.fixture(scope="module", autouse=True)
-def built(prebuilt):
-    TableBatchedEmbeddingBags([(4, 4)], optimizer="adam")
 
 
 def _module(device="cpu", cache_rows=(34, None, 40), **kw):
