@@ -41,6 +41,7 @@ struct BackwardLaunch {
   bool element_lane_groups = true;  // the group kernel also for optimizers with per-element state (kVecs = 1)
   bool long_runs = true;          // launch the long runs' kernels (one launch per call does: the widest class's)
   int short_run_waves = 1;        // > 0: the short runs' grid is at most this many resident waves (short_run_grid)
+  bool small_tickets = false;     // the short-run kernels' kSmallTickets variant (TBEGEN_SHORT_RUN_TICKETS=1)
 };
 
 using BackwardLaunchFn = cudaError_t (*)(const BackwardLaunch&);
@@ -149,6 +150,29 @@ bool group_rows_cached() {
   return mode == RowsCachedMode::kOn || (mode == RowsCachedMode::kAuto && Opt::kElementStates + Opt::kRowStates + Opt::kIntRowStates > 0);
 }
 
+// Launches the short runs' kernel: backward_group_kernel<Opt, W, kVecs, kStreamRows> where
+// kGroup, else backward_warp_kernel<Opt, W, kVecs>; with l.small_tickets their kSmallTickets
+// variant (cuda_kernels.cuh, small_ticket_runs), on the same grid.
+template <class Opt, typename W, int kVecs, bool kGroup, bool kStreamRows, bool kSmallTickets>
+cudaError_t launch_short_runs(const BackwardLaunch& l, const typename Opt::Params& p, W* weights) {
+  if constexpr (!kSmallTickets) {
+    if (l.small_tickets) return launch_short_runs<Opt, W, kVecs, kGroup, kStreamRows, true>(l, p, weights);
+  }
+  if constexpr (kGroup) {
+    static const int resident_per_sm =
+        resident_blocks_per_sm(backward_group_kernel<Opt, W, kVecs, kStreamRows, kSmallTickets>, l.threads);
+    backward_group_kernel<Opt, W, kVecs, kStreamRows, kSmallTickets><<<short_run_grid(l, resident_per_sm), l.threads, 0,
+                                                                       l.stream>>>(l.a, l.runs, l.occurrences, p, l.ctx,
+                                                                                   weights);
+  } else {
+    static const int resident_per_sm =
+        resident_blocks_per_sm(backward_warp_kernel<Opt, W, kVecs, kSmallTickets>, l.threads);
+    backward_warp_kernel<Opt, W, kVecs, kSmallTickets><<<short_run_grid(l, resident_per_sm), l.threads, 0, l.stream>>>(
+        l.a, l.runs, l.occurrences, p, l.ctx, weights);
+  }
+  return cudaGetLastError();
+}
+
 // Launches the three update kernels for optimizer Opt; returns the first launch error.
 template <class Opt, typename W, int kVecs>
 cudaError_t launch_backward(const BackwardLaunch& l) {
@@ -183,23 +207,12 @@ cudaError_t launch_backward(const BackwardLaunch& l) {
       // group_rows_cached (by default for optimizers with state): the variant whose rows take the
       // default cache policy instead of evict-first, float weights only; the same bits
       if constexpr (std::is_same<W, float>::value) {
-        if (rows_cached) {
-          static const int resident_cached = resident_blocks_per_sm(backward_group_kernel<Opt, W, kVecs, false>, l.threads);
-          backward_group_kernel<Opt, W, kVecs, false><<<short_run_grid(l, resident_cached), l.threads, 0, l.stream>>>(
-              l.a, l.runs, l.occurrences, p, l.ctx, weights);
-          return cudaGetLastError();
-        }
+        if (rows_cached) return launch_short_runs<Opt, W, kVecs, true, false, false>(l, p, weights);
       }
-      static const int resident_per_sm = resident_blocks_per_sm(backward_group_kernel<Opt, W, kVecs>, l.threads);
-      backward_group_kernel<Opt, W, kVecs><<<short_run_grid(l, resident_per_sm), l.threads, 0, l.stream>>>(
-          l.a, l.runs, l.occurrences, p, l.ctx, weights);
-      return cudaGetLastError();
+      return launch_short_runs<Opt, W, kVecs, true, true, false>(l, p, weights);
     }
   }
-  static const int resident_per_sm = resident_blocks_per_sm(backward_warp_kernel<Opt, W, kVecs>, l.threads);
-  backward_warp_kernel<Opt, W, kVecs><<<short_run_grid(l, resident_per_sm), l.threads, 0, l.stream>>>(
-      l.a, l.runs, l.occurrences, p, l.ctx, weights);
-  return cudaGetLastError();
+  return launch_short_runs<Opt, W, kVecs, false, true, false>(l, p, weights);
 }
 
 // Launches the three any-width update kernels for optimizer Opt; returns the first launch error.
