@@ -8,13 +8,18 @@ one-wave grid of 4224 warps) leaves most warps without a ticket and the others 3
 the switch at 1 a ticket is small_ticket_runs runs (32, 16, 8 or 4: the largest that gives every
 warp of the grid two tickets, else 4), lanes past them fetching nothing. A row is still updated by
 one warp, its occurrences summed in sorted order: every weight, state and output must be bitwise
-those of the default (=0), for batches of many runs of 1-3 occurrences, with mixed widths (a 64-
-and a 256-wide table: the group kernel and the warp kernel, one launch per width class), hot rows
-(long runs: the segment kernels, which the switch leaves alone, beside runs of up to 31
-occurrences), weighted, mean and sum pooling, fp16 and fp32 weights, int32 and int64 indices; in
-the small batches here the grid is sized by the occurrences, so the tickets are 4 runs, and in the
-"larger" case 8. The profiler names the kernels that ran (the variant's carry a last template
-argument `true`), so that the bitwise test cannot pass on a switch that changes nothing.
+those of the default (=0), for batches of many short runs (harness.random_batch draws a feature's
+indices from B * max_L / 3 rows: runs of 1 to ~9 occurrences, most of 1-3), with mixed widths (a
+64- and a 256-wide table: the group kernel and the warp kernel, one launch per width class), hot
+rows (long runs: the segment kernels, which the switch leaves alone), weighted, mean and sum
+pooling, fp16 and fp32 weights, int32 and int64 indices.
+
+Where the grid is sized by the occurrences (N / 32 warps, fewer than a resident wave) the count is
+4 or 8 (8 needs more than ~half the occurrences to be runs of their own): the small cases here take
+4, "larger" 8, as simulated with the same batches; 16 and 32 need a grid capped at one resident
+wave ("wave-capped": ~325 K occurrences, ~183 K runs, 4224 warps (3168 for adam's 256-wide kernel)
+on an H100 or H200: 16). The profiler names the kernels that ran (the variant's carry a last
+template argument `true`), so that the bitwise test cannot pass on a switch that changes nothing.
 CUDA only (`pytest -m cuda`; skipped without a GPU).
 """
 
@@ -36,12 +41,11 @@ SWITCH = "TBEGEN_SHORT_RUN_TICKETS"
 OPTIMIZERS = ["sgd", "rowwise_adagrad", "adagrad", "adam"]
 
 CASES = {
-    # random 2's shape, small: a 64- and a 256-wide table, fp16, bags of 1-4 indices over a few
-    # thousand rows (runs of 1-3 occurrences), a hot row of feature 0 (a long run)
+    # random 2's shape, small: a 64- and a 256-wide table, fp16, bags of 0-4 indices over a few
+    # hundred rows each (runs of 1-3 occurrences mostly), a hot row of feature 0 (a long run)
     "fp16-D64-256-short-runs": harness.Case(tables=((3000, 64), (2000, 256)), B=512, max_L=4,
                                             weights_dtype=torch.float16, hot=200, steps=2, seed=2901),
-    # the same in fp32, weighted, int32 indices, and a hot row of 20 extra occurrences (a short run
-    # of ~20: the warp sums it in a chunk after its first occurrence)
+    # the same in fp32, weighted, int32 indices
     "fp32-D64-256-weighted-i32": harness.Case(tables=((2500, 64), (1500, 256)), B=384, max_L=5, weighted=True,
                                               index_dtype=torch.int32, hot=20, steps=2, seed=2902),
     # mean pooling, fp16, three features over two tables (one table read by two features)
@@ -57,6 +61,12 @@ CASES = {
     # more runs (~50 K, ~65 K occurrences over 150 K rows): 8 runs a ticket
     "fp16-D64-256-larger": harness.Case(tables=((100000, 64), (50000, 256)), B=4096, max_L=16,
                                         weights_dtype=torch.float16, hot=300, steps=2, seed=2906),
+    # ~2 K occurrences over 500 rows (runs of ~4): 4 runs a ticket
+    "fp32-D64-256-small-tables": harness.Case(tables=((300, 64), (200, 256)), B=512, max_L=4, pooling="mean",
+                                              hot=50, steps=2, seed=2908),
+    # a grid of one resident wave (more warps of work than fit at once): 16 runs a ticket
+    "fp16-D64-256-wave-capped": harness.Case(tables=((400000, 64), (200000, 256)), B=16384, max_L=24,
+                                             weights_dtype=torch.float16, hot=500, steps=2, seed=2909),
 }
 
 
