@@ -47,6 +47,9 @@
 //    asked for the same way before begin_row converts them.
 // The variant's warp and segment kernels take 124-128 registers (2 blocks of 256 threads per
 // multiprocessor; the default's 80, with spills, fit 3): ptxas -v for sm_90, NOTES-gpu.md.
+// The prefetching kernels have an occupancy variant of their own for float weights
+// (TBEGEN_ANY_WIDTH_OCCUPANCY=1, kMinBlocks = 3: 3 blocks per multiprocessor, 512-column passes
+// taking two occurrences at a time; the same bits): see occupancy_from_env below.
 #pragma once
 
 #include <cstdlib>
@@ -76,6 +79,40 @@ inline PrefetchMode prefetch_mode_from_env() {
 // kAuto's choice: the variant where it was measured faster, float and fp16 rows wider than this
 // (fp16 since landing10, with the work list and 64-occurrence segments: cuda_ops.cuh, wide_half_rows).
 constexpr int64_t kPrefetchAutoMinD = 512;
+
+// ---- the occupancy variant of the prefetching kernels (TBEGEN_ANY_WIDTH_OCCUPANCY; issue 29) ------
+//
+// The prefetching kernels hold a 1024-column slice of the occurrence sum per lane (32 accumulators
+// and 32 loaded floats): 124-128 registers, 2 blocks of 256 threads, 16 warps per multiprocessor.
+// FBGEMM's backward at D = 1024 (FBGEMM_GPU 1.6.0, vector blocking: 2 float4 accumulators per lane,
+// 256 columns a pass) keeps twice that or more resident, and a warp of the any-width kernels spends
+// much of a row with no gradient load in flight (the run's bounds, key, row and states, each a
+// dependent load; the scratch row written and read back; the optimizer's scalar column loop, one
+// L1 round trip per 32 columns): with 16 warps per multiprocessor there are few others to cover it.
+// The variant (kMinBlocks = 3, float weights, where the prefetching kernels are taken): the same
+// kernels under __launch_bounds__(256, 3) (at most 85 registers: 24 warps per multiprocessor), the
+// occurrence sum over 512-column slices (kVecs 4: 16 accumulators per lane, two passes over a
+// 1024-wide row's occurrences) taking two occurrences at a time (their 8 loads issued together:
+// the same 4 KB in flight per warp as the 1024-column pass, at 1.5x the warps), and a hot row's
+// segment sums added two at a time the same way. Every column's sum is the same terms in the same
+// order (occurrences, then segments, in sorted order, one fma or add each), so the bits are the
+// prefetching kernels' (tests/test_any_width_occupancy.py). TBEGEN_ANY_WIDTH_OCCUPANCY: unset,
+// empty or "0" off, "1" on; anything else is refused; read (and checked) at every launch, whatever
+// the dtype; bf16, fp16 and int8 weights and the default (non-prefetching) kernels do not have it.
+inline bool occupancy_from_env() {
+  const char* v = std::getenv("TBEGEN_ANY_WIDTH_OCCUPANCY");
+  if (v == nullptr || *v == '\0' || std::strcmp(v, "0") == 0) return false;
+  if (std::strcmp(v, "1") == 0) return true;
+  throw std::invalid_argument(std::string("tbegen: TBEGEN_ANY_WIDTH_OCCUPANCY must be 0 or 1 (or unset), got '") + v + "'");
+}
+// The variant's blocks per multiprocessor (its kernels' kMinBlocks; the others' is 1).
+constexpr int kOccupancyMinBlocks = 3;
+// The 4-wide sums' slice (kVecs 16-byte loads per lane: 128 * kVecs columns a pass) and how many
+// occurrences (or segment sums) each step loads together, per kMinBlocks.
+template <int kMinBlocks>
+constexpr int kSumVecs = kMinBlocks >= kOccupancyMinBlocks ? 4 : 8;
+template <int kMinBlocks>
+constexpr int kSumRows = kMinBlocks >= kOccupancyMinBlocks ? 2 : 1;
 
 // Asks L1 for the 128-byte lines that hold bytes [p, p + bytes): lane l the lines l, l + 32, ...
 // (a hint: no register waits for it; a later load of the line waits only for what is in flight).
@@ -377,9 +414,12 @@ __device__ __forceinline__ void load_slices(const float* src, int c0, int D, int
 // warps per multiprocessor keeps about 3 MB in flight on the H200, not enough for its HBM; here
 // a warp has a whole 4 KB slice in flight. Columns past D load nothing and add zero to
 // accumulators that are never stored.
+// (kVecs 4, kRows 2: the occupancy variant's, TBEGEN_ANY_WIDTH_OCCUPANCY: 512-column passes, two
+// occurrences' loads issued together, then the first's sums, then the second's: the same order.)
+template <int kVecs = 8, int kRows = 1>
 __device__ __forceinline__ void add_occurrences_4wide_batched(const BackwardArgs& a, const Occurrences& o, int D,
                                                               int lane, int64_t first, int64_t last, float* g) {
-  constexpr int kVecs = 8;
+  static_assert(kRows == 1 || kRows == 2, "one or two occurrences a step");
   __syncwarp();  // (the previous row's update read g in the column layout, by other lanes)
   for (int c0 = 0; c0 < D; c0 += kVecs * 128) {
     const bool full = c0 + kVecs * 128 <= D;  // (every lane's every slice is a column below D)
@@ -399,7 +439,29 @@ __device__ __forceinline__ void add_occurrences_4wide_batched(const BackwardArgs
         my_go = reinterpret_cast<unsigned long long>(grad_row(a, mine.position, mine.bag) + c0);
         my_scale = mine.scale;
       }
-      for (int k = 0; k < n; ++k) {
+      int k = 0;
+      if constexpr (kRows == 2) {
+        for (; k + 1 < n; k += 2) {
+          const float* go0 = reinterpret_cast<const float*>(__shfl_sync(kFullMask, my_go, k));
+          const float s0 = __shfl_sync(kFullMask, my_scale, k);
+          const float* go1 = reinterpret_cast<const float*>(__shfl_sync(kFullMask, my_go, k + 1));
+          const float s1 = __shfl_sync(kFullMask, my_scale, k + 1);
+          float x0[kVecs][4], x1[kVecs][4];
+          load_slices<kVecs, true>(go0, c0, D, lane, full, x0);
+          load_slices<kVecs, true>(go1, c0, D, lane, full, x1);
+#pragma unroll
+          for (int v = 0; v < kVecs; ++v) {
+#pragma unroll
+            for (int c = 0; c < 4; ++c) acc[v][c] = fmaf(s0, x0[v][c], acc[v][c]);
+          }
+#pragma unroll
+          for (int v = 0; v < kVecs; ++v) {
+#pragma unroll
+            for (int c = 0; c < 4; ++c) acc[v][c] = fmaf(s1, x1[v][c], acc[v][c]);
+          }
+        }
+      }
+      for (; k < n; ++k) {
         const float* go = reinterpret_cast<const float*>(__shfl_sync(kFullMask, my_go, k));
         const float s = __shfl_sync(kFullMask, my_scale, k);
         float x[kVecs][4];
@@ -425,9 +487,11 @@ __device__ __forceinline__ void add_occurrences_4wide_batched(const BackwardArgs
 // adds them into the cleared row, but 4 columns a load and a slice's loads issued together, where
 // the column loop waits for a load of g and of s_j once per 32 columns and segment (a run of 24000
 // occurrences, 94 segments of a 1024-wide row: about 3000 round trips one after another).
+// (kVecs 4, kRows 2: the occupancy variant's, two segments' loads issued together, added in order.)
+template <int kVecs = 8, int kRows = 1>
 __device__ __forceinline__ void add_partials_4wide(const float* in, int32_t nseg, int64_t max_D, int D, int lane,
                                                    float* g) {
-  constexpr int kVecs = 8;
+  static_assert(kRows == 1 || kRows == 2, "one or two segment sums a step");
   __syncwarp();  // (the previous row's update read g in the column layout, by other lanes)
   for (int c0 = 0; c0 < D; c0 += kVecs * 128) {
     const bool full = c0 + kVecs * 128 <= D;
@@ -437,7 +501,26 @@ __device__ __forceinline__ void add_partials_4wide(const float* in, int32_t nseg
 #pragma unroll
       for (int c = 0; c < 4; ++c) acc[v][c] = 0.0f;
     }
-    for (int32_t j = 0; j < nseg; ++j) {
+    int32_t j = 0;
+    if constexpr (kRows == 2) {
+      for (; j + 1 < nseg; j += 2) {
+        const float* src0 = in + int64_t(j) * max_D + c0;
+        float x0[kVecs][4], x1[kVecs][4];
+        load_slices<kVecs, false>(src0, c0, D, lane, full, x0);
+        load_slices<kVecs, false>(src0 + max_D, c0, D, lane, full, x1);
+#pragma unroll
+        for (int v = 0; v < kVecs; ++v) {
+#pragma unroll
+          for (int c = 0; c < 4; ++c) acc[v][c] = acc[v][c] + x0[v][c];
+        }
+#pragma unroll
+        for (int v = 0; v < kVecs; ++v) {
+#pragma unroll
+          for (int c = 0; c < 4; ++c) acc[v][c] = acc[v][c] + x1[v][c];
+        }
+      }
+    }
+    for (; j < nseg; ++j) {
       const float* src = in + int64_t(j) * max_D + c0;
       float x[kVecs][4];
       load_slices<kVecs, false>(src, c0, D, lane, full, x);
@@ -457,12 +540,13 @@ __device__ __forceinline__ void add_partials_4wide(const float* in, int32_t nseg
 }
 
 // Adds occurrences [first, last) into g (this lane's columns), 32 at a time.
-template <bool kPrefetch>
+// (kMinBlocks: the kernel's, kSumVecs and kSumRows: the occupancy variant's sum shape.)
+template <bool kPrefetch, int kMinBlocks = 1>
 __device__ __forceinline__ void add_occurrences(const BackwardArgs& a, const Occurrences& o, int D, int lane,
                                                 int64_t first, int64_t last, float* g) {
   if (a.float_rows_4wide) {
     if constexpr (kPrefetch) {
-      add_occurrences_4wide_batched(a, o, D, lane, first, last, g);
+      add_occurrences_4wide_batched<kSumVecs<kMinBlocks>, kSumRows<kMinBlocks>>(a, o, D, lane, first, last, g);
     } else {
       add_occurrences_4wide(a, o, D, lane, first, last, g);
     }
@@ -585,9 +669,12 @@ __device__ __forceinline__ float* warp_scratch(float* scratch, int64_t max_D, co
 }
 
 // Short runs: one warp per unique row, rows taken in turn (grid-stride).
-template <class Opt, typename W, bool kPrefetch = false>
-__global__ void __launch_bounds__(256) backward_warp_kernel(BackwardArgs a, Runs r, Occurrences o, typename Opt::Params p,
-                                                            RowUpdateContext ctx, W* weights, float* scratch) {
+// (Each kernel's body is a device function whose kMinBlocks is 1, or kOccupancyMinBlocks for the
+// occupancy variant's kernel, `..._occupancy`, TBEGEN_ANY_WIDTH_OCCUPANCY: the default kernels keep
+// __launch_bounds__(256) alone, under which ptxas chooses their registers as before.)
+template <class Opt, typename W, bool kPrefetch, int kMinBlocks>
+__device__ __forceinline__ void backward_warp_body(BackwardArgs a, Runs r, Occurrences o, typename Opt::Params p,
+                                                   RowUpdateContext ctx, W* weights, float* scratch) {
   if (update_blocked(a)) return;
   // the values of the update that depend on the step only (Optimizer::StepValues), once per thread
   const typename Opt::StepValues sv = Opt::step_values(p, ctx.step);
@@ -607,18 +694,30 @@ __global__ void __launch_bounds__(256) backward_warp_kernel(BackwardArgs a, Runs
     locate_row(a, o.bag[start], key, &row.D, &woff);
     load_table_states<Opt>(row, p, o.bag[start], a.B);
     begin_row<Opt, W>(row, p, weights, key, woff, mine, a.max_D, !sums_from_zero<kPrefetch>(a), kPrefetch);
-    add_occurrences<kPrefetch>(a, o, row.D, lane, start, int64_t(start) + len, row.g_);
+    add_occurrences<kPrefetch, kMinBlocks>(a, o, row.D, lane, start, int64_t(start) + len, row.g_);
     update_and_store<Opt, W>(row, p, ctx, sv, weights, key, woff, kPrefetch);
   }
+}
+template <class Opt, typename W, bool kPrefetch = false>
+__global__ void __launch_bounds__(256) backward_warp_kernel(BackwardArgs a, Runs r, Occurrences o,
+                                  typename Opt::Params p, RowUpdateContext ctx, W* weights, float* scratch) {
+  backward_warp_body<Opt, W, kPrefetch, 1>(a, r, o, p, ctx, weights, scratch);
+}
+// (the occupancy variant's instantiation: TBEGEN_ANY_WIDTH_OCCUPANCY)
+template <class Opt, typename W>
+__global__ void __launch_bounds__(256, kOccupancyMinBlocks) backward_warp_kernel_occupancy(BackwardArgs a, Runs r,
+                                  Occurrences o, typename Opt::Params p, RowUpdateContext ctx, W* weights,
+                                  float* scratch) {
+  backward_warp_body<Opt, W, true, kOccupancyMinBlocks>(a, r, o, p, ctx, weights, scratch);
 }
 
 // Long runs, first pass: one warp per segment of r.segment_length occurrences. A run of one
 // segment is summed and updated here; a run of several leaves each segment's sum (max_D floats)
 // in `partial` for backward_finish_kernel.
-template <class Opt, typename W, bool kPrefetch = false>
-__global__ void __launch_bounds__(256) backward_segment_kernel(BackwardArgs a, Runs r, Occurrences o, typename Opt::Params p,
-                                                               RowUpdateContext ctx, W* weights, float* partial,
-                                                               float* scratch) {
+template <class Opt, typename W, bool kPrefetch, int kMinBlocks>
+__device__ __forceinline__ void backward_segment_body(BackwardArgs a, Runs r, Occurrences o, typename Opt::Params p,
+                                                      RowUpdateContext ctx, W* weights, float* partial,
+                                                      float* scratch) {
   if (update_blocked(a)) return;
   // the values of the update that depend on the step only (Optimizer::StepValues), once per thread
   const typename Opt::StepValues sv = Opt::step_values(p, ctx.step);
@@ -649,16 +748,29 @@ __global__ void __launch_bounds__(256) backward_segment_kernel(BackwardArgs a, R
     load_table_states<Opt>(row, p, o.bag[run.first], a.B);
     if (run.nseg == 1) {
       begin_row<Opt, W>(row, p, weights, run.key, woff, mine, a.max_D, !sums_from_zero<kPrefetch>(a), kPrefetch);
-      add_occurrences<kPrefetch>(a, o, row.D, lane, int64_t(run.first) + begin, int64_t(run.first) + end, row.g_);
+      add_occurrences<kPrefetch, kMinBlocks>(a, o, row.D, lane, int64_t(run.first) + begin, int64_t(run.first) + end, row.g_);
       update_and_store<Opt, W>(row, p, ctx, sv, weights, run.key, woff, kPrefetch);
     } else {
       float* out = partial + int64_t(run.segments.y + seg) * a.max_D;
       if (!sums_from_zero<kPrefetch>(a)) {
         for (int d = lane; d < row.D; d += kWarpSize) out[d] = 0.0f;
       }
-      add_occurrences<kPrefetch>(a, o, row.D, lane, int64_t(run.first) + begin, int64_t(run.first) + end, out);
+      add_occurrences<kPrefetch, kMinBlocks>(a, o, row.D, lane, int64_t(run.first) + begin, int64_t(run.first) + end, out);
     }
   }
+}
+template <class Opt, typename W, bool kPrefetch = false>
+__global__ void __launch_bounds__(256) backward_segment_kernel(BackwardArgs a, Runs r, Occurrences o,
+                                  typename Opt::Params p, RowUpdateContext ctx, W* weights, float* partial,
+                                  float* scratch) {
+  backward_segment_body<Opt, W, kPrefetch, 1>(a, r, o, p, ctx, weights, partial, scratch);
+}
+// (the occupancy variant's instantiation: TBEGEN_ANY_WIDTH_OCCUPANCY)
+template <class Opt, typename W>
+__global__ void __launch_bounds__(256, kOccupancyMinBlocks) backward_segment_kernel_occupancy(BackwardArgs a, Runs r,
+                                  Occurrences o, typename Opt::Params p, RowUpdateContext ctx, W* weights,
+                                  float* partial, float* scratch) {
+  backward_segment_body<Opt, W, true, kOccupancyMinBlocks>(a, r, o, p, ctx, weights, partial, scratch);
 }
 
 // Short runs and long runs' segments from one list in key order (WorkItems, TBEGEN_ANY_WIDTH_ITEMS=1):
@@ -669,10 +781,10 @@ __global__ void __launch_bounds__(256) backward_segment_kernel(BackwardArgs a, R
 // backward_segment_kernel does: the same calls), or a segment of a run of several, whose sum goes
 // to its partial-sum slot for backward_finish_kernel: the same arithmetic in the same order as the
 // two kernels, so the same bits (tests/test_wide_rows.py).
-template <class Opt, typename W, bool kPrefetch>
-__global__ void __launch_bounds__(256) backward_items_kernel(BackwardArgs a, Runs r, WorkItems items, Occurrences o,
-                                                             typename Opt::Params p, RowUpdateContext ctx, W* weights,
-                                                             float* partial, float* scratch) {
+template <class Opt, typename W, bool kPrefetch, int kMinBlocks>
+__device__ __forceinline__ void backward_items_body(BackwardArgs a, Runs r, WorkItems items, Occurrences o,
+                                                    typename Opt::Params p, RowUpdateContext ctx, W* weights,
+                                                    float* partial, float* scratch) {
   if (update_blocked(a)) return;
   // the values of the update that depend on the step only (Optimizer::StepValues), once per thread
   const typename Opt::StepValues sv = Opt::step_values(p, ctx.step);
@@ -693,24 +805,37 @@ __global__ void __launch_bounds__(256) backward_items_kernel(BackwardArgs a, Run
     if (slot < 0) {
       load_table_states<Opt>(row, p, o.bag[start], a.B);
       begin_row<Opt, W>(row, p, weights, key, woff, mine, a.max_D, !sums_from_zero<kPrefetch>(a), kPrefetch);
-      add_occurrences<kPrefetch>(a, o, row.D, lane, start, end, row.g_);
+      add_occurrences<kPrefetch, kMinBlocks>(a, o, row.D, lane, start, end, row.g_);
       update_and_store<Opt, W>(row, p, ctx, sv, weights, key, woff, kPrefetch);
     } else {
       float* out = partial + int64_t(slot) * a.max_D;
       if (!sums_from_zero<kPrefetch>(a)) {
         for (int d = lane; d < row.D; d += kWarpSize) out[d] = 0.0f;
       }
-      add_occurrences<kPrefetch>(a, o, row.D, lane, start, end, out);
+      add_occurrences<kPrefetch, kMinBlocks>(a, o, row.D, lane, start, end, out);
     }
   }
+}
+template <class Opt, typename W, bool kPrefetch>
+__global__ void __launch_bounds__(256) backward_items_kernel(BackwardArgs a, Runs r, WorkItems items, Occurrences o,
+                                  typename Opt::Params p, RowUpdateContext ctx, W* weights, float* partial,
+                                  float* scratch) {
+  backward_items_body<Opt, W, kPrefetch, 1>(a, r, items, o, p, ctx, weights, partial, scratch);
+}
+// (the occupancy variant's instantiation: TBEGEN_ANY_WIDTH_OCCUPANCY)
+template <class Opt, typename W>
+__global__ void __launch_bounds__(256, kOccupancyMinBlocks) backward_items_kernel_occupancy(BackwardArgs a, Runs r,
+                                  WorkItems items, Occurrences o, typename Opt::Params p, RowUpdateContext ctx,
+                                  W* weights, float* partial, float* scratch) {
+  backward_items_body<Opt, W, true, kOccupancyMinBlocks>(a, r, items, o, p, ctx, weights, partial, scratch);
 }
 
 // Long runs, second pass: one warp per run of several segments adds their partial sums in
 // segment order and updates the row.
-template <class Opt, typename W, bool kPrefetch = false>
-__global__ void __launch_bounds__(256) backward_finish_kernel(BackwardArgs a, Runs r, Occurrences o, typename Opt::Params p,
-                                                              RowUpdateContext ctx, W* weights, const float* partial,
-                                                              float* scratch) {
+template <class Opt, typename W, bool kPrefetch, int kMinBlocks>
+__device__ __forceinline__ void backward_finish_body(BackwardArgs a, Runs r, Occurrences o, typename Opt::Params p,
+                                                     RowUpdateContext ctx, W* weights, const float* partial,
+                                                     float* scratch) {
   if (update_blocked(a)) return;
   // the values of the update that depend on the step only (Optimizer::StepValues), once per thread
   const typename Opt::StepValues sv = Opt::step_values(p, ctx.step);
@@ -730,7 +855,7 @@ __global__ void __launch_bounds__(256) backward_finish_kernel(BackwardArgs a, Ru
     begin_row<Opt, W>(row, p, weights, run.key, woff, mine, a.max_D, !sums_from_zero<kPrefetch>(a), kPrefetch);
     const float* in = partial + int64_t(run.segments.y) * a.max_D;
     if (sums_from_zero<kPrefetch>(a)) {
-      add_partials_4wide(in, run.nseg, a.max_D, row.D, lane, row.g_);
+      add_partials_4wide<kSumVecs<kMinBlocks>, kSumRows<kMinBlocks>>(in, run.nseg, a.max_D, row.D, lane, row.g_);
     } else {
       for (int32_t j = 0; j < run.nseg; ++j) {
         for (int d = lane; d < row.D; d += kWarpSize) row.g_[d] += in[int64_t(j) * a.max_D + d];
@@ -738,6 +863,19 @@ __global__ void __launch_bounds__(256) backward_finish_kernel(BackwardArgs a, Ru
     }
     update_and_store<Opt, W>(row, p, ctx, sv, weights, run.key, woff, kPrefetch);
   }
+}
+template <class Opt, typename W, bool kPrefetch = false>
+__global__ void __launch_bounds__(256) backward_finish_kernel(BackwardArgs a, Runs r, Occurrences o,
+                                  typename Opt::Params p, RowUpdateContext ctx, W* weights, const float* partial,
+                                  float* scratch) {
+  backward_finish_body<Opt, W, kPrefetch, 1>(a, r, o, p, ctx, weights, partial, scratch);
+}
+// (the occupancy variant's instantiation: TBEGEN_ANY_WIDTH_OCCUPANCY)
+template <class Opt, typename W>
+__global__ void __launch_bounds__(256, kOccupancyMinBlocks) backward_finish_kernel_occupancy(BackwardArgs a, Runs r,
+                                  Occurrences o, typename Opt::Params p, RowUpdateContext ctx, W* weights,
+                                  const float* partial, float* scratch) {
+  backward_finish_body<Opt, W, true, kOccupancyMinBlocks>(a, r, o, p, ctx, weights, partial, scratch);
 }
 
 }  // namespace any_width

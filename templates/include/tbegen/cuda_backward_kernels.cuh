@@ -217,42 +217,63 @@ cudaError_t launch_backward(const BackwardLaunch& l) {
 
 // Launches the three any-width update kernels for optimizer Opt; returns the first launch error.
 // (The prefetching variant with a work list, l.items: the items kernel, then the finish kernel.)
-// (kPrefetch: their prefetching variant for wide rows, chosen by launch_any_width below.)
-template <class Opt, typename W, bool kPrefetch>
+// (kPrefetch: their prefetching variant for wide rows, chosen by launch_any_width below;
+// kOccupancy: the prefetching kernels' occupancy variant, the `..._occupancy` kernels,
+// TBEGEN_ANY_WIDTH_OCCUPANCY.)
+template <class Opt, typename W, bool kPrefetch, bool kOccupancy = false>
 cudaError_t launch_any_width_kernels(const AnyWidthLaunch& l) {
+  static_assert(kPrefetch || !kOccupancy, "the occupancy variant is the prefetching kernels'");
   const typename Opt::Params& p = *static_cast<const typename Opt::Params*>(l.params);
   W* weights = static_cast<W*>(l.weights);
+  auto* const finish = [] {
+    if constexpr (kOccupancy) return &any_width::backward_finish_kernel_occupancy<Opt, W>;
+    else return &any_width::backward_finish_kernel<Opt, W, kPrefetch>;
+  }();
   if constexpr (kPrefetch) {
     if (l.items.total != nullptr) {
+      auto* const items = [] {
+        if constexpr (kOccupancy) return &any_width::backward_items_kernel_occupancy<Opt, W>;
+        else return &any_width::backward_items_kernel<Opt, W, kPrefetch>;
+      }();
       // one list on `stream` (every item in key order, the whole grid on it), then the runs of
       // several segments finished after it, on the same stream
-      any_width::backward_items_kernel<Opt, W, kPrefetch><<<l.warp_blocks, l.threads, 0, l.stream>>>(
-          l.a, l.runs, l.items, l.occurrences, p, l.ctx, weights, l.partial, l.scratch);
+      items<<<l.warp_blocks, l.threads, 0, l.stream>>>(l.a, l.runs, l.items, l.occurrences, p, l.ctx, weights,
+                                                       l.partial, l.scratch);
       cudaError_t err = cudaGetLastError();
       if (err != cudaSuccess) return err;
-      any_width::backward_finish_kernel<Opt, W, kPrefetch><<<l.finish_blocks, l.threads, 0, l.stream>>>(
-          l.a, l.runs, l.occurrences, p, l.ctx, weights, l.partial, l.side_scratch);
+      finish<<<l.finish_blocks, l.threads, 0, l.stream>>>(l.a, l.runs, l.occurrences, p, l.ctx, weights, l.partial,
+                                                          l.side_scratch);
       return cudaGetLastError();
     }
   }
-  any_width::backward_segment_kernel<Opt, W, kPrefetch><<<l.segment_blocks, l.threads, 0, l.side>>>(
-      l.a, l.runs, l.occurrences, p, l.ctx, weights, l.partial, l.side_scratch);
+  auto* const segment = [] {
+    if constexpr (kOccupancy) return &any_width::backward_segment_kernel_occupancy<Opt, W>;
+    else return &any_width::backward_segment_kernel<Opt, W, kPrefetch>;
+  }();
+  auto* const warp = [] {
+    if constexpr (kOccupancy) return &any_width::backward_warp_kernel_occupancy<Opt, W>;
+    else return &any_width::backward_warp_kernel<Opt, W, kPrefetch>;
+  }();
+  segment<<<l.segment_blocks, l.threads, 0, l.side>>>(l.a, l.runs, l.occurrences, p, l.ctx, weights, l.partial,
+                                                      l.side_scratch);
   cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) return err;
-  any_width::backward_finish_kernel<Opt, W, kPrefetch><<<l.finish_blocks, l.threads, 0, l.side>>>(
-      l.a, l.runs, l.occurrences, p, l.ctx, weights, l.partial, l.side_scratch);
+  finish<<<l.finish_blocks, l.threads, 0, l.side>>>(l.a, l.runs, l.occurrences, p, l.ctx, weights, l.partial,
+                                                    l.side_scratch);
   err = cudaGetLastError();
   if (err != cudaSuccess) return err;
-  any_width::backward_warp_kernel<Opt, W, kPrefetch><<<l.warp_blocks, l.threads, 0, l.stream>>>(
-      l.a, l.runs, l.occurrences, p, l.ctx, weights, l.scratch);
+  warp<<<l.warp_blocks, l.threads, 0, l.stream>>>(l.a, l.runs, l.occurrences, p, l.ctx, weights, l.scratch);
   return cudaGetLastError();
 }
 template <class Opt, typename W>
 cudaError_t launch_any_width(const AnyWidthLaunch& l) {
   using any_width::PrefetchMode;
   const PrefetchMode mode = any_width::prefetch_mode_from_env();  // (read, and checked, whatever the dtype)
+  const bool occupancy = any_width::occupancy_from_env();          // (the same)
   if constexpr (std::is_same<W, float>::value) {
     if (mode == PrefetchMode::kOn || (mode == PrefetchMode::kAuto && l.a.max_D > any_width::kPrefetchAutoMinD)) {
+      // (TBEGEN_ANY_WIDTH_OCCUPANCY=1: the same kernels at 3 blocks per multiprocessor, the same bits)
+      if (occupancy) return launch_any_width_kernels<Opt, W, true, true>(l);
       return launch_any_width_kernels<Opt, W, true>(l);
     }
   } else if constexpr (std::is_same<W, c10::Half>::value) {
@@ -262,6 +283,7 @@ cudaError_t launch_any_width(const AnyWidthLaunch& l) {
     }
   }
   (void)mode;  // (bf16 and int8 weights: the default kernels)
+  (void)occupancy;  // (float weights only)
   return launch_any_width_kernels<Opt, W, false>(l);
 }
 
