@@ -52,9 +52,10 @@ CASES = {
 @pytest.mark.parametrize("case_id", sorted(CASES))
 @pytest.mark.parametrize("name", OPTIMIZERS)
 def test_occupancy_variant_gives_the_prefetching_kernels_bits(load_ops, monkeypatch, name, case_id, length):
-    """Bitwise against the prefetching kernels (unset and 0), at two segment lengths (a hot row of
-    2500-odd occurrences: 10 or 11 segments at 256, 53-ish at 48: the pairs of segment sums with
-    and without a tail), twice the same."""
+    """Bitwise against the prefetching kernels (unset and 0), at two segment lengths (the hot rows'
+    runs of about 2500 and 700 occurrences: about 10 and 3 segments at 256, 53 and 15 at 48, so
+    the finish kernel's pairs of segment sums run with and without a single one left), twice the
+    same."""
     spec, ops = load_ops(name)
     monkeypatch.setenv("TBEGEN_ANY_WIDTH_PREFETCH", "1")
     monkeypatch.setenv("TBEGEN_SEGMENT_LENGTH", length)
@@ -106,8 +107,8 @@ def test_occupancy_switch_refuses_other_values(load_ops, monkeypatch, value):
 @pytest.mark.parametrize("occupancy", ["0", "1"])
 def test_occupancy_switch_picks_the_kernels(load_ops, monkeypatch, occupancy, items):
     """The bitwise tests above would pass as well if the switch launched the prefetching kernels
-    unchanged: the profiler names the kernels that ran, whose last template argument is kMinBlocks
-    (3 for the variant, 1 otherwise)."""
+    unchanged: the profiler names the kernels that ran (the variant's are `..._occupancy<Opt, W>`,
+    the prefetching kernels `...<Opt, W, true>`)."""
     from torch.profiler import ProfilerActivity, profile
 
     spec, ops = load_ops("sgd")
@@ -120,8 +121,11 @@ def test_occupancy_switch_picks_the_kernels(load_ops, monkeypatch, occupancy, it
     names = [e.key for e in prof.key_averages()]
     kernels = ("backward_finish_kernel",) + (("backward_items_kernel",) if items == "1" else
                                              ("backward_segment_kernel", "backward_warp_kernel"))
-    want = "true, 3>" if occupancy == "1" else "true, 1>"
     for k in kernels:
-        ran = [n for n in names if f"any_width::{k}<" in n]
-        assert ran, f"{k} did not run; profiler names: {names}"
-        assert all(want in n for n in ran), f"{k} ran as {ran}, expected the instantiation ending '{want}'"
+        variant = [n for n in names if f"any_width::{k}_occupancy<" in n]
+        plain = [n for n in names if f"any_width::{k}<" in n]
+        if occupancy == "1":
+            assert variant and not plain, f"{k}: variant {variant}, prefetching {plain}; expected the variant only"
+        else:
+            assert plain and not variant, f"{k}: variant {variant}, prefetching {plain}; expected the prefetching only"
+            assert all("float, true>" in n for n in plain), f"{k} ran as {plain}, not the prefetching instantiation"
