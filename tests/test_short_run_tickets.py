@@ -65,14 +65,21 @@ CASES = {
     "fp32-D64-256-small-tables": harness.Case(tables=((300, 64), (200, 256)), B=512, max_L=4, pooling="mean",
                                               hot=50, steps=2, seed=2908),
     # a grid of one resident wave (more warps of work than fit at once): 16 runs a ticket
-    "fp16-D64-256-wave-capped": harness.Case(tables=((400000, 64), (200000, 256)), B=16384, max_L=24,
+    "fp16-D64-256-wave-capped": harness.Case(tables=((140000, 64), (140000, 256)), B=16384, max_L=24,
                                              weights_dtype=torch.float16, hot=500, steps=2, seed=2909),
 }
+
+
+# (the wave-capped case's batches and states take seconds to make on the host: two optimizers, one
+# without state and the one whose 256-wide kernel fits fewest warps)
+WAVE_CAPPED_OPTIMIZERS = ["sgd", "adam"]
 
 
 @pytest.mark.parametrize("case_id", sorted(CASES))
 @pytest.mark.parametrize("name", OPTIMIZERS)
 def test_small_tickets_give_the_default_bits(load_ops, monkeypatch, name, case_id):
+    if case_id.endswith("wave-capped") and name not in WAVE_CAPPED_OPTIMIZERS:
+        pytest.skip("wave-capped: " + ", ".join(WAVE_CAPPED_OPTIMIZERS) + " only")
     spec, ops = load_ops(name)
     assert_switch_gives_default_bits(ops, spec, CASES[case_id], monkeypatch, SWITCH, default="tickets of 32 runs",
                                      variant="small tickets")
