@@ -11,6 +11,11 @@ and outputs must be bitwise those of the prefetching kernels: for short runs (wa
 full passes), 600- and 1000-wide rows (a partial second pass), an odd width (no 4-wide sum: the
 launch bounds only), per-sample weights, mean and none pooling. CUDA only (`pytest -m cuda`;
 skipped without a GPU): the variant has no CPU counterpart.
+
+TBEGEN_ANY_WIDTH_SHARED_ROW=1 (an option of the occupancy variant) puts each warp's summed gradient
+row in dynamic shared memory instead of its global scratch row, for rows of at most 1536 columns:
+the same arithmetic, so the same bits again, for the 4-wide sums and the column loop (D=1030), and
+a row wider than 1536 keeps the scratch row.
 """
 
 from __future__ import annotations
@@ -129,3 +134,86 @@ def test_occupancy_switch_picks_the_kernels(load_ops, monkeypatch, occupancy, it
         else:
             assert plain and not variant, f"{k}: variant {variant}, prefetching {plain}; expected the prefetching only"
             assert all("float, true>" in n for n in plain), f"{k} ran as {plain}, not the prefetching instantiation"
+
+
+# ---- TBEGEN_ANY_WIDTH_SHARED_ROW: the summed row in shared memory (with the occupancy variant) -----
+SHARED = "TBEGEN_ANY_WIDTH_SHARED_ROW"
+SHARED_CASES = dict(CASES)
+# wider than kSharedRowMaxD (1536): the scratch row, whatever the switch
+SHARED_CASES["fp32-D2000-weighted-hot"] = harness.Case(tables=((60, 2000), (40, 1024)), B=16, max_L=5, weighted=True,
+                                                       hot=600, steps=2, seed=1906)
+
+
+@pytest.mark.parametrize("case_id", sorted(SHARED_CASES))
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_shared_row_gives_the_occupancy_variant_bits(load_ops, monkeypatch, name, case_id):
+    spec, ops = load_ops(name)
+    monkeypatch.setenv("TBEGEN_ANY_WIDTH_PREFETCH", "1")
+    monkeypatch.setenv("TBEGEN_SEGMENT_LENGTH", "48")
+    monkeypatch.setenv(SWITCH, "1")
+    assert_switch_gives_default_bits(ops, spec, SHARED_CASES[case_id], monkeypatch, SHARED,
+                                     default="the occupancy variant's scratch row", variant="shared row")
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_shared_row_gives_the_prefetching_kernels_bits(load_ops, monkeypatch, name):
+    """Directly against the default choice (nothing else set), with the work list as well."""
+    spec, ops = load_ops(name)
+    case = CASES["fp32-D1024-weighted-hot"]
+    for k in ("TBEGEN_ANY_WIDTH_PREFETCH", "TBEGEN_SEGMENT_LENGTH", "TBEGEN_ANY_WIDTH_ITEMS", SWITCH, SHARED):
+        monkeypatch.delenv(k, raising=False)
+    _, w_d, st_d = _train(ops, spec, case, "cuda")
+    for items in ("0", "1"):
+        monkeypatch.setenv("TBEGEN_ANY_WIDTH_ITEMS", items)
+        monkeypatch.setenv(SWITCH, "1")
+        monkeypatch.setenv(SHARED, "1")
+        _, w_v, st_v = _train(ops, spec, case, "cuda")
+        assert torch.equal(w_v, w_d), f"weights differ from the default choice (work list {items})"
+        assert all(torch.equal(st_v[k], st_d[k]) for k in st_d), f"states differ (work list {items})"
+
+
+@pytest.mark.parametrize("value", ["yes", "2", "true", " 1"])
+def test_shared_row_switch_refuses_other_values(load_ops, monkeypatch, value):
+    spec, ops = load_ops("sgd")
+    monkeypatch.setenv(SWITCH, "1")
+    monkeypatch.setenv(SHARED, value)
+    with pytest.raises(Exception, match=SHARED):
+        _train(ops, spec, CASES["fp32-D1024-mean-hot-one-warp"], "cuda")
+
+
+def test_shared_row_refused_without_the_occupancy_variant(load_ops, monkeypatch):
+    spec, ops = load_ops("sgd")
+    monkeypatch.delenv(SWITCH, raising=False)
+    monkeypatch.setenv(SHARED, "1")
+    with pytest.raises(Exception, match="TBEGEN_ANY_WIDTH_OCCUPANCY"):
+        _train(ops, spec, CASES["fp32-D1024-mean-hot-one-warp"], "cuda")
+
+
+@pytest.mark.parametrize("case_id, shared, expect_shared", [("fp32-D1024-weighted-hot", "0", False),
+                                                            ("fp32-D1024-weighted-hot", "1", True),
+                                                            ("fp32-D2000-weighted-hot", "1", False)])
+def test_the_variant_kernels_launch_config(load_ops, monkeypatch, tmp_path, case_id, shared, expect_shared):
+    """The bitwise tests would pass as well if the rows stayed in scratch or the kernels kept the
+    prefetching kernels' registers: the trace's kernel records say the `_occupancy` kernels ran with
+    at most 80 registers a thread (3 blocks of 256 per multiprocessor), and with shared memory
+    (8 warps x max_D floats) exactly where the switch asks and the rows fit."""
+    import json
+
+    from torch.profiler import ProfilerActivity, profile
+
+    spec, ops = load_ops("sgd")
+    monkeypatch.setenv("TBEGEN_ANY_WIDTH_PREFETCH", "1")
+    monkeypatch.setenv(SWITCH, "1")
+    monkeypatch.setenv(SHARED, shared)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        _train(ops, spec, SHARED_CASES[case_id], "cuda")
+        torch.cuda.synchronize()
+    trace = tmp_path / "trace.json"
+    prof.export_chrome_trace(str(trace))
+    events = [e for e in json.loads(trace.read_text())["traceEvents"]
+              if e.get("cat") == "kernel" and "_occupancy<" in e.get("name", "")]
+    assert events, "no _occupancy kernel in the trace"
+    for e in events:
+        args = e.get("args", {})
+        assert 0 < args["registers per thread"] <= 80, f"{e['name']}: {args}"
+        assert (args["shared memory"] > 0) == expect_shared, f"{e['name']}: {args}"

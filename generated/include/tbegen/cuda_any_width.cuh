@@ -107,6 +107,25 @@ inline bool occupancy_from_env() {
 }
 // The variant's blocks per multiprocessor (its kernels' kMinBlocks; the others' is 1).
 constexpr int kOccupancyMinBlocks = 3;
+
+// TBEGEN_ANY_WIDTH_SHARED_ROW=1 (with TBEGEN_ANY_WIDTH_OCCUPANCY=1 only: the occupancy variant's
+// option): each warp's summed gradient row in dynamic shared memory (warp_shared_row: 8 warps x
+// max_D floats a block, 32 KB at 1024 columns) instead of its global scratch row, as FBGEMM keeps a
+// row's sum on chip (smem_grad_sum): the row's 4 KB store and read-back no longer go through L1 and
+// L2, where the gradient stream may evict the scratch rows between them (up to ~1.5 GB a step of
+// write-backs at D = 1024). The same arithmetic on the same values: the same bits. Rows wider than
+// kSharedRowMaxD (the 48 KB a block takes without an opt-in) keep the scratch row. Unset, empty or
+// "0" off, "1" on; anything else, or "1" without the occupancy variant, is refused.
+constexpr int64_t kSharedRowMaxD = 1536;
+inline bool shared_row_from_env(bool occupancy) {
+  const char* v = std::getenv("TBEGEN_ANY_WIDTH_SHARED_ROW");
+  if (v == nullptr || *v == '\0' || std::strcmp(v, "0") == 0) return false;
+  if (std::strcmp(v, "1") != 0)
+    throw std::invalid_argument(std::string("tbegen: TBEGEN_ANY_WIDTH_SHARED_ROW must be 0 or 1 (or unset), got '") + v + "'");
+  if (!occupancy)
+    throw std::invalid_argument("tbegen: TBEGEN_ANY_WIDTH_SHARED_ROW=1 is an option of TBEGEN_ANY_WIDTH_OCCUPANCY=1, which is not set");
+  return true;
+}
 // The 4-wide sums' slice (kVecs 16-byte loads per lane: 128 * kVecs columns a pass) and how many
 // occurrences (or segment sums) each step loads together, per kMinBlocks.
 template <int kMinBlocks>
@@ -561,12 +580,14 @@ __device__ __forceinline__ void add_occurrences(const BackwardArgs& a, const Occ
 // Points the row view at its weights and states (loading what is not updated in place) and at
 // this warp's scratch, whose gradient row is cleared; per-row states are loaded into registers.
 // (clear_g false: the caller's occurrence sum writes every column of the gradient row,
-// sums_from_zero; prefetch: the variant asks L1 for a 16-bit or int8 weight row before converting it.)
+// sums_from_zero; prefetch: the variant asks L1 for a 16-bit or int8 weight row before converting it;
+// shared_g: the occupancy variant's gradient row in shared memory, TBEGEN_ANY_WIDTH_SHARED_ROW, whose
+// scratch row then goes unused.)
 template <class Opt, typename W>
 __device__ __forceinline__ void begin_row(OptColumnRow<Opt>& row, const typename Opt::Params& p, W* weights,
                                           int64_t key, int64_t woff, float* scratch, int64_t max_D,
-                                          bool clear_g = true, bool prefetch = false) {
-  row.g_ = scratch;
+                                          bool clear_g = true, bool prefetch = false, float* shared_g = nullptr) {
+  row.g_ = shared_g != nullptr ? shared_g : scratch;
   float* next = scratch + max_D;
   if constexpr (sizeof(W) == 4) {
     row.w_ = reinterpret_cast<float*>(weights) + woff;
@@ -612,15 +633,17 @@ __device__ __forceinline__ void begin_row(OptColumnRow<Opt>& row, const typename
 // updated in place (16-bit weights, rounded as in the 4-wide path; narrow element states, rounded
 // stochastically by store_state with the same (slot, key, column) as the 4-wide path; per-row
 // states from lane 0).
-// (prefetch: the variant first asks L1 for every line of the row's float arrays, TBEGEN_ANY_WIDTH_PREFETCH.)
+// (prefetch: the variant first asks L1 for every line of the row's float arrays, TBEGEN_ANY_WIDTH_PREFETCH;
+// g_shared: the gradient row is in shared memory, not asked for: prefetch.global takes global addresses.)
 template <class Opt, typename W>
 __device__ __forceinline__ void update_and_store(OptColumnRow<Opt>& row, const typename Opt::Params& p,
                                                  const RowUpdateContext& ctx, const typename Opt::StepValues& sv,
-                                                 W* weights, int64_t key, int64_t woff, bool prefetch = false) {
+                                                 W* weights, int64_t key, int64_t woff, bool prefetch = false,
+                                                 bool g_shared = false) {
   if (prefetch) {
     __syncwarp();  // (the gradient row's columns were written by other lanes of the warp)
     const int64_t bytes = int64_t(row.D) * int64_t(sizeof(float));
-    prefetch_l1(row.g_, bytes, row.lane);
+    if (!g_shared) prefetch_l1(row.g_, bytes, row.lane);
     prefetch_l1(row.w_, bytes, row.lane);
 #pragma unroll
     for (int k = 0; k < Opt::kElementStates + Opt::kTemporaries; ++k) prefetch_l1(row.element_[k], bytes, row.lane);
@@ -661,6 +684,23 @@ __device__ __forceinline__ void update_and_store(OptColumnRow<Opt>& row, const t
   }
 }
 
+// The occupancy variant's gradient row in shared memory (TBEGEN_ANY_WIDTH_SHARED_ROW): where the
+// launch gave the block dynamic shared memory (8 warps x max_D floats), this warp's max_D floats of
+// it, else nullptr (the scratch row). Only the `..._occupancy` kernels ask (kMinBlocks > 1); the
+// default kernels' code does not change.
+template <int kMinBlocks>
+__device__ __forceinline__ float* warp_shared_row(int64_t max_D) {
+  if constexpr (kMinBlocks == 1) {
+    return nullptr;
+  } else {
+    extern __shared__ float4 shared_rows[];  // (float4: 16-byte aligned for the 4-wide sums' stores)
+    uint32_t bytes;
+    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(bytes));
+    if (bytes == 0) return nullptr;
+    return reinterpret_cast<float*>(shared_rows) + int64_t(threadIdx.x / kWarpSize) * max_D;
+  }
+}
+
 // This warp's scratch area: warp w of the grid owns slots [w * slots, (w + 1) * slots) rows.
 template <class Opt, typename W>
 __device__ __forceinline__ float* warp_scratch(float* scratch, int64_t max_D, const typename Opt::Params& p) {
@@ -682,6 +722,7 @@ __device__ __forceinline__ void backward_warp_body(BackwardArgs a, Runs r, Occur
   const int64_t warps = int64_t(gridDim.x) * blockDim.x / kWarpSize;
   const int32_t num_runs = r.counts[0];
   float* mine = warp_scratch<Opt, W>(scratch, a.max_D, p);
+  float* const shared_g = warp_shared_row<kMinBlocks>(a.max_D);
   for (int64_t run = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / kWarpSize; run < num_runs; run += warps) {
     const int32_t start = r.starts[run];
     const int32_t len = r.end_of(run, num_runs) - start;
@@ -693,9 +734,10 @@ __device__ __forceinline__ void backward_warp_body(BackwardArgs a, Runs r, Occur
     int64_t woff;
     locate_row(a, o.bag[start], key, &row.D, &woff);
     load_table_states<Opt>(row, p, o.bag[start], a.B);
-    begin_row<Opt, W>(row, p, weights, key, woff, mine, a.max_D, !sums_from_zero<kPrefetch>(a), kPrefetch);
+    begin_row<Opt, W>(row, p, weights, key, woff, mine, a.max_D, !sums_from_zero<kPrefetch>(a), kPrefetch,
+                      shared_g);
     add_occurrences<kPrefetch, kMinBlocks>(a, o, row.D, lane, start, int64_t(start) + len, row.g_);
-    update_and_store<Opt, W>(row, p, ctx, sv, weights, key, woff, kPrefetch);
+    update_and_store<Opt, W>(row, p, ctx, sv, weights, key, woff, kPrefetch, shared_g != nullptr);
   }
 }
 template <class Opt, typename W, bool kPrefetch = false>
@@ -728,6 +770,7 @@ __device__ __forceinline__ void backward_segment_body(BackwardArgs a, Runs r, Oc
   if (num_long == 0) return;
   const int32_t total = r.segments[num_long].x;
   float* mine = warp_scratch<Opt, W>(scratch, a.max_D, p);
+  float* const shared_g = warp_shared_row<kMinBlocks>(a.max_D);
   for (int64_t s = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / kWarpSize; s < total; s += warps) {
     // the long run owning segment s: the last k with segments[k].x <= s
     int32_t lo = 0, hi = num_long - 1;
@@ -747,9 +790,10 @@ __device__ __forceinline__ void backward_segment_body(BackwardArgs a, Runs r, Oc
     locate_row(a, o.bag[run.first], run.key, &row.D, &woff);
     load_table_states<Opt>(row, p, o.bag[run.first], a.B);
     if (run.nseg == 1) {
-      begin_row<Opt, W>(row, p, weights, run.key, woff, mine, a.max_D, !sums_from_zero<kPrefetch>(a), kPrefetch);
+      begin_row<Opt, W>(row, p, weights, run.key, woff, mine, a.max_D, !sums_from_zero<kPrefetch>(a), kPrefetch,
+                      shared_g);
       add_occurrences<kPrefetch, kMinBlocks>(a, o, row.D, lane, int64_t(run.first) + begin, int64_t(run.first) + end, row.g_);
-      update_and_store<Opt, W>(row, p, ctx, sv, weights, run.key, woff, kPrefetch);
+      update_and_store<Opt, W>(row, p, ctx, sv, weights, run.key, woff, kPrefetch, shared_g != nullptr);
     } else {
       float* out = partial + int64_t(run.segments.y + seg) * a.max_D;
       if (!sums_from_zero<kPrefetch>(a)) {
@@ -792,6 +836,7 @@ __device__ __forceinline__ void backward_items_body(BackwardArgs a, Runs r, Work
   const int64_t warps = int64_t(gridDim.x) * blockDim.x / kWarpSize;
   const int32_t total = *items.total;
   float* mine = warp_scratch<Opt, W>(scratch, a.max_D, p);
+  float* const shared_g = warp_shared_row<kMinBlocks>(a.max_D);
   for (int64_t i = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / kWarpSize; i < total; i += warps) {
     const int32_t start = items.start[i];
     const int32_t end = items.start[i + 1];
@@ -804,9 +849,10 @@ __device__ __forceinline__ void backward_items_body(BackwardArgs a, Runs r, Work
     locate_row(a, o.bag[start], key, &row.D, &woff);
     if (slot < 0) {
       load_table_states<Opt>(row, p, o.bag[start], a.B);
-      begin_row<Opt, W>(row, p, weights, key, woff, mine, a.max_D, !sums_from_zero<kPrefetch>(a), kPrefetch);
+      begin_row<Opt, W>(row, p, weights, key, woff, mine, a.max_D, !sums_from_zero<kPrefetch>(a), kPrefetch,
+                      shared_g);
       add_occurrences<kPrefetch, kMinBlocks>(a, o, row.D, lane, start, end, row.g_);
-      update_and_store<Opt, W>(row, p, ctx, sv, weights, key, woff, kPrefetch);
+      update_and_store<Opt, W>(row, p, ctx, sv, weights, key, woff, kPrefetch, shared_g != nullptr);
     } else {
       float* out = partial + int64_t(slot) * a.max_D;
       if (!sums_from_zero<kPrefetch>(a)) {
@@ -844,6 +890,7 @@ __device__ __forceinline__ void backward_finish_body(BackwardArgs a, Runs r, Occ
   const int32_t num_runs = r.counts[0];
   const int32_t num_long = r.counts[1];
   float* mine = warp_scratch<Opt, W>(scratch, a.max_D, p);
+  float* const shared_g = warp_shared_row<kMinBlocks>(a.max_D);
   for (int64_t k = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / kWarpSize; k < num_long; k += warps) {
     const LongRun run = long_run(r, int32_t(k), num_runs);
     if (run.nseg <= 1 || run.key >= r.skipped_key) continue;
@@ -852,7 +899,8 @@ __device__ __forceinline__ void backward_finish_body(BackwardArgs a, Runs r, Occ
     int64_t woff;
     locate_row(a, o.bag[run.first], run.key, &row.D, &woff);
     load_table_states<Opt>(row, p, o.bag[run.first], a.B);
-    begin_row<Opt, W>(row, p, weights, run.key, woff, mine, a.max_D, !sums_from_zero<kPrefetch>(a), kPrefetch);
+    begin_row<Opt, W>(row, p, weights, run.key, woff, mine, a.max_D, !sums_from_zero<kPrefetch>(a), kPrefetch,
+                      shared_g);
     const float* in = partial + int64_t(run.segments.y) * a.max_D;
     if (sums_from_zero<kPrefetch>(a)) {
       add_partials_4wide<kSumVecs<kMinBlocks>, kSumRows<kMinBlocks>>(in, run.nseg, a.max_D, row.D, lane, row.g_);
@@ -861,7 +909,7 @@ __device__ __forceinline__ void backward_finish_body(BackwardArgs a, Runs r, Occ
         for (int d = lane; d < row.D; d += kWarpSize) row.g_[d] += in[int64_t(j) * a.max_D + d];
       }
     }
-    update_and_store<Opt, W>(row, p, ctx, sv, weights, run.key, woff, kPrefetch);
+    update_and_store<Opt, W>(row, p, ctx, sv, weights, run.key, woff, kPrefetch, shared_g != nullptr);
   }
 }
 template <class Opt, typename W, bool kPrefetch = false>

@@ -219,10 +219,12 @@ cudaError_t launch_backward(const BackwardLaunch& l) {
 // (The prefetching variant with a work list, l.items: the items kernel, then the finish kernel.)
 // (kPrefetch: their prefetching variant for wide rows, chosen by launch_any_width below;
 // kOccupancy: the prefetching kernels' occupancy variant, the `..._occupancy` kernels,
-// TBEGEN_ANY_WIDTH_OCCUPANCY.)
+// TBEGEN_ANY_WIDTH_OCCUPANCY; shared_bytes: their dynamic shared memory, the summed rows',
+// TBEGEN_ANY_WIDTH_SHARED_ROW.)
 template <class Opt, typename W, bool kPrefetch, bool kOccupancy = false>
-cudaError_t launch_any_width_kernels(const AnyWidthLaunch& l) {
+cudaError_t launch_any_width_kernels(const AnyWidthLaunch& l, size_t shared_bytes = 0) {
   static_assert(kPrefetch || !kOccupancy, "the occupancy variant is the prefetching kernels'");
+  if constexpr (!kOccupancy) shared_bytes = 0;
   const typename Opt::Params& p = *static_cast<const typename Opt::Params*>(l.params);
   W* weights = static_cast<W*>(l.weights);
   auto* const finish = [] {
@@ -237,11 +239,11 @@ cudaError_t launch_any_width_kernels(const AnyWidthLaunch& l) {
       }();
       // one list on `stream` (every item in key order, the whole grid on it), then the runs of
       // several segments finished after it, on the same stream
-      items<<<l.warp_blocks, l.threads, 0, l.stream>>>(l.a, l.runs, l.items, l.occurrences, p, l.ctx, weights,
+      items<<<l.warp_blocks, l.threads, shared_bytes, l.stream>>>(l.a, l.runs, l.items, l.occurrences, p, l.ctx, weights,
                                                        l.partial, l.scratch);
       cudaError_t err = cudaGetLastError();
       if (err != cudaSuccess) return err;
-      finish<<<l.finish_blocks, l.threads, 0, l.stream>>>(l.a, l.runs, l.occurrences, p, l.ctx, weights, l.partial,
+      finish<<<l.finish_blocks, l.threads, shared_bytes, l.stream>>>(l.a, l.runs, l.occurrences, p, l.ctx, weights, l.partial,
                                                           l.side_scratch);
       return cudaGetLastError();
     }
@@ -254,15 +256,15 @@ cudaError_t launch_any_width_kernels(const AnyWidthLaunch& l) {
     if constexpr (kOccupancy) return &any_width::backward_warp_kernel_occupancy<Opt, W>;
     else return &any_width::backward_warp_kernel<Opt, W, kPrefetch>;
   }();
-  segment<<<l.segment_blocks, l.threads, 0, l.side>>>(l.a, l.runs, l.occurrences, p, l.ctx, weights, l.partial,
+  segment<<<l.segment_blocks, l.threads, shared_bytes, l.side>>>(l.a, l.runs, l.occurrences, p, l.ctx, weights, l.partial,
                                                       l.side_scratch);
   cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) return err;
-  finish<<<l.finish_blocks, l.threads, 0, l.side>>>(l.a, l.runs, l.occurrences, p, l.ctx, weights, l.partial,
+  finish<<<l.finish_blocks, l.threads, shared_bytes, l.side>>>(l.a, l.runs, l.occurrences, p, l.ctx, weights, l.partial,
                                                     l.side_scratch);
   err = cudaGetLastError();
   if (err != cudaSuccess) return err;
-  warp<<<l.warp_blocks, l.threads, 0, l.stream>>>(l.a, l.runs, l.occurrences, p, l.ctx, weights, l.scratch);
+  warp<<<l.warp_blocks, l.threads, shared_bytes, l.stream>>>(l.a, l.runs, l.occurrences, p, l.ctx, weights, l.scratch);
   return cudaGetLastError();
 }
 template <class Opt, typename W>
@@ -270,10 +272,17 @@ cudaError_t launch_any_width(const AnyWidthLaunch& l) {
   using any_width::PrefetchMode;
   const PrefetchMode mode = any_width::prefetch_mode_from_env();  // (read, and checked, whatever the dtype)
   const bool occupancy = any_width::occupancy_from_env();          // (the same)
+  const bool shared_row = any_width::shared_row_from_env(occupancy);
   if constexpr (std::is_same<W, float>::value) {
     if (mode == PrefetchMode::kOn || (mode == PrefetchMode::kAuto && l.a.max_D > any_width::kPrefetchAutoMinD)) {
-      // (TBEGEN_ANY_WIDTH_OCCUPANCY=1: the same kernels at 3 blocks per multiprocessor, the same bits)
-      if (occupancy) return launch_any_width_kernels<Opt, W, true, true>(l);
+      // (TBEGEN_ANY_WIDTH_OCCUPANCY=1: the same kernels at 3 blocks per multiprocessor, the same bits;
+      // with TBEGEN_ANY_WIDTH_SHARED_ROW=1 each warp's summed row in shared memory, where it fits)
+      if (occupancy) {
+        const size_t shared_bytes = shared_row && l.a.max_D <= any_width::kSharedRowMaxD
+                                        ? size_t(l.threads / kWarpSize) * size_t(l.a.max_D) * sizeof(float)
+                                        : 0;
+        return launch_any_width_kernels<Opt, W, true, true>(l, shared_bytes);
+      }
       return launch_any_width_kernels<Opt, W, true>(l);
     }
   } else if constexpr (std::is_same<W, c10::Half>::value) {
@@ -284,6 +293,7 @@ cudaError_t launch_any_width(const AnyWidthLaunch& l) {
   }
   (void)mode;  // (bf16 and int8 weights: the default kernels)
   (void)occupancy;  // (float weights only)
+  (void)shared_row;
   return launch_any_width_kernels<Opt, W, false>(l);
 }
 
