@@ -239,12 +239,12 @@ cudaError_t launch_any_width_kernels(const AnyWidthLaunch& l, size_t shared_byte
       }();
       // one list on `stream` (every item in key order, the whole grid on it), then the runs of
       // several segments finished after it, on the same stream
-      items<<<l.warp_blocks, l.threads, shared_bytes, l.stream>>>(l.a, l.runs, l.items, l.occurrences, p, l.ctx, weights,
-                                                       l.partial, l.scratch);
+      items<<<l.warp_blocks, l.threads, shared_bytes, l.stream>>>(l.a, l.runs, l.items, l.occurrences, p, l.ctx,
+                                                                  weights, l.partial, l.scratch);
       cudaError_t err = cudaGetLastError();
       if (err != cudaSuccess) return err;
-      finish<<<l.finish_blocks, l.threads, shared_bytes, l.stream>>>(l.a, l.runs, l.occurrences, p, l.ctx, weights, l.partial,
-                                                          l.side_scratch);
+      finish<<<l.finish_blocks, l.threads, shared_bytes, l.stream>>>(l.a, l.runs, l.occurrences, p, l.ctx, weights,
+                                                                     l.partial, l.side_scratch);
       return cudaGetLastError();
     }
   }
@@ -256,15 +256,16 @@ cudaError_t launch_any_width_kernels(const AnyWidthLaunch& l, size_t shared_byte
     if constexpr (kOccupancy) return &any_width::backward_warp_kernel_occupancy<Opt, W>;
     else return &any_width::backward_warp_kernel<Opt, W, kPrefetch>;
   }();
-  segment<<<l.segment_blocks, l.threads, shared_bytes, l.side>>>(l.a, l.runs, l.occurrences, p, l.ctx, weights, l.partial,
-                                                      l.side_scratch);
+  segment<<<l.segment_blocks, l.threads, shared_bytes, l.side>>>(l.a, l.runs, l.occurrences, p, l.ctx, weights,
+                                                                 l.partial, l.side_scratch);
   cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) return err;
-  finish<<<l.finish_blocks, l.threads, shared_bytes, l.side>>>(l.a, l.runs, l.occurrences, p, l.ctx, weights, l.partial,
-                                                    l.side_scratch);
+  finish<<<l.finish_blocks, l.threads, shared_bytes, l.side>>>(l.a, l.runs, l.occurrences, p, l.ctx, weights,
+                                                               l.partial, l.side_scratch);
   err = cudaGetLastError();
   if (err != cudaSuccess) return err;
-  warp<<<l.warp_blocks, l.threads, shared_bytes, l.stream>>>(l.a, l.runs, l.occurrences, p, l.ctx, weights, l.scratch);
+  warp<<<l.warp_blocks, l.threads, shared_bytes, l.stream>>>(l.a, l.runs, l.occurrences, p, l.ctx, weights,
+                                                             l.scratch);
   return cudaGetLastError();
 }
 template <class Opt, typename W>
