@@ -696,7 +696,7 @@ class RowCache:
             back_in = torch.addcmul(got[0], per_row, ii).unbind(0)
             # (a slot without a row to write back: -1 in every kind; its addcmul is discarded)
             back_out = ((None,) * len(kinds) if oo is None else
-                        torch.where(oo >= 0, torch.addcmul(got[0], per_row, oo), -1).unbind(0))
+                        torch.addcmul(got[0], per_row, oo).masked_fill_(oo < 0, -1).unbind(0))
             if self._exchange_states and kinds == ("element", "row") and self._exchange_with_states(
                     buffers, slot, back_out, back_in, units[0], launches):
                 continue
@@ -1102,10 +1102,21 @@ class RowCache:
             edges = torch.searchsorted(sk, self._edge_keys)
             running = torch.empty((2, N + 1), dtype=ct, device=dev)
             running.select(1, 0).zero_()
-            torch.cumsum(first, 0, dtype=ct, out=running[0, 1:])
-            torch.cumsum(first & miss_k, 0, dtype=ct, out=running[1, 1:])
+            # (each sorted entry's distinct key, from 1; its missing distinct key, from 1)
+            ranks, miss_ranks = running[0, 1:], running[1, 1:]
+            torch.cumsum(first, 0, dtype=ct, out=ranks)
+            torch.cumsum(first & miss_k, 0, dtype=ct, out=miss_ranks)
             at_edges = running.index_select(1, edges)
+            # (views made while the device is behind, for the fill: each table's first missing row
+            # among them all, where every missing row is loaded)
+            miss_first = at_edges[1, :nc]
             parts = [edges, at_edges.reshape(-1), miss_k.sum().reshape(1)]
+            # (where the last batch had a direct table with more distinct rows than its slots, this
+            # one likely has too: the rows it admits are planned now, while the device is behind;
+            # not by a prefetch that such a batch defers)
+            plan = None
+            if getattr(self, "_admit_ahead", False) and not (defer and self._backing_in_flight()):
+                plan = self._admit_plan(at_edges)
             held = self._held_mask()
             if held is not None:  # per table, the held slots other than the batch's hit rows
                 table_k = torch.searchsorted(self._table_ends, sk, right=True)
@@ -1167,6 +1178,7 @@ class RowCache:
         # (then the slots not holding a hit take the batch's most read missing rows; the others
         # are read from the backing store in place)
         admit = [min(mi, C - (n - mi)) for mi, n, C in zip(miss_h, need_h, self.slots)]
+        self._admit_ahead = admit != miss_h
         if defer and not bypass and sum(admit) and self._backing_in_flight():
             # A batch in flight read rows in place: moving any row now would make its backward
             # look it up again (and, in TorchRec's order, the prefetched batch after it): deferred.
@@ -1186,7 +1198,6 @@ class RowCache:
                 return None
             self._release_all()
             held = None
-        ranks = running[0, 1:]  # (each sorted entry's distinct key, from 1)
         # sorted positions of each distinct row's first entry, then the end of the looked-up ones
         # (the first entry not looked up, or N)
         at_end = torch.searchsorted(ranks, self._iota(n_unique + 1, ct, 1))
@@ -1195,40 +1206,40 @@ class RowCache:
         tU = torch.searchsorted(self._table_ends, U, right=True)
         slot = slot_k.index_select(0, at)  # (int32; -1: missing)
         sbase_u = T["sbase"].index_select(0, tU)
-        counts = None
-        if self.algorithm == "lfu" or admit != miss_h:
-            counts = at_end[1:] - at  # how often the batch reads each distinct row
         self.tick += 1
         tick = self.tick
-        if self.algorithm == "lfu":
-            self._counts.index_put_((U,), counts, accumulate=True)  # (U distinct: an add)
-            self._count_bound += n_looked
         if sum(admit):
             missing_u = slot < 0
             if admit == miss_h:  # every missing row: the sorted positions of the missing firsts
-                at_miss = torch.searchsorted(running[1, 1:], self._iota(n_miss, ct, 1))
+                at_miss = torch.searchsorted(miss_ranks, self._iota(n_miss, ct, 1))
                 mU = sk.index_select(0, at_miss)
                 mT = torch.searchsorted(self._table_ends, mU, right=True)
             else:
-                missing = self._compact(missing_u, n_miss)
-                tm = tU[missing]
-                # per table, most read first, then by row: one stable sort of (table, n_looked - count)
-                order = torch.argsort(torch.add(n_looked - counts[missing], tm, alpha=n_looked + 1), stable=True)
-                missing, tm = missing[order], tm[order]  # (tm ascending)
-                # per table, on the device (the summary's running counts at its first key): its
-                # distinct and missing rows, the rows it admits, and where its missing rows start
-                # per table (the summary's running counts at its first key, on the device): where
-                # its missing rows end, less those it cannot admit (its distinct rows past its slots)
-                r = at_edges[0, :nc + 1]
-                end = at_edges[1, 1:nc + 1] - (r[1:] - r[:-1] - T["C"]).clamp(min=0)
-                sel = self._compact(self._iota(n_miss) < end[tm], sum(admit))
-                mU, mT = U[missing[sel]], tm[sel]
+                # per table, its most read missing rows (then by row), as many as it admits: one
+                # stable sort of the distinct rows by (table, a missing row's count, most first;
+                # hits last), then each table's first admit[k] (those it plans: _admit_plan)
+                if plan is None:
+                    plan = self._admit_plan(at_edges)
+                miss_first, shift = plan
+                minus = (at - at_end[1:]) * missing_u  # (minus a missing row's count; a hit 0)
+                order = torch.argsort(torch.add(minus, tU, alpha=n_looked + 1), stable=True)
+                j = self._iota(sum(admit))
+                mT = torch.searchsorted(miss_first[1:], j, right=True)
+                mU = U.index_select(0, order.index_select(0, j + shift.index_select(0, mT)))
             mRow = mU - T["rbase"].index_select(0, mT)
             # the batch's own slots (its hit rows'; the others point at the extra entry)
-            protect = torch.where(missing_u, self.num_slots, sbase_u + slot)
+            protect = (sbase_u + slot).masked_fill_(missing_u, self.num_slots)
             with span("tbegen.cache.fill"):
                 self._fill(buffers, mU, mT, mRow, protect, admit, held, readers_wait, aside=defer and self._aside,
-                           rows_wait=rows_wait)
+                           rows_wait=rows_wait, first=miss_first)
+        counts = None
+        if self.algorithm == "lfu" or admit != miss_h:
+            counts = at_end[1:] - at  # how often the batch reads each distinct row
+        if self.algorithm == "lfu":
+            # (after the fill, whose exchange is then queued sooner: the counts of the batch's
+            # rows order no victim, those in slots being protected, nor does a higher bound)
+            self._counts.index_put_((U,), counts, accumulate=True)  # (U distinct: an add)
+            self._count_bound += n_looked
         n_backing = [n - a - (n - mi) for n, a, mi in zip(need_h, admit, miss_h)]  # (direct tables only)
         slot = self._row_slot.index_select(0, U)
         out_type = indices.dtype
@@ -1255,6 +1266,21 @@ class RowCache:
         st["unique_hits"] += unique_hits
         return Ticket(out, slots, self.epoch, indices, offsets,
                       self._features_for(bypass), bypass, self.hard_epoch, bool(bypass) or sum(n_backing) > 0)
+
+    def _admit_plan(self, at_edges: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Where a direct table has more distinct rows in the batch than slots (it admits only
+        admit[k] = missing - (distinct - slots) of its missing rows), prepare's plan of the admitted
+        rows, from the summary's running counts at each table's first key (`at_edges`, on the
+        device, so that it needs no host-known size and is issued before the host wait): per
+        table, the first of its admitted rows among all of them (a cumulative sum of admit), and
+        `shift`, where its first admitted row is in the distinct rows sorted by (table, missing
+        before hit) less that: the j-th admitted row (of table t) is that order's j + shift[t]."""
+        nc = len(self.tables)
+        a = at_edges[:, :nc + 1]
+        per = a[:, 1:] - a[:, :-1]  # per table: distinct rows, missing rows
+        admit = per[1] - (per[0] - self._t["C"]).clamp_(min=0)
+        first = torch.cumsum(admit, 0).sub_(admit)
+        return first, a[0, :nc] - first
 
     def _kept(self, indices: torch.Tensor, perm: torch.Tensor, bad_direct: Tuple[int, int]) -> torch.Tensor:
         """A copy of the indices, where out-of-range ones of direct tables (the sorted entries
@@ -1406,7 +1432,7 @@ class RowCache:
 
     def _fill(self, buffers, mU, mT, mRow, protect, count_h, held: Optional[torch.Tensor] = None,
               readers_wait: Optional[callable] = None, aside: bool = False,
-              rows_wait: Optional[callable] = None) -> None:
+              rows_wait: Optional[callable] = None, first: Optional[torch.Tensor] = None) -> None:
         """Loads rows (cached keys mU of tables mT, grouped by table: count_h[c] of table c) into
         the coldest slots of their tables (the j-th row of a table into its j-th coldest slot),
         never into the batch's own slots (`protect`: slot numbers, num_slots for none) or those
@@ -1419,7 +1445,8 @@ class RowCache:
 
         `aside` (a prefetch's fill with TBEGEN_CACHE_LOOKUP_STREAM=1): the exchange kernels are
         issued on the exchange stream after this fill's bookkeeping (_launch_aside); otherwise the
-        rows move on this stream, after the exchange stream's latest kernels."""
+        rows move on this stream, after the exchange stream's latest kernels. `first` (prepare's,
+        made before its host wait): each table's first row in mU; None: found here."""
         self._before_unheld_move(readers_wait)  # (holds let go since: their forwards may still read)
         if not aside:
             self._join_aside()
@@ -1429,7 +1456,8 @@ class RowCache:
         protected = torch.zeros(S + 1, dtype=torch.bool, device=dev) if held is None else held
         protected.index_fill_(0, protect, True)
         nt, M = len(self.tables), mU.numel()
-        first = torch.searchsorted(mT, self._iota(nt))  # (mT ascends)
+        if first is None:  # (each table's first row in mT: given by prepare, or found, mT ascending)
+            first = torch.searchsorted(mT, self._iota(nt))
         sb = T["sbase"][mT]
         # the j-th row of its table takes that table's j-th coldest slot (never a protected one)
         k = max(count_h)

@@ -10,6 +10,7 @@ out of range, int32 indices, several features of one table."""
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 
 import sys
@@ -74,6 +75,25 @@ def test_operators_per_prefetch_beside_a_held_batch():
     assert got[0] <= 56 and got[1] <= 35 and got[2] <= 64, (got, row["op_names"])
 
 
+@pytest.mark.parametrize("fraction,lru,lfu", [(0.05, 62, 68), (0.2, 54, 60)])
+def test_operators_from_the_host_wait_to_the_exchange(fraction, lru, lfu):
+    """On CUDA the device waits from the batch's host wait until the host has dispatched the
+    exchange kernel (the step's largest): `to move` (cache_prepare_ops.py --exchange, the kernel a
+    stand-in) counts what the host dispatches in between. At 8 x 100k x 16, B 2048, L 20 (the
+    script's defaults), LRU / LFU: 5% 84 / 91 before issue 27's fill host cut, 59 / 65 after (a
+    direct table with more distinct rows than slots: the rows it admits from one sort of the
+    distinct rows, planned before the host wait; the LFU counts after the exchange; views made
+    before the wait); 20% 59 / 68, 51 / 57."""
+    import cache_prepare_ops
+
+    args = cache_prepare_ops.parse_args(["--warmup", "4", "--steps", "2", "--time-steps", "0", "--exchange"])
+    for algorithm, bound in (("lru", lru), ("lfu", lfu)):
+        row = cache_prepare_ops.measure(args, fraction, algorithm)
+        assert row["counted_evictions"] > 0 and row["bypasses"] == 0, row
+        assert (row["backing_rows"] > 0) == (fraction == 0.05), row  # (5%: a direct table over its slots)
+        assert row["ops_to_move"] <= bound, (algorithm, row["ops_to_move"], row["op_names"])
+
+
 # ---- the same as the frozen cache on random batches ----------------------------------------------
 
 
@@ -118,6 +138,28 @@ def test_prepare_matches_the_frozen_cache_on_random_batches(monkeypatch, algorit
     a, b = new._cache, old._cache
     g = torch.Generator().manual_seed(len(features) * 7 + len(tables))
     checked = dict(bad=0, direct_bad=0, empty=0, bypass=0, backing=0, evictions=0)
+    # (a direct table over its slots: its admitted rows planned before the host wait, where the
+    # batch before was over too, and after it, where not: both are checked against the frozen cache)
+    plans, waited = dict(ahead=0, after=0), [False]
+    real_span, real_plan, real_prepare = cache_.span, cache_.RowCache._admit_plan, cache_.RowCache.prepare
+
+    @contextlib.contextmanager
+    def span(name):
+        waited[0] |= name == "tbegen.cache.host_wait"
+        with real_span(name):
+            yield
+
+    def admit_plan(self, at_edges):
+        plans["after" if waited[0] else "ahead"] += 1
+        return real_plan(self, at_edges)
+
+    def prepare(self, *args, **kwargs):
+        waited[0] = False
+        return real_prepare(self, *args, **kwargs)
+
+    monkeypatch.setattr(cache_, "span", span)
+    monkeypatch.setattr(cache_.RowCache, "_admit_plan", admit_plan)
+    monkeypatch.setattr(cache_.RowCache, "prepare", prepare)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         for step in range(60):
@@ -157,3 +199,4 @@ def test_prepare_matches_the_frozen_cache_on_random_batches(monkeypatch, algorit
         assert checked["bypass"], checked
     if cache_rows == [10, 4, 20]:
         assert checked["backing"] and checked["direct_bad"], checked
+        assert plans["ahead"] and plans["after"], plans
