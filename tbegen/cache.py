@@ -306,6 +306,7 @@ class RowCache:
             return torch.tensor(values, dtype=torch.int64, device=device)
 
         self._t = {k: t(v) for k, v in h.items()}
+        self._t["table"] = torch.arange(len(self.tables), device=device)  # (0, 1, ...: the fill's)
         self._feature_cached_t = t(self._feature_cached)
         self._slot_table = torch.repeat_interleave(torch.arange(len(self.tables), device=device), self._t["C"])
         # prepare's per-feature tables (padded as _feature_cached: indexed by feature + 1): the first
@@ -1458,14 +1459,20 @@ class RowCache:
         nt, M = len(self.tables), mU.numel()
         if first is None:  # (each table's first row in mT: given by prepare, or found, mT ascending)
             first = torch.searchsorted(mT, self._iota(nt))
-        sb = T["sbase"][mT]
         # the j-th row of its table takes that table's j-th coldest slot (never a protected one)
         k = max(count_h)
         coldest = self._coldest(protected[:S], k)
         if coldest is not None:  # (table t's j-th: entry t * k + j of its k coldest)
-            local_slot = coldest.view(-1).index_select(0, self._iota(M) - torch.sub(first, self._iota(nt), alpha=k)[mT])
-            victims = sb + local_slot
+            tables = T.get("table")  # (0, 1, ..., kept: no view of the iota to dispatch)
+            at = torch.sub(first, self._iota(nt) if tables is None else tables, alpha=k).index_select(0, mT)
+            local_slot = coldest.view(-1).index_select(0, self._iota(M) - at)
+            width = max(self.slots)
+            if nt * width == S:  # (every table has as many slots: table t's first slot is t * width)
+                victims = torch.add(local_slot, mT, alpha=width)
+            else:
+                victims = T["sbase"].index_select(0, mT) + local_slot
         else:
+            sb = T["sbase"][mT]
             order = self._victim_order(protected[:S])
             victims = order[self._iota(M) + (T["sbase"] - first)[mT]]
             local_slot = victims - sb
