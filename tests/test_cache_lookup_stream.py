@@ -35,7 +35,7 @@ from tbegen import cache as cache_
 from tbegen import module as module_
 from tbegen.module import TableBatchedEmbeddingBags
 
-from test_prefetch_pipeline import FEATURES, LR, TABLES, built  # noqa: F401 (built: the module's autouse build)
+from test_prefetch_pipeline import FEATURES, LR, TABLES, _hot_batches, built  # noqa: F401 (built: the module's autouse build)
 from test_row_exchange import exchange_rows_reference, with_exchange
 
 cuda = pytest.mark.cuda
@@ -50,18 +50,9 @@ def _module(device="cpu", cache_rows=(34, None, 40), **kw):
 
 
 def _batches(steps, seed, hot=150, device="cpu"):
-    """Batches of 4 bags a feature, 0-3 rows a bag, rows from the first `hot` of each table."""
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    B = 4
-    for _ in range(steps):
-        lengths = torch.randint(0, 4, (len(FEATURES) * B,), generator=g)
-        idx = torch.cat([torch.randint(0, min(hot, TABLES[FEATURES[k // B]][0]), (int(n),), generator=g)
-                         for k, n in enumerate(lengths)])
-        offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
-        grad = torch.randn(B, sum(TABLES[t][1] for t in FEATURES), generator=g)
-        out.append((idx.to(device), offsets.to(device), grad.to(device)))
-    return out
+    """test_prefetch_pipeline's batches (4 bags a feature, 0-3 rows a bag, rows from the first `hot`
+    of each table), on `device`."""
+    return [tuple(t.to(device) for t in batch) for batch in _hot_batches(steps, seed, hot)]
 
 
 # ---- the switch -------------------------------------------------------------------------------------
