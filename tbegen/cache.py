@@ -241,6 +241,9 @@ class RowCache:
         # into the cache invalidates them), for a prefetch to leave them alone (prepare's `defer`)
         self._in_flight_backing: List[Ticket] = []
         self.tick = 0
+        # whether the last batch had a direct table with more distinct rows than its slots (the
+        # next one's admitted rows are then planned before its host wait: prepare, _admit_plan)
+        self._admit_ahead = False
         self._warned = set()
         self.stats = self._zero_stats()
         # The CUDA extension's _copy_rows operator (managed_memory.h), or None: the rows then move
@@ -1116,7 +1119,7 @@ class RowCache:
             # one likely has too: the rows it admits are planned now, while the device is behind;
             # not by a prefetch that such a batch defers)
             plan = None
-            if getattr(self, "_admit_ahead", False) and not (defer and self._backing_in_flight()):
+            if self._admit_ahead and not (defer and self._backing_in_flight()):
                 plan = self._admit_plan(at_edges)
             held = self._held_mask()
             if held is not None:  # per table, the held slots other than the batch's hit rows
@@ -1463,8 +1466,8 @@ class RowCache:
         k = max(count_h)
         coldest = self._coldest(protected[:S], k)
         if coldest is not None:  # (table t's j-th: entry t * k + j of its k coldest)
-            tables = T.get("table")  # (0, 1, ..., kept: no view of the iota to dispatch)
-            at = torch.sub(first, self._iota(nt) if tables is None else tables, alpha=k).index_select(0, mT)
+            # (T["table"]: 0, 1, ..., kept, so that no view of the iota is dispatched)
+            at = torch.sub(first, T["table"], alpha=k).index_select(0, mT)
             local_slot = coldest.view(-1).index_select(0, self._iota(M) - at)
             width = max(self.slots)
             if nt * width == S:  # (every table has as many slots: table t's first slot is t * width)
