@@ -217,6 +217,7 @@ class RowCache:
         self.weights_tail = w - layout.weights_numel  # elements after the tables
         self.keys_tail = k - layout.total_hash_size  # row keys after the tables' keys
         self.direct = direct
+        self._all_direct = all(direct)  # (no table is ever bypassed: prepare's early deferral)
         # a direct table's slots are indices past its rows: int32 indices may not reach them
         self.needs_int64 = max(v + C for v, C in zip(vbase, self.slots)) >= 2 ** 31
         self._host = dict(
@@ -1077,6 +1078,15 @@ class RowCache:
         nc = len(self.tables)
         nr = self.num_rows
         st = self.stats
+        if defer and self._all_direct and self._backing_in_flight():
+            # A batch in flight read rows in place (more distinct rows of a direct table than its
+            # slots), so this prefetch would be deferred anyway once its lookup found a row to move
+            # (below; with every table direct none is bypassed): deferred now, without that lookup,
+            # its host wait and its device work, and the forward looks the batch up itself
+            # (landing11, H100, C2 at a 5% cache: every prefetch deferred after its lookup, two
+            # lookups a batch; the pipelined step 34.90 ms against 32.90 in-step).
+            st["deferred"] += 1
+            return None
         # each index's feature + 1 (0 before every bag, F + 1 after them): the index of its
         # entry in the per-feature tables. (Gathers here are index_select: it takes int32
         # indices as they are, where x[i] converts them to int64 first, a hidden pass.)

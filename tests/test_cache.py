@@ -173,6 +173,28 @@ def test_prefetch_beside_a_batch_read_in_place(monkeypatch, rule):
         assert stats["prepares"] > len(data)
 
 
+def test_prefetch_beside_a_batch_read_in_place_skips_its_lookup():
+    """Every table direct (one width), caches smaller than a batch's distinct rows: each batch in
+    flight reads rows in place, so each prefetch beside it is deferred before its lookup (no sort,
+    no host wait: RowCache.prepare's early deferral), each batch is looked up once, by its forward,
+    and the numbers are those of device placement."""
+    tables = [(40, 8), (25, 8), (30, 8)]
+    data = batches(tables, 6, B=6, L=3, seed=17, weighted=True)
+    kw = dict(optimizer="rowwise_adagrad", learning_rate=0.05)
+    device = train(TableBatchedEmbeddingBags(tables, **kw), data)
+    cached = TableBatchedEmbeddingBags(tables, placements="managed_caching", cache_rows=4, **kw)
+    assert all(cached.cache_stats()["direct"].values())
+    sort = cached._cache._sort_keys
+    sorts = []
+    cached._cache._sort_keys = lambda keys: sorts.append(keys.numel()) or sort(keys)
+    _train_prefetching_ahead(cached, data)
+    assert_same_tables(device, cached)
+    stats = cached.cache_stats()
+    assert stats["backing_lookups"] > 0 and stats["deferred"] == len(data) - 1  # (every prefetch but the first)
+    assert stats["prepares"] == len(data)  # each batch looked up once
+    assert len(sorts) == stats["prepares"]  # (a lookup deferred after its sort would add one)
+
+
 @pytest.mark.parametrize("algorithm", ["lru", "lfu"])
 def test_prefetch_ahead_keeps_the_batch_in_flight(algorithm):
     """prefetch(batch k+1) between forward and backward of batch k, with room for both batches
