@@ -399,13 +399,22 @@ class RowCache:
         the same run): the cached step 36.17 -> 31.62 ms in-step at 5% (FBGEMM 37.84), 21.62 ->
         19.23 at 20% (FBGEMM 28.23); pipelined 37.67 -> 35.27 and 21.09 -> 19.42.
         TBEGEN_CACHE_EXCHANGE=0 takes the two copies (the way back); unset, empty or "1": the
-        exchange; anything else is refused. The same rows move either way, bit for bit."""
+        exchange; anything else is refused. The same rows move either way, bit for bit.
+        TBEGEN_CACHE_EXCHANGE_BLOCKS=n (1 to 65535; for an A/B, read when the cache is made) bounds
+        the grid at n blocks instead of one per SM: its warps hold ~2 MB of rows in flight at one
+        block per SM, far above what the host link needs (its bandwidth times its latency, ~0.1-0.2
+        MB a direction), while they keep the SMs from the kernels beside them (landing11's pipelined
+        profile: the backward beside the exchange 9.8 ms, 1.8 alone). Same rows, same bits."""
         flag = os.environ.get("TBEGEN_CACHE_EXCHANGE", "")
         if flag not in ("", "0", "1"):
             raise ValueError(f"tbegen: TBEGEN_CACHE_EXCHANGE must be 0 or 1 (or unset), got {flag!r}")
+        blocks = os.environ.get("TBEGEN_CACHE_EXCHANGE_BLOCKS", "")
+        if blocks and not (blocks.isdigit() and 1 <= int(blocks) <= 65535):
+            raise ValueError("tbegen: TBEGEN_CACHE_EXCHANGE_BLOCKS must be a block count from 1 to 65535 (or unset), "
+                             f"got {blocks!r}")
         if flag == "0" or not self._row_copy_blocks or self._exchange_op is None:
             return 0
-        return 2 * self._row_copy_blocks
+        return int(blocks) if blocks else 2 * self._row_copy_blocks
 
     def _exchange_states_on(self) -> bool:
         """Whether the fill's exchange moves the per-row states with their rows (_exchange_rows_with_states,

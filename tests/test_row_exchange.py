@@ -186,6 +186,33 @@ def test_switch_refuses_other_values(monkeypatch, value):
         TableBatchedEmbeddingBags(TABLES, optimizer="sgd", placements=MIXED, cache_rows=12)
 
 
+@pytest.mark.parametrize("value", ["0", "-3", "65536", "8 ", "many"])
+def test_grid_bound_refuses_other_values(monkeypatch, value):
+    monkeypatch.setenv("TBEGEN_CACHE_EXCHANGE_BLOCKS", value)
+    with pytest.raises(ValueError, match="TBEGEN_CACHE_EXCHANGE_BLOCKS"):
+        TableBatchedEmbeddingBags(TABLES, optimizer="sgd", placements=MIXED, cache_rows=12)
+
+
+@pytest.mark.parametrize("value", ["", "33"])
+def test_grid_bound_reaches_the_exchange(monkeypatch, value):
+    """TBEGEN_CACHE_EXCHANGE_BLOCKS=n: every exchange launch gets n as its grid bound (unset: one
+    block per SM, twice the row copy's bound); the cache trains as device placement does."""
+    monkeypatch.setenv("TBEGEN_CACHE_EXCHANGE_BLOCKS", value)
+    data, device, cached = cached_pair("sgd", "lru", torch.float32)
+    bounds = []
+
+    def op(rows, slot_rows, out_rows, in_rows, max_blocks):
+        bounds.append(max_blocks)
+        exchange_rows_reference(rows, slot_rows, out_rows, in_rows, max_blocks)
+
+    with_row_copy(cached, copy_rows_reference, 5)
+    cached._cache._exchange_op = op
+    cached._cache._exchange_blocks = cached._cache._exchange_grid(torch.device("cpu"))  # (as on CUDA)
+    train_both(device, cached, data)
+    assert_same_tables(device, cached)
+    assert bounds and set(bounds) == {int(value) if value else 10}
+
+
 def test_reference_skips_rows_outside_the_tensor():
     """The contract the CUDA test below holds the kernel to, on a small case by hand."""
     rows = torch.arange(24, dtype=torch.float32).reshape(8, 3)
