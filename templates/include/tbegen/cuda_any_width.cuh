@@ -63,17 +63,29 @@ namespace tbegen {
 namespace cuda {
 namespace any_width {
 
+// ---- the kernels' environment switches ----------------------------------------------------------
+
+// A kernel switch read from the environment: unset or empty kUnset, "0" kOff, "1" kOn; anything
+// else is refused (std::invalid_argument: a typo must not time one path under the other's name).
+enum class EnvSwitch { kUnset, kOff, kOn };
+inline EnvSwitch env_switch(const char* name) {
+  const char* v = std::getenv(name);
+  if (v == nullptr || *v == '\0') return EnvSwitch::kUnset;
+  if (std::strcmp(v, "0") == 0) return EnvSwitch::kOff;
+  if (std::strcmp(v, "1") == 0) return EnvSwitch::kOn;
+  throw std::invalid_argument(std::string("tbegen: ") + name + " must be 0 or 1 (or unset), got '" + v + "'");
+}
+
 // ---- the prefetching variant (TBEGEN_ANY_WIDTH_PREFETCH) -----------------------------------------
 
-// The switch: unset or empty kAuto, "0" kOff, "1" kOn; anything else is refused (a typo must not
-// time one path under the other's name).
+// The switch: unset or empty kAuto, "0" kOff, "1" kOn (env_switch).
 enum class PrefetchMode { kAuto, kOff, kOn };
 inline PrefetchMode prefetch_mode_from_env() {
-  const char* v = std::getenv("TBEGEN_ANY_WIDTH_PREFETCH");
-  if (v == nullptr || *v == '\0') return PrefetchMode::kAuto;
-  if (std::strcmp(v, "0") == 0) return PrefetchMode::kOff;
-  if (std::strcmp(v, "1") == 0) return PrefetchMode::kOn;
-  throw std::invalid_argument(std::string("tbegen: TBEGEN_ANY_WIDTH_PREFETCH must be 0 or 1 (or unset), got '") + v + "'");
+  switch (env_switch("TBEGEN_ANY_WIDTH_PREFETCH")) {
+    case EnvSwitch::kOff: return PrefetchMode::kOff;
+    case EnvSwitch::kOn: return PrefetchMode::kOn;
+    default: return PrefetchMode::kAuto;
+  }
 }
 
 // kAuto's choice: the variant where it was measured faster, float and fp16 rows wider than this
@@ -99,12 +111,7 @@ constexpr int64_t kPrefetchAutoMinD = 512;
 // prefetching kernels' (tests/test_any_width_occupancy.py). TBEGEN_ANY_WIDTH_OCCUPANCY: unset,
 // empty or "0" off, "1" on; anything else is refused; read (and checked) at every launch, whatever
 // the dtype; bf16, fp16 and int8 weights and the default (non-prefetching) kernels do not have it.
-inline bool occupancy_from_env() {
-  const char* v = std::getenv("TBEGEN_ANY_WIDTH_OCCUPANCY");
-  if (v == nullptr || *v == '\0' || std::strcmp(v, "0") == 0) return false;
-  if (std::strcmp(v, "1") == 0) return true;
-  throw std::invalid_argument(std::string("tbegen: TBEGEN_ANY_WIDTH_OCCUPANCY must be 0 or 1 (or unset), got '") + v + "'");
-}
+inline bool occupancy_from_env() { return env_switch("TBEGEN_ANY_WIDTH_OCCUPANCY") == EnvSwitch::kOn; }
 // The variant's blocks per multiprocessor (its kernels' kMinBlocks; the others' is 1).
 constexpr int kOccupancyMinBlocks = 3;
 
@@ -118,10 +125,7 @@ constexpr int kOccupancyMinBlocks = 3;
 // "0" off, "1" on; anything else, or "1" without the occupancy variant, is refused.
 constexpr int64_t kSharedRowMaxD = 1536;
 inline bool shared_row_from_env(bool occupancy) {
-  const char* v = std::getenv("TBEGEN_ANY_WIDTH_SHARED_ROW");
-  if (v == nullptr || *v == '\0' || std::strcmp(v, "0") == 0) return false;
-  if (std::strcmp(v, "1") != 0)
-    throw std::invalid_argument(std::string("tbegen: TBEGEN_ANY_WIDTH_SHARED_ROW must be 0 or 1 (or unset), got '") + v + "'");
+  if (env_switch("TBEGEN_ANY_WIDTH_SHARED_ROW") != EnvSwitch::kOn) return false;
   if (!occupancy)
     throw std::invalid_argument("tbegen: TBEGEN_ANY_WIDTH_SHARED_ROW=1 is an option of TBEGEN_ANY_WIDTH_OCCUPANCY=1, which is not set");
   return true;

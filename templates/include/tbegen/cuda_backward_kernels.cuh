@@ -135,19 +135,12 @@ inline int short_run_grid(const BackwardLaunch& l, int resident_per_sm) {
 // (docs/gpu-runs/2026-12-05-landing10, T=32 E=500000 B=8192 L=20 Zipf 1.1, D = 4 to 64 beside
 // FBGEMM: the backward of adam 11-21% faster at D = 4-32, adagrad and rowwise_adagrad 8-24% at
 // D = 4-20, within +-5% at D = 32-64; sgd mixed, -10% to +11%); "0" off, "1" on; anything else is
-// refused (a typo must not time one path under the other's name).
-enum class RowsCachedMode { kAuto, kOff, kOn };
-inline RowsCachedMode group_rows_cached_mode() {
-  const char* v = std::getenv("TBEGEN_GROUP_ROWS_CACHED");
-  if (v == nullptr || *v == '\0') return RowsCachedMode::kAuto;
-  if (std::strcmp(v, "0") == 0) return RowsCachedMode::kOff;
-  if (std::strcmp(v, "1") == 0) return RowsCachedMode::kOn;
-  throw std::invalid_argument(std::string("tbegen: TBEGEN_GROUP_ROWS_CACHED must be 0 or 1 (or unset), got '") + v + "'");
-}
+// refused (a typo must not time one path under the other's name: any_width::env_switch).
 template <class Opt>
 bool group_rows_cached() {
-  const RowsCachedMode mode = group_rows_cached_mode();
-  return mode == RowsCachedMode::kOn || (mode == RowsCachedMode::kAuto && Opt::kElementStates + Opt::kRowStates + Opt::kIntRowStates > 0);
+  const any_width::EnvSwitch mode = any_width::env_switch("TBEGEN_GROUP_ROWS_CACHED");
+  return mode == any_width::EnvSwitch::kOn ||
+         (mode == any_width::EnvSwitch::kUnset && Opt::kElementStates + Opt::kRowStates + Opt::kIntRowStates > 0);
 }
 
 // Launches the short runs' kernel: backward_group_kernel<Opt, W, kVecs, kStreamRows> where

@@ -500,11 +500,7 @@ inline bool segment_lane_groups_enabled() { return opt_in_switch("TBEGEN_SEGMENT
 // default float rows and fp16 rows wider than 512 columns); elsewhere the list is made and not
 // used. The same bits either way (the same sums in the same order). Read (and a bad value refused)
 // at every call, whichever kernels the batch takes.
-inline bool any_width_items_enabled(bool wide_half) {
-  const char* v = std::getenv("TBEGEN_ANY_WIDTH_ITEMS");
-  if (v == nullptr || *v == '\0') return wide_half;
-  return opt_in_switch("TBEGEN_ANY_WIDTH_ITEMS");
-}
+inline bool any_width_items_enabled(bool wide_half) { return switch_or("TBEGEN_ANY_WIDTH_ITEMS", wide_half); }
 
 // The backward pass with an optimizer fused in (docs/algorithm.md): prepare_backward sorts and
 // segments the batch, then the optimizer's update kernels (`kernels`, launched with its `params`:
