@@ -41,7 +41,6 @@ struct BackwardLaunch {
   bool element_lane_groups = true;  // the group kernel also for optimizers with per-element state (kVecs = 1)
   bool long_runs = true;          // launch the long runs' kernels (one launch per call does: the widest class's)
   int short_run_waves = 1;        // > 0: the short runs' grid is at most this many resident waves (short_run_grid)
-  bool small_tickets = false;     // the short-run kernels' kSmallTickets variant (TBEGEN_SHORT_RUN_TICKETS=1)
 };
 
 using BackwardLaunchFn = cudaError_t (*)(const BackwardLaunch&);
@@ -144,23 +143,17 @@ bool group_rows_cached() {
 }
 
 // Launches the short runs' kernel: backward_group_kernel<Opt, W, kVecs, kStreamRows> where
-// kGroup, else backward_warp_kernel<Opt, W, kVecs>; with l.small_tickets their kSmallTickets
-// variant (cuda_kernels.cuh, small_ticket_runs), on the same grid.
-template <class Opt, typename W, int kVecs, bool kGroup, bool kStreamRows, bool kSmallTickets>
+// kGroup, else backward_warp_kernel<Opt, W, kVecs>, on short_run_grid's grid.
+template <class Opt, typename W, int kVecs, bool kGroup, bool kStreamRows>
 cudaError_t launch_short_runs(const BackwardLaunch& l, const typename Opt::Params& p, W* weights) {
-  if constexpr (!kSmallTickets) {
-    if (l.small_tickets) return launch_short_runs<Opt, W, kVecs, kGroup, kStreamRows, true>(l, p, weights);
-  }
   if constexpr (kGroup) {
     static const int resident_per_sm =
-        resident_blocks_per_sm(backward_group_kernel<Opt, W, kVecs, kStreamRows, kSmallTickets>, l.threads);
-    backward_group_kernel<Opt, W, kVecs, kStreamRows, kSmallTickets><<<short_run_grid(l, resident_per_sm), l.threads, 0,
-                                                                       l.stream>>>(l.a, l.runs, l.occurrences, p, l.ctx,
-                                                                                   weights);
+        resident_blocks_per_sm(backward_group_kernel<Opt, W, kVecs, kStreamRows>, l.threads);
+    backward_group_kernel<Opt, W, kVecs, kStreamRows><<<short_run_grid(l, resident_per_sm), l.threads, 0, l.stream>>>(
+        l.a, l.runs, l.occurrences, p, l.ctx, weights);
   } else {
-    static const int resident_per_sm =
-        resident_blocks_per_sm(backward_warp_kernel<Opt, W, kVecs, kSmallTickets>, l.threads);
-    backward_warp_kernel<Opt, W, kVecs, kSmallTickets><<<short_run_grid(l, resident_per_sm), l.threads, 0, l.stream>>>(
+    static const int resident_per_sm = resident_blocks_per_sm(backward_warp_kernel<Opt, W, kVecs>, l.threads);
+    backward_warp_kernel<Opt, W, kVecs><<<short_run_grid(l, resident_per_sm), l.threads, 0, l.stream>>>(
         l.a, l.runs, l.occurrences, p, l.ctx, weights);
   }
   return cudaGetLastError();
@@ -200,12 +193,12 @@ cudaError_t launch_backward(const BackwardLaunch& l) {
       // group_rows_cached (by default for optimizers with state): the variant whose rows take the
       // default cache policy instead of evict-first, float weights only; the same bits
       if constexpr (std::is_same<W, float>::value) {
-        if (rows_cached) return launch_short_runs<Opt, W, kVecs, true, false, false>(l, p, weights);
+        if (rows_cached) return launch_short_runs<Opt, W, kVecs, true, false>(l, p, weights);
       }
-      return launch_short_runs<Opt, W, kVecs, true, true, false>(l, p, weights);
+      return launch_short_runs<Opt, W, kVecs, true, true>(l, p, weights);
     }
   }
-  return launch_short_runs<Opt, W, kVecs, false, true, false>(l, p, weights);
+  return launch_short_runs<Opt, W, kVecs, false, true>(l, p, weights);
 }
 
 // Launches the three any-width update kernels for optimizer Opt; returns the first launch error.

@@ -729,30 +729,9 @@ struct BackwardArgs {
 // shuffles late hides that round trip).
 __device__ __forceinline__ int32_t ask_ticket(int32_t* ticket, int lane) { return lane == 0 ? atomicAdd(ticket, 1) : 0; }
 
-// The first run of this warp's next group of `runs` runs (32 by default; num_runs or beyond: none
-// left).
-__device__ __forceinline__ int64_t take_group(int32_t* ticket, int lane, int32_t runs = kWarpSize) {
-  return int64_t(__shfl_sync(kFullMask, ask_ticket(ticket, lane), 0)) * runs;
-}
-
-// Runs per ticket of the short-run kernels' TBEGEN_SHORT_RUN_TICKETS=1 variant (issue 29, "random
-// 2": T=2 tables, B=16384, L=10, Zipf 1.2, ~19 K short runs a table): 32 as by default when the
-// batch has at least kTicketsPerWarp tickets of 32 runs for every warp of the grid, else the largest
-// of 16, 8 and kMinTicketRuns that has (or kMinTicketRuns). By default a ticket is 32 runs, which
-// one warp updates one after another, each a chain of dependent loads (its description, its
-// weights and gradient rows, then the other occurrences' descriptions and rows); with ~39 K runs
-// in all, ~1.2 K tickets, so a one-wave grid of 4224 warps (132 SMs x 4 blocks of 8 warps) had
-// ~600 warps with runs of its width class, each 32 runs long, and the kernel lasted 32 run
-// latencies (backward_warp_kernel<sgd, Half, 2> 116 us on the H200: ~3.6 us a run). Every warp
-// of the grid computes the same count from the same num_runs, and a row is still updated by one
-// warp with its occurrences summed in sorted order: the same bits whatever the count.
-constexpr int32_t kMinTicketRuns = 4;
-constexpr int64_t kTicketsPerWarp = 2;
-__device__ __forceinline__ int32_t small_ticket_runs(int32_t num_runs) {
-  const int64_t warps = int64_t(gridDim.x) * (blockDim.x / kWarpSize);
-  int32_t runs = kWarpSize;
-  while (runs > kMinTicketRuns && (int64_t(num_runs) + runs - 1) / runs < kTicketsPerWarp * warps) runs >>= 1;
-  return runs;
+// The first run of this warp's next group of 32 runs (num_runs or beyond: none left).
+__device__ __forceinline__ int64_t take_group(int32_t* ticket, int lane) {
+  return int64_t(__shfl_sync(kFullMask, ask_ticket(ticket, lane), 0)) * kWarpSize;
 }
 
 // The width of the row of the run whose first occurrence is in `bag`.
@@ -1076,10 +1055,7 @@ struct ShortRun {
 // weights and states are loaded while the current one is summed and updated, so each warp keeps
 // two rows' loads in flight.
 // Occurrences are summed in sorted (= index) order.
-// kSmallTickets: the TBEGEN_SHORT_RUN_TICKETS=1 variant, whose tickets are small_ticket_runs runs
-// (fewer than 32 where the batch has few runs for its grid), lanes past them fetching nothing;
-// else the same code (the same bits).
-template <class Opt, typename W, int kVecs, bool kSmallTickets = false>
+template <class Opt, typename W, int kVecs>
 __global__ void __launch_bounds__(256) backward_warp_kernel(BackwardArgs a, Runs r, Occurrences o, typename Opt::Params p,
                                                             RowUpdateContext ctx, W* weights) {
   if (update_blocked(a)) return;
@@ -1091,15 +1067,11 @@ __global__ void __launch_bounds__(256) backward_warp_kernel(BackwardArgs a, Runs
   const int lane = threadIdx.x % kWarpSize;
   const int32_t num_runs = r.counts[0];
   const bool none_pooling = a.pooling == kPoolNone;
-  const int32_t ticket_runs = kSmallTickets ? small_ticket_runs(num_runs) : kWarpSize;
-  for (int64_t group = take_group(a.ticket, lane, ticket_runs); group < num_runs;
-       group = take_group(a.ticket, lane, ticket_runs)) {
+  for (int64_t group = take_group(a.ticket, lane); group < num_runs; group = take_group(a.ticket, lane)) {
     int32_t my_len = 0, my_start = 0;
     int64_t my_key = 0;
     OccurrenceInfo my_first;
-    // (lane < ticket_runs: always true by default)
-    const bool described = (!kSmallTickets || lane < ticket_runs) && group + lane < num_runs;
-    if (described) {
+    if (group + lane < num_runs) {
       my_start = r.starts[group + lane];
       my_len = r.end_of(group + lane, num_runs) - my_start;
       my_key = r.key_at(my_start);
@@ -1108,7 +1080,7 @@ __global__ void __launch_bounds__(256) backward_warp_kernel(BackwardArgs a, Runs
     // the runs of this group that are this kernel's: long runs are backward_segment_kernel's,
     // skipped bad indices update nothing, and with split widths, rows of another width class are
     // another launch's
-    bool mine = described && my_len < r.max_segment_length_per_warp && my_key < r.skipped_key;
+    bool mine = group + lane < num_runs && my_len < r.max_segment_length_per_warp && my_key < r.skipped_key;
     if (a.split_widths && mine) mine = short_run_fits<kVecs>(a, run_width(a, my_first.bag));
     unsigned todo = __ballot_sync(kFullMask, mine);
     if (todo == 0) continue;
@@ -1169,8 +1141,7 @@ __global__ void __launch_bounds__(256) backward_warp_kernel(BackwardArgs a, Runs
 // writes part of a sector; if the evict-first line was evicted between the row's load and its
 // store, L2 holds a partial sector that costs a read from HBM to merge on the way out (the
 // evidence and the A/B to run: benchmarks/NOTES-gpu.md, "Narrow rows with an element state").
-// kSmallTickets: as backward_warp_kernel's (TBEGEN_SHORT_RUN_TICKETS=1).
-template <class Opt, typename W, int kVecs, bool kStreamRows = true, bool kSmallTickets = false>
+template <class Opt, typename W, int kVecs, bool kStreamRows = true>
 __global__ void __launch_bounds__(256) backward_group_kernel(BackwardArgs a, Runs r, Occurrences o, typename Opt::Params p,
                                                              RowUpdateContext ctx, W* weights) {
   if (update_blocked(a)) return;
@@ -1179,18 +1150,14 @@ __global__ void __launch_bounds__(256) backward_group_kernel(BackwardArgs a, Run
   const int lane = threadIdx.x % kWarpSize;
   const int32_t num_runs = r.counts[0];
   const bool none_pooling = a.pooling == kPoolNone;
-  const int32_t ticket_runs = kSmallTickets ? small_ticket_runs(num_runs) : kWarpSize;
-  for (int64_t group = take_group(a.ticket, lane, ticket_runs); group < num_runs;
-       group = take_group(a.ticket, lane, ticket_runs)) {
+  for (int64_t group = take_group(a.ticket, lane); group < num_runs; group = take_group(a.ticket, lane)) {
     // lane l describes run group + l: where it starts, its length, key and first occurrence, and
     // how many lanes its row needs
     int32_t my_len = 0, my_start = 0;
     int64_t my_key = 0;
     int my_lanes = 0, my_D = 0;
     OccurrenceInfo my_first;
-    // (lane < ticket_runs: always true by default)
-    const bool described = (!kSmallTickets || lane < ticket_runs) && group + lane < num_runs;
-    if (described) {
+    if (group + lane < num_runs) {
       my_start = r.starts[group + lane];
       my_len = r.end_of(group + lane, num_runs) - my_start;
       my_key = r.key_at(my_start);
@@ -1200,7 +1167,7 @@ __global__ void __launch_bounds__(256) backward_group_kernel(BackwardArgs a, Run
     }
     // (as in backward_warp_kernel: long runs, skipped bad indices and, with split widths, rows of
     // another width class are not this kernel's)
-    unsigned todo = __ballot_sync(kFullMask, described && my_len < r.max_segment_length_per_warp &&
+    unsigned todo = __ballot_sync(kFullMask, group + lane < num_runs && my_len < r.max_segment_length_per_warp &&
                                                  my_key < r.skipped_key && short_run_fits<kVecs>(a, my_D));
     while (todo != 0) {
       // this round's runs: `lanes` lanes each, at most 32 / lanes of them, taken in key order

@@ -414,14 +414,6 @@ inline int short_run_waves() {
   return n > 0 ? std::min(n, 64) : 0;
 }
 
-// Whether the 4-wide short-run kernels take tickets of fewer than 32 runs where the batch has few
-// runs for their grid (issue 29, "random 2": T=2 tables, Zipf 1.2, fp16, ~39 K runs: ~600 warps of
-// the one-wave grid of 4224 updated 32 runs each, one after another, and backward_warp_kernel<sgd,
-// Half, 2> took 116 us on the H200; cuda_kernels.cuh, small_ticket_runs). TBEGEN_SHORT_RUN_TICKETS:
-// unset, empty or "0" off (the default), "1" on; anything else is refused. The same bits either way
-// (each row updated by one warp, its occurrences summed in sorted order). Read at every call.
-inline bool short_run_small_tickets() { return opt_in_switch("TBEGEN_SHORT_RUN_TICKETS"); }
-
 // Whether a VBE batch's backward gathers each occurrence's output-gradient row offset once after
 // the sort (prepare_backward's step 3c; BackwardArgs::pooling) instead of the update kernels reading
 // the plan's bag_out table per occurrence, between the occurrence's bag and its row (issue 25: on
@@ -562,8 +554,6 @@ __attribute__((visibility("hidden"))) void backward_cuda(
   a.skip_bad_indices = skip_bad_indices;
   a.long_run_l2_hint = env_is_one("TBEGEN_LONG_RUN_L2_HINT");
   a.segment_lane_groups = segment_lane_groups_enabled();
-  // (read, and a bad value refused, whichever kernels the batch takes)
-  const bool small_tickets = short_run_small_tickets();
   a.float_rows_4wide = float_rows_4wide;
 
   // The long runs' kernels run on a side stream, concurrently with the short runs' kernel (they
@@ -598,7 +588,6 @@ __attribute__((visibility("hidden"))) void backward_cuda(
       l.threads = kThreads;
       l.sms = sms;
       l.short_run_waves = short_run_waves();
-      l.small_tickets = small_tickets;
       l.side = side.stream();
       l.stream = stream.stream();
       // the segment and finish kernels on `side`, the warp (or group) kernel on `stream`; with
