@@ -843,7 +843,8 @@ def _pipeline_train(device, pipeline):
         if k.endswith(".weight"):
             shards = v.local_shards() if hasattr(v, "local_shards") else None
             weights[k] = (shards[0].tensor if shards is not None else v).detach().cpu().clone()
-    return dict(outs=[o.cpu() for o in outs], weights=weights, takes=takes)
+    return dict(outs=[o.cpu() for o in outs], weights=weights, takes=takes,
+                deferred=[k.emb_module.cache_stats()["deferred"] for k in cached])
 
 
 def _pipeline_worker(rank, port, outdir):
@@ -863,7 +864,8 @@ def _pipeline_worker(rank, port, outdir):
 def test_cuda_torchrec_prefetch_pipeline_trains_like_plain_dmp(tmp_path):
     """TorchRec's PrefetchTrainPipelineSparseDist on one NCCL rank, FUSED_UVM_CACHING tables in
     two cached groups (prefetch_pipeline on): its prefetch stream, its forward and backward on
-    the default stream; bit for bit the plain DMP training, and every forward took its batch."""
+    the default stream; bit for bit the plain DMP training, and every forward took its prefetched
+    batch but where the cache deferred that prefetch (counted by cache_stats)."""
     pytest.importorskip("torchrec")
     pytest.importorskip("fbgemm_gpu")
     from ranks import free_port  # (tests/ranks.py)
@@ -878,7 +880,11 @@ def test_cuda_torchrec_prefetch_pipeline_trains_like_plain_dmp(tmp_path):
     assert sorted(plain["weights"]) == sorted(piped["weights"])
     for k in plain["weights"]:
         assert torch.equal(plain["weights"][k], piped["weights"][k]), k
-    assert len(piped["takes"]) == 2 and piped["takes"] == [[True] * STEPS] * 2
+    # every forward took its prefetched batch, but where that prefetch was deferred (it did not
+    # fit beside the batch in flight: docs/placements.md); the plain run prefetches nothing
+    assert len(piped["takes"]) == 2 and [len(t) for t in piped["takes"]] == [STEPS] * 2
+    assert [t.count(False) for t in piped["takes"]] == piped["deferred"]
+    assert all(sum(t) > STEPS // 2 for t in piped["takes"])  # (most prefetches were taken)
 
 
 # ---- CUDA: a prefetch on a side stream ----------------------------------------------------------
