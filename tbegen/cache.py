@@ -362,7 +362,7 @@ class RowCache:
         self._units = self._row_units()
         self._side = None  # the write-back stream (CUDA), made on first use
         self._writeback_pending = False
-        # TBEGEN_CACHE_LOOKUP_STREAM=1 (_exchange_aside_on): a prefetch's exchange kernels run on
+        # TBEGEN_CACHE_LOOKUP_STREAM on (_exchange_aside_on): a prefetch's exchange kernels run on
         # the exchange stream (made on first use), the latest of them followed by `_aside_done`
         # ((stream, event), waited for by every other move: _join_aside); `_aside_new`: the same,
         # set by the prefetch that launched them, for the module to take (take_aside)
@@ -371,6 +371,9 @@ class RowCache:
         self._aside_new = None
         self._row_copy_blocks = self._copy_blocks(device)
         self._exchange_blocks = self._exchange_grid(device)
+        # a prefetch's exchange on the exchange stream takes a quarter of that grid (_grid), unless
+        # TBEGEN_CACHE_EXCHANGE_BLOCKS=n bounds both (validated by _exchange_grid)
+        self._aside_share = 1 if os.environ.get("TBEGEN_CACHE_EXCHANGE_BLOCKS", "") else 4
         self._exchange_states = self._exchange_states_on()
         self._aside = self._exchange_aside_on()
         self._key_sort_bits = self._key_sort_width(device)
@@ -400,11 +403,10 @@ class RowCache:
         19.23 at 20% (FBGEMM 28.23); pipelined 37.67 -> 35.27 and 21.09 -> 19.42.
         TBEGEN_CACHE_EXCHANGE=0 takes the two copies (the way back); unset, empty or "1": the
         exchange; anything else is refused. The same rows move either way, bit for bit.
+        This is the grid of the exchange in a forward's fill (in series with the step's kernels); a
+        prefetch's exchange on the exchange stream takes a quarter of it (_grid).
         TBEGEN_CACHE_EXCHANGE_BLOCKS=n (1 to 65535; for an A/B, read when the cache is made) bounds
-        the grid at n blocks instead of one per SM: its warps hold ~2 MB of rows in flight at one
-        block per SM, far above what the host link needs (its bandwidth times its latency, ~0.1-0.2
-        MB a direction), while they keep the SMs from the kernels beside them (landing11's pipelined
-        profile: the backward beside the exchange 9.8 ms, 1.8 alone). Same rows, same bits."""
+        both at n blocks. Same rows, same bits at any grid."""
         flag = os.environ.get("TBEGEN_CACHE_EXCHANGE", "")
         if flag not in ("", "0", "1"):
             raise ValueError(f"tbegen: TBEGEN_CACHE_EXCHANGE must be 0 or 1 (or unset), got {flag!r}")
@@ -415,6 +417,21 @@ class RowCache:
         if flag == "0" or not self._row_copy_blocks or self._exchange_op is None:
             return 0
         return int(blocks) if blocks else 2 * self._row_copy_blocks
+
+    def _grid(self, launches: Optional[list]) -> int:
+        """The grid bound of an exchange launch: _exchange_blocks in a fill that moves its rows now,
+        a quarter of it (at least 1) for a prefetch's exchange issued on the exchange stream
+        (`launches`: _launch_aside), which runs beside the backward of the batch before. At one
+        block per SM the exchange's warps hold ~2 MB of rows in flight, far above what the host
+        link needs (its bandwidth times its latency, ~0.1-0.2 MB a direction), and keep the SMs
+        from that backward (landing11's pipelined profile: the backward beside the exchange 9.8 ms,
+        1.8 alone). Measured on the H100 (docs/gpu-runs/2026-12-05-landing12, C2 rowwise_adagrad,
+        bench_cache, the same process): pipelined at a 20% cache 18.27 ms a step with the exchange
+        on the prefetch stream, 18.29 on the exchange stream at the whole grid, 13.90 on it at 33
+        blocks (FBGEMM 28.20); at 10% and 5%, where most prefetches are deferred, 25.90 -> 25.04 and
+        31.62 -> 30.99. TBEGEN_CACHE_EXCHANGE_BLOCKS=n sets both bounds (_aside_share 1)."""
+        blocks = self._exchange_blocks
+        return blocks if launches is None else max(1, blocks // self._aside_share)
 
     def _exchange_states_on(self) -> bool:
         """Whether the fill's exchange moves the per-row states with their rows (_exchange_rows_with_states,
@@ -435,9 +452,12 @@ class RowCache:
     def _exchange_aside_on(self) -> bool:
         """Whether a prefetch's exchange kernels run on a stream of the cache's own, so that the
         next prefetch's lookup, on the prefetch stream, runs beside them (issue 27; docs/placements.md,
-        "Prefetching on another stream"). Opt-in while it is measured: TBEGEN_CACHE_LOOKUP_STREAM=1
-        (where the fill exchanges: CUDA, the exchange on); unset, empty or "0": the exchange on the
-        prefetch's stream (the way it was); anything else is refused. The same rows move, bit for bit.
+        "Prefetching on another stream"). The default where the fill exchanges (CUDA, the exchange
+        on): unset, empty or "1"; TBEGEN_CACHE_LOOKUP_STREAM=0: the exchange on the prefetch's
+        stream (the way back); anything else is refused. The same rows move, bit for bit. Measured
+        with the quarter grid of _grid (landing12, H100, C2 rowwise_adagrad pipelined at a 20%
+        cache: 18.27 -> 13.90 ms a step); on the exchange stream at the whole grid it gained
+        nothing there (18.29), the backward beside it held off the SMs.
 
         Why: TorchRec's order queues the prefetch of batch i + 1 on the stream that holds batch i's
         exchange kernels (queued by the prefetch of batch i), so its lookup, and its one host wait
@@ -463,7 +483,7 @@ class RowCache:
         flag = os.environ.get("TBEGEN_CACHE_LOOKUP_STREAM", "")
         if flag not in ("", "0", "1"):
             raise ValueError(f"tbegen: TBEGEN_CACHE_LOOKUP_STREAM must be 0 or 1 (or unset), got {flag!r}")
-        return flag == "1" and self._exchange_blocks > 0
+        return flag != "0" and self._exchange_blocks > 0
 
     def _key_sort_width(self, device: torch.device) -> int:
         """The key bits prepare's sort reads with the runtime's _sort_keys (on CUDA: the bits of the
@@ -687,7 +707,7 @@ class RowCache:
         the slot, in every buffer. Each warp then keeps both directions of the host link busy,
         with no staging copy of the evicted rows and no side stream. `per_table`: how many of the
         victims are of each cached table (known to the host: the rows of each width are picked
-        without a host wait). `launches` (a list, TBEGEN_CACHE_LOOKUP_STREAM=1): the index
+        without a host wait). `launches` (a list, TBEGEN_CACHE_LOOKUP_STREAM on): the index
         arithmetic runs now, on this stream, and each kernel launch is appended to it as
         (operator, arguments) for _launch_aside to issue on the exchange stream."""
         if in_rows.numel() == 0:
@@ -741,7 +761,7 @@ class RowCache:
             view = buf.as_strided((count, width), (unit, 1))
             mine = states[k * per_launch:(k + 1) * per_launch]
             _launch(launches, self._exchange_states_op, view, slot[0], back_out[0], back_in[0], mine, slot[1],
-                    back_out[1], back_in[1], self._exchange_blocks)
+                    back_out[1], back_in[1], self._grid(launches))
         return True
 
     def _exchange_runs(self, buffers, kind: str, slot: torch.Tensor, back_out: Optional[torch.Tensor],
@@ -763,7 +783,7 @@ class RowCache:
             o = torch.where(back_out[:, None] < 0, -1, back_out[:, None] + parts).reshape(-1)
         for buf in targets:
             view = _wide_rows(buf[: buf.numel() // unit * unit].view(-1, unit))
-            _launch(launches, self._exchange_op, view, s, o, i, self._exchange_blocks)
+            _launch(launches, self._exchange_op, view, s, o, i, self._grid(launches))
 
     # ---- write-back beside the loads (CUDA) ----
 
@@ -801,7 +821,7 @@ class RowCache:
 
     def _launch_aside(self, launches: list, rows_wait: Optional[callable] = None) -> None:
         """Issues a prefetch's exchange kernels (`launches`: (operator, arguments), _exchange) on the
-        exchange stream (TBEGEN_CACHE_LOOKUP_STREAM=1, _exchange_aside_on), so that the next
+        exchange stream (TBEGEN_CACHE_LOOKUP_STREAM on, _exchange_aside_on), so that the next
         prefetch's lookup on this stream does not queue behind them. Who reads and writes what:
         - the exchange kernels read their index tensors (made on this stream by the fill's index
           arithmetic, just queued) and read and write the buffers' victim slots and the backing
@@ -1066,7 +1086,7 @@ class RowCache:
         `defer` (a prefetch): where the batch's rows would need slots held for other batches,
         None, with nothing changed (the forward looks the batch up then). `readers_wait` (a
         prefetch's, on CUDA): called before rows move out of slots whose holds were let go
-        (_before_unheld_move). `rows_wait` (a prefetch's with TBEGEN_CACHE_LOOKUP_STREAM=1, whose
+        (_before_unheld_move). `rows_wait` (a prefetch's with TBEGEN_CACHE_LOOKUP_STREAM on, whose
         lookup waited only for the bookkeeping of other streams' uses, module._CacheStreams.mark):
         rows_wait(stream) makes `stream` wait for the rest of them (the kernels of the backward
         before, which update rows a fill may evict), before rows move: on the exchange stream
@@ -1466,7 +1486,7 @@ class RowCache:
         row is written back (a clean one's slot holds its backing row's bits, so that write
         changes nothing), unless no slot can be dirty; the statistics count the dirty ones.
 
-        `aside` (a prefetch's fill with TBEGEN_CACHE_LOOKUP_STREAM=1): the exchange kernels are
+        `aside` (a prefetch's fill with TBEGEN_CACHE_LOOKUP_STREAM on): the exchange kernels are
         issued on the exchange stream after this fill's bookkeeping (_launch_aside); otherwise the
         rows move on this stream, after the exchange stream's latest kernels. `first` (prepare's,
         made before its host wait): each table's first row in mU; None: found here."""

@@ -489,7 +489,7 @@ class _CacheStreams:
     the forward of batch i as well (it needs the backward of batch i - 1, whose rows it may evict
     and write back). Where a lookup does move rows that a read may be using (holds let go:
     `RowCache._before_unheld_move`), it first waits for every other stream's latest use
-    (`wait_all`). With TBEGEN_CACHE_LOOKUP_STREAM=1 a prefetch's row exchange runs on the cache's
+    (`wait_all`). With TBEGEN_CACHE_LOOKUP_STREAM on a prefetch's row exchange runs on the cache's
     exchange stream (RowCache._launch_aside): `moved` makes every use that waits for all other
     streams (wait=True, wait_all) wait for its latest event, and the forward that takes the batch
     waits for the exchange stream's latest event at that prefetch (the point's third element, `wait_for`);
@@ -515,7 +515,7 @@ class _CacheStreams:
         self.settling: Dict[Any, Any] = {}  # stream -> the event after its latest settling use (likewise)
         # stream -> the event after the bookkeeping of its latest lookup or settling use: its end,
         # or, for a backward, the point after its dirty flags (`mark`), before its kernels; what a
-        # prefetch's lookup waits for with TBEGEN_CACHE_LOOKUP_STREAM=1 (wait="marks")
+        # prefetch's lookup waits for with TBEGEN_CACHE_LOOKUP_STREAM on (wait="marks")
         self.marks: Dict[Any, Any] = {}
         self.marked = set()  # streams whose use in progress recorded its mark
         self.several = False  # (events are recorded only once a second stream has been seen)
@@ -594,7 +594,7 @@ class _CacheStreams:
             self.marks[current] = None
 
     def mark(self, device: torch.device) -> None:
-        """Within a settling use (a backward, TBEGEN_CACHE_LOOKUP_STREAM=1): its bookkeeping is
+        """Within a settling use (a backward, TBEGEN_CACHE_LOOKUP_STREAM on): its bookkeeping is
         done (the dirty flags of its batch marked), what follows on this stream are its kernels,
         which touch only its batch's slots. A prefetch's lookup (wait="marks") waits for this
         point, not for the kernels; the exchange that may evict the batch's rows waits for the
@@ -609,7 +609,7 @@ class _CacheStreams:
         """`stream` (the cache's exchange stream, or the prefetch's stream before it moves rows
         itself) waits for the latest lookup or settling use of every other stream but the current
         one (which it follows already): what a prefetch's lookup did not wait for with
-        TBEGEN_CACHE_LOOKUP_STREAM=1 (wait="marks": the kernels of the backward before, which
+        TBEGEN_CACHE_LOOKUP_STREAM on (wait="marks": the kernels of the backward before, which
         update rows this exchange may write back)."""
         if device.type != "cuda":
             return
@@ -1037,7 +1037,7 @@ class TableBatchedEmbeddingBags(nn.Module):
         held for other batches (RowCache.prepare); it waits for the latest lookup or settling use
         on every other stream, not for the kernels of forwards that read held batches
         (_CacheStreams: the prefetch of batch i + 1 runs beside the forward of batch i)."""
-        aside = defer and self._cache._aside  # (TBEGEN_CACHE_LOOKUP_STREAM=1: RowCache._launch_aside)
+        aside = defer and self._cache._aside  # (TBEGEN_CACHE_LOOKUP_STREAM on: RowCache._launch_aside)
         wait = "marks" if aside else "changes" if defer else True
         self._cache_order.enter(self._registered("weights").device, wait=wait, lookup=lookup)
         if self._cache.needs_int64 and indices.dtype != torch.int64:
@@ -1155,7 +1155,7 @@ class TableBatchedEmbeddingBags(nn.Module):
             ticket = self._prepare(checked_indices, checked_offsets, defer=True)
         device = self._registered("weights").device
         point = self._cache_order.leave(device, lookup=True)  # (the forward waits for it)
-        if self._cache._aside:  # (TBEGEN_CACHE_LOOKUP_STREAM=1: exchanges on the cache's exchange stream)
+        if self._cache._aside:  # (TBEGEN_CACHE_LOOKUP_STREAM on: exchanges on the cache's exchange stream)
             moved = self._cache.take_aside()
             if moved is not None:
                 self._cache_order.moved(device, *moved)

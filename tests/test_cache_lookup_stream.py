@@ -81,9 +81,13 @@ def test_switch_is_off_without_the_exchange(monkeypatch, value):
 
 
 def test_switch_is_read_with_the_exchange(monkeypatch):
-    """Where the fill exchanges (on CUDA by default: here through the stand-in), "1" turns the
-    exchange stream on, "0" and unset leave it off; read when the cache's state is made."""
-    for value, on in (("1", True), ("0", False), ("", False)):
+    """Where the fill exchanges (on CUDA by default: here through the stand-in), unset, "" and
+    "1" take the exchange stream (the default since landing12), "0" leaves it off; read when the
+    cache's state is made."""
+    monkeypatch.delenv(SWITCH, raising=False)
+    emb = with_exchange(_module(), exchange_rows_reference)
+    assert emb._cache._exchange_aside_on() is True
+    for value, on in (("1", True), ("0", False), ("", True)):
         monkeypatch.setenv(SWITCH, value)
         emb = with_exchange(_module(), exchange_rows_reference)
         emb._cache._aside = emb._cache._exchange_aside_on()
@@ -217,11 +221,14 @@ def _simulated(monkeypatch):
         _ranges.enable(was_on)
 
 
-def _lazy_op(sim, X, calls):
+def _lazy_op(sim, X, calls, bounds=None):
     """The exchange operator's stand-in: run at once, or, issued on X, queued until waited for;
-    the tensors it is given must have been handed to X first."""
+    the tensors it is given must have been handed to X first. `bounds` (a list): gets (stream
+    name, grid bound) of each call."""
     def op(rows, slot_rows, out_rows, in_rows, max_blocks):
         calls.append(sim.current.name)
+        if bounds is not None:
+            bounds.append((sim.current.name, max_blocks))
         if sim.current is X:
             for t in (slot_rows, out_rows, in_rows):
                 assert t is None or id(t) in sim.handed, "an index tensor read on X was not handed to it"
@@ -323,6 +330,30 @@ def test_lazy_exchange_stream_trains_like_in_step(monkeypatch, order, seed):
     prefetch_waits = [n for stream, n in sim.pending_at_host_waits if stream == "P"]
     if order == "ahead":
         assert max(prefetch_waits) > 0, sim.pending_at_host_waits
+
+
+@pytest.mark.parametrize("given", [None, "5"])
+def test_the_exchange_stream_takes_a_quarter_of_the_grid(monkeypatch, given):
+    """A prefetch's exchange on X runs beside the backward before: it takes a quarter of the
+    exchange's grid (at least 1 block; cache._grid), a fill on D the whole of it;
+    TBEGEN_CACHE_EXCHANGE_BLOCKS=n bounds both at n. Two batches ahead, so that both kinds of
+    fill happen (deferred prefetches leave their batch to a forward's fill on D)."""
+    if given is None:
+        monkeypatch.delenv("TBEGEN_CACHE_EXCHANGE_BLOCKS", raising=False)
+    else:
+        monkeypatch.setenv("TBEGEN_CACHE_EXCHANGE_BLOCKS", given)
+    data = _batches(12, seed=1)
+    calls, bounds = [], []
+    with _simulated(monkeypatch) as (sim, D, P, X, made):
+        emb = with_exchange(_module(), _lazy_op(sim, X, calls, bounds), blocks=int(given or 12))
+        emb._cache._aside = True
+        emb._cache_order = _Shadow()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            _train(emb, data, "ahead", sim, D, P)
+    want = {"X": 5, "D": 5} if given else {"X": 3, "D": 12}
+    assert {name for name, _ in bounds} == {"X", "D"}, bounds
+    assert all(b == want[name] for name, b in bounds), bounds
 
 
 def _sections(sim, marks):
