@@ -13,8 +13,8 @@
 #   bash benchmarks/run_gpu_plan.sh 4   # issue 27's record: the referee's --placements run, sgd and rowwise_adagrad at
 #                                       # 5, 10, 20%, after the CUDA tests of the cache
 #   bash benchmarks/run_gpu_plan.sh 5   # issue 29's next levers in the cells still under 1.0x (D=1024, random 2, B=512,
-#                                       # T=1/T=4): the any-width occupancy variant's tests and A/Bs, each system's kernels
-#                                       # per step there, ncu on D=1024 sgd (~9.5 min; the last steps may be cut)
+#                                       # T=1/T=4): the any-width occupancy kernels' tests and A/B against their way back,
+#                                       # each system's kernels per step there, ncu on D=1024 sgd (~9 min)
 #   bash benchmarks/run_gpu_plan.sh 6   # issue 25's VBE table (bench_vbe beside FBGEMM's padded step, vbe_step_ops with
 #                                       # --python, the VBE tests incl. vbe_plan_padded's; ~5 min)
 #   bash benchmarks/run_gpu_plan.sh 7   # issue 27's pipelined steps with TBEGEN_CACHE_LOOKUP_STREAM=1, tbegen alone with
@@ -34,14 +34,15 @@ run() {  # a command of the plan: printed (quoted as the shell reads it), and ru
 }
 
 # Call 5: the cells still under 1.0x FBGEMM's backward on landing11's H100 sweep (fp32 D=1024,
-# random 2, B=512 adagrad, T=1 and T=4): the any-width occupancy variant for D=1024 beside the
-# defaults (TBEGEN_ANY_WIDTH_OCCUPANCY=1, helper-40: 24 resident warps per SM in the wide-row kernels,
-# with TBEGEN_ANY_WIDTH_SHARED_ROW=1 the summed row in shared memory, predicted D=1024 sgd 8.77 ->
-# 8.0-8.5 ms), its bitwise tests first; then each system's kernels per step in those cells
-# (sweep_gpu.py --profile) and ncu on D=1024 sgd with and without the occupancy variant.
-# (TBEGEN_SHORT_RUN_TICKETS=1, helper-39, lost at landing12 and was removed.)
+# random 2, B=512 adagrad, T=1 and T=4): the any-width occupancy kernels with the shared row (float
+# rows' default since landing12: D=1024 sgd 8.785 -> 8.219 ms on the H100) beside their way back,
+# TBEGEN_ANY_WIDTH_OCCUPANCY=0 (the 2-block kernels), their bitwise tests first; then each system's
+# kernels per step in those cells (sweep_gpu.py --profile) and ncu on D=1024 sgd with and without
+# the occupancy kernels. (D=1024 is the sweep's only fp32 cell on the prefetching kernels: no fp32
+# row is wider, D=512 takes the 4-wide kernels. TBEGEN_SHORT_RUN_TICKETS=1, helper-39, lost at
+# landing12 and was removed.)
 PROFILE_CELLS="^(D=1024|random 2|B=512|T=1|T=4) "
-VARIANT_ABS="TBEGEN_ANY_WIDTH_OCCUPANCY=1@^D=1024 ;TBEGEN_ANY_WIDTH_OCCUPANCY=1,TBEGEN_ANY_WIDTH_SHARED_ROW=1@^D=1024 "
+VARIANT_ABS="TBEGEN_ANY_WIDTH_OCCUPANCY=0@^D=1024 "
 VARIANT_TESTS="tests/test_any_width_occupancy.py"
 # call 3's bench_cache options: the three cache sizes, in-step and pipelined, the default beside
 # the exchange on its own stream (TBEGEN_CACHE_LOOKUP_STREAM=1, helper-37: the pipelined prefetch's
@@ -83,7 +84,7 @@ call4() {
 
 call5() {
   run env TEST_FILES="$VARIANT_TESTS" TESTS_TIMEOUT=240 SWEEP_ABS="$VARIANT_ABS" PROFILE_ONLY="$PROFILE_CELLS" \
-    NCU_ONLY="^D=1024 sgd" NCU_AB="TBEGEN_ANY_WIDTH_OCCUPANCY=1" DEADLINE=570 bash benchmarks/run_gpu_ab.sh
+    NCU_ONLY="^D=1024 sgd" NCU_AB="TBEGEN_ANY_WIDTH_OCCUPANCY=0" DEADLINE=570 bash benchmarks/run_gpu_ab.sh
 }
 
 call6() {

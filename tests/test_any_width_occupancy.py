@@ -1,21 +1,23 @@
-"""The prefetching any-width kernels' occupancy variant (TBEGEN_ANY_WIDTH_OCCUPANCY; issue 29).
+"""The prefetching any-width kernels' occupancy variant (TBEGEN_ANY_WIDTH_OCCUPANCY; issue 29), float
+rows' default since landing12 with its shared row (TBEGEN_ANY_WIDTH_SHARED_ROW).
 
-With the switch at 1, float rows that take the prefetching any-width kernels (by default, rows wider
-than 512 columns) take the same kernels under __launch_bounds__(256, 3) (24 warps per
-multiprocessor instead of 16), their occurrence sum in 512-column passes taking two occurrences at a
-time, and a hot row's segment sums added two at a time (templates/include/tbegen/cuda_any_width.cuh,
-occupancy_from_env). Every column's sum has the same terms in the same order, so weights, states
-and outputs must be bitwise those of the prefetching kernels: for short runs (warp kernel), hot rows
+Float rows that take the prefetching any-width kernels (by default, rows wider than 512 columns)
+take by default the same kernels under __launch_bounds__(256, 3) (24 warps per multiprocessor
+instead of 16), their occurrence sum in 512-column passes taking two occurrences at a time, a hot
+row's segment sums added two at a time, and each warp's summed gradient row in dynamic shared memory
+instead of its global scratch row where it fits (rows of at most 1536 columns;
+templates/include/tbegen/cuda_any_width.cuh, occupancy_from_env and shared_row_from_env).
+TBEGEN_ANY_WIDTH_OCCUPANCY=0 is the way back to the 2-block prefetching kernels,
+TBEGEN_ANY_WIDTH_SHARED_ROW=0 keeps the occupancy kernels with the scratch row, and SHARED_ROW=1
+with OCCUPANCY=0 is refused. Every column's sum has the same terms in the same order, so weights,
+states and outputs must be bitwise the same on every path: for short runs (warp kernel), hot rows
 (segment and finish kernels, an odd and an even number of segments), the work list
 (TBEGEN_ANY_WIDTH_ITEMS=1), runs of odd and even lengths (the pairs' tail), a 1024-wide row (two
 full passes), 600- and 1000-wide rows (a partial second pass), an odd width (no 4-wide sum: the
-launch bounds only), per-sample weights, mean and none pooling. CUDA only (`pytest -m cuda`;
-skipped without a GPU): the variant has no CPU counterpart.
-
-TBEGEN_ANY_WIDTH_SHARED_ROW=1 (an option of the occupancy variant) puts each warp's summed gradient
-row in dynamic shared memory instead of its global scratch row, for rows of at most 1536 columns:
-the same arithmetic, so the same bits again, for the 4-wide sums and the column loop (D=1030), and
-a row wider than 1536 keeps the scratch row.
+column loop), per-sample weights, mean and none pooling, a 1536-wide row (the widest shared row,
+48 KB a block) and a 2000-wide one (the scratch row whatever the switch). The profiler's kernel
+names and launch records check that each setting reaches its kernels. CUDA only (`pytest -m cuda`;
+skipped without a GPU): the kernels have no CPU counterpart.
 """
 
 from __future__ import annotations
@@ -24,13 +26,15 @@ import pytest
 import torch
 
 from tbegen import harness
+from tbegen.layout import make_layout
 
-from test_any_width import _train, assert_switch_gives_default_bits
+from test_any_width import _train, bits_equal
 
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 SWITCH = "TBEGEN_ANY_WIDTH_OCCUPANCY"
+SHARED = "TBEGEN_ANY_WIDTH_SHARED_ROW"
 OPTIMIZERS = ["sgd", "rowwise_adagrad", "adagrad", "adam"]
 
 # Row 0 of the first table is hot (`hot` extra occurrences a step): with the default
@@ -52,50 +56,89 @@ CASES = {
                                        steps=2, seed=1905),
 }
 
+# (for the shared row's tests: the widest row that has one, and one wider)
+SHARED_CASES = dict(CASES)
+# the widest row with a shared row (kSharedRowMaxD: 8 warps x 1536 floats = 48 KB a block)
+SHARED_CASES["fp32-D1536-hot"] = harness.Case(tables=((60, 1536), (40, 700)), B=16, max_L=5, hot=600, steps=2,
+                                              seed=1907)
+# wider than kSharedRowMaxD (1536): the scratch row, whatever the switch
+SHARED_CASES["fp32-D2000-weighted-hot"] = harness.Case(tables=((60, 2000), (40, 1024)), B=16, max_L=5, weighted=True,
+                                                       hot=600, steps=2, seed=1906)
+
+
+@pytest.fixture(autouse=True)
+def _switches_unset(monkeypatch):
+    """Each test starts from the default (neither switch set, whatever the caller's environment)."""
+    monkeypatch.delenv(SWITCH, raising=False)
+    monkeypatch.delenv(SHARED, raising=False)
+
+
+def assert_default_gives_the_way_back_bits(ops, spec, case, monkeypatch, switch, way_back):
+    """Two steps with `switch` unset (the default) give bitwise the weights, states and outputs of
+    two steps with it at 0 (`way_back`; the steps changed the weights), twice the same, and 1 gives
+    the bits of unset."""
+    monkeypatch.setenv(switch, "0")
+    out_b, w_b, st_b = _train(ops, spec, case, "cuda")
+    monkeypatch.delenv(switch)
+    out_d, w_d, st_d = _train(ops, spec, case, "cuda")
+    _, w_d2, st_d2 = _train(ops, spec, case, "cuda")
+    gen = torch.Generator().manual_seed(case.seed)
+    w0, _ = harness.initial_state(spec, make_layout(case.tables, case.feature_table_map), case, gen)
+    assert not torch.equal(w_b, w0), "the two steps left the weights as they were"
+    assert bits_equal(w_d, w_b), f"weights differ from {way_back}: max |diff| {(w_d.double() - w_b.double()).abs().max():.3g}"
+    for k in st_b:
+        assert bits_equal(st_d[k], st_b[k]), f"state {k} differs from {way_back}"
+    for a, b in zip(out_d, out_b):
+        assert bits_equal(a, b), "forward output differs (the second step's uses the updated weights)"
+    assert bits_equal(w_d2, w_d) and all(bits_equal(st_d2[k], st_d[k]) for k in st_d), "the default not deterministic"
+    monkeypatch.setenv(switch, "1")
+    _, w_1, st_1 = _train(ops, spec, case, "cuda")
+    assert bits_equal(w_1, w_d) and all(bits_equal(st_1[k], st_d[k]) for k in st_d), f"{switch}=1 differs from unset"
+
 
 @pytest.mark.parametrize("length", ["256", "48"])
 @pytest.mark.parametrize("case_id", sorted(CASES))
 @pytest.mark.parametrize("name", OPTIMIZERS)
-def test_occupancy_variant_gives_the_prefetching_kernels_bits(load_ops, monkeypatch, name, case_id, length):
-    """Bitwise against the prefetching kernels (unset and 0), at two segment lengths (the hot rows'
-    runs of about 2500 and 700 occurrences: about 10 and 3 segments at 256, 53 and 15 at 48, so
-    the finish kernel's pairs of segment sums run with and without a single one left), twice the
-    same."""
+def test_default_gives_the_two_block_kernels_bits(load_ops, monkeypatch, name, case_id, length):
+    """The default (the occupancy kernels, the shared row where it fits) bitwise against the 2-block
+    prefetching kernels (=0), at two segment lengths (the hot rows' runs of about 2500 and 700
+    occurrences: about 10 and 3 segments at 256, 53 and 15 at 48, so the finish kernel's pairs of
+    segment sums run with and without a single one left), twice the same."""
     spec, ops = load_ops(name)
     monkeypatch.setenv("TBEGEN_ANY_WIDTH_PREFETCH", "1")
     monkeypatch.setenv("TBEGEN_SEGMENT_LENGTH", length)
-    assert_switch_gives_default_bits(ops, spec, CASES[case_id], monkeypatch, SWITCH,
-                                     default="the prefetching kernels", variant="occupancy variant")
+    assert_default_gives_the_way_back_bits(ops, spec, CASES[case_id], monkeypatch, SWITCH,
+                                           way_back="the 2-block prefetching kernels")
 
 
 @pytest.mark.parametrize("case_id", ["fp32-D1024-weighted-hot", "fp32-D600-1000-mean-hot"])
 @pytest.mark.parametrize("name", OPTIMIZERS)
-def test_occupancy_variant_with_the_work_list(load_ops, monkeypatch, name, case_id):
+def test_default_with_the_work_list(load_ops, monkeypatch, name, case_id):
     """The items kernel and the finish kernel after it on one stream (TBEGEN_ANY_WIDTH_ITEMS=1), at
-    64-occurrence segments: the variant's bits are the list's without it."""
+    64-occurrence segments: the default's bits are the 2-block list's."""
     spec, ops = load_ops(name)
     monkeypatch.setenv("TBEGEN_ANY_WIDTH_PREFETCH", "1")
     monkeypatch.setenv("TBEGEN_ANY_WIDTH_ITEMS", "1")
     monkeypatch.setenv("TBEGEN_SEGMENT_LENGTH", "64")
-    assert_switch_gives_default_bits(ops, spec, CASES[case_id], monkeypatch, SWITCH,
-                                     default="the work list's prefetching kernels", variant="occupancy variant")
+    assert_default_gives_the_way_back_bits(ops, spec, CASES[case_id], monkeypatch, SWITCH,
+                                           way_back="the work list's 2-block prefetching kernels")
 
 
 @pytest.mark.parametrize("name", OPTIMIZERS)
-def test_occupancy_variant_at_the_default_choice(load_ops, monkeypatch, name):
+def test_default_at_the_default_choice(load_ops, monkeypatch, name):
     """Nothing else set (the cell the variant is for: float rows wider than 512 columns take the
-    prefetching kernels and 256-occurrence segments by default): 1 gives unset's bits."""
+    prefetching kernels and 256-occurrence segments by default): unset gives =0's bits."""
     spec, ops = load_ops(name)
     for k in ("TBEGEN_ANY_WIDTH_PREFETCH", "TBEGEN_SEGMENT_LENGTH", "TBEGEN_ANY_WIDTH_ITEMS"):
         monkeypatch.delenv(k, raising=False)
-    assert_switch_gives_default_bits(ops, spec, CASES["fp32-D1024-weighted-hot"], monkeypatch, SWITCH)
+    assert_default_gives_the_way_back_bits(ops, spec, CASES["fp32-D1024-weighted-hot"], monkeypatch, SWITCH,
+                                           way_back="the 2-block prefetching kernels")
 
 
 @pytest.mark.parametrize("case_id", ["fp32-D1024-weighted-hot", "fp32-D600-1000-mean-hot"])
 @pytest.mark.parametrize("name", OPTIMIZERS)
-def test_occupancy_variant_matches_reference(load_ops, monkeypatch, name, case_id):
+def test_default_matches_reference(load_ops, name, case_id):
     spec, ops = load_ops(name)
-    monkeypatch.setenv(SWITCH, "1")
     result = harness.run_case(spec, ops, CASES[case_id], device="cuda")
     assert not result.failures, "\n".join(result.failures)
 
@@ -109,17 +152,18 @@ def test_occupancy_switch_refuses_other_values(load_ops, monkeypatch, value):
 
 
 @pytest.mark.parametrize("items", ["0", "1"])
-@pytest.mark.parametrize("occupancy", ["0", "1"])
+@pytest.mark.parametrize("occupancy", ["unset", "0", "1"])
 def test_occupancy_switch_picks_the_kernels(load_ops, monkeypatch, occupancy, items):
-    """The bitwise tests above would pass as well if the switch launched the prefetching kernels
-    unchanged: the profiler names the kernels that ran (the variant's are `..._occupancy<Opt, W>`,
-    the prefetching kernels `...<Opt, W, true>`)."""
+    """The bitwise tests above would pass as well if every setting launched the same kernels: the
+    profiler names the kernels that ran (the occupancy kernels are `..._occupancy<Opt, W>`, the
+    2-block prefetching kernels `...<Opt, W, true>`)."""
     from torch.profiler import ProfilerActivity, profile
 
     spec, ops = load_ops("sgd")
     monkeypatch.setenv("TBEGEN_ANY_WIDTH_PREFETCH", "1")
     monkeypatch.setenv("TBEGEN_ANY_WIDTH_ITEMS", items)
-    monkeypatch.setenv(SWITCH, occupancy)
+    if occupancy != "unset":
+        monkeypatch.setenv(SWITCH, occupancy)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         _train(ops, spec, CASES["fp32-D1024-weighted-hot"], "cuda")
         torch.cuda.synchronize()
@@ -129,82 +173,95 @@ def test_occupancy_switch_picks_the_kernels(load_ops, monkeypatch, occupancy, it
     for k in kernels:
         variant = [n for n in names if f"any_width::{k}_occupancy<" in n]
         plain = [n for n in names if f"any_width::{k}<" in n]
-        if occupancy == "1":
-            assert variant and not plain, f"{k}: variant {variant}, prefetching {plain}; expected the variant only"
+        if occupancy != "0":
+            assert variant and not plain, f"{k}: occupancy {variant}, 2-block {plain}; expected the occupancy kernels only"
         else:
-            assert plain and not variant, f"{k}: variant {variant}, prefetching {plain}; expected the prefetching only"
+            assert plain and not variant, f"{k}: occupancy {variant}, 2-block {plain}; expected the 2-block kernels only"
             assert all("float, true>" in n for n in plain), f"{k} ran as {plain}, not the prefetching instantiation"
 
 
-# ---- TBEGEN_ANY_WIDTH_SHARED_ROW: the summed row in shared memory (with the occupancy variant) -----
-SHARED = "TBEGEN_ANY_WIDTH_SHARED_ROW"
-SHARED_CASES = dict(CASES)
-# wider than kSharedRowMaxD (1536): the scratch row, whatever the switch
-SHARED_CASES["fp32-D2000-weighted-hot"] = harness.Case(tables=((60, 2000), (40, 1024)), B=16, max_L=5, weighted=True,
-                                                       hot=600, steps=2, seed=1906)
+# ---- TBEGEN_ANY_WIDTH_SHARED_ROW: the summed row in shared memory (the occupancy kernels' default) ---
 
 
 @pytest.mark.parametrize("case_id", sorted(SHARED_CASES))
 @pytest.mark.parametrize("name", OPTIMIZERS)
-def test_shared_row_gives_the_occupancy_variant_bits(load_ops, monkeypatch, name, case_id):
+def test_shared_row_gives_the_scratch_row_bits(load_ops, monkeypatch, name, case_id):
+    """The default (the shared row where it fits) bitwise against the occupancy kernels' scratch row
+    (TBEGEN_ANY_WIDTH_SHARED_ROW=0), =1 against unset."""
     spec, ops = load_ops(name)
     monkeypatch.setenv("TBEGEN_ANY_WIDTH_PREFETCH", "1")
     monkeypatch.setenv("TBEGEN_SEGMENT_LENGTH", "48")
-    monkeypatch.setenv(SWITCH, "1")
-    assert_switch_gives_default_bits(ops, spec, SHARED_CASES[case_id], monkeypatch, SHARED,
-                                     default="the occupancy variant's scratch row", variant="shared row")
+    assert_default_gives_the_way_back_bits(ops, spec, SHARED_CASES[case_id], monkeypatch, SHARED,
+                                           way_back="the occupancy kernels' scratch row")
 
 
 @pytest.mark.parametrize("name", OPTIMIZERS)
-def test_shared_row_gives_the_prefetching_kernels_bits(load_ops, monkeypatch, name):
-    """Directly against the default choice (nothing else set), with the work list as well."""
+def test_every_path_gives_the_two_block_kernels_bits(load_ops, monkeypatch, name):
+    """At the default choice (nothing else set), with the work list and without it: the default and
+    the occupancy kernels with the scratch row give the 2-block kernels' bits (=0, no work list: the
+    default before landing12)."""
     spec, ops = load_ops(name)
     case = CASES["fp32-D1024-weighted-hot"]
-    for k in ("TBEGEN_ANY_WIDTH_PREFETCH", "TBEGEN_SEGMENT_LENGTH", "TBEGEN_ANY_WIDTH_ITEMS", SWITCH, SHARED):
+    for k in ("TBEGEN_ANY_WIDTH_PREFETCH", "TBEGEN_SEGMENT_LENGTH", "TBEGEN_ANY_WIDTH_ITEMS"):
         monkeypatch.delenv(k, raising=False)
-    _, w_d, st_d = _train(ops, spec, case, "cuda")
+    monkeypatch.setenv(SWITCH, "0")
+    _, w_b, st_b = _train(ops, spec, case, "cuda")
+    monkeypatch.delenv(SWITCH)
     for items in ("0", "1"):
         monkeypatch.setenv("TBEGEN_ANY_WIDTH_ITEMS", items)
-        monkeypatch.setenv(SWITCH, "1")
-        monkeypatch.setenv(SHARED, "1")
-        _, w_v, st_v = _train(ops, spec, case, "cuda")
-        assert torch.equal(w_v, w_d), f"weights differ from the default choice (work list {items})"
-        assert all(torch.equal(st_v[k], st_d[k]) for k in st_d), f"states differ (work list {items})"
+        for shared in ("unset", "0"):
+            if shared == "unset":
+                monkeypatch.delenv(SHARED, raising=False)
+            else:
+                monkeypatch.setenv(SHARED, shared)
+            _, w_v, st_v = _train(ops, spec, case, "cuda")
+            where = f"work list {items}, {SHARED} {shared}"
+            assert torch.equal(w_v, w_b), f"weights differ from the 2-block kernels ({where})"
+            assert all(torch.equal(st_v[k], st_b[k]) for k in st_b), f"states differ ({where})"
 
 
 @pytest.mark.parametrize("value", ["yes", "2", "true", " 1"])
 def test_shared_row_switch_refuses_other_values(load_ops, monkeypatch, value):
     spec, ops = load_ops("sgd")
-    monkeypatch.setenv(SWITCH, "1")
     monkeypatch.setenv(SHARED, value)
     with pytest.raises(Exception, match=SHARED):
         _train(ops, spec, CASES["fp32-D1024-mean-hot-one-warp"], "cuda")
 
 
-def test_shared_row_refused_without_the_occupancy_variant(load_ops, monkeypatch):
+def test_shared_row_refused_with_the_two_block_kernels(load_ops, monkeypatch):
+    """SHARED_ROW=1 with OCCUPANCY=0 asks for a path that does not exist: refused, naming the switch
+    that turned the occupancy kernels off; SHARED_ROW=0 with it is consistent, and trains."""
     spec, ops = load_ops("sgd")
-    monkeypatch.delenv(SWITCH, raising=False)
+    case = CASES["fp32-D1024-mean-hot-one-warp"]
+    monkeypatch.setenv(SWITCH, "0")
     monkeypatch.setenv(SHARED, "1")
-    with pytest.raises(Exception, match="TBEGEN_ANY_WIDTH_OCCUPANCY"):
-        _train(ops, spec, CASES["fp32-D1024-mean-hot-one-warp"], "cuda")
+    with pytest.raises(Exception, match="TBEGEN_ANY_WIDTH_OCCUPANCY=0"):
+        _train(ops, spec, case, "cuda")
+    monkeypatch.setenv(SHARED, "0")
+    _, w, _ = _train(ops, spec, case, "cuda")
+    assert torch.isfinite(w).all()
 
 
-@pytest.mark.parametrize("case_id, shared, expect_shared", [("fp32-D1024-weighted-hot", "0", False),
+@pytest.mark.parametrize("case_id, shared, expect_shared", [("fp32-D1024-weighted-hot", "unset", True),
+                                                            ("fp32-D1024-weighted-hot", "0", False),
                                                             ("fp32-D1024-weighted-hot", "1", True),
+                                                            ("fp32-D1536-hot", "unset", True),
+                                                            ("fp32-D2000-weighted-hot", "unset", False),
                                                             ("fp32-D2000-weighted-hot", "1", False)])
-def test_the_variant_kernels_launch_config(load_ops, monkeypatch, tmp_path, case_id, shared, expect_shared):
+def test_the_occupancy_kernels_launch_config(load_ops, monkeypatch, tmp_path, case_id, shared, expect_shared):
     """The bitwise tests would pass as well if the rows stayed in scratch or the kernels kept the
-    prefetching kernels' registers: the trace's kernel records say the `_occupancy` kernels ran with
-    at most 80 registers a thread (3 blocks of 256 per multiprocessor), and with shared memory
-    (8 warps x max_D floats) exactly where the switch asks and the rows fit."""
+    2-block kernels' registers: the trace's kernel records say the `_occupancy` kernels ran (with
+    neither switch set) with at most 80 registers a thread (3 blocks of 256 per multiprocessor), and
+    with shared memory (8 warps x max_D floats) exactly where the rows fit and the switch does not
+    turn it off."""
     import json
 
     from torch.profiler import ProfilerActivity, profile
 
     spec, ops = load_ops("sgd")
     monkeypatch.setenv("TBEGEN_ANY_WIDTH_PREFETCH", "1")
-    monkeypatch.setenv(SWITCH, "1")
-    monkeypatch.setenv(SHARED, shared)
+    if shared != "unset":
+        monkeypatch.setenv(SHARED, shared)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         _train(ops, spec, SHARED_CASES[case_id], "cuda")
         torch.cuda.synchronize()

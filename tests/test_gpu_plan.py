@@ -154,11 +154,11 @@ def test_the_plan_names_only_what_exists(sweep_names):
 
 def test_the_profile_regex_picks_the_cells_the_notes_say(sweep_names):
     """NOTES-gpu's plan (call 5): the cells under 1.0x on landing11's H100 sweep, 4 optimizers each of
-    fp32 D=1024, random 2, B=512, T=1 and T=4, and the occupancy variant's A/Bs on D=1024 (a change to
-    the sweep's shapes that moved them would be noticed here, not on the GPU)."""
+    fp32 D=1024, random 2, B=512, T=1 and T=4, and the A/B of the occupancy kernels' way back on D=1024
+    (a change to the sweep's shapes that moved them would be noticed here, not on the GPU)."""
     (argv,) = plan_commands("5")
     env, _ = split_env(argv)
     assert picks(env["PROFILE_ONLY"], sweep_names) == 20
     assert picks(env["NCU_ONLY"], sweep_names) == 1
     counts = [picks(ab.split("@", 1)[1], sweep_names) for ab in env["SWEEP_ABS"].split(";")]
-    assert counts == [4, 4]
+    assert counts == [4]

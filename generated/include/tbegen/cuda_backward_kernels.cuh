@@ -204,9 +204,9 @@ cudaError_t launch_backward(const BackwardLaunch& l) {
 // Launches the three any-width update kernels for optimizer Opt; returns the first launch error.
 // (The prefetching variant with a work list, l.items: the items kernel, then the finish kernel.)
 // (kPrefetch: their prefetching variant for wide rows, chosen by launch_any_width below;
-// kOccupancy: the prefetching kernels' occupancy variant, the `..._occupancy` kernels,
-// TBEGEN_ANY_WIDTH_OCCUPANCY; shared_bytes: their dynamic shared memory, the summed rows',
-// TBEGEN_ANY_WIDTH_SHARED_ROW.)
+// kOccupancy: the prefetching kernels' occupancy variant, the `..._occupancy` kernels, float
+// weights' default, TBEGEN_ANY_WIDTH_OCCUPANCY; shared_bytes: their dynamic shared memory, the
+// summed rows', TBEGEN_ANY_WIDTH_SHARED_ROW.)
 template <class Opt, typename W, bool kPrefetch, bool kOccupancy = false>
 cudaError_t launch_any_width_kernels(const AnyWidthLaunch& l, size_t shared_bytes = 0) {
   static_assert(kPrefetch || !kOccupancy, "the occupancy variant is the prefetching kernels'");
@@ -262,8 +262,10 @@ cudaError_t launch_any_width(const AnyWidthLaunch& l) {
   const bool shared_row = any_width::shared_row_from_env(occupancy);
   if constexpr (std::is_same<W, float>::value) {
     if (mode == PrefetchMode::kOn || (mode == PrefetchMode::kAuto && l.a.max_D > any_width::kPrefetchAutoMinD)) {
-      // (TBEGEN_ANY_WIDTH_OCCUPANCY=1: the same kernels at 3 blocks per multiprocessor, the same bits;
-      // with TBEGEN_ANY_WIDTH_SHARED_ROW=1 each warp's summed row in shared memory, where it fits)
+      // (by default the occupancy variant: the same kernels at 3 blocks per multiprocessor, the same
+      // bits, each warp's summed row in shared memory where it fits, max_D <= kSharedRowMaxD, else in
+      // its scratch row; TBEGEN_ANY_WIDTH_SHARED_ROW=0 the scratch row always,
+      // TBEGEN_ANY_WIDTH_OCCUPANCY=0 the 2-block kernels)
       if (occupancy) {
         const size_t shared_bytes = shared_row && l.a.max_D <= any_width::kSharedRowMaxD
                                         ? size_t(l.threads / kWarpSize) * size_t(l.a.max_D) * sizeof(float)

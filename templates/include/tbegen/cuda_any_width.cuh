@@ -47,9 +47,10 @@
 //    asked for the same way before begin_row converts them.
 // The variant's warp and segment kernels take 124-128 registers (2 blocks of 256 threads per
 // multiprocessor; the default's 80, with spills, fit 3): ptxas -v for sm_90, NOTES-gpu.md.
-// The prefetching kernels have an occupancy variant of their own for float weights
-// (TBEGEN_ANY_WIDTH_OCCUPANCY=1, kMinBlocks = 3: 3 blocks per multiprocessor, 512-column passes
-// taking two occurrences at a time; the same bits): see occupancy_from_env below.
+// For float weights the prefetching kernels are by default their occupancy variant (the
+// `..._occupancy` kernels, kMinBlocks = 3: 3 blocks per multiprocessor, 512-column passes taking
+// two occurrences at a time, each warp's summed row in shared memory where it fits; the same bits;
+// TBEGEN_ANY_WIDTH_OCCUPANCY=0 the 2-block kernels above): see occupancy_from_env below.
 #pragma once
 
 #include <cstdlib>
@@ -108,27 +109,37 @@ constexpr int64_t kPrefetchAutoMinD = 512;
 // the same 4 KB in flight per warp as the 1024-column pass, at 1.5x the warps), and a hot row's
 // segment sums added two at a time the same way. Every column's sum is the same terms in the same
 // order (occurrences, then segments, in sorted order, one fma or add each), so the bits are the
-// prefetching kernels' (tests/test_any_width_occupancy.py). TBEGEN_ANY_WIDTH_OCCUPANCY: unset,
-// empty or "0" off, "1" on; anything else is refused; read (and checked) at every launch, whatever
-// the dtype; bf16, fp16 and int8 weights and the default (non-prefetching) kernels do not have it.
-inline bool occupancy_from_env() { return env_switch("TBEGEN_ANY_WIDTH_OCCUPANCY") == EnvSwitch::kOn; }
+// prefetching kernels' (tests/test_any_width_occupancy.py). The default since landing12 (H100,
+// docs/gpu-runs/2026-12-05-landing12, the sweep's D=1024 fp32 cells) together with the shared row
+// below: the backward 5.4-8.8% faster (adagrad 10.682 -> 9.891 ms, sgd 8.785 -> 8.219, adam 13.075
+// -> 11.931, rowwise_adagrad 8.725 -> 8.255; 0.81-0.86x FBGEMM -> 0.87-0.93x); the variant alone,
+// with the scratch row, 0.2-2.1% faster. TBEGEN_ANY_WIDTH_OCCUPANCY: unset, empty or "1" on (the
+// default), "0" the 2-block prefetching kernels (the way back, for A/Bs; rows wider than 1024
+// columns, where the variant is unmeasured, take it too by default); anything else is refused; read
+// (and checked) at every launch, whatever the dtype; bf16, fp16 and int8 weights and the default
+// (non-prefetching) kernels do not have it.
+inline bool occupancy_from_env() { return env_switch("TBEGEN_ANY_WIDTH_OCCUPANCY") != EnvSwitch::kOff; }
 // The variant's blocks per multiprocessor (its kernels' kMinBlocks; the others' is 1).
 constexpr int kOccupancyMinBlocks = 3;
 
-// TBEGEN_ANY_WIDTH_SHARED_ROW=1 (with TBEGEN_ANY_WIDTH_OCCUPANCY=1 only: the occupancy variant's
-// option): each warp's summed gradient row in dynamic shared memory (warp_shared_row: 8 warps x
-// max_D floats a block, 32 KB at 1024 columns) instead of its global scratch row, as FBGEMM keeps a
-// row's sum on chip (smem_grad_sum): the row's 4 KB store and read-back no longer go through L1 and
-// L2, where the gradient stream may evict the scratch rows between them (up to ~1.5 GB a step of
-// write-backs at D = 1024). The same arithmetic on the same values: the same bits. Rows wider than
-// kSharedRowMaxD (the 48 KB a block takes without an opt-in) keep the scratch row. Unset, empty or
-// "0" off, "1" on; anything else, or "1" without the occupancy variant, is refused.
+// TBEGEN_ANY_WIDTH_SHARED_ROW (the occupancy variant's option, on by default with it): each warp's
+// summed gradient row in dynamic shared memory (warp_shared_row: 8 warps x max_D floats a block,
+// 32 KB at 1024 columns) instead of its global scratch row, as FBGEMM keeps a row's sum on chip
+// (smem_grad_sum): the row's 4 KB store and read-back no longer go through L1 and L2, where the
+// gradient stream may evict the scratch rows between them (up to ~1.5 GB a step of write-backs at
+// D = 1024). The same arithmetic on the same values: the same bits. Rows wider than kSharedRowMaxD
+// (the 48 KB a block takes without an opt-in) keep the scratch row. Unset or empty: on where the
+// occupancy variant is (occupancy_from_env), "0" off (the variant with the scratch row), "1" on;
+// anything else, or "1" with TBEGEN_ANY_WIDTH_OCCUPANCY=0, is refused.
 constexpr int64_t kSharedRowMaxD = 1536;
 inline bool shared_row_from_env(bool occupancy) {
-  if (env_switch("TBEGEN_ANY_WIDTH_SHARED_ROW") != EnvSwitch::kOn) return false;
-  if (!occupancy)
-    throw std::invalid_argument("tbegen: TBEGEN_ANY_WIDTH_SHARED_ROW=1 is an option of TBEGEN_ANY_WIDTH_OCCUPANCY=1, which is not set");
-  return true;
+  const EnvSwitch mode = env_switch("TBEGEN_ANY_WIDTH_SHARED_ROW");
+  if (mode == EnvSwitch::kOff) return false;
+  if (mode == EnvSwitch::kOn && !occupancy)
+    throw std::invalid_argument(
+        "tbegen: TBEGEN_ANY_WIDTH_SHARED_ROW=1 is an option of the occupancy kernels, which TBEGEN_ANY_WIDTH_OCCUPANCY=0 "
+        "turns off");
+  return occupancy;
 }
 // The 4-wide sums' slice (kVecs 16-byte loads per lane: 128 * kVecs columns a pass) and how many
 // occurrences (or segment sums) each step loads together, per kMinBlocks.
@@ -691,7 +702,8 @@ __device__ __forceinline__ void update_and_store(OptColumnRow<Opt>& row, const t
 // The occupancy variant's gradient row in shared memory (TBEGEN_ANY_WIDTH_SHARED_ROW): where the
 // launch gave the block dynamic shared memory (8 warps x max_D floats), this warp's max_D floats of
 // it, else nullptr (the scratch row). Only the `..._occupancy` kernels ask (kMinBlocks > 1); the
-// default kernels' code does not change.
+// kMinBlocks = 1 kernels' code (the non-prefetching kernels, the 2-block prefetching ones) does not
+// change.
 template <int kMinBlocks>
 __device__ __forceinline__ float* warp_shared_row(int64_t max_D) {
   if constexpr (kMinBlocks == 1) {
@@ -714,7 +726,7 @@ __device__ __forceinline__ float* warp_scratch(float* scratch, int64_t max_D, co
 
 // Short runs: one warp per unique row, rows taken in turn (grid-stride).
 // (Each kernel's body is a device function whose kMinBlocks is 1, or kOccupancyMinBlocks for the
-// occupancy variant's kernel, `..._occupancy`, TBEGEN_ANY_WIDTH_OCCUPANCY: the default kernels keep
+// occupancy variant's kernel, `..._occupancy`, TBEGEN_ANY_WIDTH_OCCUPANCY: the other kernels keep
 // __launch_bounds__(256) alone, under which ptxas chooses their registers as before.)
 template <class Opt, typename W, bool kPrefetch, int kMinBlocks>
 __device__ __forceinline__ void backward_warp_body(BackwardArgs a, Runs r, Occurrences o, typename Opt::Params p,
