@@ -1679,18 +1679,22 @@ class TableBatchedEmbeddingBags(nn.Module):
                                  f"of ranks: feature 0 has {R}, feature {f} has {len(per_rank)}")
         raise ValueError(f"tbegen: batch_size_per_feature_per_rank is not F = {F} lists of R non-negative ints")
 
-    def _vbe_plan_eager(self, batch_size_per_feature_per_rank, key: Optional[bytes] = None, offsets=None):
-        """The padding index (`pad`), the table of each padded bag's output offset (`bag_out`) and
+    def _vbe_plan_eager(self, batch_size_per_feature_per_rank, key: Optional[bytes] = None) -> Dict[str, Any]:
+        """The VBE plan of these sizes, kept or new (_vbe_plan_and_padded without offsets)."""
+        return self._vbe_plan_and_padded(batch_size_per_feature_per_rank, key)[0]
+
+    def _vbe_plan_and_padded(self, batch_size_per_feature_per_rank, key: Optional[bytes] = None, offsets=None):
+        """(plan, padded offsets or None). The plan: the padding index (`pad`), the table of each padded bag's output offset (`bag_out`) and
         the totals of one batch_size_per_feature_per_rank, kept for the last distinct ones. A new
         one is one operator call (vbe_plan, include/tbegen/vbe.h: the host sums the [F, R] sizes,
         one kernel on CUDA, the header its argument; nothing waits for the device). Plans are kept by
         the sizes packed as int64 bytes (_vbe_key; `key`: that of these sizes where the caller has
         it), which go to the operator as they are; anything else, e.g. a tensor, is checked and
-        converted first. The forward finds a kept plan itself (_forward_vbe); this is its way to a
-        new one, and the tests'. With `offsets` (the forward's, as given) it returns (plan, padded
-        offsets): where the sizes pack into a key and the offsets are a 1-D int32/int64 tensor on
-        the weights' device, a new plan's operator (vbe_plan_padded) writes offsets[pad] beside
-        the plan's tables, no gather of its own; otherwise (also for offsets that do not fit the
+        converted first. The forward finds a kept plan itself (_vbe_prepare); this is its way to a
+        new one, and the tests'. With `offsets` (the forward's, as given), the padded offsets:
+        where the sizes pack into a key and the offsets are a 1-D int32/int64 tensor on the
+        weights' device, a new plan's operator (vbe_plan_padded) writes offsets[pad] beside the
+        plan's tables, no gather of its own; otherwise (also for offsets that do not fit the
         sizes, or a plan kept already) None, and the caller gathers or refuses them."""
         bsfr = batch_size_per_feature_per_rank
         state = self.__dict__
@@ -1711,7 +1715,7 @@ class TableBatchedEmbeddingBags(nn.Module):
         if key is not None:
             old = plans.get(key)
             if old is not None and old["device"] == device:
-                return old if offsets is None else (old, None)
+                return old, None
             R = len(key) // (8 * F)
             try:
                 if (offsets is not None and type(offsets) is torch.Tensor and offsets.ndim == 1
@@ -1738,7 +1742,7 @@ class TableBatchedEmbeddingBags(nn.Module):
             key = struct.pack(f"={F * R}q", *B.reshape(-1).tolist())
             old = plans.get(key)
             if old is not None and old["device"] == device:
-                return old if offsets is None else (old, None)
+                return old, None
             pad, bag_out, (total, max_B, n_out) = self._ops.vbe_plan_tensor(B.reshape(-1).contiguous(), R, dims,
                                                                             device_of)
         # How _forward_vbe runs this module's VBE batches eagerly (_vbe_direct), asked once per
@@ -1760,7 +1764,7 @@ class TableBatchedEmbeddingBags(nn.Module):
         elif len(plans) >= self._VBE_PLANS_KEPT:
             del plans[next(iter(plans))]
         plans[key] = plan
-        return plan if offsets is None else (plan, padded)
+        return plan, padded
 
     # (under torch.compile: a graph break, the plan built eagerly)
     _vbe_plan = torch.compiler.disable(_vbe_plan_eager)
@@ -1869,7 +1873,7 @@ class TableBatchedEmbeddingBags(nn.Module):
                 if plan is None or plan["sizes"] != key:
                     plan = plans.get(key)
         if plan is None:
-            plan, padded = self._vbe_plan_eager(bsfr, key, offsets)
+            plan, padded = self._vbe_plan_and_padded(bsfr, key, offsets)
         else:
             padded = None
         if "ready" in plan:  # (a plan a prefetch made on its stream)

@@ -841,7 +841,7 @@ def test_vbe_batch_whose_features_have_equal_totals_runs_unpadded(monkeypatch):
 
 
 def test_vbe_forward_finds_a_kept_plan_without_building_it_and_still_checks_the_input(monkeypatch):
-    # the forward's own lookup of a kept plan (_forward_vbe): no call to _vbe_plan_eager for sizes
+    # the forward's own lookup of a kept plan (_vbe_prepare): no call to _vbe_plan_and_padded for sizes
     # it has seen, given as a new list; floats, bad offsets and other devices' plans still go the
     # checked way
     emb = make("sgd", [(5, 4), (6, 2)])
@@ -849,8 +849,8 @@ def test_vbe_forward_finds_a_kept_plan_without_building_it_and_still_checks_the_
     with torch.no_grad():
         first = emb(indices, offsets, batch_size_per_feature_per_rank=[[1, 2], [3, 0]])
     built = []
-    real = TableBatchedEmbeddingBags._vbe_plan_eager
-    monkeypatch.setattr(TableBatchedEmbeddingBags, "_vbe_plan_eager",
+    real = TableBatchedEmbeddingBags._vbe_plan_and_padded
+    monkeypatch.setattr(TableBatchedEmbeddingBags, "_vbe_plan_and_padded",
                         lambda self, bsfr, key=None, offsets=None: built.append(bsfr) or real(self, bsfr, key, offsets))
     with torch.no_grad():
         again = emb(indices, offsets, batch_size_per_feature_per_rank=[[1, 2], [3, 0]])
