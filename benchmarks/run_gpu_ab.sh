@@ -18,7 +18,7 @@
 #   BUILD_SPECS the extensions to build first (default the four the sweep times)
 #   DEADLINE    seconds for the whole script (default 570)
 # Output under $OUT: ab.log (every table), ab.json (each A/B's sweep.json pair), profile.json, build.log,
-# vbe.json and vbe_step_ops.json (VBE=1), env.txt.
+# vbe.json and vbe_step_ops.json (VBE=1), vbe_ab_0.log / vbe_ab_1.log (VBE_AB's two sides, whole), env.txt.
 set -u
 OUT=${OUT:-/tmp/tbegen-gpu-out}
 mkdir -p "$OUT"
@@ -77,11 +77,13 @@ if [ "${VBE:-0}" = 1 ]; then
 fi
 
 if [ -n "${VBE_AB:-}" ]; then
+  n=0
   for side in defaults "$VBE_AB"; do
-    log "bench_vbe.py, $side, cases ${VBE_CASES:-mild-large}"
+    log "bench_vbe.py, $side, cases ${VBE_CASES:-mild-large} (whole output: vbe_ab_$n.log)"
     [ "$side" = defaults ] && e="" || e=$(echo "$side" | tr ',' ' ')
     env $e timeout $(cap ${VBE_TIMEOUT:-90}) python3 benchmarks/bench_vbe.py --cases ${VBE_CASES:-mild-large} --no-fbgemm \
-      --rounds ${VBE_ROUNDS:-3} --out /tmp/vbe_ab 2>&1 | tail -n 12 >> "$OUT/ab.log" || log "failed or timed out"
+      --rounds ${VBE_ROUNDS:-3} --out /tmp/vbe_ab 2>&1 | tee "$OUT/vbe_ab_$n.log" | tail -n 12 >> "$OUT/ab.log" || log "failed or timed out"
+    n=$((n + 1))
   done
 fi
 

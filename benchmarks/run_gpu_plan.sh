@@ -1,24 +1,26 @@
 #!/usr/bin/env bash
 # The next GPU session's device calls (benchmarks/NOTES-gpu.md, "Next GPU session: the plan (written
-# 2026-12-05 15:20 UTC, after landing11)"), one call per argument, from the repository root, so that
+# 2026-12-05, after landing12)"), one call per argument, from the repository root, so that
 # the long command lines are not retyped (or mistyped) in a call that costs a tenth of the session's
 # device time. Chain the calls within ~30 s (a warm machine keeps its build cache). In order of value:
 #   bash benchmarks/run_gpu_plan.sh 1   # correctness: every CUDA test on the landed tree, sanitizers, FBGEMM_GPU
 #                                       # differential tests (~9.5 min; carry .anchor and .whl; TorchRec is call 2's)
 #   bash benchmarks/run_gpu_plan.sh 2   # the sweep beside FBGEMM on the defaults (issue 29), then TorchRec over NCCL
 #                                       # (landing11's call 1 ran out of time before it) (~6 min)
-#   bash benchmarks/run_gpu_plan.sh 3   # the cache (issue 27): TBEGEN_CACHE_LOOKUP_STREAM's cuda tests, then bench_cache at
-#                                       # 20, 10, 5%, in-step and pipelined, the default beside TBEGEN_CACHE_LOOKUP_STREAM=1
-#                                       # (alone, and with TBEGEN_CACHE_EXCHANGE_BLOCKS=33) and FBGEMM (~8 min; CACHE_OPTIMIZER=sgd)
+#   bash benchmarks/run_gpu_plan.sh 3   # the cache (issue 27): the exchange stream's cuda tests, then bench_cache at 20, 10,
+#                                       # 5%, in-step and pipelined, the default (exchange stream, quarter grid) beside
+#                                       # TBEGEN_CACHE_LOOKUP_STREAM=0 and TBEGEN_CACHE_EXCHANGE_BLOCKS=16, and FBGEMM
+#                                       # (~8 min; CACHE_OPTIMIZER=sgd for the issue's other optimizer)
 #   bash benchmarks/run_gpu_plan.sh 4   # issue 27's record: the referee's --placements run, sgd and rowwise_adagrad at
 #                                       # 5, 10, 20%, after the CUDA tests of the cache
 #   bash benchmarks/run_gpu_plan.sh 5   # issue 29's next levers in the cells still under 1.0x (D=1024, random 2, B=512,
 #                                       # T=1/T=4): the any-width occupancy kernels' tests and A/B against their way back,
 #                                       # each system's kernels per step there, ncu on D=1024 sgd (~9 min)
 #   bash benchmarks/run_gpu_plan.sh 6   # issue 25's VBE table (bench_vbe beside FBGEMM's padded step, vbe_step_ops with
-#                                       # --python, the VBE tests incl. vbe_plan_padded's; ~5 min)
-#   bash benchmarks/run_gpu_plan.sh 7   # issue 27's pipelined steps with TBEGEN_CACHE_LOOKUP_STREAM=1, tbegen alone with
-#                                       # --profile (per-stream busy time, the host wait; ~5 min)
+#                                       # --python, the VBE tests), then the host-bound cases (narrow-skewed, skewed) again
+#                                       # under bench_vbe's profiler: device time or host wait (~5 min)
+#   bash benchmarks/run_gpu_plan.sh 7   # issue 27's pipelined steps on the defaults (the exchange stream), tbegen alone
+#                                       # with --profile (per-stream busy time, the host wait; ~5 min)
 #   DRY_RUN=1 bash benchmarks/run_gpu_plan.sh 1 2 3 4 5 6 7   # print the commands only (tests/test_gpu_plan.py reads them:
 #                                                      # every script, flag, switch and sweep regex they name exists)
 # Results under $OUT as the scripts called write them (run_gpu_landing.sh, run_gpu_ab.sh, run_gpu.sh).
@@ -44,14 +46,12 @@ run() {  # a command of the plan: printed (quoted as the shell reads it), and ru
 PROFILE_CELLS="^(D=1024|random 2|B=512|T=1|T=4) "
 VARIANT_ABS="TBEGEN_ANY_WIDTH_OCCUPANCY=0@^D=1024 "
 VARIANT_TESTS="tests/test_any_width_occupancy.py"
-# call 3's bench_cache options: the three cache sizes, in-step and pipelined, the default beside
-# the exchange on its own stream (TBEGEN_CACHE_LOOKUP_STREAM=1, helper-37: the pipelined prefetch's
-# lookup no longer queued behind the previous batch's exchange; predicted on the H100 pipelined 20%
-# 19.59 -> 12.5-14.5 ms), the same with the exchange's grid bounded at a quarter of the SMs
-# (TBEGEN_CACHE_EXCHANGE_BLOCKS=33: ~0.5 MB of rows still in flight, the rest of the SMs left to
-# the backward beside it) and FBGEMM; CACHE_OPTIMIZER rowwise_adagrad or sgd (the bar wants both).
-# (TBEGEN_CACHE_EXCHANGE_STATES=1 was mixed at landing11 and is not re-timed.)
-CACHE_VARIANTS="--variant TBEGEN_CACHE_LOOKUP_STREAM=1 --variant TBEGEN_CACHE_LOOKUP_STREAM=1,TBEGEN_CACHE_EXCHANGE_BLOCKS=33"
+# call 3's bench_cache options: the three cache sizes, in-step and pipelined, the default (since
+# landing12: a prefetch's exchange on the cache's own stream at a quarter of the grid; pipelined 20%
+# 18.27 -> 13.90 ms on the H100) beside its way back (TBEGEN_CACHE_LOOKUP_STREAM=0) and a smaller
+# grid for both fills (TBEGEN_CACHE_EXCHANGE_BLOCKS=16: is a quarter still more than the link needs?),
+# and FBGEMM; CACHE_OPTIMIZER rowwise_adagrad or sgd (the bar wants both).
+CACHE_VARIANTS="--variant TBEGEN_CACHE_LOOKUP_STREAM=0 --variant TBEGEN_CACHE_EXCHANGE_BLOCKS=16"
 CACHE_OPTS_PLAN="--cache 0.2,0.1,0.05 --optimizer ${CACHE_OPTIMIZER:-rowwise_adagrad} --pipelined $CACHE_VARIANTS --warmup 6 --iters 8"
 
 # call 4's tests: the cache's CUDA tests (the exchange through _run_tables, 4ef64b2) and landing9's
@@ -88,15 +88,16 @@ call5() {
 }
 
 call6() {
-  # (VBE_AB: the gathered offsets, the default since landing11, against the way back)
+  # (VBE_AB: the host-bound cases timed again under bench_vbe's profiler, BENCH_VBE_PROFILE=1: whether
+  # narrow-skewed's VBE step over its padded one, 1.43-1.59x at landing12, is device time or host)
   run env BUILD_SPECS="sgd rowwise_adagrad" TEST_FILES="tests/test_vbe.py tests/test_vbe_backward_variant.py tests/test_torchrec_vbe.py" \
-    VBE=1 VBE_AB=TBEGEN_VBE_GRAD_OFFSETS=0 VBE_CASES=mild,mild-large DEADLINE=420 bash benchmarks/run_gpu_ab.sh
+    VBE=1 VBE_AB=BENCH_VBE_PROFILE=1 VBE_CASES=narrow-skewed,skewed DEADLINE=420 bash benchmarks/run_gpu_ab.sh
 }
 
 call7() {
   # (the profile's trace JSONs are large: left behind; profile-*.txt come back)
   run env BUILD_SPECS="rowwise_adagrad" CACHE_TIMEOUT=300 CACHE_TRACES=0 \
-    CACHE_OPTS="--cache 0.2,0.05 --optimizer rowwise_adagrad --pipelined --variant TBEGEN_CACHE_LOOKUP_STREAM=1 --profile --systems tbegen --warmup 6 --iters 8" \
+    CACHE_OPTS="--cache 0.2,0.05 --optimizer rowwise_adagrad --pipelined --profile --systems tbegen --warmup 6 --iters 8" \
     bash benchmarks/run_gpu.sh build cache
 }
 

@@ -127,9 +127,13 @@ def test_the_plan_names_only_what_exists(sweep_names):
                     for switch in switch_names(names):
                         assert is_read(switch, switches), switch
                     assert picks(regex, sweep_names) > 0, f"{regex!r} picks no sweep cell"
-            elif name in ("NCU_AB", "VBE_AB"):
+            elif name == "NCU_AB":
                 for switch in switch_names(value):
                     assert is_read(switch, switches), switch
+            elif name == "VBE_AB":  # (a tbegen switch, or one of bench_vbe.py's own: BENCH_VBE_PROFILE)
+                bench_vbe = (ROOT / "benchmarks" / "bench_vbe.py").read_text()
+                for switch in switch_names(value):
+                    assert is_read(switch, switches) or is_read(switch, bench_vbe), switch
             elif name == "VBE_CASES":  # bench_vbe.py's case names
                 text = (ROOT / "benchmarks" / "bench_vbe.py").read_text()
                 for case in value.split(","):
