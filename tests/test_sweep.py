@@ -68,6 +68,25 @@ def test_the_report_sorts_worst_first_and_names_what_was_not_timed():
     assert f"worst {worst['bwd_speedup']:.2f}x" in md
 
 
+def test_the_report_gives_each_cells_rounds_range():
+    summary = _fake_summary()
+    timed = [c for c in summary["cells"] if "bwd_speedup" in c]
+    for k, c in enumerate(timed):
+        c["bwd_speedup_rounds"] = [c["bwd_speedup"] * x for x in (0.9, 1.0, 1.3 if k == 0 else 1.05)]
+    md = sweep_gpu.markdown(summary)
+    first = timed[0]
+    lo, hi = first["bwd_speedup"] * 0.9, first["bwd_speedup"] * 1.3
+    row = next(line for line in md.splitlines() if line.startswith(f"| {first['shape']} | {first['opt']} |"))
+    assert f"| {lo:.2f}-{hi:.2f}x |" in row
+    under = [c for c in timed if c["bwd_speedup"] < 1.1]
+    noisy = sum(max(c["bwd_speedup_rounds"]) >= 1.1 for c in under)
+    assert under and f"cells under 1.1x: {len(under)} ({noisy} of them with a round at or above 1.1x)" in md
+    del first["bwd_speedup_rounds"]  # (a sweep.json from before the rounds were kept: an empty range)
+    row = next(line for line in sweep_gpu.markdown(summary).splitlines()
+               if line.startswith(f"| {first['shape']} | {first['opt']} |"))
+    assert f"| {first['bwd_speedup']:.2f}x |  | " in row
+
+
 def test_the_heatmap_matrix_has_a_row_per_shape(tmp_path):
     summary = _fake_summary()
     rows, cols, values = sweep_report.matrix(summary)
