@@ -14,7 +14,11 @@ check, then its slots marked dirty as the backward marks them), after --warmup b
 the cache, so the counted batches evict. With --pipelined, in TorchRec's order: each batch's
 prefetch (prepare with defer) is counted while the previous batch is held (its forward ran), and
 that batch's backward follows (a deferred prefetch's batch is looked up by its forward, uncounted;
-the deferred column counts them).
+the deferred column counts them, "early" those deferred before their lookup). The last column counts
+every lookup (a sort of a batch's keys) and host wait (the summary's read) a step, of forwards,
+prefetches and backwards alike, over the batches after the warm-up (--steps + --time-steps), and
+the deferrals a step; --no-early-deferral looks every prefetch up (RowCache._too_short off), the
+A/B of issue 27's prediction (C2 at a 10% cache: every prefetch deferred, two lookups a step).
 
 Per prepare, split at the batch's host wait (the span "tbegen.cache.host_wait"; on CUDA the host
 dispatches everything "before" and then waits for the device to run it; "after" is what it
@@ -185,6 +189,26 @@ def measure(args, fraction: float, algorithm: str) -> dict:
         cache._exchange_op = first_kernel
         cache._row_copy_blocks = cache._exchange_blocks = 2
     counted = []  # (the counter of the prepare being counted, for the stand-in)
+    if args.no_early_deferral:  # (the A/B of issue 27's prediction: every prefetch looked up, _too_short)
+        cache._too_short = lambda n: False
+    # every lookup (a sort of the batch's keys) and every host wait (the summary's read), from the
+    # first batch after the warm-up on: the forwards', prefetches' and backwards' alike
+    seen = collections.Counter()
+    sort = cache._sort_keys
+
+    def counted_sort(keys):
+        seen["lookups"] += 1
+        return sort(keys)
+
+    cache._sort_keys = counted_sort
+    module = sys.modules[type(cache).__module__]
+    real_span = module.span
+
+    def counted_span(name):
+        seen["waits"] += name == "tbegen.cache.host_wait"
+        return real_span(name)
+
+    module.span = counted_span
     bad = emb._bad_cached_index if emb._errors.mode == "raise" else None
     batches = zipf_batches(T, E, B, L, args.alpha, args.warmup + args.steps + args.time_steps, args.seed)
 
@@ -227,6 +251,8 @@ def measure(args, fraction: float, algorithm: str) -> dict:
         backward()
     N = T * B * L
     evictions = cache.stats["evictions"]
+    seen.clear()
+    deferred = cache.stats["deferred"], cache.stats["deferred_early"]
     counters = []
     for indices, offsets in batches[args.warmup:args.warmup + args.steps]:
         forward()
@@ -244,9 +270,14 @@ def measure(args, fraction: float, algorithm: str) -> dict:
         prepare(indices, offsets)
         times.append(time.perf_counter() - t0)
         backward()
+    module.span = real_span
     k = len(counters)
+    steps = args.steps + args.time_steps
     row = dict(cache=fraction, algorithm=algorithm, N=N, slots=cache.num_slots, pipelined=args.pipelined,
-               deferred=cache.stats["deferred"],
+               deferred=cache.stats["deferred"], deferred_early=cache.stats["deferred_early"],
+               lookups_per_step=seen["lookups"] / steps, waits_per_step=seen["waits"] / steps,
+               deferred_per_step=(cache.stats["deferred"] - deferred[0]) / steps,
+               deferred_early_per_step=(cache.stats["deferred_early"] - deferred[1]) / steps,
                prepare_ms=statistics.median(times) * 1e3 if times else None)
     for p in PHASES:
         row[f"ops_{p}"] = sum(sum(c.ops[p].values()) for c in counters) / k
@@ -293,6 +324,9 @@ def parse_args(argv=None):
     ap.add_argument("--exchange", action="store_true",
                     help="the fill as on CUDA (its rows through _exchange_rows, here a stand-in that moves nothing): "
                          "'to move' then counts what the device waits for before the exchange kernel")
+    ap.add_argument("--no-early-deferral", action="store_true",
+                    help="(--pipelined) look every prefetch up, as before issue 27's prediction (RowCache._too_short): "
+                         "the A/B of its lookups and host waits")
     ap.add_argument("--json", help="write the rows here")
     return ap.parse_args(argv)
 
@@ -305,8 +339,9 @@ def main(argv=None) -> int:
           f"Zipf {args.alpha}, {args.optimizer}; per {'prefetch beside a held batch' if args.pipelined else 'prepare'}, "
           f"averaged over {args.steps} evicting batches")
     print("| cache | alg | ops before / after / fill (views) | gap | to move | MB before / after / fill "
-          "| full-size before / after / fill | prepare ms (CPU, proxy) | deferred |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "| full-size before / after / fill | prepare ms (CPU, proxy) | deferred (early) "
+          "| lookups / waits / deferred (early) a step |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for fraction in [float(x) for x in args.cache.split(",")]:
         for algorithm in args.algorithm.split(","):
             r = measure(args, fraction, algorithm)
@@ -316,7 +351,9 @@ def main(argv=None) -> int:
             mb = " / ".join(f"{r[f'mb_{p}']:.1f}" for p in PHASES)
             full = " / ".join(f"{r[f'full_{p}']:.0f}" for p in PHASES)
             print(f"| {fraction:g} | {algorithm} | {ops} ({views}) | {r['ops_gap']:.0f} | {r['ops_to_move']:.0f} | {mb} | {full} "
-                  f"| {'-' if r['prepare_ms'] is None else format(r['prepare_ms'], '.1f')} | {r['deferred']} |",
+                  f"| {'-' if r['prepare_ms'] is None else format(r['prepare_ms'], '.1f')} "
+                  f"| {r['deferred']} ({r['deferred_early']}) | {r['lookups_per_step']:.2f} / {r['waits_per_step']:.2f} / "
+                  f"{r['deferred_per_step']:.2f} ({r['deferred_early_per_step']:.2f}) |",
                   flush=True)
             if args.ops:
                 for p in PHASES:

@@ -157,6 +157,9 @@ class Ticket:
     # stays valid while the hard epoch holds (RowCache.hold)
     hard_epoch: int = 0
     backing: bool = True
+    # per cached table, its distinct rows the batch reads in slots (host-known: its lookup's
+    # summary), for a later prefetch to tell how many slots this batch holds (RowCache._too_short)
+    rows_per_table: Tuple[int, ...] = ()
 
 
 class RowCache:
@@ -241,6 +244,12 @@ class RowCache:
         # batches in flight that read some rows in their backing rows (never held: any row moved
         # into the cache invalidates them), for a prefetch to leave them alone (prepare's `defer`)
         self._in_flight_backing: List[Ticket] = []
+        # (the prediction that defers a prefetch before its lookup where the held slots left it too
+        # few, _too_short): consecutive looked-up prefetches deferred with a large shortfall, the
+        # prefetches still to defer unlooked, and what the last of them saw (_note_short)
+        self._short_run = 0
+        self._short_skips = 0
+        self._short_seen: Optional[Tuple[int, Tuple[Tuple[int, int, int, int], ...]]] = None
         self.tick = 0
         # whether the last batch had a direct table with more distinct rows than its slots (the
         # next one's admitted rows are then planned before its host wait: prepare, _admit_plan)
@@ -516,7 +525,7 @@ class RowCache:
     def _zero_stats(self) -> Dict[str, int]:
         return dict(prepares=0, lookups=0, hits=0, unique_rows=0, unique_hits=0, rows_loaded=0,
                     rows_written_back=0, bytes_loaded=0, bytes_written_back=0, evictions=0,
-                    bypasses=0, backing_lookups=0, backing_rows=0, deferred=0)
+                    bypasses=0, backing_lookups=0, backing_rows=0, deferred=0, deferred_early=0)
 
     def reset_stats(self) -> None:
         self.stats = self._zero_stats()
@@ -1018,6 +1027,86 @@ class RowCache:
         self._in_flight_backing = [t for t in self._in_flight_backing if t.epoch == self.epoch]
         return bool(self._in_flight_backing)
 
+    # A prefetch that the held rule defers (prepare: its rows would need slots held for the batch
+    # in flight) is deferred after its whole lookup: the sort, the host wait for the summary, and
+    # then nothing, its forward looking the batch up again. Where the cache is too small for two
+    # batches (C2 at a 10% cache: ~60.6k distinct rows a batch a table beside a held batch's
+    # ~60.6k, ~19.8k of them shared: ~101.4k rows for 100k slots) that is every prefetch: two
+    # lookups and two host waits a batch (landing12, H100: pipelined 25.90 ms a step against 23.81
+    # in-step). The prediction below defers such prefetches before their lookup, from host-known
+    # numbers only (no clock, no device read: deterministic). Deferral is neutral for the numbers
+    # (a deferred prefetch changed nothing; the forward looks its batch up), so a wrong guess costs
+    # time, never bits (and a skipped prefetch's bad index, bounds_check_mode "raise", is named by
+    # its forward, as where a batch read in place defers it).
+    # - It learns from a looked-up prefetch that the held rule deferred: per table, its shortfall
+    #   s (the rows it would admit less the slots neither its hits nor held for other batches:
+    #   its rows and the held ones, less the slots), the held batches' distinct rows (their
+    #   tickets' rows_per_table), its own distinct rows, and its number of indices (_note_short).
+    # - A shortfall is "large" where s * s >= 8 * (C + s), C the table's slots: at least twice the
+    #   standard deviation of the difference between two prefetches' counts of rows (C + s, the
+    #   held rows and the batch's together); for batches drawn independently that count is a sum
+    #   of row indicators whose variance is at most its mean, the difference's at most twice it.
+    #   C2 at 10% (C = 100k): s = 1449 on average (the count's true deviation 254), large from
+    #   899 (0.9% of the slots). A fixed fraction of the slots would not do: 1/8 of them never
+    #   comes at C2's 10%, where every prefetch is deferred, and a few slots of a tiny table do.
+    # - One deferral alone teaches nothing (the held rule also defers now and then where batches
+    #   vary; TorchRec's pipeline test on tables of 10-16 slots must still take most prefetches):
+    #   the 2nd, 3rd, 4th, 5th... consecutive large-shortfall deferral of a looked-up prefetch
+    #   skips the next 1, 2, 4, 8, 8... prefetches' lookups. The backoff leaves a probe (a lookup)
+    #   every 9th prefetch at least, so that a shrinking batch, or hits that grow, are noticed.
+    # - A skip only while the shortfall so predicted stays large in some table: the last one, less
+    #   what the held batches' distinct rows fell by since (host-known), less what a prefetched
+    #   batch with fewer indices loses (its distinct rows in proportion at most: they grow less
+    #   than linearly with the indices). Else the prefetch is looked up (an early probe).
+    # - A looked-up prefetch that fits, or is short by little, ends the run.
+    # So where prefetches fit (a 20% cache) nothing changes: no held deferral, no skip. Skips count
+    # in `deferred` (they are deferrals) and `deferred_early` (prefetches deferred before their
+    # lookup, with those beside a batch read in place).
+    _SHORT_SKIPS_MAX = 8
+
+    def _large_short(self, k: int, s: int) -> bool:
+        """Whether table k's shortfall of `s` slots is large (see above)."""
+        return s > 0 and s * s >= 8 * (self.slots[k] + s)
+
+    def _note_short(self, short: Sequence[int], need: Sequence[int], n: int) -> None:
+        """A looked-up prefetch was deferred by the held rule, short of `short[k]` slots in table k
+        (its distinct rows `need`, `n` indices): the run of large shortfalls goes on, or ends."""
+        big = tuple((k, s, h, need[k]) for k, (s, h) in enumerate(zip(short, self._held_rows()))
+                    if self._large_short(k, s))
+        if not big:
+            self._short_ends()
+            return
+        self._short_run += 1
+        self._short_skips = 0 if self._short_run < 2 else min(1 << (self._short_run - 2), self._SHORT_SKIPS_MAX)
+        self._short_seen = (n, big)
+
+    def _too_short(self, n: int) -> bool:
+        """Whether a prefetch of `n` indices is deferred before its lookup: a skip left, and some
+        table's shortfall predicted large still (see above)."""
+        if self._short_skips <= 0 or self._short_seen is None:
+            return False
+        n0, big = self._short_seen
+        held = self._held_rows()
+        for k, s, h, need in big:
+            fewer = -(-need * (n0 - n) // n0) if n < n0 else 0  # (ceil: a smaller batch's rows at most)
+            if self._large_short(k, s - max(0, h - held[k]) - fewer):
+                self._short_skips -= 1
+                return True
+        return False
+
+    def _held_rows(self) -> List[int]:
+        """Per cached table, the distinct rows of the batches held (host-known, their tickets')."""
+        rows = [0] * len(self.tables)
+        for t in self._held:
+            for k, r in enumerate(t.rows_per_table):
+                rows[k] += r
+        return rows
+
+    def _short_ends(self) -> None:
+        """A looked-up prefetch was not deferred by the held rule: no skip until it defers again."""
+        self._short_run = self._short_skips = 0
+        self._short_seen = None
+
     def _release_all(self) -> None:
         if self._held:
             self._unheld = True
@@ -1115,6 +1204,13 @@ class RowCache:
             # (landing11, H100, C2 at a 5% cache: every prefetch deferred after its lookup, two
             # lookups a batch; the pipelined step 34.90 ms against 32.90 in-step).
             st["deferred"] += 1
+            st["deferred_early"] += 1
+            return None
+        if defer and self._too_short(N):
+            # The held rule deferred the prefetches before this one for want of many slots, and
+            # the batches held now are about as large: deferred before its lookup (_too_short)
+            st["deferred"] += 1
+            st["deferred_early"] += 1
             return None
         # each index's feature + 1 (0 before every bag, F + 1 after them): the index of its
         # entry in the per-feature tables. (Gathers here are index_select: it takes int32
@@ -1238,9 +1334,13 @@ class RowCache:
             # (landing8: C2 at a 10% cache 32.5 -> 44.6 ms a step, at 5% 39.6 -> 97.0).
             if defer and not bypass:
                 st["deferred"] += 1
+                self._note_short([a - (C - (n - mi) - x) for a, mi, n, C, x
+                                  in zip(admit, miss_h, need_h, self.slots, extra)], need_h, N)
                 return None
             self._release_all()
             held = None
+        elif defer:
+            self._short_ends()
         # sorted positions of each distinct row's first entry, then the end of the looked-up ones
         # (the first entry not looked up, or N)
         at_end = torch.searchsorted(ranks, self._iota(n_unique + 1, ct, 1))
@@ -1308,7 +1408,8 @@ class RowCache:
         st["unique_rows"] += n_unique
         st["unique_hits"] += unique_hits
         return Ticket(out, slots, self.epoch, indices, offsets,
-                      self._features_for(bypass), bypass, self.hard_epoch, bool(bypass) or sum(n_backing) > 0)
+                      self._features_for(bypass), bypass, self.hard_epoch, bool(bypass) or sum(n_backing) > 0,
+                      tuple(need_h))
 
     def _admit_plan(self, at_edges: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         """Where a direct table has more distinct rows in the batch than slots (it admits only

@@ -1116,7 +1116,8 @@ class TableBatchedEmbeddingBags(nn.Module):
         (the arguments are checked all the same). Where the batch's rows would evict rows held
         for batches forwarded or prefetched before it whose backwards have not run (a cache too
         small for two batches), it changes nothing and the batch's forward looks it up itself
-        (`cache_stats()["deferred"]` counts these).
+        (`cache_stats()["deferred"]` counts these; where the cache's recent deferrals predict it,
+        without a lookup: `deferred_early`, docs/placements.md).
 
         `batch_size_per_feature_per_rank`: a variable batch (VBE), prefetched for the forward
         given the same tensors and sizes (its offsets padded as that forward pads them).
@@ -1214,7 +1215,8 @@ class TableBatchedEmbeddingBags(nn.Module):
         `backing_lookups`, `backing_rows` (indices and distinct rows read and updated in managed
         memory in place, because a batch had more distinct rows of a table than its cache holds),
         `bypasses` (of those, table-batches of "compact" tables, whose cache was emptied for
-        them); `deferred` (prefetches that left their batch to its forward: `prefetch`);
+        them); `deferred` (prefetches that left their batch to its forward: `prefetch`) and
+        `deferred_early` (of them, those deferred before their lookup: RowCache.prepare);
         `resident_rows`, `dirty_rows`, `cache_rows` ({table: slots}), `direct` ({table:
         whether its slots continue its rows}, docs/placements.md) and `algorithm`. An empty dict
         without cached tables."""
