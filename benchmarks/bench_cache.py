@@ -348,6 +348,7 @@ def bench_tbegen(args, batches, grad, fraction, prefetch_ahead=False, row_copy=N
                  mb_moved_per_step=(s["bytes_loaded"] + s["bytes_written_back"]) / args.iters / 1e6,
                  backing_lookups_per_step=s["backing_lookups"] / args.iters, bypasses=s["bypasses"],
                  lookups_per_step=s["prepares"] / args.iters, deferred_per_step=s["deferred"] / args.iters,
+                 deferred_early_per_step=s.get("deferred_early", 0) / args.iters,
                  cache_rows_per_table=next(iter(s["cache_rows"].values())), direct=all(s["direct"].values()))
         r["host_waits_per_step"] = count_host_waits(step, batches)  # (after the statistics: extra steps)
     if args.profile and fraction is not None:  # (after the statistics too: its steps would count in them)
@@ -447,7 +448,7 @@ def markdown(args, results, env) -> str:
         "",
         "| system | placement | cache rows / table | step ms (median) | wall ms / step | vs device | hit rate (indices) "
         "| hit rate (distinct rows) | MB moved / step | rows read in place / step | host waits / step "
-        "| lookups / step (prefetches deferred) |",
+        "| lookups / step (prefetches deferred, of them before their lookup) |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     device_ms = {r["system"]: r["step_ms"] for r in results if r["placement"] == "device" and "step_ms" in r}
@@ -469,7 +470,8 @@ def markdown(args, results, env) -> str:
             f"| {fmt(r.get('hit_rate'))} | {fmt(r.get('unique_hit_rate'))} | {fmt(r.get('mb_moved_per_step'), '.1f')} "
             f"| {fmt(r.get('backing_lookups_per_step'), '.0f')} | {fmt(r.get('host_waits_per_step'), '.1f')} "
             f"| {fmt(r.get('lookups_per_step'), '.2f')}"
-            f"{'' if r.get('deferred_per_step') is None else ' (' + fmt(r['deferred_per_step'], '.2f') + ')'} |"
+            f"{'' if r.get('deferred_per_step') is None else ' (' + fmt(r['deferred_per_step'], '.2f')}"
+            f"{'' if r.get('deferred_per_step') is None else ', ' + fmt(r.get('deferred_early_per_step'), '.2f') + ' early)'} |"
         )
     lines += ["", "tbegen's hit rate (indices): indices of cached tables whose row was cached before the batch; "
               "(distinct rows): the same per batch's distinct rows (FBGEMM's: 1 - unique misses / distinct rows). "
@@ -479,7 +481,8 @@ def markdown(args, results, env) -> str:
               "operations per step that make the host wait for the GPU (tbegen/_sync_audit.py), over 3 more steps. "
               "Lookups: batches looked up (by a prefetch or a forward) per step, 1 when each batch is looked up once; "
               "prefetches deferred: those that left their batch to its forward (it did not fit beside the batch in "
-              "flight; docs/placements.md)."]
+              "flight; docs/placements.md), early: without a lookup of their own (no host wait; cache_stats' "
+              "deferred_early)."]
     return "\n".join(lines) + "\n"
 
 
