@@ -1076,7 +1076,9 @@ class RowCache:
         if not big:
             self._short_ends()
             return
-        self._short_run += 1
+        # (the run's count stops where the skips reach their bound, 2 + ceil(log2) of it: a run that
+        # never ends, every prefetch short for the whole training, costs no more per probe with its length)
+        self._short_run = min(self._short_run + 1, 2 + (self._SHORT_SKIPS_MAX - 1).bit_length())
         self._short_skips = 0 if self._short_run < 2 else min(1 << (self._short_run - 2), self._SHORT_SKIPS_MAX)
         self._short_seen = (n, big)
 

@@ -172,3 +172,20 @@ def test_the_shortfall_is_large_from_twice_its_deviation():
     assert [large(1, s) for s in (93, 94)] == [False, True]
     assert not any(large(2, s) for s in range(-1, 16)) and large(2, 16)
     assert not large(1, 0) and not large(1, -5000)
+
+
+def test_the_backoff_stays_constant_time_however_long_the_run():
+    """A cache too small for two batches defers every prefetch for the whole training, so the run
+    of large-shortfall deferrals (a probe every 9th prefetch) never ends: the skips stay 1, 2, 4, 8,
+    8, ... and the count behind them stays bounded (it was the run's length, shifted: 1 << (run - 2),
+    an integer of run bits per probe, ~50 us a probe after 10^6 probes, ms after 10^7)."""
+    cache = TableBatchedEmbeddingBags(TABLES, cache_rows=SHORT, **KW)._cache
+    assert cache._large_short(0, 100)
+    skips = []
+    for _ in range(200):
+        cache._note_short([100, 0, 0, 0], [700, 0, 0, 0], B * L * len(TABLES))
+        skips.append(cache._short_skips)
+    assert skips[:6] == [0, 1, 2, 4, 8, 8] and set(skips[4:]) == {cache._SHORT_SKIPS_MAX}
+    assert cache._short_run <= 8, cache._short_run
+    cache._note_short([0, 0, 0, 0], [700, 0, 0, 0], B * L * len(TABLES))  # (a prefetch short by little: the end)
+    assert cache._short_run == cache._short_skips == 0 and cache._short_seen is None
