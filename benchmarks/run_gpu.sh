@@ -27,6 +27,8 @@ status=0
 } | tee "$OUT/env.txt"
 
 if has build; then
+  source benchmarks/tools/gpu_common.sh
+  cache_entries "before the build" >> "$OUT/env.txt"
   start=$(date +%s)
   python3 -c "
 from tbegen import build; from tbegen.spec import find_spec, list_specs
@@ -36,6 +38,7 @@ build.prebuild([find_spec(n) for n in names] if names else list_specs(), with_cu
   # (kept only when the build failed: the device tool returns at most 8 files)
   [ $status = 0 ] && rm -f "$OUT/build.log"
   echo "build of all extensions (parallel): $(( $(date +%s) - start )) s" | tee -a "$OUT/env.txt"
+  cache_entries "after the build" >> "$OUT/env.txt"
 fi
 if has diag; then
   python3 benchmarks/diag_errors.py 2>&1 | tee "$OUT/diag.log" | tail -n 40

@@ -42,6 +42,8 @@ python3 .anchor/unpack_bundle.py .anchor/bundle /tmp/fbg_site > /dev/null 2>&1 |
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl > /dev/null 2>&1 \
   || log "TorchRec wheels did not install"
 
+source benchmarks/tools/gpu_common.sh
+cache_entries "before the build" >> "$OUT/env.txt"
 t0=$(date +%s)
 BENCHED="sgd rowwise_adagrad adagrad adam"
 build $BENCHED > "$OUT/extras.log" 2>&1 || { status=1; log "build failed"; }
@@ -163,6 +165,7 @@ if [ "${VBE:-0}" = 1 ]; then
 fi
 [ -z "$rest_pid" ] || wait $rest_pid || { status=1; log "build of the other extensions failed"; }
 log "all extensions built: $(( $(date +%s) - t0 )) s"
+cache_entries "after the build" >> "$OUT/env.txt"
 
 xdist=$(python3 -c "import xdist" 2>/dev/null && echo "-n 12")
 # (default: every test marked cuda, in every file but those run below with FBGEMM_GPU and TorchRec on
