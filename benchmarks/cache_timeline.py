@@ -96,10 +96,10 @@ class _Event:
 
 class _Shadow:
     """Stands in for module._CacheStreams on the CPU: every call goes to a real one, on the
-    stand-in CUDA streams."""
+    stand-in CUDA streams (the module's device is the CPU). Also the stand-in of
+    tests/test_cache_lookup_stream.py."""
 
-    def __init__(self, rec: _Recorder):
-        self.rec = rec
+    def __init__(self):
         self.inner = _CacheStreams()
 
     def enter(self, device, wait=True, lookup=False):
@@ -113,6 +113,15 @@ class _Shadow:
 
     def wait_all(self, device):
         return self.inner.wait_all(CUDA)
+
+    def moved(self, device, stream, event):
+        return self.inner.moved(CUDA, stream, event)
+
+    def mark(self, device):
+        return self.inner.mark(CUDA)
+
+    def wait_rows(self, stream, device):
+        return self.inner.wait_rows(stream, CUDA)
 
 
 class _Audit(SyncAudit):
@@ -146,7 +155,7 @@ def timeline(args) -> List[str]:
     _Event.rec = rec
     emb = TableBatchedEmbeddingBags([(args.rows, args.dim)] * args.tables, optimizer=args.optimizer,
                                     placements="managed_caching", cache_load_factor=args.cache, learning_rate=0.01)
-    emb._cache_order = _Shadow(rec)
+    emb._cache_order = _Shadow()
     data = batches(args, args.steps + 2)
     grad = torch.ones(args.batch, args.tables * args.dim)
 

@@ -24,8 +24,10 @@ held back by torch.cuda._sleep.
 from __future__ import annotations
 
 import contextlib
+import sys
 import time
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -37,6 +39,9 @@ from tbegen.module import TableBatchedEmbeddingBags
 
 from test_prefetch_pipeline import FEATURES, LR, TABLES, _hot_batches, built  # noqa: F401 (built: the module's autouse build)
 from test_row_exchange import exchange_rows_reference, with_exchange
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+from cache_timeline import _Shadow  # noqa: E402 (module._CacheStreams on the stand-in streams)
 
 cuda = pytest.mark.cuda
 CUDA = torch.device("cuda", 0)
@@ -149,34 +154,6 @@ def _events(sim):
             sim.log.append((stream.name, "records", self.name, None))
 
     return Event
-
-
-class _Shadow:
-    """module._CacheStreams on the stand-in streams (the module's device is the CPU)."""
-
-    def __init__(self):
-        self.inner = module_._CacheStreams()
-
-    def enter(self, device, wait=True, lookup=False):
-        return self.inner.enter(CUDA, wait, lookup)
-
-    def wait_for(self, point, device):
-        return self.inner.wait_for(point, CUDA)
-
-    def leave(self, device, lookup=False, read=False):
-        return self.inner.leave(CUDA, lookup=lookup, read=read)
-
-    def wait_all(self, device):
-        return self.inner.wait_all(CUDA)
-
-    def moved(self, device, stream, event):
-        return self.inner.moved(CUDA, stream, event)
-
-    def mark(self, device):
-        return self.inner.mark(CUDA)
-
-    def wait_rows(self, stream, device):
-        return self.inner.wait_rows(stream, CUDA)
 
 
 @contextlib.contextmanager
