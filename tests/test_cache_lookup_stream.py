@@ -37,7 +37,8 @@ from tbegen import cache as cache_
 from tbegen import module as module_
 from tbegen.module import TableBatchedEmbeddingBags
 
-from test_prefetch_pipeline import FEATURES, LR, TABLES, _hot_batches, built  # noqa: F401 (built: the module's autouse build)
+from test_prefetch_pipeline import (  # noqa: F401 (built: the module's autouse build)
+    FEATURES, LR, TABLES, _hot_batches, _sleep_seconds, built)
 from test_row_exchange import exchange_rows_reference, with_exchange
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
@@ -609,14 +610,6 @@ def test_cuda_exchange_stream_trains_like_in_step(monkeypatch, case):
         assert stats["deferred"] > 0 and stats["evictions"] >= 8 * (len(data) - 1)
     else:
         assert stats["deferred"] == 0 and stats["rows_written_back"] > 0
-
-
-def _sleep_seconds(cycles):
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    torch.cuda._sleep(cycles)
-    torch.cuda.synchronize()
-    return time.perf_counter() - t0
 
 
 @cuda
