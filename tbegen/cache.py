@@ -1463,10 +1463,7 @@ class RowCache:
                     RuntimeWarning, stacklevel=5,
                 )
         with span("tbegen.cache.drop"):
-            if rows_wait is None:
-                self.drop(buffers, over, readers_wait)
-            else:
-                self.drop(buffers, over, readers_wait, rows_wait=rows_wait)
+            self.drop(buffers, over, readers_wait, rows_wait)
 
     def _cold_geometry(self) -> Optional[Tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]]:
         """For _coldest, made on first use on the cache's device: each slot's local number, where

@@ -1048,10 +1048,10 @@ class TableBatchedEmbeddingBags(nn.Module):
         readers_wait = (lambda: self._cache_order.wait_all(device)) if defer else None
         # (with the exchange aside, the lookup waited only for other streams' bookkeeping: moves of
         # rows, on the exchange stream or on this one, first wait for the rest, _CacheStreams.wait_rows)
-        more = {"rows_wait": lambda stream: self._cache_order.wait_rows(stream, device)} if aside else {}
+        rows_wait = (lambda stream: self._cache_order.wait_rows(stream, device)) if aside else None
         with span("tbegen.cache.lookup"):
             return self._cache.prepare(indices, offsets, batch, self._cache_buffers(), bad_index_error=bad,
-                                       defer=defer, readers_wait=readers_wait, **more)
+                                       defer=defer, readers_wait=readers_wait, rows_wait=rows_wait)
 
     def _take_prefetched(self, indices: torch.Tensor, offsets: torch.Tensor, sizes=None) -> Optional[cache_.Ticket]:
         """The ticket `prefetch` made for these very tensors (unchanged since) and VBE sizes

@@ -792,7 +792,7 @@ class RowCache:
 
     def prepare(self, indices: torch.Tensor, offsets: torch.Tensor, batch: int, buffers, *,
                 bad_index_error: Optional[callable] = None, defer: bool = False,
-                readers_wait: Optional[callable] = None) -> Optional[Ticket]:
+                readers_wait: Optional[callable] = None, rows_wait: Optional[callable] = None) -> Optional[Ticket]:
         """Makes every row that `indices` reads of a cached table resident and returns the
         indices the kernels read (see Ticket). `offsets` has F * batch + 1 entries (checked by the
         caller). Out-of-range indices of cached tables stay out of range for the kernels, which
@@ -810,7 +810,8 @@ class RowCache:
         `defer` (a prefetch): where the batch's rows would need slots held for other batches,
         None, with nothing changed (the forward looks the batch up then). `readers_wait` (a
         prefetch's, on CUDA): called before rows move out of slots whose holds were let go
-        (_before_unheld_move).
+        (_before_unheld_move). `rows_wait`: taken as the module passes it, never called (this
+        cache never exchanges on a stream of its own).
 
         How (each step one pass over the N indices or the distinct rows, few of them; on CUDA
         each operator is a launch the host pays for, benchmarks/cache_prepare_ops.py counts them):

@@ -63,10 +63,10 @@ def _with_reference_cache(monkeypatch, *args, **kwargs):
 
 def _without_deferral(emb):
     """The module's prefetches never deferred (the frozen cache predates the deferral, and takes no
-    `defer`, nor the prefetch's `readers_wait`, a stream wait, nothing on the CPU): so that the old
-    and the new algorithm face the same decisions."""
+    `defer`, nor the prefetch's `readers_wait` and `rows_wait`, stream waits, nothing on the CPU): so
+    that the old and the new algorithm face the same decisions."""
     prepare = emb._cache.prepare
-    emb._cache.prepare = lambda *a, defer=False, readers_wait=None, **kw: prepare(*a, **kw)
+    emb._cache.prepare = lambda *a, defer=False, readers_wait=None, rows_wait=None, **kw: prepare(*a, **kw)
     return emb
 
 

@@ -483,9 +483,9 @@ def _touches_of_unwaited_uses(monkeypatch, seed, readers_wait=True):
         touched.append(("load" if to_slots else "evict", set((self._t["sbase"][c] + slots).tolist())))
         return move(self, buffers, c, rows, slots, to_slots, staged, per_table)
 
-    def logged_drop(self, buffers, tables, readers_wait=None):
+    def logged_drop(self, buffers, tables, readers_wait=None, rows_wait=None):
         hard = self.hard_epoch
-        drop(self, buffers, tables, readers_wait)
+        drop(self, buffers, tables, readers_wait, rows_wait)
         if self.hard_epoch != hard:
             touched.append(("drop", None))
 
