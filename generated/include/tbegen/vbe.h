@@ -251,6 +251,25 @@ inline bool check_vbe_plan_offsets(const at::Tensor& offsets, const VbeTotals& t
   return offsets.numel() == t.total_bags + 1;
 }
 
+// vbe_plan_padded's offsets and the padded offsets it writes (`given` undefined: vbe_plan's call, or
+// offsets that do not fit the sizes, whose `padded` is then empty): the CPU and CUDA operators'.
+struct VbePlanOffsets {
+  const at::Tensor* offsets = nullptr;  // (the operator's argument; nullptr for vbe_plan)
+  at::Tensor given;                     // (contiguous)
+  at::Tensor padded;
+
+  // Checks the offsets against the totals and allocates the padded offsets where they fit.
+  void prepare(const VbeTotals& t, int64_t bags) {
+    if (offsets == nullptr) return;
+    if (check_vbe_plan_offsets(*offsets, t)) {
+      given = offsets->contiguous();
+      padded = at::empty({bags + 1}, given.options());
+    } else {
+      padded = at::empty({0}, offsets->options());  // (they do not fit: the module's message)
+    }
+  }
+};
+
 // Writes the header (vbe_plan_header_size(F, R) values) of checked inputs at `header`, checking
 // the values; returns the totals.
 inline VbeTotals vbe_plan_header(at::IntArrayRef sizes, int64_t num_ranks, at::IntArrayRef dims, int64_t* header) {

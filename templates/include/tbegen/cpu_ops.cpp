@@ -49,15 +49,11 @@ std::tuple<at::Tensor, at::Tensor, std::vector<int64_t>, at::Tensor> vbe_plan_on
   std::vector<int64_t> header(size_t(vbe_plan_header_size(F, R)));
   const VbeTotals t = vbe_plan_header(sizes, num_ranks, dims, header.data());
   const int64_t bags = F * t.max_B;
-  at::Tensor padded, given;
-  if (offsets != nullptr) {
-    if (check_vbe_plan_offsets(*offsets, t)) {
-      given = offsets->contiguous();
-      padded = at::empty({bags + 1}, given.options());
-    } else {
-      padded = at::empty({0}, offsets->options());  // (they do not fit: the module's message)
-    }
-  }
+  VbePlanOffsets given_offsets;  // (vbe.h: checked, and the padded offsets allocated, where given)
+  given_offsets.offsets = offsets;
+  given_offsets.prepare(t, bags);
+  const at::Tensor& given = given_offsets.given;
+  const at::Tensor& padded = given_offsets.padded;
   const auto [pad, bag_out] = vbe_plan_tables(bags, at::TensorOptions().dtype(at::kLong));  // (vbe.h)
   int64_t* p = pad.data_ptr<int64_t>();
   int64_t* o = bag_out.data_ptr<int64_t>();

@@ -66,25 +66,6 @@ __global__ void vbe_plan_argument_kernel(const __grid_constant__ VbeHeaderArgume
 }
 #endif
 
-// vbe_plan_padded's offsets and the padded offsets it writes (`given` undefined: vbe_plan's call, or
-// offsets that do not fit the sizes, whose `padded` is then empty).
-struct VbePlanOffsets {
-  const at::Tensor* offsets = nullptr;  // (the operator's argument; nullptr for vbe_plan)
-  at::Tensor given;                     // (contiguous)
-  at::Tensor padded;
-
-  // Checks the offsets against the totals and allocates the padded offsets where they fit.
-  void prepare(const VbeTotals& t, int64_t bags) {
-    if (offsets == nullptr) return;
-    if (check_vbe_plan_offsets(*offsets, t)) {
-      given = offsets->contiguous();
-      padded = at::empty({bags + 1}, given.options());
-    } else {
-      padded = at::empty({0}, offsets->options());
-    }
-  }
-};
-
 // Launches `launch` with the offsets' element type and pointers (int64_t and nullptrs without them).
 template <typename Launch>
 inline void with_plan_offsets(const VbePlanOffsets& o, Launch&& launch) {
