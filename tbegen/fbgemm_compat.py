@@ -1082,14 +1082,8 @@ class SplitTableBatchedEmbeddingBagsCodegen(nn.Module):
             if prepared is None:
                 return self._tbe(indices, offsets, per_sample_weights,
                                  batch_size_per_feature_per_rank=batch_size_per_feature_per_rank)
-            # (handed for this one call, which takes it for these very objects: never left behind)
-            state = self._tbe.__dict__
-            state["_vbe_handed"] = (offsets, batch_size_per_feature_per_rank, prepared)
-            try:
-                return self._tbe(indices, offsets, per_sample_weights,
-                                 batch_size_per_feature_per_rank=batch_size_per_feature_per_rank)
-            finally:
-                state["_vbe_handed"] = None
+            return self._tbe._call_with_vbe_plan(prepared, indices, offsets, per_sample_weights,
+                                                 batch_size_per_feature_per_rank)
         out = self._tbe(indices, offsets, per_sample_weights)
         if self.use_writeback_bwd_prehook and torch.is_grad_enabled() and out.requires_grad:
             out = _KeepGradient.apply(out, self._writeback_keep(indices, offsets))

@@ -1892,13 +1892,26 @@ class TableBatchedEmbeddingBags(nn.Module):
             plans.last = plan  # (the next forward's first guess)
         return plan, padded
 
+    def _call_with_vbe_plan(self, prepared, indices, offsets, per_sample_weights, batch_size_per_feature_per_rank):
+        """This module's call (its hooks and all) for a VBE batch whose plan and padded offsets the
+        caller found already (`prepared`: _vbe_prepare's pair for these very `offsets` and sizes
+        objects; the FBGEMM class's bounds check): _forward_vbe takes them instead of looking
+        them up and gathering again. Handed for this one call only, never left behind."""
+        state = self.__dict__
+        state["_vbe_handed"] = (offsets, batch_size_per_feature_per_rank, prepared)
+        try:
+            return self(indices, offsets, per_sample_weights,
+                        batch_size_per_feature_per_rank=batch_size_per_feature_per_rank)
+        finally:
+            state["_vbe_handed"] = None
+
     def _forward_vbe(self, indices, offsets, per_sample_weights, batch_size_per_feature_per_rank) -> torch.Tensor:
         if torch.compiler.is_compiling():
             return self._forward_vbe_traced(indices, offsets, per_sample_weights, batch_size_per_feature_per_rank)
         handed = self.__dict__.get("_vbe_handed")
         if handed is not None and handed[0] is offsets and handed[1] is batch_size_per_feature_per_rank:
             # (what the FBGEMM class's forward found for these very objects just before this call,
-            # for its own checks of the padded batch: fbgemm_compat.py; not looked up again)
+            # for its own checks of the padded batch: _call_with_vbe_plan; not looked up again)
             plan, padded = handed[2]
         else:
             plan, padded = self._vbe_prepare(offsets, batch_size_per_feature_per_rank)
