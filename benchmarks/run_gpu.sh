@@ -10,7 +10,13 @@
 set -u
 OUT=${OUT:-/tmp/tbegen-gpu-out}
 mkdir -p "$OUT"
-export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}
+# (always 9.0, as every other run script sets it. This script alone kept a preset list, and at
+# landing13 its build made new cache keys for the four specs run_gpu_landing.sh had just built (130 s;
+# landing11 and 12 lost 120-220 s the same way): the likeliest cause is a list the device's
+# environment presets. env.txt now says what the call found)
+ARCH_PRESET=${TORCH_CUDA_ARCH_LIST-unset}
+PRESET_ENV=$(env | grep -E '^(TBEGEN_|TORCH_|CUDA|NVCC|CC=|CXX=)' | sort | tr '\n' ' ')
+export TORCH_CUDA_ARCH_LIST=9.0
 # inside the (ignored) build/ folder, so a second call on the same warm machine finds the cache
 export TBEGEN_BUILD_DIR=${TBEGEN_BUILD_DIR:-$PWD/build/tbegen-cache}
 export PYTHONPATH=$PWD:${PYTHONPATH:-}
@@ -24,6 +30,8 @@ status=0
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | sed 's/^/gpu: /'
   python3 -c "import torch, sys; print('python:', sys.version.split()[0]); print('torch:', torch.__version__, 'cuda', torch.version.cuda)"
   nvcc --version | tail -n 2 | head -n 1 | sed 's/^/nvcc: /'
+  echo "TORCH_CUDA_ARCH_LIST: 9.0 (the environment's before this script: $ARCH_PRESET)"
+  echo "build-related environment the call found: ${PRESET_ENV:-none}"
 } | tee "$OUT/env.txt"
 
 if has build; then

@@ -18,6 +18,8 @@
 set -u
 OUT=${OUT:-/tmp/tbegen-gpu-out}
 mkdir -p "$OUT/fbgemm"
+ARCH_PRESET=${TORCH_CUDA_ARCH_LIST-unset}
+PRESET_ENV=$(env | grep -E '^(TBEGEN_|TORCH_|CUDA|NVCC|CC=|CXX=)' | sort | tr '\n' ' ')
 export TORCH_CUDA_ARCH_LIST=9.0 TBEGEN_BUILD_DIR=$PWD/build/tbegen-cache PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 status=0
@@ -37,6 +39,8 @@ build.prebuild([find_spec(n) for n in sys.argv[1:]], with_cuda=True)" "$@"
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | sed 's/^/gpu: /'
   python3 -c "import torch, sys; print('python:', sys.version.split()[0]); print('torch:', torch.__version__, 'cuda', torch.version.cuda)"
   nvcc --version | tail -n 2 | head -n 1 | sed 's/^/nvcc: /'
+  echo "TORCH_CUDA_ARCH_LIST: 9.0 (the environment's before this script: $ARCH_PRESET)"
+  echo "build-related environment the call found: ${PRESET_ENV:-none}"
 } | tee "$OUT/env.txt"
 python3 .anchor/unpack_bundle.py .anchor/bundle /tmp/fbg_site > /dev/null 2>&1 || log "FBGEMM bundle did not unpack"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl > /dev/null 2>&1 \
