@@ -20,7 +20,9 @@ With --rounds N the systems are timed in N alternating rounds: `*_ms` is the med
 
 Cases: T features of dimension D, R ranks, per-rank batch up to B; each (feature, rank) batch is
 drawn from [frac * B, B] with frac per case ("mild" 0.5, "skewed": a third of the features at
-0.05-0.2 of the others'), pooling factor L per bag drawn from [1, 2L-1], uniform rows.
+0.05-0.2 of the others'), pooling factor L per bag drawn from [1, 2L-1], uniform rows; sum
+pooling without per-sample weights unless --cases names one of POOLED (a case with weights or
+mean pooling: e.g. --cases mild-large-weighted,narrow-skewed-mean).
 
 On a GPU machine (fbgemm from the referee's bundle, see ../shared/tools/fbgemm-anchor/README.md):
     python3 .anchor/unpack_bundle.py .anchor/bundle /tmp/fbg_site
@@ -55,6 +57,17 @@ CASES = {
 SMALL = {
     "mild": (4, 1000, 16, 2, 16, 4, False),
     "skewed": (4, 1000, 16, 3, 16, 4, True),
+}
+# Cases timed only where --cases names them (not in the default table): a case above with
+# per-sample weights or mean pooling, whose backward sorts positions and gathers each occurrence's
+# bag and scale after the sort (the batches TBEGEN_VBE_FUSED_GATHER changes). FBGEMM is not timed
+# for them. name: (case, weighted, pooling)
+POOLED = {
+    "narrow-skewed-weighted": ("narrow-skewed", True, "sum"),
+    "narrow-skewed-mean": ("narrow-skewed", False, "mean"),
+    "mild-large-weighted": ("mild-large", True, "sum"),
+    "mild-large-mean": ("mild-large", False, "mean"),
+    "mild-weighted": ("mild", True, "sum"),  # (--small's)
 }
 OPTIMIZERS = {"sgd": "EXACT_SGD", "rowwise_adagrad": "EXACT_ROWWISE_ADAGRAD"}
 
@@ -182,12 +195,17 @@ def main():
     results = []
     profiled = False
     for name in names:
-        T, rows, D, R, B, L, skew = cases[name]
+        base, weighted, pooling = POOLED.get(name, (name, False, "sum"))
+        if base not in cases:
+            sys.exit(f"bench_vbe: no case {name!r} (cases: {', '.join(list(cases) + list(POOLED))})")
+        T, rows, D, R, B, L, skew = cases[base]
         gen = torch.Generator().manual_seed(1)
         sets = []
         for _ in range(args.nsets):
             ind, off, bsfr, poff, max_B = draw_batch(T, rows, R, B, L, skew, gen)
-            sets.append(dict(ind=ind.to(dev), off=off.to(dev), poff=poff.to(dev), bsfr=bsfr, max_B=max_B,
+            # (the padded batch has the same indices: the same weights serve both)
+            psw = (torch.rand(ind.numel(), generator=gen) + 0.5).to(dev) if weighted else None
+            sets.append(dict(ind=ind.to(dev), off=off.to(dev), poff=poff.to(dev), psw=psw, bsfr=bsfr, max_B=max_B,
                              lookups=ind.numel(), bags=off.numel() - 1, padded_bags=poff.numel() - 1))
         for s in sets:
             n = sum(b * D for per_rank in s["bsfr"] for b in per_rank)
@@ -195,12 +213,12 @@ def main():
             s["pgrad"] = torch.randn(s["max_B"], T * D, generator=gen).to(dev)
         for opt in args.optimizers.split(","):
             hyper = dict(learning_rate=0.01) if opt == "sgd" else dict(learning_rate=0.01, eps=1e-8)
-            emb = TableBatchedEmbeddingBags([(rows, D)] * T, optimizer=opt, device=dev, **hyper)
+            emb = TableBatchedEmbeddingBags([(rows, D)] * T, optimizer=opt, device=dev, pooling=pooling, **hyper)
             # check: the VBE output is the padded output's real rows (bitwise), before timing
             s = sets[0]
             with torch.no_grad():
-                a = emb(s["ind"], s["off"], batch_size_per_feature_per_rank=s["bsfr"])
-                b = emb(s["ind"], s["poff"])
+                a = emb(s["ind"], s["off"], s["psw"], batch_size_per_feature_per_rank=s["bsfr"])
+                b = emb(s["ind"], s["poff"], s["psw"])
             # (rank-major gather of b, written out here)
             parts, start = [], [0] * T
             prefix = [[sum(s["bsfr"][f][:r]) for r in range(R)] for f in range(T)]
@@ -209,20 +227,21 @@ def main():
                     n = s["bsfr"][f][r]
                     parts.append(b[prefix[f][r]:prefix[f][r] + n, f * D:(f + 1) * D].reshape(-1))
             check = bool(torch.equal(a, torch.cat(parts)))
-            row = dict(case=name, optimizer=opt, T=T, rows=rows, D=D, R=R, B=B, L=L, skew=skew, device=dev,
+            row = dict(case=name, optimizer=opt, T=T, rows=rows, D=D, R=R, B=B, L=L, skew=skew, weighted=weighted,
+                       pooling=pooling, device=dev,
                        lookups=sum(x["lookups"] for x in sets) / len(sets),
                        bags=sum(x["bags"] for x in sets) / len(sets),
                        padded_bags=sum(x["padded_bags"] for x in sets) / len(sets), vbe_equals_padded=check)
 
             def cached_step(s, emb=emb):
-                emb(s["ind"], s["off"], batch_size_per_feature_per_rank=s["bsfr"]).backward(s["grad"])
+                emb(s["ind"], s["off"], s["psw"], batch_size_per_feature_per_rank=s["bsfr"]).backward(s["grad"])
 
             def vbe_step(s, emb=emb):
                 emb.__dict__.get("_vbe_plans", {}).clear()  # (new batch sizes: a new plan)
                 cached_step(s)
 
             def padded_step(s, emb=emb):
-                emb(s["ind"], s["poff"]).backward(s["pgrad"])
+                emb(s["ind"], s["poff"], s["psw"]).backward(s["pgrad"])
 
             gathered_plans = {}
 
@@ -240,11 +259,11 @@ def main():
 
             def vbe_forward(s, emb=emb):
                 with torch.no_grad():
-                    emb(s["ind"], s["off"], batch_size_per_feature_per_rank=s["bsfr"])
+                    emb(s["ind"], s["off"], s["psw"], batch_size_per_feature_per_rank=s["bsfr"])
 
             def padded_forward(s, emb=emb):
                 with torch.no_grad():
-                    emb(s["ind"], s["poff"])
+                    emb(s["ind"], s["poff"], s["psw"])
 
             steps = dict(vbe=vbe_step, vbe_cached=cached_step, padded=padded_step, vbe_fwd=vbe_forward,
                          padded_fwd=padded_forward)
@@ -273,7 +292,9 @@ def main():
                 for k in ("vbe", "vbe_cached", "padded"):
                     profile_step(f"{name} {opt} {k}", steps[k], sets, dev)
             del emb
-            if not args.no_fbgemm:
+            if name in POOLED:
+                row["fbgemm_note"] = "not timed for per-sample weights or mean pooling"
+            elif not args.no_fbgemm:
                 fb, why = fbgemm_module(T, rows, D, opt, dev)
                 if fb is None:
                     row["fbgemm_note"] = why

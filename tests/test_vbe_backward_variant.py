@@ -52,11 +52,11 @@ CASES = {
 }
 
 
-def _train(optimizer, case, switch, monkeypatch, steps=2, seed=11):
-    """Trains a fresh module on `steps` VBE batches with the switch at `switch`; returns the
+def _train(optimizer, case, switch, monkeypatch, steps=2, seed=11, name=SWITCH):
+    """Trains a fresh module on `steps` VBE batches with the switch `name` at `switch`; returns the
     outputs, per-sample-weight gradients, weights and states."""
     tables, ftm, bsfr, max_L, weighted, pooling, wdt = case
-    monkeypatch.setenv(SWITCH, switch)
+    monkeypatch.setenv(name, switch)
     emb = make(optimizer, tables, ftm, device="cuda", pooling=pooling, weights_dtype=wdt)
     assert emb._vbe_direct()  # (the gathered fallback would run the fixed-batch backward)
     gen = torch.Generator().manual_seed(seed)
@@ -125,3 +125,93 @@ def test_bad_switch_value_is_refused(monkeypatch):
     case = CASES["mixed-sum-hot"]
     with pytest.raises(RuntimeError, match="TBEGEN_VBE_GRAD_OFFSETS must be 0 or 1"):
         _train("sgd", case, "yes", monkeypatch, steps=1)
+
+
+# ---- TBEGEN_VBE_FUSED_GATHER: the offsets written by step 3b's kernel ----------------------------
+#
+# Where the sort's values are positions (per-sample weights, mean pooling), the switch at 1 has the
+# kernel that gathers each occurrence's bag and scale after the sort also write its output-gradient
+# offset (gather_occurrences_kernel<true>), and gather_grad_offsets_kernel does not run. The same
+# offsets, so the same bits as the switch at 0 (the default) and as TBEGEN_VBE_GRAD_OFFSETS=0 (the
+# update kernels reading bag_out themselves); unweighted sum batches (the sort's values are the
+# bags) and fixed batches are untouched.
+
+FUSED = "TBEGEN_VBE_FUSED_GATHER"
+
+
+@pytest.mark.parametrize("case_id", sorted(CASES))
+@pytest.mark.parametrize("optimizer", OPTIMIZERS)
+def test_fused_gather_gives_the_default_bits(optimizer, case_id, monkeypatch):
+    case = CASES[case_id]
+    monkeypatch.delenv(SWITCH, raising=False)  # (the gathered offsets: the default)
+    default = _train(optimizer, case, "0", monkeypatch, name=FUSED)
+    fused = _train(optimizer, case, "1", monkeypatch, name=FUSED)
+    again = _train(optimizer, case, "1", monkeypatch, name=FUSED)
+    unset = _train(optimizer, case, "", monkeypatch, name=FUSED)  # (empty: the default, =0)
+    monkeypatch.setenv(FUSED, "1")
+    kernels_read = _train(optimizer, case, "0", monkeypatch)  # (TBEGEN_VBE_GRAD_OFFSETS=0: nothing gathered)
+    fresh = make(optimizer, case[0], case[1], device="cuda", pooling=case[5], weights_dtype=case[6])
+    assert not torch.equal(default[2], fresh.weights.detach()), "the steps left the weights as they were"
+    _assert_same(fused, default, "TBEGEN_VBE_FUSED_GATHER=1 against =0")
+    _assert_same(again, fused, "TBEGEN_VBE_FUSED_GATHER=1 twice (determinism)")
+    _assert_same(unset, default, "TBEGEN_VBE_FUSED_GATHER empty (the default) against =0")
+    _assert_same(fused, kernels_read, "TBEGEN_VBE_FUSED_GATHER=1 against TBEGEN_VBE_GRAD_OFFSETS=0")
+
+
+def _backward_kernels(case, fused, monkeypatch):
+    """The CUDA kernels' names of one VBE training step with TBEGEN_VBE_FUSED_GATHER at `fused`."""
+    from torch.profiler import ProfilerActivity, profile
+    tables, ftm, bsfr, max_L, weighted, pooling, wdt = case
+    monkeypatch.delenv(SWITCH, raising=False)
+    monkeypatch.setenv(FUSED, fused)
+    emb = make("sgd", tables, ftm, device="cuda", pooling=pooling, weights_dtype=wdt)
+    gen = torch.Generator().manual_seed(5)
+    indices, offsets, psw = vbe_batch([tables[t][0] for t in ftm], bsfr, gen, weighted, max_L=max_L)
+    psw = psw.cuda() if psw is not None else None
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        out = emb(indices.cuda(), offsets.cuda(), psw, batch_size_per_feature_per_rank=bsfr)
+        out.backward(torch.ones_like(out))
+        torch.cuda.synchronize()
+    return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+
+
+@pytest.mark.parametrize("case_id,engaged", [("mixed-weighted-sum-hot", True), ("mixed-mean-hot", True),
+                                             ("mixed-sum-hot", False)])
+def test_fused_gather_runs_one_kernel_fewer(case_id, engaged, monkeypatch):
+    """The switch takes effect where the values are positions (else the bitwise test above could
+    pass with the switch ignored), and leaves unweighted sum batches on step 3c's kernel."""
+    case = CASES[case_id]
+    off = _backward_kernels(case, "0", monkeypatch)
+    on = _backward_kernels(case, "1", monkeypatch)
+    assert any("gather_grad_offsets_kernel" in k for k in off), off
+    assert not any("gather_occurrences_kernel<true>" in k for k in off), off
+    if engaged:
+        assert not any("gather_grad_offsets_kernel" in k for k in on), on
+        assert any("gather_occurrences_kernel<true>" in k for k in on), on
+        assert len(on) == len(off) - 1, (on, off)
+    else:
+        assert sorted(on) == sorted(off), (on, off)
+
+
+@pytest.mark.parametrize("optimizer", OPTIMIZERS)
+@pytest.mark.parametrize("pooling", ["sum", "mean"])
+def test_fused_gather_trains_like_the_padded_fixed_batch(optimizer, pooling, monkeypatch):
+    """With the switch on, weighted VBE training is still bitwise the padded fixed batch's, and the
+    fixed batch is what it is with the switch off."""
+    bsfr = [[5, 0, 3, 7], [4, 1, 0, 2], [0, 0, 1, 9]]
+    tables, ftm = [(50, 16), (30, 6)], [0, 1, 0]
+    monkeypatch.delenv(SWITCH, raising=False)
+    monkeypatch.setenv(FUSED, "1")
+    a, b, *_ = run_vbe_and_padded(optimizer, "cuda", pooling, True, bsfr, tables, ftm, steps=3)
+    assert_same_training(a, b)
+    monkeypatch.setenv(FUSED, "0")
+    a0, b0, *_ = run_vbe_and_padded(optimizer, "cuda", pooling, True, bsfr, tables, ftm, steps=3)
+    assert_same_training(a0, a)
+    assert_same_training(b0, b)  # the fixed batch: untouched by the switch
+
+
+def test_fused_gather_bad_value_is_refused(monkeypatch):
+    monkeypatch.delenv(SWITCH, raising=False)
+    with pytest.raises(RuntimeError, match="TBEGEN_VBE_FUSED_GATHER must be 0 or 1"):
+        _train("sgd", CASES["mixed-sum-hot"], "on", monkeypatch, steps=1, name=FUSED)

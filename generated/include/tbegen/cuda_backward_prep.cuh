@@ -40,7 +40,8 @@ struct PreparedBackward {
 // before this returns). With with_tickets, `tickets` points to 5 int32 counters zeroed on the
 // current stream. With vbe_grad_offsets (a VBE batch's bag_output_offsets, on the device, when
 // TBEGEN_VBE_GRAD_OFFSETS=1: vbe_grad_offsets_enabled), the occurrences' positions are their
-// output-gradient row offsets instead (PreparedBackward::grad_offsets). Long runs are cut into
+// output-gradient row offsets instead (PreparedBackward::grad_offsets; with TBEGEN_VBE_FUSED_GATHER=1
+// written by the kernel that gathers the bags, where the sorted values are positions). Long runs are cut into
 // segments of `segment_length` occurrences (Runs::segment_length; the bounds above follow it).
 // With work_items, also the any-width update's single work list (PreparedBackward::items).
 __attribute__((visibility("hidden"))) PreparedBackward prepare_backward(

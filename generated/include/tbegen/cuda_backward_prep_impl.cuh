@@ -79,15 +79,28 @@ struct SumInt2 {
 };
 
 // Step 3b when the values sorted were positions: each occurrence's bag and scale in sorted order.
+// kGradOffsets (TBEGEN_VBE_FUSED_GATHER=1, vbe_fused_gather: a VBE batch whose values are positions,
+// i.e. weighted or mean pooling) also writes step 3c's output-gradient offset, bag_out[bag] of the
+// bag it has just read, so that 3c's kernel does not run: one launch fewer, and the sorted bags
+// are not read back. The same values as 3c's kernel (the same clamp of the same bag).
+template <bool kGradOffsets>
 static __global__ void __launch_bounds__(256) gather_occurrences_kernel(int64_t n, const int32_t* __restrict__ sorted_positions,
                                                                         const int32_t* __restrict__ bag_of,
                                                                         const float* __restrict__ scale_of,
-                                                                        int32_t* sorted_bag, float* sorted_scale) {
+                                                                        int32_t* sorted_bag, float* sorted_scale,
+                                                                        int64_t nbags, const int64_t* __restrict__ bag_out,
+                                                                        int32_t* grad_at) {
   for (int64_t j = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; j < n; j += int64_t(gridDim.x) * blockDim.x) {
     // (clamped: after malformed offsets some positions are never written, and nothing is updated)
     const int32_t pos = min(max(sorted_positions[j], 0), int32_t(n - 1));
-    sorted_bag[j] = bag_of[pos];
+    const int32_t bag_j = bag_of[pos];
+    sorted_bag[j] = bag_j;
     if (scale_of) sorted_scale[j] = scale_of[pos];
+    if constexpr (kGradOffsets) {
+      // (gather_grad_offsets_kernel's clamp and conversion)
+      const int32_t bag = int32_t(min(max(int64_t(bag_j), int64_t(0)), nbags - 1));
+      grad_at[j] = int32_t(bag_out[bag]);
+    }
   }
 }
 
@@ -107,6 +120,17 @@ static __global__ void __launch_bounds__(256) gather_grad_offsets_kernel(int64_t
     grad_at[j] = int32_t(bag_out[bag]);
   }
 }
+
+// Whether a VBE batch whose sorted values are positions (per-sample weights or mean pooling) writes
+// its occurrences' output-gradient offsets in step 3b's kernel (gather_occurrences_kernel<true>)
+// instead of step 3c's kernel after it (issue 25): TBEGEN_VBE_FUSED_GATHER, unset, empty or "0" off
+// (the default), "1" on, anything else refused. Read at every VBE call that gathers offsets
+// (TBEGEN_VBE_GRAD_OFFSETS on), whatever its pooling; the same bits either way (the same offsets).
+// An unweighted sum batch (values_are_bags: no step 3b) keeps 3c: its sort carries the bag, which
+// the update kernels need (locate_row, load_table_states, run_width: the run's table, read at
+// run and segment starts), so the sort cannot carry the offset in its place (benchmarks/NOTES-gpu.md,
+// "VBE: the fused gather").
+inline bool vbe_fused_gather() { return opt_in_switch("TBEGEN_VBE_FUSED_GATHER"); }
 
 // How many warps share each group of 32 bags in the linearize (linearize_kernel's `spread`):
 // TBEGEN_LINEARIZE_SPREAD (issue 29): unset, empty or "1" the batch's choice (the default since
@@ -153,8 +177,8 @@ void run_cub_in_turn(const at::Tensor& like, A1&& first, A2&& second, A3&& third
 template <typename K>
 void linearize_and_sort(const Batch& b, const ForwardArgs& fa, const at::Tensor& weights, const at::Tensor& indices,
                         const at::Tensor& offsets, int64_t total_hash_size, bool check_finite, bool values_are_bags,
-                        bool scaled, bool with_tickets, const int64_t* vbe_grad_offsets, cudaStream_t stream,
-                        PreparedBackward& out) {
+                        bool scaled, bool with_tickets, const int64_t* vbe_grad_offsets, bool fused_gather,
+                        cudaStream_t stream, PreparedBackward& out) {
   TBEGEN_CHECK(!(scaled && values_are_bags), "tbegen: internal error: scaled occurrences need their positions");
   const auto bytes_opts = weights.options().dtype(at::kByte);
   const int n = int(b.N);
@@ -238,14 +262,20 @@ void linearize_and_sort(const Batch& b, const ForwardArgs& fa, const at::Tensor&
   out.max_segments = b.N / segment_length + out.max_long_runs;
   out.max_partials = 2 * (b.N / segment_length) + 1;
 
-  // 3b. each occurrence's bag and scale in sorted order, when the values were positions
-  if (!values_are_bags) {
-    gather_occurrences_kernel<<<grid_for(b.N / kWarpSize + 1), kThreads, 0, stream>>>(
-        b.N, sorted_values, bag_of, scale_of, sorted_bag, sorted_scale);
+  // 3b. each occurrence's bag and scale in sorted order, when the values were positions; with
+  //     fused_gather (TBEGEN_VBE_FUSED_GATHER=1) also 3c's offsets
+  const bool offsets_in_3b = grad_at != nullptr && !values_are_bags && fused_gather;
+  if (offsets_in_3b) {
+    gather_occurrences_kernel<true><<<grid_for(b.N / kWarpSize + 1), kThreads, 0, stream>>>(
+        b.N, sorted_values, bag_of, scale_of, sorted_bag, sorted_scale, b.F * b.B, vbe_grad_offsets, grad_at);
+    TBEGEN_CUDA_CHECK(cudaGetLastError());
+  } else if (!values_are_bags) {
+    gather_occurrences_kernel<false><<<grid_for(b.N / kWarpSize + 1), kThreads, 0, stream>>>(
+        b.N, sorted_values, bag_of, scale_of, sorted_bag, sorted_scale, 0, nullptr, nullptr);
     TBEGEN_CUDA_CHECK(cudaGetLastError());
   }
   // 3c. (VBE, TBEGEN_VBE_GRAD_OFFSETS=1) each occurrence's output-gradient offset in sorted order
-  if (grad_at != nullptr) {
+  if (grad_at != nullptr && !offsets_in_3b) {
     gather_grad_offsets_kernel<<<grid_for(b.N / kWarpSize + 1), kThreads, 0, stream>>>(b.N, b.F * b.B, sorted_bag,
                                                                                        vbe_grad_offsets, grad_at);
     TBEGEN_CUDA_CHECK(cudaGetLastError());
@@ -352,13 +382,15 @@ PreparedBackward prepare_backward(const Batch& b, const at::Tensor& grad_output,
   const bool values_are_bags = !scaled && b.pooling != kPoolNone;
   TBEGEN_CHECK(vbe_grad_offsets == nullptr || b.pooling != kPoolNone,
                "tbegen: internal error: VBE gradient offsets for a batch without pooling");
+  // (read, and a bad value refused, at every call that gathers offsets, whichever the pooling)
+  const bool fused_gather = vbe_grad_offsets != nullptr && vbe_fused_gather();
   const ForwardArgs fa = forward_args(b, features, weights, per_sample_weights, nullptr, error);
   if (total_hash_size + 1 <= int64_t(INT32_MAX)) {
     linearize_and_sort<int32_t>(b, fa, weights, indices, offsets, total_hash_size, check_finite, values_are_bags,
-                                scaled, with_tickets, vbe_grad_offsets, stream, out);
+                                scaled, with_tickets, vbe_grad_offsets, fused_gather, stream, out);
   } else {
     linearize_and_sort<int64_t>(b, fa, weights, indices, offsets, total_hash_size, check_finite, values_are_bags,
-                                scaled, with_tickets, vbe_grad_offsets, stream, out);
+                                scaled, with_tickets, vbe_grad_offsets, fused_gather, stream, out);
   }
   // (the list's scan takes n + 1 entries as an int: a batch of 2^31 - 1 indices keeps the two
   // kernels, which give the same bits)
