@@ -88,7 +88,8 @@ static __global__ void __launch_bounds__(256) gather_occurrences_kernel(int64_t 
                                                                         const int32_t* __restrict__ bag_of,
                                                                         const float* __restrict__ scale_of,
                                                                         int32_t* sorted_bag, float* sorted_scale,
-                                                                        int64_t nbags, const int64_t* __restrict__ bag_out,
+                                                                        int64_t nbags,
+                                                                        const int64_t* __restrict__ bag_out,
                                                                         int32_t* grad_at) {
   for (int64_t j = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; j < n; j += int64_t(gridDim.x) * blockDim.x) {
     // (clamped: after malformed offsets some positions are never written, and nothing is updated)
