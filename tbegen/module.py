@@ -952,6 +952,9 @@ class TableBatchedEmbeddingBags(nn.Module):
         for; with cached tables, followed by the cache region (preferred in GPU memory)."""
         numel, dtype, per = self._buffer_shape(what)
         ranges, placements = self._buffer_ranges(per), list(self.placements)
+        if self._cache is not None and per == "row" and self._row_states_on_device():
+            # (the per-row states of cached tables whole in GPU memory: placement.row_states_on_device)
+            placements = ["device" if p == "managed_caching" else p for p in placements]
         if self._cache is not None:
             tail = {"element": self._cache.weights_tail, "row": self._cache.keys_tail,
                     # (the slots' int8 rows: their codes and their qparams, D + 8 bytes each)
@@ -960,6 +963,19 @@ class TableBatchedEmbeddingBags(nn.Module):
             placements.append("device")
             numel += tail
         return placement_.allocate(self._ops, numel, dtype, device, placements, ranges)
+
+    def _row_states_on_device(self) -> bool:
+        """Whether this module's per-row states of managed_caching tables are allocated whole in
+        GPU memory (placement.row_states_on_device: their bytes against the cache's rows')."""
+        row_bytes = sum(self.layout.tables[t][0] for t, p in enumerate(self.placements) if p == "managed_caching") * sum(
+            self.state_dtypes[s.name].itemsize for s in self.spec.states if s.per == "row")
+        if row_bytes == 0:
+            return False
+        if self.int8:
+            cache_bytes = self._cache.weights_tail + int8_.QPARAM_BYTES * self._cache.keys_tail
+        else:
+            cache_bytes = self._cache.weights_tail * self.weights_dtype.itemsize
+        return placement_.row_states_on_device(row_bytes, cache_bytes)
 
     # ---- the cache region (managed_caching tables) ----
 

@@ -117,6 +117,42 @@ def cache_backing() -> str:
     return value
 
 
+# TBEGEN_CACHE_ROW_STATES's values: where the per-row optimizer states (rowwise_adagrad's momentum:
+# one element per row) of managed_caching tables live
+CACHE_ROW_STATES = ("auto", "device", "cached")
+
+
+def cache_row_states() -> str:
+    """TBEGEN_CACHE_ROW_STATES, checked: "auto" (unset or empty), "device" or "cached"."""
+    value = os.environ.get("TBEGEN_CACHE_ROW_STATES", "")
+    if value == "":
+        return "auto"
+    if value not in CACHE_ROW_STATES:
+        raise ValueError(
+            f"tbegen: TBEGEN_CACHE_ROW_STATES must be one of {list(CACHE_ROW_STATES)} (or unset: auto), got {value!r}"
+        )
+    return value
+
+
+def row_states_on_device(row_state_bytes: int, cache_bytes: int) -> bool:
+    """Whether the per-row states of a module's managed_caching tables live whole in GPU memory
+    (their backing rows with their cache slots) instead of behind the cache in host memory.
+
+    A per-row state is a few bytes a row (4 for rowwise_adagrad's momentum, against a row's D
+    elements), so its fill moves one tiny transfer each way per victim: measured on the H100
+    (docs/gpu-runs/2026-12-05-landing13, C2 at a 20% cache) the states' exchange took 1.68 ms a
+    step for 6 MB, against 10.0 ms for the rows' 806 MB, because the link's cost is per transfer,
+    not per byte. Kept on the device, the same exchange is a copy within GPU memory and the
+    kernels read and update them there; the results are the same bit for bit (only where the
+    bytes live changes). "auto" (the default) keeps them on the device where all of them take at
+    most a quarter of the GPU memory the cache's own rows take (`cache_bytes`; C2: 128 MB of
+    momentum beside 3.3 GB of cached rows at 20%, 0.8 GB at 5%), "device" always, "cached" never."""
+    choice = cache_row_states()
+    if choice == "auto":
+        return 4 * int(row_state_bytes) <= int(cache_bytes)
+    return choice == "device"
+
+
 def buffer_memory(placements: Sequence[str], device: torch.device) -> Optional[str]:
     """What the module's buffers are allocated in (as memory_kind names it), on a GPU with some
     table in host memory: "host" (page-locked, mapped) when every table is "host", else

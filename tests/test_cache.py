@@ -508,6 +508,78 @@ def test_fbgemm_managed_caching_maps_onto_the_placement():
     assert placements == ["managed_caching", "device", "managed"]
 
 
+# ---- where the per-row states of cached tables live (TBEGEN_CACHE_ROW_STATES) -----------------------
+
+
+def test_row_states_rule():
+    """auto: on the device while all the per-row states take at most a quarter of the cache's rows'
+    bytes (C2's rowwise momentum, 128 MB, beside its 20% and 5% caches' 3.3 GB and 0.8 GB)."""
+    MB = 1 << 20
+    assert placement.row_states_on_device(128 * MB, 3277 * MB)
+    assert placement.row_states_on_device(128 * MB, 819 * MB)
+    assert placement.row_states_on_device(100, 400) and not placement.row_states_on_device(101, 400)
+
+
+@pytest.mark.parametrize("value", ["Device", "host", "0"])
+def test_row_states_bad_value_is_named(monkeypatch, value):
+    monkeypatch.setenv("TBEGEN_CACHE_ROW_STATES", value)
+    with pytest.raises(ValueError, match="TBEGEN_CACHE_ROW_STATES must be one of"):
+        TableBatchedEmbeddingBags(TABLES, optimizer="rowwise_adagrad", placements=MIXED, cache_rows=12)
+
+
+def _allocations(monkeypatch, **kw):
+    """(numel, placements) of every buffer the module allocates."""
+    seen = []
+    real = placement.allocate
+
+    def spy(ops, numel, dtype, device, placements, ranges):
+        seen.append((numel, list(placements)))
+        return real(ops, numel, dtype, device, placements, ranges)
+
+    monkeypatch.setattr(placement, "allocate", spy)
+    emb = TableBatchedEmbeddingBags(TABLES, placements=MIXED, **kw)
+    return emb, seen
+
+
+@pytest.mark.parametrize("value,cache_rows,on_device", [
+    ("device", 12, True), ("cached", 12, False),
+    ("", 12, False),   # 56 rows' momentum (224 bytes) beside 12 + 12 slots of 8 and 4 floats (576 bytes)
+    ("", 40, True),    # ... beside 40 + 16 slots (1536 bytes)
+])
+def test_row_states_placement(monkeypatch, value, cache_rows, on_device):
+    """The per-row state's buffer (rowwise_adagrad's momentum) takes "device" for the cached
+    tables' ranges where the rule says so; the weights keep their placements either way."""
+    monkeypatch.setenv("TBEGEN_CACHE_ROW_STATES", value)
+    emb, seen = _allocations(monkeypatch, optimizer="rowwise_adagrad", cache_rows=cache_rows)
+    assert emb._row_states_on_device() == on_device
+    row_numel = emb.layout.total_hash_size + emb._cache.keys_tail
+    by_numel = dict(seen)
+    assert by_numel[row_numel][:3] == (["device"] * 3 if on_device else MIXED)
+    assert by_numel[emb.layout.weights_numel + emb._cache.weights_tail][:3] == MIXED
+
+
+def test_no_row_states_no_change(monkeypatch):
+    """sgd (no state) and adam (per-element states only): nothing is moved to the device."""
+    monkeypatch.setenv("TBEGEN_CACHE_ROW_STATES", "device")
+    for optimizer in ("sgd", "adam"):
+        emb, seen = _allocations(monkeypatch, optimizer=optimizer, cache_rows=12)
+        assert not emb._row_states_on_device()
+        assert all(p[:3] == MIXED for _, p in seen)
+
+
+@pytest.mark.parametrize("value", ["device", "cached"])
+def test_row_states_either_way_train_bitwise_like_device(monkeypatch, value):
+    monkeypatch.setenv("TBEGEN_CACHE_ROW_STATES", value)
+    data = batches(TABLES, 8, weighted=True)
+    kw = dict(optimizer="rowwise_adagrad", learning_rate=0.05)
+    device = TableBatchedEmbeddingBags(TABLES, **kw)
+    cached = TableBatchedEmbeddingBags(TABLES, placements=MIXED, cache_rows=12, cache_algorithm="lru", **kw)
+    assert cached._row_states_on_device() == (value == "device")
+    train_both(device, cached, data)
+    assert_same_tables(device, cached)
+    assert cached.cache_stats()["evictions"] > 0
+
+
 # ---- on the GPU --------------------------------------------------------------------------------------
 
 BIG = [(4096, 128), (3000, 64), (2048, 256), (1000, 32)]
@@ -564,6 +636,33 @@ def _train_prefetching_ahead(emb, data):
             emb.prefetch(data[k + 1][0], data[k + 1][1])
         out.backward(grad)
     return emb
+
+
+@cuda
+@pytest.mark.parametrize("value,kind", [("device", "device"), ("cached", "managed"), ("", "device")])
+@pytest.mark.parametrize("backing", ["", "host-huge"])
+def test_cuda_row_states_on_the_device_train_bitwise(monkeypatch, value, kind, backing):
+    """rowwise_adagrad's momentum of cached tables in GPU memory (TBEGEN_CACHE_ROW_STATES device,
+    or auto here: 5096 rows' momentum beside 2 x 1000 slots) or behind the cache: the same bits as
+    device placement, with prefetching ahead too; the weights stay host-backed either way."""
+    monkeypatch.setenv("TBEGEN_CACHE_ROW_STATES", value)
+    monkeypatch.setenv("TBEGEN_CACHE_BACKING", backing)
+    tables = [BIG[0], BIG[3]]
+    data = batches(tables, 6, B=64, L=8, seed=5, device="cuda", weighted=True)
+    kw = dict(optimizer="rowwise_adagrad", device="cuda", learning_rate=0.05)
+    device = TableBatchedEmbeddingBags(tables, **kw)
+    cached = TableBatchedEmbeddingBags(tables, placements="managed_caching", cache_rows=1000, **kw)
+    ahead = TableBatchedEmbeddingBags(tables, placements="managed_caching", cache_rows=1000, **kw)
+    ops = cached._ops
+    expect = kind if (kind == "device" or backing == "") else "split"
+    assert placement.memory_kind(ops, cached._buffer("momentum")) == expect
+    assert placement.memory_kind(ops, cached._buffer("weights")) == ("split" if backing else "managed")
+    train_both(device, cached, data)
+    _train_prefetching_ahead(ahead, data)
+    torch.cuda.synchronize()
+    assert_same_tables(device, cached)
+    assert_same_tables(device, ahead)
+    assert cached.cache_stats()["evictions"] > 0
 
 
 @cuda
