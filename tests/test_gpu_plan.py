@@ -44,10 +44,14 @@ def split_env(argv):
 
 
 def script_text(path: Path) -> str:
-    """A shell script's text with the scripts it sources (benchmarks/tools/gpu_common.sh)."""
+    """A shell script's text with the scripts it sources (benchmarks/tools/gpu_common.sh) and the
+    benchmarks' Python scripts it runs (which read their own variables: BENCH_VBE_PROFILE)."""
     text = path.read_text()
     for sourced in re.findall(r"^\s*source\s+(\S+)", text, flags=re.M):
         text += (ROOT / sourced).read_text()
+    for script in sorted(set(re.findall(r"benchmarks/[\w/]+\.py", text))):
+        if (ROOT / script).is_file():
+            text += (ROOT / script).read_text()
     return text
 
 
@@ -157,12 +161,11 @@ def test_the_plan_names_only_what_exists(sweep_names):
 
 
 def test_the_profile_regex_picks_the_cells_the_notes_say(sweep_names):
-    """NOTES-gpu's plan (call 5): the cells under 1.0x on landing11's H100 sweep, 4 optimizers each of
-    fp32 D=1024, random 2, B=512, T=1 and T=4, and the A/B of the occupancy kernels' way back on D=1024
-    (a change to the sweep's shapes that moved them would be noticed here, not on the GPU)."""
+    """NOTES-gpu's plan (call 5): the cells under 1.0x on landing13's H100 sweeps, 4 optimizers each of
+    fp32 D=1024, random 3 and random 2, and ncu on random 3 sgd (a change to the
+    sweep's shapes that moved them would be noticed here, not on the GPU)."""
     (argv,) = plan_commands("5")
     env, _ = split_env(argv)
-    assert picks(env["PROFILE_ONLY"], sweep_names) == 20
+    assert picks(env["PROFILE_ONLY"], sweep_names) == 12
     assert picks(env["NCU_ONLY"], sweep_names) == 1
-    counts = [picks(ab.split("@", 1)[1], sweep_names) for ab in env["SWEEP_ABS"].split(";")]
-    assert counts == [4]
+    assert "SWEEP_ABS" not in env
