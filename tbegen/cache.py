@@ -386,6 +386,7 @@ class RowCache:
         self._exchange_states = self._exchange_states_on()
         self._aside = self._exchange_aside_on()
         self._key_sort_bits = self._key_sort_width(device)
+        self._warm = self._prefetch_warm_on()
 
     def _copy_blocks(self, device: torch.device) -> int:
         """The grid bound of each row copy on CUDA (_copy_rows), or 0 where the rows move with
@@ -494,6 +495,28 @@ class RowCache:
             raise ValueError(f"tbegen: TBEGEN_CACHE_LOOKUP_STREAM must be 0 or 1 (or unset), got {flag!r}")
         return flag != "0" and self._exchange_blocks > 0
 
+    def _prefetch_warm_on(self) -> bool:
+        """Whether a prefetch that the held rule would defer for want of slots warms the cache
+        instead (issue 27, opt-in while it is measured: TBEGEN_CACHE_PREFETCH_WARM=1; unset, empty or
+        "0": deferred whole, the default; anything else is refused; read when the cache is made).
+        Where the cache is too small for two batches (C2 at a 10% cache: ~1.4k of a prefetch's
+        ~40.8k rows to load a table do not fit beside the held batch's) a deferred prefetch changes
+        nothing, so pipelining gains nothing there (landing13, H100: 22.40 ms a step pipelined,
+        22.46 in-step, against 17.80 -> 12.79 at 20%, where the prefetch's exchange runs beside the
+        backward before). Warming loads the part of the batch's missing rows that fits (prepare,
+        _warm): per table its first missing rows in key order, as many as the slots that neither
+        the batch's hits nor a held batch use, into the coldest of those slots; no prepared batch
+        is recorded (its forward looks the batch up as after a deferral, finds the warmed rows
+        resident and loads only the rest). It replaces the early deferral (_too_short: the warm
+        needs the lookup); a batch in flight that read rows in place still defers the prefetch
+        (nothing moves then). Slots of held batches are never victims, so their tickets stay valid.
+        The same numbers either way in fp32 (a row's slot does not change its bits; fp16 with
+        stochastic rounding is keyed by slot)."""
+        flag = os.environ.get("TBEGEN_CACHE_PREFETCH_WARM", "")
+        if flag not in ("", "0", "1"):
+            raise ValueError(f"tbegen: TBEGEN_CACHE_PREFETCH_WARM must be 0 or 1 (or unset), got {flag!r}")
+        return flag == "1"
+
     def _key_sort_width(self, device: torch.device) -> int:
         """The key bits prepare's sort reads with the runtime's _sort_keys (on CUDA: the bits of the
         largest key, nr + _SENT_KEEP; C2's 32 M rows: 25 bits, three radix passes instead of
@@ -525,7 +548,8 @@ class RowCache:
     def _zero_stats(self) -> Dict[str, int]:
         return dict(prepares=0, lookups=0, hits=0, unique_rows=0, unique_hits=0, rows_loaded=0,
                     rows_written_back=0, bytes_loaded=0, bytes_written_back=0, evictions=0,
-                    bypasses=0, backing_lookups=0, backing_rows=0, deferred=0, deferred_early=0)
+                    bypasses=0, backing_lookups=0, backing_rows=0, deferred=0, deferred_early=0,
+                    warmed=0, rows_warmed=0)
 
     def reset_stats(self) -> None:
         self.stats = self._zero_stats()
@@ -1208,7 +1232,7 @@ class RowCache:
             st["deferred"] += 1
             st["deferred_early"] += 1
             return None
-        if defer and self._too_short(N):
+        if defer and not self._warm and self._too_short(N):
             # The held rule deferred the prefetches before this one for want of many slots, and
             # the batches held now are about as large: deferred before its lookup (_too_short)
             st["deferred"] += 1
@@ -1336,6 +1360,12 @@ class RowCache:
             # (landing8: C2 at a 10% cache 32.5 -> 44.6 ms a step, at 5% 39.6 -> 97.0).
             if defer and not bypass:
                 st["deferred"] += 1
+                if self._warm:
+                    # (TBEGEN_CACHE_PREFETCH_WARM=1) the part of its missing rows that fits beside the
+                    # held slots is loaded now (_warm); the batch is still left to its forward
+                    self._warm_part(buffers, sk, miss_ranks, at_edges, held, mine, held_running, admit, miss_h,
+                                    need_h, extra, readers_wait, rows_wait)
+                    return None
                 self._note_short([a - (C - (n - mi) - x) for a, mi, n, C, x
                                   in zip(admit, miss_h, need_h, self.slots, extra)], need_h, N)
                 return None
@@ -1427,6 +1457,50 @@ class RowCache:
         admit = per[1] - (per[0] - self._t["C"]).clamp_(min=0)
         first = torch.cumsum(admit, 0).sub_(admit)
         return first, a[0, :nc] - first
+
+    def _warm_part(self, buffers, sk, miss_ranks, at_edges, held, mine, held_running, admit, miss_h, need_h,
+                   extra, readers_wait, rows_wait) -> None:
+        """(TBEGEN_CACHE_PREFETCH_WARM=1, _prefetch_warm_on) A prefetch that the held rule defers warms
+        the cache with the part of its missing rows that fits: per table, its first warm[k] missing
+        rows in key order, warm[k] = min(the rows it would admit, the slots that neither its hits nor
+        a held batch use), loaded into the coldest of those slots (never a held or hit slot: _fill's
+        protection) and marked used now (a new tick: a later fill before its forward takes other
+        victims first). No ticket and no access counts: its forward looks the batch up (finding the
+        warmed rows resident, hits) and counts them. Without a host wait: the rows are picked from
+        the lookup's sorted keys (`sk`, `miss_ranks`: each sorted entry's missing distinct key, from
+        1), the summary's running counts at the tables' first keys (`at_edges`) and the held slots'
+        running count (`held_running`), as the host computes warm[k] from the summary (`admit`,
+        `miss_h`, `need_h`, `extra`); `mine`: the batch's hit slots (per sorted entry; num_slots
+        for a missing one)."""
+        C = self.slots
+        warm_h = [max(0, min(a, c - (n - mi) - x)) for a, mi, n, c, x in zip(admit, miss_h, need_h, C, extra)]
+        W = sum(warm_h)
+        if W == 0:  # (every free-able slot is held: nothing fits, a plain deferral)
+            return
+        T = self._t
+        nc = len(self.tables)
+        # the same per table on the device: distinct rows n, missing rows mi, held slots x
+        a = at_edges[:, :nc + 1]
+        n, mi = (a[:, 1:] - a[:, :-1]).unbind(0)
+        hr = held_running.index_select(0, self._slot_bounds)
+        x = hr[1:] - hr[:-1]
+        room = T["C"] - (n - mi) - x
+        warm = torch.minimum(mi - (n - T["C"]).clamp(min=0), room).clamp_(min=0)
+        ends = torch.cumsum(warm, 0)
+        first = ends - warm  # (each table's first warmed row among them all)
+        j = self._iota(W)
+        mT = torch.searchsorted(ends, j, right=True)
+        # the j-th warmed row (of table t): t's missing row of rank (from 1) j - first[t] + a[1, t] + 1
+        rank = (j - first.index_select(0, mT) + a[1, :nc].index_select(0, mT) + 1).to(miss_ranks.dtype)
+        mU = sk.index_select(0, torch.searchsorted(miss_ranks, rank))
+        mRow = mU - T["rbase"].index_select(0, mT)
+        with span("tbegen.cache.warm"):
+            self._fill(buffers, mU, mT, mRow, mine, warm_h, held, readers_wait, aside=self._aside,
+                       rows_wait=rows_wait, first=first)
+        self.tick += 1
+        self._last_used.index_fill_(0, T["sbase"].index_select(0, mT) + self._row_slot.index_select(0, mU), self.tick)
+        self.stats["warmed"] += 1
+        self.stats["rows_warmed"] += W
 
     def _kept(self, indices: torch.Tensor, perm: torch.Tensor, bad_direct: Tuple[int, int]) -> torch.Tensor:
         """A copy of the indices, where out-of-range ones of direct tables (the sorted entries
