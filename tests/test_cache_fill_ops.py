@@ -71,7 +71,9 @@ def _assert_same(new, old, step):
         assert torch.equal(getattr(a, name), getattr(b, name)), (step, name)
     assert (a.tick, a.epoch, a.hard_epoch, a._occupied) == (b.tick, b.epoch, b.hard_epoch, b._occupied), step
     assert [t.slots.tolist() for t in a._held] == [t.slots.tolist() for t in b._held], step
-    stats = new.cache_stats()  # (the reference predates deferred_early: prefetches deferred before their lookup)
+    # (the reference predates deferred_early, prefetches deferred before their lookup, and the warm)
+    stats = new.cache_stats()
+    assert stats.pop("warmed") == stats.pop("rows_warmed") == 0, step
     assert stats.pop("deferred_early") <= stats["deferred"] and stats == old.cache_stats(), step
     for (x, _), (y, _) in zip(new._cache_buffers(), old._cache_buffers()):  # (slots and backing rows)
         assert torch.equal(x.view(torch.uint8), y.view(torch.uint8)), step
