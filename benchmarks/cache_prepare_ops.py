@@ -19,6 +19,10 @@ every lookup (a sort of a batch's keys) and host wait (the summary's read) a ste
 prefetches and backwards alike, over the batches after the warm-up (--steps + --time-steps), and
 the deferrals a step; --no-early-deferral looks every prefetch up (RowCache._too_short off), the
 A/B of issue 27's prediction (C2 at a 10% cache: every prefetch deferred, two lookups a step).
+--warm makes the cache with TBEGEN_CACHE_PREFETCH_WARM=1 (a prefetch the held rule would defer loads
+the part of its missing rows that fits: RowCache._warm_part); the "rows loaded a step" column splits
+the rows loaded over those batches by who loaded them: prefetches (warms included) / forwards /
+backwards (a second lookup), and the rows the warms loaded ("warmed").
 
 Per prepare, split at the batch's host wait (the span "tbegen.cache.host_wait"; on CUDA the host
 dispatches everything "before" and then waits for the device to run it; "after" is what it
@@ -53,6 +57,7 @@ import argparse
 import collections
 import contextlib
 import json
+import os
 import statistics
 import sys
 import time
@@ -174,9 +179,18 @@ def zipf_batches(T, E, B, L, alpha, count, seed):
 
 def measure(args, fraction: float, algorithm: str) -> dict:
     T, E, D, B, L = args.tables, args.rows, args.dim, args.batch, args.pooling_factor
-    emb = TableBatchedEmbeddingBags([(E, D)] * T, optimizer=args.optimizer, device="cpu", seed=args.seed,
-                                    placements="managed_caching", cache_load_factor=fraction,
-                                    cache_algorithm=algorithm)
+    switch = "TBEGEN_CACHE_PREFETCH_WARM"  # (--warm; read when the cache is made)
+    saved = os.environ.get(switch)
+    os.environ[switch] = "1" if args.warm else "0"
+    try:
+        emb = TableBatchedEmbeddingBags([(E, D)] * T, optimizer=args.optimizer, device="cpu", seed=args.seed,
+                                        placements="managed_caching", cache_load_factor=fraction,
+                                        cache_algorithm=algorithm)
+    finally:
+        if saved is None:
+            os.environ.pop(switch)
+        else:
+            os.environ[switch] = saved
     cache = emb._cache
     if args.exchange:
         # CUDA's fill path (one _exchange_rows launch per buffer), counted on the CPU: the operator
@@ -245,31 +259,47 @@ def measure(args, fraction: float, algorithm: str) -> dict:
                 previous = cache.prepare(previous.original, previous.offsets, B, emb._cache_buffers())
             cache.mark_dirty(previous.slots)
 
+    # rows loaded after the warm-up, by who loaded them (the prefetches' with --pipelined, warms included)
+    loads = collections.Counter()
+
+    @contextlib.contextmanager
+    def loading(who):
+        before = cache.stats["rows_loaded"]
+        yield
+        loads[who] += cache.stats["rows_loaded"] - before
+
     for indices, offsets in batches[:args.warmup]:
         forward()
         prepare(indices, offsets)
         backward()
+    loads.clear()
+    warmed = cache.stats["rows_warmed"]
     N = T * B * L
     evictions = cache.stats["evictions"]
     seen.clear()
     deferred = cache.stats["deferred"], cache.stats["deferred_early"]
     counters = []
     for indices, offsets in batches[args.warmup:args.warmup + args.steps]:
-        forward()
+        with loading("forward"):
+            forward()
         counter = OpCounter(N, cache.num_slots)
         counted.append(counter)
-        with phases(counter, sys.modules[type(cache).__module__]), counter:
+        with loading("prefetch"), phases(counter, sys.modules[type(cache).__module__]), counter:
             prepare(indices, offsets)
-        backward()
+        with loading("backward"):
+            backward()
         counters.append(counter)
     counted_evictions = cache.stats["evictions"] - evictions
     times = []
     for indices, offsets in batches[args.warmup + args.steps:]:
-        forward()
+        with loading("forward"):
+            forward()
         t0 = time.perf_counter()
-        prepare(indices, offsets)
+        with loading("prefetch"):
+            prepare(indices, offsets)
         times.append(time.perf_counter() - t0)
-        backward()
+        with loading("backward"):
+            backward()
     module.span = real_span
     k = len(counters)
     steps = args.steps + args.time_steps
@@ -278,6 +308,9 @@ def measure(args, fraction: float, algorithm: str) -> dict:
                lookups_per_step=seen["lookups"] / steps, waits_per_step=seen["waits"] / steps,
                deferred_per_step=(cache.stats["deferred"] - deferred[0]) / steps,
                deferred_early_per_step=(cache.stats["deferred_early"] - deferred[1]) / steps,
+               warm=args.warm, rows_prefetch_per_step=loads["prefetch"] / steps,
+               rows_forward_per_step=loads["forward"] / steps, rows_backward_per_step=loads["backward"] / steps,
+               rows_warmed_per_step=(cache.stats["rows_warmed"] - warmed) / steps,
                prepare_ms=statistics.median(times) * 1e3 if times else None)
     for p in PHASES:
         row[f"ops_{p}"] = sum(sum(c.ops[p].values()) for c in counters) / k
@@ -327,6 +360,9 @@ def parse_args(argv=None):
     ap.add_argument("--no-early-deferral", action="store_true",
                     help="(--pipelined) look every prefetch up, as before issue 27's prediction (RowCache._too_short): "
                          "the A/B of its lookups and host waits")
+    ap.add_argument("--warm", action="store_true",
+                    help="(--pipelined) make the cache with TBEGEN_CACHE_PREFETCH_WARM=1: a prefetch the held rule would "
+                         "defer warms the cache with the part of its rows that fits (RowCache._warm_part)")
     ap.add_argument("--json", help="write the rows here")
     return ap.parse_args(argv)
 
@@ -337,11 +373,11 @@ def main(argv=None) -> int:
     rows = []
     print(f"# {args.tables} tables x {args.rows} rows x {args.dim}, B {args.batch}, L {args.pooling_factor}, "
           f"Zipf {args.alpha}, {args.optimizer}; per {'prefetch beside a held batch' if args.pipelined else 'prepare'}, "
-          f"averaged over {args.steps} evicting batches")
+          f"averaged over {args.steps} evicting batches{'; TBEGEN_CACHE_PREFETCH_WARM=1' if args.warm else ''}")
     print("| cache | alg | ops before / after / fill (views) | gap | to move | MB before / after / fill "
           "| full-size before / after / fill | prepare ms (CPU, proxy) | deferred (early) "
-          "| lookups / waits / deferred (early) a step |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "| lookups / waits / deferred (early) a step | rows loaded a step: prefetch / forward / backward (warmed) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for fraction in [float(x) for x in args.cache.split(",")]:
         for algorithm in args.algorithm.split(","):
             r = measure(args, fraction, algorithm)
@@ -353,7 +389,9 @@ def main(argv=None) -> int:
             print(f"| {fraction:g} | {algorithm} | {ops} ({views}) | {r['ops_gap']:.0f} | {r['ops_to_move']:.0f} | {mb} | {full} "
                   f"| {'-' if r['prepare_ms'] is None else format(r['prepare_ms'], '.1f')} "
                   f"| {r['deferred']} ({r['deferred_early']}) | {r['lookups_per_step']:.2f} / {r['waits_per_step']:.2f} / "
-                  f"{r['deferred_per_step']:.2f} ({r['deferred_early_per_step']:.2f}) |",
+                  f"{r['deferred_per_step']:.2f} ({r['deferred_early_per_step']:.2f}) "
+                  f"| {r['rows_prefetch_per_step']:.0f} / {r['rows_forward_per_step']:.0f} / "
+                  f"{r['rows_backward_per_step']:.0f} ({r['rows_warmed_per_step']:.0f}) |",
                   flush=True)
             if args.ops:
                 for p in PHASES:

@@ -1494,7 +1494,7 @@ class RowCache:
         rank = (j - first.index_select(0, mT) + a[1, :nc].index_select(0, mT) + 1).to(miss_ranks.dtype)
         mU = sk.index_select(0, torch.searchsorted(miss_ranks, rank))
         mRow = mU - T["rbase"].index_select(0, mT)
-        with span("tbegen.cache.warm"):
+        with span("tbegen.cache.warm"), span("tbegen.cache.fill"):  # (a fill, within a warm)
             self._fill(buffers, mU, mT, mRow, mine, warm_h, held, readers_wait, aside=self._aside,
                        rows_wait=rows_wait, first=first)
         self.tick += 1

@@ -232,3 +232,28 @@ def test_cuda_warming_prefetches_on_a_side_stream_train_like_the_device_placemen
     assert_same((emb, got), (device, want))
     stats = emb.cache_stats()
     assert stats["warmed"] == STEPS - 1 and stats["rows_warmed"] > 0 and stats["prepares"] == STEPS
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_warms_leave_the_slots_of_uses_that_do_not_wait_untouched(monkeypatch, seed):
+    """test_prefetch_pipeline's check of the stream rule (_touches_of_unwaited_uses: TorchRec's and
+    FBGEMM's orders, 1-5 batches prefetched ahead, holds let go at random, small caches) with the
+    switch on: no forward given its prefetched batch, no valid ticket's backward and no reading
+    forward finds a slot of its batch loaded, evicted or dropped by a warm since, and warms happen."""
+    from tbegen import cache as cache_
+    from test_prefetch_pipeline import _touches_of_unwaited_uses
+
+    warms = []
+    warm_part = cache_.RowCache._warm_part
+
+    def counted(self, *a, **k):
+        before = self.stats["rows_warmed"]
+        warm_part(self, *a, **k)
+        warms.append(self.stats["rows_warmed"] - before)
+
+    monkeypatch.setattr(cache_.RowCache, "_warm_part", counted)
+    monkeypatch.setenv(SWITCH, "1")
+    found, checked = _touches_of_unwaited_uses(monkeypatch, seed)
+    assert checked[0] > 0 and checked[1] > 0
+    assert found == [], found[:5]
+    assert sum(1 for w in warms if w) >= 3, warms
