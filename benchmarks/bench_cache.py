@@ -356,6 +356,8 @@ def bench_tbegen(args, batches, grad, fraction, prefetch_ahead=False, row_copy=N
                  backing_lookups_per_step=s["backing_lookups"] / args.iters, bypasses=s["bypasses"],
                  lookups_per_step=s["prepares"] / args.iters, deferred_per_step=s["deferred"] / args.iters,
                  deferred_early_per_step=s.get("deferred_early", 0) / args.iters,
+                 # (TBEGEN_CACHE_PREFETCH_WARM=1: rows that deferred prefetches loaded ahead of their forwards)
+                 rows_warmed_per_step=s.get("rows_warmed", 0) / args.iters,
                  cache_rows_per_table=next(iter(s["cache_rows"].values())), direct=all(s["direct"].values()))
         r["host_waits_per_step"] = count_host_waits(step, batches)  # (after the statistics: extra steps)
     if args.profile and fraction is not None:  # (after the statistics too: its steps would count in them)
@@ -478,7 +480,9 @@ def markdown(args, results, env) -> str:
             f"| {fmt(r.get('backing_lookups_per_step'), '.0f')} | {fmt(r.get('host_waits_per_step'), '.1f')} "
             f"| {fmt(r.get('lookups_per_step'), '.2f')}"
             f"{'' if r.get('deferred_per_step') is None else ' (' + fmt(r['deferred_per_step'], '.2f')}"
-            f"{'' if r.get('deferred_per_step') is None else ', ' + fmt(r.get('deferred_early_per_step'), '.2f') + ' early)'} |"
+            f"{'' if r.get('deferred_per_step') is None else ', ' + fmt(r.get('deferred_early_per_step'), '.2f') + ' early'}"
+            f"{', ' + format(r['rows_warmed_per_step'], '.0f') + ' rows warmed' if r.get('rows_warmed_per_step') else ''}"
+            f"{'' if r.get('deferred_per_step') is None else ')'} |"
         )
     lines += ["", "tbegen's hit rate (indices): indices of cached tables whose row was cached before the batch; "
               "(distinct rows): the same per batch's distinct rows (FBGEMM's: 1 - unique misses / distinct rows). "
@@ -489,7 +493,8 @@ def markdown(args, results, env) -> str:
               "Lookups: batches looked up (by a prefetch or a forward) per step, 1 when each batch is looked up once; "
               "prefetches deferred: those that left their batch to its forward (it did not fit beside the batch in "
               "flight; docs/placements.md), early: without a lookup of their own (no host wait; cache_stats' "
-              "deferred_early)."]
+              "deferred_early); rows warmed: rows a step that such prefetches loaded ahead of their forward "
+              "(TBEGEN_CACHE_PREFETCH_WARM=1; cache_stats' rows_warmed)."]
     return "\n".join(lines) + "\n"
 
 
