@@ -1183,7 +1183,8 @@ class RowCache:
 
     def prepare(self, indices: torch.Tensor, offsets: torch.Tensor, batch: int, buffers, *,
                 bad_index_error: Optional[callable] = None, defer: bool = False,
-                readers_wait: Optional[callable] = None, rows_wait: Optional[callable] = None) -> Optional[Ticket]:
+                readers_wait: Optional[callable] = None, rows_wait: Optional[callable] = None,
+                aside: Optional[bool] = None) -> Optional[Ticket]:
         """Makes every row that `indices` reads of a cached table resident and returns the
         indices the kernels read (see Ticket). `offsets` has F * batch + 1 entries (checked by the
         caller). Out-of-range indices of cached tables stay out of range for the kernels, which
@@ -1205,7 +1206,10 @@ class RowCache:
         lookup waited only for the bookkeeping of other streams' uses, module._CacheStreams.mark):
         rows_wait(stream) makes `stream` wait for the rest of them (the kernels of the backward
         before, which update rows a fill may evict), before rows move: on the exchange stream
-        (_launch_aside) or on this one (a drop: _join_aside).
+        (_launch_aside) or on this one (a drop: _join_aside). `aside`: whether the fill's exchange
+        goes on the exchange stream (with TBEGEN_CACHE_LOOKUP_STREAM on); None: where `defer` (a
+        prefetch's); True for a forward's own lookup that waits as a prefetch's does
+        (module._lookup_beside, TBEGEN_CACHE_PREFETCH_WARM=1).
 
         How (each step one pass over the N indices or the distinct rows, few of them; on CUDA
         each operator is a launch the host pays for, benchmarks/cache_prepare_ops.py counts them):
@@ -1405,7 +1409,8 @@ class RowCache:
             # the batch's own slots (its hit rows'; the others point at the extra entry)
             protect = (sbase_u + slot).masked_fill_(missing_u, self.num_slots)
             with span("tbegen.cache.fill"):
-                self._fill(buffers, mU, mT, mRow, protect, admit, held, readers_wait, aside=defer and self._aside,
+                self._fill(buffers, mU, mT, mRow, protect, admit, held, readers_wait,
+                           aside=self._aside and (defer if aside is None else aside),
                            rows_wait=rows_wait, first=miss_first)
         counts = None
         if self.algorithm == "lfu" or admit != miss_h:

@@ -1046,14 +1046,17 @@ class TableBatchedEmbeddingBags(nn.Module):
                            f"(table {table}, placement 'managed_caching') has {rows} rows (nothing was updated)")
 
     def _prepare(self, indices: torch.Tensor, offsets: torch.Tensor, lookup: bool = True,
-                 defer: bool = False) -> Optional[cache_.Ticket]:
+                 defer: bool = False, beside: bool = False) -> Optional[cache_.Ticket]:
         """The cache's lookup of a batch (RowCache.prepare), after the cache's latest use on every
         other stream (`lookup`: this use leaves held slots alone; a backward's second lookup is
         part of a settling use). `defer` (a prefetch): None where the batch would evict rows
         held for other batches (RowCache.prepare); it waits for the latest lookup or settling use
         on every other stream, not for the kernels of forwards that read held batches
-        (_CacheStreams: the prefetch of batch i + 1 runs beside the forward of batch i)."""
-        aside = defer and self._cache._aside  # (TBEGEN_CACHE_LOOKUP_STREAM on: RowCache._launch_aside)
+        (_CacheStreams: the prefetch of batch i + 1 runs beside the forward of batch i).
+        `beside` (a forward's own lookup, _lookup_beside): waits and moves rows as a prefetch's
+        does, and is never deferred."""
+        # (TBEGEN_CACHE_LOOKUP_STREAM on: RowCache._launch_aside)
+        aside = (defer or beside) and self._cache._aside
         wait = "marks" if aside else "changes" if defer else True
         self._cache_order.enter(self._registered("weights").device, wait=wait, lookup=lookup)
         if self._cache.needs_int64 and indices.dtype != torch.int64:
@@ -1061,13 +1064,35 @@ class TableBatchedEmbeddingBags(nn.Module):
         batch = (offsets.numel() - 1) // self.layout.num_features
         bad = self._bad_cached_index if self._errors.mode == "raise" else None
         device = self._registered("weights").device
-        readers_wait = (lambda: self._cache_order.wait_all(device)) if defer else None
+        readers_wait = (lambda: self._cache_order.wait_all(device)) if defer or beside else None
         # (with the exchange aside, the lookup waited only for other streams' bookkeeping: moves of
         # rows, on the exchange stream or on this one, first wait for the rest, _CacheStreams.wait_rows)
         rows_wait = (lambda stream: self._cache_order.wait_rows(stream, device)) if aside else None
         with span("tbegen.cache.lookup"):
             return self._cache.prepare(indices, offsets, batch, self._cache_buffers(), bad_index_error=bad,
-                                       defer=defer, readers_wait=readers_wait, rows_wait=rows_wait)
+                                       defer=defer, readers_wait=readers_wait, rows_wait=rows_wait, aside=aside)
+
+    def _lookup_beside(self, indices: torch.Tensor, offsets: torch.Tensor) -> cache_.Ticket:
+        """A forward's own lookup with TBEGEN_CACHE_PREFETCH_WARM=1 and the exchange aside
+        (TBEGEN_CACHE_LOOKUP_STREAM on): where its prefetch warmed the cache instead of deferring
+        (RowCache._warm_part), that warm's exchange is still moving the batch's rows on the cache's
+        exchange stream. A lookup that waited for every other stream (the default) would wait for
+        that exchange before its sort, and the next prefetch's lookup, which waits for this
+        lookup's end, with it: the exchange, this lookup and the next prefetch's in series, the
+        overlap lost. So this lookup waits and moves rows as a prefetch's does (_prepare `beside`:
+        for the other streams' bookkeeping only, wait="marks"; its fill's exchange on the exchange
+        stream, after the warm's, with `rows_wait`; `readers_wait` where holds were let go), its
+        end is marked there (`leave`: what the next prefetch's lookup waits for), and only then does
+        this stream wait for every other stream's latest use, the exchange stream's rows included
+        (`wait_all`): the forward's kernels run after everything the default's lookup waited for."""
+        device = self._registered("weights").device
+        ticket = self._prepare(indices, offsets, beside=True)
+        moved = self._cache.take_aside()
+        if moved is not None:
+            self._cache_order.moved(device, *moved)
+        self._cache_order.leave(device, lookup=True)
+        self._cache_order.wait_all(device)
+        return ticket
 
     def _take_prefetched(self, indices: torch.Tensor, offsets: torch.Tensor, sizes=None) -> Optional[cache_.Ticket]:
         """The ticket `prefetch` made for these very tensors (unchanged since) and VBE sizes
@@ -1607,7 +1632,9 @@ class TableBatchedEmbeddingBags(nn.Module):
         if self._cache is not None:
             # the batch's rows of cached tables made resident, its indices rewritten into slots
             ticket = self._take_prefetched(*given)
-            if ticket is None:
+            if ticket is None and self._cache._aside and self._cache._warm:
+                ticket = self._lookup_beside(indices, offsets)
+            elif ticket is None:
                 ticket = self._prepare(indices, offsets)
                 # (the lookup ends here, before the kernels: a prefetch on another stream waits for
                 # this point, not for the kernels, where they read a held batch; _CacheStreams)

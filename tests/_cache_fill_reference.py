@@ -792,8 +792,10 @@ class RowCache:
 
     def prepare(self, indices: torch.Tensor, offsets: torch.Tensor, batch: int, buffers, *,
                 bad_index_error: Optional[callable] = None, defer: bool = False,
-                readers_wait: Optional[callable] = None, rows_wait: Optional[callable] = None) -> Optional[Ticket]:
-        """Makes every row that `indices` reads of a cached table resident and returns the
+                readers_wait: Optional[callable] = None, rows_wait: Optional[callable] = None,
+                aside: Optional[bool] = None) -> Optional[Ticket]:
+        """(`aside`, as the module passes it since TBEGEN_CACHE_PREFETCH_WARM: unused, this cache never
+        exchanges on a stream of its own.) Makes every row that `indices` reads of a cached table resident and returns the
         indices the kernels read (see Ticket). `offsets` has F * batch + 1 entries (checked by the
         caller). Out-of-range indices of cached tables stay out of range for the kernels, which
         treat them per bounds_check_mode: those of a direct table become -1 (its features reach

@@ -217,21 +217,38 @@ def test_a_batch_read_in_place_still_defers_without_a_warm(monkeypatch):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("algorithm", ["lru", "lfu"])
-def test_cuda_warming_prefetches_on_a_side_stream_train_like_the_device_placement(monkeypatch, algorithm):
+@pytest.mark.parametrize("algorithm,slow", [("lru", False), ("lfu", False), ("lru", True)])
+def test_cuda_warming_prefetches_on_a_side_stream_train_like_the_device_placement(monkeypatch, algorithm, slow):
     """The CUDA twin of the first test: TorchRec's order with the prefetches on a stream of their
-    own (the warm's exchange on the cache's exchange stream, the forward's own lookup after it):
-    bit for bit the device placement's training, every prefetch warmed, each batch looked up once."""
-    data = zipf_batches(STEPS, seed=1)
+    own (the warm's exchange on the cache's exchange stream; the forward's own lookup waits for
+    the other streams' bookkeeping only, its kernels for the rest: module._lookup_beside): bit for
+    bit the device placement's training, every prefetch warmed, each batch looked up once. `slow`:
+    the exchange stream held back (torch.cuda._sleep, ~50 ms) before each exchange, so that a
+    forward whose kernels did not wait for the warm's rows would read slots not yet loaded."""
+    from tbegen import cache as cache_
+
+    if slow:
+        launch = cache_.RowCache._launch_aside
+
+        def held_back(self, launches, rows_wait=None):
+            if self._aside_stream is None:
+                self._aside_stream = torch.cuda.Stream(self.device)
+            with torch.cuda.stream(self._aside_stream):
+                torch.cuda._sleep(100_000_000)
+            return launch(self, launches, rows_wait)
+
+        monkeypatch.setattr(cache_.RowCache, "_launch_aside", held_back)
+    data = zipf_batches(12 if slow else STEPS, seed=1)
     weights = weights_for(data)
     device = make(monkeypatch, "device", device="cuda")
     want = train(device, data, weights)
     emb = make(monkeypatch, "1", device="cuda", cache_algorithm=algorithm)
+    assert emb._cache._aside  # (the default on CUDA: TBEGEN_CACHE_LOOKUP_STREAM on)
     got = train(emb, data, weights, stream=torch.cuda.Stream())
     torch.cuda.synchronize()
     assert_same((emb, got), (device, want))
     stats = emb.cache_stats()
-    assert stats["warmed"] == STEPS - 1 and stats["rows_warmed"] > 0 and stats["prepares"] == STEPS
+    assert stats["warmed"] == len(data) - 1 and stats["rows_warmed"] > 0 and stats["prepares"] == len(data)
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -257,3 +274,78 @@ def test_warms_leave_the_slots_of_uses_that_do_not_wait_untouched(monkeypatch, s
     assert checked[0] > 0 and checked[1] > 0
     assert found == [], found[:5]
     assert sum(1 for w in warms if w) >= 3, warms
+
+
+class _Order:
+    """Stands in for the module's _CacheStreams (module._CacheStreams): logs each call, in host order."""
+
+    def __init__(self, log):
+        self.log = log
+
+    def enter(self, device, wait=True, lookup=False):
+        self.log.append(("enter", wait, lookup))
+
+    def leave(self, device, lookup=False, read=False):
+        self.log.append(("leave", lookup, read))
+
+    def wait_all(self, device):
+        self.log.append(("wait_all",))
+
+    def wait_for(self, point, device):
+        self.log.append(("wait_for",))
+
+    def wait_rows(self, stream, device):
+        self.log.append(("wait_rows",))
+
+    def moved(self, device, stream, event):
+        self.log.append(("moved",))
+
+    def mark(self, device):
+        self.log.append(("mark",))
+
+
+@pytest.mark.parametrize("warm", ["1", "0"])
+def test_a_forwards_own_lookup_waits_as_a_prefetchs_with_the_switch(monkeypatch, warm):
+    """With the switch and the exchange aside (TBEGEN_CACHE_LOOKUP_STREAM on; forced here, the CPU
+    has no exchange stream), a forward that looks its batch up itself (its prefetch warmed the
+    cache) waits for the other streams' bookkeeping only (wait="marks", as a prefetch's lookup),
+    passes the prefetch's readers_wait and rows_wait and its fill's exchange aside, marks its end
+    (leave), and only then waits for every other stream's latest use (wait_all), before its kernels
+    (module._lookup_beside): the warm's exchange overlaps this lookup and the next prefetch's. With
+    the switch off: the default's lookup, which waits for every other stream first."""
+    from tbegen import _ranges
+
+    data = zipf_batches(6, seed=8)
+    emb = make(monkeypatch, warm)
+    emb._cache._aside = True
+    log = []
+    emb._cache_order = _Order(log)
+    prepare = emb._cache.prepare
+
+    def logged(*a, **k):
+        log.append(("prepare", k.get("defer"), k.get("aside"), k.get("readers_wait") is not None,
+                    k.get("rows_wait") is not None))
+        return prepare(*a, **k)
+
+    emb._cache.prepare = logged
+    remove = _ranges.listen(lambda name, how: log.append((how, name)) if name == "tbegen.forward" else None)
+    was_on = _ranges.enabled()
+    _ranges.enable(True)
+    try:
+        train(emb, data)
+    finally:
+        remove()
+        _ranges.enable(was_on)
+    # the forwards of batches 1..5, each after its prefetch (warmed or deferred), look their batch up
+    starts = [k for k, e in enumerate(log) if e == ("begin", "tbegen.forward")]
+    assert len(starts) == len(data)
+    lookups = []
+    for s in starts[1:]:
+        k = max(k for k in range(s) if log[k][0] == "enter")
+        lookups.append(log[k:s])
+    if warm == "1":
+        assert emb.cache_stats()["warmed"] == len(data) - 1
+        want = [("enter", "marks", True), ("prepare", False, True, True, True), ("leave", True, False), ("wait_all",)]
+    else:
+        want = [("enter", True, True), ("prepare", False, False, False, False), ("leave", True, False)]
+    assert lookups == [want] * (len(data) - 1), lookups[0]

@@ -66,7 +66,7 @@ def _without_deferral(emb):
     `defer`, nor the prefetch's `readers_wait` and `rows_wait`, stream waits, nothing on the CPU): so
     that the old and the new algorithm face the same decisions."""
     prepare = emb._cache.prepare
-    emb._cache.prepare = lambda *a, defer=False, readers_wait=None, rows_wait=None, **kw: prepare(*a, **kw)
+    emb._cache.prepare = lambda *a, defer=False, readers_wait=None, rows_wait=None, aside=None, **kw: prepare(*a, **kw)
     return emb
 
 
