@@ -19,7 +19,10 @@
 #                                       # weighted and mean VBE batches under bench_vbe's profiler, then the VBE table (~4 min)
 #   bash benchmarks/run_gpu_plan.sh 7   # issue 27's pipelined steps on the defaults (the exchange stream), tbegen alone
 #                                       # with --profile (per-stream busy time, the host wait; ~5 min)
-#   DRY_RUN=1 bash benchmarks/run_gpu_plan.sh 1 2 3 4 5 6 7   # print the commands only (tests/test_gpu_plan.py reads them:
+#   bash benchmarks/run_gpu_plan.sh 8   # issue 27 at a 10% cache: the warm (TBEGEN_CACHE_PREFETCH_WARM=1, opt-in) beside
+#                                       # the default, its cuda tests first, tbegen alone, 10/20/5% (~4 min; NOTES-gpu.md,
+#                                       # "Issue 27: a prefetch that warms what fits")
+#   DRY_RUN=1 bash benchmarks/run_gpu_plan.sh 1 2 3 4 5 6 7 8   # print the commands only (tests/test_gpu_plan.py reads them:
 #                                                      # every script, flag, switch and sweep regex they name exists)
 # Results under $OUT as the scripts called write them (run_gpu_landing.sh, run_gpu_ab.sh, run_gpu.sh).
 set -u
@@ -95,7 +98,16 @@ call7() {
     bash benchmarks/run_gpu.sh build cache
 }
 
-[ $# -gt 0 ] || { sed -n '2,20p' "$0"; exit 2; }
+call8() {
+  # (the warm's bitwise tests with the exchange stream, held back too, and the stream rule's; then
+  # bench_cache's in-step and pipelined rows on the default and with the switch)
+  run env BUILD_SPECS="rowwise_adagrad" TEST_FILES="tests/test_cache_prefetch_warm.py tests/test_prefetch_pipeline.py" \
+    TEST_MARK=cuda TBEGEN_TEST_OPTIMIZERS="rowwise_adagrad" TESTS_TIMEOUT=150 CACHE_TIMEOUT=330 \
+    CACHE_OPTS="--cache 0.1,0.2,0.05 --optimizer rowwise_adagrad --pipelined --systems tbegen --variant TBEGEN_CACHE_PREFETCH_WARM=1 --warmup 6 --iters 8" \
+    bash benchmarks/run_gpu.sh build tests cache
+}
+
+[ $# -gt 0 ] || { sed -n '2,24p' "$0"; exit 2; }
 status=0
 for call in "$@"; do
   case "$call" in
@@ -106,7 +118,8 @@ for call in "$@"; do
     5) call5 || status=1 ;;
     6) call6 || status=1 ;;
     7) call7 || status=1 ;;
-    *) echo "run_gpu_plan.sh: no call '$call' (1 to 7)" >&2; exit 2 ;;
+    8) call8 || status=1 ;;
+    *) echo "run_gpu_plan.sh: no call '$call' (1 to 8)" >&2; exit 2 ;;
   esac
 done
 exit $status
