@@ -9,8 +9,9 @@
 #                                       # (landing11's call 1 ran out of time before it) (~6 min)
 #   bash benchmarks/run_gpu_plan.sh 3   # the cache (issue 27): the cache's cuda tests, then bench_cache at 20, 10, 5%,
 #                                       # in-step and pipelined, the default (per-row states on the device, 717ff49) beside
-#                                       # TBEGEN_CACHE_ROW_STATES=cached and TBEGEN_CACHE_EXCHANGE_BLOCKS=16, and FBGEMM
-#                                       # (~3 min; CACHE_OPTIMIZER=sgd for the issue's other optimizer)
+#                                       # TBEGEN_CACHE_ROW_STATES=cached, TBEGEN_CACHE_EXCHANGE_BLOCKS=16 and the warm
+#                                       # (TBEGEN_CACHE_PREFETCH_WARM=1), and FBGEMM (~4 min; CACHE_OPTIMIZER=sgd for the
+#                                       # issue's other optimizer)
 #   bash benchmarks/run_gpu_plan.sh 4   # issue 27's record: the referee's --placements run, sgd and rowwise_adagrad at
 #                                       # 5, 10, 20%, after the CUDA tests of the cache
 #   bash benchmarks/run_gpu_plan.sh 5   # issue 29's cells still under 1.0x (D=1024, random 3, random 2): each system's
@@ -48,7 +49,9 @@ PROFILE_CELLS="^(D=1024|random 3|random 2) "
 # gave their exchange 1.68 ms a step at 20%) beside its way back (TBEGEN_CACHE_ROW_STATES=cached)
 # and a smaller grid for both fills (TBEGEN_CACHE_EXCHANGE_BLOCKS=16: 1-2% faster in all six cells
 # at landing13, inside the noise), and FBGEMM; CACHE_OPTIMIZER rowwise_adagrad or sgd.
-CACHE_VARIANTS="--variant TBEGEN_CACHE_ROW_STATES=cached --variant TBEGEN_CACHE_EXCHANGE_BLOCKS=16"
+# (and the warm, TBEGEN_CACHE_PREFETCH_WARM=1, opt-in: call 8's A/B folded in here, one bench_cache run
+# for the three; call 8 alone where this call was cut)
+CACHE_VARIANTS="--variant TBEGEN_CACHE_ROW_STATES=cached --variant TBEGEN_CACHE_EXCHANGE_BLOCKS=16 --variant TBEGEN_CACHE_PREFETCH_WARM=1"
 CACHE_OPTS_PLAN="--cache 0.2,0.1,0.05 --optimizer ${CACHE_OPTIMIZER:-rowwise_adagrad} --pipelined $CACHE_VARIANTS --warmup 6 --iters 8"
 
 # call 4's tests: the cache's CUDA tests (the exchange through _run_tables, 4ef64b2) and landing9's
@@ -69,8 +72,8 @@ call2() {
 }
 
 call3() {
-  run env BUILD_SPECS="rowwise_adagrad sgd" TEST_FILES="tests/test_cache.py tests/test_host_huge.py tests/test_row_exchange.py" \
-    TEST_MARK=cuda TBEGEN_TEST_OPTIMIZERS="rowwise_adagrad sgd" TESTS_TIMEOUT=120 CACHE_TIMEOUT=400 \
+  run env BUILD_SPECS="rowwise_adagrad sgd" TEST_FILES="tests/test_cache.py tests/test_host_huge.py tests/test_cache_prefetch_warm.py tests/test_row_exchange.py" \
+    TEST_MARK=cuda TBEGEN_TEST_OPTIMIZERS="rowwise_adagrad sgd" TESTS_TIMEOUT=150 CACHE_TIMEOUT=420 \
     CACHE_OPTS="$CACHE_OPTS_PLAN" bash benchmarks/run_gpu.sh build tests cache
 }
 
