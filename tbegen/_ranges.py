@@ -19,19 +19,17 @@ prefetch that warms the cache instead of deferring, TBEGEN_CACHE_PREFETCH_WARM=1
 from __future__ import annotations
 
 import contextlib
-import os
 from typing import Callable, List
 
 import torch
+
+from ._env import env_flag
 
 __all__ = ["span", "enable", "enabled", "listen"]
 
 
 def _from_env() -> bool:
-    flag = os.environ.get("TBEGEN_RANGES", "")
-    if flag not in ("", "0", "1"):
-        raise ValueError(f"tbegen: TBEGEN_RANGES must be 0 or 1 (or unset), got {flag!r}")
-    return flag == "1"
+    return env_flag("TBEGEN_RANGES", False)
 
 
 _on = _from_env()

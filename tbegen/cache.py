@@ -45,6 +45,7 @@ from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
+from ._env import env_flag
 from ._ranges import span
 from .int8 import QPARAM_BYTES
 
@@ -396,10 +397,8 @@ class RowCache:
         (8 warps a block, 4 rows a warp), well above what one direction of the host link needs to
         stay busy. Measured on the H200 (docs/gpu-runs/2026-12-05-landing8, C2 rowwise_adagrad):
         the cached step 39.6 -> 35.3 ms at a 5% cache, 32.5 -> 27.7 at 10%, 25.6 -> 22.3 at 20%."""
-        flag = os.environ.get("TBEGEN_CACHE_ROW_COPY", "")
-        if flag not in ("", "0", "1"):
-            raise ValueError(f"tbegen: TBEGEN_CACHE_ROW_COPY must be 0 or 1 (or unset), got {flag!r}")
-        if device.type != "cuda" or self._row_copy_op is None or flag == "0":
+        on = env_flag("TBEGEN_CACHE_ROW_COPY", True)
+        if device.type != "cuda" or self._row_copy_op is None or not on:
             return 0
         return max(1, torch.cuda.get_device_properties(device).multi_processor_count // 2)
 
@@ -417,14 +416,12 @@ class RowCache:
         prefetch's exchange on the exchange stream takes a quarter of it (_grid).
         TBEGEN_CACHE_EXCHANGE_BLOCKS=n (1 to 65535; for an A/B, read when the cache is made) bounds
         both at n blocks. Same rows, same bits at any grid."""
-        flag = os.environ.get("TBEGEN_CACHE_EXCHANGE", "")
-        if flag not in ("", "0", "1"):
-            raise ValueError(f"tbegen: TBEGEN_CACHE_EXCHANGE must be 0 or 1 (or unset), got {flag!r}")
+        on = env_flag("TBEGEN_CACHE_EXCHANGE", True)
         blocks = os.environ.get("TBEGEN_CACHE_EXCHANGE_BLOCKS", "")
         if blocks and not (blocks.isdigit() and 1 <= int(blocks) <= 65535):
             raise ValueError("tbegen: TBEGEN_CACHE_EXCHANGE_BLOCKS must be a block count from 1 to 65535 (or unset), "
                              f"got {blocks!r}")
-        if flag == "0" or not self._row_copy_blocks or self._exchange_op is None:
+        if not on or not self._row_copy_blocks or self._exchange_op is None:
             return 0
         return int(blocks) if blocks else 2 * self._row_copy_blocks
 
@@ -454,10 +451,7 @@ class RowCache:
         or "0": a kernel per buffer (the way it was); anything else is refused. Only where the
         buffers are of the "element" and "row" layouts (not int8 rows: _exchange). The same rows
         and states move either way, bit for bit."""
-        flag = os.environ.get("TBEGEN_CACHE_EXCHANGE_STATES", "")
-        if flag not in ("", "0", "1"):
-            raise ValueError(f"tbegen: TBEGEN_CACHE_EXCHANGE_STATES must be 0 or 1 (or unset), got {flag!r}")
-        return flag == "1" and self._exchange_blocks > 0 and self._exchange_states_op is not None
+        return env_flag("TBEGEN_CACHE_EXCHANGE_STATES", False) and self._exchange_blocks > 0 and self._exchange_states_op is not None
 
     def _exchange_aside_on(self) -> bool:
         """Whether a prefetch's exchange kernels run on a stream of the cache's own, so that the
@@ -490,10 +484,7 @@ class RowCache:
         prefetched batch waits for the exchange stream's latest event then (module.prefetch /
         _CacheStreams.wait_for), and every use that waits for all other streams (a forward's own
         lookup, a backward's second lookup, flush, the statistics) for it too (_CacheStreams.moved)."""
-        flag = os.environ.get("TBEGEN_CACHE_LOOKUP_STREAM", "")
-        if flag not in ("", "0", "1"):
-            raise ValueError(f"tbegen: TBEGEN_CACHE_LOOKUP_STREAM must be 0 or 1 (or unset), got {flag!r}")
-        return flag != "0" and self._exchange_blocks > 0
+        return env_flag("TBEGEN_CACHE_LOOKUP_STREAM", True) and self._exchange_blocks > 0
 
     def _prefetch_warm_on(self) -> bool:
         """Whether a prefetch that the held rule would defer for want of slots warms the cache
@@ -512,10 +503,7 @@ class RowCache:
         (nothing moves then). Slots of held batches are never victims, so their tickets stay valid.
         The same numbers either way in fp32 (a row's slot does not change its bits; fp16 with
         stochastic rounding is keyed by slot)."""
-        flag = os.environ.get("TBEGEN_CACHE_PREFETCH_WARM", "")
-        if flag not in ("", "0", "1"):
-            raise ValueError(f"tbegen: TBEGEN_CACHE_PREFETCH_WARM must be 0 or 1 (or unset), got {flag!r}")
-        return flag == "1"
+        return env_flag("TBEGEN_CACHE_PREFETCH_WARM", False)
 
     def _key_sort_width(self, device: torch.device) -> int:
         """The key bits prepare's sort reads with the runtime's _sort_keys (on CUDA: the bits of the
@@ -523,10 +511,8 @@ class RowCache:
         torch.sort's four of a 32-bit key, and int32 positions instead of int64), or 0 where it
         sorts with torch.sort (the CPU, a build without the operator, TBEGEN_CACHE_KEY_SORT=0: the
         way back). Either way the same stable order: the same sorted keys and permutation."""
-        flag = os.environ.get("TBEGEN_CACHE_KEY_SORT", "")
-        if flag not in ("", "0", "1"):
-            raise ValueError(f"tbegen: TBEGEN_CACHE_KEY_SORT must be 0 or 1 (or unset), got {flag!r}")
-        if device.type != "cuda" or self._key_sort_op is None or flag == "0":
+        on = env_flag("TBEGEN_CACHE_KEY_SORT", True)
+        if device.type != "cuda" or self._key_sort_op is None or not on:
             return 0
         return (self.num_rows + _SENT_KEEP).bit_length()
 

@@ -60,6 +60,8 @@ from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
 
+from ._env import env_choice
+
 __all__ = ["PLACEMENTS", "CACHE_BACKINGS", "check_placements", "cache_backing", "allocate", "memory_kind",
            "huge_page_share"]
 
@@ -100,24 +102,13 @@ def check_placements(placements: Union[None, str, Sequence[str]], num_tables: in
     return tuple(placements)
 
 
-def _env_choice(name: str, choices: Sequence[str], unset: str) -> str:
-    """Environment variable `name`, checked: one of `choices`; unset or empty gives `choices[0]`
-    (described as `unset` in the error)."""
-    value = os.environ.get(name, "")
-    if value == "":
-        return choices[0]
-    if value not in choices:
-        raise ValueError(f"tbegen: {name} must be one of {list(choices)} (or unset: {unset}), got {value!r}")
-    return value
-
-
 # TBEGEN_CACHE_BACKING's values: "managed" (the default, also when unset or empty) and "host-huge"
 CACHE_BACKINGS = ("managed", "host-huge")
 
 
 def cache_backing() -> str:
     """TBEGEN_CACHE_BACKING, checked: "managed" (unset or empty) or "host-huge"."""
-    return _env_choice("TBEGEN_CACHE_BACKING", CACHE_BACKINGS, "managed memory")
+    return env_choice("TBEGEN_CACHE_BACKING", CACHE_BACKINGS, "managed memory")
 
 
 # TBEGEN_CACHE_ROW_STATES's values: where the per-row optimizer states (rowwise_adagrad's momentum:
@@ -127,7 +118,7 @@ CACHE_ROW_STATES = ("auto", "device", "cached")
 
 def cache_row_states() -> str:
     """TBEGEN_CACHE_ROW_STATES, checked: "auto" (unset or empty), "device" or "cached"."""
-    return _env_choice("TBEGEN_CACHE_ROW_STATES", CACHE_ROW_STATES, "auto")
+    return env_choice("TBEGEN_CACHE_ROW_STATES", CACHE_ROW_STATES, "auto")
 
 
 def row_states_on_device(row_state_bytes: int, cache_bytes: int) -> bool:

@@ -1,6 +1,6 @@
 """Every environment variable tbegen reads is documented for its users.
 
-The switches (TBEGEN_*) are read by the package (os.environ.get, placement's _env_choice) and by
+The switches (TBEGEN_*) are read by the package (tbegen/_env.py's env_choice and env_flag, os.environ.get) and by
 the runtime headers (getenv, opt_in_switch, switch_or, env_switch, env_is_zero, env_is_one): a
 name in quotes there. Each must appear in README.md or docs/*.md, where a user finds what it does
 (docs/module.md's "Kernel-choice switches", docs/placements.md for the cache's). Preprocessor
