@@ -956,13 +956,18 @@ class TableBatchedEmbeddingBags(nn.Module):
             # (the per-row states of cached tables whole in GPU memory: placement.row_states_on_device)
             placements = ["device" if p == "managed_caching" else p for p in placements]
         if self._cache is not None:
-            tail = {"element": self._cache.weights_tail, "row": self._cache.keys_tail,
-                    # (the slots' int8 rows: their codes and their qparams, D + 8 bytes each)
-                    "int8 rows": self._cache.weights_tail + int8_.QPARAM_BYTES * self._cache.keys_tail}[per]
+            tail = self._cache_tail(per)
             ranges.append((numel, tail))
             placements.append("device")
             numel += tail
         return placement_.allocate(self._ops, numel, dtype, device, placements, ranges)
+
+    def _cache_tail(self, per: str) -> int:
+        """Elements of the cache region after a buffer of layout `per` ("element", "row" or
+        "int8 rows": the slots' codes and qparams, D + 8 bytes each)."""
+        c = self._cache
+        return {"element": c.weights_tail, "row": c.keys_tail,
+                "int8 rows": c.weights_tail + int8_.QPARAM_BYTES * c.keys_tail}[per]
 
     def _row_states_on_device(self) -> bool:
         """Whether this module's per-row states of managed_caching tables are allocated whole in
@@ -971,11 +976,8 @@ class TableBatchedEmbeddingBags(nn.Module):
             self.state_dtypes[s.name].itemsize for s in self.spec.states if s.per == "row")
         if row_bytes == 0:
             return False
-        if self.int8:
-            cache_bytes = self._cache.weights_tail + int8_.QPARAM_BYTES * self._cache.keys_tail
-        else:
-            cache_bytes = self._cache.weights_tail * self.weights_dtype.itemsize
-        return placement_.row_states_on_device(row_bytes, cache_bytes)
+        _, dtype, per = self._buffer_shape("weights")
+        return placement_.row_states_on_device(row_bytes, self._cache_tail(per) * dtype.itemsize)
 
     # ---- the cache region (managed_caching tables) ----
 
