@@ -57,7 +57,6 @@ import argparse
 import collections
 import contextlib
 import json
-import os
 import statistics
 import sys
 import time
@@ -179,18 +178,9 @@ def zipf_batches(T, E, B, L, alpha, count, seed):
 
 def measure(args, fraction: float, algorithm: str) -> dict:
     T, E, D, B, L = args.tables, args.rows, args.dim, args.batch, args.pooling_factor
-    switch = "TBEGEN_CACHE_PREFETCH_WARM"  # (--warm; read when the cache is made)
-    saved = os.environ.get(switch)
-    os.environ[switch] = "1" if args.warm else "0"
-    try:
-        emb = TableBatchedEmbeddingBags([(E, D)] * T, optimizer=args.optimizer, device="cpu", seed=args.seed,
-                                        placements="managed_caching", cache_load_factor=fraction,
-                                        cache_algorithm=algorithm)
-    finally:
-        if saved is None:
-            os.environ.pop(switch)
-        else:
-            os.environ[switch] = saved
+    emb = TableBatchedEmbeddingBags([(E, D)] * T, optimizer=args.optimizer, device="cpu", seed=args.seed,
+                                    placements="managed_caching", cache_load_factor=fraction,
+                                    cache_algorithm=algorithm)
     cache = emb._cache
     if args.exchange:
         # CUDA's fill path (one _exchange_rows launch per buffer), counted on the CPU: the operator
@@ -203,6 +193,8 @@ def measure(args, fraction: float, algorithm: str) -> dict:
         cache._exchange_op = first_kernel
         cache._row_copy_blocks = cache._exchange_blocks = 2
     counted = []  # (the counter of the prepare being counted, for the stand-in)
+    # (--warm: what TBEGEN_CACHE_PREFETCH_WARM=1 sets when the cache is made, RowCache._prefetch_warm_on)
+    cache._warm = args.warm
     if args.no_early_deferral:  # (the A/B of issue 27's prediction: every prefetch looked up, _too_short)
         cache._too_short = lambda n: False
     # every lookup (a sort of the batch's keys) and every host wait (the summary's read), from the
