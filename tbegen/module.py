@@ -1089,12 +1089,17 @@ class TableBatchedEmbeddingBags(nn.Module):
         (`wait_all`): the forward's kernels run after everything the default's lookup waited for."""
         device = self._registered("weights").device
         ticket = self._prepare(indices, offsets, beside=True)
-        moved = self._cache.take_aside()
-        if moved is not None:
-            self._cache_order.moved(device, *moved)
+        self._order_aside_moves(device)
         self._cache_order.leave(device, lookup=True)
         self._cache_order.wait_all(device)
         return ticket
+
+    def _order_aside_moves(self, device: torch.device) -> None:
+        """The exchange the lookup just issued on the cache's exchange stream (RowCache.take_aside),
+        if any, made known to the stream order (_CacheStreams.moved: what later uses wait for)."""
+        moved = self._cache.take_aside()
+        if moved is not None:
+            self._cache_order.moved(device, *moved)
 
     def _take_prefetched(self, indices: torch.Tensor, offsets: torch.Tensor, sizes=None) -> Optional[cache_.Ticket]:
         """The ticket `prefetch` made for these very tensors (unchanged since) and VBE sizes
@@ -1200,9 +1205,7 @@ class TableBatchedEmbeddingBags(nn.Module):
         device = self._registered("weights").device
         point = self._cache_order.leave(device, lookup=True)  # (the forward waits for it)
         if self._cache._aside:  # (TBEGEN_CACHE_LOOKUP_STREAM on: exchanges on the cache's exchange stream)
-            moved = self._cache.take_aside()
-            if moved is not None:
-                self._cache_order.moved(device, *moved)
+            self._order_aside_moves(device)
             latest = self._cache._aside_done
             if latest is not None and point is not None:
                 # the forward waits for the exchange stream's latest kernels: this prefetch's, or,
