@@ -381,9 +381,6 @@ class RowCache:
         self._aside_new = None
         self._row_copy_blocks = self._copy_blocks(device)
         self._exchange_blocks = self._exchange_grid(device)
-        # a prefetch's exchange on the exchange stream takes a quarter of that grid (_grid), unless
-        # TBEGEN_CACHE_EXCHANGE_BLOCKS=n bounds both (validated by _exchange_grid)
-        self._aside_share = 1 if os.environ.get("TBEGEN_CACHE_EXCHANGE_BLOCKS", "") else 4
         self._exchange_states = self._exchange_states_on()
         self._aside = self._exchange_aside_on()
         self._key_sort_bits = self._key_sort_width(device)
@@ -412,10 +409,18 @@ class RowCache:
         19.23 at 20% (FBGEMM 28.23); pipelined 37.67 -> 35.27 and 21.09 -> 19.42.
         TBEGEN_CACHE_EXCHANGE=0 takes the two copies (the way back); unset, empty or "1": the
         exchange; anything else is refused. The same rows move either way, bit for bit.
-        This is the grid of the exchange in a forward's fill (in series with the step's kernels); a
-        prefetch's exchange on the exchange stream takes a quarter of it (_grid).
-        TBEGEN_CACHE_EXCHANGE_BLOCKS=n (1 to 65535; for an A/B, read when the cache is made) bounds
-        both at n blocks. Same rows, same bits at any grid."""
+        The grid, in a forward's fill (in series with the step's kernels) and in a prefetch's exchange
+        on the exchange stream alike: one block per 8 SMs (16 on an H100 or H200), a quarter of the
+        row copy's bound. Its 128 warps keep ~0.25 MB of rows in flight, above what the host link
+        needs (its bandwidth times its latency, ~0.1-0.2 MB a direction), and leave the other SMs to
+        the kernels beside it. Measured on the H100 against the grid before (one block per SM in a
+        fill, a quarter of that on the exchange stream; C2 rowwise_adagrad, bench_cache --variant,
+        the same process): docs/gpu-runs/2026-12-05-landing14/cache, in-step 23.78 -> 22.42 ms a
+        step at a 20% cache, 30.72 -> 28.81 at 10%, 41.33 -> 40.68 at 5%, pipelined 30.87 -> 28.87
+        at 10%, 40.98 -> 39.47 at 5% (20%: the median 16.86 -> 17.25, the wall clock 18.07 ->
+        16.00 ms a step); landing13 (a faster host link), pipelined 12.79 -> 12.66, 22.40 -> 21.91,
+        29.35 -> 29.23. TBEGEN_CACHE_EXCHANGE_BLOCKS=n (1 to 65535; for an A/B, read when the cache
+        is made) sets the grid to n blocks. Same rows, same bits at any grid."""
         on = env_flag("TBEGEN_CACHE_EXCHANGE", True)
         blocks = os.environ.get("TBEGEN_CACHE_EXCHANGE_BLOCKS", "")
         if blocks and not (blocks.isdigit() and 1 <= int(blocks) <= 65535):
@@ -423,22 +428,7 @@ class RowCache:
                              f"got {blocks!r}")
         if not on or not self._row_copy_blocks or self._exchange_op is None:
             return 0
-        return int(blocks) if blocks else 2 * self._row_copy_blocks
-
-    def _grid(self, launches: Optional[list]) -> int:
-        """The grid bound of an exchange launch: _exchange_blocks in a fill that moves its rows now,
-        a quarter of it (at least 1) for a prefetch's exchange issued on the exchange stream
-        (`launches`: _launch_aside), which runs beside the backward of the batch before. At one
-        block per SM the exchange's warps hold ~2 MB of rows in flight, far above what the host
-        link needs (its bandwidth times its latency, ~0.1-0.2 MB a direction), and keep the SMs
-        from that backward (landing11's pipelined profile: the backward beside the exchange 9.8 ms,
-        1.8 alone). Measured on the H100 (docs/gpu-runs/2026-12-05-landing12, C2 rowwise_adagrad,
-        bench_cache, the same process): pipelined at a 20% cache 18.27 ms a step with the exchange
-        on the prefetch stream, 18.29 on the exchange stream at the whole grid, 13.90 on it at 33
-        blocks (FBGEMM 28.20); at 10% and 5%, where most prefetches are deferred, 25.90 -> 25.04 and
-        31.62 -> 30.99. TBEGEN_CACHE_EXCHANGE_BLOCKS=n sets both bounds (_aside_share 1)."""
-        blocks = self._exchange_blocks
-        return blocks if launches is None else max(1, blocks // self._aside_share)
+        return int(blocks) if blocks else max(1, self._row_copy_blocks // 4)
 
     def _exchange_states_on(self) -> bool:
         """Whether the fill's exchange moves the per-row states with their rows (_exchange_rows_with_states,
@@ -459,7 +449,7 @@ class RowCache:
         "Prefetching on another stream"). The default where the fill exchanges (CUDA, the exchange
         on): unset, empty or "1"; TBEGEN_CACHE_LOOKUP_STREAM=0: the exchange on the prefetch's
         stream (the way back); anything else is refused. The same rows move, bit for bit. Measured
-        with the quarter grid of _grid (landing12, H100, C2 rowwise_adagrad pipelined at a 20%
+        with a quarter grid on it (landing12, H100, C2 rowwise_adagrad pipelined at a 20%
         cache: 18.27 -> 13.90 ms a step); on the exchange stream at the whole grid it gained
         nothing there (18.29), the backward beside it held off the SMs.
 
@@ -780,7 +770,7 @@ class RowCache:
             view = buf.as_strided((count, width), (unit, 1))
             mine = states[k * per_launch:(k + 1) * per_launch]
             _launch(launches, self._exchange_states_op, view, slot[0], back_out[0], back_in[0], mine, slot[1],
-                    back_out[1], back_in[1], self._grid(launches))
+                    back_out[1], back_in[1], self._exchange_blocks)
         return True
 
     def _exchange_runs(self, buffers, kind: str, slot: torch.Tensor, back_out: Optional[torch.Tensor],
@@ -802,7 +792,7 @@ class RowCache:
             o = torch.where(back_out[:, None] < 0, -1, back_out[:, None] + parts).reshape(-1)
         for buf in targets:
             view = _wide_rows(buf[: buf.numel() // unit * unit].view(-1, unit))
-            _launch(launches, self._exchange_op, view, s, o, i, self._grid(launches))
+            _launch(launches, self._exchange_op, view, s, o, i, self._exchange_blocks)
 
     # ---- write-back beside the loads (CUDA) ----
 

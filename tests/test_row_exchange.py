@@ -196,7 +196,7 @@ def test_grid_bound_refuses_other_values(monkeypatch, value):
 @pytest.mark.parametrize("value", ["", "33"])
 def test_grid_bound_reaches_the_exchange(monkeypatch, value):
     """TBEGEN_CACHE_EXCHANGE_BLOCKS=n: every exchange launch gets n as its grid bound (unset: one
-    block per SM, twice the row copy's bound); the cache trains as device placement does."""
+    block per 8 SMs, a quarter of the row copy's bound); the cache trains as device placement does."""
     monkeypatch.setenv("TBEGEN_CACHE_EXCHANGE_BLOCKS", value)
     data, device, cached = cached_pair("sgd", "lru", torch.float32)
     bounds = []
@@ -205,12 +205,12 @@ def test_grid_bound_reaches_the_exchange(monkeypatch, value):
         bounds.append(max_blocks)
         exchange_rows_reference(rows, slot_rows, out_rows, in_rows, max_blocks)
 
-    with_row_copy(cached, copy_rows_reference, 5)
+    with_row_copy(cached, copy_rows_reference, 66)  # (an H100's or H200's bound: half its 132 SMs)
     cached._cache._exchange_op = op
     cached._cache._exchange_blocks = cached._cache._exchange_grid(torch.device("cpu"))  # (as on CUDA)
     train_both(device, cached, data)
     assert_same_tables(device, cached)
-    assert bounds and set(bounds) == {int(value) if value else 10}
+    assert bounds and set(bounds) == {int(value) if value else 16}
 
 
 def test_reference_skips_rows_outside_the_tensor():
