@@ -75,6 +75,11 @@ def parse_args(argv=None):
                          "environment switches set while the module is made (where the cache reads them), e.g. "
                          "TBEGEN_CACHE_EXCHANGE=1 or TBEGEN_CACHE_BACKING=host-huge; rows labelled with them. "
                          "Repeatable")
+    ap.add_argument("--control", action="store_true",
+                    help="tbegen: after a cached cell's variants, time the default again (in-step, and pipelined "
+                         "with --pipelined; rows labelled 'control'): the runs of one process drift (landing14: a "
+                         "variant that runs the default's code read 22.32 ms against the default's 23.78, run "
+                         "first), so a variant is compared with both")
     ap.add_argument("--profile", action="store_true",
                     help="after timing, profile 3 more tbegen steps per cached placement (torch.profiler, tbegen's "
                          "named ranges on): each CUDA stream's busy time and overlap, each range's GPU and host time, "
@@ -302,7 +307,8 @@ def count_host_waits(step, batches, steps: int = 3) -> float:
     return audit.count / steps
 
 
-def bench_tbegen(args, batches, grad, fraction, prefetch_ahead=False, row_copy=None, pipelined=False, variant=None):
+def bench_tbegen(args, batches, grad, fraction, prefetch_ahead=False, row_copy=None, pipelined=False, variant=None,
+                 control=False):
     from tbegen import TableBatchedEmbeddingBags
 
     tables = [(args.rows, args.dim)] * args.tables
@@ -340,7 +346,7 @@ def bench_tbegen(args, batches, grad, fraction, prefetch_ahead=False, row_copy=N
 
     r = time_steps(step, batches, args.warmup, args.iters, after_warmup=emb.reset_cache_stats,
                    cuda=args.device != "cpu")
-    r.update(system="tbegen", construct_s=construct_s, prefetch_ahead=prefetch_ahead,
+    r.update(system="tbegen", construct_s=construct_s, prefetch_ahead=prefetch_ahead, control=control,
              row_copy=bool(emb._cache is not None and emb._cache._row_copy_blocks),
              pipelined=pipelined, variant=",".join(f"{k}={v}" for k, v in (variant or {}).items()) or None,
              row_copy_blocks=emb._cache._row_copy_blocks if emb._cache is not None else None,
@@ -473,7 +479,8 @@ def markdown(args, results, env) -> str:
         rows = r.get("cache_rows_per_table") or (r.get("cache_rows_total", 0) // args.tables if "cache_rows_total" in r else None)
         lines.append(
             f"| {r['system']}{' (row copy)' if r.get('row_copy') else ''}{' (prefetch ahead)' if r.get('prefetch_ahead') else ''}"
-            f"{' (pipelined)' if r.get('pipelined') else ''}{' [' + r['variant'] + ']' if r.get('variant') else ''} "
+            f"{' (pipelined)' if r.get('pipelined') else ''}{' [' + r['variant'] + ']' if r.get('variant') else ''}"
+            f"{' (control: the default again)' if r.get('control') else ''} "
             f"| {r['placement']} | {fmt(rows, 'd')} "
             f"| {r['step_ms']:.2f} | {r['wall_ms_per_step']:.2f} | {fmt(r['step_ms'] / base if base else None, '.2f')}x "
             f"| {fmt(r.get('hit_rate'))} | {fmt(r.get('unique_hit_rate'))} | {fmt(r.get('mb_moved_per_step'), '.1f')} "
@@ -558,6 +565,12 @@ def main(argv=None) -> int:
                 if args.pipelined and args.device != "cpu":
                     record("tbegen", name, lambda: bench_tbegen(args, batches, grad, fraction, pipelined=True,
                                                                 variant=variant))
+            if args.control and fraction is not None:  # (the default again, after everything else of this cell)
+                record("tbegen", name, lambda: bench_tbegen(args, batches, grad, fraction, row_copy=plain,
+                                                            control=True))
+                if args.pipelined and args.device != "cpu":
+                    record("tbegen", name, lambda: bench_tbegen(args, batches, grad, fraction, pipelined=True,
+                                                                row_copy=plain, control=True))
         if fb is not None:
             record("fbgemm", name, lambda: bench_fbgemm(args, fb, batches, grad, fraction))
     (out / "results.json").write_text(json.dumps(dict(args={k: v for k, v in vars(args).items()}, env=env,

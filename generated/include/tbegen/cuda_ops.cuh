@@ -403,6 +403,16 @@ inline bool width_classes_enabled() { return !env_is_zero("TBEGEN_WIDTH_CLASSES"
 // the same bits: the launches update different tables' rows). Read at every call.
 inline bool class_streams_enabled() { return !env_is_zero("TBEGEN_CLASS_STREAMS"); }
 
+// Whether the long runs' kernels (segment, then finish) run on a side stream beside the short
+// runs' kernel (the default), or before it on the caller's stream (TBEGEN_LONG_RUNS_BESIDE=0: the
+// order FBGEMM's backward takes, hot rows first, then the rest). In series the resident warps read
+// one band of the sorted batch, so the output-gradient rows of one table at a time stay in L2
+// (at D = 1024, B = 8192 a table's rows are 32 MB of the H100's and H200's 50 MB); side by side,
+// two bands in two tables compete for it (the hypothesis of benchmarks/NOTES-gpu.md, "D = 1024
+// fp32 backward", cause 2). Opt-in for an A/B: unset, empty or "1" beside, "0" in series; anything
+// else is refused. The same bits either way (the kernels update disjoint rows). Read at every call.
+inline bool long_runs_beside() { return switch_or("TBEGEN_LONG_RUNS_BESIDE", true); }
+
 // How many resident waves the short runs' kernels get (BackwardLaunch::short_run_waves,
 // short_run_grid): 1, or TBEGEN_SHORT_RUN_WAVES=n (n >= 1), or with TBEGEN_SHORT_RUN_WAVES=0 the
 // grid sized by the bound on the runs. Read at every call; any value gives the same bits (each row
@@ -562,7 +572,8 @@ __attribute__((visibility("hidden"))) void backward_cuda(
   // of this function are not reused before both are done).
   const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
   const c10::DeviceIndex device = weights.device().index();
-  const at::cuda::CUDAStream side = at::cuda::getStreamFromPool(false, device);
+  // (TBEGEN_LONG_RUNS_BESIDE=0: the caller's stream, so the long runs' kernels run first, in series)
+  const at::cuda::CUDAStream side = long_runs_beside() ? at::cuda::getStreamFromPool(false, device) : stream;
   // the 4-wide kernels' ticket counters (prep.tickets): [0, 4) the short-run launch of each width
   // class (BackwardArgs::ticket), [4] the long runs' segments (segment_ticket); zeroed on `stream`
   // by prepare_backward, before the fork below, so that the launch on every stream finds its
