@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The next GPU session's device calls (benchmarks/NOTES-gpu.md, "Next GPU session: the plan (written
-# 2026-12-05, after landing13)"), one call per argument, from the repository root, so that
+# 2026-12-05, after landing14)"), one call per argument, from the repository root, so that
 # the long command lines are not retyped (or mistyped) in a call that costs a tenth of the session's
 # device time. Chain the calls within ~30 s (a warm machine keeps its build cache). In order of value:
 #   bash benchmarks/run_gpu_plan.sh 1   # correctness: every CUDA test on the landed tree, sanitizers, FBGEMM_GPU
@@ -8,14 +8,15 @@
 #   bash benchmarks/run_gpu_plan.sh 2   # the sweep beside FBGEMM on the defaults (issue 29), then TorchRec over NCCL
 #                                       # (landing11's call 1 ran out of time before it) (~6 min)
 #   bash benchmarks/run_gpu_plan.sh 3   # the cache (issue 27): the cache's cuda tests, then bench_cache at 20, 10, 5%,
-#                                       # in-step and pipelined, the default (per-row states on the device, 717ff49) beside
-#                                       # TBEGEN_CACHE_ROW_STATES=cached, TBEGEN_CACHE_EXCHANGE_BLOCKS=16 and the warm
-#                                       # (TBEGEN_CACHE_PREFETCH_WARM=1), and FBGEMM (~4 min; CACHE_OPTIMIZER=sgd for the
-#                                       # issue's other optimizer)
+#                                       # in-step and pipelined, the default (the exchange at 16 blocks since f6c76b7)
+#                                       # beside TBEGEN_CACHE_EXCHANGE_BLOCKS=8 and =33 and the warm
+#                                       # (TBEGEN_CACHE_PREFETCH_WARM=1), the default again last (--control), and FBGEMM
+#                                       # (~5 min; CACHE_OPTIMIZER=sgd for the issue's other optimizer)
 #   bash benchmarks/run_gpu_plan.sh 4   # issue 27's record: the referee's --placements run, sgd and rowwise_adagrad at
 #                                       # 5, 10, 20%, after the CUDA tests of the cache
-#   bash benchmarks/run_gpu_plan.sh 5   # issue 29's cells still under 1.0x (D=1024, random 3, random 2): each system's
-#                                       # kernels per step there, ncu on random 3 sgd (~6 min)
+#   bash benchmarks/run_gpu_plan.sh 5   # issue 29: the long runs in series (TBEGEN_LONG_RUNS_BESIDE=0, 4249216) against
+#                                       # the default on the wide-row cells and a few others, its cuda tests first, kernels
+#                                       # per step in D=1024 both ways (~6 min)
 #   bash benchmarks/run_gpu_plan.sh 6   # issue 25: the fused gather's tests and A/B (TBEGEN_VBE_FUSED_GATHER=1, 31259c2) on
 #                                       # weighted and mean VBE batches under bench_vbe's profiler, then the VBE table (~4 min)
 #   bash benchmarks/run_gpu_plan.sh 7   # issue 27's pipelined steps on the defaults (the exchange stream), tbegen alone
@@ -37,21 +38,18 @@ run() {  # a command of the plan: printed (quoted as the shell reads it), and ru
   [ "${DRY_RUN:-0}" = 1 ] || "$@"
 }
 
-# Call 5: the cells still under 1.0x FBGEMM's backward on landing13's H100 sweeps (fp32 D=1024
-# 0.87-0.93x on the occupancy kernels, the default since 270a408 and measured 4.7-8% faster than
-# their way back; random 3, T=8 E=2M D=32 B=4096 L=80 Zipf 1.3 mean, 0.82-0.85x; random 2 adagrad
-# 0.94x): each system's kernels per step there (sweep_gpu.py --profile), then ncu on random 3 sgd
-# (landing10: the segment kernel 115 us against FBGEMM's cta_per_row 63; its ncu never ran; D=1024's
-# ran at landing12: backward_warp_kernel at 81% of DRAM throughput, 25% theoretical occupancy).
-PROFILE_CELLS="^(D=1024|random 3|random 2) "
+# Call 5: the long runs' kernels in series (TBEGEN_LONG_RUNS_BESIDE=0) on the cells where one
+# table's output-gradient rows nearly fill or exceed L2 (D=256-1024 fp32, fp16 D=512/2048: 8-64 MB a
+# table against 50 MB) and on a few where they do not (base, zipf 1.3, random 3: the control that
+# concurrency pays there); then each system's kernels per step in D=1024 with and without it.
+LONG_RUNS_CELLS="^(D=1024|D=512|D=256|fp16 D=512|fp16 D=2048|base|zipf 1.3|random 3) "
 # call 3's bench_cache options: the three cache sizes, in-step and pipelined, the default (since
-# 717ff49 the per-row states, rowwise_adagrad's momentum, whole in GPU memory: landing13's profile
-# gave their exchange 1.68 ms a step at 20%) beside its way back (TBEGEN_CACHE_ROW_STATES=cached)
-# and a smaller grid for both fills (TBEGEN_CACHE_EXCHANGE_BLOCKS=16: 1-2% faster in all six cells
-# at landing13, inside the noise), and FBGEMM; CACHE_OPTIMIZER rowwise_adagrad or sgd.
-# (and the warm, TBEGEN_CACHE_PREFETCH_WARM=1, opt-in: call 8's A/B folded in here, one bench_cache run
-# for the three; call 8 alone where this call was cut)
-CACHE_VARIANTS="--variant TBEGEN_CACHE_ROW_STATES=cached --variant TBEGEN_CACHE_EXCHANGE_BLOCKS=16 --variant TBEGEN_CACHE_PREFETCH_WARM=1"
+# f6c76b7 the exchange at one block per 8 SMs, 16, in the fill and on the exchange stream alike)
+# beside half and twice that grid (TBEGEN_CACHE_EXCHANGE_BLOCKS=8, =33), the warm
+# (TBEGEN_CACHE_PREFETCH_WARM=1, opt-in: landing14 pipelined 10% 30.87 -> 26.71 ms, 20% 16.86 ->
+# 19.45), the default again after them (--control: landing14's runs drifted 1-1.5 ms between the
+# first row and rows that ran the same code later), and FBGEMM; CACHE_OPTIMIZER rowwise_adagrad or sgd.
+CACHE_VARIANTS="--variant TBEGEN_CACHE_EXCHANGE_BLOCKS=8 --variant TBEGEN_CACHE_EXCHANGE_BLOCKS=33 --variant TBEGEN_CACHE_PREFETCH_WARM=1 --control"
 CACHE_OPTS_PLAN="--cache 0.2,0.1,0.05 --optimizer ${CACHE_OPTIMIZER:-rowwise_adagrad} --pipelined $CACHE_VARIANTS --warmup 6 --iters 8"
 
 # call 4's tests: the cache's CUDA tests (the exchange through _run_tables, 4ef64b2) and landing9's
@@ -83,7 +81,9 @@ call4() {
 }
 
 call5() {
-  run env TEST_FILES= PROFILE_ONLY="$PROFILE_CELLS" NCU_ONLY="^random 3 sgd" DEADLINE=420 bash benchmarks/run_gpu_ab.sh
+  run env TEST_FILES=tests/test_long_runs_beside.py TESTS_TIMEOUT=150 \
+    SWEEP_ABS="TBEGEN_LONG_RUNS_BESIDE=0@$LONG_RUNS_CELLS" PROFILE_ONLY="^D=1024 " \
+    NCU_ONLY="^D=1024 sgd" NCU_AB="TBEGEN_LONG_RUNS_BESIDE=0" DEADLINE=540 bash benchmarks/run_gpu_ab.sh
 }
 
 call6() {

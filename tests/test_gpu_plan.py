@@ -160,12 +160,15 @@ def test_the_plan_names_only_what_exists(sweep_names):
                             assert is_read(switch, switches), switch
 
 
-def test_the_profile_regex_picks_the_cells_the_notes_say(sweep_names):
-    """NOTES-gpu's plan (call 5): the cells under 1.0x on landing13's H100 sweeps, 4 optimizers each of
-    fp32 D=1024, random 3 and random 2, and ncu on random 3 sgd (a change to the
-    sweep's shapes that moved them would be noticed here, not on the GPU)."""
+def test_the_long_runs_ab_picks_the_cells_the_notes_say(sweep_names):
+    """NOTES-gpu's plan (call 5): TBEGEN_LONG_RUNS_BESIDE=0 against the default on the wide-row cells
+    (D=256, 512, 1024 fp32; fp16 D=512, 2048) and the controls (base, zipf 1.3, random 3), 4
+    optimizers each; kernels per step and ncu on D=1024 (a change to the sweep's shapes that moved
+    them would be noticed here, not on the GPU)."""
     (argv,) = plan_commands("5")
     env, _ = split_env(argv)
-    assert picks(env["PROFILE_ONLY"], sweep_names) == 12
+    switch, regex = env["SWEEP_ABS"].split("@")
+    assert switch == "TBEGEN_LONG_RUNS_BESIDE=0"
+    assert picks(regex, sweep_names) == 32
+    assert picks(env["PROFILE_ONLY"], sweep_names) == 4
     assert picks(env["NCU_ONLY"], sweep_names) == 1
-    assert "SWEEP_ABS" not in env
