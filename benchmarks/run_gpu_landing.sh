@@ -42,6 +42,10 @@ build.prebuild([find_spec(n) for n in sys.argv[1:]], with_cuda=True)" "$@"
   echo "TORCH_CUDA_ARCH_LIST: 9.0 (the environment's before this script: $ARCH_PRESET)"
   echo "build-related environment the call found: ${PRESET_ENV:-none}"
 } | tee "$OUT/env.txt"
+# the host link's limits (the referee's host_link.py; ~2 s): machines of one kind differ, and the
+# cached tables' steps follow the link (landing13's 101.6 GB/s both ways at once, landing14's 74.0)
+[ -f .anchor/host_link.py ] && timeout 60 python3 .anchor/host_link.py 2>/dev/null \
+  | sed 's/^/host link, pinned 2 GiB copies, best of 5 (GB\/s): /' | tee -a "$OUT/env.txt"
 python3 .anchor/unpack_bundle.py .anchor/bundle /tmp/fbg_site > /dev/null 2>&1 || log "FBGEMM bundle did not unpack"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl > /dev/null 2>&1 \
   || log "TorchRec wheels did not install"
