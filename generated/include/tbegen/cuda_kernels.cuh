@@ -1245,8 +1245,23 @@ __device__ __forceinline__ LongRun long_run(const Runs& r, int32_t k, int32_t nu
 // here; a run of several leaves each segment's sum in `partial` for backward_finish_kernel.
 // (At least 3 blocks per multiprocessor, 80 registers: the batched sum's rows in flight would
 // otherwise take about 100, leaving room for 2 blocks, 16 warps.)
-template <class Opt, typename W, int kVecs>
-__global__ void __launch_bounds__(256, 3) backward_segment_kernel(BackwardArgs a, Runs r, Occurrences o, typename Opt::Params p,
+// kMinBlocks: the blocks per multiprocessor it is compiled for: kSegmentMinBlocks, the default's, or
+// kSegmentOccupancyMinBlocks, the occupancy variant's (TBEGEN_SEGMENT_OCCUPANCY=1, issue 29; opt-in,
+// rows of at most 128 columns, kVecs = 1): the same code under __launch_bounds__(256, 4), at most 64
+// registers, 4 blocks (32 warps) per multiprocessor instead of 3 (24). ncu of the sweep's "random 3"
+// cell (T=8 D=32 Zipf 1.3, H100, landing14) found the default latency-bound at 31.7% achieved
+// occupancy (block limit: registers), DRAM at 6.6%: more warps, each with its 8 rows in flight.
+// ptxas -v for sm_90 (benchmarks/NOTES-gpu.md, "The 4-wide segment kernel's occupancy"): the
+// default 76-80 registers (85-108 unbounded); the variant 64, its spills (8-48 bytes) outside the
+// occurrence loop, once per segment (at 5 blocks, 48 registers, they fall inside it; at kVecs = 2,
+// 12-192 bytes). The same code, so the same sums in the same order: the default's bits
+// (tests/test_segment_occupancy.py). A template argument rather than a device-function body under
+// two kernels: that wrapper renumbered the default's registers (ptxas), this keeps its SASS
+// instruction for instruction (only the symbol gains the argument, `..., 1, 3>`).
+constexpr int kSegmentMinBlocks = 3;
+constexpr int kSegmentOccupancyMinBlocks = 4;
+template <class Opt, typename W, int kVecs, int kMinBlocks = kSegmentMinBlocks>
+__global__ void __launch_bounds__(256, kMinBlocks) backward_segment_kernel(BackwardArgs a, Runs r, Occurrences o, typename Opt::Params p,
                                                                RowUpdateContext ctx, W* weights, float* partial) {
   if (update_blocked(a)) return;
   // the values of the update that depend on the step only (Optimizer::StepValues), once per thread

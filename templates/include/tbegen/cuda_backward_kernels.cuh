@@ -41,6 +41,10 @@ struct BackwardLaunch {
   bool element_lane_groups = true;  // the group kernel also for optimizers with per-element state (kVecs = 1)
   bool long_runs = true;          // launch the long runs' kernels (one launch per call does: the widest class's)
   int short_run_waves = 1;        // > 0: the short runs' grid is at most this many resident waves (short_run_grid)
+  // the segment kernel's occupancy variant (backward_segment_kernel at kSegmentOccupancyMinBlocks,
+  // 4 blocks per multiprocessor) where kVecs = 1: TBEGEN_SEGMENT_OCCUPANCY=1 (cuda_ops.cuh,
+  // segment_occupancy_enabled)
+  bool segment_occupancy = false;
 };
 
 using BackwardLaunchFn = cudaError_t (*)(const BackwardLaunch&);
@@ -159,6 +163,31 @@ cudaError_t launch_short_runs(const BackwardLaunch& l, const typename Opt::Param
   return cudaGetLastError();
 }
 
+// Launches the long runs' segment kernel backward_segment_kernel<Opt, W, kVecs, kMinBlocks> on
+// l.side, on at most one resident wave of its blocks: each block strides over the segments, so a
+// block that starts late (a second, partial wave: 1.6 waves in C2, ncu of run Y) ends late.
+// (resident_blocks_per_sm reads the instantiation's own registers: 3 blocks per multiprocessor for
+// the default's, 4 for the occupancy variant's.)
+template <class Opt, typename W, int kVecs, int kMinBlocks>
+cudaError_t launch_segment_kernel(const BackwardLaunch& l, const typename Opt::Params& p, W* weights) {
+  static const int resident_per_sm =
+      resident_blocks_per_sm(backward_segment_kernel<Opt, W, kVecs, kMinBlocks>, l.threads);
+  const int segment_blocks = within_waves(l.segment_blocks, 1, resident_per_sm, l.sms);
+  backward_segment_kernel<Opt, W, kVecs, kMinBlocks><<<segment_blocks, l.threads, 0, l.side>>>(
+      l.a, l.runs, l.occurrences, p, l.ctx, weights, l.partial);
+  return cudaGetLastError();
+}
+
+// The segment kernel for this launch: with l.segment_occupancy (TBEGEN_SEGMENT_OCCUPANCY=1) and
+// kVecs = 1 the occupancy variant (kSegmentOccupancyMinBlocks; the same bits), else the default's.
+template <class Opt, typename W, int kVecs>
+cudaError_t launch_segments(const BackwardLaunch& l, const typename Opt::Params& p, W* weights) {
+  if constexpr (kVecs == 1) {
+    if (l.segment_occupancy) return launch_segment_kernel<Opt, W, kVecs, kSegmentOccupancyMinBlocks>(l, p, weights);
+  }
+  return launch_segment_kernel<Opt, W, kVecs, kSegmentMinBlocks>(l, p, weights);
+}
+
 // Launches the three update kernels for optimizer Opt; returns the first launch error.
 template <class Opt, typename W, int kVecs>
 cudaError_t launch_backward(const BackwardLaunch& l) {
@@ -167,13 +196,7 @@ cudaError_t launch_backward(const BackwardLaunch& l) {
   const bool rows_cached = group_rows_cached<Opt>();  // (read, and checked, whichever kernel runs)
   (void)rows_cached;
   if (l.long_runs) {
-    // at most one resident wave of segment blocks: each block strides over the segments, so a
-    // block that starts late (a second, partial wave: 1.6 waves in C2, ncu of run Y) ends late
-    static const int resident_per_sm = resident_blocks_per_sm(backward_segment_kernel<Opt, W, kVecs>, l.threads);
-    const int segment_blocks = within_waves(l.segment_blocks, 1, resident_per_sm, l.sms);
-    backward_segment_kernel<Opt, W, kVecs><<<segment_blocks, l.threads, 0, l.side>>>(
-        l.a, l.runs, l.occurrences, p, l.ctx, weights, l.partial);
-    cudaError_t err = cudaGetLastError();
+    cudaError_t err = launch_segments<Opt, W, kVecs>(l, p, weights);
     if (err != cudaSuccess) return err;
     backward_finish_kernel<Opt, W, kVecs><<<l.finish_blocks, l.threads, 0, l.side>>>(
         l.a, l.runs, l.occurrences, p, l.ctx, weights, l.partial);

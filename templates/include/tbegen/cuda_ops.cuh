@@ -491,6 +491,14 @@ inline int32_t segment_length(bool measured_shorter) {
 // way (the same sums in the same order). Read at every call.
 inline bool segment_lane_groups_enabled() { return opt_in_switch("TBEGEN_SEGMENT_LANE_GROUPS"); }
 
+// Whether the 4-wide long runs' segment kernel for rows of at most 128 columns (kVecs = 1) is its
+// occupancy variant (backward_segment_kernel at kSegmentOccupancyMinBlocks: 64 registers, 4 blocks
+// of 256 threads per multiprocessor instead of 3; issue 29's "random 3" cell, whose segment kernel
+// ncu found latency-bound at 31.7% achieved occupancy). TBEGEN_SEGMENT_OCCUPANCY: unset, empty or
+// "0" off (the default), "1" on; anything else is refused. The same bits either way (the same
+// code). Read at every call.
+inline bool segment_occupancy_enabled() { return opt_in_switch("TBEGEN_SEGMENT_OCCUPANCY"); }
+
 // Whether the any-width update takes its work from one list in key order (prepare_backward's
 // WorkItems; any_width::backward_items_kernel on the caller's stream, then the finish kernel)
 // instead of the segment kernel on a side stream beside the warp kernel: the two kernels' warps sum
@@ -564,6 +572,7 @@ __attribute__((visibility("hidden"))) void backward_cuda(
   a.skip_bad_indices = skip_bad_indices;
   a.long_run_l2_hint = env_is_one("TBEGEN_LONG_RUN_L2_HINT");
   a.segment_lane_groups = segment_lane_groups_enabled();
+  const bool segment_occupancy = segment_occupancy_enabled();  // (read, and checked, whichever kernels run)
   a.float_rows_4wide = float_rows_4wide;
 
   // The long runs' kernels run on a side stream, concurrently with the short runs' kernel (they
@@ -599,6 +608,7 @@ __attribute__((visibility("hidden"))) void backward_cuda(
       l.threads = kThreads;
       l.sms = sms;
       l.short_run_waves = short_run_waves();
+      l.segment_occupancy = segment_occupancy;
       l.side = side.stream();
       l.stream = stream.stream();
       // the segment and finish kernels on `side`, the warp (or group) kernel on `stream`; with
