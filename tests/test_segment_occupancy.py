@@ -112,6 +112,32 @@ def test_switch_picks_the_kernel(load_ops, monkeypatch, value):
     assert wide == {(2, 3)}, f"segment kernels that ran at 256 columns: {wide}"
 
 
+def test_variant_grid_is_one_wave_of_its_residency(load_ops, monkeypatch, tmp_path):
+    """The one-wave grid comes from each instantiation's own residency (launch_segment_kernel,
+    resident_blocks_per_sm): 3 blocks per multiprocessor for the default (80 registers), 4 for the
+    variant (64), read from the kernels' launches in the profiler's trace. The batch (~130k
+    occurrences, 16-occurrence segments) bounds the grid above 4 blocks per multiprocessor."""
+    import json
+
+    from torch.profiler import ProfilerActivity, profile
+
+    spec, ops = load_ops(OPTIMIZERS[0])
+    case = harness.Case(tables=((3000, 32),), B=4096, max_L=64, hot=3000, steps=2, seed=2909)
+    monkeypatch.setenv("TBEGEN_SEGMENT_LENGTH", "16")
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for value, blocks in (("0", 3), ("1", 4)):
+        monkeypatch.setenv(SWITCH, value)
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            _train(ops, spec, case, "cuda")
+            torch.cuda.synchronize()
+        trace = tmp_path / f"trace{value}.json"
+        prof.export_chrome_trace(str(trace))
+        grids = {tuple(e["args"]["grid"]) for e in json.loads(trace.read_text())["traceEvents"]
+                 if e.get("cat") == "kernel" and "backward_segment_kernel<" in e.get("name", "")
+                 and "any_width" not in e["name"]}
+        assert grids == {(blocks * sms, 1, 1)}, f"{SWITCH}={value}: segment grids {grids}, expected {blocks} x {sms} SMs"
+
+
 @pytest.mark.parametrize("value", ["2", "yes", " 1", "1 "])
 def test_occupancy_switch_refuses_other_values(load_ops, monkeypatch, value):
     spec, ops = load_ops(OPTIMIZERS[0])
