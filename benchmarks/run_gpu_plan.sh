@@ -14,9 +14,10 @@
 #                                       # (~5 min; CACHE_OPTIMIZER=sgd for the issue's other optimizer)
 #   bash benchmarks/run_gpu_plan.sh 4   # issue 27's record: the referee's --placements run, sgd and rowwise_adagrad at
 #                                       # 5, 10, 20%, after the CUDA tests of the cache
-#   bash benchmarks/run_gpu_plan.sh 5   # issue 29: the long runs in series (TBEGEN_LONG_RUNS_BESIDE=0, 4249216) against
-#                                       # the default on the wide-row cells and a few others, its cuda tests first, kernels
-#                                       # per step in D=1024 both ways (~6 min)
+#   bash benchmarks/run_gpu_plan.sh 5   # issue 29: the long runs in series (TBEGEN_LONG_RUNS_BESIDE=0, 4249216) on the
+#                                       # wide-row cells and controls, and the narrow segment kernel at 4 blocks
+#                                       # (TBEGEN_SEGMENT_OCCUPANCY=1, a1e76fd) on narrow/skewed cells, each against the
+#                                       # default, their cuda tests first; kernels per step and ncu in D=1024 (~8 min)
 #   bash benchmarks/run_gpu_plan.sh 6   # issue 25: the fused gather's tests and A/B (TBEGEN_VBE_FUSED_GATHER=1, 31259c2) on
 #                                       # weighted and mean VBE batches under bench_vbe's profiler, then the VBE table (~4 min)
 #   bash benchmarks/run_gpu_plan.sh 7   # issue 27's pipelined steps on the defaults (the exchange stream), tbegen alone
@@ -43,6 +44,11 @@ run() {  # a command of the plan: printed (quoted as the shell reads it), and ru
 # table against 50 MB) and on a few where they do not (base, zipf 1.3, random 3: the control that
 # concurrency pays there); then each system's kernels per step in D=1024 with and without it.
 LONG_RUNS_CELLS="^(D=1024|D=512|D=256|fp16 D=512|fp16 D=2048|base|zipf 1.3|random 3) "
+# ... and the 4-wide segment kernel at 4 blocks per multiprocessor for rows of up to 128 columns
+# (TBEGEN_SEGMENT_OCCUPANCY=1, a1e76fd: NOTES-gpu "the 4-wide segment kernel's occupancy") on the
+# narrow and skewed cells where that kernel is the longer stream (random 3: 114 us, 37.5%
+# theoretical occupancy by registers at landing14).
+SEGMENT_CELLS="^(random 3|D=20|D=32|D=8|zipf 1.3) "
 # call 3's bench_cache options: the three cache sizes, in-step and pipelined, the default (since
 # f6c76b7 the exchange at one block per 8 SMs, 16, in the fill and on the exchange stream alike)
 # beside half and twice that grid (TBEGEN_CACHE_EXCHANGE_BLOCKS=8, =33), the warm
@@ -81,9 +87,10 @@ call4() {
 }
 
 call5() {
-  run env TEST_FILES=tests/test_long_runs_beside.py TESTS_TIMEOUT=150 \
-    SWEEP_ABS="TBEGEN_LONG_RUNS_BESIDE=0@$LONG_RUNS_CELLS" PROFILE_ONLY="^D=1024 " \
-    NCU_ONLY="^D=1024 sgd" NCU_AB="TBEGEN_LONG_RUNS_BESIDE=0" DEADLINE=540 bash benchmarks/run_gpu_ab.sh
+  run env TEST_FILES="tests/test_long_runs_beside.py tests/test_segment_occupancy.py" TESTS_TIMEOUT=180 \
+    SWEEP_ABS="TBEGEN_LONG_RUNS_BESIDE=0@$LONG_RUNS_CELLS;TBEGEN_SEGMENT_OCCUPANCY=1@$SEGMENT_CELLS" \
+    PROFILE_ONLY="^D=1024 " NCU_ONLY="^D=1024 sgd" NCU_AB="TBEGEN_LONG_RUNS_BESIDE=0" DEADLINE=540 \
+    bash benchmarks/run_gpu_ab.sh
 }
 
 call6() {

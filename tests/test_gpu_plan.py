@@ -162,13 +162,15 @@ def test_the_plan_names_only_what_exists(sweep_names):
 
 def test_the_long_runs_ab_picks_the_cells_the_notes_say(sweep_names):
     """NOTES-gpu's plan (call 5): TBEGEN_LONG_RUNS_BESIDE=0 against the default on the wide-row cells
-    (D=256, 512, 1024 fp32; fp16 D=512, 2048) and the controls (base, zipf 1.3, random 3), 4
-    optimizers each; kernels per step and ncu on D=1024 (a change to the sweep's shapes that moved
+    (D=256, 512, 1024 fp32; fp16 D=512, 2048) and the controls (base, zipf 1.3, random 3), and
+    TBEGEN_SEGMENT_OCCUPANCY=1 on the narrow and skewed cells, 4 optimizers each; kernels per step
+    and ncu on D=1024 (a change to the sweep's shapes that moved
     them would be noticed here, not on the GPU)."""
     (argv,) = plan_commands("5")
     env, _ = split_env(argv)
-    switch, regex = env["SWEEP_ABS"].split("@")
-    assert switch == "TBEGEN_LONG_RUNS_BESIDE=0"
-    assert picks(regex, sweep_names) == 32
+    (long_switch, long_regex), (seg_switch, seg_regex) = (ab.split("@") for ab in env["SWEEP_ABS"].split(";"))
+    assert long_switch == "TBEGEN_LONG_RUNS_BESIDE=0" and seg_switch == "TBEGEN_SEGMENT_OCCUPANCY=1"
+    assert picks(long_regex, sweep_names) == 32
+    assert picks(seg_regex, sweep_names) == 20  # random 3, D=20, D=32, D=8, zipf 1.3: 4 optimizers each
     assert picks(env["PROFILE_ONLY"], sweep_names) == 4
     assert picks(env["NCU_ONLY"], sweep_names) == 1
