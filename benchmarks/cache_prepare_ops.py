@@ -354,7 +354,9 @@ def parse_args(argv=None):
                          "the A/B of its lookups and host waits")
     ap.add_argument("--warm", action="store_true",
                     help="(--pipelined) make the cache with TBEGEN_CACHE_PREFETCH_WARM=1: a prefetch the held rule would "
-                         "defer warms the cache with the part of its rows that fits (RowCache._warm_part)")
+                         "defer warms the cache with the part of its rows that fits (RowCache._warm_part); without "
+                         "it the warm is off whatever --algorithm (TBEGEN_CACHE_PREFETCH_WARM=0, the deferral; the "
+                         "module's default warms with LRU)")
     ap.add_argument("--json", help="write the rows here")
     return ap.parse_args(argv)
 

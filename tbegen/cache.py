@@ -482,8 +482,22 @@ class RowCache:
 
     def _prefetch_warm_on(self) -> bool:
         """Whether a prefetch that the held rule would defer for want of slots warms the cache
-        instead (issue 27, opt-in while it is measured: TBEGEN_CACHE_PREFETCH_WARM=1; unset, empty or
-        "0": deferred whole, the default; anything else is refused; read when the cache is made).
+        instead (issue 27). The default with LRU (self.algorithm, set before this is read); with LFU
+        the prefetch is deferred whole, the early deferral skipping lookups (_too_short).
+        TBEGEN_CACHE_PREFETCH_WARM overrides either: "1" warms, "0" defers (the way back); unset or
+        empty: the algorithm's default; anything else is refused; read when the cache is made.
+        Measured on the H100 (docs/gpu-runs/2026-12-05-landing14/cache, bench_cache C2
+        rowwise_adagrad, LRU, TorchRec's order, one process): at a 10% cache 30.87 -> 26.71 ms a
+        step (the hit rate of distinct rows 0.431 -> 0.976, 1.06 M rows warmed a step; two host
+        waits a step instead of one, the warm needing the prefetch's lookup). Elsewhere it changes
+        nothing, the rows differing by the run's drift only: at 5% (40.98 -> 40.25) every batch
+        reads rows in place, so each prefetch beside it is still deferred before its lookup; at 20%
+        (median 16.86 -> 19.45, wall clock 18.07 -> 17.98) no prefetch is deferred. In-step on CUDA
+        each forward's own lookup takes the warm's path (module._lookup_beside): 22.32 / 29.49 /
+        39.72 ms at 20 / 10 / 5% against 23.78 / 30.72 / 41.33 (the deferral, run first). With LFU, on the CPU
+        (benchmarks/cache_prepare_ops.py --pipelined --warm, C2's table shape at 10%) the rows
+        loaded in all grew by 12%: the warm picks its victims while the held batch's recent but
+        rarely read rows are protected and evicts more often read ones, so LFU keeps the deferral.
         Where the cache is too small for two batches (C2 at a 10% cache: ~1.4k of a prefetch's
         ~40.8k rows to load a table do not fit beside the held batch's) a deferred prefetch changes
         nothing, so pipelining gains nothing there (landing13, H100: 22.40 ms a step pipelined,
@@ -497,7 +511,7 @@ class RowCache:
         (nothing moves then). Slots of held batches are never victims, so their tickets stay valid.
         The same numbers either way in fp32 (a row's slot does not change its bits; fp16 with
         stochastic rounding is keyed by slot)."""
-        return env_flag("TBEGEN_CACHE_PREFETCH_WARM", False)
+        return env_flag("TBEGEN_CACHE_PREFETCH_WARM", self.algorithm == "lru")
 
     def _key_sort_width(self, device: torch.device) -> int:
         """The key bits prepare's sort reads with the runtime's _sort_keys (on CUDA: the bits of the

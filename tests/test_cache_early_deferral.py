@@ -6,7 +6,9 @@ lookups and two host waits a step. Scaled down here (4 tables x 10000 rows, 2000
 a table a batch: ~690 distinct rows beside a held batch's ~690, ~1145 in all, for 1000 slots) on
 the CPU: lookups and host waits (tbegen._sync_audit) a step 2 -> ~1, training bit for bit that of
 the in-step order and of the cache without the prediction; at a cache twice that size nothing is
-deferred, and every prefetch is taken."""
+deferred, and every prefetch is taken. The tests of the deferral pin TBEGEN_CACHE_PREFETCH_WARM=0
+(`deferring`): with LRU the warm is the default, and it replaces the early deferral
+(tests/test_cache_prefetch_warm.py)."""
 
 from __future__ import annotations
 
@@ -26,6 +28,14 @@ KW = dict(optimizer="rowwise_adagrad", learning_rate=0.05, placements="managed_c
 @pytest.fixture(scope="module", autouse=True)
 def built(prebuilt):
     TableBatchedEmbeddingBags([(4, 4)], optimizer="rowwise_adagrad")
+
+
+@pytest.fixture
+def deferring(monkeypatch):
+    """The early deferral, without the warm: TBEGEN_CACHE_PREFETCH_WARM=0 when the caches are made.
+    The early deferral is the LFU default and the way back from LRU's default, the warm, which
+    replaces it (RowCache._prefetch_warm_on); KW's LRU caches would otherwise warm instead."""
+    monkeypatch.setenv("TBEGEN_CACHE_PREFETCH_WARM", "0")
 
 
 def zipf_batches(steps, seed=0, sizes=None):
@@ -91,7 +101,7 @@ def no_prediction(emb):
     return emb
 
 
-def test_prefetches_too_short_for_two_batches_skip_their_lookups():
+def test_prefetches_too_short_for_two_batches_skip_their_lookups(deferring):
     """"10%": every prefetch beside a held batch is deferred, with the prediction and without; with
     it, the 2nd, 3rd, 4th... consecutive large-shortfall deferral skips the next 1, 2, 4, 8, 8
     prefetches' lookups (the others are probes); lookups and host waits a step 2 -> ~1; the same bits
@@ -140,7 +150,7 @@ def test_prefetches_that_fit_are_taken():
 
 
 @pytest.mark.parametrize("change", ["smaller batches", "no batch held"])
-def test_a_change_ends_the_skips_at_once(change):
+def test_a_change_ends_the_skips_at_once(deferring, change):
     """A run of skips (prefetches 0, 1, 3 looked up, 2 and 4, 5 skipped, 6..9 to skip), then from
     batch 9 on either batches of a tenth the bags (the first small one's prefetch, beside a large
     held batch, is looked up: its fewer indices leave too little of the shortfall predicted) or

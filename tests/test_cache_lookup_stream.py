@@ -291,18 +291,25 @@ def _lazy_run(monkeypatch, order, seed, cache_rows=(34, None, 40), hot=150, step
     return want, want_module, got, emb, sim, calls, marks, made
 
 
+@pytest.mark.parametrize("warm", ["0", "1"])
 @pytest.mark.parametrize("order", ["torchrec", "ahead"])
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_lazy_exchange_stream_trains_like_in_step(monkeypatch, order, seed):
+def test_lazy_exchange_stream_trains_like_in_step(monkeypatch, order, seed, warm):
     """Every prefetch's exchange on X, run as late as the declared order allows: bitwise the
     in-step training. Two batches ahead, each prefetch's lookup reads its summary while the
-    previous prefetch's exchange has not run (the lookup needs none of the rows it moves)."""
+    previous prefetch's exchange has not run (the lookup needs none of the rows it moves).
+    `warm`: TBEGEN_CACHE_PREFETCH_WARM ("0": a prefetch that does not fit is deferred whole, the
+    LFU default and the way back from LRU's; "1": it warms, the LRU default, these modules')."""
+    monkeypatch.setenv("TBEGEN_CACHE_PREFETCH_WARM", warm)
     want, want_module, got, emb, sim, calls, _, made = _lazy_run(monkeypatch, order, seed)
     _same(want, want_module, got, emb)
     assert len(made) == 1  # (one exchange stream, made at the first fill)
     # every prefetch's fill exchanged on X (two ahead, some forwards look their batch up
-    # themselves, their prefetch deferred: those fills exchange on D, after X's latest)
-    assert set(calls) == ({"X"} if order == "torchrec" else {"X", "D"}), set(calls)
+    # themselves, their prefetch deferred: without the warm those fills exchange on D, after X's
+    # latest; with it on X too, module._lookup_beside)
+    assert set(calls) == ({"X"} if order == "torchrec" or warm == "1" else {"X", "D"}), set(calls)
+    if order == "ahead":
+        assert emb.cache_stats()["deferred"] > 0
     stats = emb.cache_stats()
     assert stats["evictions"] > 0 and stats["rows_written_back"] > 0
     prefetch_waits = [n for stream, n in sim.pending_at_host_waits if stream == "P"]
@@ -320,6 +327,9 @@ def test_the_exchange_stream_and_the_fill_share_one_grid(monkeypatch, given):
         monkeypatch.delenv("TBEGEN_CACHE_EXCHANGE_BLOCKS", raising=False)
     else:
         monkeypatch.setenv("TBEGEN_CACHE_EXCHANGE_BLOCKS", given)
+    # (deferred without the warm, the LFU default and the way back from LRU's: with LRU's default,
+    # the warm, a forward's own fill exchanges on X too, module._lookup_beside)
+    monkeypatch.setenv("TBEGEN_CACHE_PREFETCH_WARM", "0")
     data = _batches(12, seed=1)
     calls, bounds = [], []
     with _simulated(monkeypatch) as (sim, D, P, X, made):

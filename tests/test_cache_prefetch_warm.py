@@ -1,4 +1,5 @@
-"""Issue 27, opt-in (TBEGEN_CACHE_PREFETCH_WARM=1, RowCache._prefetch_warm_on / _warm_part): a prefetch
+"""Issue 27, the LRU default (TBEGEN_CACHE_PREFETCH_WARM: unset or empty, on for LRU and off for LFU;
+"1" on, "0" off; RowCache._prefetch_warm_on / _warm_part): a prefetch
 that the held rule would defer for want of slots (a cache too small for two batches: C2 at a 10%
 cache) warms the cache with the part of its missing rows that fits (per table its first missing
 rows in key order, up to the slots that neither its hits nor a held batch use) instead of changing
@@ -7,7 +8,8 @@ down as tests/test_cache_early_deferral.py (4 tables x 10000 rows, 2000 Zipf(1.1
 batch, 1000 slots: ~690 distinct rows a batch beside a held batch's ~690), TorchRec's order on the
 CPU: bit for bit the device placement's training (fp32, LRU and LFU, weighted); each warm loads
 exactly min(missing, free-able slots) rows a table, the first in key order, which the forward
-counts as hits and does not load again; no held slot changes its row; a bad value is refused."""
+counts as hits and does not load again; no held slot changes its row; the default per algorithm,
+the switch overriding it both ways; a bad value is refused."""
 
 from __future__ import annotations
 
@@ -91,7 +93,8 @@ def assert_same(a, b):
 def test_warming_prefetches_train_like_the_device_placement(monkeypatch, algorithm, weighted):
     """Every prefetch beside the held batch warms (none is deferred whole, none before its lookup),
     each batch is looked up once (by its forward: no backward looks its batch up again, so no held
-    row moved), and the training is bit for bit the device placement's and the default's."""
+    row moved), and the training is bit for bit the device placement's and the deferral's (the
+    switch "0")."""
     data = zipf_batches(STEPS, seed=1)
     weights = weights_for(data) if weighted else None
     device = make(monkeypatch, "device")
@@ -99,9 +102,10 @@ def test_warming_prefetches_train_like_the_device_placement(monkeypatch, algorit
     emb = make(monkeypatch, "1", cache_algorithm=algorithm)
     got = train(emb, data, weights)
     assert_same((emb, got), (device, want))
-    default = make(monkeypatch, None, cache_algorithm=algorithm)
-    assert_same((emb, got), (default, train(default, data, weights)))
-    stats, old = emb.cache_stats(), default.cache_stats()
+    # (against the deferral without the warm: "0", the LFU default and the way back from LRU's)
+    off = make(monkeypatch, "0", cache_algorithm=algorithm)
+    assert_same((emb, got), (off, train(off, data, weights)))
+    stats, old = emb.cache_stats(), off.cache_stats()
     assert stats["warmed"] == stats["deferred"] == STEPS - 1 and stats["deferred_early"] == 0
     assert stats["prepares"] == old["prepares"] == STEPS
     assert stats["rows_warmed"] > 0.5 * (stats["rows_loaded"] - len(TABLES) * SHORT)
@@ -186,19 +190,48 @@ def test_warmed_rows_are_the_forwards_hits_and_held_rows_stay(monkeypatch, algor
     assert all(seen[4] > 0 for seen in watch.seen[3:])  # (once the cache is full, each warm evicts)
 
 
-def test_default_is_off_and_a_bad_value_is_refused(monkeypatch):
-    """Unset, empty or "0": a prefetch that does not fit is deferred whole (and, as before, the
-    early deferral skips lookups); anything else is refused when the cache is made, named."""
+def _warms(monkeypatch, value, algorithm, data):
+    """(warmed, rows_warmed, deferred, deferred_early) of a module made with the switch `value`
+    (None: unset) and `algorithm`, trained on `data` in TorchRec's order."""
+    emb = make(monkeypatch, value, cache_algorithm=algorithm)
+    train(emb, data)
+    stats = emb.cache_stats()
+    return stats["warmed"], stats["rows_warmed"], stats["deferred"], stats["deferred_early"]
+
+
+@pytest.mark.parametrize("algorithm", ["lru", "lfu"])
+def test_the_default_warms_with_lru_and_defers_with_lfu(monkeypatch, algorithm):
+    """Unset or empty: LRU warms every prefetch that does not fit (none deferred before its lookup),
+    LFU defers it whole, the early deferral skipping lookups (with LFU the warm would load more rows
+    in all: its victims are chosen while the held batch's recent, rarely read rows are protected)."""
     data = zipf_batches(10, seed=4)
-    for value in (None, "", "0"):
-        emb = make(monkeypatch, value)
-        train(emb, data)
-        stats = emb.cache_stats()
-        assert stats["warmed"] == stats["rows_warmed"] == 0 and stats["deferred"] == 9, value
-        assert stats["deferred_early"] > 0, value
-    for bad in ("2", "yes", "on", " 1"):
+    for value in (None, ""):
+        warmed, rows, deferred, early = _warms(monkeypatch, value, algorithm, data)
+        assert deferred == 9, value
+        if algorithm == "lru":
+            assert warmed == 9 and rows > 0 and early == 0, value
+        else:
+            assert warmed == rows == 0 and early > 0, value
+
+
+@pytest.mark.parametrize("algorithm", ["lru", "lfu"])
+def test_the_switch_overrides_the_default_both_ways(monkeypatch, algorithm):
+    """"0": deferred whole, the early deferral skipping lookups (the way back from LRU's default);
+    "1": every prefetch that does not fit warms, LFU's too."""
+    data = zipf_batches(10, seed=4)
+    warmed, rows, deferred, early = _warms(monkeypatch, "0", algorithm, data)
+    assert warmed == rows == 0 and deferred == 9 and early > 0
+    warmed, rows, deferred, early = _warms(monkeypatch, "1", algorithm, data)
+    assert warmed == deferred == 9 and rows > 0 and early == 0
+
+
+@pytest.mark.parametrize("algorithm", ["lru", "lfu"])
+def test_a_bad_value_is_refused(monkeypatch, algorithm):
+    """Anything but unset, empty, "0" or "1" is refused when the cache is made, named, whatever
+    the algorithm's default."""
+    for bad in ("2", "yes", "on", "off", " 1", "true"):
         with pytest.raises(ValueError, match=f"TBEGEN_CACHE_PREFETCH_WARM must be 0 or 1 \\(or unset\\), got '{bad}'"):
-            make(monkeypatch, bad)
+            make(monkeypatch, bad, cache_algorithm=algorithm)
 
 
 def test_a_batch_read_in_place_still_defers_without_a_warm(monkeypatch):
@@ -312,7 +345,7 @@ def test_a_forwards_own_lookup_waits_as_a_prefetchs_with_the_switch(monkeypatch,
     passes the prefetch's readers_wait and rows_wait and its fill's exchange aside, marks its end
     (leave), and only then waits for every other stream's latest use (wait_all), before its kernels
     (module._lookup_beside): the warm's exchange overlaps this lookup and the next prefetch's. With
-    the switch off: the default's lookup, which waits for every other stream first."""
+    the switch off: the deferral's lookup, which waits for every other stream first."""
     from tbegen import _ranges
 
     data = zipf_batches(6, seed=8)
