@@ -362,7 +362,8 @@ def bench_tbegen(args, batches, grad, fraction, prefetch_ahead=False, row_copy=N
                  backing_lookups_per_step=s["backing_lookups"] / args.iters, bypasses=s["bypasses"],
                  lookups_per_step=s["prepares"] / args.iters, deferred_per_step=s["deferred"] / args.iters,
                  deferred_early_per_step=s.get("deferred_early", 0) / args.iters,
-                 # (TBEGEN_CACHE_PREFETCH_WARM=1: rows that deferred prefetches loaded ahead of their forwards)
+                 # (the warm, LRU's default, TBEGEN_CACHE_PREFETCH_WARM: rows that deferred prefetches loaded
+                 # ahead of their forwards)
                  rows_warmed_per_step=s.get("rows_warmed", 0) / args.iters,
                  cache_rows_per_table=next(iter(s["cache_rows"].values())), direct=all(s["direct"].values()))
         r["host_waits_per_step"] = count_host_waits(step, batches)  # (after the statistics: extra steps)
@@ -501,7 +502,7 @@ def markdown(args, results, env) -> str:
               "prefetches deferred: those that left their batch to its forward (it did not fit beside the batch in "
               "flight; docs/placements.md), early: without a lookup of their own (no host wait; cache_stats' "
               "deferred_early); rows warmed: rows a step that such prefetches loaded ahead of their forward "
-              "(TBEGEN_CACHE_PREFETCH_WARM=1; cache_stats' rows_warmed)."]
+              "(the warm: LRU's default, TBEGEN_CACHE_PREFETCH_WARM=0 turns it off; cache_stats' rows_warmed)."]
     return "\n".join(lines) + "\n"
 
 

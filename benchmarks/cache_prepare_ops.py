@@ -22,7 +22,8 @@ A/B of issue 27's prediction (C2 at a 10% cache: every prefetch deferred, two lo
 --warm makes the cache with TBEGEN_CACHE_PREFETCH_WARM=1 (a prefetch the held rule would defer loads
 the part of its missing rows that fits: RowCache._warm_part); the "rows loaded a step" column splits
 the rows loaded over those batches by who loaded them: prefetches (warms included) / forwards /
-backwards (a second lookup), and the rows the warms loaded ("warmed").
+backwards (a second lookup), and the rows the warms loaded ("warmed"). Without --warm the warm is
+off with either algorithm (as TBEGEN_CACHE_PREFETCH_WARM=0; the module's default warms with LRU).
 
 Per prepare, split at the batch's host wait (the span "tbegen.cache.host_wait"; on CUDA the host
 dispatches everything "before" and then waits for the device to run it; "after" is what it

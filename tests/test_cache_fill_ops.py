@@ -37,6 +37,9 @@ def _frozen_cache(*a, **k):
 
 def _pair(monkeypatch, tables, **kw):
     """Two modules, one with the new cache and one with the frozen previous one."""
+    # (the frozen cache predates the warm: the new one defers as it does, TBEGEN_CACHE_PREFETCH_WARM=0,
+    # the LFU default and the way back from LRU's default, the warm)
+    monkeypatch.setenv("TBEGEN_CACHE_PREFETCH_WARM", "0")
     new = TableBatchedEmbeddingBags(tables, **kw)
     with monkeypatch.context() as m:
         m.setattr(cache_, "RowCache", _frozen_cache)
