@@ -417,8 +417,9 @@ class RowCache:
         fill, a quarter of that on the exchange stream; C2 rowwise_adagrad, bench_cache --variant,
         one process; docs/gpu-runs/2026-12-05-landing14/cache): no slower anywhere, faster where the
         exchange stream works. In-step, 22.42 / 28.81 / 40.68 ms a step at a 20 / 10 / 5% cache
-        against 22.32 / 29.49 / 39.72 for a variant whose in-step code is the default's
-        (TBEGEN_CACHE_PREFETCH_WARM=1, which acts only on deferred prefetches) and 23.78 / 30.72 /
+        against 22.32 / 29.49 / 39.72 for the warm's variant (TBEGEN_CACHE_PREFETCH_WARM=1; not the
+        default's code in-step: each forward's fill exchanged on the exchange stream, then at a
+        quarter grid, 33 blocks, module._lookup_beside) and 23.78 / 30.72 /
         41.33 for the default run first: equal within the run's drift. Pipelined, 28.87 against
         30.87 at 10% and 39.47 against 40.98 at 5%; at 20% the median 17.25 against 16.86 (and
         19.45 for the warm, there the default's code too), the wall clock 16.00 against 18.07 ms a
