@@ -754,6 +754,9 @@ class TableBatchedEmbeddingBags(nn.Module):
             once per table, counted by `cache_stats()`).
         cache_algorithm: "lru" (default: evict the least recently used rows) or "lfu" (the least
             frequently used: access counts kept per row since construction; ties by recency).
+            With "lru" a prefetch too large to fit beside the batches in flight warms the cache
+            with the part of its rows that fits; with "lfu" it is deferred to its forward
+            (TBEGEN_CACHE_PREFETCH_WARM=1 / 0 overrides; docs/placements.md).
         **hyperparameters: the optimizer's hyperparameters by name (e.g. learning_rate=0.05);
             the spec's defaults for those not given. Unknown names, wrong types, values outside a
             hyperparameter's `choices`, and missing required ones are errors.
