@@ -415,14 +415,13 @@ class RowCache:
         needs (its bandwidth times its latency, ~0.1-0.2 MB a direction), and leave the other SMs to
         the kernels beside it. Measured on the H100 against the grid before (one block per SM in a
         fill, a quarter of that on the exchange stream; C2 rowwise_adagrad, bench_cache --variant,
-        one process; docs/gpu-runs/2026-12-05-landing14/cache): no slower anywhere, faster where the
-        exchange stream works. In-step, 22.42 / 28.81 / 40.68 ms a step at a 20 / 10 / 5% cache
-        against 22.32 / 29.49 / 39.72 for the warm's variant (TBEGEN_CACHE_PREFETCH_WARM=1; not the
-        default's code in-step: each forward's fill exchanged on the exchange stream, then at a
-        quarter grid, 33 blocks, module._lookup_beside) and 23.78 / 30.72 /
-        41.33 for the default run first: equal within the run's drift. Pipelined, 28.87 against
-        30.87 at 10% and 39.47 against 40.98 at 5%; at 20% the median 17.25 against 16.86 (and
-        19.45 for the warm, there the default's code too), the wall clock 16.00 against 18.07 ms a
+        one process; docs/gpu-runs/2026-12-05-landing14/cache): the small grids faster in-step. In-step
+        22.42 / 28.81 / 40.68 ms a step at a 20 / 10 / 5% cache at 16 blocks, 23.78 / 30.72 / 41.33
+        with the fill at one block per SM, and 22.32 / 29.49 / 39.72 for the warm's variant
+        (TBEGEN_CACHE_PREFETCH_WARM=1, whose forwards' fills exchanged on the exchange stream at
+        the quarter grid, 33 blocks: module._lookup_beside). Pipelined, 28.87 against 30.87 at 10%
+        and 39.47 against 40.98 at 5%; at 20% the median 17.25 against 16.86 (19.45 for the warm,
+        there the default's code: the run's drift), the wall clock 16.00 against 18.07 ms a
         step. Landing13 (a faster host link), pipelined: 12.66 / 21.91 / 29.23 against 12.79 /
         22.40 / 29.35. TBEGEN_CACHE_EXCHANGE_BLOCKS=n (1 to 65535; for an A/B, read when the cache
         is made) sets the grid to n blocks. Same rows, same bits at any grid."""
