@@ -8,10 +8,10 @@
 #   bash benchmarks/run_gpu_plan.sh 2   # the sweep beside FBGEMM on the defaults (issue 29), then TorchRec over NCCL
 #                                       # (landing11's call 1 ran out of time before it) (~6 min)
 #   bash benchmarks/run_gpu_plan.sh 3   # the cache (issue 27): the cache's cuda tests, then bench_cache at 20, 10, 5%,
-#                                       # in-step and pipelined, the default (the exchange at 16 blocks since f6c76b7)
-#                                       # beside TBEGEN_CACHE_EXCHANGE_BLOCKS=8 and =33 and the warm
-#                                       # (TBEGEN_CACHE_PREFETCH_WARM=1), the default again last (--control), and FBGEMM
-#                                       # (~5 min; CACHE_OPTIMIZER=sgd for the issue's other optimizer)
+#                                       # in-step and pipelined, the default (the exchange at 16 blocks since f6c76b7, the
+#                                       # warm for LRU since b9c6633) beside TBEGEN_CACHE_EXCHANGE_BLOCKS=8 and =33 and
+#                                       # the warm's way back (TBEGEN_CACHE_PREFETCH_WARM=0), the default again last
+#                                       # (--control), and FBGEMM (~5 min; CACHE_OPTIMIZER=sgd for the other optimizer)
 #   bash benchmarks/run_gpu_plan.sh 4   # issue 27's record: the referee's --placements run, sgd and rowwise_adagrad at
 #                                       # 5, 10, 20%, after the CUDA tests of the cache
 #   bash benchmarks/run_gpu_plan.sh 5   # issue 29: the long runs in series (TBEGEN_LONG_RUNS_BESIDE=0, 4249216) on the
@@ -22,9 +22,8 @@
 #                                       # weighted and mean VBE batches under bench_vbe's profiler, then the VBE table (~4 min)
 #   bash benchmarks/run_gpu_plan.sh 7   # issue 27's pipelined steps on the defaults (the exchange stream), tbegen alone
 #                                       # with --profile (per-stream busy time, the host wait; ~5 min)
-#   bash benchmarks/run_gpu_plan.sh 8   # issue 27 at a 10% cache: the warm (TBEGEN_CACHE_PREFETCH_WARM=1, opt-in) beside
-#                                       # the default, its cuda tests first, tbegen alone, 10/20/5% (~4 min; NOTES-gpu.md,
-#                                       # "Issue 27: a prefetch that warms what fits")
+#   bash benchmarks/run_gpu_plan.sh 8   # issue 29: ncu of random 3 sgd's kernels with and without
+#                                       # TBEGEN_SEGMENT_OCCUPANCY=1 (Duration, registers, achieved occupancy, grid) (~3 min)
 #   DRY_RUN=1 bash benchmarks/run_gpu_plan.sh 1 2 3 4 5 6 7 8   # print the commands only (tests/test_gpu_plan.py reads them:
 #                                                      # every script, flag, switch and sweep regex they name exists)
 # Results under $OUT as the scripts called write them (run_gpu_landing.sh, run_gpu_ab.sh, run_gpu.sh).
@@ -50,12 +49,13 @@ LONG_RUNS_CELLS="^(D=1024|D=512|D=256|fp16 D=512|fp16 D=2048|base|zipf 1.3|rando
 # theoretical occupancy by registers at landing14).
 SEGMENT_CELLS="^(random 3|D=20|D=32|D=8|zipf 1.3) "
 # call 3's bench_cache options: the three cache sizes, in-step and pipelined, the default (since
-# f6c76b7 the exchange at one block per 8 SMs, 16, in the fill and on the exchange stream alike)
-# beside half and twice that grid (TBEGEN_CACHE_EXCHANGE_BLOCKS=8, =33), the warm
-# (TBEGEN_CACHE_PREFETCH_WARM=1, opt-in: landing14 pipelined 10% 30.87 -> 26.71 ms, 20% 16.86 ->
-# 19.45), the default again after them (--control: landing14's runs drifted 1-1.5 ms between the
-# first row and rows that ran the same code later), and FBGEMM; CACHE_OPTIMIZER rowwise_adagrad or sgd.
-CACHE_VARIANTS="--variant TBEGEN_CACHE_EXCHANGE_BLOCKS=8 --variant TBEGEN_CACHE_EXCHANGE_BLOCKS=33 --variant TBEGEN_CACHE_PREFETCH_WARM=1 --control"
+# f6c76b7 the exchange at one block per 8 SMs, 16, in the fill and on the exchange stream alike;
+# since b9c6633 the warm for LRU caches: landing14 pipelined 10% 30.87 -> 26.71 ms) beside half and
+# twice that grid (TBEGEN_CACHE_EXCHANGE_BLOCKS=8, =33) and the deferral without the warm
+# (TBEGEN_CACHE_PREFETCH_WARM=0, LFU's default and the way back), the default again after them
+# (--control: landing14's pipelined 20% median read 16.86 and 19.45 ms for one code), and FBGEMM;
+# CACHE_OPTIMIZER rowwise_adagrad or sgd.
+CACHE_VARIANTS="--variant TBEGEN_CACHE_EXCHANGE_BLOCKS=8 --variant TBEGEN_CACHE_EXCHANGE_BLOCKS=33 --variant TBEGEN_CACHE_PREFETCH_WARM=0 --control"
 CACHE_OPTS_PLAN="--cache 0.2,0.1,0.05 --optimizer ${CACHE_OPTIMIZER:-rowwise_adagrad} --pipelined $CACHE_VARIANTS --warmup 6 --iters 8"
 
 # call 4's tests: the cache's CUDA tests (the exchange through _run_tables, 4ef64b2) and landing9's
@@ -76,8 +76,8 @@ call2() {
 }
 
 call3() {
-  run env BUILD_SPECS="rowwise_adagrad sgd" TEST_FILES="tests/test_cache.py tests/test_host_huge.py tests/test_cache_prefetch_warm.py tests/test_row_exchange.py" \
-    TEST_MARK=cuda TBEGEN_TEST_OPTIMIZERS="rowwise_adagrad sgd" TESTS_TIMEOUT=150 CACHE_TIMEOUT=420 \
+  run env BUILD_SPECS="rowwise_adagrad sgd" TEST_FILES="tests/test_cache.py tests/test_host_huge.py tests/test_cache_prefetch_warm.py tests/test_row_exchange.py tests/test_cache_lookup_stream.py tests/test_cache_early_deferral.py tests/test_prefetch_pipeline.py" \
+    TEST_MARK=cuda TBEGEN_TEST_OPTIMIZERS="rowwise_adagrad sgd" TESTS_TIMEOUT=200 CACHE_TIMEOUT=400 \
     CACHE_OPTS="$CACHE_OPTS_PLAN" bash benchmarks/run_gpu.sh build tests cache
 }
 
@@ -109,12 +109,10 @@ call7() {
 }
 
 call8() {
-  # (the warm's bitwise tests with the exchange stream, held back too, and the stream rule's; then
-  # bench_cache's in-step and pipelined rows on the default and with the switch)
-  run env BUILD_SPECS="rowwise_adagrad" TEST_FILES="tests/test_cache_prefetch_warm.py tests/test_prefetch_pipeline.py" \
-    TEST_MARK=cuda TBEGEN_TEST_OPTIMIZERS="rowwise_adagrad" TESTS_TIMEOUT=150 CACHE_TIMEOUT=330 \
-    CACHE_OPTS="--cache 0.1,0.2,0.05 --optimizer rowwise_adagrad --pipelined --systems tbegen --variant TBEGEN_CACHE_PREFETCH_WARM=1 --warmup 6 --iters 8" \
-    bash benchmarks/run_gpu.sh build tests cache
+  # (ncu of random 3 sgd's kernels, then again with the narrow segment kernel at 4 blocks a
+  # multiprocessor: its Duration, Registers, Achieved Occupancy and Grid Size both ways; PROFILE_ONLY
+  # in call 5 times the defaults only)
+  run env TEST_FILES= NCU_ONLY="^random 3 sgd" NCU_AB="TBEGEN_SEGMENT_OCCUPANCY=1" DEADLINE=300 bash benchmarks/run_gpu_ab.sh
 }
 
 [ $# -gt 0 ] || { sed -n '2,24p' "$0"; exit 2; }
