@@ -23,7 +23,8 @@
 #   bash benchmarks/run_gpu_plan.sh 7   # issue 27's pipelined steps on the defaults (the exchange stream), tbegen alone
 #                                       # with --profile (per-stream busy time, the host wait; ~5 min)
 #   bash benchmarks/run_gpu_plan.sh 8   # issue 29: ncu of random 3 sgd's kernels with and without
-#                                       # TBEGEN_SEGMENT_OCCUPANCY=1 (Duration, registers, achieved occupancy, grid) (~3 min)
+#                                       # TBEGEN_SEGMENT_OCCUPANCY=1 (Duration, registers, achieved occupancy, grid), then
+#                                       # kernels per step in the sub-ms cells L=1, T=1, B=512, random 2 (~4 min)
 #   DRY_RUN=1 bash benchmarks/run_gpu_plan.sh 1 2 3 4 5 6 7 8   # print the commands only (tests/test_gpu_plan.py reads them:
 #                                                      # every script, flag, switch and sweep regex they name exists)
 # Results under $OUT as the scripts called write them (run_gpu_landing.sh, run_gpu_ab.sh, run_gpu.sh).
@@ -112,7 +113,10 @@ call8() {
   # (ncu of random 3 sgd's kernels, then again with the narrow segment kernel at 4 blocks a
   # multiprocessor: its Duration, Registers, Achieved Occupancy and Grid Size both ways; PROFILE_ONLY
   # in call 5 times the defaults only)
-  run env TEST_FILES= NCU_ONLY="^random 3 sgd" NCU_AB="TBEGEN_SEGMENT_OCCUPANCY=1" DEADLINE=300 bash benchmarks/run_gpu_ab.sh
+  # Then each system's kernels per step in the sub-millisecond cells under 1.1x (L=1, T=1, B=512,
+  # random 2): kernel time against step time says which are host-bound on that machine's CPU.
+  run env TEST_FILES= NCU_ONLY="^random 3 sgd" NCU_AB="TBEGEN_SEGMENT_OCCUPANCY=1" \
+    PROFILE_ONLY="^(L=1|T=1|B=512|random 2) " DEADLINE=360 bash benchmarks/run_gpu_ab.sh
 }
 
 [ $# -gt 0 ] || { sed -n '2,24p' "$0"; exit 2; }
