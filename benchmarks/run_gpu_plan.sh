@@ -43,6 +43,9 @@ run() {  # a command of the plan: printed (quoted as the shell reads it), and ru
 # table's output-gradient rows nearly fill or exceed L2 (D=256-1024 fp32, fp16 D=512/2048: 8-64 MB a
 # table against 50 MB) and on a few where they do not (base, zipf 1.3, random 3: the control that
 # concurrency pays there); then each system's kernels per step in D=1024 with and without it.
+# Beside it, the same hypothesis the other way at D=1024: one work list in key order for the hot
+# rows' segments and the short runs (TBEGEN_ANY_WIDTH_ITEMS=1, the items kernel of the occupancy
+# variant; last timed at D=1024 together with 64-occurrence segments, landing12: -1.4% geomean).
 LONG_RUNS_CELLS="^(D=1024|D=512|D=256|fp16 D=512|fp16 D=2048|base|zipf 1.3|random 3) "
 # ... and the 4-wide segment kernel at 4 blocks per multiprocessor for rows of up to 128 columns
 # (TBEGEN_SEGMENT_OCCUPANCY=1, a1e76fd: NOTES-gpu "the 4-wide segment kernel's occupancy") on the
@@ -89,7 +92,7 @@ call4() {
 
 call5() {
   run env TEST_FILES="tests/test_long_runs_beside.py tests/test_segment_occupancy.py" TESTS_TIMEOUT=180 \
-    SWEEP_ABS="TBEGEN_LONG_RUNS_BESIDE=0@$LONG_RUNS_CELLS;TBEGEN_SEGMENT_OCCUPANCY=1@$SEGMENT_CELLS" \
+    SWEEP_ABS="TBEGEN_LONG_RUNS_BESIDE=0@$LONG_RUNS_CELLS;TBEGEN_ANY_WIDTH_ITEMS=1@^D=1024 ;TBEGEN_SEGMENT_OCCUPANCY=1@$SEGMENT_CELLS" \
     PROFILE_ONLY="^D=1024 " NCU_ONLY="^D=1024 sgd" NCU_AB="TBEGEN_LONG_RUNS_BESIDE=0" DEADLINE=540 \
     bash benchmarks/run_gpu_ab.sh
 }

@@ -168,8 +168,10 @@ def test_the_long_runs_ab_picks_the_cells_the_notes_say(sweep_names):
     them would be noticed here, not on the GPU)."""
     (argv,) = plan_commands("5")
     env, _ = split_env(argv)
-    (long_switch, long_regex), (seg_switch, seg_regex) = (ab.split("@") for ab in env["SWEEP_ABS"].split(";"))
+    (long_switch, long_regex), (items_switch, items_regex), (seg_switch, seg_regex) = (
+        ab.split("@") for ab in env["SWEEP_ABS"].split(";"))
     assert long_switch == "TBEGEN_LONG_RUNS_BESIDE=0" and seg_switch == "TBEGEN_SEGMENT_OCCUPANCY=1"
+    assert items_switch == "TBEGEN_ANY_WIDTH_ITEMS=1" and picks(items_regex, sweep_names) == 4
     assert picks(long_regex, sweep_names) == 32
     assert picks(seg_regex, sweep_names) == 20  # random 3, D=20, D=32, D=8, zipf 1.3: 4 optimizers each
     assert picks(env["PROFILE_ONLY"], sweep_names) == 4
