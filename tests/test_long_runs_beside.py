@@ -45,3 +45,51 @@ def test_long_runs_switch_refuses_other_values(load_ops, monkeypatch, value):
     monkeypatch.setenv("TBEGEN_LONG_RUNS_BESIDE", value)
     with pytest.raises(RuntimeError, match="TBEGEN_LONG_RUNS_BESIDE must be 0 or 1"):
         _one_step(spec, ops, case, "cuda", weights, states, batch, go)
+
+
+def _backward_streams(spec, ops, case, tmp_path, tag):
+    """The profiler's stream ids of one CUDA step's backward kernels of `case`: (long: the
+    segment and finish kernels', short: the warp and group kernels'), 4-wide and any-width alike."""
+    import json
+
+    from torch.profiler import ProfilerActivity, profile
+
+    weights, states, batch, go = _problem(spec, case)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        _one_step(spec, ops, case, "cuda", weights, states, batch, go)
+        torch.cuda.synchronize()
+    trace = tmp_path / f"trace-{tag}.json"
+    prof.export_chrome_trace(str(trace))
+    long, short = set(), set()
+    for e in json.loads(trace.read_text())["traceEvents"]:
+        name = e.get("name", "")
+        if e.get("cat") != "kernel":
+            continue
+        if "backward_segment_kernel" in name or "backward_finish_kernel" in name:
+            long.add(e["args"]["stream"])
+        elif "backward_warp_kernel" in name or "backward_group_kernel" in name:
+            short.add(e["args"]["stream"])
+    return long, short
+
+
+# (the first fused optimizer TBEGEN_TEST_OPTIMIZERS leaves in: "none" has no update kernels)
+FUSED = [n for n in NAMES if n != "none"][:1] or [
+    pytest.param("sgd", marks=pytest.mark.skip(reason="TBEGEN_TEST_OPTIMIZERS leaves no fused optimizer"))]
+
+
+@pytest.mark.parametrize("name", FUSED)
+@pytest.mark.parametrize("case", LONG_RUN_CASES[:2], ids=lambda c: c.id)
+def test_long_runs_go_to_the_callers_stream_with_the_switch(load_ops, monkeypatch, tmp_path, name, case):
+    """The bitwise test above cannot tell whether the switch was read (disjoint rows: the same bits
+    on any stream): the profiler's trace names each kernel's stream. By default the long runs'
+    kernels run on a side stream of their own, none of the short runs' kernels' streams; with
+    TBEGEN_LONG_RUNS_BESIDE=0 on the caller's, the widest class's short runs' stream (4-wide with
+    width classes: the narrower classes' launch on a third stream), and the any-width kernels'."""
+    spec, ops = load_ops(name)
+    monkeypatch.delenv("TBEGEN_LONG_RUNS_BESIDE", raising=False)
+    long, short = _backward_streams(spec, ops, case, tmp_path, "beside")
+    assert long and short, (long, short)
+    assert not long & short, f"beside (the default): long runs' streams {long}, short runs' {short}"
+    monkeypatch.setenv("TBEGEN_LONG_RUNS_BESIDE", "0")
+    long, short = _backward_streams(spec, ops, case, tmp_path, "series")
+    assert len(long) == 1 and long <= short, f"in series (=0): long runs' streams {long}, short runs' {short}"
