@@ -13,7 +13,7 @@ tbegen.backward (the fused backward), tbegen.prefetch, tbegen.cache.lookup (RowC
 tbegen.cache.host_wait (the host reads the batch's summary), tbegen.cache.fill (victims, evictions,
 loads), tbegen.cache.writeback (evicted rows issued towards the backing store), tbegen.cache.load
 (missed rows copied into their slots), tbegen.cache.drop, tbegen.cache.warm (around the fill of a
-prefetch that warms the cache instead of deferring, TBEGEN_CACHE_PREFETCH_WARM=1).
+prefetch that warms the cache instead of deferring: LRU's default, TBEGEN_CACHE_PREFETCH_WARM).
 """
 
 from __future__ import annotations

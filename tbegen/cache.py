@@ -1203,7 +1203,7 @@ class RowCache:
         (_launch_aside) or on this one (a drop: _join_aside). `aside`: whether the fill's exchange
         goes on the exchange stream (with TBEGEN_CACHE_LOOKUP_STREAM on); None: where `defer` (a
         prefetch's); True for a forward's own lookup that waits as a prefetch's does
-        (module._lookup_beside, TBEGEN_CACHE_PREFETCH_WARM=1).
+        (module._lookup_beside, with the warm: LRU's default, _prefetch_warm_on).
 
         How (each step one pass over the N indices or the distinct rows, few of them; on CUDA
         each operator is a launch the host pays for, benchmarks/cache_prepare_ops.py counts them):
@@ -1359,7 +1359,7 @@ class RowCache:
             if defer and not bypass:
                 st["deferred"] += 1
                 if self._warm:
-                    # (TBEGEN_CACHE_PREFETCH_WARM=1) the part of its missing rows that fits beside the
+                    # (the warm: LRU's default, _prefetch_warm_on) the part of its missing rows that fits beside the
                     # held slots is loaded now (_warm); the batch is still left to its forward
                     self._warm_part(buffers, sk, miss_ranks, at_edges, held, mine, held_running, admit, miss_h,
                                     need_h, extra, readers_wait, rows_wait)
@@ -1459,7 +1459,7 @@ class RowCache:
 
     def _warm_part(self, buffers, sk, miss_ranks, at_edges, held, mine, held_running, admit, miss_h, need_h,
                    extra, readers_wait, rows_wait) -> None:
-        """(TBEGEN_CACHE_PREFETCH_WARM=1, _prefetch_warm_on) A prefetch that the held rule defers warms
+        """(the warm: LRU's default, TBEGEN_CACHE_PREFETCH_WARM; _prefetch_warm_on) A prefetch that the held rule defers warms
         the cache with the part of its missing rows that fits: per table, its first warm[k] missing
         rows in key order, warm[k] = min(the rows it would admit, the slots that neither its hits nor
         a held batch use), loaded into the coldest of those slots (never a held or hit slot: _fill's

@@ -1078,8 +1078,9 @@ class TableBatchedEmbeddingBags(nn.Module):
                                        defer=defer, readers_wait=readers_wait, rows_wait=rows_wait, aside=aside)
 
     def _lookup_beside(self, indices: torch.Tensor, offsets: torch.Tensor) -> cache_.Ticket:
-        """A forward's own lookup with TBEGEN_CACHE_PREFETCH_WARM=1 and the exchange aside
-        (TBEGEN_CACHE_LOOKUP_STREAM on): where its prefetch warmed the cache instead of deferring
+        """A forward's own lookup with the warm on (LRU's default, TBEGEN_CACHE_PREFETCH_WARM;
+        RowCache._warm) and the exchange aside (TBEGEN_CACHE_LOOKUP_STREAM on, the CUDA default):
+        where its prefetch warmed the cache instead of deferring
         (RowCache._warm_part), that warm's exchange is still moving the batch's rows on the cache's
         exchange stream. A lookup that waited for every other stream (the default) would wait for
         that exchange before its sort, and the next prefetch's lookup, which waits for this
