@@ -317,6 +317,22 @@ def test_lazy_exchange_stream_trains_like_in_step(monkeypatch, order, seed, warm
         assert max(prefetch_waits) > 0, sim.pending_at_host_waits
 
 
+@pytest.mark.parametrize("seed", [0, 1])
+def test_lazy_exchange_stream_in_step_with_lrus_default(monkeypatch, seed):
+    """No prefetch at all, the warm unset (LRU's default since b9c6633): on CUDA every forward's own
+    lookup takes module._lookup_beside, its fill's exchange on X, and only its kernels wait for X
+    (wait_all). With X lazy, a forward whose kernels did not wait for its rows, or a fill whose
+    exchange ran before the backward that updated its victims, would differ: bitwise the in-step
+    training with the exchange at once."""
+    monkeypatch.delenv("TBEGEN_CACHE_PREFETCH_WARM", raising=False)
+    want, want_module, got, emb, sim, calls, _, made = _lazy_run(monkeypatch, "in-step", seed)
+    assert emb._cache.algorithm == "lru" and emb._cache._warm
+    _same(want, want_module, got, emb)
+    assert len(made) == 1 and calls and set(calls) == {"X"}, set(calls)
+    stats = emb.cache_stats()
+    assert stats["evictions"] > 0 and stats["rows_written_back"] > 0 and stats["prepares"] == 12
+
+
 @pytest.mark.parametrize("given", [None, "5"])
 def test_the_exchange_stream_and_the_fill_share_one_grid(monkeypatch, given):
     """A prefetch's exchange on X (beside the backward before) and a forward's fill on D take the
