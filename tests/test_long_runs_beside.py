@@ -87,6 +87,8 @@ def test_long_runs_go_to_the_callers_stream_with_the_switch(load_ops, monkeypatc
     width classes: the narrower classes' launch on a third stream), and the any-width kernels'."""
     spec, ops = load_ops(name)
     monkeypatch.delenv("TBEGEN_LONG_RUNS_BESIDE", raising=False)
+    # (the any-width list in key order puts every kernel on the caller's stream: off for fp32 rows)
+    monkeypatch.delenv("TBEGEN_ANY_WIDTH_ITEMS", raising=False)
     long, short = _backward_streams(spec, ops, case, tmp_path, "beside")
     assert long and short, (long, short)
     assert not long & short, f"beside (the default): long runs' streams {long}, short runs' {short}"
