@@ -91,7 +91,11 @@ call4() {
 }
 
 call5() {
+  # (TBEGEN_TEST_OPTIMIZERS: the four specs run_gpu_ab.sh builds; unset, test_long_runs_beside would
+  # parametrize, and the tests' prebuild compile, every spec: 18 CUDA builds on a machine without
+  # call 1's build cache, far past TESTS_TIMEOUT)
   run env TEST_FILES="tests/test_long_runs_beside.py tests/test_segment_occupancy.py" TESTS_TIMEOUT=180 \
+    TBEGEN_TEST_OPTIMIZERS="sgd rowwise_adagrad adagrad adam" \
     SWEEP_ABS="TBEGEN_LONG_RUNS_BESIDE=0@$LONG_RUNS_CELLS;TBEGEN_ANY_WIDTH_ITEMS=1@^D=1024 ;TBEGEN_SEGMENT_OCCUPANCY=1@$SEGMENT_CELLS" \
     PROFILE_ONLY="^D=1024 " NCU_ONLY="^D=1024 sgd" NCU_AB="TBEGEN_LONG_RUNS_BESIDE=0" DEADLINE=540 \
     bash benchmarks/run_gpu_ab.sh
