@@ -457,7 +457,7 @@ def _hot_batches(steps, seed, hot):
     return out
 
 
-def _touches_of_unwaited_uses(monkeypatch, seed, readers_wait=True):
+def _touches_of_unwaited_uses(monkeypatch, seed, readers_wait=True, beside=False):
     """For _CacheStreams' uses that do not wait for other streams (a forward given its prefetched
     batch waits only for that prefetch; a valid ticket's backward for nothing): every row load
     into one of the ticket's slots, eviction of one, or table dropped between the making of the
@@ -467,7 +467,10 @@ def _touches_of_unwaited_uses(monkeypatch, seed, readers_wait=True):
     wait for): every such touch of its slots between that forward and its backward, unless a
     `wait_all` (the prefetch waiting for every stream's latest use: holds let go) came between the
     forward and the touch ("forward reads"). `readers_wait=False`: RowCache never calls that
-    wait (the check must then fail). Returns (those touches, [forwards checked, backwards checked])."""
+    wait (the check must then fail). `beside`: the exchange aside forced on (as on CUDA, where the
+    CPU has no exchange stream), so that with LRU's default, the warm, every forward that looks its
+    batch up itself takes module._lookup_beside (its reads begin after that lookup's wait_all).
+    Returns (those touches, [forwards checked, backwards checked, forwards' own lookups beside])."""
     from tbegen import cache as cache_
     from tbegen import module as module_
 
@@ -491,13 +494,18 @@ def _touches_of_unwaited_uses(monkeypatch, seed, readers_wait=True):
 
     monkeypatch.setattr(cache_.RowCache, "_move", logged_move)
     monkeypatch.setattr(cache_.RowCache, "drop", logged_drop)
-    found, checked = [], [0, 0]
+    if beside:  # (no exchange stream on the CPU: nothing for a move of rows to wait for, rows_wait's stream none)
+        monkeypatch.setattr(cache_.RowCache, "_join_aside", lambda self, rows_wait=None: None)
+    found, checked = [], [0, 0, 0]
     for run in range(5):
         ahead, order = rnd.choice([1, 1, 2, 3, 5]), rnd.choice(["torchrec", "fbgemm"])
         kw = {"cache_rows": [rnd.choice([12, 20, 34]), None, rnd.choice([16, 24, 40])]} if rnd.random() < 0.5 else {}
         emb = _module(**kw)
+        if beside:
+            emb._cache._aside = True
         made, reads = {}, {}
         prepare, take, for_backward = emb._prepare, emb._take_prefetched, emb._ticket_for_backward
+        lookup_beside = emb._lookup_beside
 
         def check(ticket, use):
             slots = set(ticket.slots.tolist())
@@ -509,6 +517,13 @@ def _touches_of_unwaited_uses(monkeypatch, seed, readers_wait=True):
             made[id(ticket)] = len(touched)
             if not k and ticket is not None and ticket.slots.numel() and not ticket.backing:
                 reads[id(ticket)] = len(touched)  # (a forward's own lookup, its batch then held)
+            return ticket
+
+        def looked_up_beside(*a, **k):  # (its reads begin after its own wait_all)
+            ticket = lookup_beside(*a, **k)
+            checked[2] += 1
+            if ticket.slots.numel() and not ticket.backing:
+                reads[id(ticket)] = len(touched)
             return ticket
 
         def taken(*a, **k):
@@ -537,6 +552,7 @@ def _touches_of_unwaited_uses(monkeypatch, seed, readers_wait=True):
             return for_backward(ticket)
 
         emb._prepare, emb._take_prefetched, emb._ticket_for_backward = made_now, taken, backward
+        emb._lookup_beside = looked_up_beside
         data = _hot_batches(16, 100 * seed + run, rnd.choice([40, 80, 150]))
         queued = iter(data)
 
@@ -580,6 +596,18 @@ def test_unwaited_uses_are_caught_when_held_slots_are_not_protected(monkeypatch)
     monkeypatch.setattr(cache_.RowCache, "_held_mask", lambda self: None)
     found, _ = _touches_of_unwaited_uses(monkeypatch, 0)
     assert {use for _, use, _ in found} == {"forward", "backward", "forward reads"}
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_forwards_own_lookups_beside_find_their_slots_untouched(monkeypatch, seed):
+    """The same check with the exchange aside (as on CUDA) and LRU's default, the warm: the
+    forwards that look their batch up themselves take module._lookup_beside (waiting, like a
+    prefetch, for the other streams' bookkeeping only); no use that does not wait, and no
+    reading forward, finds its slots touched."""
+    monkeypatch.delenv("TBEGEN_CACHE_PREFETCH_WARM", raising=False)
+    found, checked = _touches_of_unwaited_uses(monkeypatch, seed, beside=True)
+    assert checked[0] > 0 and checked[1] > 0 and checked[2] > 0, checked
+    assert found == [], found[:5]
 
 
 @pytest.mark.parametrize("seed", [1, 2, 7])
