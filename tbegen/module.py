@@ -1167,9 +1167,12 @@ class TableBatchedEmbeddingBags(nn.Module):
         prefetched ahead, in the order of their forwards. Does nothing without cached tables
         (the arguments are checked all the same). Where the batch's rows would evict rows held
         for batches forwarded or prefetched before it whose backwards have not run (a cache too
-        small for two batches), it changes nothing and the batch's forward looks it up itself
-        (`cache_stats()["deferred"]` counts these; where the cache's recent deferrals predict it,
-        without a lookup: `deferred_early`, docs/placements.md).
+        small for two batches), the batch's forward looks it up itself (`cache_stats()["deferred"]`
+        counts these). With cache_algorithm "lru" (the default) such a prefetch first loads the
+        part of the batch's missing rows that fits beside the held ones (the warm: `warmed`,
+        `rows_warmed`); with "lfu" (or TBEGEN_CACHE_PREFETCH_WARM=0) it changes nothing, and where
+        the cache's recent deferrals predict it, it is deferred without a lookup (`deferred_early`;
+        docs/placements.md).
 
         `batch_size_per_feature_per_rank`: a variable batch (VBE), prefetched for the forward
         given the same tensors and sizes (its offsets padded as that forward pads them).
@@ -1265,8 +1268,10 @@ class TableBatchedEmbeddingBags(nn.Module):
         `backing_lookups`, `backing_rows` (indices and distinct rows read and updated in managed
         memory in place, because a batch had more distinct rows of a table than its cache holds),
         `bypasses` (of those, table-batches of "compact" tables, whose cache was emptied for
-        them); `deferred` (prefetches that left their batch to its forward: `prefetch`) and
-        `deferred_early` (of them, those deferred before their lookup: RowCache.prepare);
+        them); `deferred` (prefetches that left their batch to its forward: `prefetch`),
+        `deferred_early` (of them, those deferred before their lookup: RowCache.prepare),
+        `warmed` (of them, those that loaded the part of their rows that fit: the warm, LRU's
+        default) and `rows_warmed` (the rows those loaded, in `rows_loaded` too);
         `resident_rows`, `dirty_rows`, `cache_rows` ({table: slots}), `direct` ({table:
         whether its slots continue its rows}, docs/placements.md) and `algorithm`. An empty dict
         without cached tables."""
