@@ -66,9 +66,9 @@ def _backward_streams(spec, ops, case, tmp_path, tag):
         if e.get("cat") != "kernel":
             continue
         if "backward_segment_kernel" in name or "backward_finish_kernel" in name:
-            long.add(e["args"]["stream"])
+            long.add(e.get("args", {}).get("stream", e.get("tid")))
         elif "backward_warp_kernel" in name or "backward_group_kernel" in name:
-            short.add(e["args"]["stream"])
+            short.add(e.get("args", {}).get("stream", e.get("tid")))
     return long, short
 
 
