@@ -25,8 +25,9 @@
 #   bash benchmarks/run_gpu_plan.sh 8   # issue 29: ncu of random 3 sgd's kernels with and without
 #                                       # TBEGEN_SEGMENT_OCCUPANCY=1 (Duration, registers, achieved occupancy, grid), then
 #                                       # kernels per step in the sub-ms cells L=1, T=1, B=512, random 2 (~4 min)
-#   DRY_RUN=1 bash benchmarks/run_gpu_plan.sh 1 2 3 4 5 6 7 8   # print the commands only (tests/test_gpu_plan.py reads them:
-#                                                      # every script, flag, switch and sweep regex they name exists)
+#   bash benchmarks/run_gpu_plan.sh 9   # issue 29: ncu of D=1024 sgd with and without TBEGEN_LONG_RUNS_BESIDE=0 (~3 min)
+#   DRY_RUN=1 bash benchmarks/run_gpu_plan.sh 1 2 3 4 5 6 7 8 9   # print the commands only (tests/test_gpu_plan.py reads
+#                                                      # them: every script, flag, switch and sweep regex they name exists)
 # Results under $OUT as the scripts called write them (run_gpu_landing.sh, run_gpu_ab.sh, run_gpu.sh).
 set -u
 OUT=${OUT:-/tmp/tbegen-gpu-out}
@@ -97,8 +98,9 @@ call5() {
   run env TEST_FILES="tests/test_long_runs_beside.py tests/test_segment_occupancy.py" TESTS_TIMEOUT=180 \
     TBEGEN_TEST_OPTIMIZERS="sgd rowwise_adagrad adagrad adam" \
     SWEEP_ABS="TBEGEN_LONG_RUNS_BESIDE=0@$LONG_RUNS_CELLS;TBEGEN_ANY_WIDTH_ITEMS=1@^D=1024 ;TBEGEN_SEGMENT_OCCUPANCY=1@$SEGMENT_CELLS" \
-    PROFILE_ONLY="^D=1024 " NCU_ONLY="^D=1024 sgd" NCU_AB="TBEGEN_LONG_RUNS_BESIDE=0" DEADLINE=540 \
-    bash benchmarks/run_gpu_ab.sh
+    PROFILE_ONLY="^D=1024 " DEADLINE=540 bash benchmarks/run_gpu_ab.sh
+  # (no ncu here: tests up to 180 s, six sweep halves, the profile and three ncu runs would pass the
+  # DEADLINE; ncu of D=1024 with the switch is call 9's)
 }
 
 call6() {
@@ -126,6 +128,12 @@ call8() {
     PROFILE_ONLY="^(L=1|T=1|B=512|random 2) " DEADLINE=360 bash benchmarks/run_gpu_ab.sh
 }
 
+call9() {
+  # (ncu of D=1024 sgd's kernels with and without the long runs in series: the two bands' L2 hit
+  # rates and DRAM throughput, when call 5 showed a difference worth explaining)
+  run env TEST_FILES= NCU_ONLY="^D=1024 sgd" NCU_AB="TBEGEN_LONG_RUNS_BESIDE=0" DEADLINE=300 bash benchmarks/run_gpu_ab.sh
+}
+
 [ $# -gt 0 ] || { sed -n '2,24p' "$0"; exit 2; }
 status=0
 for call in "$@"; do
@@ -138,7 +146,8 @@ for call in "$@"; do
     6) call6 || status=1 ;;
     7) call7 || status=1 ;;
     8) call8 || status=1 ;;
-    *) echo "run_gpu_plan.sh: no call '$call' (1 to 8)" >&2; exit 2 ;;
+    9) call9 || status=1 ;;
+    *) echo "run_gpu_plan.sh: no call '$call' (1 to 9)" >&2; exit 2 ;;
   esac
 done
 exit $status

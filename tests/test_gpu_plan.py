@@ -95,16 +95,16 @@ def picks(regex: str, names) -> int:
 def test_every_call_prints_its_commands():
     assert len(plan_commands("1")) == 1 and len(plan_commands("2")) == 1 and len(plan_commands("3")) == 1
     assert len(plan_commands("4")) == 1 and len(plan_commands("5")) == 1 and len(plan_commands("6")) == 1
-    assert len(plan_commands("7")) == 1 and len(plan_commands("8")) == 1
-    proc = subprocess.run(["bash", str(PLAN), "9"], cwd=ROOT, capture_output=True, text=True,
+    assert len(plan_commands("7")) == 1 and len(plan_commands("8")) == 1 and len(plan_commands("9")) == 1
+    proc = subprocess.run(["bash", str(PLAN), "10"], cwd=ROOT, capture_output=True, text=True,
                           env={**os.environ, "DRY_RUN": "1"})
-    assert proc.returncode == 2 and "no call '9'" in proc.stderr
+    assert proc.returncode == 2 and "no call '10'" in proc.stderr
 
 
 def test_the_plan_names_only_what_exists(sweep_names):
     switches = known_switches()
     specs = {p.stem for p in (ROOT / "optimizers").glob("*.yaml")}
-    for argv in plan_commands("1", "2", "3", "4", "5", "6", "7", "8"):
+    for argv in plan_commands("1", "2", "3", "4", "5", "6", "7", "8", "9"):
         env, cmd = split_env(argv)
         if cmd[0] == "bash":  # a run script: it must read every variable it is given
             script = ROOT / cmd[1]
@@ -164,7 +164,7 @@ def test_the_long_runs_ab_picks_the_cells_the_notes_say(sweep_names):
     """NOTES-gpu's plan (call 5): TBEGEN_LONG_RUNS_BESIDE=0 against the default on the wide-row cells
     (D=256, 512, 1024 fp32; fp16 D=512, 2048) and the controls (base, zipf 1.3, random 3), and
     TBEGEN_SEGMENT_OCCUPANCY=1 on the narrow and skewed cells, 4 optimizers each; kernels per step
-    and ncu on D=1024 (a change to the sweep's shapes that moved
+    (and call 9 ncu) on D=1024 (a change to the sweep's shapes that moved
     them would be noticed here, not on the GPU)."""
     (argv,) = plan_commands("5")
     env, _ = split_env(argv)
@@ -175,4 +175,6 @@ def test_the_long_runs_ab_picks_the_cells_the_notes_say(sweep_names):
     assert picks(long_regex, sweep_names) == 32
     assert picks(seg_regex, sweep_names) == 20  # random 3, D=20, D=32, D=8, zipf 1.3: 4 optimizers each
     assert picks(env["PROFILE_ONLY"], sweep_names) == 4
-    assert picks(env["NCU_ONLY"], sweep_names) == 1
+    (argv,) = plan_commands("9")  # (ncu of D=1024 sgd both ways: its own call)
+    env, _ = split_env(argv)
+    assert picks(env["NCU_ONLY"], sweep_names) == 1 and env["NCU_AB"] == "TBEGEN_LONG_RUNS_BESIDE=0"
