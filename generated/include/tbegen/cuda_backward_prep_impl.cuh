@@ -78,6 +78,15 @@ struct SumInt2 {
   }
 };
 
+// An occurrence's output-gradient row offset, bag_out[bag] of its sorted bag (step 3c, or 3b with
+// the fused gather). Clamped: after malformed offsets some bags are never written, and nothing is
+// updated; a bag with occurrences is no padding, so its offset is >= 0 and, the output being at
+// most INT32_MAX elements (vbe_grad_offsets_enabled's caller), fits.
+__device__ __forceinline__ int32_t grad_offset_of(int32_t sorted_bag, int64_t nbags, const int64_t* __restrict__ bag_out) {
+  const int32_t bag = int32_t(min(max(int64_t(sorted_bag), int64_t(0)), nbags - 1));
+  return int32_t(bag_out[bag]);
+}
+
 // Step 3b when the values sorted were positions: each occurrence's bag and scale in sorted order.
 // kGradOffsets (TBEGEN_VBE_FUSED_GATHER=1, vbe_fused_gather: a VBE batch whose values are positions,
 // i.e. weighted or mean pooling) also writes step 3c's output-gradient offset, bag_out[bag] of the
@@ -97,11 +106,7 @@ static __global__ void __launch_bounds__(256) gather_occurrences_kernel(int64_t 
     const int32_t bag_j = bag_of[pos];
     sorted_bag[j] = bag_j;
     if (scale_of) sorted_scale[j] = scale_of[pos];
-    if constexpr (kGradOffsets) {
-      // (gather_grad_offsets_kernel's clamp and conversion)
-      const int32_t bag = int32_t(min(max(int64_t(bag_j), int64_t(0)), nbags - 1));
-      grad_at[j] = int32_t(bag_out[bag]);
-    }
+    if constexpr (kGradOffsets) grad_at[j] = grad_offset_of(bag_j, nbags, bag_out);
   }
 }
 
@@ -114,11 +119,7 @@ static __global__ void __launch_bounds__(256) gather_grad_offsets_kernel(int64_t
                                                                          const int64_t* __restrict__ bag_out,
                                                                          int32_t* grad_at) {
   for (int64_t j = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; j < n; j += int64_t(gridDim.x) * blockDim.x) {
-    // (clamped: after malformed offsets some bags are never written, and nothing is updated; a
-    // bag with occurrences is no padding, so its offset is >= 0 and, the output being at most
-    // INT32_MAX elements (vbe_grad_offsets_enabled's caller), fits)
-    const int32_t bag = int32_t(min(max(int64_t(sorted_bag[j]), int64_t(0)), nbags - 1));
-    grad_at[j] = int32_t(bag_out[bag]);
+    grad_at[j] = grad_offset_of(sorted_bag[j], nbags, bag_out);
   }
 }
 
