@@ -79,7 +79,7 @@ def parse_args(argv=None):
                     help="tbegen: after a cached cell's variants, time the default again (in-step, and pipelined "
                          "with --pipelined; rows labelled 'control'), so that a variant is compared with the "
                          "default timed both before and after it: the rows of one process may drift (landing14: "
-                         "the pipelined 20% step 16.86 and 19.45 ms for two rows that ran the same code)")
+                         "the pipelined 20%% step 16.86 and 19.45 ms for two rows that ran the same code)")
     ap.add_argument("--profile", action="store_true",
                     help="after timing, profile 3 more tbegen steps per cached placement (torch.profiler, tbegen's "
                          "named ranges on): each CUDA stream's busy time and overlap, each range's GPU and host time, "

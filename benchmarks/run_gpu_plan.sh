@@ -62,7 +62,8 @@ SEGMENT_CELLS="^(random 3|D=20|D=32|D=8|zipf 1.3) "
 # CACHE_OPTIMIZER rowwise_adagrad or sgd.
 # (CACHE_VARIANTS="" in the environment: the default and FBGEMM only, for a short call)
 CACHE_VARIANTS=${CACHE_VARIANTS-"--variant TBEGEN_CACHE_EXCHANGE_BLOCKS=8 --variant TBEGEN_CACHE_EXCHANGE_BLOCKS=33 --variant TBEGEN_CACHE_PREFETCH_WARM=0 --control"}
-CACHE_OPTS_PLAN="--cache 0.2,0.1,0.05 --optimizer ${CACHE_OPTIMIZER:-rowwise_adagrad} --pipelined $CACHE_VARIANTS --warmup 6 --iters 8"
+# CACHE_ALGORITHM=lfu: both systems' LFU caches (bench_cache --algorithm; the default lru)
+CACHE_OPTS_PLAN="--cache 0.2,0.1,0.05 --optimizer ${CACHE_OPTIMIZER:-rowwise_adagrad} --algorithm ${CACHE_ALGORITHM:-lru} --pipelined $CACHE_VARIANTS --warmup 6 --iters 8"
 
 # call 4's tests: the cache's CUDA tests (the exchange through _run_tables, 4ef64b2) and landing9's
 # four failures (fixed in 28c975a), with the four benchmarked optimizers only
