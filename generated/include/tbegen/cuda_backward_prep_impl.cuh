@@ -175,7 +175,8 @@ void run_cub_in_turn(const at::Tensor& like, A1&& first, A2&& second, A3&& third
 // The arrays are carved from four allocations (and the sort's and the selections' CUB scratch),
 // not one each (up to 16 per call, each a trip through torch's caching allocator on the host):
 // the pairs in index order (freed after the sort), each position's bag and scale (kept until step
-// 3b), the sorted pairs, and the runs' arrays with the sorted bags and scales.
+// 3b), the sorted pairs with the update kernels' ticket counters, and the runs' arrays with the
+// sorted bags and scales.
 template <typename K>
 void linearize_and_sort(const Batch& b, const ForwardArgs& fa, const at::Tensor& weights, const at::Tensor& indices,
                         const at::Tensor& offsets, int64_t total_hash_size, bool check_finite, bool values_are_bags,
@@ -195,19 +196,24 @@ void linearize_and_sort(const Batch& b, const ForwardArgs& fa, const at::Tensor&
       values_are_bags ? at::Tensor() : at::empty({int_bytes * (scaled ? 2 : 1)}, bytes_opts);
   int32_t* bag_of = values_are_bags ? nullptr : reinterpret_cast<int32_t*>(per_position.data_ptr<uint8_t>());
   float* scale_of = scaled ? reinterpret_cast<float*>(per_position.data_ptr<uint8_t>() + int_bytes) : nullptr;
+  // (the sorted pairs' allocation, made here so that the linearize kernel can zero the ticket
+  // counters carved after them: with_tickets, PreparedBackward::tickets; the same allocations in
+  // the same order as when it was made after the launch)
+  at::Tensor sorted = at::empty({key_bytes + int_bytes + (with_tickets ? slice_bytes(5, sizeof(int32_t)) : 0)},
+                                bytes_opts);
+  K* sorted_keys = reinterpret_cast<K*>(sorted.data_ptr<uint8_t>());
+  int32_t* sorted_values = reinterpret_cast<int32_t*>(sorted.data_ptr<uint8_t>() + key_bytes);
+  if (with_tickets) out.tickets = reinterpret_cast<int32_t*>(sorted.data_ptr<uint8_t>() + key_bytes + int_bytes);
   const int spread = linearize_spread(b.F * b.B, b.N);
   dispatch_index(indices, [&](auto i) {
     using I = decltype(i);
     linearize_kernel<I, K><<<grid_for((b.F * b.B / kWarpSize + 1) * spread), kThreads, 0, stream>>>(
         fa, indices.data_ptr<I>(), offsets.data_ptr<I>(), total_hash_size, check_finite, keys, values, bag_of,
-        scale_of, spread);
+        scale_of, spread, out.tickets, with_tickets ? 5 : 0);
     TBEGEN_CUDA_CHECK(cudaGetLastError());
   });
   // 2. sort (key, value) pairs on the bits a key can use (the skipped-index key included); the
   //    sort is stable, so occurrences of a row stay in index order and the sums are deterministic
-  at::Tensor sorted = at::empty({key_bytes + int_bytes}, bytes_opts);
-  K* sorted_keys = reinterpret_cast<K*>(sorted.data_ptr<uint8_t>());
-  int32_t* sorted_values = reinterpret_cast<int32_t*>(sorted.data_ptr<uint8_t>() + key_bytes);
   //    (cuda_sort.cuh: 9-bit digits where they save a pass)
   const int end_bit = bits_for(total_hash_size + 1);
   const int digit_bits = sort_digit_bits(end_bit);
@@ -216,13 +222,13 @@ void linearize_and_sort(const Batch& b, const ForwardArgs& fa, const at::Tensor&
   });
   unsorted.reset();
   // 3. runs: the sorted positions where the key changes; the long runs (at most n / threshold of
-  //    them), and their segments. One allocation: starts, counts [runs, long runs] and the
-  //    tickets, long_ids, segments, for step 3b the sorted bags and scales, and for step 3c the
+  //    them), and their segments. One allocation: starts, counts [runs, long runs, work items],
+  //    long_ids, segments, for step 3b the sorted bags and scales, and for step 3c the
   //    occurrences' output-gradient offsets
   const int32_t threshold = out.runs.max_segment_length_per_warp;
   out.max_long_runs = b.N / threshold + 1;
   const int64_t at_counts = int_bytes;
-  const int64_t at_long_ids = at_counts + slice_bytes(4 + 5, sizeof(int32_t));  // counts [0, 2), tickets [4, 9)
+  const int64_t at_long_ids = at_counts + slice_bytes(4, sizeof(int32_t));  // counts [0, 3)
   const int64_t at_segments = at_long_ids + slice_bytes(out.max_long_runs, sizeof(int32_t));
   const int64_t at_bags = at_segments + slice_bytes(out.max_long_runs + 1, sizeof(int2));
   const int64_t at_scales = at_bags + (values_are_bags ? 0 : int_bytes);
@@ -236,10 +242,6 @@ void linearize_and_sort(const Batch& b, const ForwardArgs& fa, const at::Tensor&
   int32_t* sorted_bag = values_are_bags ? sorted_values : reinterpret_cast<int32_t*>(base + at_bags);
   float* sorted_scale = scaled ? reinterpret_cast<float*>(base + at_scales) : nullptr;
   int32_t* grad_at = vbe_grad_offsets != nullptr ? reinterpret_cast<int32_t*>(base + at_grad_at) : nullptr;
-  if (with_tickets) {
-    out.tickets = counts + 4;
-    TBEGEN_CUDA_CHECK(cudaMemsetAsync(out.tickets, 0, 5 * sizeof(int32_t), stream));
-  }
   const IsRunStart<K> is_start{sorted_keys};
   const IsLongRun is_long{starts, counts, n, threshold};
   const int32_t segment_length = out.runs.segment_length;

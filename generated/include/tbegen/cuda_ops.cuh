@@ -585,8 +585,8 @@ __attribute__((visibility("hidden"))) void backward_cuda(
   const at::cuda::CUDAStream side = long_runs_beside() ? at::cuda::getStreamFromPool(false, device) : stream;
   // the 4-wide kernels' ticket counters (prep.tickets): [0, 4) the short-run launch of each width
   // class (BackwardArgs::ticket), [4] the long runs' segments (segment_ticket); zeroed on `stream`
-  // by prepare_backward, before the fork below, so that the launch on every stream finds its
-  // counter at zero
+  // by prepare_backward's linearize kernel, before the fork below, so that the launch on every
+  // stream finds its counter at zero
   const cudaEvent_t forked = call_event(kEventFork, device), joined = call_event(kEventJoin, device);
   order_after(forked, stream, side);
   if (!vector_path) {

@@ -22,7 +22,8 @@ struct PreparedBackward {
   int64_t max_long_runs = 0;  // bounds, for the launch sizes: long runs,
   int64_t max_segments = 0;   // segments of long runs,
   int64_t max_partials = 0;   // and partial sums of runs of several segments
-  // with_tickets: the 4-wide kernels' 5 ticket counters, zeroed (backward_cuda); else nullptr
+  // with_tickets: the 4-wide kernels' 5 ticket counters (backward_cuda), zeroed by the linearize
+  // kernel on the caller's stream (no memset of their own); else nullptr
   int32_t* tickets = nullptr;
   // Occurrences::position holds each occurrence's output-gradient offset (vbe_grad_offsets given:
   // the update kernels then read the batch as pooling none with row stride 1, BackwardArgs::pooling)
@@ -38,7 +39,7 @@ struct PreparedBackward {
 // kErrRecordSize int64 device tensor). With check_finite, NaN/Inf in grad_output or the
 // per-sample weights is recorded as a fatal error (that check runs on a side stream, joined
 // before this returns). With with_tickets, `tickets` points to 5 int32 counters zeroed on the
-// current stream. With vbe_grad_offsets (a VBE batch's bag_output_offsets, on the device, when
+// current stream (by the linearize kernel). With vbe_grad_offsets (a VBE batch's bag_output_offsets, on the device, when
 // TBEGEN_VBE_GRAD_OFFSETS=1: vbe_grad_offsets_enabled), the occurrences' positions are their
 // output-gradient row offsets instead (PreparedBackward::grad_offsets; with TBEGEN_VBE_FUSED_GATHER=1
 // written by the kernel that gathers the bags, where the sorted values are positions). Long runs are cut into
