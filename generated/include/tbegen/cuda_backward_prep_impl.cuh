@@ -152,6 +152,17 @@ inline int linearize_spread(int64_t nbags, int64_t N) {
   return spread;
 }
 
+// Whether the backward's sort runs without CUB's cudaMemsetAsync calls (2 + one per pass: issue 29,
+// 5 of a 3-pass step's 6 memsets): OnesweepSort (cuda_sort.cuh), the same CUB kernels on a scratch
+// allocated before the linearize kernel, which zeroes its counters, histograms and one look-back
+// area per pass. TBEGEN_SORT_NO_MEMSETS: unset, empty or "0" off (the default: CUB's dispatch, as
+// measured so far), "1" on; anything else refused. Opt-in until a GPU has run it: the same sorted
+// pairs either way (the same kernels in the same order; a stable sort of the same pairs), which
+// tests/test_step_runtime_calls.py checks bitwise on CUDA beside the memsets it removes. Batches
+// that CUB sorts in one tile (no memsets), or in several portions (2^28 pairs or more), keep CUB's
+// dispatch. Read at every call.
+inline bool sort_no_memsets() { return opt_in_switch("TBEGEN_SORT_NO_MEMSETS"); }
+
 // Bytes of an array of `n` elements of `size` bytes carved from a shared allocation, rounded up
 // to 256 so that every array starts 256-byte aligned (as an allocation of its own would).
 inline int64_t slice_bytes(int64_t n, int64_t size) { return (std::max<int64_t>(n, 1) * size + 255) / 256 * 256; }
@@ -204,22 +215,36 @@ void linearize_and_sort(const Batch& b, const ForwardArgs& fa, const at::Tensor&
   K* sorted_keys = reinterpret_cast<K*>(sorted.data_ptr<uint8_t>());
   int32_t* sorted_values = reinterpret_cast<int32_t*>(sorted.data_ptr<uint8_t>() + key_bytes);
   if (with_tickets) out.tickets = reinterpret_cast<int32_t*>(sorted.data_ptr<uint8_t>() + key_bytes + int_bytes);
+  //    (cuda_sort.cuh: 9-bit digits where they save a pass)
+  const int end_bit = bits_for(total_hash_size + 1);
+  const int digit_bits = sort_digit_bits(end_bit);
+  // (TBEGEN_SORT_NO_MEMSETS=1: the sort's scratch made here, its counters zeroed by the linearize
+  // kernel; `prezeroed` false: CUB's dispatch below)
+  PrezeroedSort<K> sort(keys, sorted_keys, values, sorted_values, n, end_bit, digit_bits,
+                        at::cuda::getCurrentDeviceProperties()->multiProcessorCount, stream);
+  bool prezeroed = false;
+  if (sort_no_memsets()) TBEGEN_CUDA_CHECK(sort.size(&prezeroed));
+  at::Tensor sort_scratch = prezeroed ? at::empty({int64_t(sort.bytes())}, bytes_opts) : at::Tensor();
   const int spread = linearize_spread(b.F * b.B, b.N);
   dispatch_index(indices, [&](auto i) {
     using I = decltype(i);
     linearize_kernel<I, K><<<grid_for((b.F * b.B / kWarpSize + 1) * spread), kThreads, 0, stream>>>(
         fa, indices.data_ptr<I>(), offsets.data_ptr<I>(), total_hash_size, check_finite, keys, values, bag_of,
-        scale_of, spread, out.tickets, with_tickets ? 5 : 0);
+        scale_of, spread, out.tickets, with_tickets ? 5 : 0,
+        prezeroed ? reinterpret_cast<int32_t*>(sort_scratch.data_ptr()) : nullptr,
+        prezeroed ? int64_t(sort.zero_bytes() / sizeof(int32_t)) : 0);
     TBEGEN_CUDA_CHECK(cudaGetLastError());
   });
   // 2. sort (key, value) pairs on the bits a key can use (the skipped-index key included); the
   //    sort is stable, so occurrences of a row stay in index order and the sums are deterministic
-  //    (cuda_sort.cuh: 9-bit digits where they save a pass)
-  const int end_bit = bits_for(total_hash_size + 1);
-  const int digit_bits = sort_digit_bits(end_bit);
-  run_cub(weights, [&](void* tmp, size_t& bytes) {
-    return sort_pairs<K>(tmp, bytes, keys, sorted_keys, values, sorted_values, n, end_bit, digit_bits, stream);
-  });
+  if (prezeroed) {
+    TBEGEN_CUDA_CHECK(sort.run(sort_scratch.data_ptr()));
+    sort_scratch.reset();  // (back to the caching allocator after the sort, as run_cub's scratch)
+  } else {
+    run_cub(weights, [&](void* tmp, size_t& bytes) {
+      return sort_pairs<K>(tmp, bytes, keys, sorted_keys, values, sorted_values, n, end_bit, digit_bits, stream);
+    });
+  }
   unsorted.reset();
   // 3. runs: the sorted positions where the key changes; the long runs (at most n / threshold of
   //    them), and their segments. One allocation: starts, counts [runs, long runs, work items],

@@ -555,16 +555,22 @@ __global__ void __launch_bounds__(256) grad_psw_kernel(ForwardArgs a, const floa
 // ...: for batches of few, long bags (T=8 B=4096 L=80: 1024 groups of 2560 indices, 8 warps per
 // multiprocessor of the H200) more warps in flight; every index is written as with one warp.
 // It also zeroes `zero_count` int32 words at `zero` (the update kernels' ticket counters, which
-// run after it on the same stream: one cudaMemsetAsync fewer per backward, issue 29), whatever
-// the offsets say (before the loop, which skips malformed bags).
+// run after it on the same stream: one cudaMemsetAsync fewer per backward, issue 29) and
+// `zero2_count` at `zero2` (with TBEGEN_SORT_NO_MEMSETS=1 the sort's counters, histograms and
+// look-back flags: cuda_sort.cuh, OnesweepSort), whatever the offsets say (before the loop, which
+// skips malformed bags).
 template <typename I, typename K>
 __global__ void __launch_bounds__(256) linearize_kernel(ForwardArgs a, const I* __restrict__ indices,
                                                         const I* __restrict__ offsets,
                                                         int64_t total_hash_size, bool check_finite, K* keys,
                                                         int32_t* values, int32_t* bag_of, float* scale_of,
-                                                        int spread, int32_t* zero, int64_t zero_count) {
+                                                        int spread, int32_t* zero, int64_t zero_count,
+                                                        int32_t* zero2, int64_t zero2_count) {
   for (int64_t j = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; j < zero_count; j += int64_t(gridDim.x) * blockDim.x) {
     zero[j] = 0;
+  }
+  for (int64_t j = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; j < zero2_count; j += int64_t(gridDim.x) * blockDim.x) {
+    zero2[j] = 0;
   }
   const int lane = threadIdx.x % kWarpSize;
   const int64_t nbags = a.F * a.B;

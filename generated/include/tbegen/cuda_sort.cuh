@@ -11,6 +11,8 @@
 
 #include <cub/device/dispatch/dispatch_radix_sort.cuh>
 
+#include <algorithm>
+#include <cstdint>
 #include <cstdlib>
 #include <cstring>
 
@@ -73,6 +75,179 @@ cudaError_t sort_pairs(void* tmp, size_t& bytes, const K* keys_in, K* keys_out, 
   return cub::DispatchRadixSort<cub::SortOrder::Ascending, K, int32_t, uint32_t>::Dispatch(
       tmp, bytes, keys, values, uint32_t(n), 0, end_bit, kOverwriteOkay, stream);
 }
+
+// ---- the same sort with its counters zeroed by the caller (TBEGEN_SORT_NO_MEMSETS=1) -------------
+//
+// CUB's onesweep dispatch (DispatchRadixSort::InvokeOnesweep) issues 2 + passes cudaMemsetAsync
+// calls per sort: its tile counters, its digit histograms, and before each pass the look-back
+// flags of that pass (one area reused by every pass). On the host each is a runtime call of ~4 us,
+// a step's largest group of memsets (issue 29: 5 of the 6 in a 3-pass step). OnesweepSort runs the
+// same CUB kernels (histogram, exclusive sum, one onesweep kernel per pass: the same kernels, grids,
+// arguments and order as CUB's dispatch, so the same sorted sequence) on a scratch whose counters,
+// histograms and a look-back area per pass (not one reused) lie in one region at its start, which
+// the caller zeroes before the sort on the same stream (prepare_backward: in its linearize kernel,
+// so no memset at all). It takes only what CUB's dispatch would sort by onesweep in one portion:
+// a policy with ONESWEEP, more pairs than one tile of the single-tile kernel, at most one portion
+// (2^28 pairs); `taken` false otherwise, and the caller sorts with sort_pairs (CUB's dispatch).
+//
+// Used as CUB's dispatch is: PolicyHub::MaxPolicy::Invoke(ptx_version, sort) calls Invoke<Policy>
+// with the policy of the device's PTX version; `run` false sizes the scratch (bytes, zero_bytes),
+// true launches. Written against CCCL 3.0 (CUDA 13.0: the kernels' signatures in
+// cub/device/dispatch/kernels/radix_sort.cuh); another CCCL takes sort_pairs (onesweep_sort_available).
+#if defined(CCCL_MAJOR_VERSION) && CCCL_MAJOR_VERSION == 3 && CCCL_MINOR_VERSION == 0
+constexpr bool kOnesweepSortAvailable = true;
+#else
+constexpr bool kOnesweepSortAvailable = false;
+#endif
+
+template <typename K, typename PolicyHub>
+struct OnesweepSort {
+  using OffsetT = uint32_t;       // (sort_pairs' offset type)
+  using AtomicOffsetT = int32_t;  // (CUB's onesweep: PortionOffsetT = AtomicOffsetT = int)
+  const K* keys_in;
+  K* keys_out;
+  const int32_t* values_in;
+  int32_t* values_out;
+  int n;
+  int end_bit;
+  cudaStream_t stream;
+  int sms;            // the device's multiprocessors (the histogram kernel's grid)
+  bool run = false;   // false: size only
+  void* tmp = nullptr;
+  // results
+  bool taken = false;
+  size_t bytes = 0;       // the scratch
+  size_t zero_bytes = 0;  // its first zero_bytes bytes must be zero when the sort starts
+
+  static size_t aligned(size_t b) { return (b + 255) / 256 * 256; }
+
+  template <typename ActivePolicyT>
+  cudaError_t Invoke() {
+    if constexpr (!kOnesweepSortAvailable || !ActivePolicyT::ONESWEEP) {
+      taken = false;
+      return cudaSuccess;
+    } else {
+      using SingleTile = typename ActivePolicyT::SingleTilePolicy;
+      using Onesweep = typename ActivePolicyT::OnesweepPolicy;
+      using MaxPolicy = typename PolicyHub::MaxPolicy;
+      constexpr int kBits = ActivePolicyT::ONESWEEP_RADIX_BITS;
+      constexpr int kDigits = 1 << kBits;
+      constexpr int kTile = Onesweep::ITEMS_PER_THREAD * Onesweep::BLOCK_THREADS;
+      constexpr int kPortion = ((1 << 28) - 1) / kTile * kTile;  // (CUB's PORTION_SIZE)
+      if (n <= SingleTile::BLOCK_THREADS * SingleTile::ITEMS_PER_THREAD || n > kPortion || end_bit <= 0) {
+        taken = false;  // (CUB's single-tile kernel, or several portions: its dispatch as it is)
+        return cudaSuccess;
+      }
+      taken = true;
+      const int passes = (end_bit + kBits - 1) / kBits;
+      const int blocks = (n + kTile - 1) / kTile;
+      // [histograms | tile counters | look-back of pass 0 | ... | of the last pass] then, for
+      // more than one pass, the pairs' extra buffers (kOverwriteOkay false, as sort_pairs)
+      const size_t bins_bytes = aligned(size_t(passes) * kDigits * sizeof(OffsetT));
+      const size_t ctrs_bytes = aligned(size_t(passes) * sizeof(AtomicOffsetT));
+      const size_t lookback_pass = size_t(blocks) * kDigits * sizeof(AtomicOffsetT);
+      zero_bytes = bins_bytes + ctrs_bytes + aligned(size_t(passes) * lookback_pass);
+      const size_t keys_bytes = passes > 1 ? aligned(size_t(n) * sizeof(K)) : 0;
+      const size_t values_bytes = passes > 1 ? aligned(size_t(n) * sizeof(int32_t)) : 0;
+      bytes = zero_bytes + keys_bytes + values_bytes;
+      if (!run) return cudaSuccess;
+
+      uint8_t* base = static_cast<uint8_t*>(tmp);
+      OffsetT* bins = reinterpret_cast<OffsetT*>(base);
+      AtomicOffsetT* ctrs = reinterpret_cast<AtomicOffsetT*>(base + bins_bytes);
+      uint8_t* lookback = base + bins_bytes + ctrs_bytes;
+      K* keys_tmp2 = reinterpret_cast<K*>(base + zero_bytes);
+      int32_t* values_tmp2 = reinterpret_cast<int32_t*>(base + zero_bytes + keys_bytes);
+
+      // every pass's histogram at once (bins zeroed by the caller), then their exclusive sums
+      using Decomposer = cub::detail::identity_decomposer_t;
+      constexpr auto kOrder = cub::SortOrder::Ascending;
+      auto* const histogram =
+          &cub::detail::radix_sort::DeviceRadixSortHistogramKernel<MaxPolicy, kOrder, K, OffsetT, Decomposer>;
+      constexpr int kHistogramThreads = ActivePolicyT::HistogramPolicy::BLOCK_THREADS;
+      static const int histogram_per_sm = [&] {
+        int blocks_per_sm = 1;
+        if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks_per_sm, histogram, kHistogramThreads, 0) !=
+            cudaSuccess) {
+          (void)cudaGetLastError();
+          blocks_per_sm = 1;
+        }
+        return blocks_per_sm;
+      }();
+      histogram<<<histogram_per_sm * sms, kHistogramThreads, 0, stream>>>(bins, keys_in, OffsetT(n), 0, end_bit,
+                                                                          Decomposer{});
+      cudaError_t err = cudaGetLastError();
+      if (err != cudaSuccess) return err;
+      cub::detail::radix_sort::DeviceRadixSortExclusiveSumKernel<MaxPolicy, OffsetT>
+          <<<passes, ActivePolicyT::ExclusiveSumPolicy::BLOCK_THREADS, 0, stream>>>(bins);
+      err = cudaGetLastError();
+      if (err != cudaSuccess) return err;
+
+      // the passes, through the same buffers as CUB's dispatch with is_overwrite_okay false: the
+      // result ends in keys_out / values_out for any number of passes
+      const K* k_in = keys_in;
+      const int32_t* v_in = values_in;
+      auto* const onesweep =
+          &cub::detail::radix_sort::DeviceRadixSortOnesweepKernel<MaxPolicy, kOrder, K, int32_t, OffsetT, int,
+                                                                   AtomicOffsetT, Decomposer>;
+      for (int pass = 0; pass < passes; ++pass) {
+        const int bit = pass * kBits;
+        // (the last pass writes the output; an even number of passes starts in the extra buffers)
+        const bool to_out = (passes - 1 - pass) % 2 == 0;
+        K* k_out = to_out ? keys_out : keys_tmp2;
+        int32_t* v_out = to_out ? values_out : values_tmp2;
+        onesweep<<<blocks, Onesweep::BLOCK_THREADS, 0, stream>>>(
+            reinterpret_cast<AtomicOffsetT*>(lookback + size_t(pass) * lookback_pass), ctrs + pass, nullptr,
+            bins + size_t(pass) * kDigits, k_out, k_in, v_out, v_in, n, bit, std::min(end_bit - bit, kBits),
+            Decomposer{});
+        err = cudaGetLastError();
+        if (err != cudaSuccess) return err;
+        k_in = k_out;
+        v_in = v_out;
+      }
+      return cudaSuccess;
+    }
+  }
+};
+
+template <typename K, typename PolicyHub>
+cudaError_t invoke_onesweep_sort(OnesweepSort<K, PolicyHub>& sort) {
+  int ptx_version = 0;
+  const cudaError_t err = cub::PtxVersion(ptx_version);
+  if (err != cudaSuccess) return err;
+  return PolicyHub::MaxPolicy::Invoke(ptx_version, sort);
+}
+
+// sort_pairs' sort (the same pairs, bits and digit width: 8 bits through CUB's own policies, 9
+// through SortDigitHub) by OnesweepSort: size() says whether it takes the sort and how much scratch
+// it needs, of which the first zero_bytes() must be zero (on the sort's stream) before run().
+template <typename K>
+struct PrezeroedSort {
+  OnesweepSort<K, cub::detail::radix::policy_hub<K, int32_t, uint32_t>> eight;
+  OnesweepSort<K, SortDigitHub<K, 9>> nine;
+  int digit_bits;
+
+  PrezeroedSort(const K* keys_in, K* keys_out, const int32_t* values_in, int32_t* values_out, int n, int end_bit,
+                int digit_bits, int sms, cudaStream_t stream)
+      : eight{keys_in, keys_out, values_in, values_out, n, end_bit, stream, sms},
+        nine{keys_in, keys_out, values_in, values_out, n, end_bit, stream, sms},
+        digit_bits(digit_bits) {}
+  // sizes the scratch (no device work); false: sort with sort_pairs instead
+  cudaError_t size(bool* taken) {
+    const cudaError_t err = digit_bits == 9 ? invoke_onesweep_sort(nine) : invoke_onesweep_sort(eight);
+    *taken = err == cudaSuccess && (digit_bits == 9 ? nine.taken : eight.taken);
+    return err;
+  }
+  size_t bytes() const { return digit_bits == 9 ? nine.bytes : eight.bytes; }
+  size_t zero_bytes() const { return digit_bits == 9 ? nine.zero_bytes : eight.zero_bytes; }
+  // launches the sort (after size() said it takes it) on `tmp`, bytes() bytes whose first
+  // zero_bytes() are zero by the time the sort runs
+  cudaError_t run(void* tmp) {
+    eight.run = nine.run = true;
+    eight.tmp = nine.tmp = tmp;
+    return digit_bits == 9 ? invoke_onesweep_sort(nine) : invoke_onesweep_sort(eight);
+  }
+};
 
 }  // namespace cuda
 }  // namespace tbegen

@@ -1,0 +1,144 @@
+"""The CUDA runtime calls one steady fixed-batch training step issues (issue 29: the sub-millisecond
+cells are host-bound, each call ~4-7 us of the host's time on the H100), counted with torch.profiler
+as benchmarks/vbe_step_ops.py counts them, and the sort without memsets (TBEGEN_SORT_NO_MEMSETS=1)
+bitwise against the default. CUDA only (`pytest -m cuda`; skipped without a GPU).
+
+A step is the module's forward and `out.backward(grad)` with rowwise_adagrad on device-placed fp32
+tables, sum pooling, no per-sample weights, the error record and the finite check on (the
+defaults): the 4-wide kernels, one width class. What it issues, read from the source
+(benchmarks/NOTES-gpu.md, "Runtime calls per fixed-batch step"):
+- kernel launches: the forward's 1; the backward's finite check (side stream), linearize, the sort
+  (CUB: one single-tile kernel when the batch fits a tile, else histogram + exclusive sum + one per
+  pass), the two selections and the scan (CUB: an init kernel and the kernel each), the segment and
+  finish kernels (side stream) and the short runs' kernel: 11 + the sort's;
+- memsets: the sort's, 2 + one per pass, none for a single tile (CUB's onesweep dispatch), none at
+  all with TBEGEN_SORT_NO_MEMSETS=1; the ticket counters' memset is gone (the linearize kernel
+  zeroes them);
+- 4 stream waits (the finite check's fork and join, the long runs' fork and join), 2 async copies
+  (the error record's, after the forward and after the backward), no host wait (the profiler's own
+  sync may add one to the whole profile).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.cuda,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+STEPS = 3
+SINGLE_TILE = 256 * 19  # CUB's sm_90 single-tile sort of 32-bit pairs (above it: onesweep)
+
+
+def _passes(total_rows: int) -> int:
+    """The sort's passes over keys of bits_for(total_rows + 1) bits at sort_digit_bits' digit width."""
+    bits = max(1, total_rows.bit_length())  # (bits_for(total_rows + 1): keys in [0, total_rows])
+    digit = 9 if (bits + 8) // 9 < (bits + 7) // 8 else 8
+    return (bits + digit - 1) // digit
+
+
+# (rows per table, batch, bag length): 2 tables of 32 columns
+CASES = [
+    (200_000, 4096, 4),  # 19-bit keys: 3 passes of 8 bits, 32768 pairs
+    (100_000, 4096, 4),  # 18-bit keys: 2 passes of 9 bits
+    (1_000, 4096, 4),    # 11-bit keys: 2 passes of 8 bits
+    (200_000, 128, 4),   # 1024 pairs: CUB's single tile
+]
+
+
+def _module(rows, seed=0):
+    from tbegen import TableBatchedEmbeddingBags
+
+    torch.manual_seed(seed)
+    return TableBatchedEmbeddingBags([(rows, 32), (rows, 32)], optimizer="rowwise_adagrad", device="cuda",
+                                     learning_rate=0.01, eps=1e-8)
+
+
+def _batch(rows, B, L, seed):
+    g = torch.Generator().manual_seed(seed)
+    offsets = torch.arange(0, 2 * B * L + 1, L, dtype=torch.int64)
+    indices = torch.randint(0, rows, (2 * B * L,), generator=g)
+    grad = torch.randn(B, 64, generator=g)
+    return indices.cuda(), offsets.cuda(), grad.cuda()
+
+
+def _step(emb, batch):
+    indices, offsets, grad = batch
+    emb(indices, offsets).backward(grad)
+
+
+def _runtime_calls(emb, batch) -> dict:
+    from torch.profiler import ProfilerActivity, profile
+
+    from vbe_step_ops import count
+
+    for _ in range(3):
+        _step(emb, batch)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(STEPS):
+            _step(emb, batch)
+    torch.cuda.synchronize()
+    emb.check_errors()
+    return count(prof, STEPS)["runtime calls"]
+
+
+@pytest.mark.parametrize("no_memsets", ["", "1"], ids=["default", "sort_no_memsets"])
+@pytest.mark.parametrize("rows,B,L", CASES, ids=lambda v: str(v))
+def test_runtime_calls_per_steady_step(monkeypatch, rows, B, L, no_memsets):
+    monkeypatch.setenv("TBEGEN_SORT_NO_MEMSETS", no_memsets)
+    emb = _module(rows)
+    calls = _runtime_calls(emb, _batch(rows, B, L, seed=1))
+    n = 2 * B * L
+    single_tile = n <= SINGLE_TILE
+    passes = _passes(2 * rows)
+    sort_launches = 1 if single_tile else 2 + passes
+    sort_memsets = 0 if single_tile or no_memsets else 2 + passes
+    assert calls.get("kernel launches", 0) == 1 + 11 + sort_launches, calls
+    assert calls.get("memsets", 0) == sort_memsets, calls
+    assert calls.get("stream waits", 0) == 4, calls
+    assert calls.get("async copies", 0) == 2, calls
+    assert calls.get("event records", 0) <= 4, calls  # (tbegen's 4; landing14 counted 4 in all)
+    assert calls.get("host waits", 0) < 1, calls  # (at most the profiler's own, once per profile)
+
+
+@pytest.mark.parametrize("weighted,pooling", [(False, "sum"), (True, "sum"), (False, "mean")])
+@pytest.mark.parametrize("rows,B,L", CASES, ids=lambda v: str(v))
+def test_sort_without_memsets_trains_bitwise_as_the_default(monkeypatch, rows, B, L, weighted, pooling):
+    from tbegen import TableBatchedEmbeddingBags
+
+    results = []
+    for value in ("", "1"):
+        monkeypatch.setenv("TBEGEN_SORT_NO_MEMSETS", value)
+        torch.manual_seed(0)
+        emb = TableBatchedEmbeddingBags([(rows, 32), (rows, 48)], optimizer="rowwise_adagrad", device="cuda",
+                                        pooling=pooling, learning_rate=0.01, eps=1e-8)
+        for step in range(3):
+            g = torch.Generator().manual_seed(100 + step)
+            # (skewed: a few hot rows make long runs, cut into segments)
+            hot = torch.randint(0, 8, (2 * B * L,), generator=g)
+            cold = torch.randint(0, rows, (2 * B * L,), generator=g)
+            indices = torch.where(torch.rand(2 * B * L, generator=g) < 0.3, hot, cold).cuda()
+            offsets = torch.arange(0, 2 * B * L + 1, L, dtype=torch.int64).cuda()
+            psw = torch.rand(2 * B * L, generator=g).cuda() if weighted else None
+            out = emb(indices, offsets, psw)
+            out.backward(torch.randn(out.shape, generator=g).cuda())
+        emb.check_errors()
+        results.append([emb.weights.detach().clone(), emb.states.momentum.clone()])
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("value", ["2", "yes", " 1"])
+def test_sort_no_memsets_refuses_other_values(monkeypatch, value):
+    rows, B, L = CASES[0]
+    emb = _module(rows)
+    monkeypatch.setenv("TBEGEN_SORT_NO_MEMSETS", value)
+    with pytest.raises(RuntimeError, match="TBEGEN_SORT_NO_MEMSETS must be 0 or 1"):
+        _step(emb, _batch(rows, B, L, seed=1))
