@@ -183,11 +183,11 @@ void run_cub_in_turn(const at::Tensor& like, A1&& first, A2&& second, A3&& third
   TBEGEN_CUDA_CHECK(third(scratch.data_ptr(), bytes3));
 }
 
-// The arrays are carved from four allocations (and the sort's and the selections' CUB scratch),
-// not one each (up to 16 per call, each a trip through torch's caching allocator on the host):
-// the pairs in index order (freed after the sort), each position's bag and scale (kept until step
-// 3b), the sorted pairs with the update kernels' ticket counters, and the runs' arrays with the
-// sorted bags and scales.
+// The arrays are carved from four allocations (and the selections' CUB scratch), not one each (up
+// to 16 per call, each a trip through torch's caching allocator on the host): the pairs in index
+// order with the sort's scratch (both freed after the sort), each position's bag and scale (kept
+// until step 3b), the sorted pairs with the update kernels' ticket counters, and the runs' arrays
+// with the sorted bags and scales.
 template <typename K>
 void linearize_and_sort(const Batch& b, const ForwardArgs& fa, const at::Tensor& weights, const at::Tensor& indices,
                         const at::Tensor& offsets, int64_t total_hash_size, bool check_finite, bool values_are_bags,
@@ -198,52 +198,56 @@ void linearize_and_sort(const Batch& b, const ForwardArgs& fa, const at::Tensor&
   const int n = int(b.N);
   const int64_t key_bytes = slice_bytes(b.N, sizeof(K));
   const int64_t int_bytes = slice_bytes(b.N, sizeof(int32_t));
-  // 1. (key, value) pairs in index order; where the values are positions, each position's bag
-  //    (and scale)
-  at::Tensor unsorted = at::empty({key_bytes + int_bytes}, bytes_opts);
+  //    (the sort of step 2, sized first: cuda_sort.cuh, 9-bit digits where they save a pass;
+  //    TBEGEN_SORT_NO_MEMSETS=1: OnesweepSort, whose counters the linearize kernel zeroes, where it
+  //    takes the batch, `prezeroed`; else CUB's dispatch, sort_pairs)
+  const int end_bit = bits_for(total_hash_size + 1);
+  const int digit_bits = sort_digit_bits(end_bit);
+  PrezeroedSort<K> sort(n, end_bit, digit_bits, at::cuda::getCurrentDeviceProperties()->multiProcessorCount, stream);
+  bool prezeroed = false;
+  if (sort_no_memsets()) TBEGEN_CUDA_CHECK(sort.size(&prezeroed));
+  size_t sort_bytes = 0;
+  if (prezeroed) {
+    sort_bytes = sort.bytes();
+  } else {  // (sizing only: CUB reads no pointer)
+    TBEGEN_CUDA_CHECK(sort_pairs<K>(nullptr, sort_bytes, nullptr, nullptr, nullptr, nullptr, n, end_bit, digit_bits,
+                                    stream));
+  }
+  // 1. (key, value) pairs in index order, and after them the sort's scratch (one allocation, freed
+  //    after the sort: the sort's own allocation until issue 29); where the values are positions,
+  //    each position's bag (and scale)
+  at::Tensor unsorted = at::empty({key_bytes + int_bytes + slice_bytes(int64_t(sort_bytes), 1)}, bytes_opts);
   K* keys = reinterpret_cast<K*>(unsorted.data_ptr<uint8_t>());
   int32_t* values = reinterpret_cast<int32_t*>(unsorted.data_ptr<uint8_t>() + key_bytes);
+  void* sort_scratch = unsorted.data_ptr<uint8_t>() + key_bytes + int_bytes;
   const at::Tensor per_position =
       values_are_bags ? at::Tensor() : at::empty({int_bytes * (scaled ? 2 : 1)}, bytes_opts);
   int32_t* bag_of = values_are_bags ? nullptr : reinterpret_cast<int32_t*>(per_position.data_ptr<uint8_t>());
   float* scale_of = scaled ? reinterpret_cast<float*>(per_position.data_ptr<uint8_t>() + int_bytes) : nullptr;
-  // (the sorted pairs' allocation, made here so that the linearize kernel can zero the ticket
-  // counters carved after them: with_tickets, PreparedBackward::tickets; the same allocations in
-  // the same order as when it was made after the launch)
+  // (the sorted pairs' allocation, made before the linearize launch so that the kernel can zero
+  // the ticket counters carved after them: with_tickets, PreparedBackward::tickets)
   at::Tensor sorted = at::empty({key_bytes + int_bytes + (with_tickets ? slice_bytes(5, sizeof(int32_t)) : 0)},
                                 bytes_opts);
   K* sorted_keys = reinterpret_cast<K*>(sorted.data_ptr<uint8_t>());
   int32_t* sorted_values = reinterpret_cast<int32_t*>(sorted.data_ptr<uint8_t>() + key_bytes);
   if (with_tickets) out.tickets = reinterpret_cast<int32_t*>(sorted.data_ptr<uint8_t>() + key_bytes + int_bytes);
-  //    (cuda_sort.cuh: 9-bit digits where they save a pass)
-  const int end_bit = bits_for(total_hash_size + 1);
-  const int digit_bits = sort_digit_bits(end_bit);
-  // (TBEGEN_SORT_NO_MEMSETS=1: the sort's scratch made here, its counters zeroed by the linearize
-  // kernel; `prezeroed` false: CUB's dispatch below)
-  PrezeroedSort<K> sort(keys, sorted_keys, values, sorted_values, n, end_bit, digit_bits,
-                        at::cuda::getCurrentDeviceProperties()->multiProcessorCount, stream);
-  bool prezeroed = false;
-  if (sort_no_memsets()) TBEGEN_CUDA_CHECK(sort.size(&prezeroed));
-  at::Tensor sort_scratch = prezeroed ? at::empty({int64_t(sort.bytes())}, bytes_opts) : at::Tensor();
   const int spread = linearize_spread(b.F * b.B, b.N);
   dispatch_index(indices, [&](auto i) {
     using I = decltype(i);
     linearize_kernel<I, K><<<grid_for((b.F * b.B / kWarpSize + 1) * spread), kThreads, 0, stream>>>(
         fa, indices.data_ptr<I>(), offsets.data_ptr<I>(), total_hash_size, check_finite, keys, values, bag_of,
         scale_of, spread, out.tickets, with_tickets ? 5 : 0,
-        prezeroed ? reinterpret_cast<int32_t*>(sort_scratch.data_ptr()) : nullptr,
+        prezeroed ? static_cast<int32_t*>(sort_scratch) : nullptr,
         prezeroed ? int64_t(sort.zero_bytes() / sizeof(int32_t)) : 0);
     TBEGEN_CUDA_CHECK(cudaGetLastError());
   });
   // 2. sort (key, value) pairs on the bits a key can use (the skipped-index key included); the
   //    sort is stable, so occurrences of a row stay in index order and the sums are deterministic
   if (prezeroed) {
-    TBEGEN_CUDA_CHECK(sort.run(sort_scratch.data_ptr()));
-    sort_scratch.reset();  // (back to the caching allocator after the sort, as run_cub's scratch)
+    TBEGEN_CUDA_CHECK(sort.run(sort_scratch, keys, sorted_keys, values, sorted_values));
   } else {
-    run_cub(weights, [&](void* tmp, size_t& bytes) {
-      return sort_pairs<K>(tmp, bytes, keys, sorted_keys, values, sorted_values, n, end_bit, digit_bits, stream);
-    });
+    TBEGEN_CUDA_CHECK(sort_pairs<K>(sort_scratch, sort_bytes, keys, sorted_keys, values, sorted_values, n, end_bit,
+                                    digit_bits, stream));
   }
   unsorted.reset();
   // 3. runs: the sorted positions where the key changes; the long runs (at most n / threshold of

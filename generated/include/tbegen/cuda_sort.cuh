@@ -220,17 +220,17 @@ cudaError_t invoke_onesweep_sort(OnesweepSort<K, PolicyHub>& sort) {
 
 // sort_pairs' sort (the same pairs, bits and digit width: 8 bits through CUB's own policies, 9
 // through SortDigitHub) by OnesweepSort: size() says whether it takes the sort and how much scratch
-// it needs, of which the first zero_bytes() must be zero (on the sort's stream) before run().
+// it needs (no device work, no pointer read), of which the first zero_bytes() must be zero (on the
+// sort's stream) before run() sorts the pairs.
 template <typename K>
 struct PrezeroedSort {
   OnesweepSort<K, cub::detail::radix::policy_hub<K, int32_t, uint32_t>> eight;
   OnesweepSort<K, SortDigitHub<K, 9>> nine;
   int digit_bits;
 
-  PrezeroedSort(const K* keys_in, K* keys_out, const int32_t* values_in, int32_t* values_out, int n, int end_bit,
-                int digit_bits, int sms, cudaStream_t stream)
-      : eight{keys_in, keys_out, values_in, values_out, n, end_bit, stream, sms},
-        nine{keys_in, keys_out, values_in, values_out, n, end_bit, stream, sms},
+  PrezeroedSort(int n, int end_bit, int digit_bits, int sms, cudaStream_t stream)
+      : eight{nullptr, nullptr, nullptr, nullptr, n, end_bit, stream, sms},
+        nine{nullptr, nullptr, nullptr, nullptr, n, end_bit, stream, sms},
         digit_bits(digit_bits) {}
   // sizes the scratch (no device work); false: sort with sort_pairs instead
   cudaError_t size(bool* taken) {
@@ -242,7 +242,11 @@ struct PrezeroedSort {
   size_t zero_bytes() const { return digit_bits == 9 ? nine.zero_bytes : eight.zero_bytes; }
   // launches the sort (after size() said it takes it) on `tmp`, bytes() bytes whose first
   // zero_bytes() are zero by the time the sort runs
-  cudaError_t run(void* tmp) {
+  cudaError_t run(void* tmp, const K* keys_in, K* keys_out, const int32_t* values_in, int32_t* values_out) {
+    eight.keys_in = nine.keys_in = keys_in;
+    eight.keys_out = nine.keys_out = keys_out;
+    eight.values_in = nine.values_in = values_in;
+    eight.values_out = nine.values_out = values_out;
     eight.run = nine.run = true;
     eight.tmp = nine.tmp = tmp;
     return digit_bits == 9 ? invoke_onesweep_sort(nine) : invoke_onesweep_sort(eight);
