@@ -30,6 +30,9 @@ struct PreparedBackward {
   bool grad_offsets = false;
   // work_items given: the short runs and the long runs' segments as one list (WorkItems)
   WorkItems items;
+  // partial_row_floats > 0: the update kernels' partial sums, max(max_partials, 1) rows of that
+  // many floats (carved from the runs' allocation: one aten::empty fewer per backward); else nullptr
+  float* partial = nullptr;
   // the storage behind the pointers above (a few allocations, each carved into several arrays;
   // freed when this goes)
   std::vector<at::Tensor> storage;
@@ -44,13 +47,14 @@ struct PreparedBackward {
 // output-gradient row offsets instead (PreparedBackward::grad_offsets; with TBEGEN_VBE_FUSED_GATHER=1
 // written by the kernel that gathers the bags, where the sorted values are positions). Long runs are cut into
 // segments of `segment_length` occurrences (Runs::segment_length; the bounds above follow it).
-// With work_items, also the any-width update's single work list (PreparedBackward::items).
+// With work_items, also the any-width update's single work list (PreparedBackward::items). With
+// partial_row_floats > 0, the update kernels' partial sums (PreparedBackward::partial).
 __attribute__((visibility("hidden"))) PreparedBackward prepare_backward(
     const Batch& b, const at::Tensor& grad_output, const at::Tensor& weights, const at::Tensor& features,
     int64_t total_hash_size, const at::Tensor& indices, const at::Tensor& offsets,
     const c10::optional<at::Tensor>& per_sample_weights, int64_t max_segment_length_per_warp,
     const at::Tensor& error, bool check_finite, bool with_tickets, const int64_t* vbe_grad_offsets = nullptr,
-    int32_t segment_length = kSegmentLength, bool work_items = false);
+    int32_t segment_length = kSegmentLength, bool work_items = false, int64_t partial_row_floats = 0);
 
 }  // namespace cuda
 }  // namespace tbegen

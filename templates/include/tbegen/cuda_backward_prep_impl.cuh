@@ -167,32 +167,17 @@ inline bool sort_no_memsets() { return opt_in_switch("TBEGEN_SORT_NO_MEMSETS"); 
 // to 256 so that every array starts 256-byte aligned (as an allocation of its own would).
 inline int64_t slice_bytes(int64_t n, int64_t size) { return (std::max<int64_t>(n, 1) * size + 255) / 256 * 256; }
 
-// Runs three CUB algorithms one after the other on one stream with one scratch allocation, the
-// largest any of them asks for, which each uses in turn (the stream runs them in order, so none
-// touches the scratch while another does; run_cub's two calls each, one allocation in all).
-template <typename A1, typename A2, typename A3>
-void run_cub_in_turn(const at::Tensor& like, A1&& first, A2&& second, A3&& third) {
-  size_t bytes1 = 0, bytes2 = 0, bytes3 = 0;
-  TBEGEN_CUDA_CHECK(first(nullptr, bytes1));
-  TBEGEN_CUDA_CHECK(second(nullptr, bytes2));
-  TBEGEN_CUDA_CHECK(third(nullptr, bytes3));
-  const size_t most = std::max<size_t>({bytes1, bytes2, bytes3, size_t(1)});
-  at::Tensor scratch = at::empty({int64_t(most)}, like.options().dtype(at::kByte));
-  TBEGEN_CUDA_CHECK(first(scratch.data_ptr(), bytes1));
-  TBEGEN_CUDA_CHECK(second(scratch.data_ptr(), bytes2));
-  TBEGEN_CUDA_CHECK(third(scratch.data_ptr(), bytes3));
-}
-
-// The arrays are carved from four allocations (and the selections' CUB scratch), not one each (up
-// to 16 per call, each a trip through torch's caching allocator on the host): the pairs in index
-// order with the sort's scratch (both freed after the sort), each position's bag and scale (kept
-// until step 3b), the sorted pairs with the update kernels' ticket counters, and the runs' arrays
-// with the sorted bags and scales.
+// The arrays are carved from four allocations, not one each (up to 19 per call, each a trip
+// through torch's caching allocator on the host): the pairs in index order with the sort's scratch
+// (both freed after the sort), each position's bag and scale (kept until step 3b; only where the
+// values are positions), the sorted pairs with the update kernels' ticket counters, and the runs'
+// arrays with the sorted bags and scales, the selections' scratch and the update kernels' partial
+// sums.
 template <typename K>
 void linearize_and_sort(const Batch& b, const ForwardArgs& fa, const at::Tensor& weights, const at::Tensor& indices,
                         const at::Tensor& offsets, int64_t total_hash_size, bool check_finite, bool values_are_bags,
                         bool scaled, bool with_tickets, const int64_t* vbe_grad_offsets, bool fused_gather,
-                        cudaStream_t stream, PreparedBackward& out) {
+                        int64_t partial_row_floats, cudaStream_t stream, PreparedBackward& out) {
   TBEGEN_CHECK(!(scaled && values_are_bags), "tbegen: internal error: scaled occurrences need their positions");
   const auto bytes_opts = weights.options().dtype(at::kByte);
   const int n = int(b.N);
@@ -262,38 +247,58 @@ void linearize_and_sort(const Batch& b, const ForwardArgs& fa, const at::Tensor&
   const int64_t at_bags = at_segments + slice_bytes(out.max_long_runs + 1, sizeof(int2));
   const int64_t at_scales = at_bags + (values_are_bags ? 0 : int_bytes);
   const int64_t at_grad_at = at_scales + (scaled ? int_bytes : 0);
-  at::Tensor run_storage = at::empty({at_grad_at + (vbe_grad_offsets != nullptr ? int_bytes : 0)}, bytes_opts);
-  uint8_t* base = run_storage.data_ptr<uint8_t>();
-  int32_t* starts = reinterpret_cast<int32_t*>(base);
-  int32_t* counts = reinterpret_cast<int32_t*>(base + at_counts);
-  int32_t* long_ids = reinterpret_cast<int32_t*>(base + at_long_ids);
-  int2* segments = reinterpret_cast<int2*>(base + at_segments);
-  int32_t* sorted_bag = values_are_bags ? sorted_values : reinterpret_cast<int32_t*>(base + at_bags);
-  float* sorted_scale = scaled ? reinterpret_cast<float*>(base + at_scales) : nullptr;
-  int32_t* grad_at = vbe_grad_offsets != nullptr ? reinterpret_cast<int32_t*>(base + at_grad_at) : nullptr;
-  const IsRunStart<K> is_start{sorted_keys};
-  const IsLongRun is_long{starts, counts, n, threshold};
+  const int64_t at_cub = at_grad_at + (vbe_grad_offsets != nullptr ? int_bytes : 0);
   const int32_t segment_length = out.runs.segment_length;
-  const SegmentsOfLongRun per_run{starts, counts, long_ids, n, segment_length};
-  auto segment_counts = thrust::make_transform_iterator(thrust::counting_iterator<int32_t>(0), per_run);
-  run_cub_in_turn(
-      weights,
-      [&](void* tmp, size_t& bytes) {
-        return cub::DeviceSelect::If(tmp, bytes, thrust::counting_iterator<int32_t>(0), starts, counts, n, is_start,
-                                     stream);
-      },
-      [&](void* tmp, size_t& bytes) {
-        return cub::DeviceSelect::If(tmp, bytes, thrust::counting_iterator<int32_t>(0), long_ids, counts + 1, n,
-                                     is_long, stream);
-      },
-      [&](void* tmp, size_t& bytes) {
-        return cub::DeviceScan::ExclusiveScan(tmp, bytes, segment_counts, segments, SumInt2{}, make_int2(0, 0),
-                                              int(out.max_long_runs + 1), stream);
-      });
   // each long run has at most len / segment_length + 1 segments; runs of several segments
   // (len > segment_length) at most 2 len / segment_length partial sums
   out.max_segments = b.N / segment_length + out.max_long_runs;
   out.max_partials = 2 * (b.N / segment_length) + 1;
+  // The three CUB algorithms of step 3, one after the other on the stream, share one scratch area
+  // (the largest any of them asks for), carved after the runs' arrays, and after it the update
+  // kernels' partial sums (partial_row_floats > 0): one allocation, not three (issue 29: two
+  // aten::empty fewer per backward; the scratch is now held until the backward returns, a few
+  // bytes per tile). Sized first: with tmp == nullptr CUB reads no pointer, and the pointers
+  // below are set once the allocation exists.
+  int32_t *starts = nullptr, *counts = nullptr, *num_long = nullptr, *long_ids = nullptr;
+  int2* segments = nullptr;
+  auto select_starts = [&](void* tmp, size_t& bytes) {
+    return cub::DeviceSelect::If(tmp, bytes, thrust::counting_iterator<int32_t>(0), starts, counts, n,
+                                 IsRunStart<K>{sorted_keys}, stream);
+  };
+  auto select_long = [&](void* tmp, size_t& bytes) {
+    return cub::DeviceSelect::If(tmp, bytes, thrust::counting_iterator<int32_t>(0), long_ids, num_long, n,
+                                 IsLongRun{starts, counts, n, threshold}, stream);
+  };
+  auto scan_segments = [&](void* tmp, size_t& bytes) {
+    const SegmentsOfLongRun per_run{starts, counts, long_ids, n, segment_length};
+    auto segment_counts = thrust::make_transform_iterator(thrust::counting_iterator<int32_t>(0), per_run);
+    return cub::DeviceScan::ExclusiveScan(tmp, bytes, segment_counts, segments, SumInt2{}, make_int2(0, 0),
+                                          int(out.max_long_runs + 1), stream);
+  };
+  size_t cub_bytes[3] = {0, 0, 0};
+  TBEGEN_CUDA_CHECK(select_starts(nullptr, cub_bytes[0]));
+  TBEGEN_CUDA_CHECK(select_long(nullptr, cub_bytes[1]));
+  TBEGEN_CUDA_CHECK(scan_segments(nullptr, cub_bytes[2]));
+  const int64_t at_partial = at_cub + slice_bytes(int64_t(std::max({cub_bytes[0], cub_bytes[1], cub_bytes[2]})), 1);
+  const int64_t partial_bytes =
+      partial_row_floats > 0 ? slice_bytes(std::max<int64_t>(out.max_partials, 1) * partial_row_floats, sizeof(float))
+                             : 0;
+  at::Tensor run_storage = at::empty({at_partial + partial_bytes}, bytes_opts);
+  uint8_t* base = run_storage.data_ptr<uint8_t>();
+  starts = reinterpret_cast<int32_t*>(base);
+  counts = reinterpret_cast<int32_t*>(base + at_counts);
+  num_long = counts + 1;
+  long_ids = reinterpret_cast<int32_t*>(base + at_long_ids);
+  segments = reinterpret_cast<int2*>(base + at_segments);
+  int32_t* sorted_bag = values_are_bags ? sorted_values : reinterpret_cast<int32_t*>(base + at_bags);
+  float* sorted_scale = scaled ? reinterpret_cast<float*>(base + at_scales) : nullptr;
+  int32_t* grad_at = vbe_grad_offsets != nullptr ? reinterpret_cast<int32_t*>(base + at_grad_at) : nullptr;
+  if (partial_row_floats > 0) out.partial = reinterpret_cast<float*>(base + at_partial);
+  // (the stream runs them in order, so none touches the scratch while another does)
+  void* cub_scratch = base + at_cub;
+  TBEGEN_CUDA_CHECK(select_starts(cub_scratch, cub_bytes[0]));
+  TBEGEN_CUDA_CHECK(select_long(cub_scratch, cub_bytes[1]));
+  TBEGEN_CUDA_CHECK(scan_segments(cub_scratch, cub_bytes[2]));
 
   // 3b. each occurrence's bag and scale in sorted order, when the values were positions; with
   //     fused_gather (TBEGEN_VBE_FUSED_GATHER=1) also 3c's offsets
@@ -386,7 +391,7 @@ PreparedBackward prepare_backward(const Batch& b, const at::Tensor& grad_output,
                                   const at::Tensor& offsets, const c10::optional<at::Tensor>& per_sample_weights,
                                   int64_t max_segment_length_per_warp, const at::Tensor& error, bool check_finite,
                                   bool with_tickets, const int64_t* vbe_grad_offsets, int32_t segment_length,
-                                  bool work_items) {
+                                  bool work_items, int64_t partial_row_floats) {
   const auto stream = at::cuda::getCurrentCUDAStream();
   PreparedBackward out;
   TBEGEN_CHECK(segment_length >= 1, "tbegen: segment_length must be >= 1, got ", segment_length);
@@ -420,10 +425,12 @@ PreparedBackward prepare_backward(const Batch& b, const at::Tensor& grad_output,
   const ForwardArgs fa = forward_args(b, features, weights, per_sample_weights, nullptr, error);
   if (total_hash_size + 1 <= int64_t(INT32_MAX)) {
     linearize_and_sort<int32_t>(b, fa, weights, indices, offsets, total_hash_size, check_finite, values_are_bags,
-                                scaled, with_tickets, vbe_grad_offsets, fused_gather, stream, out);
+                                scaled, with_tickets, vbe_grad_offsets, fused_gather, partial_row_floats, stream,
+                                out);
   } else {
     linearize_and_sort<int64_t>(b, fa, weights, indices, offsets, total_hash_size, check_finite, values_are_bags,
-                                scaled, with_tickets, vbe_grad_offsets, fused_gather, stream, out);
+                                scaled, with_tickets, vbe_grad_offsets, fused_gather, partial_row_floats, stream,
+                                out);
   }
   // (the list's scan takes n + 1 entries as an int: a batch of 2^31 - 1 indices keeps the two
   // kernels, which give the same bits)

@@ -318,7 +318,7 @@ inline void backward_any_width(const Batch& b, const BackwardArgs& a, const Prep
     // (the narrow element states' float copies count: computed from the Params' state dtypes)
     const int64_t slots = k.scratch_slots(params);
     const auto floats = weights.options().dtype(at::kFloat);
-    at::Tensor partial = at::empty({std::max<int64_t>(prep.max_partials, 1) * b.max_D}, floats);
+    // (the partial sums, max_D floats each: prep.partial, carved by prepare_backward)
     // the long runs' kernels (on the side stream, one after the other) share a scratch area
     const int64_t segment_blocks = any_width_blocks(
         std::min<int64_t>(prep.max_segments / (kThreads / kWarpSize) + 1, int64_t(sms) * 8), slots, b.max_D);
@@ -328,7 +328,7 @@ inline void backward_any_width(const Batch& b, const BackwardArgs& a, const Prep
     // one warp per run (there are at most N of them)
     const int64_t warp_blocks = any_width_blocks(grid_for(b.N), slots, b.max_D);
     at::Tensor scratch = at::empty({warp_blocks * kThreads / kWarpSize * slots * b.max_D}, floats);
-    AnyWidthLaunch l{a, prep.runs, prep.occurrences, params, ctx, weights.data_ptr<W>(), partial.data_ptr<float>(),
+    AnyWidthLaunch l{a, prep.runs, prep.occurrences, params, ctx, weights.data_ptr<W>(), prep.partial,
                      side_scratch.data_ptr<float>(), scratch.data_ptr<float>()};
     l.segment_blocks = int(segment_blocks);
     l.finish_blocks = int(finish_blocks);
@@ -554,7 +554,10 @@ __attribute__((visibility("hidden"))) void backward_cuda(
                                                  vector_path, grad_offsets ? bag_out : nullptr,
                                                  segment_length(short_segments_measured_faster(weights, b.max_D,
                                                                                                vector_path, wide_half)),
-                                                 any_width_items_enabled(wide_half) && !vector_path);
+                                                 any_width_items_enabled(wide_half) && !vector_path,
+                                                 // (the partial sums' rows: kVecs * 128 floats on the
+                                                 // 4-wide kernels, dispatch_vecs; max_D on the others)
+                                                 vector_path ? int64_t(128) << width_class(b.max_D) : b.max_D);
 
   BackwardArgs a;
   a.feat = features.data_ptr<int64_t>();
@@ -599,8 +602,8 @@ __attribute__((visibility("hidden"))) void backward_cuda(
     W* wptr = weights.data_ptr<W>();
     dispatch_vecs(b.max_D, [&](auto vecs) {
       constexpr int kVecs = decltype(vecs)::value;
-      at::Tensor partial = at::empty({std::max<int64_t>(prep.max_partials, 1) * kVecs * 128}, weights.options().dtype(at::kFloat));
-      BackwardLaunch l{a, prep.runs, prep.occurrences, params, ctx, wptr, partial.data_ptr<float>()};
+      // (the partial sums, kVecs * 128 floats each: prep.partial, carved by prepare_backward)
+      BackwardLaunch l{a, prep.runs, prep.occurrences, params, ctx, wptr, prep.partial};
       // (grids sized by bounds: the real counts are on the device, and idle warps exit at once)
       l.segment_blocks = int(std::min<int64_t>(prep.max_segments / (kThreads / kWarpSize) + 1, int64_t(sms) * 8));
       l.finish_blocks = int(std::min<int64_t>(prep.max_long_runs / (kThreads / kWarpSize) + 1, int64_t(sms) * 4));
