@@ -1,7 +1,8 @@
 """The CUDA runtime calls one steady fixed-batch training step issues (issue 29: the sub-millisecond
 cells are host-bound, each call ~4-7 us of the host's time on the H100), counted with torch.profiler
-as benchmarks/vbe_step_ops.py counts them, and the sort without memsets (TBEGEN_SORT_NO_MEMSETS=1)
-bitwise against the default. CUDA only (`pytest -m cuda`; skipped without a GPU).
+as benchmarks/vbe_step_ops.py counts them, and the two opt-in cuts, the sort without memsets
+(TBEGEN_SORT_NO_MEMSETS=1) and the long runs found by one scan (TBEGEN_LONG_RUN_SCAN=1), bitwise
+against the default. CUDA only (`pytest -m cuda`; skipped without a GPU).
 
 A step is the module's forward and `out.backward(grad)` with rowwise_adagrad on device-placed fp32
 tables, sum pooling, no per-sample weights, the error record and the finite check on (the
@@ -10,7 +11,8 @@ defaults): the 4-wide kernels, one width class. What it issues, read from the so
 - kernel launches: the forward's 1; the backward's finite check (side stream), linearize, the sort
   (CUB: one single-tile kernel when the batch fits a tile, else histogram + exclusive sum + one per
   pass), the two selections and the scan (CUB: an init kernel and the kernel each), the segment and
-  finish kernels (side stream) and the short runs' kernel: 11 + the sort's;
+  finish kernels (side stream) and the short runs' kernel: 11 + the sort's (9 + the sort's with
+  TBEGEN_LONG_RUN_SCAN=1: the long-run selection and the segments' scan are one scan);
 - memsets: the sort's, 2 + one per pass, none for a single tile (CUB's onesweep dispatch), none at
   all with TBEGEN_SORT_NO_MEMSETS=1; the ticket counters' memset is gone (the linearize kernel
   zeroes them);
@@ -93,10 +95,15 @@ def _runtime_calls(emb, batch) -> dict:
     return dict(counted["runtime calls"], allocations=counted["allocation ops"].get("aten::empty", 0))
 
 
-@pytest.mark.parametrize("no_memsets", ["", "1"], ids=["default", "sort_no_memsets"])
+SWITCHES = {"default": ("", ""), "sort_no_memsets": ("1", ""), "long_run_scan": ("", "1"), "both": ("1", "1")}
+
+
+@pytest.mark.parametrize("switches", sorted(SWITCHES))
 @pytest.mark.parametrize("rows,B,L", CASES, ids=lambda v: str(v))
-def test_runtime_calls_per_steady_step(monkeypatch, rows, B, L, no_memsets):
+def test_runtime_calls_per_steady_step(monkeypatch, rows, B, L, switches):
+    no_memsets, one_scan = SWITCHES[switches]
     monkeypatch.setenv("TBEGEN_SORT_NO_MEMSETS", no_memsets)
+    monkeypatch.setenv("TBEGEN_LONG_RUN_SCAN", one_scan)
     emb = _module(rows)
     calls = _runtime_calls(emb, _batch(rows, B, L, seed=1))
     n = 2 * B * L
@@ -104,7 +111,7 @@ def test_runtime_calls_per_steady_step(monkeypatch, rows, B, L, no_memsets):
     passes = _passes(2 * rows)
     sort_launches = 1 if single_tile else 2 + passes
     sort_memsets = 0 if single_tile or no_memsets else 2 + passes
-    assert calls.get("kernel launches", 0) == 1 + 11 + sort_launches, calls
+    assert calls.get("kernel launches", 0) == 1 + (9 if one_scan else 11) + sort_launches, calls
     assert calls.get("memsets", 0) == sort_memsets, calls
     assert calls.get("stream waits", 0) == 4, calls
     assert calls.get("async copies", 0) == 2, calls
@@ -113,14 +120,15 @@ def test_runtime_calls_per_steady_step(monkeypatch, rows, B, L, no_memsets):
     assert calls["allocations"] == 4, calls
 
 
+@pytest.mark.parametrize("switch", ["TBEGEN_SORT_NO_MEMSETS", "TBEGEN_LONG_RUN_SCAN"])
 @pytest.mark.parametrize("weighted,pooling", [(False, "sum"), (True, "sum"), (False, "mean")])
 @pytest.mark.parametrize("rows,B,L", CASES, ids=lambda v: str(v))
-def test_sort_without_memsets_trains_bitwise_as_the_default(monkeypatch, rows, B, L, weighted, pooling):
+def test_switch_trains_bitwise_as_the_default(monkeypatch, rows, B, L, weighted, pooling, switch):
     from tbegen import TableBatchedEmbeddingBags
 
     results = []
     for value in ("", "1"):
-        monkeypatch.setenv("TBEGEN_SORT_NO_MEMSETS", value)
+        monkeypatch.setenv(switch, value)
         torch.manual_seed(0)
         emb = TableBatchedEmbeddingBags([(rows, 32), (rows, 48)], optimizer="rowwise_adagrad", device="cuda",
                                         pooling=pooling, learning_rate=0.01, eps=1e-8)
@@ -140,10 +148,11 @@ def test_sort_without_memsets_trains_bitwise_as_the_default(monkeypatch, rows, B
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("switch", ["TBEGEN_SORT_NO_MEMSETS", "TBEGEN_LONG_RUN_SCAN"])
 @pytest.mark.parametrize("value", ["2", "yes", " 1"])
-def test_sort_no_memsets_refuses_other_values(monkeypatch, value):
+def test_switches_refuse_other_values(monkeypatch, value, switch):
     rows, B, L = CASES[0]
     emb = _module(rows)
-    monkeypatch.setenv("TBEGEN_SORT_NO_MEMSETS", value)
-    with pytest.raises(RuntimeError, match="TBEGEN_SORT_NO_MEMSETS must be 0 or 1"):
+    monkeypatch.setenv(switch, value)
+    with pytest.raises(RuntimeError, match=f"{switch} must be 0 or 1"):
         _step(emb, _batch(rows, B, L, seed=1))

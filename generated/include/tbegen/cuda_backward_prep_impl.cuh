@@ -2,6 +2,7 @@
 // Included by cuda_forward.cu only, so that it is compiled once for every optimizer.
 #pragma once
 
+#include <thrust/iterator/tabulate_output_iterator.h>
 #include <thrust/iterator/transform_iterator.h>
 
 #include "tbegen/cuda_ops.cuh"
@@ -77,6 +78,65 @@ struct SumInt2 {
     return make_int2(x.x + y.x, x.y + y.y);
   }
 };
+
+// TBEGEN_LONG_RUN_SCAN=1 (long_run_scan): the long-run selection and the segments' scan as one
+// exclusive scan over the runs. Run r's (long, segments, partial-sum slots): (1, and
+// segments_of_long_run's pair) for a run of at least `threshold` occurrences (IsLongRun's test),
+// else, and past the last run, (0, 0, 0).
+struct LongRunOfRun {
+  const int32_t* starts;
+  const int32_t* counts;
+  int32_t n;
+  int32_t threshold;  // Runs::max_segment_length_per_warp
+  int32_t length;     // Runs::segment_length
+  __device__ __forceinline__ int3 operator()(int32_t r) const {
+    const int32_t runs = counts[0];
+    if (r >= runs) return make_int3(0, 0, 0);
+    const int32_t len = (r + 1 < runs ? starts[r + 1] : n) - starts[r];
+    if (len < threshold) return make_int3(0, 0, 0);
+    const int2 s = segments_of_long_run(len, length);
+    return make_int3(1, s.x, s.y);
+  }
+};
+
+struct SumInt3 {
+  __device__ __forceinline__ int3 operator()(const int3& x, const int3& y) const {
+    return make_int3(x.x + y.x, x.y + y.y, x.z + y.z);
+  }
+};
+
+// The scan's output (through thrust's tabulate_output_iterator): run r with the exclusive prefix p
+// of the runs before it. A long run is long run p.x: long_ids[p.x] = r and segments[p.x] = its
+// first segment and partial-sum slot (p.y, p.z), what the selection and the scan over the long runs
+// wrote; the last run also writes the totals, counts[1] (the long runs) and segments[counts[1]]
+// (the update kernels read segments[k] for k <= counts[1] only).
+struct ScatterLongRun {
+  LongRunOfRun of;
+  int32_t* long_ids;
+  int2* segments;
+  int32_t* num_long;
+  __device__ __forceinline__ void operator()(ptrdiff_t r, const int3& p) const {
+    const int32_t runs = of.counts[0];
+    if (r >= runs) return;
+    const int3 mine = of(int32_t(r));
+    if (mine.x != 0) {
+      long_ids[p.x] = int32_t(r);
+      segments[p.x] = make_int2(p.y, p.z);
+    }
+    if (r == runs - 1) {
+      *num_long = p.x + mine.x;
+      segments[p.x + mine.x] = make_int2(p.y + mine.y, p.z + mine.z);
+    }
+  }
+};
+
+// Whether step 3 finds the long runs and their segments with one CUB scan over the runs
+// (LongRunOfRun, ScatterLongRun) instead of a selection of the long runs and a scan over them: one
+// CUB algorithm fewer, its init kernel and its kernel (issue 29: -2 launches per backward). The same
+// long_ids, counts[1] and segments[0..counts[1]], so the same bits. TBEGEN_LONG_RUN_SCAN: unset,
+// empty or "0" off (the default), "1" on; anything else refused. Opt-in until a GPU has run it
+// (tests/test_step_runtime_calls.py). Read at every call.
+inline bool long_run_scan() { return opt_in_switch("TBEGEN_LONG_RUN_SCAN"); }
 
 // An occurrence's output-gradient row offset, bag_out[bag] of its sorted bag (step 3c, or 3b with
 // the fused gather). Clamped: after malformed offsets some bags are never written, and nothing is
@@ -177,7 +237,8 @@ template <typename K>
 void linearize_and_sort(const Batch& b, const ForwardArgs& fa, const at::Tensor& weights, const at::Tensor& indices,
                         const at::Tensor& offsets, int64_t total_hash_size, bool check_finite, bool values_are_bags,
                         bool scaled, bool with_tickets, const int64_t* vbe_grad_offsets, bool fused_gather,
-                        int64_t partial_row_floats, cudaStream_t stream, PreparedBackward& out) {
+                        int64_t partial_row_floats, bool no_memsets, bool one_scan, cudaStream_t stream,
+                        PreparedBackward& out) {
   TBEGEN_CHECK(!(scaled && values_are_bags), "tbegen: internal error: scaled occurrences need their positions");
   const auto bytes_opts = weights.options().dtype(at::kByte);
   const int n = int(b.N);
@@ -190,7 +251,7 @@ void linearize_and_sort(const Batch& b, const ForwardArgs& fa, const at::Tensor&
   const int digit_bits = sort_digit_bits(end_bit);
   PrezeroedSort<K> sort(n, end_bit, digit_bits, at::cuda::getCurrentDeviceProperties()->multiProcessorCount, stream);
   bool prezeroed = false;
-  if (sort_no_memsets()) TBEGEN_CUDA_CHECK(sort.size(&prezeroed));
+  if (no_memsets) TBEGEN_CUDA_CHECK(sort.size(&prezeroed));
   size_t sort_bytes = 0;
   if (prezeroed) {
     sort_bytes = sort.bytes();
@@ -275,10 +336,21 @@ void linearize_and_sort(const Batch& b, const ForwardArgs& fa, const at::Tensor&
     return cub::DeviceScan::ExclusiveScan(tmp, bytes, segment_counts, segments, SumInt2{}, make_int2(0, 0),
                                           int(out.max_long_runs + 1), stream);
   };
+  // (TBEGEN_LONG_RUN_SCAN=1, one_scan: the last two as one scan over the runs)
+  auto scan_long_runs = [&](void* tmp, size_t& bytes) {
+    const LongRunOfRun of{starts, counts, n, threshold, segment_length};
+    auto per_run = thrust::make_transform_iterator(thrust::counting_iterator<int32_t>(0), of);
+    auto scatter = thrust::make_tabulate_output_iterator(ScatterLongRun{of, long_ids, segments, num_long});
+    return cub::DeviceScan::ExclusiveScan(tmp, bytes, per_run, scatter, SumInt3{}, make_int3(0, 0, 0), n, stream);
+  };
   size_t cub_bytes[3] = {0, 0, 0};
   TBEGEN_CUDA_CHECK(select_starts(nullptr, cub_bytes[0]));
-  TBEGEN_CUDA_CHECK(select_long(nullptr, cub_bytes[1]));
-  TBEGEN_CUDA_CHECK(scan_segments(nullptr, cub_bytes[2]));
+  if (one_scan) {
+    TBEGEN_CUDA_CHECK(scan_long_runs(nullptr, cub_bytes[1]));
+  } else {
+    TBEGEN_CUDA_CHECK(select_long(nullptr, cub_bytes[1]));
+    TBEGEN_CUDA_CHECK(scan_segments(nullptr, cub_bytes[2]));
+  }
   const int64_t at_partial = at_cub + slice_bytes(int64_t(std::max({cub_bytes[0], cub_bytes[1], cub_bytes[2]})), 1);
   const int64_t partial_bytes =
       partial_row_floats > 0 ? slice_bytes(std::max<int64_t>(out.max_partials, 1) * partial_row_floats, sizeof(float))
@@ -297,8 +369,12 @@ void linearize_and_sort(const Batch& b, const ForwardArgs& fa, const at::Tensor&
   // (the stream runs them in order, so none touches the scratch while another does)
   void* cub_scratch = base + at_cub;
   TBEGEN_CUDA_CHECK(select_starts(cub_scratch, cub_bytes[0]));
-  TBEGEN_CUDA_CHECK(select_long(cub_scratch, cub_bytes[1]));
-  TBEGEN_CUDA_CHECK(scan_segments(cub_scratch, cub_bytes[2]));
+  if (one_scan) {
+    TBEGEN_CUDA_CHECK(scan_long_runs(cub_scratch, cub_bytes[1]));
+  } else {
+    TBEGEN_CUDA_CHECK(select_long(cub_scratch, cub_bytes[1]));
+    TBEGEN_CUDA_CHECK(scan_segments(cub_scratch, cub_bytes[2]));
+  }
 
   // 3b. each occurrence's bag and scale in sorted order, when the values were positions; with
   //     fused_gather (TBEGEN_VBE_FUSED_GATHER=1) also 3c's offsets
@@ -399,6 +475,9 @@ PreparedBackward prepare_backward(const Batch& b, const at::Tensor& grad_output,
   out.runs.segment_length = segment_length;
   out.runs.skipped_key = total_hash_size;
 
+  // (TBEGEN_SORT_NO_MEMSETS, TBEGEN_LONG_RUN_SCAN: read, and a bad value refused, before anything
+  // is launched)
+  const bool no_memsets = sort_no_memsets(), one_scan = long_run_scan();
   // The finite check of grad_output reads it once, on a side stream, while the batch is sorted.
   const c10::DeviceIndex device = weights.device().index();
   const at::cuda::CUDAStream side = at::cuda::getStreamFromPool(false, device);
@@ -425,12 +504,12 @@ PreparedBackward prepare_backward(const Batch& b, const at::Tensor& grad_output,
   const ForwardArgs fa = forward_args(b, features, weights, per_sample_weights, nullptr, error);
   if (total_hash_size + 1 <= int64_t(INT32_MAX)) {
     linearize_and_sort<int32_t>(b, fa, weights, indices, offsets, total_hash_size, check_finite, values_are_bags,
-                                scaled, with_tickets, vbe_grad_offsets, fused_gather, partial_row_floats, stream,
-                                out);
+                                scaled, with_tickets, vbe_grad_offsets, fused_gather, partial_row_floats, no_memsets,
+                                one_scan, stream, out);
   } else {
     linearize_and_sort<int64_t>(b, fa, weights, indices, offsets, total_hash_size, check_finite, values_are_bags,
-                                scaled, with_tickets, vbe_grad_offsets, fused_gather, partial_row_floats, stream,
-                                out);
+                                scaled, with_tickets, vbe_grad_offsets, fused_gather, partial_row_floats, no_memsets,
+                                one_scan, stream, out);
   }
   // (the list's scan takes n + 1 entries as an int: a batch of 2^31 - 1 indices keeps the two
   // kernels, which give the same bits)
