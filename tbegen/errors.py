@@ -13,6 +13,14 @@ at that copy at its next call (or when `check_errors()` is called, which waits).
 CUDA raises at the latest at the module's next call, and no weights or states change in between.
 While a CUDA graph is being captured nothing is copied or polled (the capture allows neither a
 host read nor an event query): a replayed step's errors are raised by `check_errors()`.
+
+With TBEGEN_ERROR_COPY_AFTER_BACKWARD=1 (opt-in, read when the module is made; issue 29) a forward
+whose backward will run (grad enabled) does not copy the record: its backward's copy carries the
+forward's errors too, one async copy, one event record and one event query fewer per training step.
+The forward's errors then surface at the call after the backward (or at `check_errors()`), never at
+the backward itself; the backward's kernels still read the record on the device and update nothing
+after an error. A forward that skipped its copy is followed by one that copies, so that forwards
+with grad enabled and no backward still report within two calls.
 """
 
 from __future__ import annotations
@@ -21,6 +29,8 @@ import warnings
 from typing import Any, Optional
 
 import torch
+
+from ._env import env_flag
 
 # What the module does with an out-of-range index (fatal errors always raise).
 BOUNDS_CHECK_MODES = {
@@ -48,6 +58,12 @@ def _bytes_view(t: torch.Tensor):
 class ErrorRecord:
     """The error record of one module on one device, and its host mirror."""
 
+    # (class defaults: a record unpickled from before TBEGEN_ERROR_COPY_AFTER_BACKWARD copies after
+    # every call, as it did; forward_with_grad: set by the module's forward before its operator call)
+    _copy_after_backward = False
+    _skipped = False
+    forward_with_grad = False
+
     def __init__(self, device: torch.device, ops: Any, mode: str):
         if mode not in BOUNDS_CHECK_MODES:
             raise ValueError(
@@ -64,6 +80,10 @@ class ErrorRecord:
             self._host = torch.zeros(RECORD_SIZE, dtype=torch.int64, pin_memory=True)
             self._copied = torch.cuda.Event()
             self._pending = False
+            # TBEGEN_ERROR_COPY_AFTER_BACKWARD=1: a forward whose backward follows skips its copy
+            # (module docstring); _skipped: the last call skipped it
+            self._copy_after_backward = env_flag("TBEGEN_ERROR_COPY_AFTER_BACKWARD", False)
+            self._skipped = False
         # poll() runs at every call: it reads the host record through a view of its bytes
         self._host_view = _bytes_view(self._host if self._cuda else self.record)
 
@@ -85,10 +105,13 @@ class ErrorRecord:
         # (a copied module starts with a clean record of its own)
         return ErrorRecord(self.record.device, self._ops, self.mode)
 
-    def after_call(self, capturing: Optional[bool] = None) -> None:
+    def after_call(self, capturing: Optional[bool] = None, backward_follows: bool = False) -> None:
         """Called after every operator call: on CUDA start copying the record to the host; on the
         CPU report at once (a call there has already raised any error but a skipped index).
-        `capturing`: whether the current stream is capturing a CUDA graph, if the caller knows."""
+        `capturing`: whether the current stream is capturing a CUDA graph, if the caller knows.
+        `backward_follows`: the call is a forward whose backward will run; with
+        TBEGEN_ERROR_COPY_AFTER_BACKWARD=1 it copies nothing, unless the last call skipped its copy
+        too (module docstring)."""
         if self._cuda:
             if capturing is None:
                 capturing = torch.cuda.is_current_stream_capturing()
@@ -97,6 +120,10 @@ class ErrorRecord:
                 # query is not allowed; the kernels still block every update after an error, and
                 # `check_errors()` after a replay reads the record. tbegen/capture.py)
                 return
+            if backward_follows and self._copy_after_backward and not self._skipped:
+                self._skipped = True
+                return
+            self._skipped = False
             self._host.copy_(self.record, non_blocking=True)
             self._copied.record()
             self._pending = True

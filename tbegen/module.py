@@ -423,7 +423,10 @@ class _Lookup(torch.autograd.Function):
             weights.detach() if weights.requires_grad else weights, features, layout.total_D, layout.max_D,
             indices, offsets, per_sample_weights, module._pooling_id, errors.record, errors.skip_bad_indices, *vbe,
         )
-        errors.after_call()
+        # (forward_with_grad: set by _lookup, whether this forward's backward will run; with
+        # TBEGEN_ERROR_COPY_AFTER_BACKWARD=1 its copy of the record is left to the backward, errors.py)
+        errors.after_call(backward_follows=errors.forward_with_grad)
+        errors.forward_with_grad = False
         return out
 
     @staticmethod
@@ -1667,6 +1670,9 @@ class TableBatchedEmbeddingBags(nn.Module):
             if first is None or first.device != weights.device:
                 first = torch.empty(0, device=weights.device, requires_grad=True)
                 self.__dict__["_anchor"] = first
+        # (whether this forward's backward will run: the first input requires grad, and grad mode is
+        # on; read by _Lookup.forward's errors.after_call, where grad mode is always off)
+        self._errors.forward_with_grad = first.requires_grad and torch.is_grad_enabled()
         with span("tbegen.forward"):
             out = _Lookup.apply(self, first, indices if ticket is None else ticket.indices, offsets,
                                 per_sample_weights, ticket, bag_out, out_numel)

@@ -1,8 +1,10 @@
 """The CUDA runtime calls one steady fixed-batch training step issues (issue 29: the sub-millisecond
 cells are host-bound, each call ~4-7 us of the host's time on the H100), counted with torch.profiler
-as benchmarks/vbe_step_ops.py counts them, and the two opt-in cuts, the sort without memsets
+as benchmarks/vbe_step_ops.py counts them, and the opt-in cuts: the sort without memsets
 (TBEGEN_SORT_NO_MEMSETS=1) and the long runs found by one scan (TBEGEN_LONG_RUN_SCAN=1), bitwise
-against the default. CUDA only (`pytest -m cuda`; skipped without a GPU).
+against the default; the error record copied after the backward only
+(TBEGEN_ERROR_COPY_AFTER_BACKWARD=1), its counts and when its errors surface. CUDA only
+(`pytest -m cuda`; skipped without a GPU).
 
 A step is the module's forward and `out.backward(grad)` with rowwise_adagrad on device-placed fp32
 tables, sum pooling, no per-sample weights, the error record and the finite check on (the
@@ -156,3 +158,50 @@ def test_switches_refuse_other_values(monkeypatch, value, switch):
     monkeypatch.setenv(switch, value)
     with pytest.raises(RuntimeError, match=f"{switch} must be 0 or 1"):
         _step(emb, _batch(rows, B, L, seed=1))
+
+
+def test_error_copy_after_backward_counts(monkeypatch):
+    """TBEGEN_ERROR_COPY_AFTER_BACKWARD=1 (read when the module is made): one copy of the error
+    record a step, the backward's; the rest as the default."""
+    monkeypatch.setenv("TBEGEN_ERROR_COPY_AFTER_BACKWARD", "1")
+    rows, B, L = CASES[0]
+    emb = _module(rows)
+    calls = _runtime_calls(emb, _batch(rows, B, L, seed=1))
+    assert calls.get("async copies", 0) == 1, calls
+    # (the forward polls the backward's copy; if it is not done yet, the backward polls it again)
+    assert calls.get("event queries", 0) <= 2, calls
+    assert calls.get("stream waits", 0) == 4, calls
+
+
+def test_error_copy_after_backward_reports_at_the_next_call_and_updates_nothing(monkeypatch):
+    from tbegen import TableBatchedEmbeddingBags
+
+    monkeypatch.setenv("TBEGEN_ERROR_COPY_AFTER_BACKWARD", "1")
+    emb = TableBatchedEmbeddingBags([(20, 8), (30, 4)], optimizer="rowwise_adagrad", device="cuda",
+                                    learning_rate=0.1)
+    before = [emb.weights.detach().clone(), emb.states.momentum.clone()]
+    ind = torch.tensor([1, 2, 3, 4, 1, 0, 5, 6, 7, 8], device="cuda")
+    off = torch.tensor([0, 2, 5, 6, 8, 9, 10], device="cuda")
+    bad = ind.clone()
+    bad[0] = 1000
+    out = emb(bad, off)
+    torch.cuda.synchronize()
+    # the forward left its copy to the backward: the backward runs (and its kernels update nothing)
+    out.backward(torch.ones_like(out))
+    torch.cuda.synchronize()
+    assert torch.equal(emb.weights, before[0]) and torch.equal(emb.states.momentum, before[1])
+    # the backward's copy carried the forward's error: the next call raises it
+    with pytest.raises(RuntimeError, match=r"indices\[0\] = 1000 is out of range.*earlier call"):
+        emb(ind, off)
+    # grad-enabled forwards without a backward: every second one copies, so the error surfaces
+    out = emb(bad, off)
+    out = emb(ind, off)
+    torch.cuda.synchronize()
+    with pytest.raises(RuntimeError, match="out of range"):
+        emb(ind, off)
+    assert torch.equal(emb.weights, before[0])
+    # and the module trains again afterwards
+    out = emb(ind, off)
+    out.backward(torch.ones_like(out))
+    emb.check_errors()
+    assert not torch.equal(emb.weights, before[0])
