@@ -473,6 +473,11 @@ ERROR_ARGS = (
 # bag_output_offsets[b] (-1: a padding bag, which has no lookups); None: the [B, total_D] output.
 VBE_ARG = Arg("bag_output_offsets", "Tensor?", "int64 [F * B]: each bag's element offset in the 1-D VBE output "
               "(-1 for an empty padding bag), or None for the [B, total_D] output", default="None")
+# ... and the VBE batch's own offsets read through its plan's padding index (vbe.h's `pad`): padded
+# bag b's bounds are offsets[bag_pad[b]] and offsets[bag_pad[b + 1]], no padded copy of the offsets
+# made first; None: `offsets` are the padded batch's.
+PAD_ARG = Arg("bag_pad", "Tensor?", "int64 [F * B + 1]: a VBE batch's padding index; offsets are then the VBE "
+              "batch's own, bag b's bounds offsets[bag_pad[b]] and offsets[bag_pad[b + 1]]; or None", default="None")
 
 
 def forward_signature() -> OpSignature:
@@ -486,7 +491,8 @@ def forward_signature() -> OpSignature:
             Arg("pooling", "int", "0 sum, 1 mean, 2 none"),
         )
         + ERROR_ARGS
-        + (VBE_ARG, Arg("output_size", "int", "numel of the 1-D VBE output (with bag_output_offsets)", default="-1")),
+        + (VBE_ARG, Arg("output_size", "int", "numel of the 1-D VBE output (with bag_output_offsets)", default="-1"),
+           PAD_ARG),
         "Tensor",
     )
 
@@ -502,7 +508,7 @@ def grad_psw_signature() -> OpSignature:
         + BATCH_ARGS
         + (Arg("pooling", "int", "0 sum, 1 mean, 2 none"),)
         + ERROR_ARGS
-        + (VBE_ARG,),
+        + (VBE_ARG, PAD_ARG),
         "Tensor",
     )
 
@@ -530,6 +536,7 @@ def backward_signature(spec: OptimizerSpec) -> OpSignature:
     args += ERROR_ARGS + (
         Arg("check_finite", "bool", "raise on NaN/Inf in per_sample_weights or grad_output", default="True"),
         VBE_ARG,
+        PAD_ARG,
     )
     return OpSignature("backward", args, "()")
 

@@ -41,6 +41,7 @@ from .capture import check_capturable
 from . import int8 as int8_
 from . import placement as placement_
 from ._ranges import span
+from ._env import env_flag
 from .errors import BOUNDS_CHECK_MODES, ErrorRecord
 from .init import fill_uniform_
 from .layout import POOLING, Layout, make_layout
@@ -405,23 +406,24 @@ class _Lookup(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, module: "TableBatchedEmbeddingBags", anchor_or_weights, indices, offsets, per_sample_weights,
-                ticket=None, bag_out=None, out_numel=-1):
+                ticket=None, vbe=None):
         # (with cached tables, `indices` are the kernels' indices: see TableBatchedEmbeddingBags._prepare;
-        # with `bag_out`, a VBE batch's table of each bag's place in the 1-D output: see _forward_vbe)
+        # with `vbe`, a VBE batch's operator arguments (bag_out, the 1-D output's numel[, its padding
+        # index, the offsets then the VBE batch's own]): see _forward_vbe)
         ctx.module = module
         ctx.ticket = ticket
-        ctx.bag_out = bag_out
+        ctx.vbe = vbe
         ctx.save_for_backward(indices, offsets, per_sample_weights)
         errors = module._errors
         # (the module's buffers read from its dictionaries, not through nn.Module.__getattr__: a
         # few microseconds of a small step's host time, _HostConstants)
         features = module._buffers["features"] if ticket is None else ticket.features
         weights = module._buffer("weights")
-        vbe = () if bag_out is None else (bag_out, out_numel)
         layout = module.layout
         out = module._ops.forward(
             weights.detach() if weights.requires_grad else weights, features, layout.total_D, layout.max_D,
-            indices, offsets, per_sample_weights, module._pooling_id, errors.record, errors.skip_bad_indices, *vbe,
+            indices, offsets, per_sample_weights, module._pooling_id, errors.record, errors.skip_bad_indices,
+            *(() if vbe is None else vbe),
         )
         # (forward_with_grad: set by _lookup, whether this forward's backward will run; with
         # TBEGEN_ERROR_COPY_AFTER_BACKWARD=1 its copy of the record is left to the backward, errors.py)
@@ -439,9 +441,12 @@ class _Lookup(torch.autograd.Function):
         grad_psw = None
         errors = module._errors
         errors.poll()
-        bag_out = getattr(ctx, "bag_out", None)  # (torch.compile's backward passes a context without one)
-        vbe = () if bag_out is None else (bag_out,)
-        vbe_kw = {} if bag_out is None else {"bag_output_offsets": bag_out}
+        vbe = getattr(ctx, "vbe", None)  # (torch.compile's backward passes a context without one)
+        if vbe is None:
+            vbe, vbe_kw = (), {}
+        else:  # (bag_out[, the padding index]: the forward's arguments less the output's numel)
+            vbe = vbe[0::2]
+            vbe_kw = {"bag_output_offsets": vbe[0]} if len(vbe) == 1 else {"bag_output_offsets": vbe[0], "bag_pad": vbe[1]}
         features = module._buffers["features"]
         if ctx.ticket is not None:
             # the batch's rows must be in the slots its indices name (a later prefetch may have
@@ -467,7 +472,7 @@ class _Lookup(torch.autograd.Function):
                                      features=features, **vbe_kw)
         if ctx.ticket is not None:  # (CUDA: what the next user of the cache on another stream waits for)
             module._cache_order.leave(grad_output.device)
-        return None, grad_weights, None, None, grad_psw, None, None, None
+        return None, grad_weights, None, None, grad_psw, None, None
 
 
 class _CacheStreams:
@@ -1564,19 +1569,21 @@ class TableBatchedEmbeddingBags(nn.Module):
                                    f"{want} (was the module converted with .half()/.to(dtype)? choose "
                                    f"state_dtypes at construction instead)")
 
-    def _check_input(self, indices, offsets, per_sample_weights):
+    def _check_input(self, indices, offsets, per_sample_weights, unpadded=False):
+        # (unpadded: a VBE batch's own offsets, read through its plan's padding index, their count
+        # checked against the plan's already: _vbe_prepare)
         device = self._registered("weights").device
         F = self.layout.num_features
         if (per_sample_weights is None and type(indices) is torch.Tensor and type(offsets) is torch.Tensor
                 and indices.dtype is offsets.dtype and indices.dtype in INDEX_DTYPES and indices.dim() == 1
                 and offsets.dim() == 1 and indices.device == device and offsets.device == device
-                and offsets.numel() >= 1 and (offsets.numel() - 1) % F == 0):
+                and offsets.numel() >= 1 and (unpadded or (offsets.numel() - 1) % F == 0)):
             # (the common call, checked in one expression: a shortcut through _check_input_fully,
             # which gives the same result for every input this accepts: tests/test_module_input.py)
             return indices.contiguous(), offsets.contiguous(), None
-        return self._check_input_fully(indices, offsets, per_sample_weights)
+        return self._check_input_fully(indices, offsets, per_sample_weights, unpadded)
 
-    def _check_input_fully(self, indices, offsets, per_sample_weights):
+    def _check_input_fully(self, indices, offsets, per_sample_weights, unpadded=False):
         """The forward's input checked one property at a time (each failure named), index dtypes
         made one, every tensor contiguous."""
         device = self._registered("weights").device
@@ -1591,7 +1598,7 @@ class TableBatchedEmbeddingBags(nn.Module):
             if t.device != device:
                 raise ValueError(f"tbegen: {name} is on {t.device} but the module's weights are on {device}")
         n_off = offsets.numel()
-        if n_off < 1 or (n_off - 1) % F:
+        if n_off < 1 or (n_off - 1) % F and not unpadded:
             raise ValueError(
                 f"tbegen: offsets must have F * B + 1 entries for F = {F} feature(s) and a batch of B "
                 f"(feature-major: bag (f, b) is indices[offsets[f*B+b] : offsets[f*B+b+1]]), got {n_off}"
@@ -1634,15 +1641,17 @@ class TableBatchedEmbeddingBags(nn.Module):
             return compiled_.compiled_forward(self, indices, offsets, per_sample_weights)
         return self._lookup(indices, offsets, per_sample_weights)
 
-    def _lookup(self, indices, offsets, per_sample_weights, bag_out=None, out_numel=-1, given=None) -> torch.Tensor:
-        """The eager forward: [B, total_D] (or [N, dim]), or with `bag_out` (a VBE batch padded to a
-        fixed batch, _forward_vbe) the 1-D VBE output of `out_numel` values. `given`: what a
-        prefetch of this batch was given (indices, offsets[, VBE sizes]), default these."""
+    def _lookup(self, indices, offsets, per_sample_weights, vbe=None, given=None) -> torch.Tensor:
+        """The eager forward: [B, total_D] (or [N, dim]), or with `vbe` (a VBE batch padded to a
+        fixed batch, _forward_vbe: the operators' VBE arguments, (bag_out, out_numel[, pad])) the
+        1-D VBE output of out_numel values. `given`: what a prefetch of this batch was given
+        (indices, offsets[, VBE sizes]), default these."""
         self._check_buffers()
         self._errors.poll()
         if given is None:
             given = (indices, offsets)
-        indices, offsets, per_sample_weights = self._check_input(indices, offsets, per_sample_weights)
+        indices, offsets, per_sample_weights = self._check_input(indices, offsets, per_sample_weights,
+                                                                 vbe is not None and len(vbe) == 3)
         if self.training:
             self.run_table_stages()
         ticket = None
@@ -1675,7 +1684,7 @@ class TableBatchedEmbeddingBags(nn.Module):
         self._errors.forward_with_grad = first.requires_grad and torch.is_grad_enabled()
         with span("tbegen.forward"):
             out = _Lookup.apply(self, first, indices if ticket is None else ticket.indices, offsets,
-                                per_sample_weights, ticket, bag_out, out_numel)
+                                per_sample_weights, ticket, vbe)
         if ticket is not None:  # (the forward reads only its batch's slots: a read where they are held)
             held = any(t is ticket for t in self._cache._held)
             self._cache_order.leave(weights.device, lookup=True, read=held)
@@ -1820,10 +1829,14 @@ class TableBatchedEmbeddingBags(nn.Module):
         else:
             direct = self.pooling != "none" and self._vbe_direct()
             state["_vbe_direct_known"] = (direct_of, device) if direct else None
+        unpadded = total == F * max_B  # (every feature has max_B bags: `pad` is 0, 1, ..., total)
+        # (the direct path's operator arguments: "vbe" with the padded offsets, "vbe_pad" with the
+        # VBE batch's own offsets read through `pad` where this module does that, _vbe_pad_route)
+        vbe = (bag_out, n_out)
         plan = {"total_bags": total, "max_B": max_B, "pad": pad, "numel": n_out, "bag_out": bag_out,
                 "sizes": key, "ranks": R, "device": device, "offsets_shape": (total + 1,), "direct": direct,
-                # (every feature has max_B bags: `pad` is 0, 1, ..., total, the offsets need no padding)
-                "unpadded": total == F * max_B}
+                "unpadded": unpadded, "vbe": vbe,
+                "vbe_pad": (bag_out, n_out, pad) if direct and not unpadded and self._vbe_pad_route(device) else vbe}
         if old is not None:  # (a plan of the same sizes on another device: the module was moved)
             del plans[key]
         elif len(plans) >= self._VBE_PLANS_KEPT:
@@ -1919,7 +1932,31 @@ class TableBatchedEmbeddingBags(nn.Module):
             setattr(cls, "_vbe_direct_backward", ok)
         return ok
 
-    def _vbe_prepare(self, offsets, bsfr):
+    def _vbe_pad_route(self, device) -> bool:
+        """Whether this module's direct VBE batches hand the operators their own offsets and the
+        plan's padding index (bag_pad: the kernels read padded bag b's bounds at offsets[pad[b]]
+        and offsets[pad[b + 1]]) instead of the padded offsets gathered first (offsets.index_select:
+        an operator, an allocation and on CUDA a launch per step; a new plan's vbe_plan_padded, its
+        allocation). On the CPU always (the operators read through it into a buffer of their own);
+        on CUDA with TBEGEN_VBE_PAD_IN_KERNELS=1 (opt-in until a GPU has run it; read once per module
+        and device, at its first VBE plan there). Never with cached tables (their tickets rewrite the
+        offsets) nor where _run_backward (a subclass's) does not take bag_pad."""
+        state = self.__dict__
+        known = state.get("_vbe_pad_known")
+        if known is not None and known[0] == device:
+            return known[1]
+        cls = type(self)
+        takes = cls.__dict__.get("_vbe_pad_backward")
+        if takes is None:
+            params = inspect.signature(cls._run_backward).parameters  # (a mapping by name)
+            takes = "bag_pad" in params or any(p.kind == inspect.Parameter.VAR_KEYWORD for p in params.values())
+            setattr(cls, "_vbe_pad_backward", takes)
+        ok = takes and self._cache is None and (
+            device.type == "cpu" or (device.type == "cuda" and env_flag("TBEGEN_VBE_PAD_IN_KERNELS", False)))
+        state["_vbe_pad_known"] = (device, ok)
+        return ok
+
+    def _vbe_prepare(self, offsets, bsfr, through_pad=False, key=None, plan=None):
         """(plan, padded offsets) of a VBE batch: its kept plan, found with as little as can be
         (the host time of a VBE call beside the padded call's; benchmarks/host_overhead_cpu.py
         --vbe): the sizes packed into their key (_vbe_key: one pass in C, which refuses what is not
@@ -1927,18 +1964,23 @@ class TableBatchedEmbeddingBags(nn.Module):
         dictionary lookup, then the offsets' gather; or a new plan, which gets the key (the sizes
         are read once) and makes the padded offsets in its own operator call (vbe_plan_padded: no
         gather, its launch and its allocation; TorchRec's case, new sizes every step). Anything
-        else takes the checked way (a clear error for bad sizes or offsets)."""
+        else takes the checked way (a clear error for bad sizes or offsets). With `through_pad`
+        (the module's own forward) and a plan whose "vbe_pad" arguments carry the padding index
+        (_vbe_pad_route), `offsets` themselves, unpadded: the caller tells them apart by identity.
+        `key`: these sizes' key where the caller made it and looked it up already (_forward_vbe's
+        kept-plan way), `plan` what it found (None: none kept)."""
         state = self.__dict__
         consts, plans = state.get("_vbe_consts"), state.get("_vbe_plans")
-        key = plan = None
-        if consts is not None and plans is not None:
+        if key is None and consts is not None and plans is not None:
             key = _vbe_key(bsfr, consts[0])
             if key is not None:
                 plan = getattr(plans, "last", None)
                 if plan is None or plan["sizes"] != key:
                     plan = plans.get(key)
         if plan is None:
-            plan, padded = self._vbe_plan_and_padded(bsfr, key, offsets)
+            # (read through the padding index: a new plan needs no padded offsets of its own)
+            given = None if through_pad and self._vbe_pad_route(self._registered("weights").device) else offsets
+            plan, padded = self._vbe_plan_and_padded(bsfr, key, given)
         else:
             padded = None
         if "ready" in plan:  # (a plan a prefetch made on its stream)
@@ -1946,7 +1988,8 @@ class TableBatchedEmbeddingBags(nn.Module):
         if padded is None:
             if (type(offsets) is torch.Tensor and offsets.shape == plan["offsets_shape"]
                     and offsets.device == plan["device"]):
-                padded = offsets if plan["unpadded"] else offsets.index_select(0, plan["pad"])
+                padded = offsets if plan["unpadded"] or (through_pad and plan["vbe_pad"] is not plan["vbe"]) \
+                    else offsets.index_select(0, plan["pad"])
             else:  # (a kept plan of another device, or offsets that do not fit: the checked way)
                 plan = self._vbe_plan_eager(bsfr)
                 padded = self._vbe_pad(offsets, plan)
@@ -1969,6 +2012,27 @@ class TableBatchedEmbeddingBags(nn.Module):
             state["_vbe_handed"] = None
 
     def _forward_vbe(self, indices, offsets, per_sample_weights, batch_size_per_feature_per_rank) -> torch.Tensor:
+        # The kept plan's way, in as few steps as can be (the host time of a VBE step beside the
+        # padded step's, issue 25): its key (_vbe_key), the last plan's or the kept plans' lookup,
+        # and for offsets that fit it straight to _lookup, with the plan's padding index where the
+        # operators read through it ("vbe_pad", _vbe_pad_route), else the offsets gathered. Anything
+        # else (a new plan, a prefetched plan, a plan handed by the FBGEMM class, torch.compile,
+        # offsets that do not fit) takes _vbe_prepare below.
+        state = self.__dict__
+        plans = state.get("_vbe_plans")
+        key = plan = None
+        if type(plans) is _VbePlans and state.get("_vbe_handed") is None and not torch.compiler.is_compiling():
+            key = _vbe_key(batch_size_per_feature_per_rank, state["_vbe_consts"][0])
+            plan = plans.last
+            if plan is None or plan["sizes"] != key:
+                plan = None if key is None else plans.get(key)
+            if (plan is not None and plan["direct"] and "ready" not in plan and type(offsets) is torch.Tensor
+                    and offsets.shape == plan["offsets_shape"] and offsets.device == plan["device"]):
+                plans.last = plan
+                vbe = plan["vbe_pad"]
+                return self._lookup(indices, offsets if vbe is not plan["vbe"] or plan["unpadded"] else
+                                    offsets.index_select(0, plan["pad"]), per_sample_weights, vbe,
+                                    given=(indices, offsets, key))
         if torch.compiler.is_compiling():
             return self._forward_vbe_traced(indices, offsets, per_sample_weights, batch_size_per_feature_per_rank)
         handed = self.__dict__.get("_vbe_handed")
@@ -1977,10 +2041,12 @@ class TableBatchedEmbeddingBags(nn.Module):
             # for its own checks of the padded batch: _call_with_vbe_plan; not looked up again)
             plan, padded = handed[2]
         else:
-            plan, padded = self._vbe_prepare(offsets, batch_size_per_feature_per_rank)
+            plan, padded = self._vbe_prepare(offsets, batch_size_per_feature_per_rank, True, key, plan)
         given = (indices, offsets, plan["sizes"])  # (what a prefetch of this batch was given)
         if plan["direct"]:
-            return self._lookup(indices, padded, per_sample_weights, plan["bag_out"], plan["numel"], given=given)
+            # (the offsets themselves: read through the plan's padding index, "vbe_pad"; else padded)
+            return self._lookup(indices, padded, per_sample_weights, plan["vbe_pad"] if padded is offsets else plan["vbe"],
+                                given=given)
         out = self._lookup(indices, padded, per_sample_weights, given=given)
         if self.pooling == "none":  # (one row per index: the bags' batch does not shape it)
             return out
@@ -2058,7 +2124,7 @@ class TableBatchedEmbeddingBags(nn.Module):
         return self._table_state_buffers() + [self.feature_table]
 
     def _run_backward(self, grad_output, weights, indices, offsets, per_sample_weights, features=None,
-                      bag_output_offsets=None) -> None:
+                      bag_output_offsets=None, bag_pad=None) -> None:
         c = self._host_constants()
         errors = self._errors
         # (asked once per call: the capture check and the error record's copy both need it)
@@ -2082,7 +2148,8 @@ class TableBatchedEmbeddingBags(nn.Module):
                 self.stochastic_rounding and not c.dense_gradient,
                 self.seed, *states, *(self._table_state_args() if c.table_states else ()), *hyper, step,
                 errors.record, errors.skip_bad_indices, self.check_finite,
-                *(() if bag_output_offsets is None else (bag_output_offsets,)),
+                *(() if bag_output_offsets is None else
+                  (bag_output_offsets,) if bag_pad is None else (bag_output_offsets, bag_pad)),
             )
         errors.after_call(capturing)
         # The operators write in place without telling autograd; record it, so that a graph that

@@ -10,6 +10,8 @@ against FBGEMM CPU's own VBE (fbgemm-gpu-cpu). CUDA tests carry the `cuda` marke
 
 from __future__ import annotations
 
+import itertools
+import types
 from typing import List
 
 import pytest
@@ -805,11 +807,15 @@ def test_vbe_plan_refuses_bad_sizes_however_given():
 def test_vbe_batch_whose_features_have_equal_totals_runs_unpadded(monkeypatch):
     # every feature with as many bags as the largest (ranks of different batch sizes, the same for
     # every feature): the padded batch is the VBE batch itself, so the forward takes the offsets
-    # as they are (no gather), and trains as the padded batch does
+    # as they are (no gather), and trains as the padded batch does. Padded batches: no gather
+    # either where the operators read the offsets through the plan's padding index (the CPU's
+    # default, _vbe_pad_route), one where they take the padded offsets (route off, CUDA's default)
     gen = torch.Generator().manual_seed(4)
     tables = [(6, 4), (5, 2), (7, 3)]
-    for bsfr, unpadded in (([[1, 3], [2, 2], [0, 4]], True), ([[1, 3], [2, 1], [0, 4]], False)):
+    for (bsfr, unpadded), route in itertools.product(
+            (([[1, 3], [2, 2], [0, 4]], True), ([[1, 3], [2, 1], [0, 4]], False)), (True, False)):
         emb, ref = make("sgd", tables), make("sgd", tables)
+        emb.__dict__["_vbe_pad_known"] = (torch.device("cpu"), route)
         ref.load_state_dict(emb.state_dict())
         indices, offsets, psw = vbe_batch([6, 5, 7], bsfr, gen, weighted=True)
         plan = emb._vbe_plan(bsfr)
@@ -820,7 +826,8 @@ def test_vbe_batch_whose_features_have_equal_totals_runs_unpadded(monkeypatch):
         monkeypatch.setattr(torch.Tensor, "index_select", lambda *a, **k: gathers.append(1) or real(*a, **k))
         out = emb(indices, offsets, psw, batch_size_per_feature_per_rank=bsfr)
         monkeypatch.undo()
-        assert len(gathers) == (0 if unpadded else 1)
+        assert len(gathers) == (0 if unpadded or route else 1)
+        assert (plan["vbe_pad"] is not plan["vbe"]) == (route and not unpadded)
         grad = torch.randn(out.shape, generator=gen)
         out.backward(grad)
         # the same step on the padded batch: its output's real rows, rank-major, and its weights
@@ -975,17 +982,27 @@ def test_vbe_plan_padded_operator_checks_its_offsets(sgd_ops):
     assert not offsets.is_contiguous() and padded.numel() == 7 and torch.equal(padded, offsets.index_select(0, pad))
 
 
+@pytest.mark.parametrize("route", [False, True])
 @pytest.mark.parametrize("int32", [False, True])
-def test_vbe_new_plan_makes_the_padded_offsets_without_a_gather(int32, monkeypatch):
+def test_vbe_new_plan_makes_the_padded_offsets_without_a_gather(int32, route, monkeypatch):
     # every step new sizes (TorchRec's case): the forward makes each new plan with its padded
     # offsets (vbe_plan_padded) and gathers nothing; output and training the
-    # padded batch's bitwise, as the kept plans' (the same sizes again: the gather)
+    # padded batch's bitwise, as the kept plans' (the same sizes again: the gather). With the
+    # operators reading the offsets through the plan's padding index (route: the CPU's default,
+    # _vbe_pad_route) no padded offsets at all, new plan or kept (vbe_plan, never vbe_plan_padded)
     gathers = []
     index_select = torch.Tensor.index_select
     monkeypatch.setattr(torch.Tensor, "index_select",
                         lambda self, *a, **k: gathers.append(1) or index_select(self, *a, **k))
     tables = [(20, 4), (30, 3), (25, 8)]
     vbe, pad_emb = make("rowwise_adagrad", tables), make("rowwise_adagrad", tables)
+    vbe.__dict__["_vbe_pad_known"] = (torch.device("cpu"), route)
+    plans_padded = []
+    plan_padded = vbe._ops.vbe_plan_padded
+    monkeypatch.setattr(vbe, "_ops", types.SimpleNamespace(**{
+        name: getattr(vbe._ops, name) for name in ("forward", "backward", "grad_per_sample_weights", "vbe_plan",
+                                                   "vbe_plan_tensor")},
+        vbe_plan_padded=lambda *a: plans_padded.append(1) or plan_padded(*a)), raising=False)
     gen = torch.Generator().manual_seed(4)
     steps = [[[3, 0, 2], [1, 1, 1], [0, 4, 0]], [[2, 2, 2], [0, 0, 1], [5, 0, 1]], [[1, 0, 0], [0, 3, 0], [2, 2, 0]],
              [[3, 0, 2], [1, 1, 1], [0, 4, 0]]]
@@ -996,7 +1013,9 @@ def test_vbe_new_plan_makes_the_padded_offsets_without_a_gather(int32, monkeypat
         gathers.clear()
         out = vbe(indices, offsets, batch_size_per_feature_per_rank=bsfr)
         new_plan = k < 3  # (step 3 repeats step 0's sizes; then all kept)
-        assert gathers == ([] if new_plan else [1]), (k, gathers)
+        assert gathers == ([] if new_plan or route else [1]), (k, gathers)
+        assert plans_padded == ([1] if new_plan and not route else []), (k, plans_padded)
+        plans_padded.clear()
         padded = vbe_padded_by_hand(offsets, bsfr)
         out_pad = pad_emb(indices, padded)
         grad = torch.randn(out.numel(), generator=gen)
@@ -1125,3 +1144,92 @@ def test_vbe_forward_takes_a_handed_plan_only_for_the_same_objects():
             assert torch.equal(emb(indices, offsets, batch_size_per_feature_per_rank=bsfr), want)
         emb.__dict__["_vbe_handed"] = (offsets, bsfr, (wrong_plan, wrong_padded))
         assert not torch.equal(emb(indices, offsets, batch_size_per_feature_per_rank=bsfr), want)
+
+
+def _pad_route_steps(device, route, monkeypatch, optimizer, tables, ftm, pooling, weighted, dtype, dims):
+    """Three steps (new sizes, new sizes, the first again: a kept plan) of one module whose VBE
+    operators read the offsets through the plan's padding index (`route`) or take them padded:
+    each step's output, per-sample-weight gradient and the weights and states after it. Counts
+    the offsets' gathers (index_select) and asserts which way the forward went."""
+    gathers = []
+    index_select = torch.Tensor.index_select
+    monkeypatch.setattr(torch.Tensor, "index_select", lambda self, *a, **k: gathers.append(1) or index_select(self, *a, **k))
+    if device == "cuda":
+        monkeypatch.setenv("TBEGEN_VBE_PAD_IN_KERNELS", "1" if route else "0")
+    emb = make(optimizer, tables, ftm, device=device, pooling=pooling)
+    if device == "cpu":
+        emb.__dict__["_vbe_pad_known"] = (torch.device("cpu"), route)
+    gen = torch.Generator().manual_seed(11)
+    rows = [tables[t][0] for t in (ftm or range(len(tables)))]
+    results = []
+    for k, bsfr in enumerate(([[3, 0, 2], [1, 1, 1], [0, 4, 0]], [[2, 2, 2], [0, 0, 1], [5, 0, 1]],
+                              [[3, 0, 2], [1, 1, 1], [0, 4, 0]])):
+        indices, offsets, psw = vbe_batch(rows, bsfr, gen, weighted=weighted)
+        indices, offsets = indices.to(dtype).to(device), offsets.to(dtype).to(device)
+        if psw is not None:
+            psw = psw.to(device).requires_grad_(True)
+        gathers.clear()
+        out = emb(indices, offsets, psw, batch_size_per_feature_per_rank=bsfr)
+        plan = emb.__dict__["_vbe_plans"].last
+        assert (plan["vbe_pad"] is not plan["vbe"]) == route
+        # (the route: no gather; else new plans (steps 0, 1) pad in vbe_plan_padded, the kept one gathers)
+        assert gathers == ([] if route or k < 2 else [1]), (k, gathers)
+        grad = torch.randn(out.shape, generator=gen).to(device)
+        out.backward(grad)
+        results.append((out.detach().cpu(), None if psw is None else psw.grad.cpu(), emb.weights.detach().cpu().clone(),
+                        [s.detach().cpu().clone() for s in emb.states.buffers()]))
+    return results
+
+
+def _assert_pad_route_bitwise(device, monkeypatch, optimizer, tables, ftm, pooling, weighted, dtype, dims=None):
+    a = _pad_route_steps(device, True, monkeypatch, optimizer, tables, ftm, pooling, weighted, dtype, dims)
+    monkeypatch.undo()
+    b = _pad_route_steps(device, False, monkeypatch, optimizer, tables, ftm, pooling, weighted, dtype, dims)
+    monkeypatch.undo()
+    for k, (x, y) in enumerate(zip(a, b)):
+        assert torch.equal(x[0], y[0]), k
+        assert (x[1] is None) == (y[1] is None) and (x[1] is None or torch.equal(x[1], y[1])), k
+        assert torch.equal(x[2], y[2]), k
+        assert all(torch.equal(s, t) for s, t in zip(x[3], y[3])), k
+
+
+@pytest.mark.parametrize("optimizer,pooling,weighted,dtype", [
+    ("sgd", "sum", False, torch.int64), ("rowwise_adagrad", "sum", True, torch.int32),
+    ("rowwise_adagrad", "mean", False, torch.int64), ("sgd", "mean", True, torch.int32)])
+def test_vbe_offsets_through_the_padding_index_are_the_gathered_offsets_bitwise(optimizer, pooling, weighted, dtype,
+                                                                                monkeypatch):
+    # the operators reading each padded bag's bounds at offsets[pad[b]] (bag_pad: the CPU's default)
+    # give the output, the per-sample-weight gradient and the update of the gathered offsets', bit
+    # for bit; no gather on that route, new plan or kept
+    _assert_pad_route_bitwise("cpu", monkeypatch, optimizer, [(20, 4), (30, 3), (25, 8)], None, pooling, weighted,
+                              dtype)
+
+
+def test_vbe_bag_pad_is_checked_by_the_operators():
+    emb = make("sgd", [(6, 4), (5, 2)])
+    indices, offsets = torch.tensor([1, 2, 0, 3, 4]), torch.tensor([0, 1, 2, 3, 4, 5])  # 5 VBE bags
+    plan = emb._vbe_plan([[1, 2], [2, 0]])
+    args = op_args(emb, indices, offsets)
+    for pad, message in ((torch.tensor([0, 1, 3, 3, 4, 9, 5]), r"bag_pad\[5\] = 9 is not an entry of the 6 offsets"),
+                         (torch.tensor([0, 1, 3, 3, 4, 5], dtype=torch.int32), "bag_pad must be int64"),
+                         (torch.tensor([0, 1, 3, 3, 4, 5]), "F \\* B \\+ 1 entries")):
+        with pytest.raises(RuntimeError, match=message):
+            emb._ops.forward(*args, None, 0, None, False, plan["bag_out"], plan["numel"], pad)
+    out = emb._ops.forward(*args, None, 0, None, False, plan["bag_out"], plan["numel"], plan["pad"])
+    ref = emb._ops.forward(*op_args(emb, indices, offsets.index_select(0, plan["pad"])), None, 0, None, False,
+                           plan["bag_out"], plan["numel"])
+    assert torch.equal(out, ref)
+
+
+@cuda
+@pytest.mark.parametrize("optimizer,pooling,weighted,dtype,dims", [
+    ("sgd", "sum", False, torch.int64, (4, 8, 12)), ("rowwise_adagrad", "sum", True, torch.int32, (4, 8, 12)),
+    ("rowwise_adagrad", "mean", False, torch.int64, (3, 5, 130)), ("sgd", "mean", True, torch.int32, (3, 5, 7)),
+    ("adam", "sum", False, torch.int64, (64, 128, 256))])
+def test_cuda_vbe_offsets_through_the_padding_index_are_the_gathered_offsets_bitwise(optimizer, pooling, weighted,
+                                                                                     dtype, dims, monkeypatch):
+    # TBEGEN_VBE_PAD_IN_KERNELS=1: the forward, per-sample-weight gradient and linearize kernels
+    # read bag b's bounds at offsets[pad[b]] (ForwardArgs::pad; 4-wide and any-width widths), no
+    # index_select: the same bits as the gathered offsets (the default)
+    tables = [(20, dims[0]), (30, dims[1]), (25, dims[2])]
+    _assert_pad_route_bitwise("cuda", monkeypatch, optimizer, tables, None, pooling, weighted, dtype, dims)

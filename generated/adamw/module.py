@@ -29,9 +29,9 @@ STATES = {
 
 # operator schemas, as registered by ops.cpp
 SCHEMAS = {
-    "forward": 'forward(Tensor weights, Tensor features, int total_D, int max_D, Tensor indices, Tensor offsets, Tensor? per_sample_weights, int pooling, Tensor? error_record=None, bool skip_bad_indices=False, Tensor? bag_output_offsets=None, int output_size=-1) -> Tensor',
-    "grad_per_sample_weights": 'grad_per_sample_weights(Tensor grad_output, Tensor weights, Tensor features, int total_D, int max_D, Tensor indices, Tensor offsets, int pooling, Tensor? error_record=None, bool skip_bad_indices=False, Tensor? bag_output_offsets=None) -> Tensor',
-    "backward": 'backward(Tensor grad_output, Tensor(a!) weights, Tensor features, int total_D, int max_D, int total_hash_size, Tensor indices, Tensor offsets, Tensor? per_sample_weights, int pooling, int max_segment_length_per_warp, bool stochastic_rounding, int seed, Tensor(b!) exp_avg, Tensor(c!) exp_avg_sq, float learning_rate, float beta1, float beta2, float eps, float weight_decay, int step, Tensor? error_record=None, bool skip_bad_indices=False, bool check_finite=True, Tensor? bag_output_offsets=None) -> ()',
+    "forward": 'forward(Tensor weights, Tensor features, int total_D, int max_D, Tensor indices, Tensor offsets, Tensor? per_sample_weights, int pooling, Tensor? error_record=None, bool skip_bad_indices=False, Tensor? bag_output_offsets=None, int output_size=-1, Tensor? bag_pad=None) -> Tensor',
+    "grad_per_sample_weights": 'grad_per_sample_weights(Tensor grad_output, Tensor weights, Tensor features, int total_D, int max_D, Tensor indices, Tensor offsets, int pooling, Tensor? error_record=None, bool skip_bad_indices=False, Tensor? bag_output_offsets=None, Tensor? bag_pad=None) -> Tensor',
+    "backward": 'backward(Tensor grad_output, Tensor(a!) weights, Tensor features, int total_D, int max_D, int total_hash_size, Tensor indices, Tensor offsets, Tensor? per_sample_weights, int pooling, int max_segment_length_per_warp, bool stochastic_rounding, int seed, Tensor(b!) exp_avg, Tensor(c!) exp_avg_sq, float learning_rate, float beta1, float beta2, float eps, float weight_decay, int step, Tensor? error_record=None, bool skip_bad_indices=False, bool check_finite=True, Tensor? bag_output_offsets=None, Tensor? bag_pad=None) -> ()',
 }
 
 SOURCES = ("ops.cpp",)  # plus include/tbegen/cpu_ops.cpp, shared by every optimizer

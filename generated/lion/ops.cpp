@@ -18,28 +18,28 @@ namespace opt_lion {
 // (tbegen/build.py may compile this file as two translation units side by side: TBEGEN_OPS_PART 1
 // is all but the lane-split backward, 2 is that alone; without TBEGEN_OPS_PART, all of it)
 #if !defined(TBEGEN_OPS_PART) || TBEGEN_OPS_PART == 1
-void backward_cpu(const at::Tensor& grad_output, const at::Tensor& weights, const at::Tensor& features, int64_t total_D, int64_t max_D, int64_t total_hash_size, const at::Tensor& indices, const at::Tensor& offsets, const c10::optional<at::Tensor>& per_sample_weights, int64_t pooling, int64_t max_segment_length_per_warp, bool stochastic_rounding, int64_t seed, const at::Tensor& exp_avg, double learning_rate, double beta1, double beta2, double weight_decay, int64_t step, const c10::optional<at::Tensor>& error_record, bool skip_bad_indices, bool check_finite, const c10::optional<at::Tensor>& bag_output_offsets) {
+void backward_cpu(const at::Tensor& grad_output, const at::Tensor& weights, const at::Tensor& features, int64_t total_D, int64_t max_D, int64_t total_hash_size, const at::Tensor& indices, const at::Tensor& offsets, const c10::optional<at::Tensor>& per_sample_weights, int64_t pooling, int64_t max_segment_length_per_warp, bool stochastic_rounding, int64_t seed, const at::Tensor& exp_avg, double learning_rate, double beta1, double beta2, double weight_decay, int64_t step, const c10::optional<at::Tensor>& error_record, bool skip_bad_indices, bool check_finite, const c10::optional<at::Tensor>& bag_output_offsets, const c10::optional<at::Tensor>& bag_pad) {
   const Params tbegen_params = make_params(weights, total_hash_size, exp_avg, learning_rate, beta1, beta2, weight_decay);
   const RowUpdateContext tbegen_ctx{stochastic_rounding, seed, step};
   cpu::backward_cpu<Optimizer>(grad_output, weights, features, total_D, max_D, total_hash_size, indices,
                                offsets, per_sample_weights, pooling, tbegen_params, tbegen_ctx, error_record,
-                               skip_bad_indices, check_finite, bag_output_offsets);
+                               skip_bad_indices, check_finite, bag_output_offsets, bag_pad);
 }
 #endif
 
 #if !defined(TBEGEN_OPS_PART) || TBEGEN_OPS_PART == 2
 // The same update run the way the CUDA kernel splits a row over a warp's lanes (cpu_kernels.h,
 // LaneSplit): the harness compares it with backward to catch a spec that depends on the split.
-void backward_lane_split_cpu(const at::Tensor& grad_output, const at::Tensor& weights, const at::Tensor& features, int64_t total_D, int64_t max_D, int64_t total_hash_size, const at::Tensor& indices, const at::Tensor& offsets, const c10::optional<at::Tensor>& per_sample_weights, int64_t pooling, int64_t max_segment_length_per_warp, bool stochastic_rounding, int64_t seed, const at::Tensor& exp_avg, double learning_rate, double beta1, double beta2, double weight_decay, int64_t step, const c10::optional<at::Tensor>& error_record, bool skip_bad_indices, bool check_finite, const c10::optional<at::Tensor>& bag_output_offsets) {
+void backward_lane_split_cpu(const at::Tensor& grad_output, const at::Tensor& weights, const at::Tensor& features, int64_t total_D, int64_t max_D, int64_t total_hash_size, const at::Tensor& indices, const at::Tensor& offsets, const c10::optional<at::Tensor>& per_sample_weights, int64_t pooling, int64_t max_segment_length_per_warp, bool stochastic_rounding, int64_t seed, const at::Tensor& exp_avg, double learning_rate, double beta1, double beta2, double weight_decay, int64_t step, const c10::optional<at::Tensor>& error_record, bool skip_bad_indices, bool check_finite, const c10::optional<at::Tensor>& bag_output_offsets, const c10::optional<at::Tensor>& bag_pad) {
   const Params tbegen_params = make_params(weights, total_hash_size, exp_avg, learning_rate, beta1, beta2, weight_decay);
   const RowUpdateContext tbegen_ctx{stochastic_rounding, seed, step};
   cpu::backward_cpu<cpu::LaneSplit<Optimizer>>(grad_output, weights, features, total_D, max_D, total_hash_size,
                                                indices, offsets, per_sample_weights, pooling, tbegen_params,
                                                tbegen_ctx, error_record, skip_bad_indices, check_finite,
-                                               bag_output_offsets);
+                                               bag_output_offsets, bag_pad);
 }
 #else
-void backward_lane_split_cpu(const at::Tensor& grad_output, const at::Tensor& weights, const at::Tensor& features, int64_t total_D, int64_t max_D, int64_t total_hash_size, const at::Tensor& indices, const at::Tensor& offsets, const c10::optional<at::Tensor>& per_sample_weights, int64_t pooling, int64_t max_segment_length_per_warp, bool stochastic_rounding, int64_t seed, const at::Tensor& exp_avg, double learning_rate, double beta1, double beta2, double weight_decay, int64_t step, const c10::optional<at::Tensor>& error_record, bool skip_bad_indices, bool check_finite, const c10::optional<at::Tensor>& bag_output_offsets);  // (part 2)
+void backward_lane_split_cpu(const at::Tensor& grad_output, const at::Tensor& weights, const at::Tensor& features, int64_t total_D, int64_t max_D, int64_t total_hash_size, const at::Tensor& indices, const at::Tensor& offsets, const c10::optional<at::Tensor>& per_sample_weights, int64_t pooling, int64_t max_segment_length_per_warp, bool stochastic_rounding, int64_t seed, const at::Tensor& exp_avg, double learning_rate, double beta1, double beta2, double weight_decay, int64_t step, const c10::optional<at::Tensor>& error_record, bool skip_bad_indices, bool check_finite, const c10::optional<at::Tensor>& bag_output_offsets, const c10::optional<at::Tensor>& bag_pad);  // (part 2)
 #endif
 #if !defined(TBEGEN_OPS_PART) || TBEGEN_OPS_PART == 1
 #endif
@@ -48,10 +48,10 @@ void backward_lane_split_cpu(const at::Tensor& grad_output, const at::Tensor& we
 
 #if !defined(TBEGEN_OPS_PART) || TBEGEN_OPS_PART == 1
 TORCH_LIBRARY(tbegen_lion, m) {
-  m.def("forward(Tensor weights, Tensor features, int total_D, int max_D, Tensor indices, Tensor offsets, Tensor? per_sample_weights, int pooling, Tensor? error_record=None, bool skip_bad_indices=False, Tensor? bag_output_offsets=None, int output_size=-1) -> Tensor");
-  m.def("grad_per_sample_weights(Tensor grad_output, Tensor weights, Tensor features, int total_D, int max_D, Tensor indices, Tensor offsets, int pooling, Tensor? error_record=None, bool skip_bad_indices=False, Tensor? bag_output_offsets=None) -> Tensor");
-  m.def("backward(Tensor grad_output, Tensor(a!) weights, Tensor features, int total_D, int max_D, int total_hash_size, Tensor indices, Tensor offsets, Tensor? per_sample_weights, int pooling, int max_segment_length_per_warp, bool stochastic_rounding, int seed, Tensor(b!) exp_avg, float learning_rate, float beta1, float beta2, float weight_decay, int step, Tensor? error_record=None, bool skip_bad_indices=False, bool check_finite=True, Tensor? bag_output_offsets=None) -> ()");
-  m.def("backward_lane_split(Tensor grad_output, Tensor(a!) weights, Tensor features, int total_D, int max_D, int total_hash_size, Tensor indices, Tensor offsets, Tensor? per_sample_weights, int pooling, int max_segment_length_per_warp, bool stochastic_rounding, int seed, Tensor(b!) exp_avg, float learning_rate, float beta1, float beta2, float weight_decay, int step, Tensor? error_record=None, bool skip_bad_indices=False, bool check_finite=True, Tensor? bag_output_offsets=None) -> ()");
+  m.def("forward(Tensor weights, Tensor features, int total_D, int max_D, Tensor indices, Tensor offsets, Tensor? per_sample_weights, int pooling, Tensor? error_record=None, bool skip_bad_indices=False, Tensor? bag_output_offsets=None, int output_size=-1, Tensor? bag_pad=None) -> Tensor");
+  m.def("grad_per_sample_weights(Tensor grad_output, Tensor weights, Tensor features, int total_D, int max_D, Tensor indices, Tensor offsets, int pooling, Tensor? error_record=None, bool skip_bad_indices=False, Tensor? bag_output_offsets=None, Tensor? bag_pad=None) -> Tensor");
+  m.def("backward(Tensor grad_output, Tensor(a!) weights, Tensor features, int total_D, int max_D, int total_hash_size, Tensor indices, Tensor offsets, Tensor? per_sample_weights, int pooling, int max_segment_length_per_warp, bool stochastic_rounding, int seed, Tensor(b!) exp_avg, float learning_rate, float beta1, float beta2, float weight_decay, int step, Tensor? error_record=None, bool skip_bad_indices=False, bool check_finite=True, Tensor? bag_output_offsets=None, Tensor? bag_pad=None) -> ()");
+  m.def("backward_lane_split(Tensor grad_output, Tensor(a!) weights, Tensor features, int total_D, int max_D, int total_hash_size, Tensor indices, Tensor offsets, Tensor? per_sample_weights, int pooling, int max_segment_length_per_warp, bool stochastic_rounding, int seed, Tensor(b!) exp_avg, float learning_rate, float beta1, float beta2, float weight_decay, int step, Tensor? error_record=None, bool skip_bad_indices=False, bool check_finite=True, Tensor? bag_output_offsets=None, Tensor? bag_pad=None) -> ()");
   m.def("describe_error(Tensor record, bool with_index_errors) -> str");
   m.def("vbe_plan(int[] sizes, int num_ranks, int[] dims, Tensor device_of) -> (Tensor, Tensor, int[])");
   m.def("vbe_plan_tensor(Tensor sizes, int num_ranks, int[] dims, Tensor device_of) -> (Tensor, Tensor, int[])");

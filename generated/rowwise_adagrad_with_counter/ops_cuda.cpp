@@ -23,12 +23,13 @@ namespace opt_rowwise_adagrad_with_counter {
 
 const cuda::BackwardKernels& backward_kernels();  // kernels_cuda.cu
 
-void backward_cuda(const at::Tensor& grad_output, const at::Tensor& weights, const at::Tensor& features, int64_t total_D, int64_t max_D, int64_t total_hash_size, const at::Tensor& indices, const at::Tensor& offsets, const c10::optional<at::Tensor>& per_sample_weights, int64_t pooling, int64_t max_segment_length_per_warp, bool stochastic_rounding, int64_t seed, const at::Tensor& momentum, const at::Tensor& prev_iter, const at::Tensor& row_counter, const at::Tensor& max_counter, const at::Tensor& feature_table, double learning_rate, double eps, double weight_decay, int64_t weight_decay_mode, int64_t regularization_mode, int64_t counter_halflife, int64_t adjustment_iter, double adjustment_ub, int64_t learning_rate_mode, int64_t max_counter_update_freq, double tail_id_threshold, int64_t is_tail_id_thresh_ratio, double weight_norm_coefficient, double lower_bound, int64_t step, const c10::optional<at::Tensor>& error_record, bool skip_bad_indices, bool check_finite, const c10::optional<at::Tensor>& bag_output_offsets) {
+void backward_cuda(const at::Tensor& grad_output, const at::Tensor& weights, const at::Tensor& features, int64_t total_D, int64_t max_D, int64_t total_hash_size, const at::Tensor& indices, const at::Tensor& offsets, const c10::optional<at::Tensor>& per_sample_weights, int64_t pooling, int64_t max_segment_length_per_warp, bool stochastic_rounding, int64_t seed, const at::Tensor& momentum, const at::Tensor& prev_iter, const at::Tensor& row_counter, const at::Tensor& max_counter, const at::Tensor& feature_table, double learning_rate, double eps, double weight_decay, int64_t weight_decay_mode, int64_t regularization_mode, int64_t counter_halflife, int64_t adjustment_iter, double adjustment_ub, int64_t learning_rate_mode, int64_t max_counter_update_freq, double tail_id_threshold, int64_t is_tail_id_thresh_ratio, double weight_norm_coefficient, double lower_bound, int64_t step, const c10::optional<at::Tensor>& error_record, bool skip_bad_indices, bool check_finite, const c10::optional<at::Tensor>& bag_output_offsets, const c10::optional<at::Tensor>& bag_pad) {
   const Params tbegen_params = make_params(weights, total_hash_size, momentum, prev_iter, row_counter, max_counter, feature_table, features, learning_rate, eps, weight_decay, weight_decay_mode, regularization_mode, counter_halflife, adjustment_iter, adjustment_ub, learning_rate_mode, max_counter_update_freq, tail_id_threshold, is_tail_id_thresh_ratio, weight_norm_coefficient, lower_bound);
   const RowUpdateContext tbegen_ctx{stochastic_rounding, seed, step};
   cuda::backward_cuda(grad_output, weights, features, total_D, max_D, total_hash_size, indices, offsets,
                       per_sample_weights, pooling, max_segment_length_per_warp, &tbegen_params, backward_kernels(),
-                      tbegen_ctx, error_record, skip_bad_indices, check_finite, bag_output_offsets);
+                      tbegen_ctx, error_record, skip_bad_indices, check_finite, bag_output_offsets,
+                      bag_pad);
 }
 
 

@@ -21,12 +21,13 @@ namespace opt_sgd {
 
 const cuda::BackwardKernels& backward_kernels();  // kernels_cuda.cu
 
-void backward_cuda(const at::Tensor& grad_output, const at::Tensor& weights, const at::Tensor& features, int64_t total_D, int64_t max_D, int64_t total_hash_size, const at::Tensor& indices, const at::Tensor& offsets, const c10::optional<at::Tensor>& per_sample_weights, int64_t pooling, int64_t max_segment_length_per_warp, bool stochastic_rounding, int64_t seed, double learning_rate, int64_t step, const c10::optional<at::Tensor>& error_record, bool skip_bad_indices, bool check_finite, const c10::optional<at::Tensor>& bag_output_offsets) {
+void backward_cuda(const at::Tensor& grad_output, const at::Tensor& weights, const at::Tensor& features, int64_t total_D, int64_t max_D, int64_t total_hash_size, const at::Tensor& indices, const at::Tensor& offsets, const c10::optional<at::Tensor>& per_sample_weights, int64_t pooling, int64_t max_segment_length_per_warp, bool stochastic_rounding, int64_t seed, double learning_rate, int64_t step, const c10::optional<at::Tensor>& error_record, bool skip_bad_indices, bool check_finite, const c10::optional<at::Tensor>& bag_output_offsets, const c10::optional<at::Tensor>& bag_pad) {
   const Params tbegen_params = make_params(weights, total_hash_size, learning_rate);
   const RowUpdateContext tbegen_ctx{stochastic_rounding, seed, step};
   cuda::backward_cuda(grad_output, weights, features, total_D, max_D, total_hash_size, indices, offsets,
                       per_sample_weights, pooling, max_segment_length_per_warp, &tbegen_params, backward_kernels(),
-                      tbegen_ctx, error_record, skip_bad_indices, check_finite, bag_output_offsets);
+                      tbegen_ctx, error_record, skip_bad_indices, check_finite, bag_output_offsets,
+                      bag_pad);
 }
 
 }  // namespace opt_sgd

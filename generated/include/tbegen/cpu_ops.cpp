@@ -98,18 +98,20 @@ std::tuple<at::Tensor, at::Tensor, std::vector<int64_t>, at::Tensor> vbe_plan_pa
 // the bad indices to skip (empty unless skip_bad_indices; otherwise a bad index raises).
 template <typename I>
 std::vector<int64_t> bad_indices(const Batch& b, const at::Tensor& features, const at::Tensor& indices,
-                                 const at::Tensor& offsets, const c10::optional<at::Tensor>& error_record,
+                                 const I* offsets, const c10::optional<at::Tensor>& error_record,
                                  bool skip_bad_indices) {
-  return check_indices_host<I>(b, features.data_ptr<int64_t>(), indices.data_ptr<I>(), offsets.data_ptr<I>(),
-                               skip_bad_indices, record_data(error_record));
+  return check_indices_host<I>(b, features.data_ptr<int64_t>(), indices.data_ptr<I>(), offsets, skip_bad_indices,
+                               record_data(error_record));
 }
 
 at::Tensor forward_cpu(const at::Tensor& weights, const at::Tensor& features, int64_t total_D, int64_t max_D,
                        const at::Tensor& indices, const at::Tensor& offsets,
                        const c10::optional<at::Tensor>& per_sample_weights, int64_t pooling,
                        const c10::optional<at::Tensor>& error_record, bool skip_bad_indices,
-                       const c10::optional<at::Tensor>& bag_output_offsets, int64_t output_size) {
-  const Batch b = check_batch(weights, features, total_D, max_D, indices, offsets, per_sample_weights, pooling);
+                       const c10::optional<at::Tensor>& bag_output_offsets, int64_t output_size,
+                       const c10::optional<at::Tensor>& bag_pad) {
+  const Batch b =
+      check_batch(weights, features, total_D, max_D, indices, offsets, per_sample_weights, pooling, bag_pad);
   check_error_record(error_record, weights);
   const bool vbe = bag_output_offsets.has_value();
   if (vbe) {
@@ -129,21 +131,24 @@ at::Tensor forward_cpu(const at::Tensor& weights, const at::Tensor& features, in
   dispatch_types(weights, indices, [&](auto w, auto i) {
     using W = decltype(w);
     using I = decltype(i);
-    const std::vector<int64_t> bad = bad_indices<I>(b, features, indices, offsets, error_record, skip_bad_indices);
+    // (bag_pad: the padded batch's offsets read through it into a buffer, host.h)
+    std::vector<I> padded;
+    const I* off = padded_offsets_host<I>(b, offsets.data_ptr<I>(), padded);
+    const std::vector<int64_t> bad = bad_indices<I>(b, features, indices, off, error_record, skip_bad_indices);
     if (vbe) {
-      check_bag_output_values_host<I>(b, features.data_ptr<int64_t>(), bag_out, offsets.data_ptr<I>(), output_size,
+      check_bag_output_values_host<I>(b, features.data_ptr<int64_t>(), bag_out, off, output_size,
                                       /*tiling=*/!tiles);
     }
     if (bad.empty()) {
-      forward<W, I>(b, features.data_ptr<int64_t>(), weights.data_ptr<W>(), indices.data_ptr<I>(),
-                    offsets.data_ptr<I>(), optional_data(per_sample_weights), out.data_ptr<float>(), bag_out);
+      forward<W, I>(b, features.data_ptr<int64_t>(), weights.data_ptr<W>(), indices.data_ptr<I>(), off,
+                    optional_data(per_sample_weights), out.data_ptr<float>(), bag_out);
       return;
     }
     // Skipped bad indices: each looks up row 0 with weight 0 (so it adds nothing, and a mean still
     // divides by the bag's full length, as on CUDA); for pooling none its row is zeroed after.
     const SkippedIndices<I> skip(bad, indices, per_sample_weights);
-    forward<W, I>(b, features.data_ptr<int64_t>(), weights.data_ptr<W>(), skip.indices.template data_ptr<I>(),
-                  offsets.data_ptr<I>(), skip.weights.template data_ptr<float>(), out.data_ptr<float>(), bag_out);
+    forward<W, I>(b, features.data_ptr<int64_t>(), weights.data_ptr<W>(), skip.indices.template data_ptr<I>(), off,
+                  skip.weights.template data_ptr<float>(), out.data_ptr<float>(), bag_out);
     if (pooling == kPoolNone) {
       for (const int64_t i : bad) out[i].zero_();
     }
@@ -155,23 +160,25 @@ at::Tensor grad_per_sample_weights_cpu(const at::Tensor& grad_output, const at::
                                        const at::Tensor& features, int64_t total_D, int64_t max_D,
                                        const at::Tensor& indices, const at::Tensor& offsets, int64_t pooling,
                                        const c10::optional<at::Tensor>& error_record, bool skip_bad_indices,
-                                       const c10::optional<at::Tensor>& bag_output_offsets) {
-  const Batch b = check_batch(weights, features, total_D, max_D, indices, offsets, c10::nullopt, pooling);
+                                       const c10::optional<at::Tensor>& bag_output_offsets,
+                                       const c10::optional<at::Tensor>& bag_pad) {
+  const Batch b = check_batch(weights, features, total_D, max_D, indices, offsets, c10::nullopt, pooling, bag_pad);
   const int64_t* bag_out = check_grad_output_of(b, grad_output, weights, bag_output_offsets);
   check_error_record(error_record, weights);
   at::Tensor grad = at::empty({b.N}, weights.options().dtype(at::kFloat));
   dispatch_types(weights, indices, [&](auto w, auto i) {
     using W = decltype(w);
     using I = decltype(i);
-    const std::vector<int64_t> bad = bad_indices<I>(b, features, indices, offsets, error_record, skip_bad_indices);
+    std::vector<I> padded;
+    const I* off = padded_offsets_host<I>(b, offsets.data_ptr<I>(), padded);
+    const std::vector<int64_t> bad = bad_indices<I>(b, features, indices, off, error_record, skip_bad_indices);
     if (bag_out != nullptr) {
-      check_bag_output_values_host<I>(b, features.data_ptr<int64_t>(), bag_out, offsets.data_ptr<I>(),
-                                      grad_output.numel());
+      check_bag_output_values_host<I>(b, features.data_ptr<int64_t>(), bag_out, off, grad_output.numel());
     }
     const SkippedIndices<I> skip(bad, indices, c10::nullopt);
     grad_per_sample_weights<W, I>(b, features.data_ptr<int64_t>(), grad_output.data_ptr<float>(),
                                   weights.data_ptr<W>(), (bad.empty() ? indices : skip.indices).template data_ptr<I>(),
-                                  offsets.data_ptr<I>(), grad.data_ptr<float>(), bag_out);
+                                  off, grad.data_ptr<float>(), bag_out);
     float* g = grad.data_ptr<float>();
     for (const int64_t i : bad) g[i] = 0.0f;  // a skipped index's weight gets no gradient
   });

@@ -178,6 +178,11 @@ struct ForwardArgs {
   // a VBE batch (vbe.h): each bag's element offset in the 1-D output, -1 for a padding bag
   // (empty: nothing written); nullptr: bag b of feature f at out + b * total_D + f's column
   const int64_t* bag_out = nullptr;
+  // a VBE batch read through its plan's padding index (Batch::pad, host.h): bag i's bounds are
+  // offsets[pad[i]] and offsets[pad[i + 1]], pad values checked against the offsets' `pad_limit`
+  // entries; nullptr: the offsets are the padded batch's
+  const int64_t* pad = nullptr;
+  int64_t pad_limit = 0;
 };
 
 // Where bag `bag` (bag b of the feature whose features-table row is ft) has its pooled row in the
@@ -212,6 +217,27 @@ __device__ __forceinline__ bool bag_bounds(const I* offsets, int64_t bag, int64_
   const bool ok = *start >= 0 && *start <= *end && *end <= N && (bag != 0 || *start == 0) &&
                   (bag != nbags - 1 || *end == N);
   if (!ok) record_error(error, kErrBadOffsets, bag, 0);
+  return ok;
+}
+
+// bag_bounds of the call's bag: through the padding index where the call has one (ForwardArgs::pad;
+// a pad value outside the offsets is malformed offsets, recorded as such), else as above. The
+// same start and end as bag_bounds over the padded offsets offsets[pad].
+template <typename I>
+__device__ __forceinline__ bool bag_bounds(const ForwardArgs& a, const I* offsets, int64_t bag, int64_t nbags,
+                                           int64_t* start, int64_t* end) {
+  if (a.pad == nullptr) return bag_bounds(offsets, bag, nbags, a.N, a.error, start, end);
+  const int64_t p0 = a.pad[bag], p1 = a.pad[bag + 1];
+  if (p0 < 0 || p1 < 0 || p0 >= a.pad_limit || p1 >= a.pad_limit) {
+    *start = *end = 0;
+    record_error(a.error, kErrBadOffsets, bag, 0);
+    return false;
+  }
+  *start = offsets[p0];
+  *end = offsets[p1];
+  const bool ok = *start >= 0 && *start <= *end && *end <= a.N && (bag != 0 || *start == 0) &&
+                  (bag != nbags - 1 || *end == a.N);
+  if (!ok) record_error(a.error, kErrBadOffsets, bag, 0);
   return ok;
 }
 
@@ -271,7 +297,7 @@ __global__ void __launch_bounds__(256) forward_kernel(ForwardArgs a, const W* __
   const int bag = int((int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / kWarpSize);
   if (bag >= nbags) return;
   int64_t start64, end64;
-  const bool bounds_ok = bag_bounds(offsets, bag, nbags, a.N, a.error, &start64, &end64);
+  const bool bounds_ok = bag_bounds(a, offsets, bag, nbags, &start64, &end64);
   // (a bag with bad offsets: its output is written as zeros)
   const int start = bounds_ok ? int(start64) : 0, end = bounds_ok ? int(end64) : 0;
   const int B = int(a.B);
@@ -415,7 +441,7 @@ __global__ void __launch_bounds__(256) forward_bag_groups_kernel(ForwardArgs a, 
   if (bag >= nbags) return;  // (a whole group: its lanes share the bag)
   const unsigned mask = lanes == kWarpSize ? kFullMask : ((1u << lanes) - 1u) << (group * lanes);
   int64_t start64, end64;
-  const bool bounds_ok = bag_bounds(offsets, bag, nbags, a.N, a.error, &start64, &end64);
+  const bool bounds_ok = bag_bounds(a, offsets, bag, nbags, &start64, &end64);
   // (a bag with bad offsets: its output is written as zeros)
   const int start = bounds_ok ? int(start64) : 0, end = bounds_ok ? int(end64) : 0;
   const int B = int(a.B);
@@ -469,7 +495,7 @@ __global__ void __launch_bounds__(256) forward_rows_kernel(ForwardArgs a, const 
   const int64_t warps = int64_t(gridDim.x) * blockDim.x / kWarpSize;
   for (int64_t bag = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / kWarpSize; bag < nbags; bag += warps) {
     int64_t start, end;
-    if (!bag_bounds(offsets, bag, nbags, a.N, a.error, &start, &end)) continue;
+    if (!bag_bounds(a, offsets, bag, nbags, &start, &end)) continue;
     const int64_t* ft = a.feat + (bag / a.B) * kFeatColumns;
     const int D = int(ft[kFeatDim]);
     for (int64_t base = start; base < end; base += kWarpSize) {
@@ -514,7 +540,7 @@ __global__ void __launch_bounds__(256) grad_psw_kernel(ForwardArgs a, const floa
   const int64_t warps = int64_t(gridDim.x) * blockDim.x / kWarpSize;
   for (int64_t bag = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / kWarpSize; bag < nbags; bag += warps) {
     int64_t start, end;
-    if (!bag_bounds(offsets, bag, nbags, a.N, a.error, &start, &end)) continue;
+    if (!bag_bounds(a, offsets, bag, nbags, &start, &end)) continue;
     const int64_t f = bag / a.B, b = bag % a.B;
     const int64_t* ft = a.feat + f * kFeatColumns;
     const int D = int(ft[kFeatDim]);
@@ -581,7 +607,7 @@ __global__ void __launch_bounds__(256) linearize_kernel(ForwardArgs a, const I* 
     const int64_t my_bag = bag0 + lane;
     int64_t start = a.N, end = a.N;  // (lanes past the last bag: empty, after every index)
     bool ok = true;
-    if (my_bag < nbags) ok = bag_bounds(offsets, my_bag, nbags, a.N, a.error, &start, &end);
+    if (my_bag < nbags) ok = bag_bounds(a, offsets, my_bag, nbags, &start, &end);
     // malformed offsets are a fatal error (nothing will be updated): leave these bags alone
     if (__any_sync(kFullMask, !ok)) continue;
     const float my_inv_len = (a.pooling == kPoolMean && end > start) ? 1.0f / float(end - start) : 1.0f;

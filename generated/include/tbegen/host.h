@@ -72,6 +72,11 @@ struct Batch {
   int64_t max_D = 0;         // widest row (the width of the output for pooling none)
   int64_t pooling = kPoolSum;
   bool weighted = false;
+  // a VBE batch read through its plan's padding index (bag_pad: check_batch): padded bag i's
+  // bounds are offsets[pad[i]] and offsets[pad[i + 1]], the offsets the VBE batch's own (`offsets`
+  // entries, pad values in [0, offsets)); nullptr: the offsets are the padded batch's
+  const int64_t* pad = nullptr;
+  int64_t offsets_count = 0;
 };
 
 inline const char* dtype_name(at::ScalarType t) { return c10::toString(t); }
@@ -115,9 +120,13 @@ inline void check_weights_dtype(const at::Tensor& weights) {
 }
 
 // Checks everything that can be checked without reading device memory, and returns the shapes.
+// With `bag_pad` (a VBE batch's padding index, vbe.h's `pad`: F * B + 1 int64 entries on the
+// weights' device) the offsets are the VBE batch's own, read through it (Batch::pad), and B follows
+// from the index instead of the offsets.
 inline Batch check_batch(const at::Tensor& weights, const at::Tensor& features, int64_t total_D,
                          int64_t max_D, const at::Tensor& indices, const at::Tensor& offsets,
-                         const c10::optional<at::Tensor>& per_sample_weights, int64_t pooling) {
+                         const c10::optional<at::Tensor>& per_sample_weights, int64_t pooling,
+                         const c10::optional<at::Tensor>& bag_pad = c10::nullopt) {
   TBEGEN_CHECK(weights.dim() == 1, "tbegen: weights must be a flat 1-D buffer, got ", weights.dim(),
               " dimensions");
   check_weights_dtype(weights);
@@ -140,10 +149,23 @@ inline Batch check_batch(const at::Tensor& weights, const at::Tensor& features, 
   Batch b;
   b.F = features.size(0);
   TBEGEN_CHECK(b.F >= 1, "tbegen: at least one feature is needed");
-  TBEGEN_CHECK(offsets.numel() >= 1 && (offsets.numel() - 1) % b.F == 0,
-              "tbegen: offsets must have F * B + 1 entries for F = ", b.F, " features, got ",
-              offsets.numel());
-  b.B = (offsets.numel() - 1) / b.F;
+  if (bag_pad.has_value()) {
+    const at::Tensor& pad = *bag_pad;
+    check_tensor(pad, "bag_pad", weights);
+    TBEGEN_CHECK(pad.scalar_type() == at::kLong && pad.dim() == 1 && pad.numel() >= 1 && (pad.numel() - 1) % b.F == 0,
+                "tbegen: bag_pad must be int64 with F * B + 1 entries for F = ", b.F, " features, got ",
+                dtype_name(pad.scalar_type()), " of shape ", pad.sizes());
+    TBEGEN_CHECK(offsets.numel() >= 1, "tbegen: offsets must have at least one entry");
+    TBEGEN_CHECK(pooling != kPoolNone, "tbegen: bag_pad (a variable-batch padding index) needs pooling sum or mean");
+    b.B = (pad.numel() - 1) / b.F;
+    b.pad = pad.data_ptr<int64_t>();
+    b.offsets_count = offsets.numel();
+  } else {
+    TBEGEN_CHECK(offsets.numel() >= 1 && (offsets.numel() - 1) % b.F == 0,
+                "tbegen: offsets must have F * B + 1 entries for F = ", b.F, " features, got ",
+                offsets.numel());
+    b.B = (offsets.numel() - 1) / b.F;
+  }
   b.N = indices.numel();
   TBEGEN_CHECK(b.N < (int64_t(1) << 31), "tbegen: at most 2^31 - 1 indices per batch, got ", b.N);
   TBEGEN_CHECK(b.F * b.B < (int64_t(1) << 31), "tbegen: at most 2^31 - 1 bags (features x batch size) per "
@@ -196,6 +218,23 @@ inline void check_grad_output(const Batch& b, const at::Tensor& grad_output, con
   const int64_t cols = b.pooling == kPoolNone ? b.max_D : b.total_D;
   TBEGEN_CHECK(grad_output.dim() == 2 && grad_output.size(0) == rows && grad_output.size(1) == cols,
               "tbegen: grad_output must have shape [", rows, ", ", cols, "], got ", grad_output.sizes());
+}
+
+// The padded batch's offsets on the host (CPU tensors): `offsets` itself, or for a batch read
+// through a padding index (Batch::pad) offsets[pad[i]] for each of its F * B + 1 entries, written
+// into `storage` (a plain buffer: no operator, no tensor), each pad value checked first.
+template <typename I>
+const I* padded_offsets_host(const Batch& b, const I* offsets, std::vector<I>& storage) {
+  if (b.pad == nullptr) return offsets;
+  const int64_t n = b.F * b.B + 1;
+  storage.resize(size_t(n));
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t p = b.pad[i];
+    TBEGEN_CHECK(p >= 0 && p < b.offsets_count, "tbegen: bag_pad[", i, "] = ", p, " is not an entry of the ",
+                b.offsets_count, " offsets");
+    storage[size_t(i)] = offsets[p];
+  }
+  return storage.data();
 }
 
 // Checks index ranges and offsets on the host (CPU tensors only). Malformed offsets always raise;

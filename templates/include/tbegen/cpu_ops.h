@@ -56,12 +56,12 @@ inline int64_t* record_data(const c10::optional<at::Tensor>& record) {
                                                      int64_t pooling, const c10::optional<at::Tensor>& error_record,
                                                      bool skip_bad_indices,
                                                      const c10::optional<at::Tensor>& bag_output_offsets,
-                                                     int64_t output_size);
+                                                     int64_t output_size, const c10::optional<at::Tensor>& bag_pad);
 [[gnu::visibility("hidden")]] at::Tensor grad_per_sample_weights_cpu(
     const at::Tensor& grad_output, const at::Tensor& weights, const at::Tensor& features, int64_t total_D,
     int64_t max_D, const at::Tensor& indices, const at::Tensor& offsets, int64_t pooling,
     const c10::optional<at::Tensor>& error_record, bool skip_bad_indices,
-    const c10::optional<at::Tensor>& bag_output_offsets);
+    const c10::optional<at::Tensor>& bag_output_offsets, const c10::optional<at::Tensor>& bag_pad);
 // The message of an error record (see host.h), for callers that keep their own record.
 [[gnu::visibility("hidden")]] std::string describe_error(const at::Tensor& record, bool with_index_errors);
 // The plan of a VBE batch (vbe.h): (pad, bag_out, [total bags, max_B, output numel]), on the CPU.
@@ -83,8 +83,9 @@ void backward_cpu(const at::Tensor& grad_output, const at::Tensor& weights, cons
                   const at::Tensor& offsets, const c10::optional<at::Tensor>& per_sample_weights,
                   int64_t pooling, const typename Opt::Params& params, const RowUpdateContext& ctx,
                   const c10::optional<at::Tensor>& error_record, bool skip_bad_indices, bool check_finite,
-                  const c10::optional<at::Tensor>& bag_output_offsets) {
-  const Batch b = check_batch(weights, features, total_D, max_D, indices, offsets, per_sample_weights, pooling);
+                  const c10::optional<at::Tensor>& bag_output_offsets, const c10::optional<at::Tensor>& bag_pad) {
+  const Batch b =
+      check_batch(weights, features, total_D, max_D, indices, offsets, per_sample_weights, pooling, bag_pad);
   const int64_t* bag_out = check_grad_output_of(b, grad_output, weights, bag_output_offsets);
   check_error_record(error_record, weights);
   if (check_finite) {
@@ -102,13 +103,14 @@ void backward_cpu(const at::Tensor& grad_output, const at::Tensor& weights, cons
   dispatch_types(weights, indices, [&](auto w, auto i) {
     using W = decltype(w);
     using I = decltype(i);
+    // (bag_pad: the padded batch's offsets read through it into a buffer, host.h)
+    std::vector<I> padded;
+    const I* off = padded_offsets_host<I>(b, offsets.data_ptr<I>(), padded);
     // All checks happen before the first write: bad input leaves weights and states untouched.
-    check_indices_host<I>(b, feat, indices.data_ptr<I>(), offsets.data_ptr<I>(), skip_bad_indices,
-                          record_data(error_record));
-    if (bag_out != nullptr) check_bag_output_values_host<I>(b, feat, bag_out, offsets.data_ptr<I>(), grad_output.numel());
+    check_indices_host<I>(b, feat, indices.data_ptr<I>(), off, skip_bad_indices, record_data(error_record));
+    if (bag_out != nullptr) check_bag_output_values_host<I>(b, feat, bag_out, off, grad_output.numel());
     backward<Opt, W, I>(b, feat, total_hash_size, grad_output.data_ptr<float>(), weights.data_ptr<W>(),
-                        indices.data_ptr<I>(), offsets.data_ptr<I>(), optional_data(per_sample_weights),
-                        params, ctx, bag_out);
+                        indices.data_ptr<I>(), off, optional_data(per_sample_weights), params, ctx, bag_out);
   });
 }
 

@@ -241,7 +241,7 @@ __global__ void __launch_bounds__(256) forward_kernel(ForwardArgs a, const W* __
   const int64_t warps = int64_t(gridDim.x) * blockDim.x / kWarpSize;
   for (int64_t bag = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / kWarpSize; bag < nbags; bag += warps) {
     int64_t start, end;
-    const bool bounds_ok = bag_bounds(offsets, bag, nbags, a.N, a.error, &start, &end);
+    const bool bounds_ok = bag_bounds(a, offsets, bag, nbags, &start, &end);
     if (!bounds_ok) start = end = 0;  // (sum/mean: the bag's output is written as zeros)
     if (!bounds_ok && a.pooling == kPoolNone) continue;
     const int64_t f = bag / a.B, b = bag % a.B;
@@ -322,7 +322,7 @@ __global__ void __launch_bounds__(256) grad_psw_kernel(ForwardArgs a, const floa
   const int64_t warps = int64_t(gridDim.x) * blockDim.x / kWarpSize;
   for (int64_t bag = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / kWarpSize; bag < nbags; bag += warps) {
     int64_t start, end;
-    if (!bag_bounds(offsets, bag, nbags, a.N, a.error, &start, &end)) continue;
+    if (!bag_bounds(a, offsets, bag, nbags, &start, &end)) continue;
     const int64_t f = bag / a.B, b = bag % a.B;
     const int64_t* ft = a.feat + f * kFeatColumns;
     const int D = int(ft[kFeatDim]);

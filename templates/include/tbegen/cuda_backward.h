@@ -28,7 +28,8 @@ __attribute__((visibility("hidden"))) void backward_cuda(
     const c10::optional<at::Tensor>& per_sample_weights, int64_t pooling, int64_t max_segment_length_per_warp,
     const void* params, const BackwardKernels& kernels, const RowUpdateContext& ctx,
     const c10::optional<at::Tensor>& error_record, bool skip_bad_indices, bool check_finite,
-    const c10::optional<at::Tensor>& bag_output_offsets = c10::nullopt);
+    const c10::optional<at::Tensor>& bag_output_offsets = c10::nullopt,
+    const c10::optional<at::Tensor>& bag_pad = c10::nullopt);
 
 }  // namespace cuda
 }  // namespace tbegen

@@ -16,8 +16,12 @@ inline at::Tensor forward_cuda(const at::Tensor& weights, const at::Tensor& feat
                                int64_t max_D, const at::Tensor& indices, const at::Tensor& offsets,
                                const c10::optional<at::Tensor>& per_sample_weights, int64_t pooling,
                                const c10::optional<at::Tensor>& error_record, bool skip_bad_indices,
-                               const c10::optional<at::Tensor>& bag_output_offsets, int64_t output_size) {
-  const Batch b = check_batch(weights, features, total_D, max_D, indices, offsets, per_sample_weights, pooling);
+                               const c10::optional<at::Tensor>& bag_output_offsets, int64_t output_size,
+                               const c10::optional<at::Tensor>& bag_pad) {
+  // (bag_pad: the offsets are the VBE batch's, read through the plan's padding index by the
+  // kernels, ForwardArgs::pad, which forward_args takes from b: no gather of the offsets first)
+  const Batch b =
+      check_batch(weights, features, total_D, max_D, indices, offsets, per_sample_weights, pooling, bag_pad);
   const c10::cuda::CUDAGuard guard(weights.device());
   check_error_record(error_record, weights);
   const bool vbe = bag_output_offsets.has_value();
@@ -130,8 +134,9 @@ inline at::Tensor grad_per_sample_weights_cuda(const at::Tensor& grad_output, co
                                                const at::Tensor& indices, const at::Tensor& offsets,
                                                int64_t pooling, const c10::optional<at::Tensor>& error_record,
                                                bool skip_bad_indices,
-                                               const c10::optional<at::Tensor>& bag_output_offsets) {
-  const Batch b = check_batch(weights, features, total_D, max_D, indices, offsets, c10::nullopt, pooling);
+                                               const c10::optional<at::Tensor>& bag_output_offsets,
+                                               const c10::optional<at::Tensor>& bag_pad) {
+  const Batch b = check_batch(weights, features, total_D, max_D, indices, offsets, c10::nullopt, pooling, bag_pad);
   const c10::cuda::CUDAGuard guard(weights.device());
   const int64_t* bag_out = check_grad_output_of(b, grad_output, weights, bag_output_offsets);  // (vbe.h)
   check_error_record(error_record, weights);

@@ -180,6 +180,8 @@ inline ForwardArgs forward_args(const Batch& b, const at::Tensor& features, cons
   a.pooling = b.pooling;
   a.out = out;
   a.error = error.data_ptr<int64_t>();
+  a.pad = b.pad;
+  a.pad_limit = b.offsets_count;
   return a;
 }
 
@@ -524,8 +526,11 @@ __attribute__((visibility("hidden"))) void backward_cuda(
     const c10::optional<at::Tensor>& per_sample_weights, int64_t pooling, int64_t max_segment_length_per_warp,
     const void* params, const BackwardKernels& kernels, const RowUpdateContext& ctx,
     const c10::optional<at::Tensor>& error_record, bool skip_bad_indices, bool check_finite,
-    const c10::optional<at::Tensor>& bag_output_offsets) {
-  const Batch b = check_batch(weights, features, total_D, max_D, indices, offsets, per_sample_weights, pooling);
+    const c10::optional<at::Tensor>& bag_output_offsets, const c10::optional<at::Tensor>& bag_pad) {
+  // (bag_pad: the offsets are the VBE batch's, read through the plan's padding index by the
+  // linearize kernel, ForwardArgs::pad, which prepare_backward's forward_args takes from b)
+  const Batch b =
+      check_batch(weights, features, total_D, max_D, indices, offsets, per_sample_weights, pooling, bag_pad);
   const c10::cuda::CUDAGuard guard(weights.device());
   // a VBE batch: the 1-D output's gradient, read where bag_output_offsets says (vbe.h; its values
   // are the module's, built on the device, and not read back here)
