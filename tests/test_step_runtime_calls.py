@@ -1,8 +1,9 @@
 """The CUDA runtime calls one steady fixed-batch training step issues (issue 29: the sub-millisecond
 cells are host-bound, each call ~4-7 us of the host's time on the H100), counted with torch.profiler
-as benchmarks/vbe_step_ops.py counts them, and the opt-in cuts: the sort without memsets
-(TBEGEN_SORT_NO_MEMSETS=1) and the long runs found by one scan (TBEGEN_LONG_RUN_SCAN=1), bitwise
-against the default; the error record copied after the backward only
+as benchmarks/vbe_step_ops.py counts them, and the cuts: the sort without memsets
+(TBEGEN_SORT_NO_MEMSETS) and the long runs found by one scan (TBEGEN_LONG_RUN_SCAN), each on by
+default for a batch of at most 2^20 indices (kFewerCallsMaxIndices in cuda_backward_prep_impl.cuh),
+"0" off, "1" on, bitwise against each other; the opt-in error record copied after the backward only
 (TBEGEN_ERROR_COPY_AFTER_BACKWARD=1), its counts and when its errors surface. CUDA only
 (`pytest -m cuda`; skipped without a GPU).
 
@@ -41,6 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 STEPS = 3
 SINGLE_TILE = 256 * 19  # CUB's sm_90 single-tile sort of 32-bit pairs (above it: onesweep)
+FEWER_CALLS_MAX = 1 << 20  # kFewerCallsMaxIndices: both cuts on by default up to this many indices
 
 
 def _passes(total_rows: int) -> int:
@@ -97,18 +99,26 @@ def _runtime_calls(emb, batch) -> dict:
     return dict(counted["runtime calls"], allocations=counted["allocation ops"].get("aten::empty", 0))
 
 
-SWITCHES = {"default": ("", ""), "sort_no_memsets": ("1", ""), "long_run_scan": ("", "1"), "both": ("1", "1")}
+# (TBEGEN_SORT_NO_MEMSETS, TBEGEN_LONG_RUN_SCAN); "" leaves the size rule to choose
+SWITCHES = {"default": ("", ""), "neither": ("0", "0"), "sort_no_memsets": ("1", "0"), "long_run_scan": ("0", "1"),
+            "both": ("1", "1")}
+# CASES and a batch past FEWER_CALLS_MAX (2 x 65536 x 9 = 1179648 indices), where the default is neither
+COUNT_CASES = CASES + [(200_000, 65536, 9)]
+
+
+def _on(value: str, n: int) -> bool:
+    return value == "1" or (value == "" and n <= FEWER_CALLS_MAX)
 
 
 @pytest.mark.parametrize("switches", sorted(SWITCHES))
-@pytest.mark.parametrize("rows,B,L", CASES, ids=lambda v: str(v))
+@pytest.mark.parametrize("rows,B,L", COUNT_CASES, ids=lambda v: str(v))
 def test_runtime_calls_per_steady_step(monkeypatch, rows, B, L, switches):
-    no_memsets, one_scan = SWITCHES[switches]
-    monkeypatch.setenv("TBEGEN_SORT_NO_MEMSETS", no_memsets)
-    monkeypatch.setenv("TBEGEN_LONG_RUN_SCAN", one_scan)
+    n = 2 * B * L
+    no_memsets, one_scan = (_on(v, n) for v in SWITCHES[switches])
+    monkeypatch.setenv("TBEGEN_SORT_NO_MEMSETS", SWITCHES[switches][0])
+    monkeypatch.setenv("TBEGEN_LONG_RUN_SCAN", SWITCHES[switches][1])
     emb = _module(rows)
     calls = _runtime_calls(emb, _batch(rows, B, L, seed=1))
-    n = 2 * B * L
     single_tile = n <= SINGLE_TILE
     passes = _passes(2 * rows)
     sort_launches = 1 if single_tile else 2 + passes
@@ -129,7 +139,7 @@ def test_switch_trains_bitwise_as_the_default(monkeypatch, rows, B, L, weighted,
     from tbegen import TableBatchedEmbeddingBags
 
     results = []
-    for value in ("", "1"):
+    for value in ("0", "1", ""):  # off, on, the size rule's choice (on at these sizes)
         monkeypatch.setenv(switch, value)
         torch.manual_seed(0)
         emb = TableBatchedEmbeddingBags([(rows, 32), (rows, 48)], optimizer="rowwise_adagrad", device="cuda",
@@ -146,8 +156,9 @@ def test_switch_trains_bitwise_as_the_default(monkeypatch, rows, B, L, weighted,
             out.backward(torch.randn(out.shape, generator=g).cuda())
         emb.check_errors()
         results.append([emb.weights.detach().clone(), emb.states.momentum.clone()])
-    for a, b in zip(*results):
-        assert torch.equal(a, b)
+    for other in results[1:]:
+        for a, b in zip(results[0], other):
+            assert torch.equal(a, b)
 
 
 @pytest.mark.parametrize("switch", ["TBEGEN_SORT_NO_MEMSETS", "TBEGEN_LONG_RUN_SCAN"])
