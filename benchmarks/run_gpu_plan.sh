@@ -26,6 +26,9 @@
 #                                       # TBEGEN_SEGMENT_OCCUPANCY=1 (Duration, registers, achieved occupancy, grid), then
 #                                       # kernels per step in the sub-ms cells L=1, T=1, B=512, random 2 (~4 min)
 #   bash benchmarks/run_gpu_plan.sh 9   # issue 29: ncu of D=1024 sgd with and without TBEGEN_LONG_RUNS_BESIDE=0 (~3 min)
+#   bash benchmarks/run_gpu_plan.sh 10  # issue 29: the sort without memsets and the long runs by one scan, each forced on
+#                                       # in D=20, D=32, base (5.2M indices: their size rule's off side), and ncu of
+#                                       # D=20 sgd with both on and off: what costs landing15's ~30 us (~5 min)
 #   DRY_RUN=1 bash benchmarks/run_gpu_plan.sh 1 2 3 4 5 6 7 8 9   # print the commands only (tests/test_gpu_plan.py reads
 #                                                      # them: every script, flag, switch and sweep regex they name exists)
 # Results under $OUT as the scripts called write them (run_gpu_landing.sh, run_gpu_ab.sh, run_gpu.sh).
@@ -136,7 +139,17 @@ call9() {
   run env TEST_FILES= NCU_ONLY="^D=1024 sgd" NCU_AB="TBEGEN_LONG_RUNS_BESIDE=0" DEADLINE=300 bash benchmarks/run_gpu_ab.sh
 }
 
-[ $# -gt 0 ] || { sed -n '2,24p' "$0"; exit 2; }
+call10() {
+  # (issue 29: the size rule of f1441b3. Landing15: the sort without memsets and the long runs by one
+  # scan, together, made 5.2M-index batches ~30 us slower; each alone on those cells, forced on
+  # (their default is off above 2^20 indices), then ncu of D=20 sgd with both on against both off:
+  # which kernel grows (linearize, zeroing OnesweepSort's scratch; or the scan over all n runs))
+  run env TEST_FILES= \
+    SWEEP_ABS="TBEGEN_SORT_NO_MEMSETS=1@^(D=20|D=32|base) ;TBEGEN_LONG_RUN_SCAN=1@^(D=20|D=32|base) " \
+    NCU_ONLY="^D=20 sgd" NCU_AB="TBEGEN_SORT_NO_MEMSETS=1,TBEGEN_LONG_RUN_SCAN=1" DEADLINE=360 bash benchmarks/run_gpu_ab.sh
+}
+
+[ $# -gt 0 ] || { sed -n '2,28p' "$0"; exit 2; }
 status=0
 for call in "$@"; do
   case "$call" in
@@ -149,7 +162,8 @@ for call in "$@"; do
     7) call7 || status=1 ;;
     8) call8 || status=1 ;;
     9) call9 || status=1 ;;
-    *) echo "run_gpu_plan.sh: no call '$call' (1 to 9)" >&2; exit 2 ;;
+    10) call10 || status=1 ;;
+    *) echo "run_gpu_plan.sh: no call '$call' (1 to 10)" >&2; exit 2 ;;
   esac
 done
 exit $status
