@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The next GPU session's device calls (benchmarks/NOTES-gpu.md, "Next GPU session: the plan (written
-# 2026-12-05, after landing14)"), one call per argument, from the repository root, so that
+# 2026-12-06 01:05 UTC, after landing15)"), one call per argument, from the repository root, so that
 # the long command lines are not retyped (or mistyped) in a call that costs a tenth of the session's
 # device time. Chain the calls within ~30 s (a warm machine keeps its build cache). In order of value:
 #   bash benchmarks/run_gpu_plan.sh 1   # correctness: every CUDA test on the landed tree, sanitizers, FBGEMM_GPU
