@@ -1757,7 +1757,8 @@ class TableBatchedEmbeddingBags(nn.Module):
         """The VBE plan of these sizes, kept or new (_vbe_plan_and_padded without offsets)."""
         return self._vbe_plan_and_padded(batch_size_per_feature_per_rank, key)[0]
 
-    def _vbe_plan_and_padded(self, batch_size_per_feature_per_rank, key: Optional[bytes] = None, offsets=None):
+    def _vbe_plan_and_padded(self, batch_size_per_feature_per_rank, key: Optional[bytes] = None, offsets=None,
+                             through_pad: bool = False):
         """(plan, padded offsets or None). The plan: the padding index (`pad`), the table of each padded bag's output offset (`bag_out`) and
         the totals of one batch_size_per_feature_per_rank, kept for the last distinct ones. A new
         one is one operator call (vbe_plan, include/tbegen/vbe.h: the host sums the [F, R] sizes,
@@ -1769,7 +1770,9 @@ class TableBatchedEmbeddingBags(nn.Module):
         where the sizes pack into a key and the offsets are a 1-D int32/int64 tensor on the
         weights' device, a new plan's operator (vbe_plan_padded) writes offsets[pad] beside the
         plan's tables, no gather of its own; otherwise (also for offsets that do not fit the
-        sizes, or a plan kept already) None, and the caller gathers or refuses them."""
+        sizes, or a plan kept already) None, and the caller gathers or refuses them; also None with
+        `through_pad` (the module's forward) where the operators read the offsets through the plan's
+        padding index (_vbe_pad_route): no padded offsets are made."""
         bsfr = batch_size_per_feature_per_rank
         state = self.__dict__
         weights = self._registered("weights")
@@ -1786,6 +1789,9 @@ class TableBatchedEmbeddingBags(nn.Module):
         if key is None:
             key = _vbe_key(bsfr, F)
         device_of = weights.detach() if weights.requires_grad else weights
+        route = self._vbe_pad_route(device)
+        if through_pad and route:
+            offsets = None
         if key is not None:
             old = plans.get(key)
             if old is not None and old["device"] == device:
@@ -1836,7 +1842,7 @@ class TableBatchedEmbeddingBags(nn.Module):
         plan = {"total_bags": total, "max_B": max_B, "pad": pad, "numel": n_out, "bag_out": bag_out,
                 "sizes": key, "ranks": R, "device": device, "offsets_shape": (total + 1,), "direct": direct,
                 "unpadded": unpadded, "vbe": vbe,
-                "vbe_pad": (bag_out, n_out, pad) if direct and not unpadded and self._vbe_pad_route(device) else vbe}
+                "vbe_pad": (bag_out, n_out, pad) if direct and not unpadded and route else vbe}
         if old is not None:  # (a plan of the same sizes on another device: the module was moved)
             del plans[key]
         elif len(plans) >= self._VBE_PLANS_KEPT:
@@ -1978,9 +1984,8 @@ class TableBatchedEmbeddingBags(nn.Module):
                 if plan is None or plan["sizes"] != key:
                     plan = plans.get(key)
         if plan is None:
-            # (read through the padding index: a new plan needs no padded offsets of its own)
-            given = None if through_pad and self._vbe_pad_route(self._registered("weights").device) else offsets
-            plan, padded = self._vbe_plan_and_padded(bsfr, key, given)
+            # (read through the padding index, through_pad: a new plan makes no padded offsets)
+            plan, padded = self._vbe_plan_and_padded(bsfr, key, offsets, through_pad)
         else:
             padded = None
         if "ready" in plan:  # (a plan a prefetch made on its stream)

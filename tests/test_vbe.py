@@ -858,7 +858,8 @@ def test_vbe_forward_finds_a_kept_plan_without_building_it_and_still_checks_the_
     built = []
     real = TableBatchedEmbeddingBags._vbe_plan_and_padded
     monkeypatch.setattr(TableBatchedEmbeddingBags, "_vbe_plan_and_padded",
-                        lambda self, bsfr, key=None, offsets=None: built.append(bsfr) or real(self, bsfr, key, offsets))
+                        lambda self, bsfr, key=None, offsets=None, through_pad=False:
+                        built.append(bsfr) or real(self, bsfr, key, offsets, through_pad))
     with torch.no_grad():
         again = emb(indices, offsets, batch_size_per_feature_per_rank=[[1, 2], [3, 0]])
         as_tuples = emb(indices, offsets, batch_size_per_feature_per_rank=((1, 2), (3, 0)))

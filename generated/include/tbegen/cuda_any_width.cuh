@@ -232,7 +232,7 @@ constexpr int kCols = 4;
 
 // One warp per bag; each pass adds the bag's rows in index order into kCols register
 // accumulators per lane. (Pooling none copies each scaled row to its output row.)
-template <typename W, typename I>
+template <typename W, typename I, bool kPad = false>
 __global__ void __launch_bounds__(256) forward_kernel(ForwardArgs a, const W* __restrict__ weights,
                                                       const I* __restrict__ indices,
                                                       const I* __restrict__ offsets) {
@@ -241,7 +241,7 @@ __global__ void __launch_bounds__(256) forward_kernel(ForwardArgs a, const W* __
   const int64_t warps = int64_t(gridDim.x) * blockDim.x / kWarpSize;
   for (int64_t bag = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / kWarpSize; bag < nbags; bag += warps) {
     int64_t start, end;
-    const bool bounds_ok = bag_bounds(a, offsets, bag, nbags, &start, &end);
+    const bool bounds_ok = bag_bounds<kPad>(a, offsets, bag, nbags, &start, &end);
     if (!bounds_ok) start = end = 0;  // (sum/mean: the bag's output is written as zeros)
     if (!bounds_ok && a.pooling == kPoolNone) continue;
     const int64_t f = bag / a.B, b = bag % a.B;
@@ -312,7 +312,7 @@ __global__ void __launch_bounds__(256) forward_kernel(ForwardArgs a, const W* __
 
 // d loss / d per_sample_weights[i]: one warp per bag, a warp-wide dot product per index (each
 // lane over its columns, then a butterfly sum).
-template <typename W, typename I>
+template <typename W, typename I, bool kPad = false>
 __global__ void __launch_bounds__(256) grad_psw_kernel(ForwardArgs a, const float* __restrict__ grad_output,
                                                        const W* __restrict__ weights,
                                                        const I* __restrict__ indices,
@@ -322,7 +322,7 @@ __global__ void __launch_bounds__(256) grad_psw_kernel(ForwardArgs a, const floa
   const int64_t warps = int64_t(gridDim.x) * blockDim.x / kWarpSize;
   for (int64_t bag = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / kWarpSize; bag < nbags; bag += warps) {
     int64_t start, end;
-    if (!bag_bounds(a, offsets, bag, nbags, &start, &end)) continue;
+    if (!bag_bounds<kPad>(a, offsets, bag, nbags, &start, &end)) continue;
     const int64_t f = bag / a.B, b = bag % a.B;
     const int64_t* ft = a.feat + f * kFeatColumns;
     const int D = int(ft[kFeatDim]);

@@ -292,11 +292,15 @@ void linearize_and_sort(const Batch& b, const ForwardArgs& fa, const at::Tensor&
   const int spread = linearize_spread(b.F * b.B, b.N);
   dispatch_index(indices, [&](auto i) {
     using I = decltype(i);
-    linearize_kernel<I, K><<<grid_for((b.F * b.B / kWarpSize + 1) * spread), kThreads, 0, stream>>>(
-        fa, indices.data_ptr<I>(), offsets.data_ptr<I>(), total_hash_size, check_finite, keys, values, bag_of,
-        scale_of, spread, out.tickets, with_tickets ? 5 : 0,
-        prezeroed ? static_cast<int32_t*>(sort_scratch) : nullptr,
-        prezeroed ? int64_t(sort.zero_bytes() / sizeof(int32_t)) : 0);
+    // (a VBE batch read through its padding index, Batch::pad: the kPad instantiation)
+    dispatch_pad(b, [&](auto pad) {
+      linearize_kernel<I, K, decltype(pad)::value>
+          <<<grid_for((b.F * b.B / kWarpSize + 1) * spread), kThreads, 0, stream>>>(
+              fa, indices.data_ptr<I>(), offsets.data_ptr<I>(), total_hash_size, check_finite, keys, values, bag_of,
+              scale_of, spread, out.tickets, with_tickets ? 5 : 0,
+              prezeroed ? static_cast<int32_t*>(sort_scratch) : nullptr,
+              prezeroed ? int64_t(sort.zero_bytes() / sizeof(int32_t)) : 0);
+    });
     TBEGEN_CUDA_CHECK(cudaGetLastError());
   });
   // 2. sort (key, value) pairs on the bits a key can use (the skipped-index key included); the

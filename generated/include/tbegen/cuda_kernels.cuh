@@ -220,13 +220,15 @@ __device__ __forceinline__ bool bag_bounds(const I* offsets, int64_t bag, int64_
   return ok;
 }
 
-// bag_bounds of the call's bag: through the padding index where the call has one (ForwardArgs::pad;
-// a pad value outside the offsets is malformed offsets, recorded as such), else as above. The
-// same start and end as bag_bounds over the padded offsets offsets[pad].
-template <typename I>
+// bag_bounds of the call's bag: with kPad through the padding index (ForwardArgs::pad, which the
+// host launches the kPad instantiations for: TBEGEN_VBE_PAD_IN_KERNELS=1 or the module's CPU twin;
+// a pad value outside the offsets is malformed offsets, recorded as such), else exactly as above.
+// The same start and end as bag_bounds over the padded offsets offsets[pad]. A compile-time
+// choice, so that the kernels without a padding index are the code they were (registers, spills).
+template <bool kPad, typename I>
 __device__ __forceinline__ bool bag_bounds(const ForwardArgs& a, const I* offsets, int64_t bag, int64_t nbags,
                                            int64_t* start, int64_t* end) {
-  if (a.pad == nullptr) return bag_bounds(offsets, bag, nbags, a.N, a.error, start, end);
+  if constexpr (!kPad) return bag_bounds(offsets, bag, nbags, a.N, a.error, start, end);
   const int64_t p0 = a.pad[bag], p1 = a.pad[bag + 1];
   if (p0 < 0 || p1 < 0 || p0 >= a.pad_limit || p1 >= a.pad_limit) {
     *start = *end = 0;
@@ -288,7 +290,8 @@ __device__ __forceinline__ void accumulate4(float* acc, const float* x, float s)
 // 1024 columns (below); a separate instantiation, since the chunk loop costs registers (92 against
 // 80 per thread at kVecs = 8: two resident blocks per SM instead of three, the 1024-wide forward
 // 17% slower on the H200, docs/gpu-runs/2026-12-04-probe6), which rows of up to 1024 columns keep.
-template <typename W, typename I, int kVecs, bool kLaneGroups, bool kWeighted, bool kChunked = false>
+template <typename W, typename I, int kVecs, bool kLaneGroups, bool kWeighted, bool kChunked = false,
+          bool kPad = false>
 __global__ void __launch_bounds__(256) forward_kernel(ForwardArgs a, const W* __restrict__ weights,
                                                       const I* __restrict__ indices,
                                                       const I* __restrict__ offsets) {
@@ -297,7 +300,7 @@ __global__ void __launch_bounds__(256) forward_kernel(ForwardArgs a, const W* __
   const int bag = int((int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / kWarpSize);
   if (bag >= nbags) return;
   int64_t start64, end64;
-  const bool bounds_ok = bag_bounds(a, offsets, bag, nbags, &start64, &end64);
+  const bool bounds_ok = bag_bounds<kPad>(a, offsets, bag, nbags, &start64, &end64);
   // (a bag with bad offsets: its output is written as zeros)
   const int start = bounds_ok ? int(start64) : 0, end = bounds_ok ? int(end64) : 0;
   const int B = int(a.B);
@@ -429,7 +432,7 @@ __global__ void __launch_bounds__(256) forward_kernel(ForwardArgs a, const W* __
 // bag's indices `lanes` at a time (each lane checks one), passes the row numbers round its lanes
 // (shuffles within the group: its lanes run the same bag, so the same iterations), and adds the
 // rows in index order. Chosen on the host (forward_cuda) unless TBEGEN_FORWARD_BAG_GROUPS=0.
-template <typename W, typename I, bool kWeighted>
+template <typename W, typename I, bool kWeighted, bool kPad = false>
 __global__ void __launch_bounds__(256) forward_bag_groups_kernel(ForwardArgs a, const W* __restrict__ weights,
                                                                  const I* __restrict__ indices,
                                                                  const I* __restrict__ offsets, int lanes) {
@@ -441,7 +444,7 @@ __global__ void __launch_bounds__(256) forward_bag_groups_kernel(ForwardArgs a, 
   if (bag >= nbags) return;  // (a whole group: its lanes share the bag)
   const unsigned mask = lanes == kWarpSize ? kFullMask : ((1u << lanes) - 1u) << (group * lanes);
   int64_t start64, end64;
-  const bool bounds_ok = bag_bounds(a, offsets, bag, nbags, &start64, &end64);
+  const bool bounds_ok = bag_bounds<kPad>(a, offsets, bag, nbags, &start64, &end64);
   // (a bag with bad offsets: its output is written as zeros)
   const int start = bounds_ok ? int(start64) : 0, end = bounds_ok ? int(end64) : 0;
   const int B = int(a.B);
@@ -495,7 +498,7 @@ __global__ void __launch_bounds__(256) forward_rows_kernel(ForwardArgs a, const 
   const int64_t warps = int64_t(gridDim.x) * blockDim.x / kWarpSize;
   for (int64_t bag = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / kWarpSize; bag < nbags; bag += warps) {
     int64_t start, end;
-    if (!bag_bounds(a, offsets, bag, nbags, &start, &end)) continue;
+    if (!bag_bounds(offsets, bag, nbags, a.N, a.error, &start, &end)) continue;  // (pooling none: never padded)
     const int64_t* ft = a.feat + (bag / a.B) * kFeatColumns;
     const int D = int(ft[kFeatDim]);
     for (int64_t base = start; base < end; base += kWarpSize) {
@@ -530,7 +533,7 @@ __global__ void __launch_bounds__(256) forward_rows_kernel(ForwardArgs a, const 
 }
 
 // d loss / d per_sample_weights[i]: one warp per bag, a warp-wide dot product per index.
-template <typename W, typename I, int kVecs>
+template <typename W, typename I, int kVecs, bool kPad = false>
 __global__ void __launch_bounds__(256) grad_psw_kernel(ForwardArgs a, const float* __restrict__ grad_output,
                                                        const W* __restrict__ weights,
                                                        const I* __restrict__ indices,
@@ -540,7 +543,7 @@ __global__ void __launch_bounds__(256) grad_psw_kernel(ForwardArgs a, const floa
   const int64_t warps = int64_t(gridDim.x) * blockDim.x / kWarpSize;
   for (int64_t bag = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / kWarpSize; bag < nbags; bag += warps) {
     int64_t start, end;
-    if (!bag_bounds(a, offsets, bag, nbags, &start, &end)) continue;
+    if (!bag_bounds<kPad>(a, offsets, bag, nbags, &start, &end)) continue;
     const int64_t f = bag / a.B, b = bag % a.B;
     const int64_t* ft = a.feat + f * kFeatColumns;
     const int D = int(ft[kFeatDim]);
@@ -585,7 +588,7 @@ __global__ void __launch_bounds__(256) grad_psw_kernel(ForwardArgs a, const floa
 // `zero2_count` at `zero2` (with TBEGEN_SORT_NO_MEMSETS=1 the sort's counters, histograms and
 // look-back flags: cuda_sort.cuh, OnesweepSort), whatever the offsets say (before the loop, which
 // skips malformed bags).
-template <typename I, typename K>
+template <typename I, typename K, bool kPad = false>
 __global__ void __launch_bounds__(256) linearize_kernel(ForwardArgs a, const I* __restrict__ indices,
                                                         const I* __restrict__ offsets,
                                                         int64_t total_hash_size, bool check_finite, K* keys,
@@ -607,7 +610,7 @@ __global__ void __launch_bounds__(256) linearize_kernel(ForwardArgs a, const I* 
     const int64_t my_bag = bag0 + lane;
     int64_t start = a.N, end = a.N;  // (lanes past the last bag: empty, after every index)
     bool ok = true;
-    if (my_bag < nbags) ok = bag_bounds(a, offsets, my_bag, nbags, &start, &end);
+    if (my_bag < nbags) ok = bag_bounds<kPad>(a, offsets, my_bag, nbags, &start, &end);
     // malformed offsets are a fatal error (nothing will be updated): leave these bags alone
     if (__any_sync(kFullMask, !ok)) continue;
     const float my_inv_len = (a.pooling == kPoolMean && end > start) ? 1.0f / float(end - start) : 1.0f;

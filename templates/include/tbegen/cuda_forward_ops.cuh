@@ -55,8 +55,10 @@ inline at::Tensor forward_cuda(const at::Tensor& weights, const at::Tensor& feat
       using W = decltype(w);
       dispatch_index(indices, [&](auto i) {
         using I = decltype(i);
-        any_width::forward_kernel<W, I><<<grid_for(b.F * b.B), kThreads, 0, stream>>>(
-            a, weights.data_ptr<W>(), indices.data_ptr<I>(), offsets.data_ptr<I>());
+        dispatch_pad(b, [&](auto pad) {
+          any_width::forward_kernel<W, I, decltype(pad)::value><<<grid_for(b.F * b.B), kThreads, 0, stream>>>(
+              a, weights.data_ptr<W>(), indices.data_ptr<I>(), offsets.data_ptr<I>());
+        });
         TBEGEN_CUDA_CHECK(cudaGetLastError());
       });
     });
@@ -82,8 +84,11 @@ inline at::Tensor forward_cuda(const at::Tensor& weights, const at::Tensor& feat
       dispatch_index(indices, [&](auto i) {
         using I = decltype(i);
         auto launch = [&](auto weighted) {
-          forward_bag_groups_kernel<W, I, decltype(weighted)::value><<<int(blocks), kThreads, 0, stream>>>(
-              a, weights.data_ptr<W>(), indices.data_ptr<I>(), offsets.data_ptr<I>(), lanes);
+          dispatch_pad(b, [&](auto pad) {
+            forward_bag_groups_kernel<W, I, decltype(weighted)::value, decltype(pad)::value>
+                <<<int(blocks), kThreads, 0, stream>>>(a, weights.data_ptr<W>(), indices.data_ptr<I>(),
+                                                       offsets.data_ptr<I>(), lanes);
+          });
         };
         b.weighted ? launch(std::true_type{}) : launch(std::false_type{});
         TBEGEN_CUDA_CHECK(cudaGetLastError());
@@ -100,15 +105,18 @@ inline at::Tensor forward_cuda(const at::Tensor& weights, const at::Tensor& feat
           constexpr int kVecs = decltype(vecs)::value;
           auto launch = [&](auto lane_groups, auto weighted) {
             constexpr bool kLG = decltype(lane_groups)::value, kW = decltype(weighted)::value;
-            if constexpr (kVecs == 8) {
-              if (b.max_D > kVectorMaxD) {  // (rows wider than 1024 columns: pooled in chunks)
-                forward_kernel<W, I, kVecs, kLG, kW, true><<<int(blocks), kThreads, 0, stream>>>(
-                    a, weights.data_ptr<W>(), indices.data_ptr<I>(), offsets.data_ptr<I>());
-                return;
+            dispatch_pad(b, [&](auto pad) {
+              constexpr bool kPad = decltype(pad)::value;
+              if constexpr (kVecs == 8) {
+                if (b.max_D > kVectorMaxD) {  // (rows wider than 1024 columns: pooled in chunks)
+                  forward_kernel<W, I, kVecs, kLG, kW, true, kPad><<<int(blocks), kThreads, 0, stream>>>(
+                      a, weights.data_ptr<W>(), indices.data_ptr<I>(), offsets.data_ptr<I>());
+                  return;
+                }
               }
-            }
-            forward_kernel<W, I, kVecs, kLG, kW><<<int(blocks), kThreads, 0, stream>>>(
-                a, weights.data_ptr<W>(), indices.data_ptr<I>(), offsets.data_ptr<I>());
+              forward_kernel<W, I, kVecs, kLG, kW, false, kPad><<<int(blocks), kThreads, 0, stream>>>(
+                  a, weights.data_ptr<W>(), indices.data_ptr<I>(), offsets.data_ptr<I>());
+            });
           };
           auto launch_weighted_or_not = [&](auto lane_groups) {
             b.weighted ? launch(lane_groups, std::true_type{}) : launch(lane_groups, std::false_type{});
@@ -151,9 +159,11 @@ inline at::Tensor grad_per_sample_weights_cuda(const at::Tensor& grad_output, co
       using W = decltype(w);
       dispatch_index(indices, [&](auto i) {
         using I = decltype(i);
-        any_width::grad_psw_kernel<W, I><<<grid_for(b.F * b.B), kThreads, 0, stream>>>(
-            a, grad_output.data_ptr<float>(), weights.data_ptr<W>(), indices.data_ptr<I>(), offsets.data_ptr<I>(),
-            grad.data_ptr<float>());
+        dispatch_pad(b, [&](auto pad) {
+          any_width::grad_psw_kernel<W, I, decltype(pad)::value><<<grid_for(b.F * b.B), kThreads, 0, stream>>>(
+              a, grad_output.data_ptr<float>(), weights.data_ptr<W>(), indices.data_ptr<I>(), offsets.data_ptr<I>(),
+              grad.data_ptr<float>());
+        });
         TBEGEN_CUDA_CHECK(cudaGetLastError());
       });
     });
@@ -163,9 +173,12 @@ inline at::Tensor grad_per_sample_weights_cuda(const at::Tensor& grad_output, co
       dispatch_index(indices, [&](auto i) {
         using I = decltype(i);
         dispatch_vecs(b.max_D, [&](auto vecs) {
-          grad_psw_kernel<W, I, decltype(vecs)::value><<<grid_for(b.F * b.B), kThreads, 0, stream>>>(
-              a, grad_output.data_ptr<float>(), weights.data_ptr<W>(), indices.data_ptr<I>(),
-              offsets.data_ptr<I>(), grad.data_ptr<float>());
+          dispatch_pad(b, [&](auto pad) {
+            grad_psw_kernel<W, I, decltype(vecs)::value, decltype(pad)::value>
+                <<<grid_for(b.F * b.B), kThreads, 0, stream>>>(a, grad_output.data_ptr<float>(), weights.data_ptr<W>(),
+                                                               indices.data_ptr<I>(), offsets.data_ptr<I>(),
+                                                               grad.data_ptr<float>());
+          });
           TBEGEN_CUDA_CHECK(cudaGetLastError());
         });
       });

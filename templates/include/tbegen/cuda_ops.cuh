@@ -185,6 +185,17 @@ inline ForwardArgs forward_args(const Batch& b, const at::Tensor& features, cons
   return a;
 }
 
+// Calls f(std::true_type) for a batch read through a VBE padding index (Batch::pad: the kernels'
+// kPad instantiations, bag_bounds<true>), else f(std::false_type).
+template <typename Fn>
+inline void dispatch_pad(const Batch& b, Fn&& f) {
+  if (b.pad != nullptr) {
+    f(std::true_type{});
+  } else {
+    f(std::false_type{});
+  }
+}
+
 // ---- the layout on the host, and which kernels a call takes --------------------------------------
 //
 // The features table lives on the GPU, but the host needs it: to check it (host.h,
