@@ -9,7 +9,8 @@
 #               and vbe_step_ops.py's runtime calls per step, here where nothing builds beside them
 #               (the small VBE cases are host-bound: a build at low priority still takes host time)
 #   VBE_AB      an environment switch for bench_vbe.py's cases in VBE_CASES (default mild-large),
-#               tbegen alone, defaults then the switch (e.g. TBEGEN_VBE_GRAD_OFFSETS=1)
+#               tbegen alone, defaults then the switch (e.g. TBEGEN_VBE_GRAD_OFFSETS=1); with
+#               VBE_AB_OPS=1 also vbe_step_ops.py on each side (vbe_step_ops_ab_0.json, _1.json)
 #   NCU_ONLY    a sweep cell regex: ncu's SpeedOfLight and MemoryWorkloadAnalysis sections on the
 #               backward kernels of both systems in that cell (L2 hit rate, DRAM throughput)
 #   NCU_AB      an environment switch (ENV=VALUE[,...]): tbegen's kernels under ncu again with it
@@ -83,6 +84,11 @@ if [ -n "${VBE_AB:-}" ]; then
     [ "$side" = defaults ] && e="" || e=$(echo "$side" | tr ',' ' ')
     env $e timeout $(cap ${VBE_TIMEOUT:-90}) python3 benchmarks/bench_vbe.py --cases ${VBE_CASES:-mild-large} --no-fbgemm \
       --rounds ${VBE_ROUNDS:-3} --out /tmp/vbe_ab 2>&1 | tee "$OUT/vbe_ab_$n.log" | tail -n 12 >> "$OUT/ab.log" || log "failed or timed out"
+    if [ "${VBE_AB_OPS:-0}" = 1 ]; then
+      log "vbe_step_ops.py, $side (vbe_step_ops_ab_$n.json)"
+      env $e timeout $(cap 60) python3 benchmarks/vbe_step_ops.py --device cuda --batch 256 --rows 500000 --pooling-factor 10 \
+        --python --json "$OUT/vbe_step_ops_ab_$n.json" >> "$OUT/ab.log" 2>&1 || log "failed or timed out"
+    fi
     n=$((n + 1))
   done
 fi
