@@ -19,8 +19,9 @@
 #                                       # (TBEGEN_SEGMENT_OCCUPANCY=1, a1e76fd) on narrow/skewed cells, each against the
 #                                       # default, their cuda tests first; kernels per step and ncu in D=1024 (~8 min)
 #   bash benchmarks/run_gpu_plan.sh 6   # issue 25: VBE's tests, then the offsets read through the plan's padding index
-#                                       # (TBEGEN_VBE_PAD_IN_KERNELS=1, 994a2a3/bb698b9) against the defaults on bench_vbe's
-#                                       # four cases, with each side's runtime calls per step (vbe_step_ops) (~6 min)
+#                                       # (TBEGEN_VBE_PAD_IN_KERNELS=1) with step 3c in the run selection
+#                                       # (TBEGEN_VBE_GATHER_IN_SELECT=1) against the defaults on bench_vbe's four cases,
+#                                       # with each side's runtime calls per step (vbe_step_ops) (~6 min)
 #   bash benchmarks/run_gpu_plan.sh 7   # issue 27's pipelined steps on the defaults (the exchange stream), tbegen alone
 #                                       # with --profile (per-stream busy time, the host wait; ~5 min)
 #   bash benchmarks/run_gpu_plan.sh 8   # issue 29: ncu of random 3 sgd's kernels with and without
@@ -111,11 +112,12 @@ call5() {
 
 call6() {
   # (issue 25: the VBE step's extras beside the padded step's, NOTES-gpu "VBE: the step's extras
-  # beside the padded step's, cut": the index_select gone with TBEGEN_VBE_PAD_IN_KERNELS=1; each
-  # side's VBE/pad in narrow-skewed (host-bound), skewed, mild and mild-large (kernel-bound), and
-  # each side's launches and allocations per step. The fused gather's A/B ran at landing14.)
+  # beside the padded step's, cut": the index_select gone with TBEGEN_VBE_PAD_IN_KERNELS=1, step
+  # 3c's launch with TBEGEN_VBE_GATHER_IN_SELECT=1; each side's VBE/pad in narrow-skewed
+  # (host-bound), skewed, mild and mild-large (kernel-bound), and each side's launches and
+  # allocations per step. The fused gather's A/B ran at landing14.)
   run env BUILD_SPECS="sgd rowwise_adagrad" TEST_FILES="tests/test_vbe.py tests/test_vbe_backward_variant.py" \
-    VBE_AB=TBEGEN_VBE_PAD_IN_KERNELS=1 VBE_AB_OPS=1 \
+    VBE_AB=TBEGEN_VBE_PAD_IN_KERNELS=1,TBEGEN_VBE_GATHER_IN_SELECT=1 VBE_AB_OPS=1 \
     VBE_CASES=narrow-skewed,skewed,mild,mild-large VBE_TIMEOUT=150 DEADLINE=480 bash benchmarks/run_gpu_ab.sh
 }
 

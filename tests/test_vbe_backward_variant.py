@@ -215,3 +215,70 @@ def test_fused_gather_bad_value_is_refused(monkeypatch):
     monkeypatch.delenv(SWITCH, raising=False)
     with pytest.raises(RuntimeError, match="TBEGEN_VBE_FUSED_GATHER must be 0 or 1"):
         _train("sgd", CASES["mixed-sum-hot"], "on", monkeypatch, steps=1, name=FUSED)
+
+
+# ---- TBEGEN_VBE_GATHER_IN_SELECT: the offsets written by the run selection's predicate ------------
+#
+# Where the sort's values are the bags (unweighted sum), the switch at 1 has the run selection's
+# predicate (IsRunStartGathering, cuda_backward_prep_impl.cuh) write each sorted occurrence's
+# output-gradient offset, and gather_grad_offsets_kernel does not run: one launch fewer per VBE
+# step (issue 25). The same offsets, so the same bits as the switch at 0 (the default) and as
+# TBEGEN_VBE_GRAD_OFFSETS=0; weighted and mean batches (their sorted bags come after the selection)
+# and fixed batches are untouched.
+
+IN_SELECT = "TBEGEN_VBE_GATHER_IN_SELECT"
+
+
+@pytest.mark.parametrize("case_id", sorted(CASES))
+@pytest.mark.parametrize("optimizer", OPTIMIZERS)
+def test_gather_in_select_gives_the_default_bits(optimizer, case_id, monkeypatch):
+    case = CASES[case_id]
+    monkeypatch.delenv(SWITCH, raising=False)  # (the gathered offsets: the default)
+    monkeypatch.delenv(FUSED, raising=False)
+    default = _train(optimizer, case, "0", monkeypatch, name=IN_SELECT)
+    in_select = _train(optimizer, case, "1", monkeypatch, name=IN_SELECT)
+    again = _train(optimizer, case, "1", monkeypatch, name=IN_SELECT)
+    monkeypatch.setenv(IN_SELECT, "1")
+    kernels_read = _train(optimizer, case, "0", monkeypatch)  # (TBEGEN_VBE_GRAD_OFFSETS=0: nothing gathered)
+    _assert_same(in_select, default, "TBEGEN_VBE_GATHER_IN_SELECT=1 against =0")
+    _assert_same(again, in_select, "TBEGEN_VBE_GATHER_IN_SELECT=1 twice (determinism)")
+    _assert_same(in_select, kernels_read, "TBEGEN_VBE_GATHER_IN_SELECT=1 against TBEGEN_VBE_GRAD_OFFSETS=0")
+
+
+@pytest.mark.parametrize("case_id,engaged", [("mixed-sum-hot", True), ("mixed-weighted-sum-hot", False),
+                                             ("mixed-mean-hot", False)])
+def test_gather_in_select_runs_one_kernel_fewer(case_id, engaged, monkeypatch):
+    """The switch takes effect on unweighted sum batches (else the bitwise test above could pass
+    with the switch ignored): step 3c's kernel gone, the same kernels otherwise; weighted and mean
+    batches keep it."""
+    case = CASES[case_id]
+    monkeypatch.delenv(IN_SELECT, raising=False)
+    off = _backward_kernels(case, "0", monkeypatch)
+    monkeypatch.setenv(IN_SELECT, "1")
+    on = _backward_kernels(case, "0", monkeypatch)
+    assert any("gather_grad_offsets_kernel" in k for k in off), off
+    if engaged:
+        assert not any("gather_grad_offsets_kernel" in k for k in on), on
+        assert len(on) == len(off) - 1, (on, off)
+    else:
+        assert sorted(on) == sorted(off), (on, off)
+
+
+@pytest.mark.parametrize("optimizer", OPTIMIZERS)
+def test_gather_in_select_trains_like_the_padded_fixed_batch(optimizer, monkeypatch):
+    bsfr = [[5, 0, 3, 7], [4, 1, 0, 2], [0, 0, 1, 9]]
+    tables, ftm = [(50, 16), (30, 6)], [0, 1, 0]
+    monkeypatch.delenv(SWITCH, raising=False)
+    monkeypatch.setenv(IN_SELECT, "1")
+    a, b, *_ = run_vbe_and_padded(optimizer, "cuda", "sum", False, bsfr, tables, ftm, steps=3)
+    assert_same_training(a, b)
+    monkeypatch.setenv(IN_SELECT, "0")
+    a0, b0, *_ = run_vbe_and_padded(optimizer, "cuda", "sum", False, bsfr, tables, ftm, steps=3)
+    assert_same_training(a0, a)
+    assert_same_training(b0, b)  # the fixed batch: untouched by the switch
+
+
+def test_gather_in_select_bad_value_is_refused(monkeypatch):
+    monkeypatch.delenv(SWITCH, raising=False)
+    with pytest.raises(RuntimeError, match="TBEGEN_VBE_GATHER_IN_SELECT must be 0 or 1"):
+        _train("sgd", CASES["mixed-sum-hot"], "on", monkeypatch, steps=1, name=IN_SELECT)

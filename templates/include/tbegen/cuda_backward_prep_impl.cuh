@@ -159,6 +159,38 @@ __device__ __forceinline__ int32_t grad_offset_of(int32_t sorted_bag, int64_t nb
   return int32_t(bag_out[bag]);
 }
 
+// The run selection's predicate with step 3c in it (TBEGEN_VBE_GATHER_IN_SELECT=1,
+// vbe_gather_in_select: a VBE batch whose sorted values are the bags, unweighted sum): besides
+// whether sorted position j starts a run (IsRunStart's answer), it writes j's output-gradient
+// offset, grad_at[j] = bag_out[bag] of its sorted bag, as 3c's kernel does, so that kernel is not
+// launched (issue 25: one launch fewer per VBE step). Sound because CUB's selection calls the
+// predicate on every position in [0, n) (agent_select_if.cuh, InitializeSelections: each tile's
+// in-range items once), the sorted bags are there (the sort ran before it on the stream), and the
+// write is idempotent (a second call writes the same value); it runs before the update kernels on
+// the caller's stream. A type of its own, so that IsRunStart's kernel is the code it was.
+template <typename K>
+struct IsRunStartGathering {
+  const K* keys;
+  int32_t n;
+  const int32_t* sorted_bag;
+  const int64_t* bag_out;
+  int64_t nbags;
+  int32_t* grad_at;
+  __device__ __forceinline__ bool operator()(int32_t j) const {
+    if (j < n) grad_at[j] = grad_offset_of(sorted_bag[j], nbags, bag_out);
+    return j == 0 || keys[j] != keys[j - 1];
+  }
+};
+
+// Whether a VBE batch whose sorted values are the bags (unweighted sum) writes its occurrences'
+// output-gradient offsets in the run selection's predicate (IsRunStartGathering) instead of step
+// 3c's kernel: TBEGEN_VBE_GATHER_IN_SELECT, unset, empty or "0" off (the default), "1" on, anything
+// else refused. Read at every VBE call that gathers offsets (TBEGEN_VBE_GRAD_OFFSETS on), whatever
+// its pooling; weighted and mean batches keep 3c (their sorted bags come from step 3b, after the
+// selection; TBEGEN_VBE_FUSED_GATHER is theirs). The same offsets, so the same bits. Opt-in until a
+// GPU has run it.
+inline bool vbe_gather_in_select() { return opt_in_switch("TBEGEN_VBE_GATHER_IN_SELECT"); }
+
 // Step 3b when the values sorted were positions: each occurrence's bag and scale in sorted order.
 // kGradOffsets (TBEGEN_VBE_FUSED_GATHER=1, vbe_fused_gather: a VBE batch whose values are positions,
 // i.e. weighted or mean pooling) also writes step 3c's output-gradient offset, bag_out[bag] of the
@@ -249,8 +281,8 @@ template <typename K>
 void linearize_and_sort(const Batch& b, const ForwardArgs& fa, const at::Tensor& weights, const at::Tensor& indices,
                         const at::Tensor& offsets, int64_t total_hash_size, bool check_finite, bool values_are_bags,
                         bool scaled, bool with_tickets, const int64_t* vbe_grad_offsets, bool fused_gather,
-                        int64_t partial_row_floats, bool no_memsets, bool one_scan, cudaStream_t stream,
-                        PreparedBackward& out) {
+                        bool gather_in_select, int64_t partial_row_floats, bool no_memsets, bool one_scan,
+                        cudaStream_t stream, PreparedBackward& out) {
   TBEGEN_CHECK(!(scaled && values_are_bags), "tbegen: internal error: scaled occurrences need their positions");
   const auto bytes_opts = weights.options().dtype(at::kByte);
   const int n = int(b.N);
@@ -338,7 +370,17 @@ void linearize_and_sort(const Batch& b, const ForwardArgs& fa, const at::Tensor&
   // below are set once the allocation exists.
   int32_t *starts = nullptr, *counts = nullptr, *num_long = nullptr, *long_ids = nullptr;
   int2* segments = nullptr;
+  // (TBEGEN_VBE_GATHER_IN_SELECT=1 on an unweighted sum VBE batch: step 3c in the run selection's
+  // predicate, writing at grad_in_select, set with the other pointers below)
+  const bool offsets_in_select = vbe_grad_offsets != nullptr && values_are_bags && gather_in_select;
+  int32_t* grad_in_select = nullptr;
   auto select_starts = [&](void* tmp, size_t& bytes) {
+    if (offsets_in_select) {
+      return cub::DeviceSelect::If(tmp, bytes, thrust::counting_iterator<int32_t>(0), starts, counts, n,
+                                   IsRunStartGathering<K>{sorted_keys, n, sorted_values, vbe_grad_offsets,
+                                                          b.F * b.B, grad_in_select},
+                                   stream);
+    }
     return cub::DeviceSelect::If(tmp, bytes, thrust::counting_iterator<int32_t>(0), starts, counts, n,
                                  IsRunStart<K>{sorted_keys}, stream);
   };
@@ -382,6 +424,7 @@ void linearize_and_sort(const Batch& b, const ForwardArgs& fa, const at::Tensor&
   float* sorted_scale = scaled ? reinterpret_cast<float*>(base + at_scales) : nullptr;
   int32_t* grad_at = vbe_grad_offsets != nullptr ? reinterpret_cast<int32_t*>(base + at_grad_at) : nullptr;
   if (partial_row_floats > 0) out.partial = reinterpret_cast<float*>(base + at_partial);
+  grad_in_select = grad_at;
   // (the stream runs them in order, so none touches the scratch while another does)
   void* cub_scratch = base + at_cub;
   TBEGEN_CUDA_CHECK(select_starts(cub_scratch, cub_bytes[0]));
@@ -405,7 +448,7 @@ void linearize_and_sort(const Batch& b, const ForwardArgs& fa, const at::Tensor&
     TBEGEN_CUDA_CHECK(cudaGetLastError());
   }
   // 3c. (VBE, TBEGEN_VBE_GRAD_OFFSETS=1) each occurrence's output-gradient offset in sorted order
-  if (grad_at != nullptr && !offsets_in_3b) {
+  if (grad_at != nullptr && !offsets_in_3b && !offsets_in_select) {
     gather_grad_offsets_kernel<<<grid_for(b.N / kWarpSize + 1), kThreads, 0, stream>>>(b.N, b.F * b.B, sorted_bag,
                                                                                        vbe_grad_offsets, grad_at);
     TBEGEN_CUDA_CHECK(cudaGetLastError());
@@ -517,15 +560,16 @@ PreparedBackward prepare_backward(const Batch& b, const at::Tensor& grad_output,
                "tbegen: internal error: VBE gradient offsets for a batch without pooling");
   // (read, and a bad value refused, at every call that gathers offsets, whichever the pooling)
   const bool fused_gather = vbe_grad_offsets != nullptr && vbe_fused_gather();
+  const bool gather_in_select = vbe_grad_offsets != nullptr && vbe_gather_in_select();
   const ForwardArgs fa = forward_args(b, features, weights, per_sample_weights, nullptr, error);
   if (total_hash_size + 1 <= int64_t(INT32_MAX)) {
     linearize_and_sort<int32_t>(b, fa, weights, indices, offsets, total_hash_size, check_finite, values_are_bags,
-                                scaled, with_tickets, vbe_grad_offsets, fused_gather, partial_row_floats, no_memsets,
-                                one_scan, stream, out);
+                                scaled, with_tickets, vbe_grad_offsets, fused_gather, gather_in_select,
+                                partial_row_floats, no_memsets, one_scan, stream, out);
   } else {
     linearize_and_sort<int64_t>(b, fa, weights, indices, offsets, total_hash_size, check_finite, values_are_bags,
-                                scaled, with_tickets, vbe_grad_offsets, fused_gather, partial_row_floats, no_memsets,
-                                one_scan, stream, out);
+                                scaled, with_tickets, vbe_grad_offsets, fused_gather, gather_in_select,
+                                partial_row_floats, no_memsets, one_scan, stream, out);
   }
   // (the list's scan takes n + 1 entries as an int: a batch of 2^31 - 1 indices keeps the two
   // kernels, which give the same bits)
