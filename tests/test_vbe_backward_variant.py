@@ -106,19 +106,25 @@ def test_gathered_offsets_give_the_default_bits(optimizer, case_id, monkeypatch)
     _assert_same(unset, variant, "TBEGEN_VBE_GRAD_OFFSETS empty (the default) against =1")
 
 
+def _assert_switch_trains_like_the_padded_fixed_batch(optimizer, monkeypatch, switch, pooling, weighted):
+    """With `switch` on, VBE training is bitwise the padded fixed batch's (as test_vbe checks for the
+    default); with it off, both trainings are the same as with it on (the fixed batch untouched)."""
+    bsfr = [[5, 0, 3, 7], [4, 1, 0, 2], [0, 0, 1, 9]]
+    tables, ftm = [(50, 16), (30, 6)], [0, 1, 0]
+    monkeypatch.setenv(switch, "1")
+    a, b, *_ = run_vbe_and_padded(optimizer, "cuda", pooling, weighted, bsfr, tables, ftm, steps=3)
+    assert_same_training(a, b)
+    monkeypatch.setenv(switch, "0")
+    a0, b0, *_ = run_vbe_and_padded(optimizer, "cuda", pooling, weighted, bsfr, tables, ftm, steps=3)
+    assert_same_training(a0, a)
+    assert_same_training(b0, b)  # the fixed batch: untouched by the switch
+
+
 @pytest.mark.parametrize("optimizer", OPTIMIZERS)
 def test_variant_trains_like_the_padded_fixed_batch(optimizer, monkeypatch):
     """With the switch on, VBE training is still bitwise the padded fixed batch's (as test_vbe
     checks for the default), and the fixed batch itself is what it is with the switch off."""
-    bsfr = [[5, 0, 3, 7], [4, 1, 0, 2], [0, 0, 1, 9]]
-    tables, ftm = [(50, 16), (30, 6)], [0, 1, 0]
-    monkeypatch.setenv(SWITCH, "1")
-    a, b, *_ = run_vbe_and_padded(optimizer, "cuda", "sum", True, bsfr, tables, ftm, steps=3)
-    assert_same_training(a, b)
-    monkeypatch.setenv(SWITCH, "0")
-    a0, b0, *_ = run_vbe_and_padded(optimizer, "cuda", "sum", True, bsfr, tables, ftm, steps=3)
-    assert_same_training(a0, a)
-    assert_same_training(b0, b)  # the fixed batch: untouched by the switch
+    _assert_switch_trains_like_the_padded_fixed_batch(optimizer, monkeypatch, SWITCH, "sum", True)
 
 
 def test_bad_switch_value_is_refused(monkeypatch):
@@ -199,16 +205,8 @@ def test_fused_gather_runs_one_kernel_fewer(case_id, engaged, monkeypatch):
 def test_fused_gather_trains_like_the_padded_fixed_batch(optimizer, pooling, monkeypatch):
     """With the switch on, weighted VBE training is still bitwise the padded fixed batch's, and the
     fixed batch is what it is with the switch off."""
-    bsfr = [[5, 0, 3, 7], [4, 1, 0, 2], [0, 0, 1, 9]]
-    tables, ftm = [(50, 16), (30, 6)], [0, 1, 0]
     monkeypatch.delenv(SWITCH, raising=False)
-    monkeypatch.setenv(FUSED, "1")
-    a, b, *_ = run_vbe_and_padded(optimizer, "cuda", pooling, True, bsfr, tables, ftm, steps=3)
-    assert_same_training(a, b)
-    monkeypatch.setenv(FUSED, "0")
-    a0, b0, *_ = run_vbe_and_padded(optimizer, "cuda", pooling, True, bsfr, tables, ftm, steps=3)
-    assert_same_training(a0, a)
-    assert_same_training(b0, b)  # the fixed batch: untouched by the switch
+    _assert_switch_trains_like_the_padded_fixed_batch(optimizer, monkeypatch, FUSED, pooling, True)
 
 
 def test_fused_gather_bad_value_is_refused(monkeypatch):
@@ -266,16 +264,8 @@ def test_gather_in_select_runs_one_kernel_fewer(case_id, engaged, monkeypatch):
 
 @pytest.mark.parametrize("optimizer", OPTIMIZERS)
 def test_gather_in_select_trains_like_the_padded_fixed_batch(optimizer, monkeypatch):
-    bsfr = [[5, 0, 3, 7], [4, 1, 0, 2], [0, 0, 1, 9]]
-    tables, ftm = [(50, 16), (30, 6)], [0, 1, 0]
     monkeypatch.delenv(SWITCH, raising=False)
-    monkeypatch.setenv(IN_SELECT, "1")
-    a, b, *_ = run_vbe_and_padded(optimizer, "cuda", "sum", False, bsfr, tables, ftm, steps=3)
-    assert_same_training(a, b)
-    monkeypatch.setenv(IN_SELECT, "0")
-    a0, b0, *_ = run_vbe_and_padded(optimizer, "cuda", "sum", False, bsfr, tables, ftm, steps=3)
-    assert_same_training(a0, a)
-    assert_same_training(b0, b)  # the fixed batch: untouched by the switch
+    _assert_switch_trains_like_the_padded_fixed_batch(optimizer, monkeypatch, IN_SELECT, "sum", False)
 
 
 def test_gather_in_select_bad_value_is_refused(monkeypatch):
