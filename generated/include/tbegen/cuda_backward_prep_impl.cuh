@@ -18,6 +18,12 @@ struct IsRunStart {
   __device__ __forceinline__ bool operator()(int32_t j) const { return j == 0 || keys[j] != keys[j - 1]; }
 };
 
+// The occurrences of run r of `runs` (r < runs): its sorted positions [starts[r], starts[r + 1]),
+// the last run's ending at n.
+__device__ __forceinline__ int32_t run_length(const int32_t* starts, int32_t runs, int32_t n, int32_t r) {
+  return (r + 1 < runs ? starts[r + 1] : n) - starts[r];
+}
+
 // Predicate of the long-run selection: run i exists and has at least `threshold` occurrences.
 struct IsLongRun {
   const int32_t* starts;
@@ -27,8 +33,7 @@ struct IsLongRun {
   __device__ __forceinline__ bool operator()(int32_t i) const {
     const int32_t runs = counts[0];
     if (i >= runs) return false;
-    const int32_t end = i + 1 < runs ? starts[i + 1] : n;
-    return end - starts[i] >= threshold;
+    return run_length(starts, runs, n, i) >= threshold;
   }
 };
 
@@ -50,9 +55,7 @@ struct SegmentsOfLongRun {
   int32_t length;  // occurrences per segment (Runs::segment_length)
   __device__ __forceinline__ int2 operator()(int32_t k) const {
     if (k >= counts[1]) return make_int2(0, 0);
-    const int32_t run = long_ids[k];
-    const int32_t end = run + 1 < counts[0] ? starts[run + 1] : n;
-    return segments_of_long_run(end - starts[run], length);
+    return segments_of_long_run(run_length(starts, counts[0], n, long_ids[k]), length);
   }
 };
 
@@ -68,7 +71,7 @@ struct ItemsOfRun {
   int32_t length;     // Runs::segment_length
   __device__ __forceinline__ int2 operator()(int32_t r) const {
     if (r >= counts[0]) return make_int2(0, 0);
-    const int32_t len = (r + 1 < counts[0] ? starts[r + 1] : n) - starts[r];
+    const int32_t len = run_length(starts, counts[0], n, r);
     return len < threshold ? make_int2(1, 0) : segments_of_long_run(len, length);
   }
 };
@@ -92,7 +95,7 @@ struct LongRunOfRun {
   __device__ __forceinline__ int3 operator()(int32_t r) const {
     const int32_t runs = counts[0];
     if (r >= runs) return make_int3(0, 0, 0);
-    const int32_t len = (r + 1 < runs ? starts[r + 1] : n) - starts[r];
+    const int32_t len = run_length(starts, runs, n, r);
     if (len < threshold) return make_int3(0, 0, 0);
     const int2 s = segments_of_long_run(len, length);
     return make_int3(1, s.x, s.y);
@@ -178,7 +181,7 @@ struct IsRunStartGathering {
   int32_t* grad_at;
   __device__ __forceinline__ bool operator()(int32_t j) const {
     if (j < n) grad_at[j] = grad_offset_of(sorted_bag[j], nbags, bag_out);
-    return j == 0 || keys[j] != keys[j - 1];
+    return IsRunStart<K>{keys}(j);
   }
 };
 
