@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The next GPU session's device calls (benchmarks/NOTES-gpu.md, "Next GPU session: the plan (written
-# 2026-12-06 01:05 UTC, after landing15)"), one call per argument, from the repository root, so that
+# 2026-12-06 03:30 UTC, after landing16)"), one call per argument, from the repository root, so that
 # the long command lines are not retyped (or mistyped) in a call that costs a tenth of the session's
 # device time. Chain the calls within ~30 s (a warm machine keeps its build cache). In order of value:
 #   bash benchmarks/run_gpu_plan.sh 1   # correctness: every CUDA test on the landed tree, sanitizers, FBGEMM_GPU
@@ -31,7 +31,10 @@
 #   bash benchmarks/run_gpu_plan.sh 10  # issue 29: the sort without memsets and the long runs by one scan, each forced on
 #                                       # in D=20, D=32, base (5.2M indices: their size rule's off side), and ncu of
 #                                       # D=20 sgd with both on and off: what costs landing15's ~30 us (~5 min)
-#   DRY_RUN=1 bash benchmarks/run_gpu_plan.sh 1 2 3 4 5 6 7 8 9   # print the commands only (tests/test_gpu_plan.py reads
+#   bash benchmarks/run_gpu_plan.sh 11  # issue 29: every kernel of a step (the 24 longest: the sort, the selections and
+#                                       # the linearize beside the update kernels) in D=20, D=32, L=1, random 3 and base,
+#                                       # sgd: where the backward's time goes outside the update kernels (~3 min)
+#   DRY_RUN=1 bash benchmarks/run_gpu_plan.sh 1 2 3 4 5 6 7 8 9 10 11   # print the commands only (tests/test_gpu_plan.py reads
 #                                                      # them: every script, flag, switch and sweep regex they name exists)
 # Results under $OUT as the scripts called write them (run_gpu_landing.sh, run_gpu_ab.sh, run_gpu.sh).
 set -u
@@ -154,7 +157,15 @@ call10() {
     NCU_ONLY="^D=20 sgd" NCU_AB="TBEGEN_SORT_NO_MEMSETS=1,TBEGEN_LONG_RUN_SCAN=1" DEADLINE=360 bash benchmarks/run_gpu_ab.sh
 }
 
-[ $# -gt 0 ] || { sed -n '2,28p' "$0"; exit 2; }
+call11() {
+  # (landing16's ncu of D=20 sgd: tbegen's update kernels 236 us (group) beside 166 + 19 us (segment,
+  # finish) against FBGEMM's 213 + 136 in series, yet tbegen's backward 0.713 ms against FBGEMM's
+  # 0.746: the rest of the step, its preparation (linearize, the sort's passes, the selections) is
+  # where tbegen spends what its overlap saves. sweep_gpu's profile now keeps 24 kernels a system.)
+  run env TEST_FILES= PROFILE_ONLY="^(D=20|D=32|L=1|random 3|base) sgd" DEADLINE=300 bash benchmarks/run_gpu_ab.sh
+}
+
+[ $# -gt 0 ] || { sed -n '2,38p' "$0"; exit 2; }
 status=0
 for call in "$@"; do
   case "$call" in
@@ -168,7 +179,8 @@ for call in "$@"; do
     8) call8 || status=1 ;;
     9) call9 || status=1 ;;
     10) call10 || status=1 ;;
-    *) echo "run_gpu_plan.sh: no call '$call' (1 to 10)" >&2; exit 2 ;;
+    11) call11 || status=1 ;;
+    *) echo "run_gpu_plan.sh: no call '$call' (1 to 11)" >&2; exit 2 ;;
   esac
 done
 exit $status

@@ -173,14 +173,19 @@ def time_system(ref, emb, sets, grad, warmup, iters, torch):
     return ref.time_loop(fwd, bwd, len(sets), warmup, iters)
 
 
+PROFILE_TOP = 24
+
+
 def profile_system(ref, emb, sets, grad, torch) -> dict:
-    """Kernel time and launches per step (forward and backward), and the five longest kernels: in a
-    latency-bound cell, a step whose kernels add up to much less than its time waits for the host."""
+    """Kernel time and launches per step (forward and backward), and the PROFILE_TOP longest kernels
+    (enough to hold a step's preparation kernels, the sort and the selections, beside the update
+    kernels): in a latency-bound cell, a step whose kernels add up to much less than its time waits
+    for the host."""
     rows = ref.profile_kernels(lambda i: emb(sets[i]["indices"], sets[i]["offsets"], per_sample_weights=sets[i]["psw"]),
                                lambda out: out.backward(grad), len(sets))
     return dict(us_per_step=sum(r["us_per_iter"] for r in rows),
                 launches_per_step=sum(r["calls_per_iter"] for r in rows),
-                top=[dict(name=r["name"][:120], us=round(r["us_per_iter"], 1), calls=r["calls_per_iter"]) for r in rows[:5]])
+                top=[dict(name=r["name"][:120], us=round(r["us_per_iter"], 1), calls=r["calls_per_iter"]) for r in rows[:PROFILE_TOP]])
 
 
 # ---- the run ---------------------------------------------------------------------------------------
@@ -357,7 +362,7 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=5, help="alternating timing rounds per system (median)")
     ap.add_argument("--profile", action="store_true",
                     help="also each system's CUDA kernels per step (the referee's profile_kernels, 3 steps): "
-                         "kernel time and launches per step, the five longest kernels, into sweep.json and the table")
+                         "kernel time and launches per step, the %d longest kernels, into sweep.json" % PROFILE_TOP)
     ap.add_argument("--budget-s", type=float, default=540, help="start no new cell after this many seconds")
     ap.add_argument("--list", action="store_true", help="print the cells and exit (no GPU needed)")
     args = ap.parse_args(argv)
