@@ -1,9 +1,9 @@
 """The CUDA runtime calls one steady fixed-batch training step issues (issue 29: the sub-millisecond
 cells are host-bound, each call ~4-7 us of the host's time on the H100), counted with torch.profiler
 as benchmarks/vbe_step_ops.py counts them, and the cuts: the sort without memsets
-(TBEGEN_SORT_NO_MEMSETS) and the long runs found by one scan (TBEGEN_LONG_RUN_SCAN), each on by
-default for a batch of at most 2^20 indices (kFewerCallsMaxIndices in cuda_backward_prep_impl.cuh),
-"0" off, "1" on, bitwise against each other; the opt-in error record copied after the backward only
+(TBEGEN_SORT_NO_MEMSETS, on by default at every size) and the long runs found by one scan
+(TBEGEN_LONG_RUN_SCAN, on by default for a batch of at most 2^20 indices: kFewerCallsMaxIndices in
+cuda_backward_prep_impl.cuh), "0" off, "1" on, bitwise against each other; the opt-in error record copied after the backward only
 (TBEGEN_ERROR_COPY_AFTER_BACKWARD=1), its counts and when its errors surface. CUDA only
 (`pytest -m cuda`; skipped without a GPU).
 
@@ -42,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 STEPS = 3
 SINGLE_TILE = 256 * 19  # CUB's sm_90 single-tile sort of 32-bit pairs (above it: onesweep)
-FEWER_CALLS_MAX = 1 << 20  # kFewerCallsMaxIndices: both cuts on by default up to this many indices
+FEWER_CALLS_MAX = 1 << 20  # kFewerCallsMaxIndices: the long-run scan on by default up to this many indices
 
 
 def _passes(total_rows: int) -> int:
@@ -99,14 +99,19 @@ def _runtime_calls(emb, batch) -> dict:
     return dict(counted["runtime calls"], allocations=counted["allocation ops"].get("aten::empty", 0))
 
 
-# (TBEGEN_SORT_NO_MEMSETS, TBEGEN_LONG_RUN_SCAN); "" leaves the size rule to choose
+# (TBEGEN_SORT_NO_MEMSETS, TBEGEN_LONG_RUN_SCAN); "" leaves the default (the sort: on; the scan: the size rule)
 SWITCHES = {"default": ("", ""), "neither": ("0", "0"), "sort_no_memsets": ("1", "0"), "long_run_scan": ("0", "1"),
             "both": ("1", "1")}
-# CASES and a batch past FEWER_CALLS_MAX (2 x 65536 x 9 = 1179648 indices), where the default is neither
+# CASES and a batch past FEWER_CALLS_MAX (2 x 65536 x 9 = 1179648 indices), where the default is the
+# sort without memsets and the two CUB algorithms for the long runs
 COUNT_CASES = CASES + [(200_000, 65536, 9)]
 
 
-def _on(value: str, n: int) -> bool:
+def _sort_no_memsets(value: str) -> bool:
+    return value != "0"  # (unset: on at every size)
+
+
+def _long_run_scan(value: str, n: int) -> bool:
     return value == "1" or (value == "" and n <= FEWER_CALLS_MAX)
 
 
@@ -114,7 +119,8 @@ def _on(value: str, n: int) -> bool:
 @pytest.mark.parametrize("rows,B,L", COUNT_CASES, ids=lambda v: str(v))
 def test_runtime_calls_per_steady_step(monkeypatch, rows, B, L, switches):
     n = 2 * B * L
-    no_memsets, one_scan = (_on(v, n) for v in SWITCHES[switches])
+    no_memsets = _sort_no_memsets(SWITCHES[switches][0])
+    one_scan = _long_run_scan(SWITCHES[switches][1], n)
     monkeypatch.setenv("TBEGEN_SORT_NO_MEMSETS", SWITCHES[switches][0])
     monkeypatch.setenv("TBEGEN_LONG_RUN_SCAN", SWITCHES[switches][1])
     emb = _module(rows)
@@ -139,7 +145,7 @@ def test_switch_trains_bitwise_as_the_default(monkeypatch, rows, B, L, weighted,
     from tbegen import TableBatchedEmbeddingBags
 
     results = []
-    for value in ("0", "1", ""):  # off, on, the size rule's choice (on at these sizes)
+    for value in ("0", "1", ""):  # off, on, the default (on at these sizes)
         monkeypatch.setenv(switch, value)
         torch.manual_seed(0)
         emb = TableBatchedEmbeddingBags([(rows, 32), (rows, 48)], optimizer="rowwise_adagrad", device="cuda",

@@ -133,15 +133,15 @@ struct ScatterLongRun {
   }
 };
 
-// TBEGEN_SORT_NO_MEMSETS and TBEGEN_LONG_RUN_SCAN left unset: both on for a batch of at most
-// kFewerCallsMaxIndices indices, off above. Measured on an H100 (docs/gpu-runs/2026-12-06-landing15,
-// the sweep's cells beside FBGEMM, both switches against neither in one process): the host-bound
-// sub-millisecond steps of 164k-327k indices (T=1, L=1, B=512) gained 5-15% (backward geometric
-// mean 1.13x -> 1.21x FBGEMM's, no cell under 1.1x but two within rounding), where every launch
-// and memset the host saves is step time; the kernel-bound steps of 5.2M indices (D=20, D=32,
-// base: T=32, B=8192, L=20) lost ~30 us each (+3-4%; timed with TBEGEN_ERROR_COPY_AFTER_BACKWARD=1
-// as well, which changes no device work), 2.6M (random 3) neither. Both give the same bits either
-// way (tests/test_step_runtime_calls.py), so the choice moves only time.
+// TBEGEN_LONG_RUN_SCAN left unset: on for a batch of at most kFewerCallsMaxIndices indices, off
+// above. Measured on an H100 (docs/gpu-runs/2026-12-06-landing15, the sweep's cells beside FBGEMM):
+// the host-bound sub-millisecond steps of 164k-327k indices (T=1, L=1, B=512) gained 5-15% with it
+// and TBEGEN_SORT_NO_MEMSETS (backward geometric mean 1.13x -> 1.21x FBGEMM's), where every launch
+// the host saves is step time; alone on the kernel-bound steps of 5.2M indices (D=20, D=32, base:
+// T=32, B=8192, L=20) it costs 25-55 us each (+2-8%, geometric mean +5.7% over 12 cells,
+// docs/gpu-runs/2026-12-06-landing16/sort-cuts: its one scan walks all n runs where the selection
+// walks them once and the scan only the long ones). Either way the same bits
+// (tests/test_step_runtime_calls.py), so the choice moves only time.
 constexpr int64_t kFewerCallsMaxIndices = int64_t(1) << 20;
 inline bool few_calls_by_default(int64_t n) { return n <= kFewerCallsMaxIndices; }
 
@@ -262,13 +262,17 @@ inline int linearize_spread(int64_t nbags, int64_t N) {
 // Whether the backward's sort runs without CUB's cudaMemsetAsync calls (2 + one per pass: issue 29,
 // 5 of a 3-pass step's 6 memsets): OnesweepSort (cuda_sort.cuh), the same CUB kernels on a scratch
 // allocated before the linearize kernel, which zeroes its counters, histograms and one look-back
-// area per pass. TBEGEN_SORT_NO_MEMSETS: unset or empty: on for batches of at most
-// kFewerCallsMaxIndices indices (few_calls_by_default), "0" off (CUB's dispatch), "1" on; anything
-// else refused. The same sorted pairs either way (the same kernels in the same order; a stable sort
-// of the same pairs), which tests/test_step_runtime_calls.py checks bitwise on CUDA beside the
-// memsets it removes. Batches that CUB sorts in one tile (no memsets), or in several portions (2^28
-// pairs or more), keep CUB's dispatch. Read at every call.
-inline bool sort_no_memsets(int64_t n) { return switch_or("TBEGEN_SORT_NO_MEMSETS", few_calls_by_default(n)); }
+// area per pass. TBEGEN_SORT_NO_MEMSETS: unset, empty or "1" on, "0" off (CUB's dispatch); anything
+// else refused. On by default at every size: on an H100 it gained 5-15% with TBEGEN_LONG_RUN_SCAN
+// on the host-bound steps of 164k-327k indices (docs/gpu-runs/2026-12-06-landing15) and, alone, 1-2%
+// on the kernel-bound steps of 5.2M indices (11 of 12 cells faster, geometric mean -1.5%,
+// docs/gpu-runs/2026-12-06-landing16/sort-cuts), where it had been off under the two cuts' shared
+// size rule (landing15's ~30 us there was the one scan's, not the sort's). The same sorted pairs
+// either way (the same kernels in the same order; a stable sort of the same pairs), which
+// tests/test_step_runtime_calls.py checks bitwise on CUDA beside the memsets it removes. Batches
+// that CUB sorts in one tile (no memsets), or in several portions (2^28 pairs or more), keep CUB's
+// dispatch. Read at every call.
+inline bool sort_no_memsets() { return switch_or("TBEGEN_SORT_NO_MEMSETS", true); }
 
 // Bytes of an array of `n` elements of `size` bytes carved from a shared allocation, rounded up
 // to 256 so that every array starts 256-byte aligned (as an allocation of its own would).
@@ -539,7 +543,7 @@ PreparedBackward prepare_backward(const Batch& b, const at::Tensor& grad_output,
 
   // (TBEGEN_SORT_NO_MEMSETS, TBEGEN_LONG_RUN_SCAN: read, and a bad value refused, before anything
   // is launched)
-  const bool no_memsets = sort_no_memsets(b.N), one_scan = long_run_scan(b.N);
+  const bool no_memsets = sort_no_memsets(), one_scan = long_run_scan(b.N);
   // The finite check of grad_output reads it once, on a side stream, while the batch is sorted.
   const c10::DeviceIndex device = weights.device().index();
   const at::cuda::CUDAStream side = at::cuda::getStreamFromPool(false, device);
