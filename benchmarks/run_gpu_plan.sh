@@ -33,7 +33,9 @@
 #                                       # D=20 sgd with both on and off: what costs landing15's ~30 us (~5 min)
 #   bash benchmarks/run_gpu_plan.sh 11  # issue 29: every kernel of a step (the 24 longest: the sort, the selections and
 #                                       # the linearize beside the update kernels) in D=20, D=32, L=1, random 3 and base,
-#                                       # sgd: where the backward's time goes outside the update kernels (~3 min)
+#                                       # sgd: where the backward's time goes outside the update kernels; and sgd's
+#                                       # group kernel with its rows cached (TBEGEN_GROUP_ROWS_CACHED=1) on D=4-64, base,
+#                                       # random 3, with ncu of D=20 sgd both ways (~6 min)
 #   DRY_RUN=1 bash benchmarks/run_gpu_plan.sh 1 2 3 4 5 6 7 8 9 10 11   # print the commands only (tests/test_gpu_plan.py reads
 #                                                      # them: every script, flag, switch and sweep regex they name exists)
 # Results under $OUT as the scripts called write them (run_gpu_landing.sh, run_gpu_ab.sh, run_gpu.sh).
@@ -162,10 +164,16 @@ call11() {
   # finish) against FBGEMM's 213 + 136 in series, yet tbegen's backward 0.713 ms against FBGEMM's
   # 0.746: the rest of the step, its preparation (linearize, the sort's passes, the selections) is
   # where tbegen spends what its overlap saves. sweep_gpu's profile now keeps 24 kernels a system.)
-  run env TEST_FILES= PROFILE_ONLY="^(D=20|D=32|L=1|random 3|base) sgd" DEADLINE=300 bash benchmarks/run_gpu_ab.sh
+  # Beside it, sgd's group kernel with the rows cached (TBEGEN_GROUP_ROWS_CACHED=1; the default for
+  # optimizers with state since landing10, where sgd read -10% to +11% on a noisy H200 run): ncu of
+  # D=20 sgd's group kernel wrote 4.36 M sectors to L2 against FBGEMM's warp_per_row's 3.06 M
+  # (landing16), what partial-sector stores of 80-byte rows read and written evict-first would do.
+  run env TEST_FILES= PROFILE_ONLY="^(D=20|D=32|L=1|random 3|base) sgd" \
+    SWEEP_ABS="TBEGEN_GROUP_ROWS_CACHED=1@^(D=(4|8|20|32|64)|base|random 3) sgd" \
+    NCU_ONLY="^D=20 sgd" NCU_AB="TBEGEN_GROUP_ROWS_CACHED=1" DEADLINE=420 bash benchmarks/run_gpu_ab.sh
 }
 
-[ $# -gt 0 ] || { sed -n '2,38p' "$0"; exit 2; }
+[ $# -gt 0 ] || { sed -n '2,40p' "$0"; exit 2; }
 status=0
 for call in "$@"; do
   case "$call" in
