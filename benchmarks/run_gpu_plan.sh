@@ -36,7 +36,11 @@
 #                                       # sgd: where the backward's time goes outside the update kernels; and sgd's
 #                                       # group kernel with its rows cached (TBEGEN_GROUP_ROWS_CACHED=1) on D=4-64, base,
 #                                       # random 3, with ncu of D=20 sgd both ways (~6 min)
-#   DRY_RUN=1 bash benchmarks/run_gpu_plan.sh 1 2 3 4 5 6 7 8 9 10 11   # print the commands only (tests/test_gpu_plan.py reads
+#   bash benchmarks/run_gpu_plan.sh 12  # issue 29: longer segments for the hottest rows' cells (TBEGEN_SEGMENT_LENGTH=512
+#                                       # and =1024) on random 3, zipf 1.3, D=8/20/32: a hot row's finish sums fewer
+#                                       # partial rows (random 3: ~325 a hot row, one warp, ~40 us on the side stream's
+#                                       # critical path); other bits (deterministic), so against the float64 reference (~5 min)
+#   DRY_RUN=1 bash benchmarks/run_gpu_plan.sh 1 2 3 4 5 6 7 8 9 10 11 12   # print the commands only (tests/test_gpu_plan.py reads
 #                                                      # them: every script, flag, switch and sweep regex they name exists)
 # Results under $OUT as the scripts called write them (run_gpu_landing.sh, run_gpu_ab.sh, run_gpu.sh).
 set -u
@@ -173,7 +177,18 @@ call11() {
     NCU_ONLY="^D=20 sgd" NCU_AB="TBEGEN_GROUP_ROWS_CACHED=1" DEADLINE=420 bash benchmarks/run_gpu_ab.sh
 }
 
-[ $# -gt 0 ] || { sed -n '2,40p' "$0"; exit 2; }
+call12() {
+  # (the segment kernel is one wave of ~3168 warps on an H100; random 3's ~1.8 M long-run occurrences
+  # are ~7000 segments of 256, 2-3 a warp, and its hottest rows' ~325 partial sums each are added in
+  # order by one warp with 4-5 loads in flight: landing14's ncu 114 + 43 us, the step's longer stream.
+  # 512 or 1024 halves or quarters the partial sums for 1-2 segments a warp. A different sum order:
+  # tests/test_segment_length.py checks the float64 reference at several lengths; its files run first.)
+  run env TEST_FILES=tests/test_segment_length.py TBEGEN_TEST_OPTIMIZERS="sgd rowwise_adagrad adagrad adam" \
+    SWEEP_ABS="TBEGEN_SEGMENT_LENGTH=512@^(random 3|zipf 1.3|D=8|D=20|D=32) ;TBEGEN_SEGMENT_LENGTH=1024@^(random 3|zipf 1.3) " \
+    DEADLINE=360 bash benchmarks/run_gpu_ab.sh
+}
+
+[ $# -gt 0 ] || { sed -n '2,44p' "$0"; exit 2; }
 status=0
 for call in "$@"; do
   case "$call" in
@@ -188,7 +203,8 @@ for call in "$@"; do
     9) call9 || status=1 ;;
     10) call10 || status=1 ;;
     11) call11 || status=1 ;;
-    *) echo "run_gpu_plan.sh: no call '$call' (1 to 11)" >&2; exit 2 ;;
+    12) call12 || status=1 ;;
+    *) echo "run_gpu_plan.sh: no call '$call' (1 to 12)" >&2; exit 2 ;;
   esac
 done
 exit $status
