@@ -1223,6 +1223,43 @@ def test_vbe_bag_pad_is_checked_by_the_operators():
 
 
 @cuda
+@pytest.mark.parametrize("dims", [(4, 8), (3, 6), (64, 128), (128, 256)])
+@pytest.mark.parametrize("pooling,dtype", [("sum", torch.int64), ("mean", torch.int32)])
+def test_cuda_bag_pad_of_another_layout_reads_the_offsets_it_names(dims, pooling, dtype):
+    # The kPad kernels read a bag's offsets where the plan's layout puts its pad entries
+    # (pad_bag_bounds, cuda_kernels.cuh: predicted from the feature's first and last entries) and,
+    # where the bag's own entries say otherwise (a padding index of another layout), again where they
+    # name: the forward, per-sample-weight gradient and update of the gathered offsets offsets[pad],
+    # bit for bit, for the plan's index and for two others (4-wide, bag-group and any-width kernels)
+    tables = [(6, dims[0]), (5, dims[1])]
+    emb, twin = (make("sgd", tables, device="cuda", pooling=pooling) for _ in range(2))
+    assert torch.equal(emb.weights, twin.weights)
+    indices = torch.tensor([1, 2, 0, 3, 4], dtype=dtype, device="cuda")
+    offsets = torch.tensor([0, 1, 2, 3, 4, 5], dtype=dtype, device="cuda")  # 5 VBE bags
+    plan = emb._vbe_plan([[1, 2], [2, 0]])  # 2 x 3 padded bags, bag 5 padding
+    bag_out, numel = plan["bag_out"].cuda(), plan["numel"]
+    gen = torch.Generator().manual_seed(3)
+    psw = (torch.rand(5, generator=gen) + 0.5).cuda()
+    for pad in (plan["pad"].cuda(), torch.tensor([0, 1, 1, 2, 3, 5, 5], device="cuda"),
+                torch.tensor([0, 0, 1, 2, 3, 5, 5], device="cuda")):
+        padded = offsets.index_select(0, pad)
+        out = emb._ops.forward(*op_args(emb, indices, offsets), psw, emb._pooling_id, None, False, bag_out, numel, pad)
+        ref = twin._ops.forward(*op_args(twin, indices, padded), psw, twin._pooling_id, None, False, bag_out, numel)
+        assert torch.equal(out, ref), pad
+        grad = torch.randn(numel, generator=gen).cuda()
+        got = emb._ops.grad_per_sample_weights(grad, emb.weights.detach(), emb.features, emb.layout.total_D,
+                                               emb.layout.max_D, indices, offsets, emb._pooling_id, None, False,
+                                               bag_out, pad)
+        want = twin._ops.grad_per_sample_weights(grad, twin.weights.detach(), twin.features, twin.layout.total_D,
+                                                 twin.layout.max_D, indices, padded, twin._pooling_id, None, False,
+                                                 bag_out)
+        assert torch.equal(got, want), pad
+        emb._run_backward(grad, emb.weights, indices, offsets, psw, bag_output_offsets=bag_out, bag_pad=pad)
+        twin._run_backward(grad, twin.weights, indices, padded, psw, bag_output_offsets=bag_out)
+        assert torch.equal(emb.weights, twin.weights), pad
+
+
+@cuda
 @pytest.mark.parametrize("optimizer,pooling,weighted,dtype,dims", [
     ("sgd", "sum", False, torch.int64, (4, 8, 12)), ("rowwise_adagrad", "sum", True, torch.int32, (4, 8, 12)),
     ("rowwise_adagrad", "mean", False, torch.int64, (3, 5, 130)), ("sgd", "mean", True, torch.int32, (3, 5, 7)),

@@ -220,27 +220,72 @@ __device__ __forceinline__ bool bag_bounds(const I* offsets, int64_t bag, int64_
   return ok;
 }
 
+// Bag `bag` = (feature f, sample b) of a batch read through its padding index (kPad): its bounds
+// offsets[pad[bag]] and offsets[pad[bag + 1]], pad values outside the offsets (`pad_limit` entries)
+// recorded as malformed offsets, each bag's start, end and errors those of bag_bounds over the
+// padded offsets offsets[pad]. Read as pad[bag] and then the offsets, the offsets wait for the pad
+// entries: one more dependent global load before each bag's indices (on an H100 the kPad forward
+// took 6% longer than the padded batch's at ~400K bags; benchmarks/NOTES-gpu.md, "VBE: the padding
+// index's cost in the kernels"). The plan's index (vbe.h, vbe_plan_entry) has pad[f * B + b] =
+// first_f + min(b, B_f), with first_f = pad[f * B] and first_f + B_f = pad[(f + 1) * B]: two
+// entries that every bag of the feature reads (from L1 after the first bag), so the offsets are
+// read at the entries they predict while the bag's own pad entries are on their way; those are
+// then compared, and where they differ (an index of another layout) the offsets read again at
+// them. The same loaded values, hence the same start, end and errors, whatever the index holds:
+// only the order of the loads changes. (The prediction in unsigned arithmetic and checked against
+// pad_limit before it is used: an index of another layout may hold anything.)
+template <typename I>
+__device__ __forceinline__ bool pad_bag_bounds(const ForwardArgs& a, const I* offsets, int64_t bag, int64_t f,
+                                               int64_t b, int64_t nbags, int64_t* start, int64_t* end) {
+  const int64_t* __restrict__ pad = a.pad;
+  const int64_t p0 = pad[bag], p1 = pad[bag + 1];                 // (the bag's)
+  const int64_t first = pad[f * a.B], next = pad[(f + 1) * a.B];  // (the feature's: hot)
+  const uint64_t count = uint64_t(next) - uint64_t(first);
+  const uint64_t q0 = uint64_t(first) + min(uint64_t(b), count);
+  const uint64_t q1 = uint64_t(first) + min(uint64_t(b) + 1, count);
+  const bool predicted = q0 < uint64_t(a.pad_limit) && q1 < uint64_t(a.pad_limit);
+  int64_t s = 0, e = 0;
+  if (predicted) {
+    s = offsets[q0];
+    e = offsets[q1];
+  }
+  const bool in_range = p0 >= 0 && p1 >= 0 && p0 < a.pad_limit && p1 < a.pad_limit;
+  if (in_range && !(predicted && uint64_t(p0) == q0 && uint64_t(p1) == q1)) {  // (not the plan's layout)
+    s = offsets[p0];
+    e = offsets[p1];
+  }
+  if (!in_range) s = e = 0;  // (a pad value outside the offsets: malformed, nothing read through it)
+  *start = s;
+  *end = e;
+  const bool ok = in_range && s >= 0 && s <= e && e <= a.N && (bag != 0 || s == 0) &&
+                  (bag != nbags - 1 || e == a.N);
+  if (!ok) record_error(a.error, kErrBadOffsets, bag, 0);
+  return ok;
+}
+
 // bag_bounds of the call's bag: with kPad through the padding index (ForwardArgs::pad, which the
 // host launches the kPad instantiations for: TBEGEN_VBE_PAD_IN_KERNELS=1 or the module's CPU twin;
-// a pad value outside the offsets is malformed offsets, recorded as such), else exactly as above.
-// The same start and end as bag_bounds over the padded offsets offsets[pad]. A compile-time
-// choice, so that the kernels without a padding index are the code they were (registers, spills).
+// pad_bag_bounds above), else exactly as above. A compile-time choice, so that the kernels without
+// a padding index are the code they were (registers, spills, instructions). The caller's feature f
+// and sample b of the bag (bag = f * B + b) where it has them; else worked out here as the
+// kernels that read them after the bounds do (bag / a.B, bag % a.B: the same divisions, once).
+template <bool kPad, typename I>
+__device__ __forceinline__ bool bag_bounds(const ForwardArgs& a, const I* offsets, int64_t bag, int64_t f, int64_t b,
+                                           int64_t nbags, int64_t* start, int64_t* end) {
+  if constexpr (!kPad) {
+    return bag_bounds(offsets, bag, nbags, a.N, a.error, start, end);
+  } else {
+    return pad_bag_bounds(a, offsets, bag, f, b, nbags, start, end);
+  }
+}
 template <bool kPad, typename I>
 __device__ __forceinline__ bool bag_bounds(const ForwardArgs& a, const I* offsets, int64_t bag, int64_t nbags,
                                            int64_t* start, int64_t* end) {
-  if constexpr (!kPad) return bag_bounds(offsets, bag, nbags, a.N, a.error, start, end);
-  const int64_t p0 = a.pad[bag], p1 = a.pad[bag + 1];
-  if (p0 < 0 || p1 < 0 || p0 >= a.pad_limit || p1 >= a.pad_limit) {
-    *start = *end = 0;
-    record_error(a.error, kErrBadOffsets, bag, 0);
-    return false;
+  if constexpr (!kPad) {
+    return bag_bounds(offsets, bag, nbags, a.N, a.error, start, end);
+  } else {
+    return pad_bag_bounds(a, offsets, bag, bag / a.B, bag % a.B, nbags, start, end);
   }
-  *start = offsets[p0];
-  *end = offsets[p1];
-  const bool ok = *start >= 0 && *start <= *end && *end <= a.N && (bag != 0 || *start == 0) &&
-                  (bag != nbags - 1 || *end == a.N);
-  if (!ok) record_error(a.error, kErrBadOffsets, bag, 0);
-  return ok;
 }
 
 // Lanes that cover a row of D columns in 4-wide slices (a power of two, all 32 from D = 128 up).
@@ -300,7 +345,13 @@ __global__ void __launch_bounds__(256) forward_kernel(ForwardArgs a, const W* __
   const int bag = int((int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / kWarpSize);
   if (bag >= nbags) return;
   int64_t start64, end64;
-  const bool bounds_ok = bag_bounds<kPad>(a, offsets, bag, nbags, &start64, &end64);
+  bool bounds_ok;
+  if constexpr (kPad) {  // (f and b as below; unsigned: 40 registers at kVecs = 1 with lane groups, not 47)
+    const unsigned f = unsigned(bag) / unsigned(a.B);
+    bounds_ok = bag_bounds<kPad>(a, offsets, bag, f, unsigned(bag) - f * unsigned(a.B), nbags, &start64, &end64);
+  } else {
+    bounds_ok = bag_bounds<kPad>(a, offsets, bag, nbags, &start64, &end64);
+  }
   // (a bag with bad offsets: its output is written as zeros)
   const int start = bounds_ok ? int(start64) : 0, end = bounds_ok ? int(end64) : 0;
   const int B = int(a.B);
@@ -444,7 +495,13 @@ __global__ void __launch_bounds__(256) forward_bag_groups_kernel(ForwardArgs a, 
   if (bag >= nbags) return;  // (a whole group: its lanes share the bag)
   const unsigned mask = lanes == kWarpSize ? kFullMask : ((1u << lanes) - 1u) << (group * lanes);
   int64_t start64, end64;
-  const bool bounds_ok = bag_bounds<kPad>(a, offsets, bag, nbags, &start64, &end64);
+  bool bounds_ok;
+  if constexpr (kPad) {  // (f and b as below)
+    const unsigned f = unsigned(bag) / unsigned(a.B);
+    bounds_ok = bag_bounds<kPad>(a, offsets, bag, f, unsigned(bag) - f * unsigned(a.B), nbags, &start64, &end64);
+  } else {
+    bounds_ok = bag_bounds<kPad>(a, offsets, bag, nbags, &start64, &end64);
+  }
   // (a bag with bad offsets: its output is written as zeros)
   const int start = bounds_ok ? int(start64) : 0, end = bounds_ok ? int(end64) : 0;
   const int B = int(a.B);
@@ -610,11 +667,19 @@ __global__ void __launch_bounds__(256) linearize_kernel(ForwardArgs a, const I* 
     const int64_t my_bag = bag0 + lane;
     int64_t start = a.N, end = a.N;  // (lanes past the last bag: empty, after every index)
     bool ok = true;
-    if (my_bag < nbags) ok = bag_bounds<kPad>(a, offsets, my_bag, nbags, &start, &end);
+    int64_t my_f = 0;  // (kPad: the bag's feature, found once for its bounds and my_feature)
+    if constexpr (kPad) {
+      if (my_bag < nbags) {
+        my_f = my_bag / a.B;
+        ok = bag_bounds<kPad>(a, offsets, my_bag, my_f, my_bag - my_f * a.B, nbags, &start, &end);
+      }
+    } else {
+      if (my_bag < nbags) ok = bag_bounds<kPad>(a, offsets, my_bag, nbags, &start, &end);
+    }
     // malformed offsets are a fatal error (nothing will be updated): leave these bags alone
     if (__any_sync(kFullMask, !ok)) continue;
     const float my_inv_len = (a.pooling == kPoolMean && end > start) ? 1.0f / float(end - start) : 1.0f;
-    const int32_t my_feature = my_bag < nbags ? int32_t(my_bag / a.B) : 0;  // (once per bag, not per index)
+    const int32_t my_feature = my_bag < nbags ? int32_t(kPad ? my_f : my_bag / a.B) : 0;  // (once per bag, not per index)
     const int64_t first = __shfl_sync(kFullMask, start, 0);
     const int64_t last = __shfl_sync(kFullMask, end, kWarpSize - 1);
     for (int64_t base = first + int64_t(part) * kWarpSize; base < last; base += int64_t(spread) * kWarpSize) {
