@@ -40,7 +40,11 @@
 #                                       # and =1024) on random 3, zipf 1.3, D=8/20/32: a hot row's finish sums fewer
 #                                       # partial rows (random 3: ~325 a hot row, one warp, ~40 us on the side stream's
 #                                       # critical path); other bits (deterministic), so against the float64 reference (~5 min)
-#   DRY_RUN=1 bash benchmarks/run_gpu_plan.sh 1 2 3 4 5 6 7 8 9 10 11 12   # print the commands only (tests/test_gpu_plan.py reads
+#   bash benchmarks/run_gpu_plan.sh 13  # issue 25: TBEGEN_VBE_PAD_IN_KERNELS=1 alone against the defaults (11e2699: the kPad
+#                                       # bounds read the offsets where the plan's padding index puts them, beside the
+#                                       # bag's own pad entries), VBE's tests first (~5 min); call 6 times it with
+#                                       # TBEGEN_VBE_GATHER_IN_SELECT=1
+#   DRY_RUN=1 bash benchmarks/run_gpu_plan.sh 1 2 3 4 5 6 7 8 9 10 11 12 13   # print the commands only (tests/test_gpu_plan.py reads
 #                                                      # them: every script, flag, switch and sweep regex they name exists)
 # Results under $OUT as the scripts called write them (run_gpu_landing.sh, run_gpu_ab.sh, run_gpu.sh).
 set -u
@@ -188,7 +192,17 @@ call12() {
     DEADLINE=360 bash benchmarks/run_gpu_ab.sh
 }
 
-[ $# -gt 0 ] || { sed -n '2,44p' "$0"; exit 2; }
+call13() {
+  # (landing16: both VBE switches together made mild-large's forward 1.434 -> 1.521 ms; helper-52
+  # traced the forward's share to the pad entries' DRAM round trip before the offsets' loads and
+  # predicts 1.43-1.45 ms with 11e2699, the backward within 1% of the default's 3.26 ms; what is left
+  # of call 6's backward excess is then TBEGEN_VBE_GATHER_IN_SELECT's)
+  run env BUILD_SPECS="sgd rowwise_adagrad" TEST_FILES="tests/test_vbe.py tests/test_vbe_backward_variant.py" \
+    VBE_AB=TBEGEN_VBE_PAD_IN_KERNELS=1 VBE_AB_OPS=1 VBE_CASES=mild-large,narrow-skewed,skewed,mild VBE_TIMEOUT=150 \
+    DEADLINE=480 bash benchmarks/run_gpu_ab.sh
+}
+
+[ $# -gt 0 ] || { sed -n '2,48p' "$0"; exit 2; }
 status=0
 for call in "$@"; do
   case "$call" in
@@ -204,7 +218,8 @@ for call in "$@"; do
     10) call10 || status=1 ;;
     11) call11 || status=1 ;;
     12) call12 || status=1 ;;
-    *) echo "run_gpu_plan.sh: no call '$call' (1 to 12)" >&2; exit 2 ;;
+    13) call13 || status=1 ;;
+    *) echo "run_gpu_plan.sh: no call '$call' (1 to 13)" >&2; exit 2 ;;
   esac
 done
 exit $status
