@@ -1757,64 +1757,63 @@ class TableBatchedEmbeddingBags(nn.Module):
         """The VBE plan of these sizes, kept or new (_vbe_plan_and_padded without offsets)."""
         return self._vbe_plan_and_padded(batch_size_per_feature_per_rank, key)[0]
 
-    def _vbe_plan_and_padded(self, batch_size_per_feature_per_rank, key: Optional[bytes] = None, offsets=None,
+    def _vbe_plan_and_padded(self, bsfr, key: Optional[bytes] = None, offsets=None,
                              through_pad: bool = False):
         """(plan, padded offsets or None). The plan: the padding index (`pad`), the table of each padded bag's output offset (`bag_out`) and
-        the totals of one batch_size_per_feature_per_rank, kept for the last distinct ones. A new
+        the totals of one batch_size_per_feature_per_rank (`bsfr`), kept for the last distinct ones. A new
         one is one operator call (vbe_plan, include/tbegen/vbe.h: the host sums the [F, R] sizes,
         one kernel on CUDA, the header its argument; nothing waits for the device). Plans are kept by
         the sizes packed as int64 bytes (_vbe_key; `key`: that of these sizes where the caller has
-        it), which go to the operator as they are; anything else, e.g. a tensor, is checked and
-        converted first. The forward finds a kept plan itself (_vbe_prepare); this is its way to a
-        new one, and the tests'. With `offsets` (the forward's, as given), the padded offsets:
+        it), which go to the operator as they are (copied into the module's reused int64 buffer,
+        _vbe_key_buffer: no tensor made per plan); anything else, e.g. a tensor, is checked and
+        converted first. The forward finds a kept plan itself and calls this for a new one
+        (_forward_vbe); so do the tests. With `offsets` (the forward's, as given), the padded offsets:
         where the sizes pack into a key and the offsets are a 1-D int32/int64 tensor on the
         weights' device, a new plan's operator (vbe_plan_padded) writes offsets[pad] beside the
         plan's tables, no gather of its own; otherwise (also for offsets that do not fit the
         sizes, or a plan kept already) None, and the caller gathers or refuses them; also None with
         `through_pad` (the module's forward) where the operators read the offsets through the plan's
         padding index (_vbe_pad_route): no padded offsets are made."""
-        bsfr = batch_size_per_feature_per_rank
         state = self.__dict__
         weights = self._registered("weights")
         device = weights.device
-        consts = state.get("_vbe_consts")
-        if consts is None:  # (the features' count and widths: the layout is fixed at construction)
-            layout = self.layout
-            consts = state["_vbe_consts"] = (
-                layout.num_features, [layout.tables[t][1] for t in layout.feature_table_map])
-        F, dims = consts
+        # (what a plan needs of the module, worked out once per device and _vbe_direct: _vbe_plan_needs)
+        direct_of = state.get("_vbe_direct") or type(self)._vbe_direct
+        needs = state.get("_vbe_needs")
+        if needs is None or needs[0] != device or needs[1] is not direct_of:
+            needs = self._vbe_plan_needs(device, direct_of)
+        _, _, F, dims, route, direct = needs
         plans = state.get("_vbe_plans")
         if plans is None:
             plans = state["_vbe_plans"] = _VbePlans()
         if key is None:
             key = _vbe_key(bsfr, F)
-        device_of = weights.detach() if weights.requires_grad else weights
-        route = self._vbe_pad_route(device)
-        if through_pad and route:
-            offsets = None
         if key is not None:
             old = plans.get(key)
             if old is not None and old["device"] == device:
                 return old, None
             R = len(key) // (8 * F)
+            padded = sizes = None
             try:
-                if (offsets is not None and type(offsets) is torch.Tensor and offsets.ndim == 1
-                        and offsets.dtype in INDEX_DTYPES and offsets.device == device):
-                    pad, bag_out, (total, max_B, n_out), padded = self._ops.vbe_plan_padded(
-                        torch.frombuffer(bytearray(key), dtype=torch.int64), R, dims, offsets)
+                if (offsets is not None and not (through_pad and route) and type(offsets) is torch.Tensor
+                        and offsets.ndim == 1 and offsets.dtype in INDEX_DTYPES and offsets.device == device):
+                    sizes = self._vbe_key_buffer(key)
+                    pad, bag_out, (total, max_B, n_out), padded = self._ops.vbe_plan_padded(sizes[1], R, dims, offsets)
                     padded = padded if padded.numel() else None  # (empty: the offsets do not fit the sizes)
                 elif F * R <= self._VBE_SIZES_AS_LIST:
                     pad, bag_out, (total, max_B, n_out) = self._ops.vbe_plan(
-                        memoryview(key).cast("q").tolist(), R, dims, device_of)
-                    padded = None
-                else:  # (the key's buffer itself: cheaper than a long int[])
+                        memoryview(key).cast("q").tolist(), R, dims,
+                        weights.detach() if weights.requires_grad else weights)
+                else:  # (the key's bytes as an int64 tensor: cheaper than a long int[])
+                    sizes = self._vbe_key_buffer(key)
                     pad, bag_out, (total, max_B, n_out) = self._ops.vbe_plan_tensor(
-                        torch.frombuffer(bytearray(key), dtype=torch.int64), R, dims, device_of)
-                    padded = None
+                        sizes[1], R, dims, weights.detach() if weights.requires_grad else weights)
             except RuntimeError:
                 # (a negative size: the message naming it; else the operator's)
                 self._vbe_sizes(bsfr)
                 raise
+            if sizes is not None:  # (the operator has read it: free for the next plan)
+                state["_vbe_sizes_buffer"] = sizes
         else:
             padded = None
             B = self._vbe_sizes(bsfr)  # [F, R] int64 on the CPU, checked (or a message naming the entry)
@@ -1823,18 +1822,10 @@ class TableBatchedEmbeddingBags(nn.Module):
             old = plans.get(key)
             if old is not None and old["device"] == device:
                 return old, None
-            pad, bag_out, (total, max_B, n_out) = self._ops.vbe_plan_tensor(B.reshape(-1).contiguous(), R, dims,
-                                                                            device_of)
-        # How _forward_vbe runs this module's VBE batches eagerly (_vbe_direct), asked once per
-        # device and _vbe_direct (a subclass's, or one set on the instance) while it says yes
-        # (a microsecond or two of a step's host time otherwise)
-        direct_of = state.get("_vbe_direct") or type(self)._vbe_direct
-        known = state.get("_vbe_direct_known")
-        if known is not None and known[0] is direct_of and known[1] == device:
-            direct = True
-        else:
+            pad, bag_out, (total, max_B, n_out) = self._ops.vbe_plan_tensor(
+                B.reshape(-1).contiguous(), R, dims, weights.detach() if weights.requires_grad else weights)
+        if not direct:  # (a no is asked again each time: _vbe_plan_needs keeps only a yes)
             direct = self.pooling != "none" and self._vbe_direct()
-            state["_vbe_direct_known"] = (direct_of, device) if direct else None
         unpadded = total == F * max_B  # (every feature has max_B bags: `pad` is 0, 1, ..., total)
         # (the direct path's operator arguments: "vbe" with the padded offsets, "vbe_pad" with the
         # VBE batch's own offsets read through `pad` where this module does that, _vbe_pad_route)
@@ -1849,6 +1840,40 @@ class TableBatchedEmbeddingBags(nn.Module):
             del plans[next(iter(plans))]
         plans[key] = plan
         return plan, padded
+
+    def _vbe_plan_needs(self, device, direct_of) -> tuple:
+        """What a new VBE plan needs of this module on `device`: (device, direct_of, F, the features'
+        widths, _vbe_pad_route's answer, whether its batches take the direct path). Kept (in
+        `_vbe_needs`) while the direct path's answer is yes and asked again when the weights'
+        device or _vbe_direct (a subclass's, or one set on the instance) is another: a new plan
+        then reads one tuple instead of asking each (a microsecond or two of a step's host time)."""
+        state = self.__dict__
+        consts = state.get("_vbe_consts")
+        if consts is None:  # (the features' count and widths: the layout is fixed at construction)
+            layout = self.layout
+            consts = state["_vbe_consts"] = (
+                layout.num_features, [layout.tables[t][1] for t in layout.feature_table_map])
+        direct = self.pooling != "none" and self._vbe_direct()
+        needs = (device, direct_of, consts[0], consts[1], self._vbe_pad_route(device), direct)
+        state["_vbe_needs"] = needs if direct else None
+        return needs
+
+    def _vbe_key_buffer(self, key: bytes) -> tuple:
+        """The sizes of `key` (_vbe_key's int64 bytes) where vbe_plan_tensor and vbe_plan_padded read
+        them, (a bytearray, a 1-D int64 CPU tensor on its memory): the module's buffer of that length
+        with the key copied into it, so that no tensor is made per plan (a tensor made in a step
+        costs ~4 us of its host time on this CPU, beyond its own ~1 us: NOTES-gpu.md, "VBE: the new
+        plan's host work"). Taken out of the module (the caller gives it back once the operator has
+        returned: the operators read the sizes on the host during the call and keep nothing of
+        them; CUDA computes its header from them before the launch), so that a call beside it
+        (another thread) makes its own rather than overwrite it. Never resized (the tensor holds its
+        address): a key of another length gets a new one."""
+        buf = self.__dict__.pop("_vbe_sizes_buffer", None)
+        if buf is None or len(buf[0]) != len(key):
+            data = bytearray(key)
+            return data, torch.frombuffer(data, dtype=torch.int64)
+        buf[0][:] = key  # (the same length: a copy into the buffer, never a resize)
+        return buf
 
     # (under torch.compile: a graph break, the plan built eagerly)
     _vbe_plan = torch.compiler.disable(_vbe_plan_eager)
@@ -1962,19 +1987,22 @@ class TableBatchedEmbeddingBags(nn.Module):
         state["_vbe_pad_known"] = (device, ok)
         return ok
 
-    def _vbe_prepare(self, offsets, bsfr, through_pad=False, key=None, plan=None):
+    def _vbe_prepare(self, offsets, bsfr, through_pad=False, key=None, plan=None, padded=None):
         """(plan, padded offsets) of a VBE batch: its kept plan, found with as little as can be
         (the host time of a VBE call beside the padded call's; benchmarks/host_overhead_cpu.py
         --vbe): the sizes packed into their key (_vbe_key: one pass in C, which refuses what is not
         F lists of R integers: a float equal to a kept size goes the checked way) and one
         dictionary lookup, then the offsets' gather; or a new plan, which gets the key (the sizes
         are read once) and makes the padded offsets in its own operator call (vbe_plan_padded: no
-        gather, its launch and its allocation; TorchRec's case, new sizes every step). Anything
-        else takes the checked way (a clear error for bad sizes or offsets). With `through_pad`
+        gather, its launch and its allocation). (The module's own forward makes a new plan itself
+        for sizes that pack into a key, _forward_vbe: TorchRec's case, new sizes every step; this
+        is its way for the rest, and the FBGEMM class's.) Anything else takes the checked way (a
+        clear error for bad sizes or offsets). With `through_pad`
         (the module's own forward) and a plan whose "vbe_pad" arguments carry the padding index
         (_vbe_pad_route), `offsets` themselves, unpadded: the caller tells them apart by identity.
         `key`: these sizes' key where the caller made it and looked it up already (_forward_vbe's
-        kept-plan way), `plan` what it found (None: none kept)."""
+        kept-plan way), `plan` what it found or made (None: none kept), `padded` the offsets the
+        new plan's operator padded with it (None: none)."""
         state = self.__dict__
         consts, plans = state.get("_vbe_consts"), state.get("_vbe_plans")
         if key is None and consts is not None and plans is not None:
@@ -1986,8 +2014,6 @@ class TableBatchedEmbeddingBags(nn.Module):
         if plan is None:
             # (read through the padding index, through_pad: a new plan makes no padded offsets)
             plan, padded = self._vbe_plan_and_padded(bsfr, key, offsets, through_pad)
-        else:
-            padded = None
         if "ready" in plan:  # (a plan a prefetch made on its stream)
             self._vbe_plan_ready(plan)
         if padded is None:
@@ -2017,26 +2043,32 @@ class TableBatchedEmbeddingBags(nn.Module):
             state["_vbe_handed"] = None
 
     def _forward_vbe(self, indices, offsets, per_sample_weights, batch_size_per_feature_per_rank) -> torch.Tensor:
-        # The kept plan's way, in as few steps as can be (the host time of a VBE step beside the
-        # padded step's, issue 25): its key (_vbe_key), the last plan's or the kept plans' lookup,
-        # and for offsets that fit it straight to _lookup, with the plan's padding index where the
-        # operators read through it ("vbe_pad", _vbe_pad_route), else the offsets gathered. Anything
-        # else (a new plan, a prefetched plan, a plan handed by the FBGEMM class, torch.compile,
-        # offsets that do not fit) takes _vbe_prepare below.
+        # The common ways, in as few steps as can be (the host time of a VBE step beside the padded
+        # step's, issue 25): the sizes' key (_vbe_key), the last plan's or the kept plans' lookup,
+        # or for new sizes (TorchRec's case: every step) the new plan made straight away
+        # (_vbe_plan_and_padded, which pads the offsets in its operator where they go to the
+        # operators padded); then for offsets that fit it straight to _lookup, with the plan's
+        # padding index where the operators read through it ("vbe_pad", _vbe_pad_route), else the
+        # offsets padded (by the new plan's operator, or gathered for a kept plan). Anything else
+        # (a prefetched plan, a plan handed by the FBGEMM class, torch.compile, sizes that are not
+        # F lists of R ints, offsets that do not fit, the gathered fallback) takes _vbe_prepare below.
         state = self.__dict__
         plans = state.get("_vbe_plans")
-        key = plan = None
+        key = plan = padded = None
         if type(plans) is _VbePlans and state.get("_vbe_handed") is None and not torch.compiler.is_compiling():
             key = _vbe_key(batch_size_per_feature_per_rank, state["_vbe_consts"][0])
             plan = plans.last
             if plan is None or plan["sizes"] != key:
                 plan = None if key is None else plans.get(key)
+                if plan is None and key is not None:  # (new sizes: a new plan)
+                    plan, padded = self._vbe_plan_and_padded(batch_size_per_feature_per_rank, key, offsets, True)
             if (plan is not None and plan["direct"] and "ready" not in plan and type(offsets) is torch.Tensor
                     and offsets.shape == plan["offsets_shape"] and offsets.device == plan["device"]):
                 plans.last = plan
                 vbe = plan["vbe_pad"]
-                return self._lookup(indices, offsets if vbe is not plan["vbe"] or plan["unpadded"] else
-                                    offsets.index_select(0, plan["pad"]), per_sample_weights, vbe,
+                if padded is None and vbe is plan["vbe"] and not plan["unpadded"]:
+                    padded = offsets.index_select(0, plan["pad"])  # (a kept plan, the operators given padded offsets)
+                return self._lookup(indices, offsets if padded is None else padded, per_sample_weights, vbe,
                                     given=(indices, offsets, key))
         if torch.compiler.is_compiling():
             return self._forward_vbe_traced(indices, offsets, per_sample_weights, batch_size_per_feature_per_rank)
@@ -2046,7 +2078,7 @@ class TableBatchedEmbeddingBags(nn.Module):
             # for its own checks of the padded batch: _call_with_vbe_plan; not looked up again)
             plan, padded = handed[2]
         else:
-            plan, padded = self._vbe_prepare(offsets, batch_size_per_feature_per_rank, True, key, plan)
+            plan, padded = self._vbe_prepare(offsets, batch_size_per_feature_per_rank, True, key, plan, padded)
         given = (indices, offsets, plan["sizes"])  # (what a prefetch of this batch was given)
         if plan["direct"]:
             # (the offsets themselves: read through the plan's padding index, "vbe_pad"; else padded)
