@@ -592,17 +592,14 @@ __device__ __forceinline__ void add_occurrences(const BackwardArgs& a, const Occ
   }
 }
 
-// Points the row view at its weights and states (loading what is not updated in place) and at
-// this warp's scratch, whose gradient row is cleared; per-row states are loaded into registers.
-// (clear_g false: the caller's occurrence sum writes every column of the gradient row,
-// sums_from_zero; prefetch: the variant asks L1 for a 16-bit or int8 weight row before converting it;
-// shared_g: the occupancy variant's gradient row in shared memory, TBEGEN_ANY_WIDTH_SHARED_ROW, whose
-// scratch row then goes unused.)
+// begin_row's arrays: points the row view at its weights and element states (fp32 in place; 16-bit
+// or int8 weights and narrow states loaded into float copies in this warp's scratch rows after
+// the gradient's) and clears its temporaries (scratch rows too). (prefetch: the variant asks L1 for
+// a 16-bit or int8 weight row before converting it.)
 template <class Opt, typename W>
-__device__ __forceinline__ void begin_row(OptColumnRow<Opt>& row, const typename Opt::Params& p, W* weights,
-                                          int64_t key, int64_t woff, float* scratch, int64_t max_D,
-                                          bool clear_g = true, bool prefetch = false, float* shared_g = nullptr) {
-  row.g_ = shared_g != nullptr ? shared_g : scratch;
+__device__ __forceinline__ void begin_row_arrays(OptColumnRow<Opt>& row, const typename Opt::Params& p, W* weights,
+                                                 int64_t key, int64_t woff, float* scratch, int64_t max_D,
+                                                 bool prefetch) {
   float* next = scratch + max_D;
   if constexpr (sizeof(W) == 4) {
     row.w_ = reinterpret_cast<float*>(weights) + woff;
@@ -635,6 +632,28 @@ __device__ __forceinline__ void begin_row(OptColumnRow<Opt>& row, const typename
       for (int d = row.lane; d < row.D; d += kWarpSize) row.element_[k][d] = load_state(p.element_states[k], dtype, woff + d);
     }
   }
+}
+
+// Points the row view at its weights and states (loading what is not updated in place) and at
+// this warp's scratch, whose gradient row is cleared; per-row states are loaded into registers.
+// (clear_g false: the caller's occurrence sum writes every column of the gradient row,
+// sums_from_zero; prefetch: the variant asks L1 for a 16-bit or int8 weight row before converting it;
+// shared_g: the occupancy variant's gradient row in shared memory, TBEGEN_ANY_WIDTH_SHARED_ROW, whose
+// scratch row then goes unused.)
+// kMinBlocks > 1 (the occupancy variant's kernels, issue 29): the arrays are not set up here; the
+// kernel calls begin_row_arrays after the occurrence sum, so that the weights and element-state
+// pointers (2 + 2 x kElementStates registers) are not live across the sum's 48 accumulator and load
+// registers. At 80 registers ptxas spilled them there and reloaded them from local memory inside the
+// optimizer's column loop, once or twice per 32 columns per pointer (ptxas -v and SASS before and
+// after: benchmarks/NOTES-gpu.md, "The occupancy kernels' spills in the update loop"). The loads and
+// stores moved are of other rows than the sum's (the state copies, the temporaries), and the update's
+// arithmetic is untouched: the same bits.
+template <class Opt, typename W, int kMinBlocks = 1>
+__device__ __forceinline__ void begin_row(OptColumnRow<Opt>& row, const typename Opt::Params& p, W* weights,
+                                          int64_t key, int64_t woff, float* scratch, int64_t max_D,
+                                          bool clear_g = true, bool prefetch = false, float* shared_g = nullptr) {
+  row.g_ = shared_g != nullptr ? shared_g : scratch;
+  if constexpr (kMinBlocks == 1) begin_row_arrays<Opt, W>(row, p, weights, key, woff, scratch, max_D, prefetch);
 #pragma unroll
   for (int k = 0; k < Opt::kRowStates; ++k) row.row_[k] = load_state(p.row_states[k], p.row_state_dtypes[k], key);
 #pragma unroll
@@ -750,9 +769,10 @@ __device__ __forceinline__ void backward_warp_body(BackwardArgs a, Runs r, Occur
     int64_t woff;
     locate_row(a, o.bag[start], key, &row.D, &woff);
     load_table_states<Opt>(row, p, o.bag[start], a.B);
-    begin_row<Opt, W>(row, p, weights, key, woff, mine, a.max_D, !sums_from_zero<kPrefetch>(a), kPrefetch,
-                      shared_g);
+    begin_row<Opt, W, kMinBlocks>(row, p, weights, key, woff, mine, a.max_D, !sums_from_zero<kPrefetch>(a),
+                                  kPrefetch, shared_g);
     add_occurrences<kPrefetch, kMinBlocks>(a, o, row.D, lane, start, int64_t(start) + len, row.g_);
+    if constexpr (kMinBlocks > 1) begin_row_arrays<Opt, W>(row, p, weights, key, woff, mine, a.max_D, kPrefetch);
     update_and_store<Opt, W>(row, p, ctx, sv, weights, key, woff, kPrefetch, shared_g != nullptr);
   }
 }
@@ -806,9 +826,10 @@ __device__ __forceinline__ void backward_segment_body(BackwardArgs a, Runs r, Oc
     locate_row(a, o.bag[run.first], run.key, &row.D, &woff);
     load_table_states<Opt>(row, p, o.bag[run.first], a.B);
     if (run.nseg == 1) {
-      begin_row<Opt, W>(row, p, weights, run.key, woff, mine, a.max_D, !sums_from_zero<kPrefetch>(a), kPrefetch,
-                      shared_g);
+      begin_row<Opt, W, kMinBlocks>(row, p, weights, run.key, woff, mine, a.max_D, !sums_from_zero<kPrefetch>(a),
+                                    kPrefetch, shared_g);
       add_occurrences<kPrefetch, kMinBlocks>(a, o, row.D, lane, int64_t(run.first) + begin, int64_t(run.first) + end, row.g_);
+      if constexpr (kMinBlocks > 1) begin_row_arrays<Opt, W>(row, p, weights, run.key, woff, mine, a.max_D, kPrefetch);
       update_and_store<Opt, W>(row, p, ctx, sv, weights, run.key, woff, kPrefetch, shared_g != nullptr);
     } else {
       float* out = partial + int64_t(run.segments.y + seg) * a.max_D;
@@ -865,9 +886,10 @@ __device__ __forceinline__ void backward_items_body(BackwardArgs a, Runs r, Work
     locate_row(a, o.bag[start], key, &row.D, &woff);
     if (slot < 0) {
       load_table_states<Opt>(row, p, o.bag[start], a.B);
-      begin_row<Opt, W>(row, p, weights, key, woff, mine, a.max_D, !sums_from_zero<kPrefetch>(a), kPrefetch,
-                      shared_g);
+      begin_row<Opt, W, kMinBlocks>(row, p, weights, key, woff, mine, a.max_D, !sums_from_zero<kPrefetch>(a),
+                                  kPrefetch, shared_g);
       add_occurrences<kPrefetch, kMinBlocks>(a, o, row.D, lane, start, end, row.g_);
+      if constexpr (kMinBlocks > 1) begin_row_arrays<Opt, W>(row, p, weights, key, woff, mine, a.max_D, kPrefetch);
       update_and_store<Opt, W>(row, p, ctx, sv, weights, key, woff, kPrefetch, shared_g != nullptr);
     } else {
       float* out = partial + int64_t(slot) * a.max_D;
@@ -915,8 +937,8 @@ __device__ __forceinline__ void backward_finish_body(BackwardArgs a, Runs r, Occ
     int64_t woff;
     locate_row(a, o.bag[run.first], run.key, &row.D, &woff);
     load_table_states<Opt>(row, p, o.bag[run.first], a.B);
-    begin_row<Opt, W>(row, p, weights, run.key, woff, mine, a.max_D, !sums_from_zero<kPrefetch>(a), kPrefetch,
-                      shared_g);
+    begin_row<Opt, W, kMinBlocks>(row, p, weights, run.key, woff, mine, a.max_D, !sums_from_zero<kPrefetch>(a),
+                                  kPrefetch, shared_g);
     const float* in = partial + int64_t(run.segments.y) * a.max_D;
     if (sums_from_zero<kPrefetch>(a)) {
       add_partials_4wide<kSumVecs<kMinBlocks>, kSumRows<kMinBlocks>>(in, run.nseg, a.max_D, row.D, lane, row.g_);
@@ -925,6 +947,7 @@ __device__ __forceinline__ void backward_finish_body(BackwardArgs a, Runs r, Occ
         for (int d = lane; d < row.D; d += kWarpSize) row.g_[d] += in[int64_t(j) * a.max_D + d];
       }
     }
+    if constexpr (kMinBlocks > 1) begin_row_arrays<Opt, W>(row, p, weights, run.key, woff, mine, a.max_D, kPrefetch);
     update_and_store<Opt, W>(row, p, ctx, sv, weights, run.key, woff, kPrefetch, shared_g != nullptr);
   }
 }
