@@ -644,7 +644,7 @@ __device__ __forceinline__ void begin_row_arrays(OptColumnRow<Opt>& row, const t
 // kernel calls begin_row_arrays after the occurrence sum, so that the weights and element-state
 // pointers (2 + 2 x kElementStates registers) are not live across the sum's 48 accumulator and load
 // registers. At 80 registers ptxas spilled them there and reloaded them from local memory inside the
-// optimizer's column loop, once or twice per 32 columns per pointer (ptxas -v and SASS before and
+// optimizer's column loop, up to twice per 32 columns per pointer (ptxas -v and SASS before and
 // after: benchmarks/NOTES-gpu.md, "The occupancy kernels' spills in the update loop"). The loads and
 // stores moved are of other rows than the sum's (the state copies, the temporaries), and the update's
 // arithmetic is untouched: the same bits.
