@@ -44,7 +44,11 @@
 #                                       # bounds read the offsets where the plan's padding index puts them, beside the
 #                                       # bag's own pad entries), VBE's tests first (~5 min); call 6 times it with
 #                                       # TBEGEN_VBE_GATHER_IN_SELECT=1
-#   DRY_RUN=1 bash benchmarks/run_gpu_plan.sh 1 2 3 4 5 6 7 8 9 10 11 12 13   # print the commands only (tests/test_gpu_plan.py reads
+#   bash benchmarks/run_gpu_plan.sh 14  # issue 29: fp32 D=1024 after 7886445 (the occupancy kernels' update loops without
+#                                       # local memory): its bitwise tests, the D=1024 cells beside FBGEMM with the 2-block
+#                                       # kernels (TBEGEN_ANY_WIDTH_OCCUPANCY=0, unchanged) as the control, and the kernels
+#                                       # per step (~6 min)
+#   DRY_RUN=1 bash benchmarks/run_gpu_plan.sh 1 2 3 4 5 6 7 8 9 10 11 12 13 14   # print the commands only (tests/test_gpu_plan.py reads
 #                                                      # them: every script, flag, switch and sweep regex they name exists)
 # Results under $OUT as the scripts called write them (run_gpu_landing.sh, run_gpu_ab.sh, run_gpu.sh).
 set -u
@@ -202,7 +206,16 @@ call13() {
     DEADLINE=480 bash benchmarks/run_gpu_ab.sh
 }
 
-[ $# -gt 0 ] || { sed -n '2,48p' "$0"; exit 2; }
+call14() {
+  # (helper-54: adagrad's and adam's occupancy kernels reloaded their state pointers from the stack
+  # in every step of the update's column loop, adam's warp kernel 128 local loads a 1024-column row;
+  # predicted adagrad 9.941 -> 9.40-9.75 ms, adam 11.999 -> 10.9-11.6, sgd and rowwise_adagrad +-1%,
+  # against landing16's sweep; the A/B's other side is the 2-block kernels, which did not change)
+  run env TEST_FILES=tests/test_any_width_occupancy.py TBEGEN_TEST_OPTIMIZERS="sgd rowwise_adagrad adagrad adam" \
+    PROFILE_ONLY="^D=1024 " SWEEP_ABS="TBEGEN_ANY_WIDTH_OCCUPANCY=0@^D=1024 " DEADLINE=420 bash benchmarks/run_gpu_ab.sh
+}
+
+[ $# -gt 0 ] || { sed -n '2,52p' "$0"; exit 2; }
 status=0
 for call in "$@"; do
   case "$call" in
@@ -219,7 +232,8 @@ for call in "$@"; do
     11) call11 || status=1 ;;
     12) call12 || status=1 ;;
     13) call13 || status=1 ;;
-    *) echo "run_gpu_plan.sh: no call '$call' (1 to 13)" >&2; exit 2 ;;
+    14) call14 || status=1 ;;
+    *) echo "run_gpu_plan.sh: no call '$call' (1 to 14)" >&2; exit 2 ;;
   esac
 done
 exit $status
