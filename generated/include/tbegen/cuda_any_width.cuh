@@ -50,7 +50,8 @@
 // For float weights the prefetching kernels are by default their occupancy variant (the
 // `..._occupancy` kernels, kMinBlocks = 3: 3 blocks per multiprocessor, 512-column passes taking
 // two occurrences at a time, each warp's summed row in shared memory where it fits; the same bits;
-// TBEGEN_ANY_WIDTH_OCCUPANCY=0 the 2-block kernels above): see occupancy_from_env below.
+// TBEGEN_ANY_WIDTH_OCCUPANCY=0 the 2-block kernels above): see occupancy_from_env below. fp16
+// weights take it only with TBEGEN_ANY_WIDTH_OCCUPANCY_HALF=1 (occupancy_half_from_env).
 #pragma once
 
 #include <cstdlib>
@@ -116,11 +117,28 @@ constexpr int64_t kPrefetchAutoMinD = 512;
 // with the scratch row, 0.2-2.1% faster. TBEGEN_ANY_WIDTH_OCCUPANCY: unset, empty or "1" on (the
 // default), "0" the 2-block prefetching kernels (the way back, for A/Bs; rows wider than 1024
 // columns, where the variant is unmeasured, take it too by default); anything else is refused; read
-// (and checked) at every launch, whatever the dtype; bf16, fp16 and int8 weights and the default
-// (non-prefetching) kernels do not have it.
+// (and checked) at every launch, whatever the dtype; bf16 and int8 weights and the default
+// (non-prefetching) kernels do not have it, fp16 weights only with TBEGEN_ANY_WIDTH_OCCUPANCY_HALF=1
+// (below).
 inline bool occupancy_from_env() { return env_switch("TBEGEN_ANY_WIDTH_OCCUPANCY") != EnvSwitch::kOff; }
 // The variant's blocks per multiprocessor (its kernels' kMinBlocks; the others' is 1).
 constexpr int kOccupancyMinBlocks = 3;
+
+// TBEGEN_ANY_WIDTH_OCCUPANCY_HALF (opt-in, issue 29; not yet measured): fp16 rows on the prefetching
+// kernels (by default, rows wider than 512 columns: cuda_ops.cuh, wide_half_rows) take the occupancy
+// variant too, the same `..._occupancy` kernels instantiated for c10::Half (the occurrence sum is over
+// the float output-gradient rows, as for float weights; the 16-bit weights' float copy, update and
+// rounding, stochastic rounding included, are begin_row_arrays' and update_and_store's code, unchanged:
+// the same bits as the 2-block prefetching kernels, tests/test_any_width_occupancy_half.py), with each
+// warp's summed row in shared memory where it fits, rows wider than kSharedRowMaxD included
+// (launch_any_width, cuda_backward_kernels.cuh: more than 48 KB a block by opting in, where the
+// device's sharedMemPerBlockOptin allows it and kOccupancyMinBlocks blocks still fit; else the scratch
+// row). Unset, empty or "0" off (the 2-block prefetching kernels, as before), "1" on; anything else is
+// refused; read (and checked) at every launch, whatever the dtype. TBEGEN_ANY_WIDTH_SHARED_ROW=0 keeps
+// the scratch row with it. bf16 weights do not take the prefetching kernels, so have no variant.
+inline bool occupancy_half_from_env() {
+  return env_switch("TBEGEN_ANY_WIDTH_OCCUPANCY_HALF") == EnvSwitch::kOn;
+}
 
 // TBEGEN_ANY_WIDTH_SHARED_ROW (the occupancy variant's option, on by default with it): each warp's
 // summed gradient row in dynamic shared memory (warp_shared_row: 8 warps x max_D floats a block,
@@ -130,7 +148,8 @@ constexpr int kOccupancyMinBlocks = 3;
 // D = 1024). The same arithmetic on the same values: the same bits. Rows wider than kSharedRowMaxD
 // (the 48 KB a block takes without an opt-in) keep the scratch row. Unset or empty: on where the
 // occupancy variant is (occupancy_from_env), "0" off (the variant with the scratch row), "1" on;
-// anything else, or "1" with TBEGEN_ANY_WIDTH_OCCUPANCY=0, is refused.
+// anything else, or "1" with TBEGEN_ANY_WIDTH_OCCUPANCY=0, is refused. (fp16 rows with
+// TBEGEN_ANY_WIDTH_OCCUPANCY_HALF=1: wider rows too, past 48 KB, where they fit: see above.)
 constexpr int64_t kSharedRowMaxD = 1536;
 inline bool shared_row_from_env(bool occupancy) {
   const EnvSwitch mode = env_switch("TBEGEN_ANY_WIDTH_SHARED_ROW");

@@ -14,9 +14,13 @@
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
+#include <map>
+#include <mutex>
 #include <stdexcept>
 #include <string>
+#include <tuple>
 #include <type_traits>
+#include <utility>
 
 #include "tbegen/cuda_any_width.cuh"
 #include "tbegen/cuda_kernels.cuh"
@@ -228,8 +232,8 @@ cudaError_t launch_backward(const BackwardLaunch& l) {
 // (The prefetching variant with a work list, l.items: the items kernel, then the finish kernel.)
 // (kPrefetch: their prefetching variant for wide rows, chosen by launch_any_width below;
 // kOccupancy: the prefetching kernels' occupancy variant, the `..._occupancy` kernels, float
-// weights' default, TBEGEN_ANY_WIDTH_OCCUPANCY; shared_bytes: their dynamic shared memory, the
-// summed rows', TBEGEN_ANY_WIDTH_SHARED_ROW.)
+// weights' default, TBEGEN_ANY_WIDTH_OCCUPANCY, fp16 weights' with TBEGEN_ANY_WIDTH_OCCUPANCY_HALF=1;
+// shared_bytes: their dynamic shared memory, the summed rows', TBEGEN_ANY_WIDTH_SHARED_ROW.)
 template <class Opt, typename W, bool kPrefetch, bool kOccupancy = false>
 cudaError_t launch_any_width_kernels(const AnyWidthLaunch& l, size_t shared_bytes = 0) {
   static_assert(kPrefetch || !kOccupancy, "the occupancy variant is the prefetching kernels'");
@@ -277,12 +281,75 @@ cudaError_t launch_any_width_kernels(const AnyWidthLaunch& l, size_t shared_byte
                                                              l.scratch);
   return cudaGetLastError();
 }
+// Whether `kernel` (an occupancy kernel) runs any_width::kOccupancyMinBlocks blocks of `threads` per
+// multiprocessor of the current device with `bytes` of dynamic shared memory, more than the 48 KB a
+// block takes without an opt-in: bytes at most the device's sharedMemPerBlockOptin (queried), the
+// kernel's cudaFuncAttributeMaxDynamicSharedMemorySize raised to it (once per kernel, device and size:
+// only ever raised, so a size found to fit stays launchable), and the occupancy calculator's blocks
+// at that size (registers, the shared memory each block reserves, the multiprocessor's) at least
+// kOccupancyMinBlocks. A size that would cost the variant a block, or any CUDA error (cleared), is
+// false: the caller then keeps the scratch row. Memoized per (kernel, device, size), under a lock.
+// (TBEGEN_ANY_WIDTH_OCCUPANCY_HALF's wide shared row: launch_any_width.)
+template <typename Kernel>
+bool shared_row_opt_in_fits(Kernel kernel, int threads, size_t bytes) {
+  static std::mutex lock;
+  static std::map<std::tuple<const void*, int, size_t>, bool> fits;
+  static std::map<std::pair<const void*, int>, size_t> raised;
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return false;
+  }
+  const void* const k = reinterpret_cast<const void*>(kernel);
+  const std::lock_guard<std::mutex> guard(lock);
+  const auto key = std::make_tuple(k, device, bytes);
+  const auto found = fits.find(key);
+  if (found != fits.end()) return found->second;
+  bool ok = false;
+  int optin = 0;
+  if (cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) == cudaSuccess && optin > 0 &&
+      bytes <= size_t(optin)) {
+    size_t& done = raised[std::make_pair(k, device)];
+    cudaError_t err = cudaSuccess;
+    if (bytes > done) {
+      err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes));
+      if (err == cudaSuccess) done = bytes;
+    }
+    int blocks = 0;
+    if (err == cudaSuccess) err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, threads, bytes);
+    ok = err == cudaSuccess && blocks >= any_width::kOccupancyMinBlocks;
+  }
+  if (!ok) (void)cudaGetLastError();  // (an error here only means no shared row)
+  fits[key] = ok;
+  return ok;
+}
+
+// The occupancy kernels' dynamic shared memory for fp16 weights (TBEGEN_ANY_WIDTH_OCCUPANCY_HALF=1):
+// 8 warps x max_D floats where max_D <= kSharedRowMaxD (48 KB at most, no opt-in, as for float
+// weights); wider rows (up to 8 x 2048 floats = 64 KB a block at D = 2048, 3 blocks = 192 KB of the
+// H100's 228 KB) only where every kernel of this launch (the items and finish kernels, or the segment,
+// finish and warp kernels) fits kOccupancyMinBlocks blocks with it (shared_row_opt_in_fits), else 0
+// (the scratch row: at the module's widest rows, 4096 columns, 128 KB a block, never).
+template <class Opt, typename W>
+size_t half_shared_row_bytes(const AnyWidthLaunch& l) {
+  const size_t bytes = size_t(l.threads / kWarpSize) * size_t(l.a.max_D) * sizeof(float);
+  if (l.a.max_D <= any_width::kSharedRowMaxD) return bytes;
+  const bool fit =
+      shared_row_opt_in_fits(&any_width::backward_finish_kernel_occupancy<Opt, W>, l.threads, bytes) &&
+      (l.items.total != nullptr
+           ? shared_row_opt_in_fits(&any_width::backward_items_kernel_occupancy<Opt, W>, l.threads, bytes)
+           : shared_row_opt_in_fits(&any_width::backward_segment_kernel_occupancy<Opt, W>, l.threads, bytes) &&
+                 shared_row_opt_in_fits(&any_width::backward_warp_kernel_occupancy<Opt, W>, l.threads, bytes));
+  return fit ? bytes : 0;
+}
+
 template <class Opt, typename W>
 cudaError_t launch_any_width(const AnyWidthLaunch& l) {
   using any_width::PrefetchMode;
   const PrefetchMode mode = any_width::prefetch_mode_from_env();  // (read, and checked, whatever the dtype)
   const bool occupancy = any_width::occupancy_from_env();          // (the same)
   const bool shared_row = any_width::shared_row_from_env(occupancy);
+  const bool occupancy_half = any_width::occupancy_half_from_env();  // (read, and checked, whatever the dtype)
   if constexpr (std::is_same<W, float>::value) {
     if (mode == PrefetchMode::kOn || (mode == PrefetchMode::kAuto && l.a.max_D > any_width::kPrefetchAutoMinD)) {
       // (by default the occupancy variant: the same kernels at 3 blocks per multiprocessor, the same
@@ -300,12 +367,21 @@ cudaError_t launch_any_width(const AnyWidthLaunch& l) {
   } else if constexpr (std::is_same<W, c10::Half>::value) {
     // (fp16 rows wider than 512 columns by default since landing10: cuda_ops.cuh, wide_half_rows)
     if (mode == PrefetchMode::kOn || (mode == PrefetchMode::kAuto && l.a.max_D > any_width::kPrefetchAutoMinD)) {
+      // (TBEGEN_ANY_WIDTH_OCCUPANCY_HALF=1, opt-in: the occupancy kernels, the same bits, each warp's
+      // summed row in shared memory where it fits, half_shared_row_bytes, unless
+      // TBEGEN_ANY_WIDTH_SHARED_ROW=0; TBEGEN_ANY_WIDTH_SHARED_ROW=1 with TBEGEN_ANY_WIDTH_OCCUPANCY=0
+      // is refused above, as for float rows)
+      if (occupancy_half) {
+        const bool half_shared_row = any_width::env_switch("TBEGEN_ANY_WIDTH_SHARED_ROW") != any_width::EnvSwitch::kOff;
+        return launch_any_width_kernels<Opt, W, true, true>(l, half_shared_row ? half_shared_row_bytes<Opt, W>(l) : 0);
+      }
       return launch_any_width_kernels<Opt, W, true>(l);
     }
   }
   (void)mode;  // (bf16 and int8 weights: the default kernels)
   (void)occupancy;  // (float weights only)
   (void)shared_row;
+  (void)occupancy_half;  // (fp16 weights only)
   return launch_any_width_kernels<Opt, W, false>(l);
 }
 
