@@ -283,11 +283,12 @@ cudaError_t launch_any_width_kernels(const AnyWidthLaunch& l, size_t shared_byte
 }
 // Whether `kernel` (an occupancy kernel) runs any_width::kOccupancyMinBlocks blocks of `threads` per
 // multiprocessor of the current device with `bytes` of dynamic shared memory, more than the 48 KB a
-// block takes without an opt-in: bytes at most the device's sharedMemPerBlockOptin (queried), the
-// kernel's cudaFuncAttributeMaxDynamicSharedMemorySize raised to it (once per kernel, device and size:
-// only ever raised, so a size found to fit stays launchable), and the occupancy calculator's blocks
-// at that size (registers, the shared memory each block reserves, the multiprocessor's) at least
-// kOccupancyMinBlocks. A size that would cost the variant a block, or any CUDA error (cleared), is
+// block takes without an opt-in: bytes at most the device's sharedMemPerBlockOptin and
+// kOccupancyMinBlocks x (bytes + reservedSharedMemPerBlock) at most its sharedMemPerMultiprocessor
+// (both queried, not hard-coded), then the kernel's cudaFuncAttributeMaxDynamicSharedMemorySize raised
+// to bytes before the launch (once per kernel, device and size: only ever raised, so a size found to
+// fit stays launchable), and the occupancy calculator's blocks at that size (registers, the shared
+// memory each block reserves, the multiprocessor's) at least kOccupancyMinBlocks. A size that would cost the variant a block, or any CUDA error (cleared), is
 // false: the caller then keeps the scratch row. Memoized per (kernel, device, size), under a lock.
 // (TBEGEN_ANY_WIDTH_OCCUPANCY_HALF's wide shared row: launch_any_width.)
 template <typename Kernel>
@@ -306,11 +307,15 @@ bool shared_row_opt_in_fits(Kernel kernel, int threads, size_t bytes) {
   const auto found = fits.find(key);
   if (found != fits.end()) return found->second;
   bool ok = false;
-  int optin = 0;
-  if (cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) == cudaSuccess && optin > 0 &&
-      bytes <= size_t(optin)) {
+  int optin = 0, per_sm = 0, reserved = 0;
+  cudaError_t err = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
+  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, device);
+  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&reserved, cudaDevAttrReservedSharedMemoryPerBlock, device);
+  // (the attribute is raised only for a size of which kOccupancyMinBlocks blocks can fit a
+  // multiprocessor at all: a row that can never have a shared row, 4096 columns, leaves the limit alone)
+  if (err == cudaSuccess && optin > 0 && bytes <= size_t(optin) &&
+      size_t(any_width::kOccupancyMinBlocks) * (bytes + size_t(reserved)) <= size_t(per_sm)) {
     size_t& done = raised[std::make_pair(k, device)];
-    cudaError_t err = cudaSuccess;
     if (bytes > done) {
       err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes));
       if (err == cudaSuccess) done = bytes;
@@ -319,7 +324,7 @@ bool shared_row_opt_in_fits(Kernel kernel, int threads, size_t bytes) {
     if (err == cudaSuccess) err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, threads, bytes);
     ok = err == cudaSuccess && blocks >= any_width::kOccupancyMinBlocks;
   }
-  if (!ok) (void)cudaGetLastError();  // (an error here only means no shared row)
+  if (err != cudaSuccess) (void)cudaGetLastError();  // (cleared: an error here only means no shared row)
   fits[key] = ok;
   return ok;
 }
