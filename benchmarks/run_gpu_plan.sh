@@ -48,7 +48,11 @@
 #                                       # local memory): its bitwise tests, the D=1024 cells beside FBGEMM with the 2-block
 #                                       # kernels (TBEGEN_ANY_WIDTH_OCCUPANCY=0, unchanged) as the control, and the kernels
 #                                       # per step (~6 min)
-#   DRY_RUN=1 bash benchmarks/run_gpu_plan.sh 1 2 3 4 5 6 7 8 9 10 11 12 13 14   # print the commands only (tests/test_gpu_plan.py reads
+#   bash benchmarks/run_gpu_plan.sh 15  # issue 29: fp16 rows wider than 512 columns on the occupancy kernels
+#                                       # (TBEGEN_ANY_WIDTH_OCCUPANCY_HALF=1, fd99a75: opt-in) with the summed row in shared
+#                                       # memory past 48 KB, and with the scratch row (SHARED_ROW=0), on fp16 D=2048; fp16
+#                                       # D=512 (4-wide kernels: untouched) as the control; its bitwise tests first (~9 min)
+#   DRY_RUN=1 bash benchmarks/run_gpu_plan.sh 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15   # print the commands only (tests/test_gpu_plan.py reads
 #                                                      # them: every script, flag, switch and sweep regex they name exists)
 # Results under $OUT as the scripts called write them (run_gpu_landing.sh, run_gpu_ab.sh, run_gpu.sh).
 set -u
@@ -215,7 +219,16 @@ call14() {
     PROFILE_ONLY="^D=1024 " SWEEP_ABS="TBEGEN_ANY_WIDTH_OCCUPANCY=0@^D=1024 " DEADLINE=420 bash benchmarks/run_gpu_ab.sh
 }
 
-[ $# -gt 0 ] || { sed -n '2,52p' "$0"; exit 2; }
+call15() {
+  # (helper-55's prediction: fp16 D=2048 2-6% faster, sgd 18.3 -> 17.2-18.0 ms, adagrad 20.5 ->
+  # 19.3-20.2, adam 24.6 -> 23.2-24.3; the shared row may lose to the scratch row there: the 195 KB of
+  # shared memory leaves L1 ~60 KB for the kernels' row prefetch, hence the second arm)
+  run env TEST_FILES=tests/test_any_width_occupancy_half.py TBEGEN_TEST_OPTIMIZERS="sgd rowwise_adagrad adagrad adam" \
+    SWEEP_ABS="TBEGEN_ANY_WIDTH_OCCUPANCY_HALF=1@^(fp16 D=2048|fp16 D=512) ;TBEGEN_ANY_WIDTH_OCCUPANCY_HALF=1,TBEGEN_ANY_WIDTH_SHARED_ROW=0@^fp16 D=2048 " \
+    DEADLINE=570 bash benchmarks/run_gpu_ab.sh
+}
+
+[ $# -gt 0 ] || { sed -n '2,56p' "$0"; exit 2; }
 status=0
 for call in "$@"; do
   case "$call" in
@@ -233,7 +246,8 @@ for call in "$@"; do
     12) call12 || status=1 ;;
     13) call13 || status=1 ;;
     14) call14 || status=1 ;;
-    *) echo "run_gpu_plan.sh: no call '$call' (1 to 14)" >&2; exit 2 ;;
+    15) call15 || status=1 ;;
+    *) echo "run_gpu_plan.sh: no call '$call' (1 to 15)" >&2; exit 2 ;;
   esac
 done
 exit $status

@@ -98,15 +98,16 @@ def test_every_call_prints_its_commands():
     assert len(plan_commands("7")) == 1 and len(plan_commands("8")) == 1 and len(plan_commands("9")) == 1
     assert len(plan_commands("10")) == 1 and len(plan_commands("11")) == 1 and len(plan_commands("12")) == 1
     assert len(plan_commands("13")) == 1 and len(plan_commands("14")) == 1
-    proc = subprocess.run(["bash", str(PLAN), "15"], cwd=ROOT, capture_output=True, text=True,
+    assert len(plan_commands("15")) == 1
+    proc = subprocess.run(["bash", str(PLAN), "16"], cwd=ROOT, capture_output=True, text=True,
                           env={**os.environ, "DRY_RUN": "1"})
-    assert proc.returncode == 2 and "no call '15'" in proc.stderr
+    assert proc.returncode == 2 and "no call '16'" in proc.stderr
 
 
 def test_the_plan_names_only_what_exists(sweep_names):
     switches = known_switches()
     specs = {p.stem for p in (ROOT / "optimizers").glob("*.yaml")}
-    for argv in plan_commands("1", "2", "3", "4", "5", "6", "7", "8", "9", "10", "11", "12", "13", "14"):
+    for argv in plan_commands("1", "2", "3", "4", "5", "6", "7", "8", "9", "10", "11", "12", "13", "14", "15"):
         env, cmd = split_env(argv)
         if cmd[0] == "bash":  # a run script: it must read every variable it is given
             script = ROOT / cmd[1]
