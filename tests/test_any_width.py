@@ -422,9 +422,11 @@ def assert_switch_gives_default_bits(ops, spec, case, monkeypatch, switch, devic
     assert bits_equal(w_u, w_d) and all(bits_equal(st_u[k], st_d[k]) for k in st_d), "unset differs from =0"
 
 
-def _train(ops, spec, case, device, misalign=False):
-    """Two fused steps from the same start on `device`; returns the weights and states. With
-    `misalign`, the weights are a view one element into a larger buffer (so not 16-byte aligned)."""
+def _train(ops, spec, case, device, misalign=False, stochastic_rounding=False):
+    """Two fused steps from the same start on `device`; returns the forward outputs, the weights and
+    the states. With `misalign`, the weights are a view one element into a larger buffer (so not
+    16-byte aligned); `stochastic_rounding`: the backward's flag (16-bit weights round stochastically
+    with it; the case's seed draws the rounding)."""
     gen = torch.Generator().manual_seed(case.seed)
     layout = make_layout(case.tables, case.feature_table_map)
     weights, states = harness.initial_state(spec, layout, case, gen)
@@ -445,7 +447,7 @@ def _train(ops, spec, case, device, misalign=False):
         outs.append(ops.forward(w, feats, layout.total_D, layout.max_D, ind, off, psw, POOLING[case.pooling]).cpu())
         go = torch.randn(outs[-1].shape, generator=gen).to(device)
         ops.backward(go, w, feats, layout.total_D, layout.max_D, layout.total_hash_size, ind, off, psw,
-                     POOLING[case.pooling], case.max_segment_length_per_warp, False, case.seed,
+                     POOLING[case.pooling], case.max_segment_length_per_warp, stochastic_rounding, case.seed,
                      *harness.state_args(spec, layout, st, device), *[hyper[h.name] for h in spec.hyperparameters],
                      step)
     return outs, w.cpu(), {k: v.cpu() for k, v in st.items()}

@@ -25,9 +25,9 @@ import pytest
 import torch
 
 from tbegen import harness
-from tbegen.layout import POOLING, make_layout
+from tbegen.layout import make_layout
 
-from test_any_width import bits_equal
+from test_any_width import _train as _train_any_width, bits_equal
 
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -75,27 +75,9 @@ def _switches_unset(monkeypatch):
 
 
 def _train(ops, spec, case, device="cuda"):
-    """Two fused steps from the same start (test_any_width._train, with the case's stochastic
+    """Two fused steps from the same start (test_any_width._train with the case's stochastic
     rounding); returns the forward outputs, the weights and the states."""
-    gen = torch.Generator().manual_seed(case.seed)
-    layout = make_layout(case.tables, case.feature_table_map)
-    weights, states = harness.initial_state(spec, layout, case, gen)
-    hyper = harness.default_hyperparameters(spec, dict(case.hyper))
-    w = weights.clone().to(device)
-    st = {k: v.clone().to(device) for k, v in states.items()}
-    feats = layout.features_tensor(device)
-    outs = []
-    for step in (1, 2):
-        batch = harness.random_batch(case, layout, gen)
-        ind, off = batch.indices.to(device), batch.offsets.to(device)
-        psw = batch.per_sample_weights.to(device) if batch.per_sample_weights is not None else None
-        outs.append(ops.forward(w, feats, layout.total_D, layout.max_D, ind, off, psw, POOLING[case.pooling]).cpu())
-        go = torch.randn(outs[-1].shape, generator=gen).to(device)
-        ops.backward(go, w, feats, layout.total_D, layout.max_D, layout.total_hash_size, ind, off, psw,
-                     POOLING[case.pooling], case.max_segment_length_per_warp, case.stochastic_rounding, case.seed,
-                     *harness.state_args(spec, layout, st, device), *[hyper[h.name] for h in spec.hyperparameters],
-                     step)
-    return outs, w.cpu(), {k: v.cpu() for k, v in st.items()}
+    return _train_any_width(ops, spec, case, device, stochastic_rounding=case.stochastic_rounding)
 
 
 def assert_same(a, b, what):
