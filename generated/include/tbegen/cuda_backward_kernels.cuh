@@ -335,9 +335,14 @@ bool shared_row_opt_in_fits(Kernel kernel, int threads, size_t bytes) {
 // H100's 228 KB) only where every kernel of this launch (the items and finish kernels, or the segment,
 // finish and warp kernels) fits kOccupancyMinBlocks blocks with it (shared_row_opt_in_fits), else 0
 // (the scratch row: at the module's widest rows, 4096 columns, 128 KB a block, never).
+// The occupancy kernels' summed rows in shared memory: one max_D-float row per warp of a block.
+inline size_t shared_row_bytes(const AnyWidthLaunch& l) {
+  return size_t(l.threads / kWarpSize) * size_t(l.a.max_D) * sizeof(float);
+}
+
 template <class Opt, typename W>
 size_t half_shared_row_bytes(const AnyWidthLaunch& l) {
-  const size_t bytes = size_t(l.threads / kWarpSize) * size_t(l.a.max_D) * sizeof(float);
+  const size_t bytes = shared_row_bytes(l);
   if (l.a.max_D <= any_width::kSharedRowMaxD) return bytes;
   const bool fit =
       shared_row_opt_in_fits(&any_width::backward_finish_kernel_occupancy<Opt, W>, l.threads, bytes) &&
@@ -362,9 +367,7 @@ cudaError_t launch_any_width(const AnyWidthLaunch& l) {
       // its scratch row; TBEGEN_ANY_WIDTH_SHARED_ROW=0 the scratch row always,
       // TBEGEN_ANY_WIDTH_OCCUPANCY=0 the 2-block kernels)
       if (occupancy) {
-        const size_t shared_bytes = shared_row && l.a.max_D <= any_width::kSharedRowMaxD
-                                        ? size_t(l.threads / kWarpSize) * size_t(l.a.max_D) * sizeof(float)
-                                        : 0;
+        const size_t shared_bytes = shared_row && l.a.max_D <= any_width::kSharedRowMaxD ? shared_row_bytes(l) : 0;
         return launch_any_width_kernels<Opt, W, true, true>(l, shared_bytes);
       }
       return launch_any_width_kernels<Opt, W, true>(l);
@@ -377,7 +380,8 @@ cudaError_t launch_any_width(const AnyWidthLaunch& l) {
       // TBEGEN_ANY_WIDTH_SHARED_ROW=0; TBEGEN_ANY_WIDTH_SHARED_ROW=1 with TBEGEN_ANY_WIDTH_OCCUPANCY=0
       // is refused above, as for float rows)
       if (occupancy_half) {
-        const bool half_shared_row = any_width::env_switch("TBEGEN_ANY_WIDTH_SHARED_ROW") != any_width::EnvSwitch::kOff;
+        // (the shared row's switch as for float rows' occupancy kernels, which these are)
+        const bool half_shared_row = any_width::shared_row_from_env(/*occupancy=*/true);
         return launch_any_width_kernels<Opt, W, true, true>(l, half_shared_row ? half_shared_row_bytes<Opt, W>(l) : 0);
       }
       return launch_any_width_kernels<Opt, W, true>(l);
